@@ -1,0 +1,5 @@
+import sys
+
+from lmforge.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Command-line interface: thin argparse layers over the library modules."""

@@ -1,0 +1,146 @@
+"""Model shapes: the `model:` section of a run config, and the preset sizes.
+
+A `model:` value may be a preset name (``llama-1b``), a mapping with a preset plus
+overrides (``{preset: llama-125m, n_layers: 6}``), or a full custom shape. Shapes are
+plain data; `lmforge.models` builds modules from them and `lmforge.estimate` counts
+their parameters and FLOPs.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lmforge.errors import UserError
+
+
+class ModelConfig(BaseModel):
+    """A Llama-style decoder, optionally with mixture-of-experts feed-forward layers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    preset: str | None = Field(None, description="preset this shape started from (informational)")
+    d_model: int = Field(..., gt=0, description="hidden size")
+    n_layers: int = Field(..., gt=0, description="transformer blocks")
+    n_heads: int = Field(..., gt=0, description="query heads")
+    n_kv_heads: int | None = Field(None, gt=0, description="key/value heads (GQA); default n_heads")
+    head_dim: int | None = Field(None, gt=0, description="per-head size; default d_model // n_heads")
+    ffn_hidden: int | None = Field(
+        None, gt=0, description="SwiGLU hidden size of dense blocks; default ~8/3·d_model rounded to 256"
+    )
+    vocab_size: int | None = Field(
+        None, gt=0, description="vocabulary; default: the tokenizer's, rounded up to a multiple of 64"
+    )
+    max_seq_len: int = Field(2048, gt=0, description="longest context the model is built for")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
+    tie_embeddings: bool = Field(False, description="share input embedding and output head")
+    clip_qkv: float | None = Field(None, gt=0, description="clamp q/k/v projections to ±clip_qkv")
+    init_std: float = Field(0.02, gt=0, description="std of the normal init of weight matrices")
+    # Mixture of experts (n_experts == 0 means a dense model).
+    n_experts: int = Field(0, ge=0, description="experts per MoE layer; 0 = dense")
+    top_k: int = Field(0, ge=0, description="experts each token is routed to")
+    expansion_ratio: float = Field(1.75, gt=0, description="expert SwiGLU hidden = ratio · d_model")
+    moe_aux_loss_coef: float = Field(0.01, ge=0, description="load-balancing loss weight")
+    moe_z_loss_coef: float = Field(0.001, ge=0, description="router z-loss weight")
+    moe_jitter: float = Field(0.0, ge=0, description="multiplicative router input jitter (training)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({kv})")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_experts and not (0 < self.top_k <= self.n_experts):
+            raise ValueError(f"top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
+        return self
+
+    # Derived sizes: one place, used by the model, the estimator and the exporter.
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        hidden = int(8 * self.d_model / 3)
+        return 256 * ((hidden + 255) // 256)
+
+    @property
+    def expert_dim(self) -> int:
+        return int(self.expansion_ratio * self.d_model)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+
+def _dense(d, layers, heads, kv=None, ffn=None, vocab=None, theta=10000.0, ctx=2048, tie=False):
+    return dict(d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv, ffn_hidden=ffn,
+                vocab_size=vocab, rope_theta=theta, max_seq_len=ctx, tie_embeddings=tie)
+
+
+def _moe(d, heads, layers):
+    # The DBRX-class suite: 16 experts, top-4, GQA with 8 KV heads, RoPE θ 5e5, clip_qkv 8,
+    # vocabulary 100352, context 4096, expansion 1.75, untied embeddings.
+    return dict(d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=8, vocab_size=100352,
+                rope_theta=5e5, clip_qkv=8.0, max_seq_len=4096, tie_embeddings=False,
+                n_experts=16, top_k=4, expansion_ratio=1.75)
+
+
+# Dense shapes follow published Llama/MPT-family sizes. vocab_size None = take the tokenizer's.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-tiny": _dense(256, 6, 4, kv=2, ffn=768, ctx=512, tie=True),
+    "llama-125m": _dense(768, 12, 12, ffn=2048),
+    "llama-350m": _dense(1024, 24, 16, ffn=2816),
+    "llama-760m": _dense(1536, 24, 16, ffn=4096),
+    "llama-1b": _dense(2048, 24, 16, kv=8, ffn=5632),
+    "llama-3b": _dense(3072, 28, 24, kv=8, ffn=8192, theta=5e5),
+    "llama-7b": _dense(4096, 32, 32, ffn=11008, vocab=32000, ctx=4096),
+    "llama-13b": _dense(5120, 40, 40, ffn=13824, vocab=32000, ctx=4096),
+    "llama-30b": _dense(6656, 60, 52, ffn=17920, vocab=32000, ctx=4096),
+    "llama-70b": _dense(8192, 80, 64, kv=8, ffn=28672, vocab=32000, ctx=4096),
+    "moe-tiny": dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=512,
+                     rope_theta=10000.0, n_experts=8, top_k=2, expansion_ratio=1.0,
+                     tie_embeddings=True),
+    "moe-9b": _moe(2048, 16, 24),
+    "moe-18b": _moe(3072, 24, 22),
+    "moe-35b": _moe(4096, 32, 24),
+    "moe-73b": _moe(5120, 40, 32),
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, PRESETS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UserError(f"model: unknown preset {name!r}{hint}; valid presets: {', '.join(PRESETS)}")
+    return ModelConfig(preset=name, **PRESETS[name])
+
+
+def resolve_model(value: Any) -> ModelConfig:
+    """Turn a `model:` value (name, {preset, overrides...} or full shape) into a ModelConfig."""
+    if isinstance(value, ModelConfig):
+        return value
+    if isinstance(value, str):
+        return get_preset(value)
+    if isinstance(value, dict):
+        value = dict(value)
+        name = value.pop("preset", None)
+        base = PRESETS.get(name, {}) if name else {}
+        if name:
+            get_preset(name)  # raises the friendly error for unknown names
+        return ModelConfig(preset=name, **{**base, **value})
+    raise UserError(f"model: expected a preset name or a mapping, got {type(value).__name__}")

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up lmforge in ./.venv (idempotent). torch is installed *before* the package, pinned
+# to 2.13.0, so that pip never resolves an unpinned torch (which would pull gigabytes of
+# CUDA wheels onto a CPU machine). A torch that is already importable is honoured:
+# the venv then sees the system site-packages and no torch is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${LMFORGE_VENV:-.venv}
+EXTRAS=${LMFORGE_EXTRAS:-}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  if "$PY" -c "import torch" 2>/dev/null; then
+    echo "setup: using the torch already installed for $PY ($("$PY" -c 'import torch; print(torch.__version__)'))"
+    "$PY" -m venv --system-site-packages "$VENV"
+  else
+    "$PY" -m venv "$VENV"
+  fi
+fi
+. "$VENV/bin/activate"
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install -q "torch==${LMFORGE_TORCH_VERSION:-2.13.0}"
+fi
+# Re-install the package only when its metadata changed (keeps repeated runs fast).
+stamp="$VENV/.lmforge-installed"
+want="$(cat pyproject.toml | sha1sum | cut -c1-16)-${EXTRAS}"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  python -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+  echo "$want" > "$stamp"
+fi
