@@ -1,0 +1,171 @@
+"""Object-store helpers over fsspec, shared by datasets and checkpoints.
+
+A URI with a scheme other than ``file://`` is remote (``s3://``, ``gs://``, ``memory://``, ...).
+For S3, the endpoint comes from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` and credentials
+from the usual ``AWS_*`` variables; the endpoint is passed to s3fs explicitly so that it works
+whatever botocore version is installed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import fsspec
+
+from lmforge.errors import UserError
+
+
+# Clients inherited from the parent by a forked process, kept alive on purpose (see below).
+_inherited: list = []
+
+
+def keep_inherited_clients() -> None:
+    """Call first thing in a forked worker (e.g. a DataLoader ``worker_init_fn``).
+
+    A forked child must never finalize the object-store clients it inherited: closing them
+    unregisters the parent's sockets from the event loop's epoll, which parent and child
+    share, and the parent's next request then stalls until a timeout. fsspec drops its
+    parent's cached filesystems in a child (refcount -> finalizer) and inherited garbage may be
+    collected there, so: hold the cached instances, and freeze everything inherited out of the
+    collector's reach (workers exit with ``os._exit``, so nothing is finalized at exit either).
+    """
+    gc.freeze()
+    stack = [fsspec.AbstractFileSystem]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        cache = cls.__dict__.get("_cache")
+        if cache and cls.__dict__.get("_pid") != os.getpid():
+            _inherited.extend(cache.values())
+
+
+def is_remote(uri: str) -> bool:
+    """True for object-store URIs; plain paths and ``file://`` are local."""
+    scheme, sep, _ = str(uri).partition("://")
+    return bool(sep) and scheme not in ("file", "local", "")
+
+
+def local_path(uri: str) -> str:
+    """A local path for a plain path or ``file://`` URI."""
+    uri = str(uri)
+    return uri[len("file://"):] if uri.startswith("file://") else uri
+
+
+def join(uri: str, *parts: str) -> str:
+    """Join path parts onto a local path or a URI with ``/``."""
+    if not is_remote(uri):
+        return str(Path(local_path(uri), *parts))
+    return "/".join([str(uri).rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def _s3_options() -> dict:
+    opts: dict = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        opts["client_kwargs"] = {"endpoint_url": endpoint}
+    return opts
+
+
+def fs_and_path(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path within it) for a local path or a URI."""
+    uri = str(uri)
+    if not is_remote(uri):
+        return fsspec.filesystem("file"), os.path.abspath(local_path(uri))
+    scheme = uri.split("://", 1)[0]
+    opts = _s3_options() if scheme in ("s3", "s3a") else {}
+    try:
+        fs, path = fsspec.core.url_to_fs(uri, **opts)
+    except (ImportError, ValueError) as e:
+        raise UserError(f"{uri}: cannot open this kind of URI ({e})") from None
+    return fs, path
+
+
+def exists(uri: str) -> bool:
+    """Whether a file or folder exists at ``uri`` (a missing bucket counts as missing)."""
+    fs, path = fs_and_path(uri)
+    try:
+        return bool(fs.exists(path))
+    except (FileNotFoundError, PermissionError):
+        return False
+
+
+def _retry(what: str, fn, retries: int, backoff: float):
+    """Run ``fn`` with exponential backoff; missing objects and permission errors are not retried."""
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise UserError(f"{what}: not found") from None
+        except PermissionError as e:
+            raise UserError(f"{what}: access denied ({e})") from None
+        except UserError:
+            raise
+        except Exception as e:  # network errors, throttling, truncated transfers
+            if attempt == retries:
+                raise UserError(f"{what}: failed after {retries + 1} attempts ({type(e).__name__}: {e})") from None
+            time.sleep(backoff * (2**attempt) * (1 + random.random() * 0.25))
+
+
+def download(uri: str, local: str, retries: int = 5, backoff: float = 0.5, size: int | None = None) -> None:
+    """Copy ``uri`` to the local file ``local`` atomically, retrying; check ``size`` if given."""
+    fs, path = fs_and_path(uri)
+    dest = Path(local)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+
+    def once() -> None:
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        os.close(fd)
+        try:
+            fs.get_file(path, tmp)
+            got = os.path.getsize(tmp)
+            if size is not None and got != size:
+                raise OSError(f"got {got} bytes, expected {size}")
+            os.replace(tmp, dest)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    _retry(uri, once, retries, backoff)
+
+
+def upload_file(local: str, uri: str, retries: int = 5, backoff: float = 0.5) -> None:
+    """Copy one local file to ``uri``, retrying."""
+    fs, path = fs_and_path(uri)
+    _retry(uri, lambda: fs.put_file(str(local), path), retries, backoff)
+
+
+def upload_dir(local_dir: str, uri: str, retries: int = 5, backoff: float = 0.5, last: str = "index.json") -> None:
+    """Upload every file under ``local_dir`` to ``uri``; top-level ``last`` (the index) goes last.
+
+    Uploading the index last means a reader never sees an index whose shards are not there yet.
+    A missing bucket is a UserError naming the URI.
+    """
+    root = Path(local_dir)
+    if not root.is_dir():
+        raise UserError(f"{local_dir}: folder to upload not found")
+    if is_remote(uri):
+        fs, path = fs_and_path(uri)
+        bucket = path.split("/", 1)[0]
+        try:
+            bucket_ok = fs.exists(bucket)
+        except Exception as e:
+            raise UserError(f"{uri}: cannot reach the object store ({type(e).__name__}: {e})") from None
+        if not bucket_ok:
+            raise UserError(f"{uri}: bucket {bucket!r} does not exist")
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files.sort(key=lambda p: p.relative_to(root).as_posix() == last)
+    for p in files:
+        rel = p.relative_to(root).as_posix()
+        if is_remote(uri):
+            upload_file(str(p), join(uri, rel), retries, backoff)
+        else:
+            dest = Path(local_path(uri), rel)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if dest.resolve() != p.resolve():
+                tmp = dest.with_name(f".{dest.name}.part")
+                tmp.write_bytes(p.read_bytes())
+                os.replace(tmp, dest)

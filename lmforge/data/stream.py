@@ -1,0 +1,397 @@
+"""The training data stream: MDS datasets -> deterministic, resumable batches of token ids.
+
+Order. Each epoch of the (mixed) stream holds ``c_i = round(p_i * N)`` samples of dataset ``i``
+(``N`` = total samples of all datasets, ``p_i`` the normalized proportions; without proportions
+``c_i`` is the dataset's size). Dataset ``i`` contributes the first ``c_i`` entries of a chain of
+seeded permutations of its samples (a prefix when ``c_i`` is smaller than the dataset, further
+permutations when larger), and the datasets are interleaved by a seeded shuffle of the
+multiset of dataset ids. Everything is a pure function of (seed, epoch, sizes, proportions),
+and epochs follow one another forever.
+
+Ranks. Global sample ``s`` is position ``s % E`` of epoch ``s // E``. Global batch ``t`` is
+global samples ``[t*G, (t+1)*G)``; rank ``r`` takes the contiguous slice
+``[t*G + r*G/W, t*G + (r+1)*G/W)`` in micro-batches of ``micro_batch_size``. The global batch
+does not depend on the number of ranks or the micro-batch size.
+
+Resume. ``state_dict()`` records the global samples consumed in whole global batches (plus
+this rank's progress inside the current one, honoured only when ranks, micro-batch and global
+batch are unchanged; otherwise the partial global batch is replayed from its start) and a
+fingerprint of the data (seed, dataset names, sizes, proportions). Loading it jumps straight
+to that sample: nothing is replayed or re-read.
+
+Workers. With ``num_workers > 0`` a DataLoader runs the same generator in worker processes:
+worker ``k`` builds micro-batches ``k, k+n, k+2n, ...`` and the DataLoader hands them out
+round-robin, so the batch sequence is identical to ``num_workers=0``. Consumption is counted in
+the main process, so prefetched batches are not counted as consumed.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lmforge.data import remote
+from lmforge.data.mds import INDEX, MDSReader, cache_root, read_index
+from lmforge.errors import UserError
+
+STATE_VERSION = 1
+
+
+@dataclass
+class DatasetSpec:
+    """One dataset of a mix: a name, an MDS path/URI, and an optional proportion."""
+
+    name: str
+    path: str
+    proportion: float | None = None
+
+
+# ----------------------------------------------------------------------------- opening datasets
+
+
+def _resolve_local(path: str, split: str) -> Path:
+    root = Path(remote.local_path(path))
+    if (root / INDEX).is_file():
+        return root
+    if (root / split / INDEX).is_file():
+        return root / split
+    if not root.exists():
+        raise UserError(f"{path}: dataset path not found")
+    raise UserError(
+        f"{path}: no {INDEX} (expected an MDS folder, or a prepared dataset with {split}/{INDEX})"
+    )
+
+
+def _open_remote(uri: str, split: str, cache_dir: str | None) -> MDSReader:
+    uri = uri.rstrip("/")
+    for base in (uri, remote.join(uri, split)):
+        if remote.exists(remote.join(base, INDEX)):
+            break
+    else:
+        raise UserError(
+            f"{uri}: no {INDEX} found (expected an MDS folder, or a prepared dataset with {split}/{INDEX})"
+        )
+    local = Path(cache_dir) if cache_dir else cache_root() / "mds" / hashlib.sha256(base.encode()).hexdigest()[:16]
+    local.mkdir(parents=True, exist_ok=True)
+    fresh = local / f".{INDEX}.{os.getpid()}.new"  # per process: ranks may share a cache
+    remote.download(remote.join(base, INDEX), str(fresh))
+    old = local / INDEX
+    if old.is_file() and old.read_bytes() != fresh.read_bytes():
+        # The remote dataset changed: cached shards may be stale.
+        for p in local.glob("shard.*"):
+            p.unlink()
+    fresh.replace(old)
+    sizes = {}
+    for s in read_index(old, remote.join(base, INDEX)):
+        for info in (s["raw_data"], s.get("zip_data")):
+            if info:
+                sizes[info["basename"]] = info.get("bytes")
+
+    def fetch(basename: str) -> None:
+        remote.download(remote.join(base, basename), str(local / basename), size=sizes.get(basename))
+
+    return MDSReader(str(local), fetch=fetch, name=base)
+
+
+def open_dataset(path: str, split: str = "train", cache_dir: str | None = None) -> MDSReader:
+    """Open an MDS folder, or the ``split`` subfolder of a prepared dataset; local or remote.
+
+    Remote datasets are cached under ``cache_dir`` (default ``cache_root()/mds/<hash of URI>``):
+    ``index.json`` on open, shards on first use. For local compressed datasets, ``cache_dir``
+    is where shards are decompressed.
+    """
+    if remote.is_remote(path):
+        return _open_remote(path, split, cache_dir)
+    return MDSReader(str(_resolve_local(path, split)), cache_dir=cache_dir, name=path)
+
+
+# ----------------------------------------------------------------------------- the order
+
+
+class _Order:
+    """Maps global sample index -> (dataset, sample) following the module docstring."""
+
+    def __init__(self, sizes: list[int], counts: list[int], seed: int):
+        self.sizes = sizes
+        self.counts = counts
+        self.seed = seed
+        self.epoch_len = sum(counts)
+        self._epoch = -1
+        self._src: np.ndarray | None = None
+        self._ordinal: np.ndarray | None = None
+        self._perms: list[np.ndarray] = []
+
+    def _plan(self, epoch: int) -> None:
+        if epoch == self._epoch:
+            return
+        k = len(self.sizes)
+        id_dtype = np.uint8 if k < 256 else np.uint16
+        rng = np.random.default_rng([self.seed, epoch, 0x5EED])
+        src = np.repeat(np.arange(k, dtype=id_dtype), self.counts)
+        rng.shuffle(src)
+        # ordinal[p] = how many earlier positions of the epoch come from the same dataset.
+        order = np.argsort(src, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        idx_dtype = np.int32 if self.epoch_len < 2**31 else np.int64
+        ordinal = np.empty(self.epoch_len, idx_dtype)
+        ordinal[order] = np.arange(self.epoch_len, dtype=np.int64) - np.repeat(starts, self.counts)
+        perms = []
+        for i, (n, c) in enumerate(zip(self.sizes, self.counts)):
+            cycles = -(-c // n) if c else 0
+            chain = [
+                np.random.default_rng([self.seed, epoch, i, cyc]).permutation(n).astype(idx_dtype)
+                for cyc in range(cycles)
+            ]
+            perms.append(np.concatenate(chain)[:c] if chain else np.empty(0, idx_dtype))
+        self._epoch, self._src, self._ordinal, self._perms = epoch, src, ordinal, perms
+
+    def lookup(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global sample indices -> (dataset ids, sample indices within each dataset)."""
+        ds = np.empty(len(samples), np.int64)
+        idx = np.empty(len(samples), np.int64)
+        epochs = samples // self.epoch_len
+        for e in np.unique(epochs):
+            sel = epochs == e
+            self._plan(int(e))
+            pos = samples[sel] % self.epoch_len
+            d = self._src[pos].astype(np.int64)
+            o = self._ordinal[pos]
+            out = np.empty(len(pos), np.int64)
+            for i in np.unique(d):
+                m = d == i
+                out[m] = self._perms[int(i)][o[m]]
+            ds[sel], idx[sel] = d, out
+        return ds, idx
+
+
+# ----------------------------------------------------------------------------- micro-batches
+
+
+class _MicroBatches(IterableDataset):
+    """Infinite micro-batches of one rank, starting at a given point; split across workers."""
+
+    def __init__(self, readers: list[MDSReader], names: list[str], order: _Order, *, seq_len: int,
+                 micro_batch_size: int, global_batch_size: int, rank: int, world_size: int,
+                 base: int, first: int):
+        self.readers = readers
+        self.names = names
+        self.order = order
+        self.seq_len = seq_len
+        self.mb = micro_batch_size
+        self.gb = global_batch_size
+        self.rank = rank
+        self.per_rank = global_batch_size // world_size
+        self.accum = self.per_rank // micro_batch_size
+        self.base = base  # global sample where micro-batch 0 begins
+        self.first = first  # first micro-batch number to produce
+
+    def samples_of(self, m: int) -> np.ndarray:
+        """Global sample indices of this rank's micro-batch number ``m``."""
+        t, a = divmod(m, self.accum)
+        start = self.base + t * self.gb + self.rank * self.per_rank + a * self.mb
+        return np.arange(start, start + self.mb, dtype=np.int64)
+
+    def build(self, m: int) -> torch.Tensor:
+        ds, idx = self.order.lookup(self.samples_of(m))
+        out = np.empty((self.mb, self.seq_len), np.int64)
+        for row, (d, i) in enumerate(zip(ds.tolist(), idx.tolist())):
+            tokens = self.readers[d].get_tokens(i)
+            if len(tokens) < self.seq_len:
+                raise UserError(
+                    f"dataset {self.names[d]!r}: sample {i} has {len(tokens)} tokens, "
+                    f"shorter than seq_len {self.seq_len}"
+                )
+            out[row] = tokens[: self.seq_len]
+        return torch.from_numpy(out)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        k, n = (info.id, info.num_workers) if info else (0, 1)
+        m = self.first + k
+        while True:
+            yield self.build(m)
+            m += n
+
+
+def _worker_init(_worker_id: int) -> None:
+    remote.keep_inherited_clients()
+
+
+# ----------------------------------------------------------------------------- the stream
+
+
+def _normalize(datasets: list[DatasetSpec] | str | DatasetSpec) -> list[DatasetSpec]:
+    if isinstance(datasets, (str, Path)):
+        return [DatasetSpec(name=str(datasets), path=str(datasets))]
+    if isinstance(datasets, DatasetSpec):
+        return [datasets]
+    specs = list(datasets)
+    if not specs:
+        raise UserError("train_data: no datasets given")
+    names = [s.name for s in specs]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise UserError(f"train_data: dataset names must be unique (repeated: {', '.join(sorted(dup))})")
+    given = [s.proportion is not None for s in specs]
+    if any(given) and not all(given):
+        missing = [s.name for s in specs if s.proportion is None]
+        raise UserError(f"train_data: give a proportion for every dataset of the mix or none (missing: {', '.join(missing)})")
+    for s in specs:
+        if s.proportion is not None and not (s.proportion >= 0 and np.isfinite(s.proportion)):
+            raise UserError(f"train_data.{s.name}.proportion: expected a number >= 0, got {s.proportion}")
+    if all(given) and sum(s.proportion for s in specs) <= 0:
+        raise UserError("train_data: proportions must not all be zero")
+    return specs
+
+
+class TokenStream:
+    """Infinite iterable of ``LongTensor[micro_batch_size, seq_len]`` for one data-parallel rank."""
+
+    def __init__(
+        self,
+        datasets: list[DatasetSpec] | str,
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        global_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+        split: str = "train",
+    ):
+        for name, v, lo in (("seq_len", seq_len, 1), ("micro_batch_size", micro_batch_size, 1),
+                            ("global_batch_size", global_batch_size, 1), ("world_size", world_size, 1),
+                            ("num_workers", num_workers, 0)):
+            if not isinstance(v, int) or v < lo:
+                raise UserError(f"{name}: expected an integer >= {lo}, got {v!r}")
+        if not 0 <= rank < world_size:
+            raise UserError(f"rank: expected 0 <= rank < world_size ({world_size}), got {rank}")
+        if global_batch_size % (world_size * micro_batch_size):
+            raise UserError(
+                f"global_batch_size: {global_batch_size} is not divisible by micro_batch_size × ranks "
+                f"({micro_batch_size} × {world_size} = {micro_batch_size * world_size})"
+            )
+        self.specs = _normalize(datasets)
+        self.seq_len, self.micro_batch_size, self.global_batch_size = seq_len, micro_batch_size, global_batch_size
+        self.rank, self.world_size, self.seed, self.num_workers = rank, world_size, seed, num_workers
+        self.readers = []
+        for i, s in enumerate(self.specs):
+            sub = None if cache_dir is None else str(Path(cache_dir) / f"{i}-{hashlib.sha256(s.path.encode()).hexdigest()[:12]}")
+            self.readers.append(open_dataset(s.path, split=split, cache_dir=sub))
+        self.sizes = [len(r) for r in self.readers]
+        for s, n, r in zip(self.specs, self.sizes, self.readers):
+            if n == 0:
+                raise UserError(f"dataset {s.name!r} ({s.path}): has no samples")
+            have = r.sample_length(0)
+            if have < seq_len:
+                raise UserError(
+                    f"dataset {s.name!r} ({s.path}): samples have {have} tokens, shorter than seq_len {seq_len}"
+                )
+        total = sum(self.sizes)
+        if self.specs[0].proportion is None:
+            self.proportions = [n / total for n in self.sizes]
+            counts = list(self.sizes)
+        else:
+            z = sum(s.proportion for s in self.specs)
+            self.proportions = [s.proportion / z for s in self.specs]
+            counts = [int(round(p * total)) for p in self.proportions]
+        if sum(counts) == 0:
+            raise UserError("train_data: the mix selects no samples")
+        self.counts = counts
+        self._order = _Order(self.sizes, counts, seed)
+        self.samples_per_epoch = self._order.epoch_len
+        self._base = 0  # global sample where this rank's micro-batch 0 begins (whole global batches)
+        self._yielded = 0  # micro-batches handed out since _base
+        self._loader_iter = None
+
+    # -- bookkeeping
+
+    @property
+    def _accum(self) -> int:
+        return self.global_batch_size // (self.world_size * self.micro_batch_size)
+
+    @property
+    def samples_seen(self) -> int:
+        """Global samples consumed (all ranks assumed in step), including a partial global batch."""
+        whole, part = divmod(self._yielded, self._accum)
+        return self._base + whole * self.global_batch_size + part * self.micro_batch_size * self.world_size
+
+    @property
+    def epoch(self) -> int:
+        return self.samples_seen // self.samples_per_epoch
+
+    def fingerprint(self) -> dict:
+        return {
+            "seed": self.seed,
+            "datasets": [
+                {"name": s.name, "samples": n, "proportion": round(p, 12)}
+                for s, n, p in zip(self.specs, self.sizes, self.proportions)
+            ],
+        }
+
+    def state_dict(self) -> dict:
+        whole, part = divmod(self._yielded, self._accum)
+        return {
+            "version": STATE_VERSION,
+            "samples_seen": self._base + whole * self.global_batch_size,  # whole global batches
+            "partial_micro_batches": part,
+            "layout": [self.world_size, self.global_batch_size, self.micro_batch_size],
+            "fingerprint": self.fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or "samples_seen" not in state:
+            raise UserError(f"data stream state: expected a state dict of version {STATE_VERSION}")
+        fp, mine = state.get("fingerprint"), self.fingerprint()
+        if fp != mine:
+            raise UserError(f"data stream state does not match the data: saved {fp}, now {mine}")
+        self.close()
+        self._base = int(state["samples_seen"])
+        same_layout = list(state.get("layout", [])) == [self.world_size, self.global_batch_size, self.micro_batch_size]
+        self._yielded = int(state.get("partial_micro_batches", 0)) if same_layout else 0
+
+    # -- iteration
+
+    def _dataset(self) -> _MicroBatches:
+        return _MicroBatches(
+            self.readers, [s.name for s in self.specs], self._order, seq_len=self.seq_len,
+            micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
+            rank=self.rank, world_size=self.world_size, base=self._base, first=self._yielded,
+        )
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self.close()
+        ds = self._dataset()
+        if self.num_workers == 0:
+            source = iter(ds)
+        else:
+            loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers,
+                                persistent_workers=False, prefetch_factor=4,
+                                worker_init_fn=_worker_init)
+            gc.collect()  # finalize our own garbage here, not in the forked workers
+            source = self._loader_iter = iter(loader)
+        for batch in source:
+            self._yielded += 1
+            yield batch
+
+    def close(self) -> None:
+        """Stop DataLoader workers, if any."""
+        it, self._loader_iter = self._loader_iter, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
