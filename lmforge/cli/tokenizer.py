@@ -1,0 +1,36 @@
+"""`lmforge tokenizer train`: a byte-level BPE from raw text."""
+
+from __future__ import annotations
+
+import time
+
+from lmforge.cli.common import OneLineParser, add_command
+
+
+def register(subparsers) -> None:
+    group = add_command(subparsers, "tokenizer", "train tokenizers")
+    sub = group.add_subparsers(dest="tokenizer_command", metavar="COMMAND", parser_class=OneLineParser)
+    p = add_command(sub, "train", "train a byte-level BPE tokenizer on raw text",
+                    "Train a byte-level BPE (HF tokenizers) with <|endoftext|> and <|pad|> special tokens.\n"
+                    "The folder loads with lmforge and with transformers.AutoTokenizer.")
+    p.add_argument("--input", nargs="+", required=True, metavar="SRC",
+                   help="files, folders, globs, URIs, hf://NAME[/CONFIG][:SPLIT] or builtin:python-stdlib")
+    p.add_argument("--vocab-size", type=int, required=True, metavar="N", help="vocabulary size incl. special tokens")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
+    p.add_argument("--bos", action="store_true", help="add a <|bos|> token, prepended to every encoded text")
+    p.add_argument("--min-frequency", type=int, default=2, help="minimum pair count for a merge")
+    p.set_defaults(func=_train)
+    group.set_defaults(func=lambda args: (group.print_help(), 2)[1])
+
+
+def _train(args) -> int:
+    from lmforge.data.tokenizer import train_tokenizer
+
+    start = time.perf_counter()
+    tok = train_tokenizer(args.input, args.vocab_size, args.out, text_field=args.text_field, add_bos=args.bos,
+                          min_frequency=args.min_frequency)
+    print(f"tokenizer: {tok.vocab_size} tokens (eos {tok.eos_id}, pad {tok.pad_id}"
+          f"{f', bos {tok.bos_id}' if tok.bos_id is not None else ''}) -> {args.out} "
+          f"in {time.perf_counter() - start:.1f}s")
+    return 0
