@@ -1,0 +1,111 @@
+"""`lmforge estimate`: FLOPs, tokens, time, cost and memory of a training run, before it runs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from lmforge.cli.common import add_command
+from lmforge.errors import UserError
+
+_SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_COUNT = re.compile(r"^\s*([0-9][0-9_]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*(?:tok|tokens)?\s*$", re.I)
+
+
+def parse_count(text: str, what: str) -> float:
+    """``7B``, ``2.6B``, ``200B tok``, ``1.4e11``, ``125M``, ``10_000`` -> a number."""
+    m = _COUNT.match(str(text))
+    if not m:
+        raise UserError(f"{what}: expected a count such as 7B, 125M, 200B or 1.4e11, got {text!r}")
+    return float(m.group(1).replace("_", "")) * _SUFFIX[m.group(2).upper()]
+
+
+def _load_model(value: str):
+    """A preset name, or a run YAML whose `model:` key is taken. Returns (cfg, seq_len or None)."""
+    from pydantic import ValidationError
+
+    from lmforge.config.model import PRESETS, resolve_model
+
+    looks_like_file = value.endswith((".yaml", ".yml")) or "/" in value or Path(value).is_file()
+    if value in PRESETS or not looks_like_file:
+        return resolve_model(value), None
+    import yaml
+
+    path = Path(value)
+    if not path.is_file():
+        raise UserError(f"--model: no such file {value!r} (expected a preset name or a run YAML)")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"{value}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(doc, dict) or "model" not in doc:
+        raise UserError(f"{value}: expected a run config with a `model:` key")
+    try:
+        cfg = resolve_model(doc["model"])
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise UserError(f"{value}: model{'.' + loc if loc else ''}: {err['msg']}") from None
+    params = doc.get("parameters")
+    seq = params.get("context_length") if isinstance(params, dict) else None
+    return cfg, (int(seq) if isinstance(seq, int) else None)
+
+
+def run(args) -> int:
+    from lmforge.estimate.plan import check_fits, format_plan, make_plan
+
+    if (args.model is None) == (args.params is None):
+        raise UserError("estimate: give exactly one of --model PRESET_OR_YAML or --params COUNT")
+    if args.tokens is not None and args.chinchilla:
+        raise UserError("estimate: give --tokens or --chinchilla, not both")
+    seq_len = args.seq_len
+    if args.model is not None:
+        model, yaml_seq = _load_model(args.model)
+        seq_len = seq_len or yaml_seq
+    else:
+        model = parse_count(args.params, "--params")
+    plan = make_plan(
+        model,
+        tokens=parse_count(args.tokens, "--tokens") if args.tokens is not None else None,
+        gpus=args.gpus,
+        nodes=args.nodes,
+        gpu_type=args.gpu_type,
+        mfu=args.mfu,
+        price=args.price_per_gpu_hour,
+        seq_len=seq_len,
+        active_params=parse_count(args.active_params, "--active-params") if args.active_params else None,
+        vocab_size=args.vocab_size,
+        precision=args.precision,
+        micro_batch=args.micro_batch,
+    )
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan), end="\n" if args.json else "")
+    check_fits(plan)
+    return 0
+
+
+def register(subparsers) -> None:
+    from lmforge.estimate.hardware import gpu_type_names
+
+    p = add_command(
+        subparsers, "estimate", "plan a run: FLOPs, tokens, time, cost and memory per GPU",
+        description="Plan a training run before spending: parameters (total/active), FLOPs "
+        "(6·N_active·D plus attention), Chinchilla tokens, time and cost at a given MFU on a "
+        "given cluster, and memory per GPU under full sharding.",
+    )
+    p.add_argument("--model", metavar="PRESET_OR_YAML", help="preset name or a run YAML (its model: key)")
+    p.add_argument("--params", metavar="COUNT", help="nominal parameter count instead of a shape, e.g. 7B")
+    p.add_argument("--active-params", metavar="COUNT", help="nominal active parameters (MoE), with --params")
+    p.add_argument("--tokens", metavar="COUNT", help="training tokens, e.g. 200B; unset = Chinchilla, 20 × params")
+    p.add_argument("--chinchilla", action="store_true", help="use the compute-optimal 20 tokens per parameter")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=1, help="nodes")
+    p.add_argument("--gpu-type", default="h100-sxm", help=f"one of: {', '.join(gpu_type_names())}")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp32"], help="peak FLOP/s used")
+    p.add_argument("--mfu", type=float, default=0.4, help="model-FLOPs utilization to assume, in (0, 1]")
+    p.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="P", help="price for the cost line")
+    p.add_argument("--seq-len", type=int, default=None, help="context length; unset = the model's max_seq_len (or the YAML's context_length)")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary; unset = the model's, or 32000 where the model leaves it to the tokenizer")
+    p.add_argument("--micro-batch", type=int, default=None, help="micro-batch per GPU; unset = the largest power of two that fits")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)

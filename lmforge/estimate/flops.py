@@ -1,0 +1,81 @@
+"""Parameter counts and training FLOPs of a model shape: the one implementation.
+
+`lmforge estimate`, `lmforge train --dry-run` and the trainer's MFU metric all use
+these functions, so a planned MFU and a logged MFU mean the same thing.
+
+MFU basis: `mfu_flops_per_token` = 6 · N_active (forward 2·N + backward 4·N per token,
+Kaplan/Chinchilla). The attention-score term 12·L·H·Dh·T (nanoGPT/PaLM) is reported
+next to it but not in the basis, which is the convention published planning figures
+use ("FLOPs = 6·N·D"); `flops_per_token(...)["total"]` is the PaLM-style figure.
+"""
+
+from __future__ import annotations
+
+from lmforge.config.model import ModelConfig
+
+# Dense presets leave the vocabulary to the tokenizer; estimates assume this then.
+DEFAULT_VOCAB = 32000
+
+
+def vocab_of(cfg: ModelConfig) -> int:
+    """The model's vocabulary, or DEFAULT_VOCAB when it is left to the tokenizer."""
+    return cfg.vocab_size or DEFAULT_VOCAB
+
+
+def block_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters of one transformer block: attention, norms, feed-forward (all / active)."""
+    d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
+    attention = d * h * dh + 2 * d * kv * dh + h * dh * d  # q, k, v, o
+    norms = 2 * d
+    if cfg.is_moe:
+        expert = 3 * d * cfg.expert_dim  # SwiGLU: gate, up, down
+        router = d * cfg.n_experts
+        ffn = router + cfg.n_experts * expert
+        ffn_active = router + cfg.top_k * expert
+    else:
+        ffn = ffn_active = 3 * d * cfg.ffn_dim
+    return {"attention": attention, "norms": norms, "ffn": ffn, "ffn_active": ffn_active,
+            "total": attention + norms + ffn, "active": attention + norms + ffn_active}
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Exact parameter counts: total, active (per token), embedding, non_embedding.
+
+    Layout: embedding V·d; per block q/k/v/o, two RMSNorm weights, SwiGLU MLP (dense)
+    or router + experts (MoE); final norm d; output head V·d unless tied. "active"
+    counts top_k of the experts and excludes the input embedding (a lookup, no
+    FLOPs) but includes the output head matmul, tied or not. "embedding" is the
+    input embedding plus an untied output head.
+    """
+    v, d = vocab_of(cfg), cfg.d_model
+    block = block_counts(cfg)
+    head = v * d
+    embedding = v * d + (0 if cfg.tie_embeddings else head)
+    non_embedding = cfg.n_layers * block["total"] + d
+    return {
+        "total": embedding + non_embedding,
+        "active": cfg.n_layers * block["active"] + d + head,
+        "embedding": embedding,
+        "non_embedding": non_embedding,
+    }
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of the attention scores and weighted sum: 12·L·H·Dh·T.
+
+    Forward QKᵀ and AV are 2·2·H·Dh·T per token per layer (T keys, no causal
+    discount, as nanoGPT and PaLM count it); backward doubles it twice: ×3 in total.
+    """
+    return 12.0 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Training (forward + backward) FLOPs per token: dense 6·N_active, attention, total."""
+    dense = 6.0 * param_counts(cfg)["active"]
+    attention = attention_flops_per_token(cfg, seq_len)
+    return {"dense": dense, "attention": attention, "total": dense + attention}
+
+
+def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The FLOPs per token MFU is measured against (estimate and trainer alike): 6·N_active."""
+    return flops_per_token(cfg, seq_len)["dense"]

@@ -1,0 +1,158 @@
+"""Memory per GPU of a training run under full sharding (FSDP over every GPU).
+
+Model states, in bytes per parameter, sharded evenly over the N GPUs:
+
+| what                              | bytes |
+|-----------------------------------|------:|
+| bf16 parameters (compute copy)    |     2 |
+| fp32 master parameters            |     4 |
+| fp32 gradients                    |     4 |
+| AdamW first moment (fp32)         |     4 |
+| AdamW second moment (fp32)        |     4 |
+| total                             |    18 |
+
+Unsharded working set: FSDP all-gathers one unit (a block, or the embedding, or the
+output head) at a time in bf16 and prefetches the next one, and each unit's bf16
+gradient exists before it is reduce-scattered: 2 units × (2 + 2) bytes × the largest
+unit's parameters.
+
+Activations per sequence of T tokens (bf16, 2 bytes/element), counting the tensors
+autograd keeps for the backward pass, in the spirit of Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models") but for this
+architecture — RMSNorm, SwiGLU, GQA, flash/SDPA attention (no T×T score matrix is
+stored), no dropout. Per layer and token, in elements (q = H·Dh, kv = KV·Dh):
+
+- attention: residual input d, normed input d, rotated q, k and v, output q
+  → 2d + 2q + 2kv;
+- dense MLP: residual input d, normed input d, gate, up, silu(gate), product (ffn each)
+  → 2d + 4·ffn;
+- MoE MLP: 2d, router logits E in fp32 (2E), and per routed expert (top_k of them)
+  the gathered input d, gate/up/silu/product (expert_dim each) and the output d
+  → 2d + 2E + top_k·(2d + 4·expert_dim).
+
+Without activation checkpointing all L layers are kept; with (per-block) checkpointing
+only each block's input (d) is kept, plus one block recomputed during its backward.
+Both add the final norm (2d) and the logits at 10 bytes per vocabulary entry (bf16
+logits 2, fp32 log-softmax 4, fp32 logit gradient 4).
+
+Usable memory is the GPU's memory less a 10% margin (allocator fragmentation) and
+1 GB (CUDA context, NCCL buffers).
+"""
+
+from __future__ import annotations
+
+import math
+
+from lmforge.config.model import ModelConfig
+from lmforge.estimate.flops import block_counts, vocab_of
+
+STATE_BYTES = {"bf16_params": 2, "fp32_master": 4, "fp32_grads": 4, "adam_m": 4, "adam_v": 4}
+BYTES_PER_PARAM = sum(STATE_BYTES.values())
+ACT_BYTES = 2  # bf16 activations
+LOGIT_BYTES = 10
+MARGIN = 0.10
+RESERVED_BYTES = 1e9
+# Beyond a few tens of sequences per micro-batch a GPU is saturated; suggesting more
+# only makes the global batch needlessly large.
+MAX_SUGGESTED_MICRO_BATCH = 64
+
+
+def layer_activation_elements(cfg: ModelConfig) -> int:
+    """Elements one transformer block keeps for backward, per token."""
+    d, q, kv = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
+    attention = 2 * d + 2 * q + 2 * kv
+    if cfg.is_moe:
+        mlp = 2 * d + 2 * cfg.n_experts + cfg.top_k * (2 * d + 4 * cfg.expert_dim)
+    else:
+        mlp = 2 * d + 4 * cfg.ffn_dim
+    return attention + mlp
+
+
+def activation_bytes(cfg: ModelConfig, seq_len: int, checkpointing: bool) -> float:
+    """Activation bytes of one sequence (micro-batch of 1) of ``seq_len`` tokens."""
+    layer = layer_activation_elements(cfg)
+    d = cfg.d_model
+    if checkpointing:
+        kept = cfg.n_layers * d + layer
+    else:
+        kept = cfg.n_layers * layer
+    per_token = (kept + 2 * d) * ACT_BYTES + vocab_of(cfg) * LOGIT_BYTES
+    return float(per_token * seq_len)
+
+
+def largest_unit_params(cfg: ModelConfig) -> int:
+    """Parameters of the largest FSDP unit: a block, the embedding or the output head."""
+    return max(block_counts(cfg)["total"], vocab_of(cfg) * cfg.d_model)
+
+
+def usable_bytes(gpu_memory: float) -> float:
+    return gpu_memory * (1 - MARGIN) - RESERVED_BYTES
+
+
+def _max_batch(free: float, per_sample: float) -> int:
+    return max(0, int(free // per_sample)) if per_sample > 0 else 0
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1) if n >= 1 else 0
+
+
+def memory_plan(
+    total_params: int | float,
+    cfg: ModelConfig | None,
+    seq_len: int,
+    n_devices: int,
+    gpu_memory: float,
+    micro_batch: int | None = None,
+    activation_checkpointing: bool | None = None,
+) -> dict:
+    """Per-GPU memory, fit check and micro-batch suggestion under full sharding.
+
+    ``cfg`` None (a nominal parameter count) estimates model states only.
+    ``activation_checkpointing`` None picks: off if micro-batch 1 fits without it.
+    """
+    states_total = float(total_params) * BYTES_PER_PARAM
+    states = states_total / n_devices
+    usable = usable_bytes(gpu_memory)
+    out: dict = {
+        "devices": n_devices,
+        "bytes_per_param": dict(STATE_BYTES),
+        "states_bytes_total": states_total,
+        "states_bytes_per_gpu": states,
+        "gpu_memory_bytes": gpu_memory,
+        "usable_bytes": usable,
+        "seq_len": seq_len,
+    }
+    if cfg is None:
+        fits = states <= usable
+        out.update(gathered_bytes_per_gpu=None, activation_bytes_per_sample=None,
+                   max_micro_batch=None, activation_checkpointing=activation_checkpointing,
+                   micro_batch=micro_batch, suggested_micro_batch=None,
+                   total_bytes_per_gpu=states, fits=fits,
+                   min_gpus=math.ceil(states_total / usable) if usable > 0 else None)
+        return out
+
+    gathered = 2 * 4 * largest_unit_params(cfg)
+    act = {"no_ac": activation_bytes(cfg, seq_len, False), "ac": activation_bytes(cfg, seq_len, True)}
+    free = usable - states - gathered
+    max_mb = {k: _max_batch(free, v) for k, v in act.items()}
+    if activation_checkpointing is None:
+        activation_checkpointing = max_mb["no_ac"] < 1
+    key = "ac" if activation_checkpointing else "no_ac"
+    suggested = min(_pow2_floor(max_mb[key]), MAX_SUGGESTED_MICRO_BATCH) or None
+    mb = micro_batch or suggested or 1
+    total = states + gathered + mb * act[key]
+    # GPUs needed for micro-batch 1 with checkpointing: shards shrink, the rest does not.
+    room = usable - gathered - act["ac"]
+    out.update(
+        gathered_bytes_per_gpu=gathered,
+        activation_bytes_per_sample=act,
+        max_micro_batch=max_mb,
+        activation_checkpointing=activation_checkpointing,
+        micro_batch=micro_batch,
+        suggested_micro_batch=suggested,
+        total_bytes_per_gpu=total,
+        fits=total <= usable,
+        min_gpus=math.ceil(states_total / room) if room > 0 else None,
+    )
+    return out
