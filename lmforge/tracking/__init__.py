@@ -1,1 +1,105 @@
+"""Experiment tracking: console, metrics.jsonl, MLflow and W&B behind one small interface.
 
+The trainer builds the trackers once per run with :func:`build_trackers` and
+calls ``log_params`` / ``log_metrics`` / ``log_text`` / ``finish`` on the
+result. Backend run ids are kept in ``run_dir/trackers.json`` so a resumed run
+continues the same MLflow and W&B runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from lmforge.config.tracking import TrackerConfig
+from lmforge.tracking.base import Tracker, Trackers, flatten_params, warn_disabled
+from lmforge.tracking.console import ConsoleTracker
+from lmforge.tracking.jsonl import JsonlTracker, read_metrics
+from lmforge.tracking.mlflow_tracker import default_tracking_uri, mlflow_ui_command
+
+STATE_FILE = "trackers.json"
+
+__all__ = [
+    "ConsoleTracker", "JsonlTracker", "Tracker", "Trackers", "build_trackers",
+    "default_tracking_uri", "flatten_params", "mlflow_ui_command", "read_metrics",
+    "read_state",
+]
+
+
+def read_state(run_dir: str | os.PathLike) -> dict:
+    """The backend run ids stored for run_dir ({} when none or unreadable)."""
+    try:
+        return json.loads((Path(run_dir) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_state(run_dir: Path, state: dict) -> None:
+    tmp = run_dir / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(tmp, run_dir / STATE_FILE)  # never a half-written file
+
+
+def build_trackers(cfg: TrackerConfig, *, run_name: str, run_dir: str,
+                   resume: bool = False, total_steps: int | None = None,
+                   total_tokens: int | None = None, is_main: bool = True,
+                   stream: TextIO | None = None) -> Trackers:
+    """Start the trackers cfg asks for; one that fails to start is skipped with a warning.
+
+    Non-main ranks get an empty Trackers. With ``resume`` the MLflow/W&B runs
+    recorded in run_dir/trackers.json are continued. ``stream`` (default stdout)
+    is where the console tracker writes.
+    """
+    if not is_main:
+        return Trackers([])
+    out = stream or sys.stdout
+    directory = Path(run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = read_state(directory) if resume else {}
+    trackers: list[Tracker] = []
+
+    if cfg.console:
+        trackers.append(ConsoleTracker(total_steps=total_steps, total_tokens=total_tokens,
+                                       stream=out, run_name=run_name))
+    if cfg.jsonl:
+        try:
+            trackers.append(JsonlTracker(directory, resume=resume))
+        except OSError as exc:
+            warn_disabled("jsonl", exc)
+
+    new_state: dict = {}
+    if cfg.mlflow is not None:
+        try:
+            from lmforge.tracking.mlflow_tracker import MlflowTracker
+
+            stored = state.get("mlflow", {})
+            uri = cfg.mlflow.tracking_uri or default_tracking_uri()
+            # A stored run id only means something in the store that holds it.
+            run_id = stored.get("run_id") if stored.get("tracking_uri") == uri else None
+            tracker = MlflowTracker(cfg.mlflow, run_name, run_id=run_id,
+                                    tags={"lmforge.run_dir": str(directory.resolve())})
+            trackers.append(tracker)
+            new_state["mlflow"] = {"tracking_uri": tracker.tracking_uri,
+                                   "experiment_id": tracker.experiment_id,
+                                   "run_id": tracker.run_id}
+        except Exception as exc:  # noqa: BLE001 - tracking never stops a run
+            warn_disabled("mlflow", exc)
+    if cfg.wandb is not None:
+        try:
+            from lmforge.tracking.wandb_tracker import WandbTracker
+
+            stored = state.get("wandb", {})
+            tracker = WandbTracker(cfg.wandb, run_name, directory, run_id=stored.get("id"))
+            trackers.append(tracker)
+            new_state["wandb"] = {"id": tracker.run_id, "project": cfg.wandb.project,
+                                  "entity": cfg.wandb.entity, "mode": tracker.mode}
+        except Exception as exc:  # noqa: BLE001
+            warn_disabled("wandb", exc)
+
+    if new_state:
+        # Keep entries of backends that are off this time, so turning one back on resumes it.
+        _write_state(directory, {**state, **new_state})
+    return Trackers(trackers)

@@ -1,0 +1,170 @@
+"""The terminal view of a run: a live rich progress bar on a TTY, plain log lines otherwise.
+
+Plain lines (every ``log_every`` steps, on the last step and on every eval)
+keep CI logs and detached runs (``nohup``, ``runs logs``) readable, where a
+redrawn bar would be noise.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timedelta
+from typing import TextIO
+
+from lmforge.tracking.base import Tracker, scalar_metrics
+
+
+def human(n: float) -> str:
+    """1234567 -> "1.23M"."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}" if float(n).is_integer() else f"{n:.3g}"
+
+
+def format_eta(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "?"
+    return str(timedelta(seconds=int(seconds)))
+
+
+def default_log_every(total_steps: int | None) -> int:
+    """About 20 lines per run, but at least one every 100 steps."""
+    if not total_steps:
+        return 10
+    return max(1, min(100, total_steps // 20))
+
+
+def train_summary(m: dict[str, float], total_tokens: int | None = None) -> list[str]:
+    """The "tokens | loss | lr | ..." fields shown for a training step (only those present)."""
+    parts = []
+    if "train/tokens" in m:
+        tok = f"tok {human(m['train/tokens'])}"
+        if total_tokens:
+            tok += f"/{human(total_tokens)}"
+        parts.append(tok)
+    if "train/loss" in m:
+        parts.append(f"loss {m['train/loss']:.4f}")
+    if "train/lr" in m:
+        parts.append(f"lr {m['train/lr']:.2e}")
+    if "train/grad_norm" in m:
+        parts.append(f"gnorm {m['train/grad_norm']:.3f}")
+    if "throughput/tokens_per_s" in m:
+        parts.append(f"{human(m['throughput/tokens_per_s'])} tok/s")
+    if "throughput/mfu" in m:  # a fraction of peak
+        parts.append(f"MFU {100 * m['throughput/mfu']:.1f}%")
+    if "memory/max_allocated_gb" in m:
+        parts.append(f"mem {m['memory/max_allocated_gb']:.1f}GB")
+    return parts
+
+
+def eval_summary(m: dict[str, float]) -> list[str]:
+    parts = []
+    if "eval/loss" in m:
+        parts.append(f"loss {m['eval/loss']:.4f}")
+    if "eval/perplexity" in m:
+        parts.append(f"ppl {m['eval/perplexity']:.2f}")
+    if "eval/bits_per_byte" in m:
+        parts.append(f"bpb {m['eval/bits_per_byte']:.4f}")
+    # Other eval metrics (e.g. ICL accuracies) follow in name order.
+    known = {"eval/loss", "eval/perplexity", "eval/bits_per_byte"}
+    for key in sorted(k for k in m if k.startswith("eval/") and k not in known):
+        parts.append(f"{key[len('eval/'):]} {m[key]:.4g}")
+    return parts
+
+
+class ConsoleTracker(Tracker):
+    """Progress bar (TTY) or log lines (not a TTY) from the metrics the trainer logs."""
+
+    name = "console"
+
+    def __init__(self, total_steps: int | None = None, total_tokens: int | None = None,
+                 stream: TextIO | None = None, tty: bool | None = None,
+                 log_every: int | None = None, run_name: str | None = None,
+                 width: int | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.total_steps = total_steps
+        self.total_tokens = total_tokens
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.log_every = log_every or default_log_every(total_steps)
+        self.run_name = run_name
+        self.width = width  # None: the terminal's width
+        self._first: tuple[float, int] | None = None  # (time, step) of the first logged step
+        self._progress = None
+        self._task = None
+
+    # -- plain mode -----------------------------------------------------------------
+    def _println(self, line: str) -> None:
+        if self._progress is not None:
+            # Printed above the live bar; markup off so generated text is shown verbatim.
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def _eta(self, step: int) -> float | None:
+        if self._first is None or not self.total_steps:
+            return None
+        t0, s0 = self._first
+        done = step - s0
+        if done <= 0:
+            return None
+        return (time.monotonic() - t0) / done * (self.total_steps - step)
+
+    # -- live mode ------------------------------------------------------------------
+    def _start_bar(self, step: int, tokens: float) -> None:
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeRemainingColumn)
+
+        console = Console(file=self.stream, force_terminal=True, width=self.width)
+        self._progress = Progress(
+            TextColumn("step" if self.total_steps else "tokens"),
+            BarColumn(bar_width=20),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            refresh_per_second=4,
+            transient=False,
+        )
+        self._progress.start()
+        # Created at the current position so a resumed run does not count the
+        # jump from 0 as speed in the ETA.
+        total = self.total_steps or self.total_tokens
+        self._task = self._progress.add_task(
+            "train", total=total, completed=step if self.total_steps else tokens, stats="")
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        m = scalar_metrics(metrics)
+        step = int(step)
+        is_train = any(k.startswith(("train/", "throughput/")) for k in m)
+        if is_train and self._first is None:
+            self._first = (time.monotonic(), step)
+        if self.tty and is_train:
+            tokens = m.get("train/tokens", 0.0)
+            if self._progress is None:
+                self._start_bar(step, tokens)
+            self._progress.update(self._task, completed=step if self.total_steps else tokens,
+                                  stats=" | ".join(train_summary(m, self.total_tokens)))
+        elif is_train and (step % self.log_every == 0 or step == self.total_steps
+                           or step == self._first[1]):
+            head = f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"
+            parts = [head, *train_summary(m, self.total_tokens)]
+            if self.total_steps:
+                parts.append(f"ETA {format_eta(self._eta(step))}")
+            self._println(" | ".join(parts))
+        evals = eval_summary(m)
+        if evals:
+            self._println(" | ".join([f"eval step {step}", *evals]))
+
+    def log_text(self, key: str, text: str, step: int) -> None:
+        self._println(f"--- {key} at step {step} ---\n{text.rstrip()}\n---")
+
+    def finish(self, status: str = "completed") -> None:
+        if self._progress is not None:
+            self._progress.stop()  # stops the refresh thread and leaves the last frame
+            self._progress = None
+        if status != "completed":
+            self._println(f"run {self.run_name + ' ' if self.run_name else ''}{status}")

@@ -1,0 +1,155 @@
+"""MLflow tracking through ``MlflowClient``.
+
+No global active run: several runs may share a process (tests, sweeps).
+
+Default store: ``sqlite:///$LMFORGE_HOME/mlflow/mlflow.db`` with artifacts
+under ``$LMFORGE_HOME/mlflow/artifacts``, so ``mlflow ui --backend-store-uri
+...`` shows every local run. mlflow is imported lazily: it takes seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from lmforge.config.tracking import MLflowConfig, TrackerConfig
+from lmforge.tracking.base import Tracker, flatten_params, scalar_metrics
+
+DEFAULT_EXPERIMENT = "lmforge"
+# MLflow limits (mlflow.utils.validation); copied so the module imports without mlflow.
+MAX_PARAM_VALUE = 6000
+MAX_KEY = 250
+PARAMS_PER_BATCH = 100
+METRICS_PER_BATCH = 1000
+STATUS = {"completed": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
+
+
+def lmforge_home() -> Path:
+    return Path(os.environ.get("LMFORGE_HOME") or Path.home() / ".lmforge").expanduser()
+
+
+def default_tracking_uri() -> str:
+    return f"sqlite:///{lmforge_home() / 'mlflow' / 'mlflow.db'}"
+
+
+def resolve_tracking_uri(cfg: MLflowConfig) -> str:
+    return cfg.tracking_uri or default_tracking_uri()
+
+
+def _local_store_dir(uri: str) -> Path | None:
+    """The folder holding a local sqlite/file store (artifacts go beside it), else None."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):]).parent
+    if uri.startswith("file://"):
+        return Path(uri[len("file://"):])
+    if "://" not in uri:  # a bare path is a file store
+        return Path(uri)
+    return None
+
+
+def mlflow_ui_command(cfg: TrackerConfig) -> str | None:
+    """The command that shows local runs in the MLflow UI; None when MLflow is off or remote."""
+    if cfg.mlflow is None:
+        return None
+    uri = resolve_tracking_uri(cfg.mlflow)
+    if _local_store_dir(uri) is None:
+        return None  # a tracking server is its own UI
+    return f"mlflow ui --backend-store-uri {uri}"
+
+
+def metric_key(name: str) -> str:
+    """MLflow names allow alphanumerics, _ - . space and /; anything else becomes "_"."""
+    key = re.sub(r"[^\w./\- ]", "_", name)
+    key = re.sub(r"/+", "/", key).strip("/")  # "a//b" or "/a" would not round-trip as paths
+    return key[:MAX_KEY] or "_"
+
+
+def _param_value(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= MAX_PARAM_VALUE else text[: MAX_PARAM_VALUE - 3] + "..."
+
+
+class MlflowTracker(Tracker):
+    """One MLflow run; ``run_id`` given means continue that run (resume)."""
+
+    name = "mlflow"
+
+    def __init__(self, cfg: MLflowConfig, run_name: str, run_id: str | None = None,
+                 tags: dict[str, str] | None = None) -> None:
+        self.tracking_uri = resolve_tracking_uri(cfg)
+        if self.tracking_uri.startswith(("http://", "https://")):
+            # Fail in seconds, not minutes, when the server does not answer; a user's own
+            # settings win.
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        store_dir = _local_store_dir(self.tracking_uri)
+        if store_dir is not None:
+            store_dir.mkdir(parents=True, exist_ok=True)
+        # The sqlite store logs its schema migrations at INFO on first use.
+        for name in ("mlflow.store.db.utils", "alembic"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        experiment_name = cfg.experiment_path or DEFAULT_EXPERIMENT
+        self.experiment_id = self._experiment(experiment_name, store_dir)
+        self.run_id = self._continue(run_id) if run_id else None
+        if self.run_id is None:
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
+            self.run_id = run.info.run_id
+
+    def _experiment(self, name: str, store_dir: Path | None) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            if exp.lifecycle_stage == "deleted":
+                self.client.restore_experiment(exp.experiment_id)
+            return exp.experiment_id
+        # Without an explicit location a local store puts artifacts in ./mlruns of the cwd.
+        location = None
+        if store_dir is not None:
+            location = (store_dir / "artifacts").resolve().as_uri()
+        return self.client.create_experiment(name, artifact_location=location)
+
+    def _continue(self, run_id: str) -> str | None:
+        """Reopen a stored run if it still exists in this store and experiment."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            return None
+        if run.info.experiment_id != self.experiment_id or run.info.lifecycle_stage == "deleted":
+            return None
+        if run.info.status != "RUNNING":
+            self.client.update_run(run_id, status="RUNNING")
+        return run_id
+
+    def log_params(self, params: dict) -> None:
+        from mlflow.entities import Param
+
+        flat = {metric_key(k): _param_value(v) for k, v in flatten_params(params).items()}
+        # MLflow refuses to change a logged param; a resumed run keeps its first values.
+        existing = self.client.get_run(self.run_id).data.params
+        items = [Param(k, v) for k, v in flat.items() if k not in existing]
+        for i in range(0, len(items), PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=items[i: i + PARAMS_PER_BATCH])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(metric_key(k), v, now, int(step))
+                 for k, v in scalar_metrics(metrics).items()]
+        for i in range(0, len(items), METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=items[i: i + METRICS_PER_BATCH])
+
+    def log_text(self, key: str, text: str, step: int) -> None:
+        self.client.log_text(self.run_id, text, f"{metric_key(key)}/step_{int(step):06d}.txt")
+
+    def finish(self, status: str = "completed") -> None:
+        self.client.set_terminated(self.run_id, status=STATUS.get(status, "FINISHED"))

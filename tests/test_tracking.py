@@ -1,0 +1,310 @@
+"""Trackers write what they should.
+
+Real JSONL files, a real MLflow sqlite store, real W&B offline files.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from lmforge.config.tracking import MLflowConfig, TrackerConfig, WandbConfig
+from lmforge.tracking import (ConsoleTracker, Tracker, Trackers, build_trackers, flatten_params,
+                              mlflow_ui_command, read_metrics, read_state)
+
+PARAMS = {"model": {"name": "llama-tiny", "n_layers": 2}, "parameters": {"learning_rate": 3e-4},
+          "train_data": ["a", "b"], "long": "x" * 7000}
+
+
+def _train(step: int, loss: float) -> dict:
+    return {"train/loss": loss, "train/lr": 1e-3, "train/tokens": step * 4096,
+            "throughput/tokens_per_s": 12345.0, "throughput/mfu": 0.4}
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """Keep LMFORGE_HOME and every wandb directory inside the test's tmp dir."""
+    monkeypatch.setenv("LMFORGE_HOME", str(tmp_path / "home"))
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    return tmp_path / "home"
+
+
+def test_flatten_params():
+    flat = flatten_params(PARAMS)
+    assert flat["model.name"] == "llama-tiny"
+    assert flat["parameters.learning_rate"] == 3e-4
+    assert flat["train_data"] == ["a", "b"]
+
+
+class Boom(Tracker):
+    name = "boom"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def log_metrics(self, metrics, step):
+        self.calls += 1
+        raise ConnectionError("server went away\nsecond line")
+
+
+class Recorder(Tracker):
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def log_metrics(self, metrics, step):
+        self.seen.append((step, metrics))
+
+    def finish(self, status="completed"):
+        self.seen.append(status)
+
+
+def test_failing_tracker_is_disabled_with_one_warning():
+    err = io.StringIO()
+    boom, rec = Boom(), Recorder()
+    with Trackers([boom, rec], warn_stream=err) as t:
+        for step in range(3):
+            t.log_metrics({"train/loss": 1.0}, step)
+    lines = err.getvalue().splitlines()
+    assert lines == ["warning: boom tracking disabled (ConnectionError: server went away)"]
+    assert boom.calls == 1
+    assert [s for s, _ in rec.seen[:3]] == [0, 1, 2] and rec.seen[-1] == "completed"
+
+
+def test_context_manager_marks_failed_and_stopped():
+    rec = Recorder()
+    with pytest.raises(RuntimeError):
+        with Trackers([rec]):
+            raise RuntimeError("nan loss")
+    assert rec.seen == ["failed"]
+    rec2 = Recorder()
+    with pytest.raises(KeyboardInterrupt):
+        with Trackers([rec2]):
+            raise KeyboardInterrupt
+    assert rec2.seen == ["stopped"]
+
+
+def test_non_main_rank_gets_nothing(tmp_path):
+    t = build_trackers(TrackerConfig(), run_name="r", run_dir=str(tmp_path / "run"), is_main=False)
+    assert len(t) == 0
+    assert not (tmp_path / "run").exists()
+
+
+def test_jsonl_written_and_appended_on_resume(tmp_path):
+    cfg = TrackerConfig(mlflow=None, console=False)
+    run_dir = tmp_path / "run"
+    t = build_trackers(cfg, run_name="r", run_dir=str(run_dir))
+    t.log_metrics(_train(1, 5.0), 1)
+    # Flushed at once: another process tailing the file sees the record before finish().
+    assert read_metrics(run_dir / "metrics.jsonl")[0]["train/loss"] == 5.0
+    t.log_metrics({"train/loss": float("nan")}, 2)
+    t.log_text("generations", "def f():", 2)
+    t.finish()
+    t = build_trackers(cfg, run_name="r", run_dir=str(run_dir), resume=True)
+    t.log_metrics({"eval/loss": 4.0}, 3)
+    t.finish()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # strict JSON: NaN written as null
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["throughput/mfu"] == 0.4 and isinstance(records[0]["time"], float)
+    assert records[1]["train/loss"] is None
+    assert records[2] == {"step": 3, "time": records[2]["time"], "eval/loss": 4.0}
+    gen = json.loads((run_dir / "generations.jsonl").read_text())
+    assert gen["text"] == "def f():" and gen["step"] == 2
+    # A fresh (not resumed) run in the same folder starts a new history.
+    build_trackers(cfg, run_name="r", run_dir=str(run_dir)).finish()
+    assert read_metrics(run_dir / "metrics.jsonl") == []
+
+
+def test_mlflow_sqlite_store_and_resume(tmp_path, home):
+    from mlflow.tracking import MlflowClient
+
+    cfg = TrackerConfig(console=False)
+    run_dir = tmp_path / "run"
+    t = build_trackers(cfg, run_name="tiny-run", run_dir=str(run_dir), total_steps=4)
+    assert [x.name for x in t] == ["jsonl", "mlflow"]
+    t.log_params(PARAMS)
+    for step in (1, 2):
+        t.log_metrics(_train(step, 5.0 - step), step)
+    t.log_text("generations", "print('hello')", 2)
+    t.finish("stopped")
+
+    uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
+    assert mlflow_ui_command(cfg) == f"mlflow ui --backend-store-uri {uri}"
+    state = read_state(run_dir)["mlflow"]
+    assert state["tracking_uri"] == uri
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(state["run_id"])
+    assert run.info.run_name == "tiny-run" and run.info.status == "KILLED"
+    assert client.get_experiment(run.info.experiment_id).name == "lmforge"
+    assert run.data.params["model.name"] == "llama-tiny"
+    assert run.data.params["parameters.learning_rate"] == "0.0003"
+    assert len(run.data.params["long"]) == 6000  # truncated to MLflow's limit
+    hist = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [(m.step, m.value) for m in hist] == [(1, 4.0), (2, 3.0)]
+    # Artifacts live under LMFORGE_HOME, not in the current directory.
+    assert run.info.artifact_uri.startswith((home / "mlflow" / "artifacts").as_uri())
+    local = client.download_artifacts(run.info.run_id, "generations/step_000002.txt", str(tmp_path))
+    assert Path(local).read_text() == "print('hello')"
+
+    # Resume: the same MLflow run continues, back in RUNNING state, with its history.
+    t = build_trackers(cfg, run_name="tiny-run", run_dir=str(run_dir), resume=True)
+    assert read_state(run_dir)["mlflow"]["run_id"] == run.info.run_id
+    assert client.get_run(run.info.run_id).info.status == "RUNNING"
+    t.log_params({**PARAMS, "parameters": {"learning_rate": 1.0}, "new": 1})  # no clash error
+    t.log_metrics(_train(3, 1.5), 3)
+    t.finish("completed")
+    assert len(t) == 2  # nothing was disabled
+    run = client.get_run(run.info.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["parameters.learning_rate"] == "0.0003" and run.data.params["new"] == "1"
+    hist = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in hist] == [1, 2, 3]
+
+    # Not resuming: a new run.
+    t = build_trackers(cfg, run_name="tiny-run", run_dir=str(run_dir))
+    t.finish("failed")
+    other = read_state(run_dir)["mlflow"]["run_id"]
+    assert other != run.info.run_id and client.get_run(other).info.status == "FAILED"
+
+
+def test_unreachable_mlflow_degrades_to_warning(tmp_path, home, monkeypatch, capsys):
+    # Registered so the timeouts the tracker sets do not leak into other tests.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    cfg = TrackerConfig(mlflow=MLflowConfig(tracking_uri="http://127.0.0.1:9"), console=False)
+    assert mlflow_ui_command(cfg) is None
+    start = time.monotonic()
+    t = build_trackers(cfg, run_name="r", run_dir=str(tmp_path / "run"))
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: mlflow tracking disabled (")
+    assert [x.name for x in t] == ["jsonl"]
+    t.log_metrics({"train/loss": 2.0}, 1)
+    t.finish()
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["train/loss"] == 2.0
+    assert "mlflow" not in read_state(tmp_path / "run")
+
+
+def _wandb_records(path: Path) -> list[bytes]:
+    """Records of a .wandb file (LevelDB-log framing after a 7-byte W&B header)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, records, pos, partial = 32768, [], 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos: pos + 7])
+        if kind == 0 and length == 0:
+            break
+        payload = data[pos + 7: pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:            # full record
+            records.append(payload)
+        elif kind in (2, 3):     # first / middle
+            partial += payload
+        elif kind == 4:          # last
+            records.append(partial + payload)
+            partial = b""
+    return records
+
+
+def _children() -> list[int]:
+    """Live child processes of this test process."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_wandb_offline_files_and_resume(tmp_path, home):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    cfg = TrackerConfig(mlflow=None, jsonl=False, console=False,
+                        wandb=WandbConfig(project="lmforge-test", mode="offline"))
+    run_dir = tmp_path / "run"
+    before = set(_children())
+    t = build_trackers(cfg, run_name="tiny", run_dir=str(run_dir))
+    assert [x.name for x in t] == ["wandb"]
+    t.log_params(PARAMS)
+    t.log_metrics(_train(1, 4.25), 1)
+    t.log_metrics({**_train(2, 3.5), "eval/bits_per_byte": 1.75}, 2)
+    t.log_text("generations", "def hello():", 2)
+    t.finish()
+    assert set(_children()) <= before  # wandb's service did not outlive finish()
+
+    wandb_id = read_state(run_dir)["wandb"]["id"]
+    runs = list((run_dir / "wandb").glob(f"offline-run-*-{wandb_id}"))
+    assert len(runs) == 1
+    files = list(runs[0].glob("run-*.wandb"))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+    history = {}
+    for raw in _wandb_records(files[0]):
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        if rec.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
+            history[int(items["_step"])] = items
+    assert json.loads(history[1]["train/loss"]) == 4.25
+    assert json.loads(history[2]["train/loss"]) == 3.5
+    assert json.loads(history[2]["eval/bits_per_byte"]) == 1.75
+    assert json.loads(history[2]["generations/_type"]) == "table-file"
+    tables = list(runs[0].glob("files/media/table/generations_*.table.json"))
+    assert json.loads(tables[0].read_text())["data"] == [[2, "def hello():"]]
+
+    # Resume continues the same W&B run id (a second offline folder for the same id).
+    time.sleep(1.1)  # offline folders are named to the second
+    t = build_trackers(cfg, run_name="tiny", run_dir=str(run_dir), resume=True)
+    t.log_metrics(_train(3, 3.0), 3)
+    t.finish("stopped")  # Ctrl-C: marked preempting, still closed cleanly
+    assert len(t) == 1 and set(_children()) <= before
+    assert read_state(run_dir)["wandb"]["id"] == wandb_id
+    assert len(list((run_dir / "wandb").glob(f"offline-run-*-{wandb_id}"))) == 2
+
+
+def test_console_plain_lines_when_not_a_tty():
+    out = io.StringIO()
+    c = ConsoleTracker(total_steps=20, total_tokens=20 * 4096, stream=out, log_every=5)
+    assert not c.tty  # a StringIO is not a terminal
+    for step in range(1, 21):
+        c.log_metrics(_train(step, 5.0 - step / 10), step)
+        if step == 10:
+            c.log_metrics({"eval/loss": 3.5, "eval/perplexity": 33.1,
+                           "eval/bits_per_byte": 1.2}, 10)
+            c.log_text("generations", "def add(a, b):\n    return a + b [x]", 10)
+    c.finish("completed")
+    lines = out.getvalue().splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [s.split(" | ")[0] for s in steps] == [
+        "step 1/20", "step 5/20", "step 10/20", "step 15/20", "step 20/20"]
+    assert "loss 4.0000" in steps[2] and "MFU 40.0%" in steps[2] and "12.35K tok/s" in steps[2]
+    assert "tok 40.96K/81.92K" in steps[2] and "ETA " in steps[2]
+    assert "eval step 10 | loss 3.5000 | ppl 33.10 | bpb 1.2000" in lines
+    assert "    return a + b [x]" in lines  # texts verbatim
+
+
+def test_console_progress_bar_on_a_tty():
+    out = io.StringIO()
+    c = ConsoleTracker(total_steps=10, stream=out, tty=True, width=160)
+    for step in range(5, 11):  # starts mid-way, as after a resume
+        c.log_metrics(_train(step, 2.0), step)
+    c.log_metrics({"eval/loss": 1.9}, 10)
+    c.finish("completed")
+    text = out.getvalue()
+    assert "10/10" in text and "loss 2.0000" in text and "MFU 40.0%" in text
+    assert "eval step 10 | loss 1.9000" in text
+    assert c._progress is None  # the refresh thread was stopped
