@@ -1,0 +1,279 @@
+"""A Llama-style decoder-only transformer, optionally with mixture-of-experts blocks.
+
+Design choices, and why:
+
+- **RMSNorm, pre-norm.** Cheaper than LayerNorm (no mean, no bias) and the standard in
+  Llama-family models; pre-norm keeps the residual stream an identity path, so deep models
+  train without warm-up tricks.
+- **RoPE, rotate-half convention.** Relative positions come out of the q·k product with no
+  learned parameters. We pair dimension i with i + d/2 (Hugging Face Llama's layout) rather
+  than interleaved pairs, so HF weights map 1:1 with no q/k row permutation.
+- **SwiGLU MLP.** A gated feed-forward (silu(x W1) * x W3) W2 beats a plain GELU MLP at the
+  same FLOPs; hidden size comes from `ModelConfig.ffn_dim`.
+- **Grouped-query attention** through `F.scaled_dot_product_attention` with `enable_gqa`,
+  which dispatches to flash attention on GPU and never materializes repeated K/V.
+- **clip_qkv.** Clamping q/k/v projections (DBRX) bounds attention logits and prevents the
+  loss spikes seen in large runs; off unless the config sets it.
+- **No biases.** They add parameters and state but nothing measurable in quality.
+- **Tied embeddings** are implemented by reusing the embedding matrix in the head inside
+  `forward` (no second Parameter). That keeps exactly one tensor after meta-device
+  construction, `to_empty`, FSDP sharding and checkpoint load — attribute-level tying breaks
+  in all of those.
+- **Init.** normal(0, init_std) for every matrix and embedding; the two projections that write
+  into the residual stream (attention out, MLP down) are scaled by 1/sqrt(2·n_layers) so the
+  residual variance does not grow with depth (GPT-2); norm weights start at 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.config.model import ModelConfig
+from lmforge.errors import UserError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 for stability under bf16, then cast back (as HF Llama does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(dim_head: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_len, dim_head] in fp32, rotate-half layout (each half repeated)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim_head, 2, dtype=torch.int64, device=device).float() / dim_head)
+    pos = torch.arange(max_len, dtype=torch.float32, device=device)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, Dh]; cos/sin: [T, Dh]."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Preallocated per-layer key/value buffers for incremental decoding."""
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device, dtype):
+        shape = (batch_size, cfg.kv_heads, max_len, cfg.dim_head)
+        self.max_len = max_len
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.dh = cfg.n_heads, cfg.kv_heads, cfg.dim_head
+        self.clip = cfg.clip_qkv
+        self.wq = nn.Linear(cfg.d_model, self.n_heads * self.dh, bias=False)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv * self.dh, bias=False)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv * self.dh, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.dh, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0):
+        B, T, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q = q.view(B, T, self.n_heads, self.dh).transpose(1, 2)
+        k = k.view(B, T, self.n_kv, self.dh).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.dh).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask, causal = None, True
+        if cache is not None:
+            ck, cv = cache
+            end = start_pos + T
+            ck[:B, :, start_pos:end] = k
+            cv[:B, :, start_pos:end] = v
+            k, v = ck[:B, :, :end], cv[:B, :, :end]
+            if start_pos > 0:
+                # SDPA's is_causal aligns the mask top-left, which is wrong once queries start
+                # after cached keys: query i may see keys 0..start_pos+i.
+                causal = False
+                if T > 1:
+                    mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dh))
+
+
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm block. Returns (x, aux) so MoE statistics survive FSDP/checkpoint/compile
+    wrapping without side channels; aux is {} for dense blocks."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if cfg.is_moe:
+            from lmforge.models.moe import MoE  # moe imports nothing from here at import time
+            self.mlp: nn.Module = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg.d_model, cfg.ffn_dim)
+
+    def forward(self, x, cos, sin, cache=None, start_pos: int = 0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
+        h = self.mlp(self.mlp_norm(x))
+        if isinstance(h, tuple):
+            h, aux = h
+        else:
+            aux = {}
+        return x + h, aux
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise UserError("model.vocab_size: not set; give it in the config or take it from a tokenizer")
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # Non-persistent: derived from the config, so not part of checkpoints.
+        cos, sin = rope_tables(cfg.dim_head, cfg.max_seq_len, cfg.rope_theta,
+                               device=self.tok_embeddings.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if cos.device.type != "meta":  # direct construction gets the documented init too
+            self.init_weights()
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def init_rope(self) -> None:
+        cos, sin = rope_tables(self.cfg.dim_head, self.cfg.max_seq_len, self.cfg.rope_theta,
+                               device=self.rope_cos.device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        self.init_rope()
+        nn.init.normal_(self.tok_embeddings.weight, 0.0, std)
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, 0.0, std)
+        self.norm.weight.fill_(1.0)
+        for block in self.blocks:
+            block.attn_norm.weight.fill_(1.0)
+            block.mlp_norm.weight.fill_(1.0)
+            for lin in (block.attn.wq, block.attn.wk, block.attn.wv):
+                nn.init.normal_(lin.weight, 0.0, std)
+            nn.init.normal_(block.attn.wo.weight, 0.0, out_std)
+            if isinstance(block.mlp, MLP):
+                nn.init.normal_(block.mlp.w1.weight, 0.0, std)
+                nn.init.normal_(block.mlp.w3.weight, 0.0, std)
+                nn.init.normal_(block.mlp.w2.weight, 0.0, out_std)
+            else:
+                block.mlp.init_weights(std, out_std)
+
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        w = self.tok_embeddings.weight
+        return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, w.device, w.dtype)
+
+    def forward(self, input_ids: torch.Tensor, *, return_aux: bool = False,
+                kv_cache: KVCache | None = None, start_pos: int = 0):
+        B, T = input_ids.shape
+        limit = kv_cache.max_len if kv_cache is not None else self.cfg.max_seq_len
+        if start_pos + T > min(limit, self.cfg.max_seq_len):
+            raise ValueError(f"sequence end {start_pos + T} exceeds max_seq_len/cache length {limit}")
+        cos = self.rope_cos[start_pos:start_pos + T]
+        sin = self.rope_sin[start_pos:start_pos + T]
+        h = self.tok_embeddings(input_ids)
+        stats: list[dict[str, torch.Tensor]] = []
+        for i, block in enumerate(self.blocks):
+            cache = (kv_cache.k[i], kv_cache.v[i]) if kv_cache is not None else None
+            h, aux = block(h, cos, sin, cache, start_pos)
+            if aux:
+                stats.append(aux)
+        logits = F.linear(self.norm(h), self.output_weight)
+        if not return_aux:
+            return logits
+        return logits, _reduce_aux(stats, self.cfg)
+
+
+def _reduce_aux(stats: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Average MoE losses over layers (so the coefficients do not scale with depth), sum counts."""
+    if not stats:
+        return {}
+    lb = torch.stack([s["lb_loss"] for s in stats]).mean()
+    z = torch.stack([s["z_loss"] for s in stats]).mean()
+    counts = torch.stack([s["tokens_per_expert"] for s in stats]).sum(0)
+    return {
+        "aux_loss": cfg.moe_aux_loss_coef * lb + cfg.moe_z_loss_coef * z,
+        "moe_lb_loss": lb.detach(),
+        "moe_z_loss": z.detach(),
+        "moe_tokens_per_expert": counts.detach(),
+    }
+
+
+def build_model(cfg: ModelConfig, device="cpu", dtype: torch.dtype = torch.float32,
+                init: bool = True) -> Transformer:
+    """Construct on the meta device (no memory, no init cost), then materialize on `device`.
+
+    Seed torch before calling: the same seed gives identical weights. With init=False the
+    weights are left uninitialized (to be loaded), but the RoPE tables are still computed.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if init:
+        model.init_weights()
+    else:
+        model.init_rope()
+    return model
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def num_active_params(model: Transformer) -> int:
+    """Parameters one token uses: all but the input embedding, with only top_k/E of each MoE
+    layer's experts. This is the N of 6·N·D for FLOPs and MFU (an embedding lookup is no matmul;
+    a tied head still counts once, as the head)."""
+    cfg = model.cfg
+    total = num_params(model)
+    if not cfg.tie_embeddings:
+        total -= model.tok_embeddings.weight.numel()
+    for block in model.blocks:
+        if cfg.is_moe:
+            expert = sum(p.numel() for p in block.mlp.experts.parameters())
+            total -= expert - expert * cfg.top_k // cfg.n_experts
+    return total
