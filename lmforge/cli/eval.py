@@ -1,0 +1,121 @@
+"""`lmforge eval`: in-context-learning benchmarks and the gauntlet score of a saved model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from lmforge.cli.common import add_command
+from lmforge.errors import UserError
+
+DESCRIPTION = """\
+Score a saved model on in-context-learning benchmarks (LLM Foundry's task format: language
+modeling, multiple choice, schema, generation with answers) and, with --gauntlet, group the
+accuracies into category and average scores.
+
+--tasks and --gauntlet take a YAML file, or `default` for the ones shipped with lmforge
+(lmforge/eval/tasks.yaml, lmforge/eval/gauntlet.yaml). Their data files are LLM Foundry's eval
+`local_data` JSONL files (github.com/mosaicml/llm-foundry, scripts/eval/local_data); point
+--data-root at that folder."""
+
+
+def register(subparsers) -> None:
+    p = add_command(subparsers, "eval", "evaluate a model on ICL benchmarks and a gauntlet", DESCRIPTION)
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="model folder (model.safetensors + lmforge-model.json, or Hugging Face) with its tokenizer")
+    p.add_argument("--tasks", default="default", metavar="TASKS.yaml", help="ICL task definitions, or `default`")
+    p.add_argument("--gauntlet", default=None, metavar="G.yaml", help="gauntlet definition, or `default`")
+    p.add_argument("--data-root", default=None, metavar="DIR", help="folder that relative dataset_uri paths resolve against")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="evaluate only the first N examples of each task")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass")
+    p.add_argument("--device", default="auto", metavar="D", help="torch device: auto, cpu, cuda, cuda:1, mps")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from lmforge.eval.gauntlet import gauntlet_scores, load_gauntlet
+    from lmforge.eval.icl import evaluate_icl, load_tasks
+
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be at least 1, got {args.limit}")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.data_root is not None and not Path(args.data_root).expanduser().is_dir():
+        raise UserError(f"--data-root {args.data_root}: no such folder")
+    # Validate every input file before loading the (possibly large) model.
+    tasks = load_tasks(args.tasks, data_root=args.data_root)
+    gauntlet = load_gauntlet(args.gauntlet) if args.gauntlet else None
+    device = _device(args.device)
+    model, tokenizer = _load_checkpoint(args.checkpoint, device)
+
+    results = evaluate_icl(model, tokenizer, tasks, batch_size=args.batch_size, limit=args.limit,
+                           device=device, progress=sys.stderr.isatty())
+    scores = gauntlet_scores(results, gauntlet) if gauntlet else None
+    if args.json:
+        print(json.dumps({"checkpoint": str(args.checkpoint), "results": results, "gauntlet": scores}, indent=2))
+    else:
+        _print_tables(results, scores, tasks)
+    return 0
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r}: not a torch device (expected auto, cpu, cuda, cuda:N or mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def _load_checkpoint(path: str, device):
+    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.models.io import load_pretrained
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"--checkpoint {path}: no such folder")
+    # The tokenizer is saved next to the weights (save_pretrained copies it), or in tokenizer/.
+    candidates = [folder, folder / "tokenizer"]
+    tok_dir = next((d for d in candidates if (d / "tokenizer.json").is_file()), None)
+    if tok_dir is None:
+        raise UserError(f"--checkpoint {path}: no tokenizer (tokenizer.json) in the folder; "
+                        "save the model together with its tokenizer")
+    tokenizer = load_tokenizer(str(tok_dir))
+    model, _ = load_pretrained(folder, device=device)
+    return model, tokenizer
+
+
+def _print_tables(results: dict, scores: dict | None, tasks) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    types = {t.label: t.task_type for t in tasks}
+    table = Table(title="In-context learning")
+    for col, justify in (("task", "left"), ("shots", "right"), ("type", "left"), ("accuracy", "right"), ("n", "right")):
+        table.add_column(col, justify=justify)
+    for key, r in results.items():
+        label, shots = key.rsplit("/", 1)
+        table.add_row(label, shots.removesuffix("-shot"), types.get(label, ""), f"{r['accuracy']:.4f}", str(r["n"]))
+        for cat, c in r.get("categories", {}).items():
+            table.add_row(f"  {cat}", "", "", f"{c['accuracy']:.4f}", str(c["n"]))
+    console.print(table)
+    if scores is None:
+        return
+    gt = Table(title="Gauntlet", caption="0 = random baseline, 1 = perfect")
+    gt.add_column("category / average")
+    gt.add_column("score", justify="right")
+    for name, value in scores["categories"].items():
+        gt.add_row(name, "missing" if value is None else f"{value:.4f}")
+    for name, value in scores["averages"].items():
+        gt.add_row(f"[bold]{name}[/bold]", "missing" if value is None else f"[bold]{value:.4f}[/bold]")
+    console.print(gt)
+    if scores["missing"]:
+        console.print(f"[yellow]not in the results (add them to --tasks): {', '.join(scores['missing'])}[/yellow]")
