@@ -41,3 +41,75 @@ def s3_env(s3_server, monkeypatch):
     for cls in (fsspec.get_filesystem_class("s3"),):
         cls.clear_instance_cache()
     yield s3_server
+
+
+# --------------------------------------------------------------------------- training fixtures
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_lmforge_home(tmp_path_factory):
+    """Every test (and its subprocesses) uses a throwaway LMFORGE_HOME, never ~/.lmforge."""
+    home = tmp_path_factory.mktemp("lmforge-home")
+    old = os.environ.get("LMFORGE_HOME")
+    os.environ["LMFORGE_HOME"] = str(home)
+    os.environ.setdefault("WANDB_MODE", "offline")
+    yield home
+    if old is None:
+        os.environ.pop("LMFORGE_HOME", None)
+    else:
+        os.environ["LMFORGE_HOME"] = old
+
+
+class TinyData:
+    """A small real corpus, a tokenizer trained on it and the prepared MDS dataset."""
+
+    def __init__(self, root: Path):
+        import sysconfig
+
+        from lmforge.data.prepare import prepare
+        from lmforge.data.tokenizer import train_tokenizer
+
+        self.raw = root / "raw"
+        self.raw.mkdir()
+        # ~400 KB of real Python source: deterministic and always present.
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        for name in ("argparse.py", "textwrap.py", "dataclasses.py", "fractions.py", "statistics.py"):
+            (self.raw / (name + ".txt")).write_text((stdlib / name).read_text())
+        self.tokenizer = root / "tok"
+        train_tokenizer([str(self.raw)], 512, str(self.tokenizer))
+        self.dataset = root / "data"
+        prepare([str(self.raw)], str(self.tokenizer), str(self.dataset), 64, eval_fraction=0.2)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> TinyData:
+    return TinyData(tmp_path_factory.mktemp("tiny-data"))
+
+
+def tiny_run_config(data: TinyData, save_folder: Path, **overrides) -> dict:
+    """A run config for a ~100K-parameter model that trains in seconds on one CPU core."""
+    cfg = {
+        "name": "tiny",
+        "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
+                  "max_seq_len": 64},
+        "tokenizer": str(data.tokenizer),
+        "train_data": str(data.dataset),
+        "training_duration": "12ba",
+        "save_folder": str(save_folder),
+        "save_interval": "4ba",
+        "parameters": {"global_batch_size": 8, "micro_batch_size": 4, "learning_rate": 3e-3,
+                       "context_length": 64, "warmup": "2ba"},
+        "eval": {"interval": "6ba", "max_batches": 2, "prompts": ["def main("], "max_new_tokens": 8},
+        "experiment_tracker": {"mlflow": None, "console": True},
+        "log_interval": 1,
+    }
+    for key, value in overrides.items():
+        node = cfg
+        *parents, last = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return cfg

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmforge.home import lmforge_home
 from lmforge.config.tracking import MLflowConfig, TrackerConfig
 from lmforge.tracking.base import Tracker, flatten_params, scalar_metrics
 
@@ -28,12 +29,8 @@ METRICS_PER_BATCH = 1000
 STATUS = {"completed": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
 
 
-def lmforge_home() -> Path:
-    return Path(os.environ.get("LMFORGE_HOME") or Path.home() / ".lmforge").expanduser()
-
-
 def default_tracking_uri() -> str:
-    return f"sqlite:///{lmforge_home() / 'mlflow' / 'mlflow.db'}"
+    return f"sqlite:///{Path(lmforge_home()) / 'mlflow' / 'mlflow.db'}"
 
 
 def resolve_tracking_uri(cfg: MLflowConfig) -> str:

@@ -1,0 +1,139 @@
+"""`lmforge train -f run.yaml [overrides]`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from lmforge.cli.common import add_command
+
+
+def register(sub) -> None:
+    p = add_command(sub, "train", "pretrain (or continue pretraining) a model from a YAML config",
+                    description="Train from a run config. Re-running the same command continues from the latest "
+                    "checkpoint in save_folder (autoresume).")
+    p.add_argument("-f", "--file", metavar="YAML", help="run config (see examples/)")
+    p.add_argument("--model", help="override `model` (a preset name)")
+    p.add_argument("--train-data", action="append", metavar="PATH", help="override `train_data` (repeatable)")
+    p.add_argument("--training-duration", metavar="DUR", help="override, e.g. 10000tok, 500ba, 2ep, 30min")
+    p.add_argument("--save-folder", metavar="DIR", help="override `save_folder`")
+    p.add_argument("--name", help="override `name`")
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override any key, e.g. --set parameters.learning_rate=3e-4 (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
+    p.add_argument("--overwrite", action="store_true", help="replace checkpoints of a different run in save_folder")
+    p.add_argument("--no-autoresume", action="store_true", help="do not continue from an existing checkpoint")
+    p.add_argument("--json", action="store_true", help="print the final summary (or the dry-run plan) as JSON")
+    p.set_defaults(func=run)
+
+
+def load_from_args(args):
+    from lmforge.config.load import load_config
+    from lmforge.errors import UserError
+
+    if not args.file and not (args.model and args.train_data and args.training_duration):
+        raise UserError("train: give a config with -f FILE (or at least --model, --train-data and --training-duration)")
+    overrides = {"model": args.model, "train_data": args.train_data, "training_duration": args.training_duration,
+                 "save_folder": args.save_folder, "name": args.name}
+    if args.no_autoresume:
+        overrides["autoresume"] = False
+    return load_config(args.file, overrides=overrides, sets=args.set)
+
+
+def _relaunch_with_torchrun(ranks: int) -> int:
+    """`compute.ranks: N` on CPU: start N gloo ranks through torchrun, running this same command."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           "-m", "lmforge", *sys.argv[1:]]
+    return subprocess.call(cmd, env=os.environ | {"LMFORGE_LAUNCHED": "1"})
+
+
+def run(args) -> int:
+    cfg = load_from_args(args)
+    if args.dry_run:
+        return dry_run(cfg, args)
+    under_torchrun = "WORLD_SIZE" in os.environ
+    if cfg.compute.ranks and cfg.compute.ranks > 1 and not under_torchrun:
+        return _relaunch_with_torchrun(cfg.compute.ranks)
+    from lmforge.train.trainer import train
+
+    result = train(cfg, overwrite=args.overwrite)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_summary(result, as_json=args.json)
+    return 0 if result.status in ("completed", "stopped") else 1
+
+
+def print_summary(result, as_json: bool = False) -> None:
+    if as_json:
+        print(json.dumps({"status": result.status, "step": result.step, "tokens": result.tokens,
+                          "save_folder": result.save_folder, "final": result.final_dir,
+                          "eval": result.eval, "generations": result.generations,
+                          "mlflow_ui": result.mlflow_ui}, indent=1, default=str))
+        return
+    from rich.console import Console
+
+    c = Console(highlight=False)
+    c.print()
+    c.print(f"[bold]{result.status}[/bold] after {result.step:,} steps ({result.tokens:,} tokens)")
+    ev = result.eval
+    keys = [k for k in ev if k.endswith(("/loss", "/bits_per_byte", "/perplexity")) or k.startswith(("icl/", "gauntlet/"))]
+    for k in keys:
+        c.print(f"  {k:32s} {ev[k]:.4f}")
+    for text in result.generations[:3]:
+        c.print("[dim]--- sample ---[/dim]")
+        c.print(text, markup=False)
+    c.print("[dim]---[/dim]")
+    c.print(f"checkpoints: {os.path.join(result.save_folder, 'checkpoints')}")
+    if result.final_dir:
+        c.print(f"final model: {result.final_dir}  (lmforge generate --checkpoint {result.final_dir})")
+    c.print(f"metrics:     {os.path.join(result.save_folder, 'metrics.jsonl')}")
+    if result.mlflow_ui:
+        c.print(f"MLflow:      {result.mlflow_ui}")
+
+
+def dry_run(cfg, args) -> int:
+    """Resolve every default without training; data preparation is not started for this."""
+    import yaml
+
+    from lmforge.distributed.dist import pick_device
+    from lmforge.estimate.plan import format_plan, make_plan as estimate_plan
+    from lmforge.train.plan import make_plan, resolved_config
+    from lmforge.train.trainer import default_names
+
+    cfg = default_names(cfg)
+    if cfg.model.vocab_size is None:
+        from lmforge.config.schema import TokenizerSpec
+
+        vocab = cfg.tokenizer.train.vocab_size if isinstance(cfg.tokenizer, TokenizerSpec) else None
+        if isinstance(cfg.tokenizer, str) and os.path.exists(cfg.tokenizer):
+            from lmforge.data.tokenizer import load_tokenizer
+
+            vocab = load_tokenizer(cfg.tokenizer).vocab_size
+        if vocab:
+            cfg.model.vocab_size = 64 * -(-vocab // 64)
+    device = pick_device(cfg.compute.device, 0)
+    world = cfg.compute.ranks or 1
+    if device.type == "cuda":
+        import torch
+
+        world = (torch.cuda.device_count() if cfg.compute.gpus == "auto" else cfg.compute.gpus) * cfg.compute.nodes
+    plan = make_plan(cfg, world_size=world, device=device, samples_per_epoch=None, data_seq_len=None)
+    resolved = resolved_config(cfg, plan).model_dump(mode="json")
+    gpu_type = "cpu"
+    if device.type == "cuda":
+        from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec
+
+        name = detect_device_spec(device).name
+        gpu_type = name if name in GPU_TYPES else "h100-sxm"
+    est = estimate_plan(cfg.model, tokens=plan.total_tokens, gpus=world if device.type == "cuda" else 1,
+                        gpu_type=gpu_type, seq_len=plan.context_length)
+    if args.json:
+        print(json.dumps({"config": resolved, "plan": est}, indent=1, default=str))
+        return 0
+    print(yaml.safe_dump(resolved, sort_keys=False), end="")
+    print("---")
+    print(f"steps: {plan.total_steps}  batch: {plan.global_batch} × {plan.context_length} tokens "
+          f"(micro-batch {plan.micro_batch} × {plan.grad_accum} accumulation × {world} rank(s))")
+    print(format_plan(est))
+    return 0

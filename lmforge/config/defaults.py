@@ -1,0 +1,62 @@
+"""Size-aware defaults: everything left unset in `parameters` is derived here.
+
+| default | rule | where it comes from |
+|---|---|---|
+| learning_rate | log-linear in non-embedding params between the anchors below | MPT/LLM Foundry recipes (125M 6e-4, 350M 3e-4, 760M 2.5e-4, 1B 2e-4, 3B 1.6e-4, 7B 1.2e-4, 13B 1e-4, 30B 1e-4, 70B 8e-5, as published by MosaicML and Meta); tiny CPU models take larger steps |
+| global batch | tokens per step by size (≤30M: 8K; ≤200M: 0.5M; ≤2B: 1M; ≤20B: 2M; else 4M), converted to samples | MPT recipes (256–512 × 2048) and Llama 2 (4M tokens) |
+| warmup | 5% of the optimizer steps, at least 1, at most 2000 | common practice (torchtitan, nanoGPT use fixed ~2k for long runs) |
+| schedule | warmup + cosine to 10% of the peak | Chinchilla / Llama recipes |
+| AdamW | β (0.9, 0.95), ε 1e-8, weight decay 0.1 on matrices only | GPT-3, Llama |
+| grad clip | 1.0 | GPT-3, Llama |
+| precision | bf16 autocast if the device supports bf16 matmuls natively, else fp32 | |
+| tokens | compute-optimal ≈ 20 × params (shown by `--dry-run` / `estimate`) | Chinchilla (Hoffmann et al. 2022) |
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# (non-embedding params, peak LR)
+LR_ANCHORS = [(5e6, 2e-3), (30e6, 1e-3), (125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4),
+              (3e9, 1.6e-4), (7e9, 1.2e-4), (13e9, 1e-4), (30e9, 1e-4), (70e9, 8e-5)]
+# (upper bound of non-embedding params, tokens per optimizer step)
+BATCH_TOKENS = [(30e6, 8192), (200e6, 524288), (2e9, 1048576), (20e9, 2097152), (math.inf, 4194304)]
+
+
+def default_learning_rate(non_embedding_params: float) -> float:
+    x = math.log(max(non_embedding_params, 1.0))
+    pts = [(math.log(n), math.log(lr)) for n, lr in LR_ANCHORS]
+    if x <= pts[0][0]:
+        return LR_ANCHORS[0][1]
+    if x >= pts[-1][0]:
+        return LR_ANCHORS[-1][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return float(f"{math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0)):.3g}")
+    raise AssertionError("unreachable")
+
+
+def default_batch_tokens(non_embedding_params: float) -> int:
+    return next(tokens for bound, tokens in BATCH_TOKENS if non_embedding_params <= bound)
+
+
+def default_warmup_steps(total_steps: int) -> int:
+    return int(min(2000, max(1, round(0.05 * total_steps))))
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """bf16 autocast only where matmuls run natively in bf16 (else it is slower than fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        # AVX512-BF16 / AMX: torch reports an AVX512 capability; oneDNN then has bf16 kernels.
+        cap = torch.backends.cpu.get_cpu_capability()
+        return "AVX512" in cap and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return False
+
+
+def cpu_micro_batch(per_rank: int, cap: int = 8) -> int:
+    """On CPU a fixed, modest micro-batch: the largest divisor of the per-rank batch ≤ cap."""
+    return max(d for d in range(1, min(per_rank, cap) + 1) if per_rank % d == 0)

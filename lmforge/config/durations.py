@@ -1,0 +1,56 @@
+"""Durations with units: ``200B tok``, ``2_000_000tok``, ``500ba``, ``2ep``, ``10000sp``, ``30min``.
+
+Units: ``tok`` (tokens), ``ba`` (optimizer steps), ``sp`` (samples), ``ep`` (epochs of the
+training data), and wall-clock ``s`` / ``min`` / ``h`` (stored in seconds). Counts accept ``_``
+separators and ``K/M/B/T`` suffixes (10^3 … 10^12).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+UNITS = {"tok": "tok", "ba": "ba", "sp": "sp", "ep": "ep", "s": "s", "min": "s", "h": "s"}
+_SECONDS = {"s": 1, "min": 60, "h": 3600}
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+_PATTERN = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]+)?(?:e[0-9]+)?)\s*([a-z][a-z ]*?)\s*$", re.I)
+
+
+@dataclass(frozen=True)
+class Duration:
+    value: float  # tokens, steps, samples, epochs or seconds
+    unit: str  # tok | ba | sp | ep | s
+
+    def __str__(self) -> str:
+        v = int(self.value) if float(self.value).is_integer() else self.value
+        return f"{v}{self.unit}"
+
+
+def parse_duration(text: str | int | float | Duration, what: str = "duration") -> Duration:
+    """Parse a duration; raises ValueError with a message naming the expected units."""
+    if isinstance(text, Duration):
+        return text
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise ValueError(f"expected a duration string like '10000tok' or '500ba', got {text!r}")
+    if isinstance(text, (int, float)):
+        raise ValueError(
+            f"{text!r} has no unit; write e.g. '{text}tok', '{text}ba', '{text}sp', '{text}ep' or '{text}min'")
+    m = _PATTERN.match(text)
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a {what}; expected a number and a unit, "
+                         "e.g. '10000tok', '200B tok', '500ba', '2ep', '30min'")
+    number, rest = m.group(1).replace("_", ""), m.group(2).lower()
+    # The unit is the whole rest ("500ba", "30min") or a K/M/B/T suffix then a unit ("200B tok").
+    if rest.replace(" ", "") in UNITS:
+        suffix, unit = "", rest.replace(" ", "")
+    elif rest[0] in _SUFFIX and rest[1:].strip() in UNITS:
+        suffix, unit = rest[0], rest[1:].strip()
+    else:
+        raise ValueError(f"unknown unit {rest!r} in {text!r}; expected one of tok, ba, sp, ep, s, min, h "
+                         "(optionally after K/M/B/T, e.g. '200B tok')")
+    value = float(number) * _SUFFIX[suffix]
+    if unit in _SECONDS:
+        value *= _SECONDS[unit]
+    if value <= 0:
+        raise ValueError(f"{what} must be positive, got {text!r}")
+    return Duration(value=value, unit=UNITS[unit])

@@ -1,0 +1,161 @@
+"""The run config: one pydantic schema, the single source of defaults.
+
+Top-level keys follow the managed pretraining API (``model``, ``train_data``,
+``save_folder``, ``training_duration``) plus what training-stack users expect
+(``parameters``, ``compute``, ``eval``, ``experiment_tracker``). Values left as ``None``
+or ``"auto"`` are filled from the model size and the machine by ``lmforge.config.defaults``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator, model_validator
+
+from lmforge.config.durations import Duration, parse_duration
+from lmforge.config.model import ModelConfig, resolve_model
+from lmforge.config.tracking import TrackerConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# Durations are written and shown as strings ("500ba"), parsed into Duration objects.
+DurationField = Annotated[Duration, BeforeValidator(parse_duration), PlainSerializer(str, return_type=str)]
+
+
+class DatasetEntry(_Strict):
+    name: str | None = Field(None, description="name in a mix; default: the mapping key, or d0, d1, ...")
+    path: str = Field(..., description="prepared MDS dataset, or raw text (files, globs, URIs, builtin:python-stdlib)")
+    proportion: float | None = Field(None, gt=0, description="share of this dataset in the mix; default: by size")
+    text_field: str = Field("text", description="JSON field / parquet column holding the text (raw inputs)")
+
+
+class TokenizerTrain(_Strict):
+    vocab_size: int = Field(8192, ge=64, description="vocabulary size of the BPE to train")
+    bos: bool = Field(False, description="also add a beginning-of-text token")
+
+
+class TokenizerSpec(_Strict):
+    train: TokenizerTrain = Field(..., description="train a byte-level BPE on the training data")
+
+
+class EvalConfig(_Strict):
+    data_path: str | None = Field(None, description="held-out data; default: the val split of the training data")
+    holdout_fraction: float = Field(
+        0.01, ge=0, lt=1, description="share of raw-text documents held out for eval when lmforge prepares the data")
+    interval: DurationField | None = Field(None, description="how often to evaluate, e.g. '500ba' or '1M tok'; default: ~10 evals per run")
+    max_batches: int = Field(20, gt=0, description="held-out micro-batches per evaluation")
+    prompts: list[str] = Field(default_factory=list, description="prompts to generate from at each evaluation")
+    max_new_tokens: int = Field(64, gt=0, description="tokens generated per prompt")
+    temperature: float = Field(0.8, ge=0, description="sampling temperature for prompts (0 = greedy)")
+    top_k: int | None = Field(50, gt=0, description="sample from the k most likely tokens")
+    top_p: float | None = Field(0.95, gt=0, le=1, description="nucleus sampling threshold")
+    icl_tasks: str | list[dict] | None = Field(None, description="ICL task YAML (or a list of tasks)")
+    gauntlet: str | None = Field(None, description="gauntlet YAML grouping the ICL tasks")
+    icl_interval: DurationField | None = Field(None, description="how often to run ICL tasks; default: at the end only")
+    icl_limit: int | None = Field(None, gt=0, description="examples per ICL task (None = all)")
+    data_root: str | None = Field(None, description="folder that relative ICL dataset paths resolve against")
+
+
+
+class Parameters(_Strict):
+    learning_rate: float | None = Field(None, gt=0, description="peak LR; default from model size")
+    context_length: int | None = Field(None, gt=1, description="tokens per sample; default: model max_seq_len")
+    global_batch_size: int | str | None = Field(
+        None, description="samples per optimizer step across all ranks, or tokens ('1M tok'); default from model size")
+    micro_batch_size: int | Literal["auto"] = Field("auto", description="samples per forward pass per rank")
+    warmup: DurationField | None = Field(None, description="LR warmup, e.g. '100ba' or '10M tok'; default from run length")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay after warmup")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final LR as a fraction of the peak (cosine/linear)")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (matrices only)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null to turn off")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="bf16 autocast where the hardware supports it, else fp32")
+    seed: int = Field(17, description="seed for init, data order and sampling")
+
+
+    @field_validator("global_batch_size")
+    @classmethod
+    def _gbs(cls, v):
+        if isinstance(v, str):
+            d = parse_duration(v, "global_batch_size")
+            if d.unit not in ("tok", "sp"):
+                raise ValueError("expected samples (an integer) or tokens like '1M tok'")
+            return str(d)
+        if v is not None and v <= 0:
+            raise ValueError("must be positive")
+        return v
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _mbs(cls, v):
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("must be a positive integer or 'auto'")
+        return v
+
+
+class ComputeConfig(_Strict):
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to train")
+    gpus: int | Literal["auto"] = Field("auto", description="GPUs per node to use")
+    nodes: int = Field(1, ge=1, description="number of nodes")
+    ranks: int | None = Field(None, ge=1, description="CPU only: run N gloo ranks (for tests / no-GPU users)")
+    data_parallel: Literal["ddp", "fsdp", "hsdp", "none"] = Field("ddp", description="how ranks share the model")
+    activation_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    compile: bool = Field(False, description="torch.compile each transformer block")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+
+
+class RunConfig(_Strict):
+    name: str | None = Field(None, description="run name; default: the config file's name, else model + timestamp")
+    model: ModelConfig = Field(..., description="preset name, {preset: ..., overrides}, or a full shape")
+    tokenizer: str | TokenizerSpec | None = Field(
+        None, description="tokenizer folder, or {train: {vocab_size: N}}; default: the one the data was prepared with")
+    train_data: list[DatasetEntry] = Field(..., description="path/URI, list, or {name: {path, proportion}} mix")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation while training")
+    save_folder: str | None = Field(None, description="checkpoints, metrics, exports; default runs/<name>")
+    save_interval: DurationField | None = Field(None, description="checkpoint every …; default: ~5 per run")
+    save_num_checkpoints_to_keep: int = Field(2, ge=1, description="older checkpoints are deleted")
+    training_duration: DurationField = Field(..., description="e.g. '10000tok', '200B tok', '500ba', '2ep', '30min'")
+    parameters: Parameters = Field(default_factory=Parameters, description="optimization hyperparameters")
+    compute: ComputeConfig = Field(default_factory=ComputeConfig, description="devices and parallelism")
+    experiment_tracker: TrackerConfig = Field(default_factory=TrackerConfig, description="MLflow / W&B / JSONL")
+    custom_weights_path: str | None = Field(None, description="weights to start from (continued pretraining)")
+    autoresume: bool = Field(True, description="continue from the latest checkpoint in save_folder")
+    max_retries: int = Field(2, ge=0, description="automatic restarts after a crash (supervised runs)")
+    log_interval: int = Field(10, ge=1, description="steps between console/tracker log lines")
+
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model(cls, v):
+        return resolve_model(v)
+
+    @field_validator("train_data", mode="before")
+    @classmethod
+    def _train_data(cls, v):
+        """Accept 'path', ['a', 'b'], or {name: path | {path, proportion}}."""
+        if isinstance(v, str):
+            return [{"path": v}]
+        if isinstance(v, dict):
+            out = []
+            for name, entry in v.items():
+                entry = {"path": entry} if isinstance(entry, str) else dict(entry or {})
+                entry.setdefault("name", name)
+                out.append(entry)
+            return out
+        if isinstance(v, list):
+            return [{"path": e} if isinstance(e, str) else e for e in v]
+        return v
+
+    @model_validator(mode="after")
+    def _names(self):
+        if not self.train_data:
+            raise ValueError("train_data: at least one dataset is required")
+        for i, entry in enumerate(self.train_data):
+            if entry.name is None:
+                entry.name = f"d{i}"
+        return self

@@ -1,0 +1,159 @@
+"""From a run config's `tokenizer` / `train_data` / `eval` to ready-to-stream datasets.
+
+`train_data` entries may be prepared MDS datasets or raw text (anything `data prepare` reads,
+`builtin:python-stdlib` included). Raw text is tokenized and packed once into a cache keyed by
+the inputs and settings (``$LMFORGE_HOME/cache/data/<key>``), and a requested tokenizer
+(``tokenizer: {train: {vocab_size: N}}``) is trained once into ``cache/tokenizers/<key>``;
+later runs reuse both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+from lmforge.config.schema import RunConfig, TokenizerSpec
+from lmforge.data import remote
+from lmforge.errors import UserError
+from lmforge.home import cache_dir
+
+SUMMARY_FILE = "lmforge-dataset.json"
+
+
+@dataclass
+class ResolvedDataset:
+    name: str
+    path: str  # a prepared dataset: MDS folder, or a folder with train/ and val/
+    proportion: float | None
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def seq_len(self) -> int | None:
+        return (self.summary.get("args") or {}).get("seq_len")
+
+    def split_stats(self, split: str) -> dict:
+        return (self.summary.get("splits") or {}).get(split) or {}
+
+    def has_split(self, split: str) -> bool:
+        return _exists(_join(self.path, split, "index.json"))
+
+
+@dataclass
+class ResolvedData:
+    tokenizer_path: str
+    train: list[ResolvedDataset]
+    eval: list[tuple[ResolvedDataset, str]]  # (dataset, split) pairs to evaluate on
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.rstrip("/") for p in parts)
+
+
+def _exists(path: str) -> bool:
+    return remote.exists(path) if remote.is_remote(path) else os.path.exists(path)
+
+
+def is_prepared(path: str) -> bool:
+    return any(_exists(_join(path, f)) for f in (SUMMARY_FILE, "index.json", "train/index.json"))
+
+
+def _read_summary(path: str) -> dict:
+    from lmforge.data.prepare import read_summary
+
+    if _exists(_join(path, SUMMARY_FILE)):
+        return read_summary(path)
+    return {}
+
+
+def _fingerprint(inputs: list[str]) -> list:
+    """What identifies raw inputs for the cache key: local files by size and mtime."""
+    from lmforge.data.sources import list_files
+
+    out = []
+    for item in list_files(inputs):
+        path = getattr(item, "path", item)
+        if isinstance(path, str) and os.path.exists(path):
+            st = os.stat(path)
+            out.append([path, st.st_size, int(st.st_mtime)])
+        else:
+            out.append([str(path)])
+    return out
+
+
+def _key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _tokenizer_fingerprint(tok_dir: str) -> str:
+    with open(os.path.join(tok_dir, "tokenizer.json"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def resolve_tokenizer(cfg: RunConfig, log=print) -> str:
+    spec = cfg.tokenizer
+    if isinstance(spec, TokenizerSpec):
+        raw = [d for d in cfg.train_data if not is_prepared(d.path)]
+        if not raw:
+            raise UserError("tokenizer.train: needs raw text in train_data to train on, but every "
+                            "train_data entry is an already prepared dataset; give `tokenizer: PATH` instead")
+        inputs = [d.path for d in raw]
+        key = _key({"inputs": _fingerprint(inputs), "vocab": spec.train.vocab_size, "bos": spec.train.bos,
+                    "fields": [d.text_field for d in raw]})
+        out = os.path.join(cache_dir("tokenizers"), key)
+        if os.path.exists(os.path.join(out, "tokenizer.json")):
+            log(f"tokenizer: reusing {out}")
+            return out
+        from lmforge.data.tokenizer import train_tokenizer
+
+        log(f"tokenizer: training a {spec.train.vocab_size}-token BPE on {', '.join(inputs)} → {out}")
+        tmp = out + f".tmp-{os.getpid()}"
+        train_tokenizer(inputs, spec.train.vocab_size, tmp, text_field=raw[0].text_field, add_bos=spec.train.bos)
+        os.replace(tmp, out)
+        return out
+    if isinstance(spec, str):
+        return spec
+    # No tokenizer given: the one recorded by `data prepare` for the first prepared dataset.
+    for d in cfg.train_data:
+        if is_prepared(d.path):
+            tok = (_read_summary(d.path).get("tokenizer") or {}).get("path")
+            if tok and os.path.exists(tok):
+                return tok
+    raise UserError("tokenizer: required (a tokenizer folder, or {train: {vocab_size: N}} to train one)")
+
+
+def _prepare_cached(inputs: list[str], tokenizer_path: str, seq_len: int, eval_fraction: float,
+                    text_field: str, log=print) -> str:
+    from lmforge.data.prepare import prepare
+
+    key = _key({"inputs": _fingerprint(inputs), "tok": _tokenizer_fingerprint(tokenizer_path),
+                "seq": seq_len, "eval": eval_fraction, "field": text_field})
+    out = os.path.join(cache_dir("data"), key)
+    if not os.path.exists(os.path.join(out, SUMMARY_FILE)):
+        log(f"data: preparing {', '.join(inputs)} (seq {seq_len}, {eval_fraction:.1%} held out) → {out}")
+    prepare(inputs, tokenizer_path, out, seq_len, eval_fraction=eval_fraction, workers=min(4, os.cpu_count() or 1),
+            text_field=text_field, progress=None)
+    return out
+
+
+def resolve_data(cfg: RunConfig, seq_len: int, log=print) -> ResolvedData:
+    """Tokenizer first (it may be trained on the raw data), then each dataset, then eval data."""
+    tokenizer_path = resolve_tokenizer(cfg, log=log)
+    train = []
+    for d in cfg.train_data:
+        if is_prepared(d.path):
+            path = d.path
+        else:
+            path = _prepare_cached([d.path], tokenizer_path, seq_len, cfg.eval.holdout_fraction, d.text_field, log)
+        train.append(ResolvedDataset(d.name, path, d.proportion, _read_summary(path)))
+    evals: list[tuple[ResolvedDataset, str]] = []
+    if cfg.eval.data_path:
+        p = cfg.eval.data_path
+        if not is_prepared(p):
+            p = _prepare_cached([p], tokenizer_path, seq_len, 0.0, cfg.train_data[0].text_field, log)
+        ds = ResolvedDataset("eval", p, None, _read_summary(p))
+        evals.append((ds, "val" if ds.has_split("val") else "train"))
+    else:
+        evals = [(d, "val") for d in train if d.has_split("val")]
+    return ResolvedData(tokenizer_path, train, evals)

@@ -1,0 +1,79 @@
+"""Process groups: one code path for a single process, torchrun on CPU (gloo) and GPUs (nccl)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as td
+
+from lmforge.errors import UserError
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("compute.device: cuda was asked for but no CUDA GPU is visible")
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"compute: rank {local_rank} has no GPU ({torch.cuda.device_count()} present)")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device_kind: str = "auto", timeout_s: int = 600) -> DistInfo:
+    """Join the process group when started by torchrun (RANK/WORLD_SIZE set), else single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_kind, local_rank)
+    if world > 1 and not td.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        td.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                              device_id=device if device.type == "cuda" else None)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def barrier() -> None:
+    if td.is_available() and td.is_initialized():
+        td.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if td.is_available() and td.is_initialized():
+        td.all_reduce(t, op=td.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj, src: int = 0):
+    """Send a picklable object from rank ``src`` to every rank (identity when single process)."""
+    if not (td.is_available() and td.is_initialized()):
+        return obj
+    box = [obj]
+    td.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def destroy() -> None:
+    if td.is_available() and td.is_initialized():
+        td.destroy_process_group()

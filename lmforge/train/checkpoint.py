@@ -1,0 +1,188 @@
+"""Checkpoints: DCP shards + a small JSON state, made visible only when complete.
+
+Layout of ``save_folder``::
+
+    run.json                      identity of the run (name, model shape, data) — guards overwrites
+    checkpoints/step_00000100/    one complete checkpoint
+        .metadata, __*_*.distcp   model + optimizer (torch.distributed.checkpoint)
+        rng_rank{R}.pt            per-rank RNG states
+        lmforge-state.json        step, tokens, data-stream state, resolved config (written last)
+    final/                        model.safetensors + lmforge-model.json + tokenizer (the export)
+
+Every rank writes into ``checkpoints/.step_00000100.tmp``; after a barrier rank 0 writes
+``lmforge-state.json`` and renames the folder. A crash mid-save leaves only a ``.tmp``
+folder, which is never picked up as the latest checkpoint and is removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from lmforge.distributed.dist import barrier
+from lmforge.errors import UserError
+
+STATE_FILE = "lmforge-state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoints_dir(save_folder: str) -> str:
+    return os.path.join(save_folder, "checkpoints")
+
+
+def list_checkpoints(save_folder: str) -> list[tuple[int, str]]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(save_folder)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.exists(os.path.join(root, name, STATE_FILE)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def latest_checkpoint(save_folder: str) -> str | None:
+    found = list_checkpoints(save_folder)
+    return found[-1][1] if found else None
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict, *, rank: int, keep: int) -> str:
+    """Write a checkpoint for ``step``; returns its folder. Collective: every rank calls it."""
+    root = checkpoints_dir(save_folder)
+    final = os.path.join(root, f"step_{step:08d}")
+    tmp = os.path.join(root, f".step_{step:08d}.tmp")
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # leftovers of an interrupted save
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, STATE_FILE), "w") as f:
+            json.dump(state, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):  # same step saved before (e.g. final save after a periodic one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _, old in list_checkpoints(save_folder)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def read_state(path: str) -> dict:
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint {path} is corrupt ({STATE_FILE}: {e}); "
+                        "--no-autoresume starts fresh (keeping it aside)") from None
+
+
+def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                    *, rank: int) -> dict:
+    """Load weights, optimizer and this rank's RNG states; returns the JSON state."""
+    state = read_state(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer else (get_state_dict(model, [])[0], None)
+    to_load = {"model": model_sd} | ({"optim": optim_sd} if optimizer else {})
+    try:
+        dcp.load(to_load, checkpoint_id=path)
+    except Exception as e:  # DCP raises several types for missing/mismatched tensors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {path} cannot be loaded into this model ({first[:300]}); "
+                        "it may be corrupt or from a different model; --no-autoresume starts fresh (keeping it aside)") from None
+    if optimizer:
+        set_state_dict(model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
+    else:
+        set_state_dict(model, [], model_state_dict=to_load["model"], optim_state_dict={})
+    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
+    if os.path.exists(rng_file):
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return state
+
+
+# --- run identity: refuse to mix two different runs in one save folder -----------------------
+
+RUN_FILE = "run.json"
+
+
+def run_identity(cfg) -> dict:
+    """What makes two runs 'the same run' (a longer duration or new eval settings do not)."""
+    model = cfg.model.model_dump(mode="json")
+    return {"name": cfg.name, "model": model, "train_data": [d.model_dump(mode="json") for d in cfg.train_data]}
+
+
+def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, autoresume: bool) -> bool:
+    """Returns True when the folder already holds this run's checkpoints (resume is possible).
+
+    A folder that holds a different run is refused unless ``overwrite``, in which case its
+    checkpoints are removed (never silently mixed).
+    """
+    path = os.path.join(save_folder, RUN_FILE)
+    if not os.path.exists(path):
+        return False
+    try:
+        with open(path) as f:
+            existing = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        existing = {}
+    same = existing.get("identity") == identity
+    if overwrite:
+        shutil.rmtree(checkpoints_dir(save_folder), ignore_errors=True)
+        shutil.rmtree(os.path.join(save_folder, "final"), ignore_errors=True)
+        for name in ("metrics.jsonl", "trackers.json", RUN_FILE):
+            if os.path.exists(os.path.join(save_folder, name)):
+                os.remove(os.path.join(save_folder, name))
+        return False
+    if not same:
+        what = existing.get("identity", {}).get("name") or "another run"
+        raise UserError(f"save_folder {save_folder} holds checkpoints of a different run ({what!r}: other "
+                        "name, model or data); choose another --save-folder or pass --overwrite to replace it")
+    if not autoresume and os.path.isdir(checkpoints_dir(save_folder)):
+        # Start fresh without destroying anything: the old checkpoints are moved aside.
+        aside = f"{checkpoints_dir(save_folder)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(checkpoints_dir(save_folder), aside)
+        print(f"autoresume is off: moved the existing checkpoints to {aside}")
+        return False
+    return True
+
+
+def write_run_file(save_folder: str, identity: dict, resolved: dict) -> None:
+    os.makedirs(save_folder, exist_ok=True)
+    tmp = os.path.join(save_folder, RUN_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"identity": identity, "config": resolved}, f, indent=1)
+    os.replace(tmp, os.path.join(save_folder, RUN_FILE))

@@ -1,0 +1,149 @@
+"""Turn a run config plus facts about data and devices into concrete numbers.
+
+Everything the trainer needs that the user may leave unset — learning rate, batch sizes,
+steps, warmup, intervals, precision — is decided here, once, and written back into the
+resolved config that is printed by ``--dry-run`` and saved with every checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lmforge.config.defaults import (bf16_supported, cpu_micro_batch, default_batch_tokens,
+                                     default_learning_rate, default_warmup_steps)
+from lmforge.config.durations import Duration, parse_duration
+from lmforge.config.schema import RunConfig
+from lmforge.errors import UserError
+from lmforge.estimate.flops import mfu_flops_per_token, param_counts
+
+
+@dataclass
+class TrainPlan:
+    context_length: int
+    global_batch: int  # samples per optimizer step, all ranks
+    micro_batch: int  # samples per forward pass, per rank
+    grad_accum: int
+    world_size: int
+    total_steps: int | None  # None: wall-clock bounded
+    time_limit_s: float | None
+    warmup_steps: int
+    learning_rate: float
+    eval_interval: int
+    save_interval: int
+    icl_interval: int | None
+    precision: str  # "bf16" | "fp32"
+    params: dict
+    flops_per_token: float
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.context_length
+
+    @property
+    def total_tokens(self) -> int | None:
+        return None if self.total_steps is None else self.total_steps * self.tokens_per_step
+
+
+def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int | None) -> int | None:
+    """A duration in optimizer steps (None for wall-clock durations)."""
+    if d.unit == "ba":
+        return max(1, math.ceil(d.value))
+    if d.unit == "tok":
+        return max(1, math.ceil(d.value / (gbs * ctx)))
+    if d.unit == "sp":
+        return max(1, math.ceil(d.value / gbs))
+    if d.unit == "ep":
+        if not samples_per_epoch:
+            raise UserError(f"{what}: epochs need the dataset size, which is not known here")
+        return max(1, math.ceil(d.value * samples_per_epoch / gbs))
+    if d.unit == "s":
+        return None
+    raise UserError(f"{what}: unsupported unit {d.unit!r}")
+
+
+def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
+              samples_per_epoch: int | None, data_seq_len: int | None,
+              micro_batch_hint: int | None = None) -> TrainPlan:
+    """Fill every default; raises UserError for impossible combinations."""
+    p = cfg.parameters
+    model = cfg.model
+    counts = param_counts(model)
+    ctx = p.context_length or (min(model.max_seq_len, data_seq_len) if data_seq_len else model.max_seq_len)
+    if data_seq_len is not None and ctx > data_seq_len:
+        raise UserError(f"parameters.context_length ({ctx}) is longer than the training data's samples "
+                        f"({data_seq_len} tokens); prepare the data with --seq-len {ctx} or lower the context")
+
+    # Global batch in samples (rounded so that every rank gets the same share).
+    if p.global_batch_size is None:
+        gbs = max(1, round(default_batch_tokens(counts["non_embedding"]) / ctx))
+    elif isinstance(p.global_batch_size, str):
+        d = parse_duration(p.global_batch_size)
+        gbs = max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
+    else:
+        gbs = int(p.global_batch_size)
+    if p.global_batch_size is None or isinstance(p.global_batch_size, str):
+        gbs = world_size * max(1, math.ceil(gbs / world_size))
+
+    if p.micro_batch_size == "auto":
+        per_rank = gbs // world_size if gbs % world_size == 0 else None
+        if per_rank is None:
+            raise UserError(f"parameters.global_batch_size ({gbs}) must be divisible by the number of ranks ({world_size})")
+        cap = 8 if device.type == "cpu" else (micro_batch_hint or 8)
+        micro = cpu_micro_batch(per_rank, cap)
+    else:
+        micro = int(p.micro_batch_size)
+    if gbs % (micro * world_size):
+        raise UserError(f"parameters.global_batch_size ({gbs}) must be divisible by micro_batch_size ({micro}) "
+                        f"× ranks ({world_size}) = {micro * world_size}")
+    grad_accum = gbs // (micro * world_size)
+
+    total = _steps(cfg.training_duration, "training_duration", gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch)
+    time_limit = cfg.training_duration.value if cfg.training_duration.unit == "s" else None
+
+    def interval(d: Duration | None, what: str, default: int) -> int:
+        if d is None:
+            return default
+        steps = _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch)
+        if steps is None:
+            raise UserError(f"{what}: use steps or tokens ('100ba', '1M tok'), not wall-clock time")
+        return steps
+
+    nominal = total or 1000  # wall-clock runs: intervals as if ~1000 steps
+    warmup = interval(p.warmup, "parameters.warmup", default_warmup_steps(nominal))
+    if total is not None:
+        warmup = min(warmup, total)
+    eval_every = interval(cfg.eval.interval, "eval.interval", max(1, nominal // 10))
+    save_every = interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)))
+    icl_every = interval(cfg.eval.icl_interval, "eval.icl_interval", 0) or None
+
+    if p.precision == "auto":
+        precision = "bf16" if bf16_supported(device) else "fp32"
+    else:
+        precision = p.precision
+        if precision == "bf16" and not bf16_supported(device) and device.type != "cpu":
+            raise UserError(f"parameters.precision: bf16 is not supported on {device}")
+
+    return TrainPlan(
+        context_length=ctx, global_batch=gbs, micro_batch=micro, grad_accum=grad_accum,
+        world_size=world_size, total_steps=total, time_limit_s=time_limit, warmup_steps=warmup,
+        learning_rate=p.learning_rate or default_learning_rate(counts["non_embedding"]),
+        eval_interval=eval_every, save_interval=save_every, icl_interval=icl_every,
+        precision=precision, params=counts, flops_per_token=mfu_flops_per_token(model, ctx),
+    )
+
+
+def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
+    """The config with every default written in (what --dry-run prints and checkpoints keep)."""
+    data = cfg.model_dump(mode="json")
+    data["parameters"].update(
+        learning_rate=plan.learning_rate, context_length=plan.context_length,
+        global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
+        warmup=f"{plan.warmup_steps}ba", precision=plan.precision)
+    data["eval"]["interval"] = f"{plan.eval_interval}ba"
+    if plan.icl_interval:
+        data["eval"]["icl_interval"] = f"{plan.icl_interval}ba"
+    data["save_interval"] = f"{plan.save_interval}ba"
+    return RunConfig.model_validate(data)

@@ -1,0 +1,68 @@
+"""Run `lmforge train` for real, in a subprocess, and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def env(**extra) -> dict:
+    # One thread per process: tiny models gain nothing from more, and test processes never
+    # fight over the two cores (also makes every run's float reductions identical).
+    return os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | extra
+
+
+def lmforge(*args, timeout=300, check=False, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "lmforge", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env(), cwd=kw.pop("cwd", REPO), **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"lmforge {' '.join(map(str, args))} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def metrics(save_folder: Path) -> list[dict]:
+    path = save_folder / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written right now
+    return rows
+
+
+def train_losses(save_folder: Path) -> dict[int, float]:
+    """step → loss; after a resume the re-run steps overwrite the earlier records."""
+    return {r["step"]: r["train/loss"] for r in metrics(save_folder) if "train/loss" in r}
+
+
+def final_weights(save_folder: Path) -> dict:
+    return load_file(str(save_folder / "final" / "model.safetensors"))
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str, code: int = 2) -> None:
+    err = proc.stderr.strip()
+    assert proc.returncode == code, (proc.returncode, proc.stdout[-2000:], err[-2000:])
+    assert "Traceback" not in err and "Traceback" not in proc.stdout, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("error:"), err
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1, err
+    for n in needles:
+        assert n in errors[0], (n, errors[0])
