@@ -61,8 +61,24 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str, code
     assert proc.returncode == code, (proc.returncode, proc.stdout[-2000:], err[-2000:])
     assert "Traceback" not in err and "Traceback" not in proc.stdout, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert lines and lines[-1].startswith("error:"), err
-    errors = [ln for ln in lines if ln.startswith("error:")]
-    assert len(errors) == 1, err
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
     for n in needles:
-        assert n in errors[0], (n, errors[0])
+        assert n in lines[0], (n, lines[0])
+
+
+def train_killed_at(cfg_path: Path, save_folder: Path, step: int, timeout: float = 240) -> None:
+    """Start `lmforge train`, SIGKILL it once `step` optimizer steps are logged."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
+    deadline = time.time() + timeout
+    try:
+        while max(train_losses(save_folder), default=0) < step:
+            assert proc.poll() is None, "training ended before it could be killed"
+            assert time.time() < deadline, "training did not reach the kill step in time"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()

@@ -15,7 +15,15 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Show defaults next to every option and keep description paragraphs as written."""
+    """Show defaults next to options and keep description paragraphs as written.
+
+    Flags and options whose default is "not given" (None, False, []) show no default.
+    """
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, [], argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_command(subparsers, name: str, help: str, description: str | None = None):

@@ -26,6 +26,9 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace checkpoints of a different run in save_folder")
     p.add_argument("--no-autoresume", action="store_true", help="do not continue from an existing checkpoint")
     p.add_argument("--json", action="store_true", help="print the final summary (or the dry-run plan) as JSON")
+    from lmforge.config.reference import render_text
+
+    p.epilog = render_text()
     p.set_defaults(func=run)
 
 

@@ -22,10 +22,12 @@ import random
 import re
 import shutil
 import time
+import warnings
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lmforge.distributed.dist import barrier
@@ -33,6 +35,8 @@ from lmforge.errors import UserError
 
 STATE_FILE = "lmforge-state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# DCP warns on every single-process save/load that it "assumes the intent" — which it is.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def checkpoints_dir(save_folder: str) -> str:
@@ -120,8 +124,13 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     to_load = {"model": model_sd} | ({"optim": optim_sd} if optimizer else {})
     try:
         dcp.load(to_load, checkpoint_id=path)
-    except Exception as e:  # DCP raises several types for missing/mismatched tensors
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        cause = e
+        if isinstance(e, CheckpointException) and e.failures:
+            cause = next(iter(e.failures.values()))  # the per-rank error, e.g. a truncated shard
+            cause = cause[0] if isinstance(cause, tuple) else cause
+        text = str(cause).strip()
+        first = f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
         raise UserError(f"checkpoint {path} cannot be loaded into this model ({first[:300]}); "
                         "it may be corrupt or from a different model; --no-autoresume starts fresh (keeping it aside)") from None
     if optimizer:

@@ -1,0 +1,87 @@
+"""Trainer features beyond the dense basics: MoE runs, ICL during training, the quickstart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import SHARED, REPO, tiny_run_config
+from train_helpers import final_weights, lmforge, metrics, train_killed_at, train_losses, write_config
+
+MOE = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64,
+       "n_experts": 4, "top_k": 2, "expansion_ratio": 1.0}
+
+
+def test_moe_run_trains_logs_router_stats_and_resumes_bitwise(tmp_path, tiny_data):
+    common = {"model": MOE, "training_duration": "10ba", "save_interval": "3ba", "eval.interval": "5ba",
+              "eval.prompts": ["def "]}
+    ref = write_config(tmp_path / "ref.yaml", tiny_run_config(tiny_data, tmp_path / "ref", **common))
+    lmforge("train", "-f", ref, check=True)
+    rows = [r for r in metrics(tmp_path / "ref") if "train/loss" in r]
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.5
+    assert all(r["train/moe_lb_loss"] >= 1.0 - 1e-4 for r in rows)  # 1.0 at perfectly uniform routing
+    assert all(0 < r["train/moe_max_expert_share"] <= 1 for r in rows)
+    # MFU is computed from *active* parameters (shared with `lmforge estimate`)
+    from lmforge.config.model import ModelConfig
+    from lmforge.estimate.flops import param_counts
+
+    counts = param_counts(ModelConfig(**MOE, vocab_size=512))
+    assert counts["active"] < counts["total"]
+
+    cfg = write_config(tmp_path / "victim.yaml", tiny_run_config(tiny_data, tmp_path / "victim", **common))
+    train_killed_at(cfg, tmp_path / "victim", step=7)
+    lmforge("train", "-f", cfg, check=True)
+    a, b = final_weights(tmp_path / "ref"), final_weights(tmp_path / "victim")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert train_losses(tmp_path / "ref") == train_losses(tmp_path / "victim")
+
+
+def test_icl_tasks_and_gauntlet_during_training(tmp_path, tiny_data):
+    rows = [{"query": f"def f{i}(x): return x", "choices": [" + 1", " * 2", " - 3"], "gold": i % 3}
+            for i in range(12)]
+    task_file = tmp_path / "mc.jsonl"
+    task_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks = [{"label": "toy_mc", "dataset_uri": str(task_file), "num_fewshot": [0, 1],
+              "icl_task_type": "multiple_choice"}]
+    gauntlet = tmp_path / "g.yaml"
+    gauntlet.write_text(
+        "eval_gauntlet:\n  weighting: EQUAL\n  subtract_random_baseline: true\n  rescale_accuracy: true\n"
+        "  categories:\n  - name: toy\n    benchmarks:\n    - {name: toy_mc, num_fewshot: 0, random_baseline: 0.333}\n")
+    cfg = write_config(tmp_path / "icl.yaml", tiny_run_config(
+        tiny_data, tmp_path / "icl", training_duration="4ba",
+        **{"eval.icl_tasks": tasks, "eval.gauntlet": str(gauntlet), "eval.icl_interval": "2ba",
+           "eval.prompts": []}))
+    lmforge("train", "-f", cfg, check=True)
+    icl_rows = [r for r in metrics(tmp_path / "icl") if "icl/toy_mc/0-shot" in r]
+    assert [r["step"] for r in icl_rows] == [2, 4]  # at icl_interval, and at the end
+    assert all(0 <= r["icl/toy_mc/1-shot"] <= 1 for r in icl_rows)
+    assert "gauntlet/toy" in icl_rows[-1]
+
+
+def test_bad_icl_task_file_fails_before_training(tmp_path, tiny_data):
+    cfg = write_config(tmp_path / "bad.yaml", tiny_run_config(
+        tiny_data, tmp_path / "bad", **{"eval.icl_tasks": [{"label": "x", "dataset_uri": str(tmp_path / "no.jsonl"),
+                                                            "num_fewshot": [0], "icl_task_type": "multiple_choice"}]}))
+    proc = lmforge("train", "-f", cfg)
+    assert proc.returncode == 2 and "no.jsonl" in proc.stderr
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_quickstart_runs_end_to_end_shortened(tmp_path):
+    """The real quickstart config (built-in corpus, tokenizer training, preparation, llama-tiny),
+    with fewer steps. A second run reuses the cached tokenizer and data."""
+    args = ["train", "-f", REPO / "examples" / "quickstart.yaml", "--training-duration", "3ba",
+            "--save-folder", tmp_path / "qs", "--set", "eval.interval=3ba", "--set", "eval.max_batches=1",
+            "--set", "eval.max_new_tokens=8"]
+    proc = lmforge(*args, timeout=600, check=True)
+    out = proc.stdout
+    assert "tokenizer: training a 8192-token BPE" in out and "data: preparing builtin:python-stdlib" in out
+    assert "eval/bits_per_byte" in out and "final model:" in out and "mlflow ui --backend-store-uri" in out
+    assert out.count("--- sample ---") == 3 and "def fibonacci(n):" in out
+    args[args.index("--save-folder") + 1] = tmp_path / "qs2"
+    again = lmforge(*args, "--name", "qs2", timeout=600, check=True).stdout
+    assert "tokenizer: reusing" in again and "data: preparing" not in again
