@@ -222,7 +222,7 @@ class Registry:
                 sets = ", ".join(f"{k}=?" for k in fields)
                 con.execute(f"UPDATE runs SET {sets} WHERE name=?", (*fields.values(), name))
             else:
-                fields = {"name": name, "created_at": time.time()} | fields
+                fields = {"name": name, "created_at": fields.get("started_at") or time.time()} | fields
                 cols = ", ".join(fields)
                 con.execute(f"INSERT INTO runs ({cols}) VALUES ({', '.join('?' * len(fields))})",
                             tuple(fields.values()))

@@ -35,7 +35,8 @@ from lmforge.runs.registry import Registry
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
-HEARTBEAT_S = 5.0
+HEARTBEAT_S = 5.0  # registry updated_at while the run is alive
+METRICS_S = 1.0  # at most this often, new latest metrics are written to the registry
 
 
 def report_status(status: str, **info) -> None:
@@ -222,6 +223,7 @@ class Supervisor:
         metrics.latest = {}
         running = False
         last_beat = 0.0
+        last_written = None
         while True:
             try:
                 self.proc.wait(timeout=0.5)
@@ -239,8 +241,9 @@ class Supervisor:
                 fields["status"] = "RUNNING"
                 self.reg.set_resumption(self.name, idx, status="RUNNING")
             now = time.time()
-            if fields or now - last_beat >= HEARTBEAT_S:
-                last_beat = now
+            fresh = latest and latest is not last_written and now - last_beat >= METRICS_S
+            if fields or fresh or now - last_beat >= HEARTBEAT_S:
+                last_beat, last_written = now, latest
                 if latest:
                     fields["metrics"] = summarize(latest, self.config)
                 self.reg.put(self.name, fields)
