@@ -26,6 +26,8 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace checkpoints of a different run in save_folder")
     p.add_argument("--no-autoresume", action="store_true", help="do not continue from an existing checkpoint")
     p.add_argument("--json", action="store_true", help="print the final summary (or the dry-run plan) as JSON")
+    p.add_argument("--detach", action="store_true",
+                   help="run in the background (logs in <save_folder>/logs); print the run name and return")
     from lmforge.config.reference import render_text
 
     p.epilog = render_text()
@@ -56,12 +58,25 @@ def run(args) -> int:
     cfg = load_from_args(args)
     if args.dry_run:
         return dry_run(cfg, args)
+    # [runs] `lmforge train` registers the run and supervises a child `lmforge train` (retries,
+    # logs, `lmforge runs ...`); the child, and torchrun ranks, come through here and just train.
+    from lmforge.runs.launch import launch, should_supervise
+    from lmforge.runs.supervisor import report_status
+
+    if should_supervise():
+        return launch(cfg, args)
     under_torchrun = "WORLD_SIZE" in os.environ
     if cfg.compute.ranks and cfg.compute.ranks > 1 and not under_torchrun:
         return _relaunch_with_torchrun(cfg.compute.ranks)
+    from lmforge.errors import UserError
     from lmforge.train.trainer import train
 
-    result = train(cfg, overwrite=args.overwrite)
+    try:
+        result = train(cfg, overwrite=args.overwrite)
+    except UserError as e:
+        report_status("failed", error=str(e), exit_code=e.exit_code)
+        raise
+    report_status(result.status, step=result.step, tokens=result.tokens)
     if int(os.environ.get("RANK", "0")) == 0:
         print_summary(result, as_json=args.json)
     return 0 if result.status in ("completed", "stopped") else 1

@@ -1,0 +1,245 @@
+"""`lmforge runs list | describe | logs | stop | delete | restart`: the run registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from lmforge.cli.common import add_command
+
+
+def register(sub) -> None:
+    p = add_command(sub, "runs", "list, follow, stop, delete and restart training runs",
+                    description="Runs started by `lmforge train` (foreground or --detach) are kept in "
+                    "$LMFORGE_HOME/runs.db.")
+    rs = p.add_subparsers(dest="runs_command", metavar="ACTION", parser_class=type(p))
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+    c = add_command(rs, "list", "a table of runs")
+    c.add_argument("--status", help="only runs in this status (e.g. RUNNING, FAILED)")
+    c.add_argument("--json", action="store_true", help="print JSON")
+    c.set_defaults(func=cmd_list)
+
+    c = add_command(rs, "describe", "config summary, status, resumptions, events, latest metrics, paths")
+    c.add_argument("name")
+    c.add_argument("--json", action="store_true", help="print JSON")
+    c.set_defaults(func=cmd_describe)
+
+    c = add_command(rs, "logs", "print a run's training output")
+    c.add_argument("name")
+    c.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
+    c.add_argument("--resumption", type=int, metavar="N", help="this resumption instead of the latest")
+    c.set_defaults(func=cmd_logs)
+
+    c = add_command(rs, "stop", "stop a run: checkpoint at the next step, then exit")
+    c.add_argument("name")
+    c.add_argument("--force", action="store_true", help="kill at once (no checkpoint)")
+    c.add_argument("--no-wait", action="store_true", help="return without waiting for the run to stop")
+    c.add_argument("--timeout", type=float, default=600, help="seconds to wait for the run to stop")
+    c.set_defaults(func=cmd_stop)
+
+    c = add_command(rs, "delete", "remove a run from the registry")
+    c.add_argument("name")
+    c.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    c.add_argument("--force", action="store_true", help="also kill it if it is still active")
+    c.add_argument("--purge", action="store_true", help="also delete its local save folder (checkpoints, logs)")
+    c.set_defaults(func=cmd_delete)
+
+    c = add_command(rs, "restart", "a new resumption in the background, from the latest checkpoint")
+    c.add_argument("name")
+    c.set_defaults(func=cmd_restart)
+
+
+# --------------------------------------------------------------------------- formatting
+
+def status_text(run) -> str:
+    return f"{run.status} ({run.reason})" if run.status == "FAILED" and run.reason == "lost" else run.status
+
+
+def age(t: float | None) -> str:
+    if not t:
+        return "-"
+    s = max(0, time.time() - t)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit}"
+    return f"{s:.0f}s"
+
+
+def progress_text(m: dict) -> str:
+    if not m:
+        return "-"
+    p = m.get("progress")
+    step = f"step {m['step']}" if m.get("step") is not None else ""
+    return f"{100 * p:.0f}% {step}".strip() if p is not None else step or "-"
+
+
+def _human(n) -> str:
+    from lmforge.tracking.console import human
+
+    return human(n) if n is not None else "-"
+
+
+def cmd_list(args) -> int:
+    from lmforge.runs.run import get_runs
+
+    runs = get_runs(args.status)
+    if args.json:
+        print(json.dumps([_summary(r) for r in runs], indent=1, default=str))
+        return 0
+    if not runs:
+        print("no runs" + (f" with status {args.status.upper()}" if args.status else ""))
+        return 0
+    rows = [("NAME", "TYPE", "STATUS", "MODEL", "PROGRESS", "LOSS", "TOK/S", "AGE")]
+    for r in runs:
+        m = r.latest_metrics
+        rows.append((r.name, r.run_type, status_text(r), r.model or "-", progress_text(m),
+                     f"{m['loss']:.4f}" if m.get("loss") is not None else "-", _human(m.get("tokens_per_s")),
+                     age(r.created_at)))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def _summary(run) -> dict:
+    d = run.to_dict()
+    d.pop("config", None)
+    d.pop("events", None)
+    return d
+
+
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def cmd_describe(args) -> int:
+    from lmforge.runs.run import get_run
+
+    run = get_run(args.name)
+    if args.json:
+        print(json.dumps(run.to_dict(), indent=1, default=str))
+        return 0
+    cfg = run.config
+    print(f"run        {run.name} ({run.run_type})")
+    print(f"status     {run.status}" + (f" — {run.reason}" if run.reason else ""))
+    print(f"model      {run.model}")
+    print(f"data       {', '.join(d.get('path', '?') for d in cfg.get('train_data') or [])}")
+    print(f"duration   {cfg.get('training_duration')}   max_retries {run.max_retries}   ranks {run.ranks or 1}")
+    print(f"created    {_when(run.created_at)}   started {_when(run.started_at)}   "
+          f"updated {_when(run.updated_at)}   ended {_when(run.completed_at)}")
+    print(f"host       {run.host}   supervisor pid {run.supervisor_pid}   trainer pid {run.child_pid or '-'}")
+    print(f"save       {run.save_folder}")
+    print(f"logs       {run.log_dir}")
+    ckpts = sorted(os.listdir(run.checkpoints_dir)) if os.path.isdir(run.checkpoints_dir) else []
+    ckpts = [c for c in ckpts if c.startswith("step_")]
+    print(f"checkpoints {', '.join(ckpts) or 'none'} ({run.checkpoints_dir})")
+    m = run.latest_metrics
+    if m:
+        from lmforge.tracking.console import format_eta
+
+        mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "-"
+        print(f"metrics    step {m.get('step')}  tokens {_human(m.get('tokens'))}  loss {m.get('loss', 0):.4f}  "
+              f"{_human(m.get('tokens_per_s'))} tok/s  MFU {mfu}  progress {progress_text(m)}  "
+              f"ETA {format_eta(m.get('eta_s')) if not run.is_terminal else '-'}")
+    print("resumptions")
+    for r in run.resumptions:
+        code = f" exit {r['exit_code']}" if r["exit_code"] is not None else ""
+        why = f" — {r['reason']}" if r["reason"] else ""
+        print(f"  {r['idx']}  {r['status']:<10} {_when(r['started_at'])} → {_when(r['ended_at'])}{code}{why}")
+        print(f"     log {r['log_path']}")
+    print("events")
+    for e in run.events:
+        first, *rest = (e["message"] or "").splitlines() or [""]
+        print(f"  {_when(e['time'])}  {e['type']:<8} {first}")
+        for line in rest:
+            print(f"  {'':19}  {'':8} {line}")
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from lmforge.runs.run import get_run
+
+    run = get_run(args.name)
+    path = run.log_path(args.resumption)
+    out = sys.stdout.buffer
+    offset = _copy(path, 0, out)
+    if not args.follow:
+        return 0
+    # Follow: the latest resumption's file (a retry starts a new one) until the run ends.
+    while True:
+        time.sleep(0.5)
+        run.refresh()
+        offset = _copy(path, offset, out)
+        if args.resumption is None and run.resumptions and run.resumptions[-1]["log_path"] != path:
+            path = run.resumptions[-1]["log_path"]
+            out.write(f"--- resumption {run.resumptions[-1]['idx']} ---\n".encode())
+            offset = _copy(path, 0, out)
+            continue
+        if run.is_terminal:
+            _copy(path, offset, out)
+            return 0
+
+
+def _copy(path: str, offset: int, out) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    if data:
+        out.write(data)
+        out.flush()
+    return offset + len(data)
+
+
+def cmd_stop(args) -> int:
+    from lmforge.runs.run import get_run
+
+    run = get_run(args.name)
+    if run.is_terminal:
+        print(f"run {run.name} already ended: {status_text(run)}" + (f" ({run.reason})" if run.reason and run.reason != "lost" else "")
+              + "; nothing to stop")
+        return 0
+    try:
+        run.stop(force=args.force, wait=not args.no_wait, timeout=args.timeout)
+    except TimeoutError:
+        from lmforge.errors import UserError
+
+        raise UserError(f"run {run.name} did not stop within {args.timeout:g}s (still {run.status}); "
+                        f"`lmforge runs stop {run.name} --force` kills it") from None
+    print(f"run {run.name}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
+    return 0
+
+
+def cmd_delete(args) -> int:
+    from lmforge.errors import UserError
+    from lmforge.runs.run import get_run
+
+    run = get_run(args.name)
+    if not run.is_terminal and not args.force:
+        raise UserError(f"run {run.name} is {run.status}; stop it first (`lmforge runs stop {run.name}`) "
+                        "or pass --force")
+    if not args.yes:
+        what = f"run {run.name}" + (f" and delete {run.save_folder}" if args.purge else " from the registry")
+        if not sys.stdin.isatty():
+            raise UserError(f"delete {run.name}: pass --yes to confirm (no terminal to ask on)")
+        if input(f"remove {what}? [y/N] ").strip().lower() not in ("y", "yes"):
+            print("not deleted")
+            return 1
+    run.delete(force=args.force, purge=args.purge)
+    print(f"deleted run {run.name}" + (f" and {run.save_folder}" if args.purge else
+                                        f" (files kept in {run.save_folder})"))
+    return 0
+
+
+def cmd_restart(args) -> int:
+    from lmforge.runs.run import get_run
+
+    run = get_run(args.name).restart()
+    print(f"{run.name}: restarted as resumption {run.resumptions[-1]['idx'] if run.resumptions else 0} "
+          f"({run.status})")
+    return 0

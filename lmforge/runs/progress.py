@@ -1,0 +1,81 @@
+"""A run's latest metrics and progress, read from the ``metrics.jsonl`` the trainer writes.
+
+The supervisor tails the file while the run trains and stores the summary in the registry;
+``runs list`` shows it. Reading the file is enough: no channel from the trainer is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from lmforge.config.durations import parse_duration
+
+
+def metrics_path(save_folder: str) -> str:
+    return os.path.join(save_folder, "metrics.jsonl")
+
+
+class MetricsTail:
+    """Reads only what was appended since the last call (the file may be large)."""
+
+    def __init__(self, path: str):
+        self.path, self.offset, self.latest = path, 0, {}
+
+    def poll(self) -> dict:
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return self.latest
+        if size < self.offset:  # a fresh run truncated the file
+            self.offset = 0
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1  # leave a half-written last line for next time
+        self.offset += end
+        for line in chunk[:end].splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "train/loss" in rec:
+                self.latest = rec
+        return self.latest
+
+
+def read_history(save_folder: str) -> list[dict]:
+    from lmforge.tracking.jsonl import read_metrics
+
+    path = metrics_path(save_folder)
+    return read_metrics(path) if os.path.exists(path) else []
+
+
+def summarize(record: dict, config: dict | None) -> dict:
+    """step, tokens, loss, tokens/s, MFU, progress (0..1) and ETA in seconds from one record."""
+    if not record:
+        return {}
+    out = {"step": record.get("step"), "tokens": record.get("train/tokens"), "loss": record.get("train/loss"),
+           "tokens_per_s": record.get("throughput/tokens_per_s"), "mfu": record.get("throughput/mfu"),
+           "time": record.get("time")}
+    frac, eta = _progress(out, config or {})
+    out["progress"], out["eta_s"] = frac, eta
+    return out
+
+
+def _progress(m: dict, config: dict) -> tuple[float | None, float | None]:
+    try:
+        d = parse_duration(config.get("training_duration"))
+    except (ValueError, TypeError):
+        return None, None
+    step, tokens, tps = m.get("step") or 0, m.get("tokens") or 0, m.get("tokens_per_s")
+    if d.unit == "ba":
+        frac = step / d.value
+        remaining_tokens = (d.value - step) * (tokens / step) if step else None
+    elif d.unit == "tok":
+        frac = tokens / d.value
+        remaining_tokens = d.value - tokens
+    else:  # samples, epochs and wall-clock: no exact total known outside the trainer
+        return None, None
+    eta = remaining_tokens / tps if remaining_tokens is not None and tps else None
+    return min(frac, 1.0), (max(eta, 0.0) if eta is not None else None)

@@ -1,0 +1,309 @@
+"""The run registry: one SQLite file, ``$LMFORGE_HOME/runs.db``.
+
+Several processes use it at once (supervisors of runs side by side, ``lmforge runs list``,
+the SDK), so it runs in WAL mode (readers never wait for a writer), every write is one short
+``BEGIN IMMEDIATE`` transaction, and a busy timeout absorbs brief contention. A file that is
+locked for longer, or is not a registry, is reported as one clear error and never recreated
+over (it may be the only record of someone's runs).
+
+Tables: ``runs`` (one row per run name), ``resumptions`` (one per start of the training
+process: the first start, automatic retries, restarts) and ``events`` (what happened, when).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import time
+from contextlib import contextmanager
+
+from lmforge.errors import UserError
+from lmforge.home import lmforge_home
+
+STATUSES = ("PENDING", "STARTING", "RUNNING", "TERMINATING", "COMPLETED", "FAILED", "STOPPED")
+ACTIVE = ("PENDING", "STARTING", "RUNNING", "TERMINATING")
+TERMINAL = ("COMPLETED", "FAILED", "STOPPED")
+SCHEMA_VERSION = 1
+# A supervisor on another host cannot be probed; without a heartbeat for this long it is lost.
+REMOTE_HEARTBEAT_TIMEOUT_S = 600
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    name TEXT PRIMARY KEY,
+    run_type TEXT NOT NULL,
+    status TEXT NOT NULL,
+    reason TEXT,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    updated_at REAL NOT NULL,
+    completed_at REAL,
+    model TEXT,
+    config TEXT,
+    identity TEXT,
+    save_folder TEXT,
+    log_dir TEXT,
+    command TEXT,
+    cwd TEXT,
+    host TEXT,
+    supervisor_pid INTEGER,
+    supervisor_start TEXT,
+    child_pid INTEGER,
+    ranks INTEGER,
+    max_retries INTEGER,
+    metrics TEXT
+);
+CREATE TABLE IF NOT EXISTS resumptions (
+    run_name TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    status TEXT NOT NULL,
+    reason TEXT,
+    exit_code INTEGER,
+    log_path TEXT,
+    PRIMARY KEY (run_name, idx)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_name TEXT NOT NULL,
+    time REAL NOT NULL,
+    type TEXT NOT NULL,
+    message TEXT
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events (run_name, id);
+"""
+
+_JSON_FIELDS = ("config", "identity", "command", "metrics")
+
+
+def registry_path() -> str:
+    return os.path.join(lmforge_home(), "runs.db")
+
+
+def _timeout() -> float:
+    return float(os.environ.get("LMFORGE_REGISTRY_TIMEOUT", "15"))
+
+
+# --------------------------------------------------------------------------- processes
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def process_start(pid: int | None) -> str | None:
+    """An identifier of when ``pid`` started (Linux: jiffies since boot + boot id), or None if
+    no such live process. Stored next to a pid so that a reused pid is not taken for ours."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        if os.path.isdir("/proc/self"):
+            return None
+        try:  # no procfs (macOS): existence is all we can check
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped by its parent
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{boot}:{fields[19]}"
+
+
+def process_alive(pid: int | None, start: str | None) -> bool:
+    now = process_start(pid)
+    return now is not None and (start in (None, "?") or now == "?" or now == start)
+
+
+# --------------------------------------------------------------------------- the registry
+
+class Registry:
+    """Short-lived connection per operation; rows come back as plain dicts."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or registry_path()
+
+    @contextmanager
+    def _connect(self, write: bool = False):
+        if not os.path.exists(self.path):
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        try:
+            con = sqlite3.connect(self.path, timeout=_timeout(), isolation_level=None)
+        except sqlite3.Error as e:
+            raise self._error(e) from None
+        try:
+            con.row_factory = sqlite3.Row
+            try:
+                self._init(con)
+                if write:
+                    con.execute("BEGIN IMMEDIATE")
+                yield con
+                if write:
+                    con.execute("COMMIT")
+            except sqlite3.Error as e:
+                if con.in_transaction:
+                    con.execute("ROLLBACK")
+                raise self._error(e) from None
+        finally:
+            con.close()
+
+    def _init(self, con) -> None:
+        version = con.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
+            return
+        if version > SCHEMA_VERSION:
+            raise UserError(f"run registry {self.path} was written by a newer lmforge (schema {version}); "
+                            "upgrade lmforge or set LMFORGE_HOME to another folder")
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if tables - {"sqlite_sequence"}:
+            # Tables of something else: not ours to alter.
+            raise UserError(f"{self.path} is an SQLite file but not an lmforge run registry (tables: "
+                            f"{', '.join(sorted(tables))}); move it aside or set LMFORGE_HOME")
+        con.execute("PRAGMA journal_mode=WAL")
+        con.executescript(_SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};")
+
+    def _error(self, e: sqlite3.Error) -> UserError:
+        msg = str(e)
+        if "locked" in msg or "busy" in msg:
+            return UserError(f"run registry {self.path} is locked by another process (waited {_timeout():g}s); "
+                             "try again, or find the process holding it")
+        if "not a database" in msg or "malformed" in msg or "corrupt" in msg or "no such table" in msg:
+            return UserError(f"run registry {self.path} is corrupt ({msg}); lmforge will not recreate it: "
+                             "move it aside (your checkpoints in each run's save_folder are untouched)")
+        return UserError(f"run registry {self.path}: {msg}")
+
+    # --- reads
+
+    def get(self, name: str, *, details: bool = True) -> dict | None:
+        with self._connect() as con:
+            row = con.execute("SELECT * FROM runs WHERE name=?", (name,)).fetchone()
+            if row is None:
+                return None
+            run = _row(row)
+            if details:
+                run["resumptions"] = [dict(r) for r in con.execute(
+                    "SELECT idx, started_at, ended_at, status, reason, exit_code, log_path FROM resumptions "
+                    "WHERE run_name=? ORDER BY idx", (name,))]
+                run["events"] = [dict(r) for r in con.execute(
+                    "SELECT time, type, message FROM events WHERE run_name=? ORDER BY id", (name,))]
+            return run
+
+    def list(self, status: str | None = None) -> list[dict]:
+        with self._connect() as con:
+            if status:
+                rows = con.execute("SELECT * FROM runs WHERE status=? ORDER BY created_at", (status,))
+            else:
+                rows = con.execute("SELECT * FROM runs ORDER BY created_at")
+            return [_row(r) for r in rows]
+
+    def names(self) -> list[str]:
+        with self._connect() as con:
+            return [r[0] for r in con.execute("SELECT name FROM runs")]
+
+    # --- writes
+
+    def put(self, name: str, fields: dict, *, event: tuple[str, str] | None = None) -> None:
+        """Insert or update the row of ``name`` (JSON fields are encoded here)."""
+        fields = {k: (json.dumps(v) if k in _JSON_FIELDS and v is not None else v) for k, v in fields.items()}
+        fields["updated_at"] = time.time()
+        with self._connect(write=True) as con:
+            exists = con.execute("SELECT 1 FROM runs WHERE name=?", (name,)).fetchone()
+            if exists:
+                sets = ", ".join(f"{k}=?" for k in fields)
+                con.execute(f"UPDATE runs SET {sets} WHERE name=?", (*fields.values(), name))
+            else:
+                fields = {"name": name, "created_at": fields.get("started_at") or time.time()} | fields
+                cols = ", ".join(fields)
+                con.execute(f"INSERT INTO runs ({cols}) VALUES ({', '.join('?' * len(fields))})",
+                            tuple(fields.values()))
+            if event:
+                _add_event(con, name, *event)
+
+    def replace(self, name: str, fields: dict, event: tuple[str, str]) -> None:
+        """Drop an old finished run of this name (its files stay) and register a new one."""
+        with self._connect(write=True) as con:
+            for table, col in (("runs", "name"), ("resumptions", "run_name"), ("events", "run_name")):
+                con.execute(f"DELETE FROM {table} WHERE {col}=?", (name,))
+        self.put(name, fields, event=event)
+
+    def event(self, name: str, type_: str, message: str) -> None:
+        with self._connect(write=True) as con:
+            _add_event(con, name, type_, message)
+
+    def start_resumption(self, name: str, log_dir: str) -> tuple[int, str]:
+        """A new resumption of ``name``; returns its index and the path of its log file."""
+        with self._connect(write=True) as con:
+            idx = con.execute("SELECT COALESCE(MAX(idx) + 1, 0) FROM resumptions WHERE run_name=?",
+                              (name,)).fetchone()[0]
+            log_path = os.path.join(log_dir, f"resumption-{idx}.log")
+            con.execute("INSERT INTO resumptions (run_name, idx, started_at, status, log_path) VALUES (?,?,?,?,?)",
+                        (name, idx, time.time(), "STARTING", log_path))
+            return idx, log_path
+
+    def set_resumption(self, name: str, idx: int, **fields) -> None:
+        with self._connect(write=True) as con:
+            sets = ", ".join(f"{k}=?" for k in fields)
+            con.execute(f"UPDATE resumptions SET {sets} WHERE run_name=? AND idx=?", (*fields.values(), name, idx))
+
+    def delete(self, name: str) -> None:
+        with self._connect(write=True) as con:
+            for table, col in (("runs", "name"), ("resumptions", "run_name"), ("events", "run_name")):
+                con.execute(f"DELETE FROM {table} WHERE {col}=?", (name,))
+
+    def mark_lost_if_dead(self, run: dict) -> dict:
+        """An active run whose supervisor is gone is FAILED (lost); returns the fresh row.
+
+        The supervisor writes its final status before it exits, so "dead and still active" means
+        it was killed or the machine went down. The update re-checks the status in the same
+        transaction so a run that finished a moment ago is never overwritten.
+        """
+        if run["status"] not in ACTIVE or not supervisor_gone(run):
+            return run
+        now = time.time()
+        with self._connect(write=True) as con:
+            cur = con.execute(
+                "UPDATE runs SET status='FAILED', reason='lost', completed_at=?, updated_at=? WHERE name=? AND "
+                f"status IN ({','.join('?' * len(ACTIVE))}) AND supervisor_pid IS ?",
+                (now, now, run["name"], *ACTIVE, run["supervisor_pid"]))
+            if cur.rowcount:
+                con.execute("UPDATE resumptions SET status='FAILED', reason='lost', ended_at=? WHERE run_name=? "
+                            "AND ended_at IS NULL", (now, run["name"]))
+                _add_event(con, run["name"], "lost", f"supervisor process {run['supervisor_pid']} on "
+                           f"{run['host']} is gone (killed, or the machine restarted) without recording an end")
+        fresh = self.get(run["name"], details="resumptions" in run)
+        return fresh or run
+
+
+def supervisor_gone(run: dict) -> bool:
+    if run["host"] and run["host"] != this_host():
+        return time.time() - (run["updated_at"] or 0) > REMOTE_HEARTBEAT_TIMEOUT_S
+    if not run["supervisor_pid"]:
+        # Registered but never claimed by a supervisor: give a starting one a moment.
+        return time.time() - (run["updated_at"] or 0) > 60
+    return not process_alive(run["supervisor_pid"], run["supervisor_start"])
+
+
+def _add_event(con, name: str, type_: str, message: str) -> None:
+    con.execute("INSERT INTO events (run_name, time, type, message) VALUES (?,?,?,?)",
+                (name, time.time(), type_, message))
+
+
+def _row(row) -> dict:
+    d = dict(row)
+    for k in _JSON_FIELDS:
+        if d.get(k) is not None:
+            try:
+                d[k] = json.loads(d[k])
+            except (TypeError, json.JSONDecodeError):
+                pass
+    return d

@@ -1,0 +1,266 @@
+"""The `Run` object and the SDK functions (`lmforge.pretrain`, `get_run`, `get_runs`).
+
+`lmforge runs ...` uses the same functions, so the CLI and the SDK behave the same way.
+A `Run` is a snapshot of its registry entry; `refresh()` reads it again (and notices a run
+whose supervisor vanished: FAILED, reason "lost").
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmforge.errors import UserError
+from lmforge.runs.registry import ACTIVE, STATUSES, TERMINAL, Registry, process_alive, this_host
+
+
+@dataclass
+class Run:
+    name: str
+    run_type: str
+    status: str
+    reason: str | None
+    created_at: float
+    started_at: float | None
+    updated_at: float
+    completed_at: float | None
+    model: str | None
+    config: dict
+    save_folder: str
+    log_dir: str
+    command: list[str]
+    cwd: str
+    host: str
+    supervisor_pid: int | None
+    child_pid: int | None
+    ranks: int | None
+    max_retries: int | None
+    latest_metrics: dict = field(default_factory=dict)
+    resumptions: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def _from_row(cls, row: dict) -> "Run":
+        return cls(name=row["name"], run_type=row["run_type"], status=row["status"], reason=row["reason"],
+                   created_at=row["created_at"], started_at=row["started_at"], updated_at=row["updated_at"],
+                   completed_at=row["completed_at"], model=row["model"], config=row["config"] or {},
+                   save_folder=row["save_folder"], log_dir=row["log_dir"], command=row["command"] or [],
+                   cwd=row["cwd"], host=row["host"], supervisor_pid=row["supervisor_pid"],
+                   child_pid=row["child_pid"], ranks=row["ranks"], max_retries=row["max_retries"],
+                   latest_metrics=row["metrics"] or {}, resumptions=row.get("resumptions", []),
+                   events=row.get("events", []))
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    @property
+    def checkpoints_dir(self) -> str:
+        return os.path.join(self.save_folder, "checkpoints")
+
+    def refresh(self) -> "Run":
+        fresh = get_run(self.name)
+        self.__dict__.update(fresh.__dict__)
+        return self
+
+    def wait(self, timeout: float | None = None, poll: float = 0.5) -> "Run":
+        """Block until the run is COMPLETED, FAILED or STOPPED; TimeoutError after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.refresh().is_terminal:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.name} is still {self.status} after {timeout}s")
+            time.sleep(poll)
+        return self
+
+    def stop(self, force: bool = False, wait: bool = True, timeout: float | None = 600) -> "Run":
+        """Graceful: the trainer checkpoints at the next step and exits (STOPPED). ``force`` kills it.
+        A run that already ended is left as it is."""
+        self.refresh()
+        if self.is_terminal:
+            return self
+        if self.host != this_host():
+            raise UserError(f"run {self.name} runs on host {self.host}; stop it there")
+        reg = Registry()
+        if force:
+            _signal(self.supervisor_pid, self._sup_start(reg), signal.SIGUSR1)
+            try:
+                self.wait(timeout=10)
+            except TimeoutError:  # supervisor not responding: kill it and the trainer, record it here
+                _killpg(self.child_pid)
+                _signal(self.supervisor_pid, self._sup_start(reg), signal.SIGKILL)
+                reg.put(self.name, {"status": "STOPPED", "reason": "killed (stop --force)",
+                                    "completed_at": time.time()}, event=("stop", "killed by `runs stop --force`"))
+            return self.refresh()
+        _signal(self.supervisor_pid, self._sup_start(reg), signal.SIGTERM)
+        return self.wait(timeout=timeout) if wait else self.refresh()
+
+    def _sup_start(self, reg: Registry) -> str | None:
+        return (reg.get(self.name, details=False) or {}).get("supervisor_start")
+
+    def restart(self) -> "Run":
+        """A new resumption that continues from the latest checkpoint, supervised in the background."""
+        from lmforge.runs.launch import spawn_supervisor, wait_registered
+
+        self.refresh()
+        if not self.is_terminal:
+            raise UserError(f"run {self.name} is {self.status}; it cannot be restarted until it ends "
+                            f"(`lmforge runs stop {self.name}`)")
+        if not self.command:
+            raise UserError(f"run {self.name} has no recorded command to restart")
+        proc = spawn_supervisor(self.command, cwd=self.cwd or os.getcwd(), log_dir=self.log_dir, restart=True)
+        wait_registered(Registry(), self.name, proc, self.log_dir)
+        return self.refresh()
+
+    def delete(self, force: bool = False, purge: bool = False) -> None:
+        """Remove the registry entry (``purge``: also the local save folder and logs)."""
+        self.refresh()
+        if not self.is_terminal:
+            if not force:
+                raise UserError(f"run {self.name} is {self.status}; stop it first (`lmforge runs stop {self.name}`) "
+                                "or delete with --force")
+            self.stop(force=True)
+        Registry().delete(self.name)
+        if purge:
+            for path in (self.save_folder, self.log_dir):
+                if path and "://" not in path and os.path.isdir(path):
+                    shutil.rmtree(path)
+
+    def log_path(self, resumption: int | None = None) -> str:
+        if not self.resumptions:
+            raise UserError(f"run {self.name} has no logs yet (status {self.status})")
+        if resumption is None:
+            return self.resumptions[-1]["log_path"]
+        for r in self.resumptions:
+            if r["idx"] == resumption:
+                return r["log_path"]
+        have = ", ".join(str(r["idx"]) for r in self.resumptions)
+        raise UserError(f"run {self.name} has no resumption {resumption}; it has: {have}")
+
+    def logs(self, resumption: int | None = None) -> str:
+        """The output of the latest resumption (or of resumption N)."""
+        path = self.log_path(resumption)
+        try:
+            with open(path, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def metrics(self):
+        """The metrics.jsonl history: a pandas DataFrame if pandas is installed, else a list of dicts."""
+        from lmforge.runs.progress import read_history
+
+        rows = read_history(self.save_folder) if "://" not in self.save_folder else []
+        try:
+            import pandas as pd
+        except ImportError:
+            return rows
+        return pd.DataFrame(rows)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        why = f" ({self.reason})" if self.reason else ""
+        return f"Run(name={self.name!r}, status={self.status!r}{why}, model={self.model!r})"
+
+
+# --------------------------------------------------------------------------- SDK functions
+
+def get_run(name: str) -> Run:
+    reg = Registry()
+    row = reg.get(name)
+    if row is None:
+        names = reg.names()
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else \
+            (f"; known runs: {', '.join(sorted(names)[:10])}" if names else "; the registry has no runs yet")
+        raise UserError(f"no run named {name!r}{hint}")
+    return Run._from_row(reg.mark_lost_if_dead(row))
+
+
+def get_runs(status: str | None = None) -> list[Run]:
+    if status is not None:
+        status = status.upper()
+        if status not in STATUSES:
+            raise UserError(f"unknown status {status!r}; expected one of {', '.join(STATUSES)}")
+    reg = Registry()
+    rows = [reg.mark_lost_if_dead(r) for r in reg.list()]
+    return [Run._from_row(r) for r in rows if status is None or r["status"] == status]
+
+
+def pretrain(config_path_or_dict: str | os.PathLike | dict | None = None, **overrides: Any) -> Run:
+    """Start a pretraining run in the background; returns its `Run` (use ``.wait()``).
+
+    ``overrides`` are config keys (``training_duration="10000tok"``); a dict value is merged
+    into the section (``parameters={"learning_rate": 3e-4}``); ``a__b=v`` sets ``a.b``.
+    """
+    from lmforge.config.load import build_config, read_yaml
+    from lmforge.home import lmforge_home
+    from lmforge.runs.launch import default_name
+
+    if config_path_or_dict is None:
+        raw: dict = {}
+    elif isinstance(config_path_or_dict, dict):
+        raw = copy.deepcopy(config_path_or_dict)
+    else:
+        path = os.fspath(config_path_or_dict)
+        raw = read_yaml(path)
+        raw.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    for key, value in overrides.items():
+        _merge(raw, key.replace("__", ".").split("."), value)
+    cfg = build_config(raw, source="pretrain()")  # bad input fails here, before any process starts
+    raw["name"] = default_name(cfg)
+    folder = os.path.join(lmforge_home(), "sdk-configs")
+    os.makedirs(folder, exist_ok=True)
+    import yaml
+
+    cfg_file = os.path.join(folder, f"{raw['name']}.yaml")
+    with open(cfg_file, "w") as f:
+        yaml.safe_dump(raw, f, sort_keys=False)
+    proc = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", cfg_file, "--detach"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        errors = [ln[len("error: "):] for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+        raise UserError(errors[-1] if errors else f"lmforge train --detach failed ({proc.returncode}): "
+                        f"{proc.stderr.strip()[-500:]}")
+    return get_run(raw["name"])
+
+
+def _merge(node: dict, keys: list[str], value: Any) -> None:
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    last = keys[-1]
+    if isinstance(value, dict) and isinstance(node.get(last), dict):
+        for k, v in value.items():
+            _merge(node[last], [k], v)
+    else:
+        node[last] = value
+
+
+def _signal(pid: int | None, start: str | None, sig: int) -> None:
+    if pid and process_alive(pid, start):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _killpg(pid: int | None) -> None:
+    if pid:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+__all__ = ["Run", "get_run", "get_runs", "pretrain", "ACTIVE", "TERMINAL"]
