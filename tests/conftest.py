@@ -92,7 +92,8 @@ def tiny_data(tmp_path_factory) -> TinyData:
 def tiny_run_config(data: TinyData, save_folder: Path, **overrides) -> dict:
     """A run config for a ~100K-parameter model that trains in seconds on one CPU core."""
     cfg = {
-        "name": "tiny",
+        # Run names are unique in the registry: one per test folder.
+        "name": f"tiny-{save_folder.parent.name}-{save_folder.name}",
         "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
                   "max_seq_len": 64},
         "tokenizer": str(data.tokenizer),

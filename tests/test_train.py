@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import yaml
 
 from conftest import tiny_run_config
 from train_helpers import (assert_one_line_error, env, final_weights, lmforge, metrics, train_losses,
@@ -49,7 +50,8 @@ def test_loss_drops_and_everything_is_written(tmp_path, tiny_data):
 
     client = MlflowClient(tracking_uri=f"sqlite:///{os.environ['LMFORGE_HOME']}/mlflow/mlflow.db")
     exp = client.get_experiment_by_name("lmforge")
-    (mlrun,) = client.search_runs([exp.experiment_id], filter_string="attributes.run_name = 'tiny'")
+    name = yaml.safe_load(cfg.read_text())["name"]
+    (mlrun,) = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{name}'")
     history = client.get_metric_history(mlrun.info.run_id, "train/loss")
     assert [m.step for m in history] == list(range(1, 81))
     assert history[0].value == pytest.approx(losses[1])

@@ -85,3 +85,19 @@ def test_quickstart_runs_end_to_end_shortened(tmp_path):
     args[args.index("--save-folder") + 1] = tmp_path / "qs2"
     again = lmforge(*args, "--name", "qs2", timeout=600, check=True).stdout
     assert "tokenizer: reusing" in again and "data: preparing" not in again
+
+
+def test_compiled_blocks_train_like_eager(tmp_path, tiny_data):
+    """The one test with torch.compile on (inductor on CPU): same losses as eager, within
+    float tolerance (fused kernels reorder sums), and the same checkpoint layout."""
+    common = {"training_duration": "3ba", "eval.interval": "3ba", "eval.max_new_tokens": 4}
+    eager = write_config(tmp_path / "eager.yaml", tiny_run_config(tiny_data, tmp_path / "eager", **common))
+    lmforge("train", "-f", eager, check=True)
+    compiled = write_config(tmp_path / "compiled.yaml", tiny_run_config(
+        tiny_data, tmp_path / "compiled", **common, **{"compute.compile": True}))
+    lmforge("train", "-f", compiled, timeout=600, check=True)
+    a, b = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-3)
+    assert final_weights(tmp_path / "eager").keys() == final_weights(tmp_path / "compiled").keys()

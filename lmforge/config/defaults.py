@@ -57,6 +57,6 @@ def bf16_supported(device: torch.device) -> bool:
     return False
 
 
-def cpu_micro_batch(per_rank: int, cap: int = 8) -> int:
-    """On CPU a fixed, modest micro-batch: the largest divisor of the per-rank batch ≤ cap."""
+def micro_batch_for(per_rank: int, cap: int = 8) -> int:
+    """The largest divisor of the per-rank batch that is at most `cap` (8 on CPU; memory-based on GPUs)."""
     return max(d for d in range(1, min(per_rank, cap) + 1) if per_rank % d == 0)

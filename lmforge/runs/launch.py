@@ -122,12 +122,10 @@ def register(reg: Registry, cfg, args, *, name: str, save_folder: str, log_dir: 
         reg.put(name, fields, event=("resumed", f"started again by `lmforge {how}` (was {existing['status']}"
                                      + (f": {existing['reason']})" if existing["reason"] else ")")))
     else:
-        old = existing.get("save_folder")
-        sys.stderr.write(f"lmforge: the run name {name!r} was used by a finished run saved in {old}; "
-                         "the registry now points to this run (that run's files are untouched)\n")
-        reg.replace(name, fields | {"metrics": None},
-                    event=("created", f"registered by `lmforge {how}`; replaces a finished run of the same "
-                           f"name saved in {old}"))
+        # A name is one run: never silently re-point it at another save folder.
+        raise UserError(f"run name {name!r} is already used by the run saved in {existing.get('save_folder')} "
+                        f"({existing['status']}); choose another --name, or forget that run with "
+                        f"`lmforge runs delete {name}`")
 
 
 def launch(cfg, args) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmforge.config.defaults import (bf16_supported, cpu_micro_batch, default_batch_tokens,
+from lmforge.config.defaults import (bf16_supported, micro_batch_for, default_batch_tokens,
                                      default_learning_rate, default_warmup_steps)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.schema import RunConfig
@@ -64,6 +64,17 @@ def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int
     raise UserError(f"{what}: unsupported unit {d.unit!r}")
 
 
+def _gpu_micro_batch(cfg: RunConfig, ctx: int, world_size: int, device: torch.device) -> int:
+    """Largest micro-batch the memory model says fits on this GPU (activations + sharded states)."""
+    from lmforge.estimate.memory import memory_plan
+
+    sharded = cfg.compute.data_parallel in ("fsdp", "hsdp")
+    plan = memory_plan(param_counts(cfg.model)["total"], cfg.model, ctx, world_size if sharded else 1,
+                       float(torch.cuda.get_device_properties(device).total_memory),
+                       activation_checkpointing=bool(cfg.compute.activation_checkpointing))
+    return plan["suggested_micro_batch"] or 1
+
+
 def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
               samples_per_epoch: int | None, data_seq_len: int | None,
               micro_batch_hint: int | None = None) -> TrainPlan:
@@ -91,8 +102,8 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
         per_rank = gbs // world_size if gbs % world_size == 0 else None
         if per_rank is None:
             raise UserError(f"parameters.global_batch_size ({gbs}) must be divisible by the number of ranks ({world_size})")
-        cap = 8 if device.type == "cpu" else (micro_batch_hint or 8)
-        micro = cpu_micro_batch(per_rank, cap)
+        cap = 8 if device.type == "cpu" else (micro_batch_hint or _gpu_micro_batch(cfg, ctx, world_size, device))
+        micro = micro_batch_for(per_rank, cap)
     else:
         micro = int(p.micro_batch_size)
     if gbs % (micro * world_size):
