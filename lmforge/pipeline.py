@@ -57,8 +57,9 @@ def load_pipeline(path: str) -> dict:
         elif not isinstance(cfg, dict):
             raise UserError(f"{where}: `config` must be a file path or a mapping")
         cfg = dict(cfg)
-        cfg.setdefault("name", f"{name}-{st['name']}")
-        cfg.setdefault("save_folder", os.path.join(root, st["name"]))
+        # A stage always lives in save_root/<stage> (a reused run config keeps its own folder untouched).
+        cfg["name"] = f"{name}-{st['name']}"
+        cfg["save_folder"] = os.path.join(root, st["name"])
         command = st.get("command") or ("finetune" if cfg.get("task_type") in ("instruction_finetune",
                                                                                 "chat_completion") else "train")
         if command not in COMMANDS:
