@@ -133,6 +133,8 @@ def sft_setup(cfg: RunConfig, dist, log=print):
         updates["prompts"] = [p if ASSISTANT_HEADER in p else chat_prompt(p) for p in cfg.eval.prompts]
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update=updates)})
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
+    if seq_len > cfg.model.max_seq_len:  # as in pretraining: RoPE tables are derived, not stored
+        cfg.model.max_seq_len = seq_len
     rows = load_rows([d.path for d in cfg.train_data], tokenizer, seq_len, task=cfg.task_type,
                      packing=cfg.sft.packing, seed=cfg.parameters.seed)
     eval_rows = None
