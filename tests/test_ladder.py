@@ -203,3 +203,22 @@ def test_export_refuses_to_overwrite(base, tmp_path):
     (out / "keep.txt").write_text("mine")
     assert_one_line_error(lmforge("export", "--checkpoint", base, "--out", out), "not empty", "--overwrite")
     assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
+
+
+def test_export_moe_as_mixtral(tmp_path, tiny_data):
+    """MoE checkpoints export to the Mixtral layout that transformers loads (in-process: fast)."""
+    from lmforge.config.model import ModelConfig
+    from lmforge.models import build_model, save_pretrained
+    from lmforge.models.export import export
+
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, vocab_size=512,
+                      n_experts=4, top_k=2, expansion_ratio=2)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    save_pretrained(model, cfg, tmp_path / "moe", tokenizer_dir=tiny_data.tokenizer)
+    export(str(tmp_path / "moe"), str(tmp_path / "hf"), max_shard_size="50KB")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    x = torch.tensor([[5, 17, 99, 3, 42, 8, 64, 1, 0, 77]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), atol=1e-5, rtol=1e-4)
