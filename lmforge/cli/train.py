@@ -35,7 +35,6 @@ def register(sub) -> None:
 
 
 def load_from_args(args):
-    from lmforge.config.load import load_config
     from lmforge.errors import UserError
 
     if not args.file and not (args.model and args.train_data and args.training_duration):
@@ -44,7 +43,9 @@ def load_from_args(args):
                  "save_folder": args.save_folder, "name": args.name}
     if args.no_autoresume:
         overrides["autoresume"] = False
-    return load_config(args.file, overrides=overrides, sets=args.set)
+    from lmforge.train.finetune import load_run_config  # `model` may come from custom_weights_path
+
+    return load_run_config(args.file, overrides=overrides, sets=args.set)
 
 
 def _relaunch_with_torchrun(ranks: int) -> int:

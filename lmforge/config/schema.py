@@ -109,6 +109,12 @@ class ComputeConfig(_Strict):
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
 
 
+class SFTOptions(_Strict):
+    """Supervised fine-tuning data handling (task_type instruction_finetune / chat_completion)."""
+    packing: bool = Field(True, description="pack several examples per row (attention kept within each); "
+                          "false: one example per row, padded")
+
+
 class RunConfig(_Strict):
     name: str | None = Field(None, description="run name; default: the config file's name, else model + timestamp")
     model: ModelConfig = Field(..., description="preset name, {preset: ..., overrides}, or a full shape")
@@ -123,7 +129,13 @@ class RunConfig(_Strict):
     parameters: Parameters = Field(default_factory=Parameters, description="optimization hyperparameters")
     compute: ComputeConfig = Field(default_factory=ComputeConfig, description="devices and parallelism")
     experiment_tracker: TrackerConfig = Field(default_factory=TrackerConfig, description="MLflow / W&B / JSONL")
-    custom_weights_path: str | None = Field(None, description="weights to start from (continued pretraining)")
+    custom_weights_path: str | None = Field(
+        None, description="weights to start from: a run folder, its final/, a checkpoints/step_N folder or a "
+        "Hugging Face folder (hf:/path); fresh optimizer and schedule")
+    task_type: Literal["pretrain", "continued_pretrain", "instruction_finetune", "chat_completion"] = Field(
+        "pretrain", description="instruction_finetune / chat_completion: train_data and eval.data_path are "
+        "JSONL prompt/response or messages rows, loss on responses only (lmforge finetune)")
+    sft: SFTOptions = Field(default_factory=SFTOptions, description="fine-tuning data options")
     autoresume: bool = Field(True, description="continue from the latest checkpoint in save_folder")
     max_retries: int = Field(2, ge=0, description="automatic restarts after a crash (supervised runs)")
     log_interval: int = Field(10, ge=1, description="steps between console/tracker log lines")

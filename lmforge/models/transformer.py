@@ -89,7 +89,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, self.n_kv * self.dh, bias=False)
         self.wo = nn.Linear(self.n_heads * self.dh, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0):
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
+                attn_mask: torch.Tensor | None = None):
         B, T, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.clip is not None:
@@ -99,7 +100,9 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv, self.dh).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask, causal = None, True
-        if cache is not None:
+        if attn_mask is not None:  # packed examples: block-diagonal causal mask from doc ids
+            mask, causal = attn_mask, False
+        elif cache is not None:
             ck, cv = cache
             end = start_pos + T
             ck[:B, :, start_pos:end] = k
@@ -144,8 +147,8 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(cfg.d_model, cfg.ffn_dim)
 
-    def forward(self, x, cos, sin, cache=None, start_pos: int = 0):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
+    def forward(self, x, cos, sin, cache=None, start_pos: int = 0, attn_mask=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, attn_mask)
         h = self.mlp(self.mlp_norm(x))
         if isinstance(h, tuple):
             h, aux = h
@@ -208,7 +211,9 @@ class Transformer(nn.Module):
         return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, w.device, w.dtype)
 
     def forward(self, input_ids: torch.Tensor, *, return_aux: bool = False,
-                kv_cache: KVCache | None = None, start_pos: int = 0):
+                kv_cache: KVCache | None = None, start_pos: int = 0, doc_ids: torch.Tensor | None = None):
+        """doc_ids [B, T] (packed fine-tuning rows): a token attends only to earlier tokens with
+        the same id. Without them attention is plain causal (SDPA's is_causal fast path)."""
         B, T = input_ids.shape
         limit = kv_cache.max_len if kv_cache is not None else self.cfg.max_seq_len
         if start_pos + T > min(limit, self.cfg.max_seq_len):
@@ -216,10 +221,16 @@ class Transformer(nn.Module):
         cos = self.rope_cos[start_pos:start_pos + T]
         sin = self.rope_sin[start_pos:start_pos + T]
         h = self.tok_embeddings(input_ids)
+        mask = None
+        if doc_ids is not None:
+            if kv_cache is not None:
+                raise ValueError("doc_ids are for training/eval forward passes, not cached decoding")
+            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+            mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]  # [B, 1, T, T]
         stats: list[dict[str, torch.Tensor]] = []
         for i, block in enumerate(self.blocks):
             cache = (kv_cache.k[i], kv_cache.v[i]) if kv_cache is not None else None
-            h, aux = block(h, cos, sin, cache, start_pos)
+            h, aux = block(h, cos, sin, cache, start_pos, mask)
             if aux:
                 stats.append(aux)
         logits = F.linear(self.norm(h), self.output_weight)

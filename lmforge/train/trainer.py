@@ -29,6 +29,7 @@ from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.models import build_model, generate, save_pretrained
 from lmforge.train import checkpoint as ckpt
+from lmforge.train.finetune import target_count, unpack_batch
 from lmforge.train.optim import build_optimizer, lr_factor
 from lmforge.train.plan import TrainPlan, make_plan, resolved_config
 
@@ -83,6 +84,10 @@ def _stream(data: ResolvedData, plan: TrainPlan, dist: DistInfo, cfg: RunConfig,
 
 def setup(cfg: RunConfig, dist: DistInfo, log=print):
     """Resolve data and every default. Rank 0 prepares data first; the others then hit the cache."""
+    from lmforge.train.finetune import is_sft, sft_setup
+
+    if is_sft(cfg):  # JSONL prompt/response or chat rows instead of the pretraining pipeline
+        return sft_setup(cfg, dist, log)
     cfg = default_names(cfg)
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     if not dist.is_main:
@@ -136,17 +141,21 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
     torch.manual_seed(cfg.parameters.seed)
     model = build_model(cfg.model, device=device)
     if cfg.custom_weights_path and not resume_from:
-        from lmforge.models import load_pretrained
+        from lmforge.models.locate import load_model
 
-        source, _ = load_pretrained(cfg.custom_weights_path, device=device)
-        missing = model.load_state_dict(source.state_dict(), strict=True)
-        del source, missing
-        log(f"weights: starting from {cfg.custom_weights_path}")
+        source, source_cfg, _ = load_model(cfg.custom_weights_path, device=device)
+        if source.state_dict().keys() != model.state_dict().keys() or any(
+                v.shape != model.state_dict()[k].shape for k, v in source.state_dict().items()):
+            raise UserError(f"custom_weights_path: {cfg.custom_weights_path} holds a different model shape than "
+                            "`model` in the config (leave `model` out to take the weights' own)")
+        model.load_state_dict(source.state_dict(), strict=True)
+        del source
+        log(f"weights: starting from {cfg.custom_weights_path} (fresh optimizer and LR schedule)")
     train_model = parallelize(model, cfg.compute, dist)
     p = cfg.parameters
     optimizer = build_optimizer(model, lr=plan.learning_rate, weight_decay=p.weight_decay,
                                 betas=tuple(p.betas), eps=p.eps, device_type=device.type)
-    stream = _stream(data, plan, dist, cfg)
+    stream = data.train_stream(plan, dist, cfg) if hasattr(data, "train_stream") else _stream(data, plan, dist, cfg)
 
     step, tokens, elapsed_before = 0, 0, 0.0
     if resume_from:
@@ -188,6 +197,8 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
             losses.append(loss)
         if len(losses) > 1:
             metrics["eval/loss"] = sum(losses) / len(losses)
+        if hasattr(data, "eval_metrics"):  # fine-tuning: loss on held-out responses
+            metrics |= data.eval_metrics(train_model, plan, dist, cfg, device, autocast)
         gens = _generations(model, tokenizer, cfg, at_step, compiled=cfg.compute.compile) if dist.is_main else []
         for i, text in enumerate(gens):
             trackers.log_text(f"generation_{i}", text, at_step)
@@ -228,22 +239,25 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
                 g["lr"] = lr
             loss_sum = torch.zeros((), device=device)
             aux_log: dict = {}
-            for micro in range(plan.grad_accum):
-                batch = next(it).to(device, non_blocking=True)
+            batches = [next(it) for _ in range(plan.grad_accum)]
+            # Fine-tuning batches average over their response tokens only (prompts are -100).
+            step_norm = target_count(batches) or norm_tokens
+            for micro, batch in enumerate(batches):
+                inputs, targets, doc_ids = unpack_batch(batch, device)
                 last = micro == plan.grad_accum - 1
                 sync = nullcontext() if last or not dist.distributed else train_model.no_sync()
                 with sync:
                     with autocast():
-                        logits, aux = train_model(batch, return_aux=True)
+                        logits, aux = train_model(inputs, return_aux=True, doc_ids=doc_ids)
                     # Predict token t+1 from tokens ≤ t; the last position has no target.
-                    ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch[:, 1:].flatten(),
+                    ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets[:, 1:].flatten(),
                                          reduction="sum")
-                    loss = ce / norm_tokens
+                    loss = ce / step_norm
                     if "aux_loss" in aux:
                         loss = loss + aux["aux_loss"] / plan.grad_accum
                         aux_log = aux
                     loss.backward()
-                loss_sum += ce.detach() / norm_tokens
+                loss_sum += ce.detach() / step_norm
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip or float("inf"))
             loss_val = all_reduce_sum(loss_sum).item() / dist.world_size
             if not math.isfinite(loss_val) or not math.isfinite(float(grad_norm)):

@@ -1,0 +1,45 @@
+"""`lmforge finetune -f sft.yaml [overrides]`: supervised fine-tuning (or continued pretraining)."""
+
+from __future__ import annotations
+
+import os
+
+from lmforge.cli.common import add_command
+
+
+def register(sub) -> None:
+    p = add_command(sub, "finetune", "fine-tune a model on prompt/response or chat JSONL (SFT)",
+                    description="Fine-tune from a run config with task_type instruction_finetune (default), "
+                    "chat_completion or continued_pretrain. `model` and `tokenizer` default to those of "
+                    "custom_weights_path. Re-running the same command resumes (autoresume).")
+    p.add_argument("-f", "--file", metavar="YAML", required=True, help="run config (see examples/sft.yaml)")
+    p.add_argument("--weights", metavar="PATH", help="override `custom_weights_path` (run folder, final/, step "
+                   "folder or Hugging Face folder)")
+    p.add_argument("--train-data", action="append", metavar="JSONL", help="override `train_data` (repeatable)")
+    p.add_argument("--training-duration", metavar="DUR", help="override, e.g. 3ep, 200ba")
+    p.add_argument("--save-folder", metavar="DIR", help="override `save_folder`")
+    p.add_argument("--name", help="override `name`")
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override any key, e.g. --set parameters.learning_rate=2e-5 (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="replace checkpoints of a different run in save_folder")
+    p.add_argument("--no-autoresume", action="store_true", help="do not continue from an existing checkpoint")
+    p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from lmforge.cli.train import _relaunch_with_torchrun, print_summary
+    from lmforge.train.finetune import finetune, load_run_config
+
+    overrides = {"custom_weights_path": args.weights, "train_data": args.train_data,
+                 "training_duration": args.training_duration, "save_folder": args.save_folder, "name": args.name}
+    if args.no_autoresume:
+        overrides["autoresume"] = False
+    sets = list(args.set)
+    cfg = load_run_config(args.file, overrides=overrides, sets=sets)
+    if cfg.compute.ranks and cfg.compute.ranks > 1 and "WORLD_SIZE" not in os.environ:
+        return _relaunch_with_torchrun(cfg.compute.ranks)
+    result = finetune(cfg, overwrite=args.overwrite)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_summary(result, as_json=args.json)
+    return 0 if result.status in ("completed", "stopped") else 1

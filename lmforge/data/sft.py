@@ -1,0 +1,273 @@
+"""Supervised fine-tuning data: JSONL rows → tokenized, loss-masked, packed examples.
+
+Rows are either ``{"prompt": ..., "response": ...}`` or ``{"messages": [{"role", "content"}, ...]}``
+(roles: system, user, assistant). Only response / assistant tokens (and the end-of-text token
+that closes them) are trained on; everything else is context.
+
+- ``instruction_finetune``: a prompt/response row is ``prompt + response + <eos>``, the prompt
+  used exactly as written (put any instruction format in the data itself).
+- ``chat_completion`` (and every ``messages`` row): the chat template below. It is plain text,
+  so it works with any tokenizer without new special tokens, and its Jinja form is written into
+  the exported ``tokenizer_config.json`` so ``tokenizer.apply_chat_template`` produces the
+  same text in transformers/vLLM.
+
+Packing puts several examples into one ``context_length`` row; each token carries the index of
+its example (``doc_ids``) and the model's attention is block-diagonal causal over them, so an
+example never sees another one. Positions are not reset per example: RoPE scores depend only on
+relative positions, so an example's logits are the same wherever it sits in a row.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from lmforge.errors import UserError
+
+ROLES = ("system", "user", "assistant")
+SFT_TASKS = ("instruction_finetune", "chat_completion")
+IGNORE = -100  # cross_entropy's default ignore_index
+
+# The chat template. Keep `render_chat` and this Jinja text in step (a test checks they agree).
+ASSISTANT_HEADER = "### Assistant:\n"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}### Assistant:\n{{ m['content'] }}{{ eos_token }}"
+    "{% else %}### {{ m['role'] | capitalize }}:\n{{ m['content'] }}\n\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}### Assistant:\n{% endif %}"
+)
+
+
+def render_chat(messages: list[dict]) -> list[tuple[str, bool]]:
+    """The template as (text, trained) segments; the eos token after each answer is added by the caller."""
+    out: list[tuple[str, bool]] = []
+    for m in messages:
+        if m["role"] == "assistant":
+            out.append((ASSISTANT_HEADER, False))
+            out.append((m["content"], True))
+        else:
+            out.append((f"### {m['role'].capitalize()}:\n{m['content']}\n\n", False))
+    return out
+
+
+def chat_prompt(user_text: str) -> str:
+    """A single user turn, ready for the model to answer (add_generation_prompt=True)."""
+    return f"### User:\n{user_text}\n\n{ASSISTANT_HEADER}"
+
+
+# --------------------------------------------------------------------------- reading rows
+
+def _open_lines(path: str):
+    import fsspec
+
+    try:
+        files = fsspec.open_files(path, "rt", compression="infer", encoding="utf-8")
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot open ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if not files:
+        raise UserError(f"{path}: no such file (expected JSONL with prompt/response or messages rows)")
+    for f in files:
+        try:
+            with f as fh:
+                for i, line in enumerate(fh, 1):
+                    yield f.path, i, line
+        except FileNotFoundError:
+            raise UserError(f"{path}: no such file (expected JSONL with prompt/response or messages rows)") from None
+
+
+def _segments(row, where: str, task: str) -> list[tuple[str, bool]]:
+    """Validate one row and turn it into (text, trained) segments."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected a JSON object with prompt/response or messages")
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise UserError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise UserError(f"{where}: messages[{j}] needs 'role' and 'content'")
+            if m["role"] not in ROLES:
+                raise UserError(f"{where}: messages[{j}].role {m['role']!r} is unknown; expected one of {', '.join(ROLES)}")
+            if not isinstance(m["content"], str):
+                raise UserError(f"{where}: messages[{j}].content must be a string")
+            if m["role"] == "assistant" and not m["content"].strip():
+                raise UserError(f"{where}: messages[{j}] is an empty assistant response")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise UserError(f"{where}: field 'messages' has no assistant message to learn from")
+        return render_chat(msgs)
+    missing = [k for k in ("prompt", "response") if k not in row]
+    if missing:
+        raise UserError(f"{where}: missing field {missing[0]!r} (each row needs prompt and response, or messages)")
+    prompt, response = row["prompt"], row["response"]
+    for k, v in (("prompt", prompt), ("response", response)):
+        if not isinstance(v, str):
+            raise UserError(f"{where}: field {k!r} must be a string")
+    if not response.strip():
+        raise UserError(f"{where}: field 'response' is empty")
+    if task == "chat_completion":
+        return render_chat([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}])
+    return [(prompt, False), (response, True)]
+
+
+def read_examples(paths: list[str], task: str) -> list[list[tuple[str, bool]]]:
+    """Every row of every file as template segments; the first bad row stops with file:line."""
+    examples = []
+    for path in paths:
+        for name, i, line in _open_lines(path):
+            if not line.strip():
+                continue
+            where = f"{name}:{i}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+            examples.append(_segments(row, where, task))
+    if not examples:
+        raise UserError(f"{', '.join(paths)}: no examples (expected JSONL rows with prompt/response or messages)")
+    return examples
+
+
+# --------------------------------------------------------------------------- tokenize and pack
+
+def tokenize_example(segments: list[tuple[str, bool]], tokenizer) -> tuple[list[int], list[bool]]:
+    """Token ids and, per token, whether it is trained on. Each trained segment ends with eos."""
+    ids: list[int] = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    trained: list[bool] = [False] * len(ids)
+    for text, is_target in segments:
+        piece = tokenizer.encode(text) if text else []
+        if is_target:
+            piece = piece + [tokenizer.eos_id]
+        ids += piece
+        trained += [is_target] * len(piece)
+    if trained:
+        trained[0] = False  # nothing predicts the first token (keeps targets inside one example)
+    return ids, trained
+
+
+@dataclass
+class PackedRows:
+    """[N, L] tensors: token ids, trained-on flags and example index per position."""
+    tokens: torch.Tensor
+    trained: torch.Tensor
+    doc_ids: torch.Tensor
+    examples: int
+    truncated: int
+    dropped: int
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def batch(self, idx) -> dict:
+        tokens = self.tokens[idx]
+        return {"input_ids": tokens, "targets": tokens.masked_fill(~self.trained[idx], IGNORE),
+                "doc_ids": self.doc_ids[idx]}
+
+
+def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int, *, packing: bool = True,
+         seed: int = 0) -> PackedRows:
+    """Fill rows of `seq_len` with whole examples in a seeded order (next-fit; with packing off,
+    one example per row). Longer examples are cut at `seq_len`; those left without a trained
+    token are dropped. Padding is its own "example" and is never trained on."""
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    rows: list[list[tuple[list[int], list[bool]]]] = []
+    used = seq_len  # forces a new row for the first example
+    truncated = dropped = 0
+    for k in order:
+        ids, trained = examples[k]
+        if len(ids) > seq_len:
+            ids, trained = ids[:seq_len], trained[:seq_len]
+            truncated += 1
+        if not any(trained):
+            dropped += 1
+            continue
+        if not packing or used + len(ids) > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append((ids, trained))
+        used += len(ids)
+    if not rows:
+        raise UserError(f"no example has a response token within context_length {seq_len}; "
+                        "raise parameters.context_length or shorten the prompts")
+    tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    flags = torch.zeros((len(rows), seq_len), dtype=torch.bool)
+    docs = torch.zeros((len(rows), seq_len), dtype=torch.int32)
+    for r, row in enumerate(rows):
+        pos = 0
+        for d, (ids, trained) in enumerate(row):
+            tokens[r, pos:pos + len(ids)] = torch.tensor(ids)
+            flags[r, pos:pos + len(ids)] = torch.tensor(trained)
+            docs[r, pos:pos + len(ids)] = d
+            pos += len(ids)
+        docs[r, pos:] = len(row)
+    return PackedRows(tokens, flags, docs, examples=len(examples) - dropped, truncated=truncated, dropped=dropped)
+
+
+def load_rows(paths: list[str], tokenizer, seq_len: int, *, task: str, packing: bool, seed: int) -> PackedRows:
+    examples = [tokenize_example(s, tokenizer) for s in read_examples(paths, task)]
+    return pack(examples, seq_len, tokenizer.pad_id, packing=packing, seed=seed)
+
+
+# --------------------------------------------------------------------------- streaming
+
+class SFTStream:
+    """Deterministic, resumable micro-batches of packed rows, partitioned across ranks.
+
+    Same contract as ``TokenStream`` for the trainer (iterate, ``state_dict``, ``epoch``,
+    ``close``), but yields dicts: ``input_ids``, ``targets`` (``-100`` where not trained) and
+    ``doc_ids``. Global sample k of the run is row ``perm_e[k mod N]`` of epoch ``e = k // N``.
+    """
+
+    def __init__(self, rows: PackedRows, *, micro_batch_size: int, global_batch_size: int, rank: int,
+                 world_size: int, seed: int):
+        self.rows, self.mb, self.gbs = rows, micro_batch_size, global_batch_size
+        self.rank, self.world, self.seed = rank, world_size, seed
+        self.accum = global_batch_size // (micro_batch_size * world_size)
+        self.micro = 0  # micro-batches this rank has yielded
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _row(self, k: int) -> int:
+        n = len(self.rows)
+        e = k // n
+        if e not in self._perms:
+            self._perms = {e: torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000003 + e))}
+        return int(self._perms[e][k % n])
+
+    def _indices(self, micro: int) -> list[int]:
+        step, m = divmod(micro, self.accum)
+        start = step * self.gbs + self.rank * (self.gbs // self.world) + m * self.mb
+        return [self._row(k) for k in range(start, start + self.mb)]
+
+    def __iter__(self):
+        while True:
+            idx = self._indices(self.micro)
+            self.micro += 1
+            yield self.rows.batch(idx)
+
+    @property
+    def epoch(self) -> int:
+        return (self.micro // self.accum) * self.gbs // len(self.rows)
+
+    def state_dict(self) -> dict:
+        # Saved at step boundaries, so the position is a whole number of optimizer steps,
+        # which stays valid if the run resumes on a different number of ranks.
+        return {"kind": "sft", "steps": self.micro // self.accum, "rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "sft" or state.get("rows") != len(self.rows):
+            raise UserError("checkpoint: its data position belongs to different fine-tuning data "
+                            f"({state.get('rows')} packed rows then, {len(self.rows)} now); "
+                            "--no-autoresume starts fresh")
+        self.micro = state["steps"] * self.accum
+
+    def close(self) -> None:
+        pass
+
+
+def eval_batches(rows: PackedRows, micro_batch: int, rank: int, world_size: int, max_batches: int):
+    """Each held-out row once (rank r takes rows r, r+W, ...), at most max_batches per rank."""
+    mine = list(range(rank, len(rows), world_size))
+    for b in range(min(max_batches, -(-len(mine) // micro_batch))):
+        yield rows.batch(mine[b * micro_batch:(b + 1) * micro_batch])
