@@ -222,3 +222,16 @@ def test_export_moe_as_mixtral(tmp_path, tiny_data):
     x = torch.tensor([[5, 17, 99, 3, 42, 8, 64, 1, 0, 77]])
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_sdk_finetune_returns_a_supervised_finetune_run(base, tmp_path):
+    import lmforge as sdk
+
+    cfg = yaml.safe_load(sft_config(tmp_path, base / "final", training_duration="4ba").read_text())
+    del cfg["task_type"], cfg["name"]  # finetune() implies instruction fine-tuning; model/tokenizer from weights
+    run = sdk.finetune(cfg, name="sdk-sft")
+    run.wait(timeout=300)
+    assert run.status == "COMPLETED" and run.run_type == "finetune"
+    assert len(run.metrics()) > 0 and (tmp_path / "sft" / "final" / "model.safetensors").exists()
+    listed = lmforge("runs", "list", "--json", check=True).stdout
+    assert any(r["name"] == "sdk-sft" and r["run_type"] == "finetune" for r in json.loads(listed))

@@ -24,6 +24,8 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace checkpoints of a different run in save_folder")
     p.add_argument("--no-autoresume", action="store_true", help="do not continue from an existing checkpoint")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.add_argument("--detach", action="store_true",
+                   help="run in the background (logs in <save_folder>/logs); print the run name and return")
     p.set_defaults(func=run)
 
 
@@ -37,9 +39,23 @@ def run(args) -> int:
         overrides["autoresume"] = False
     sets = list(args.set)
     cfg = load_run_config(args.file, overrides=overrides, sets=sets)
+    if cfg.task_type == "pretrain":  # `finetune` means instruction fine-tuning unless the config says otherwise
+        cfg = cfg.model_copy(update={"task_type": "instruction_finetune"})
+    # Registered and supervised like `lmforge train` (retries, logs, `lmforge runs ...`).
+    from lmforge.errors import UserError
+    from lmforge.runs.launch import launch, should_supervise
+    from lmforge.runs.supervisor import report_status
+
+    if should_supervise():
+        return launch(cfg, args)
     if cfg.compute.ranks and cfg.compute.ranks > 1 and "WORLD_SIZE" not in os.environ:
         return _relaunch_with_torchrun(cfg.compute.ranks)
-    result = finetune(cfg, overwrite=args.overwrite)
+    try:
+        result = finetune(cfg, overwrite=args.overwrite)
+    except UserError as e:
+        report_status("failed", error=str(e), exit_code=e.exit_code)
+        raise
+    report_status(result.status, step=result.step, tokens=result.tokens)
     if int(os.environ.get("RANK", "0")) == 0:
         print_summary(result, as_json=args.json)
     return 0 if result.status in ("completed", "stopped") else 1

@@ -52,12 +52,12 @@ def model_label(cfg) -> str:
 def child_argv(args, name: str, save_folder: str, *, first: bool) -> list[str]:
     """The `lmforge train` argv the supervisor runs. Retries and restarts leave out
     --overwrite and --no-autoresume: they must continue from this run's checkpoints."""
-    argv = ["train"]
+    argv = [getattr(args, "command", None) or "train"]  # `train` or `finetune`
     if args.file:
         argv += ["-f", os.path.abspath(args.file)]
-    for flag, value in (("--model", args.model), ("--training-duration", args.training_duration)):
-        if value:
-            argv += [flag, value]
+    for flag, attr in (("--model", "model"), ("--weights", "weights"), ("--training-duration", "training_duration")):
+        if getattr(args, attr, None):
+            argv += [flag, getattr(args, attr)]
     for path in args.train_data or []:
         argv += ["--train-data", path]
     for item in args.set or []:
@@ -107,7 +107,8 @@ def register(reg: Registry, cfg, args, *, name: str, save_folder: str, log_dir: 
     existing = check_collision(reg, name, ident)
     compute = cfg.compute
     fields = {
-        "run_type": "pretrain", "status": "STARTING", "reason": None, "started_at": time.time(),
+        "run_type": "finetune" if cfg.task_type in ("instruction_finetune", "chat_completion") else "pretrain",
+        "status": "STARTING", "reason": None, "started_at": time.time(),
         "completed_at": None, "model": model_label(cfg), "config": cfg.model_dump(mode="json"),
         "identity": ident, "save_folder": save_folder, "log_dir": log_dir,
         "command": child_argv(args, name, save_folder, first=False), "cwd": os.getcwd(), "host": this_host(),

@@ -202,7 +202,20 @@ def pretrain(config_path_or_dict: str | os.PathLike | dict | None = None, **over
     ``overrides`` are config keys (``training_duration="10000tok"``); a dict value is merged
     into the section (``parameters={"learning_rate": 3e-4}``); ``a__b=v`` sets ``a.b``.
     """
-    from lmforge.config.load import build_config, read_yaml
+    return _start("train", config_path_or_dict, overrides)
+
+
+def finetune(config_path_or_dict: str | os.PathLike | dict | None = None, **overrides: Any) -> Run:
+    """Start a fine-tuning run (``task_type`` defaults to instruction_finetune) in the background.
+
+    ``model`` and ``tokenizer`` may be left out: they come from ``custom_weights_path``.
+    Overrides as for `pretrain`.
+    """
+    return _start("finetune", config_path_or_dict, overrides)
+
+
+def _start(command: str, config_path_or_dict, overrides: dict) -> Run:
+    """Validate in-process (bad input raises here), write the config, `lmforge <command> --detach`."""
     from lmforge.home import lmforge_home
     from lmforge.runs.launch import default_name
 
@@ -211,12 +224,21 @@ def pretrain(config_path_or_dict: str | os.PathLike | dict | None = None, **over
     elif isinstance(config_path_or_dict, dict):
         raw = copy.deepcopy(config_path_or_dict)
     else:
+        from lmforge.config.load import read_yaml
+
         path = os.fspath(config_path_or_dict)
         raw = read_yaml(path)
         raw.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     for key, value in overrides.items():
         _merge(raw, key.replace("__", ".").split("."), value)
-    cfg = build_config(raw, source="pretrain()")  # bad input fails here, before any process starts
+    if command == "finetune":
+        from lmforge.train.finetune import fill_from_weights
+
+        raw.setdefault("task_type", "instruction_finetune")
+        raw = fill_from_weights(raw)
+    from lmforge.config.load import build_config
+
+    cfg = build_config(raw, source=f"{'pretrain' if command == 'train' else 'finetune'}()")
     raw["name"] = default_name(cfg)
     folder = os.path.join(lmforge_home(), "sdk-configs")
     os.makedirs(folder, exist_ok=True)
@@ -225,11 +247,11 @@ def pretrain(config_path_or_dict: str | os.PathLike | dict | None = None, **over
     cfg_file = os.path.join(folder, f"{raw['name']}.yaml")
     with open(cfg_file, "w") as f:
         yaml.safe_dump(raw, f, sort_keys=False)
-    proc = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", cfg_file, "--detach"],
+    proc = subprocess.run([sys.executable, "-m", "lmforge", command, "-f", cfg_file, "--detach"],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         errors = [ln[len("error: "):] for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-        raise UserError(errors[-1] if errors else f"lmforge train --detach failed ({proc.returncode}): "
+        raise UserError(errors[-1] if errors else f"lmforge {command} --detach failed ({proc.returncode}): "
                         f"{proc.stderr.strip()[-500:]}")
     return get_run(raw["name"])
 
