@@ -89,3 +89,20 @@ def render_text() -> str:
         else:
             lines.append(f"  {key:<{width}}  {default:<10} {desc}")
     return "\n".join(lines)
+
+
+def update_readme(path: str = "README.md") -> None:
+    """Rewrite the generated block of README.md (``python -m lmforge.config.reference``)."""
+    import re
+
+    with open(path) as f:
+        text = f.read()
+    start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
+    text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: start + render_markdown() + end, text,
+                  flags=re.S)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    update_readme()
