@@ -68,6 +68,8 @@ def _read_file(path: str) -> dict[str, str]:
             raise UserError(f"secrets.file {path}: unknown key {k!r}; expected one of {', '.join(_FILE_KEYS)}")
         if v is not None:
             out[_FILE_KEYS[key]] = str(v)
+    if "AWS_REGION" in out:
+        out["AWS_DEFAULT_REGION"] = out["AWS_REGION"]
     return out
 
 
@@ -166,6 +168,16 @@ def _why(e: BaseException) -> str:
     return redact(f"{type(e).__name__}: {msg}"[:300])
 
 
+def _bucket_exists(fs, bucket: str) -> bool:
+    try:
+        fs.info(bucket)  # HEAD on the bucket: unlike exists(), tells "missing" from "forbidden"
+        return True
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        return True  # wrong keys, or no right to HEAD the bucket: the access itself will tell
+
+
 def _access_points(cfg) -> tuple[list[str], list[str]]:
     """(URIs to read, URIs to write) that live in an object store."""
     from lmforge.data.remote import is_remote
@@ -194,12 +206,16 @@ def check_credentials(cfg, log=print) -> list[str]:
     for uri in reads:
         t = time.monotonic()
         fs, path = fs_and_path(uri, fast_fail=True)
-        # A glob or a prefix: its fixed leading part must be listable.
-        base = re.split(r"[*?\[]", path, maxsplit=1)[0].rstrip("/") or path
         try:
-            if not fs.exists(_bucket(uri)):
+            if not _bucket_exists(fs, _bucket(uri)):
                 raise UserError(f"credentials check: cannot read {uri}: bucket {_bucket(uri)!r} does not exist")
-            found = fs.exists(base) or bool(fs.ls(base.rsplit("/", 1)[0] if "/" in base else base))
+            if re.search(r"[*?\[]", path):
+                found = bool(fs.glob(path))
+            else:
+                try:
+                    found = bool(fs.info(path))  # raises for denied access (exists() would say False)
+                except FileNotFoundError:
+                    found = False
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - any client error becomes one line
@@ -212,6 +228,9 @@ def check_credentials(cfg, log=print) -> list[str]:
         fs, path = fs_and_path(uri, fast_fail=True)
         probe = f"{path.rstrip('/')}/.lmforge-write-check-{uuid.uuid4().hex[:8]}"
         try:
+            # Some servers create a missing bucket on the first write; a typo must not do that.
+            if not _bucket_exists(fs, _bucket(uri)):
+                raise FileNotFoundError(_bucket(uri))
             fs.pipe_file(probe, json.dumps({"check": "lmforge"}).encode())
             fs.rm_file(probe)
         except Exception as e:  # noqa: BLE001
