@@ -226,8 +226,9 @@ class RunStore:
                     os.link(src, dst)
                 except OSError:
                     shutil.copy2(src, dst)
-        self._submit(("checkpoint", step, snap))
+        # run.json first: a checkpoint in the store is only resumable next to the run's identity.
         self._submit(("files",))
+        self._submit(("checkpoint", step, snap))
 
     def _submit(self, job: tuple) -> None:
         with self._cv:
@@ -301,7 +302,10 @@ class RunStore:
         kept = {c.step for c in complete[-self.keep:]}
         for c in ckpts:
             if c.step not in kept and c.step < complete[-1].step:
-                self._delete_checkpoint(c.path)
+                try:
+                    self._delete_checkpoint(c.path)
+                except UserError as e:  # the new checkpoint is safely up; pruning is retried next time
+                    self.log(f"warning: could not prune {c.path}: {e}")
 
     def _upload_top_level_files(self) -> None:
         """run.json, metrics, generations, tracker ids, logs: small, re-uploaded whole each time."""
