@@ -75,7 +75,9 @@ class RunStore:
     def __init__(self, uri: str, local: str, *, keep: int, retries: int = 5, backoff: float = 0.5, log=print):
         self.uri, self.local, self.keep = uri.rstrip("/"), local, keep
         self.retries, self.backoff, self.log = retries, backoff, log
-        self.fs, self.root = remote.fs_and_path(self.uri)
+        # Our own retries (with backoff long enough to ride out a restart) replace the client's:
+        # stacked on top of botocore's and s3fs's they would turn one failure into minutes.
+        self.fs, self.root = remote.fs_and_path(self.uri, fast_fail=True)
         self.root = self.root.rstrip("/")
         os.makedirs(local, exist_ok=True)
         self._jobs: list[tuple] = []
