@@ -185,6 +185,12 @@ def test_credentials_check(s3_env, tmp_path, tiny_data):
     assert time.monotonic() - t < 10
     assert_one_line_error(bad, f"cannot write to {uri}", f"bucket {s3_env.bucket!r}", "access denied")
     assert "wrong-secret-value" not in bad.stdout + bad.stderr
+    # skipping the check: the trainer's first access to the store fails just as clearly
+    skipped = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--skip-credentials-check"],
+                             capture_output=True, text=True, env=env(AWS_SECRET_ACCESS_KEY="wrong-secret-value"),
+                             cwd=REPO, timeout=120)
+    assert_one_line_error(skipped, uri, "access denied")
+    assert "wrong-secret-value" not in skipped.stdout + skipped.stderr
 
     # a missing bucket; remote data that is not there; an unknown scheme
     nob = write_config(tmp_path / "nob.yaml", tiny_run_config(tiny_data, "s3://no-such-bucket-zz/runs/x"))
