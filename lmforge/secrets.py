@@ -112,6 +112,36 @@ def apply(cfg) -> None:
             _known.add(os.environ[var])
     if env:
         _forget_cached_clients()
+    _redact_log_records()
+
+
+_factory_installed = False
+
+
+def _redact_log_records() -> None:
+    """Every ``logging`` record (botocore, s3fs, mlflow, ...) is redacted when it is created.
+
+    A record factory sees the records of every logger and handler, including ones set up later,
+    which a filter on today's handlers would not.
+    """
+    global _factory_installed
+    if _factory_installed:
+        return
+    import logging
+
+    make = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = make(*args, **kwargs)
+        if _known:
+            try:
+                record.msg, record.args = redact(record.getMessage()), ()
+            except Exception:  # noqa: BLE001 - a malformed record is logging's problem, not ours
+                pass
+        return record
+
+    logging.setLogRecordFactory(factory)
+    _factory_installed = True
 
 
 def _forget_cached_clients() -> None:
@@ -223,6 +253,7 @@ def check_credentials(cfg, log=print) -> list[str]:
         if not found:
             raise UserError(f"credentials check: {uri} not found (bucket {_bucket(uri)!r})")
         done.append(f"read  {uri}: ok ({time.monotonic() - t:.1f}s)")
+        log(f"credentials: {done[-1]}")
     for uri in writes:
         t = time.monotonic()
         fs, path = fs_and_path(uri, fast_fail=True)
@@ -240,6 +271,5 @@ def check_credentials(cfg, log=print) -> list[str]:
                 why = "the bucket does not exist"
             raise UserError(f"credentials check: cannot write to {uri} (bucket {bucket!r}): {why}") from None
         done.append(f"write {uri}: ok ({time.monotonic() - t:.1f}s)")
-    for line in done:
-        log(f"credentials: {line}")
+        log(f"credentials: {done[-1]}")
     return done

@@ -20,6 +20,9 @@ from pathlib import Path
 
 KEY = "lmforge-test-key"
 SECRET = "lmforge-test-secret"
+# A second identity that may read and list but not write (permission tests).
+READ_KEY = "lmforge-test-reader"
+READ_SECRET = "lmforge-test-reader-secret"
 
 
 def weed_binary() -> str | None:
@@ -88,6 +91,10 @@ class S3Server:
             "name": "admin",
             "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }, {
+            "name": "reader",
+            "credentials": [{"accessKey": READ_KEY, "secretKey": READ_SECRET}],
+            "actions": ["Read", "List"],
         }]}))
         ports = list(ports or _free_ports(10))
         admin, master, master_g, vol, vol_g, filer, filer_g, s3, s3_g, webdav = ports

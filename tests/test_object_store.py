@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_run_config
+from lmforge.data import remote
 from s3server import S3Server, weed_binary
 from train_helpers import REPO, assert_one_line_error, env, final_weights, lmforge, metrics, write_config
 
@@ -192,6 +193,18 @@ def test_credentials_check(s3_env, tmp_path, tiny_data):
     assert_one_line_error(skipped, uri, "access denied")
     assert "wrong-secret-value" not in skipped.stdout + skipped.stderr
 
+    # keys that may read but not write: the data check passes, the save_folder check names the bucket
+    from s3server import READ_KEY, READ_SECRET
+
+    data_uri = f"s3://{s3_env.bucket}/datasets/ro"
+    remote.upload_dir(str(tiny_data.dataset), data_uri)
+    ro = write_config(tmp_path / "ro.yaml", tiny_run_config(tiny_data, uri, train_data=data_uri))
+    denied = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", str(ro), "--check-credentials"],
+                            capture_output=True, text=True, cwd=REPO, timeout=60,
+                            env=env(AWS_ACCESS_KEY_ID=READ_KEY, AWS_SECRET_ACCESS_KEY=READ_SECRET))
+    assert f"read  {data_uri}: ok" in denied.stdout
+    assert_one_line_error(denied, f"cannot write to {uri}", f"bucket {s3_env.bucket!r}", "access denied")
+
     # a missing bucket; remote data that is not there; an unknown scheme
     nob = write_config(tmp_path / "nob.yaml", tiny_run_config(tiny_data, "s3://no-such-bucket-zz/runs/x"))
     assert_one_line_error(lmforge("train", "-f", nob, "--check-credentials"), "no-such-bucket-zz",
@@ -227,6 +240,18 @@ def test_secrets_config_and_errors(tmp_path, tiny_data):
     secrets._known.add("s3cr3t-value-1")
     assert secrets.redact("key s3cr3t-value-1 at https://u:pw@host/x") == "key *** at https://***@host/x"
     assert secrets.redact_config({"a": ["s3cr3t-value-1"], "n": 3}) == {"a": ["***"], "n": 3}
+    # library log lines too (botocore, s3fs, mlflow log through `logging`)
+    import logging
+
+    secrets._redact_log_records()
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logger = logging.getLogger("lmforge.test.redaction")
+    logger.addHandler(handler)
+    logger.warning("signing with %s", "s3cr3t-value-1")
+    logger.removeHandler(handler)
+    assert records == ["signing with ***"]
 
 
 def test_secret_key_appears_in_nothing_the_run_wrote(s3_server, tmp_path, tiny_data):
