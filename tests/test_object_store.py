@@ -114,6 +114,15 @@ def test_train_to_s3_lose_the_machine_resume_from_the_store(s3_env, tmp_path, ti
     other = write_config(tmp_path / "other.yaml", tiny_run_config(tiny_data, uri, name="other", **COMMON))
     clash = _run(other, tmp_path / "machine3")
     assert_one_line_error(clash, "holds checkpoints of a different run", "'tiny'")
+    # ... unless --overwrite, which replaces the store's run too (nothing of 'tiny' is left)
+    short = write_config(tmp_path / "short.yaml", tiny_run_config(
+        tiny_data, uri, name="other", **COMMON | {"training_duration": "4ba", "save_interval": "2ba"}))
+    proc3 = _run(short, tmp_path / "machine3", "--overwrite")
+    assert proc3.returncode == 0, proc3.stderr[-3000:]
+    assert _complete_steps(fs, prefix) == [2, 4]
+    assert json.loads(fs.cat_file(f"{prefix}/run.json"))["identity"]["name"] == "other"
+    rows = [json.loads(x) for x in fs.cat_file(f"{prefix}/metrics.jsonl").decode().splitlines()]
+    assert max(r["step"] for r in rows) == 4
 
 
 @pytest.fixture
@@ -263,8 +272,10 @@ def test_secret_key_appears_in_nothing_the_run_wrote(s3_server, tmp_path, tiny_d
     creds.write_text(f"aws_access_key_id: {s3_env.key}\naws_secret_access_key: {s3_env.secret}\n"
                      f"endpoint_url: {s3_env.endpoint_url}\nregion: us-east-1\n")
     uri = f"s3://{s3_env.bucket}/runs/secret"
+    data_uri = f"s3://{s3_env.bucket}/datasets/secret"  # the data is read from the store too
+    _s3fs(s3_env).put(str(tiny_data.dataset), data_uri[5:], recursive=True)
     cfg = write_config(tmp_path / "s.yaml", tiny_run_config(
-        tiny_data, uri, training_duration="4ba", save_interval="2ba", secrets=str(creds),
+        tiny_data, uri, training_duration="4ba", save_interval="2ba", secrets=str(creds), train_data=data_uri,
         **{"experiment_tracker.mlflow": {}, "eval.interval": "2ba"}))
     home = tmp_path / "home"
     assert not any(k in os.environ for k in s3_env.env)  # the secrets file is the only source
@@ -273,6 +284,7 @@ def test_secret_key_appears_in_nothing_the_run_wrote(s3_server, tmp_path, tiny_d
         proc = _run(cfg, home, *args)
         assert proc.returncode == 0, proc.stderr[-3000:]
         outputs.append(proc.stdout + proc.stderr)
+    assert f"read  {data_uri}: ok" in outputs[1] and f"write {uri}: ok" in outputs[1]
     secret = s3_env.secret.encode()
     assert all(s3_env.secret not in o for o in outputs)
     written = [p for p in home.rglob("*") if p.is_file()]
