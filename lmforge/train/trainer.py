@@ -28,6 +28,7 @@ from lmforge.errors import UserError
 from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.models import build_model, generate, save_pretrained
+from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
 from lmforge.train import remote_store
 from lmforge.train.optim import build_optimizer, lr_factor
@@ -131,7 +132,6 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
     store = remote_store.open_store(cfg, log) if dist.is_main else None
     on_saved = store.checkpoint_saved if store else None
     identity = ckpt.run_identity(cfg)
-    from lmforge.secrets import redact_config
 
     # --- save folder: same run → resume; a different run → refuse (unless --overwrite)
     if dist.is_main:
@@ -353,8 +353,6 @@ def _in_main_thread() -> bool:
 
 
 def _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist, elapsed, on_complete=None):
-    from lmforge.secrets import redact_config
-
     state = {"step": step, "tokens": tokens, "elapsed_s": elapsed, "data": stream.state_dict(),
              "world_size": dist.world_size, "config": redact_config(cfg.model_dump(mode="json"))}
     ckpt.save_checkpoint(save_folder, step, model, optimizer, state, rank=dist.rank,
