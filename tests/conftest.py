@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -93,7 +94,7 @@ def tiny_run_config(data: TinyData, save_folder: Path, **overrides) -> dict:
     """A run config for a ~100K-parameter model that trains in seconds on one CPU core."""
     cfg = {
         # Run names are unique in the registry: one per test folder.
-        "name": f"tiny-{save_folder.parent.name}-{save_folder.name}",
+        "name": "tiny-" + hashlib.sha1(str(save_folder).encode()).hexdigest()[:10],
         "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
                   "max_seq_len": 64},
         "tokenizer": str(data.tokenizer),

@@ -113,7 +113,7 @@ def test_train_to_s3_lose_the_machine_resume_from_the_store(s3_env, tmp_path, ti
     # run.json identity is checked against the store: another run may not reuse the folder
     other = write_config(tmp_path / "other.yaml", tiny_run_config(tiny_data, uri, name="other", **COMMON))
     clash = _run(other, tmp_path / "machine3")
-    assert_one_line_error(clash, "holds checkpoints of a different run", "'tiny'")
+    assert_one_line_error(clash, "holds checkpoints of a different run", "'tiny-")
     # ... unless --overwrite, which replaces the store's run too (nothing of 'tiny' is left)
     short = write_config(tmp_path / "short.yaml", tiny_run_config(
         tiny_data, uri, name="other", **COMMON | {"training_duration": "4ba", "save_interval": "2ba"}))
