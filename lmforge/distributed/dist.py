@@ -48,7 +48,8 @@ def init_distributed(device_kind: str = "auto", timeout_s: int = 600) -> DistInf
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_kind, local_rank)
     if world > 1 and not td.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # GPUs: NCCL for the model, gloo beside it for CPU-side collectives (async checkpoints).
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         td.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                               device_id=device if device.type == "cuda" else None)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
