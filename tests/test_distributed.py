@@ -244,3 +244,46 @@ def test_unreachable_rendezvous_times_out_with_a_clear_message(tmp_path, tiny_da
     assert_one_line_error(proc, "cannot reach the rendezvous at 127.0.0.1:", "after 2s")
     assert time.monotonic() - t0 < 30
     assert not folder.exists()
+
+
+def test_launch_slurm_and_k8s_write_valid_job_files(tmp_path, tiny_data):
+    import yaml
+
+    cfg, _ = run(tmp_path, tiny_data, "job")
+    sbatch = tmp_path / "job.sbatch"
+    proc = lmforge("launch", "slurm", "-f", cfg, "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
+                   "--time", "24:00:00", "--set", "compute.data_parallel=hsdp", "-o", sbatch, check=True)
+    assert f"sbatch {sbatch}" in proc.stdout
+    text = sbatch.read_text()
+    assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=24:00:00"):
+        assert line in text.splitlines()
+    srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
+    for part in (f"-m lmforge train -f {cfg}", "--nnodes 4", "compute.gpus=8", "compute.data_parallel=hsdp",
+                 '--node-rank "$SLURM_NODEID"', '--rdzv-endpoint "$LMFORGE_RDZV_ENDPOINT"'):
+        assert part in srun, part
+    assert os.access(sbatch, os.X_OK)
+
+    manifest = tmp_path / "pytorchjob.yaml"
+    proc = lmforge("launch", "k8s", "-f", cfg, "--nodes", "3", "--gpus-per-node", "4", "--image", "reg/lmforge:1",
+                   "-o", manifest, check=True)
+    assert f"kubectl apply -f {manifest}" in proc.stdout
+    config_map, job = list(yaml.safe_load_all(manifest.read_text()))
+    assert config_map["kind"] == "ConfigMap" and yaml.safe_load(config_map["data"]["run.yaml"])["name"] == "tiny"
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 2
+    pod = specs["Worker"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == "reg/lmforge:1" and container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    script = container["command"][-1]
+    assert "--nnodes 3" in script and '--node-rank "$NODE_RANK"' in script and "unset WORLD_SIZE RANK" in script
+    assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
+    assert pod["volumes"][0]["configMap"]["name"] == config_map["metadata"]["name"]
+
+    # a mesh that cannot be built is refused before any file is written
+    bad = lmforge("launch", "slurm", "-f", cfg, "--nodes", "2", "--gpus-per-node", "3", "--set",
+                  "compute.data_parallel=hsdp", "--set", "compute.shard_size=4", "-o", tmp_path / "bad.sbatch")
+    assert_one_line_error(bad, "compute.shard_size: 4 does not divide the 6 ranks")
+    assert not (tmp_path / "bad.sbatch").exists()
