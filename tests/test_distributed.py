@@ -32,53 +32,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_fsdp_two_ranks_match_single_process(tmp_path, tiny_data):
+# One reference for the multi-rank runs below: a single process, same global batch (8), 6 steps.
+COMMON = {"training_duration": "6ba", "parameters.micro_batch_size": 2, "save_interval": "3ba"}
+
+
+@pytest.fixture(scope="module")
+def single_ref(tmp_path_factory, tiny_data):
+    tmp = tmp_path_factory.mktemp("single")
+    cfg, folder = run(tmp, tiny_data, "single", **COMMON)
+    lmforge("train", "-f", cfg, check=True)
+    return folder
+
+
+def assert_same_losses(expected: dict, got: dict, steps) -> None:
+    """Tolerance: the same math on every rank count; only the order of float sums differs
+    (gradients averaged over ranks by all-reduce / reduce-scatter), ~1e-6 relative per step,
+    compounding over a few steps of Adam."""
+    assert sorted(got) == list(steps)
+    for step in steps:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+
+
+def test_fsdp_two_ranks_match_single_and_reshard_on_resume(tmp_path, tiny_data, single_ref):
     """FSDP2 over 2 gloo ranks (sharded meta-device init, gradient accumulation, clipping,
-    generation in lockstep, gathered export) follows the single-process run with the same global
-    batch. Tolerance: the same math, only the order of float sums differs (reduce-scatter
-    averages the two ranks' gradients), ~1e-6 relative per step, compounding over 4 steps."""
-    common = {"training_duration": "4ba", "parameters.micro_batch_size": 2,  # 2 accumulation steps per rank
-              "eval.prompts": ["def main("], "eval.interval": "2ba"}
-    single_cfg, single = run(tmp_path, tiny_data, "single", **common)
-    lmforge("train", "-f", single_cfg, check=True)
-    fsdp_cfg, fsdp = run(tmp_path, tiny_data, "fsdp", **common, **{"compute.ranks": 2, "compute.data_parallel": "fsdp"})
+    generation in lockstep, async checkpoints, gathered export) follows the single process.
+    Its step-3 checkpoint then resumes on 2 ranks and on 1 rank (DCP reshards; the data stream
+    continues at the same global sample) with the same next-step losses."""
+    fsdp_cfg, fsdp = run(tmp_path, tiny_data, "fsdp", **COMMON, **{
+        "compute.ranks": 2, "compute.data_parallel": "fsdp", "eval.prompts": ["def main("], "eval.interval": "4ba"})
     proc = lmforge("train", "-f", fsdp_cfg, "--json", check=True)
-    a, b = train_losses(single), train_losses(fsdp)
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    for step in a:
-        assert a[step] == pytest.approx(b[step], rel=1e-4), step
-    wa, wb = final_weights(single), final_weights(fsdp)  # the export gathered the full weights
+    assert_same_losses(train_losses(single_ref), train_losses(fsdp), range(1, 7))
+    wa, wb = final_weights(single_ref), final_weights(fsdp)  # the export gathered the full weights
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)
     summary = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert summary["generations"][0].startswith("def main(")
-    # checkpoints hold one shard file per rank
-    ckpt = fsdp / "checkpoints" / "step_00000004"
+    ckpt = fsdp / "checkpoints" / "step_00000003"  # one shard file per rank
     assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
-
-def test_checkpoint_from_two_ranks_resumes_on_one_and_two(tmp_path, tiny_data):
-    """An (async) FSDP checkpoint written by 2 ranks at step 3 resumes on 2 ranks and on 1 rank
-    (DCP reshards; the data stream continues at the same global sample) with the same next-step
-    loss as the uninterrupted run. Tolerance as above: only reduction order differs."""
-    common = {"training_duration": "5ba", "save_interval": "3ba", "compute.data_parallel": "fsdp"}
-    ref_cfg, ref = run(tmp_path, tiny_data, "ref", **common, **{"compute.ranks": 2})
-    lmforge("train", "-f", ref_cfg, check=True)
-    expected = train_losses(ref)
+    expected = train_losses(fsdp)
     for ranks in (2, 1):
-        cfg, folder = run(tmp_path, tiny_data, f"resume{ranks}", **common, **{"compute.ranks": ranks})
+        cfg, folder = run(tmp_path, tiny_data, f"resume{ranks}", **COMMON, **{
+            "compute.ranks": ranks, "compute.data_parallel": "fsdp"})
         folder.mkdir()
-        shutil.copy(ref / "run.json", folder / "run.json")
-        shutil.copytree(ref / "checkpoints" / "step_00000003", folder / "checkpoints" / "step_00000003")
+        shutil.copy(fsdp / "run.json", folder / "run.json")
+        shutil.copytree(ckpt, folder / "checkpoints" / ckpt.name)
         proc = lmforge("train", "-f", cfg, check=True)
         assert "resume: continuing from" in proc.stdout and "(step 3," in proc.stdout
         if ranks == 1:
             assert "written by 2 rank(s), resharded onto 1" in proc.stdout
-        got = train_losses(folder)
-        assert sorted(got) == [4, 5]
-        for step in (4, 5):
-            assert got[step] == pytest.approx(expected[step], rel=1e-4), (ranks, step)
+        assert_same_losses(expected, train_losses(folder), range(4, 7))
 
 
 def test_activation_checkpointing_changes_memory_not_results(tmp_path):
@@ -136,14 +140,11 @@ def test_activation_checkpointing_changes_memory_not_results(tmp_path):
     assert base_mm == mms["selective"] < mms[2] < mms["full"], (base_mm, mms)
 
 
-def test_two_nodes_on_one_machine_train_together(tmp_path, tiny_data):
+def test_two_nodes_on_one_machine_train_together(tmp_path, tiny_data, single_ref):
     """Two `lmforge train` processes as two "nodes" (torchrun --nnodes 2, c10d rendezvous on
-    127.0.0.1), one rank each, DDP: one 2-rank run, same losses as a single process."""
-    single_cfg, single = run(tmp_path, tiny_data, "single", training_duration="3ba")
-    lmforge("train", "-f", single_cfg, check=True)
-    cfg, folder = run(tmp_path, tiny_data, "nodes", training_duration="3ba",
-                      **{"compute.nodes": 2, "compute.rdzv_endpoint": f"127.0.0.1:{free_port()}",
-                         "compute.rdzv_timeout_s": 60})
+    127.0.0.1), one rank each, DDP: one 2-rank run with the single process's losses."""
+    cfg, folder = run(tmp_path, tiny_data, "nodes", **COMMON, **{
+        "compute.nodes": 2, "compute.rdzv_endpoint": f"127.0.0.1:{free_port()}", "compute.rdzv_timeout_s": 60})
     procs = [subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--node-rank", str(r)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
              for r in (0, 1)]
@@ -151,10 +152,7 @@ def test_two_nodes_on_one_machine_train_together(tmp_path, tiny_data):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, (out[-2000:], err[-3000:])
     assert any("2 rank(s)" in out for out, _ in outs)
-    a, b = train_losses(single), train_losses(folder)
-    assert sorted(b) == [1, 2, 3]
-    for step in a:
-        assert a[step] == pytest.approx(b[step], rel=1e-4), step
+    assert_same_losses(train_losses(single_ref), train_losses(folder), range(1, 7))
 
 
 def _descendants(pid: int) -> list[int]:
@@ -187,35 +185,32 @@ def _worker_with_rank(pid: int, rank: int) -> int | None:
     return None
 
 
-def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data):
+def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, single_ref):
     """SIGKILL one of two DDP workers mid-run: torchelastic (max_retries 1 → --max-restarts 1)
     restarts both, they resume from the latest complete checkpoint and finish; the restart is
-    logged and recorded in events.jsonl; the losses equal the uninterrupted run's."""
-    common = {"training_duration": "10ba", "save_interval": "2ba", "compute.ranks": 2, "max_retries": 1}
-    ref_cfg, ref = run(tmp_path, tiny_data, "ref", **common)
-    lmforge("train", "-f", ref_cfg, check=True)
-    cfg, folder = run(tmp_path, tiny_data, "victim", **common)
+    logged and recorded in events.jsonl; the losses equal the uninterrupted single process's."""
+    cfg, folder = run(tmp_path, tiny_data, "victim", **COMMON, **{"compute.ranks": 2, "max_retries": 1})
     proc = subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
     deadline = time.time() + 180
-    while not list((folder / "checkpoints").glob("step_*")) or max(train_losses(folder), default=0) < 5:
+    victim = None
+    while victim is None:  # find rank 1's process first, so that the kill itself is immediate
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline
-        time.sleep(0.05)
-    victim = _worker_with_rank(proc.pid, 1)
-    assert victim is not None
+        victim = _worker_with_rank(proc.pid, 1)
+    while not (folder / "checkpoints" / "step_00000003").exists() or max(train_losses(folder), default=0) < 4:
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.01)
     os.kill(victim, signal.SIGKILL)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, (out[-2000:], err[-3000:])
     assert "elastic: workers restarted after a failure (restart 1" in out
     events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
     restart = [e for e in events if e["event"] == "elastic_restart"]
-    assert len(restart) == 1 and restart[0]["step"] >= 2 and restart[0]["resumed_from"]
+    assert len(restart) == 1 and restart[0]["step"] == 3 and restart[0]["resumed_from"].endswith("step_00000003")
     assert (folder / "final" / "model.safetensors").exists()
-    expected, got = train_losses(ref), train_losses(folder)
-    assert sorted(got) == list(range(1, 11))
-    for step in expected:
-        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+    assert_same_losses(train_losses(single_ref), train_losses(folder), range(1, 7))
 
 
 @pytest.mark.parametrize("sets,needles", [

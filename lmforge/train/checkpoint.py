@@ -76,29 +76,40 @@ def set_rng_state(state: dict) -> None:
 class PendingSave:
     """At most one asynchronous checkpoint in flight (``dcp.async_save``).
 
-    Training continues while DCP writes the shards from a CPU copy in a background thread;
-    the checkpoint is made visible (``lmforge-state.json`` + rename, by rank 0) only once every
-    rank's write finished: at the next save, or when ``wait()`` is called at the end of a run.
+    Training continues while DCP writes the shards from a CPU copy in a background thread.
+    DCP's last step gathers every rank's write results on rank 0 (the coordinator), which then
+    writes ``.metadata``: so once rank 0's future is done, every rank's shards are on disk, and
+    rank 0 alone completes the checkpoint (``lmforge-state.json`` last, then the rename) —
+    as soon as ``poll()`` sees it done, or at the latest in ``wait()`` (next save, end of run).
     """
 
     def __init__(self):
         """Collective when distributed: every rank creates it at the same point."""
-        self._inflight = None  # (future, finalize arguments)
+        self._inflight = None  # (future, completion arguments)
         # The background write coordinates ranks (plans, metadata) while the training thread
         # runs its own collectives: it gets a separate gloo group so the two never interleave.
         self.group = td.new_group(backend="gloo") if td.is_available() and td.is_initialized() else None
 
-    def start(self, future, finish_args: tuple) -> None:
-        self._inflight = (future, finish_args)
+    def start(self, future, complete_args: tuple) -> None:
+        self._inflight = (future, complete_args)
+
+    def poll(self) -> str | None:
+        """Complete the in-flight checkpoint if its write finished (never blocks, not collective)."""
+        if self._inflight is None or not self._inflight[0].done():
+            return None
+        return self._complete_inflight()
 
     def wait(self) -> str | None:
-        """Block until the in-flight checkpoint is written, then complete it. Collective."""
-        if self._inflight is None:
-            return None
+        """Block until the in-flight checkpoint is written and complete it. Collective."""
+        path = self._complete_inflight() if self._inflight is not None else None
+        barrier()
+        return path
+
+    def _complete_inflight(self) -> str:
         future, args = self._inflight
         self._inflight = None
-        future.result()
-        return _finish(*args)
+        future.result()  # raises the write's error, if any
+        return _complete(*args)
 
 
 def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -133,9 +144,16 @@ def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimiz
     return _finish(*finish_args)
 
 
-def _finish(save_folder: str, tmp: str, final: str, state: dict, rank: int, keep: int, on_complete) -> str:
-    """Every rank's shards are written: rank 0 writes the state file last and renames. Collective."""
+def _finish(*args) -> str:
+    """Every rank's shards are written (synchronous save): complete the checkpoint. Collective."""
     barrier()
+    final = _complete(*args)
+    barrier()
+    return final
+
+
+def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, keep: int, on_complete) -> str:
+    """Rank 0 writes the state file last and renames (the checkpoint becomes visible); other ranks: no-op."""
     if rank == 0:
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(state, f, indent=1)
@@ -148,7 +166,6 @@ def _finish(save_folder: str, tmp: str, final: str, state: dict, rank: int, keep
             shutil.rmtree(old, ignore_errors=True)
         if on_complete is not None:
             on_complete(final)
-    barrier()
     return final
 
 

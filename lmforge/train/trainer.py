@@ -277,6 +277,8 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
                     f"saving. Last good checkpoint: {good or 'none'}. Try a lower parameters.learning_rate")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if saver is not None:
+                saver.poll()  # rank 0 completes a background checkpoint as soon as it is written
             step += 1
             tokens += plan.tokens_per_step
             if loss_ema is not None and loss_val > 3 * loss_ema and step > plan.warmup_steps:
