@@ -142,9 +142,11 @@ def test_activation_checkpointing_changes_memory_not_results(tmp_path):
 
 def test_two_nodes_on_one_machine_train_together(tmp_path, tiny_data, single_ref):
     """Two `lmforge train` processes as two "nodes" (torchrun --nnodes 2, c10d rendezvous on
-    127.0.0.1), one rank each, DDP: one 2-rank run with the single process's losses."""
+    127.0.0.1), one rank each, HSDP (shard within a node — the default shard_size is the ranks
+    per node, here 1 — replicate across the nodes: a 2×1 mesh): one 2-rank run with the single
+    process's losses."""
     cfg, folder = run(tmp_path, tiny_data, "nodes", **COMMON, **{
-        "compute.nodes": 2, "compute.rdzv_endpoint": f"127.0.0.1:{free_port()}", "compute.rdzv_timeout_s": 60})
+        "compute.data_parallel": "hsdp", "compute.nodes": 2, "compute.rdzv_endpoint": f"127.0.0.1:{free_port()}", "compute.rdzv_timeout_s": 60})
     procs = [subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--node-rank", str(r)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
              for r in (0, 1)]
