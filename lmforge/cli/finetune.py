@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from lmforge.cli.common import add_command
 
@@ -30,7 +31,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from lmforge.cli.train import _relaunch_with_torchrun, print_summary
+    from lmforge.cli.train import print_summary
+    from lmforge.distributed.launch import launch as launch_ranks, needs_launch
     from lmforge.train.finetune import finetune, load_run_config
 
     overrides = {"custom_weights_path": args.weights, "train_data": args.train_data,
@@ -48,8 +50,9 @@ def run(args) -> int:
 
     if should_supervise():
         return launch(cfg, args)
-    if cfg.compute.ranks and cfg.compute.ranks > 1 and "WORLD_SIZE" not in os.environ:
-        return _relaunch_with_torchrun(cfg.compute.ranks)
+    nproc = needs_launch(cfg)  # several GPUs or compute.ranks: N → torchrun
+    if nproc:
+        return launch_ranks(cfg, nproc, sys.argv[1:])
     try:
         result = finetune(cfg, overwrite=args.overwrite)
     except UserError as e:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 from lmforge.cli.common import add_command
@@ -26,6 +25,11 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace checkpoints of a different run in save_folder")
     p.add_argument("--no-autoresume", action="store_true", help="do not continue from an existing checkpoint")
     p.add_argument("--json", action="store_true", help="print the final summary (or the dry-run plan) as JSON")
+    # multi-node (docs/scale-out.md): same as compute.nodes / node_rank / rdzv_endpoint and max_retries
+    p.add_argument("--nnodes", type=int, metavar="N", help="override `compute.nodes`")
+    p.add_argument("--node-rank", type=int, metavar="R", help="override `compute.node_rank` (0 … N-1)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="override `compute.rdzv_endpoint` (node 0's address)")
+    p.add_argument("--max-restarts", type=int, metavar="N", help="override `max_retries` (torchrun restarts)")
     p.add_argument("--check-credentials", action="store_true",
                    help="only check read access to remote data and write access to a remote save_folder, then exit")
     p.add_argument("--skip-credentials-check", action="store_true",
@@ -47,16 +51,14 @@ def load_from_args(args):
                  "save_folder": args.save_folder, "name": args.name}
     if args.no_autoresume:
         overrides["autoresume"] = False
+    sets = list(args.set)
+    for flag, key in (("nnodes", "compute.nodes"), ("node_rank", "compute.node_rank"),
+                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_restarts", "max_retries")):
+        if getattr(args, flag, None) is not None:
+            sets.append(f"{key}={getattr(args, flag)}")
     from lmforge.train.finetune import load_run_config  # `model` may come from custom_weights_path
 
-    return load_run_config(args.file, overrides=overrides, sets=args.set)
-
-
-def _relaunch_with_torchrun(ranks: int) -> int:
-    """`compute.ranks: N` on CPU: start N gloo ranks through torchrun, running this same command."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "-m", "lmforge", *sys.argv[1:]]
-    return subprocess.call(cmd, env=os.environ | {"LMFORGE_LAUNCHED": "1"})
+    return load_run_config(args.file, overrides=overrides, sets=sets)
 
 
 def run(args) -> int:
@@ -89,11 +91,13 @@ def _run(args) -> int:
     from lmforge.runs.launch import launch, should_supervise
     from lmforge.runs.supervisor import report_status
 
-    if should_supervise():
+    if should_supervise() and cfg.compute.node_rank == 0:  # other nodes: torchrun's agent restarts workers
         return launch(cfg, args)
-    under_torchrun = "WORLD_SIZE" in os.environ
-    if cfg.compute.ranks and cfg.compute.ranks > 1 and not under_torchrun:
-        return _relaunch_with_torchrun(cfg.compute.ranks)
+    from lmforge.distributed.launch import launch as launch_ranks, needs_launch
+
+    nproc = needs_launch(cfg)  # several GPUs, compute.ranks: N or several nodes → torchrun
+    if nproc:
+        return launch_ranks(cfg, nproc, sys.argv[1:])
     from lmforge.errors import UserError
     from lmforge.train.trainer import train
 

@@ -105,9 +105,27 @@ class ComputeConfig(_Strict):
     nodes: int = Field(1, ge=1, description="number of nodes")
     ranks: int | None = Field(None, ge=1, description="CPU only: run N gloo ranks (for tests / no-GPU users)")
     data_parallel: Literal["ddp", "fsdp", "hsdp", "none"] = Field("ddp", description="how ranks share the model")
-    activation_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    # --- scale-out (lmforge.distributed; see docs/scale-out.md)
+    shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (default: ranks per node)")
+    reshard_after_forward: bool = Field(
+        True, description="fsdp/hsdp: free gathered weights after forward (less memory, one more all-gather)")
+    node_rank: int = Field(0, ge=0, description="multi-node: this node's index (0 … nodes-1)")
+    rdzv_endpoint: str | None = Field(None, description="multi-node: HOST:PORT of the torchrun c10d rendezvous")
+    rdzv_timeout_s: int = Field(300, gt=0, description="multi-node: seconds to wait for every node to join")
+    activation_checkpointing: bool | Literal["full", "selective"] | int = Field(
+        False, description="recompute activations in backward: true/full (every block), selective (keep matmul "
+        "outputs, recompute the rest), or N (every N-th block)")
+    async_checkpoint: bool = Field(True, description="write checkpoints in the background while training continues")
+    # --- end scale-out
     compile: bool = Field(False, description="torch.compile each transformer block")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _ac(cls, v):
+        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            raise ValueError("expected false, true, full, selective or a positive integer N (every N-th block)")
+        return v
 
 
 class SFTOptions(_Strict):

@@ -48,10 +48,27 @@ def init_distributed(device_kind: str = "auto", timeout_s: int = 600) -> DistInf
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_kind, local_rank)
     if world > 1 and not td.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # GPUs: NCCL for the model, gloo beside it for CPU-side collectives (async checkpoints).
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         td.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
-                              device_id=device if device.type == "cuda" else None)
+                              device_id=device if device.type == "cuda" else None,
+                              **_elastic_store(rank, world, timedelta(seconds=timeout_s)))
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def _elastic_store(rank: int, world: int, timeout: timedelta) -> dict:
+    """Under torchrun: the rendezvous store with a per-attempt key prefix.
+
+    After torchelastic restarts the workers they would otherwise read the previous attempt's
+    peer addresses from the store (same keys) and fail to connect ("Connection refused").
+    """
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return {}
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = td.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                        is_master=not agent_hosts and rank == 0, timeout=timeout, multi_tenant=not agent_hosts)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return {"store": td.PrefixStore(f"lmforge/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
 def barrier() -> None:

@@ -1,57 +1,220 @@
 """Apply parallelism and compilation to a model, in one place and one order.
 
 Order (as in torchtitan): activation checkpointing → torch.compile (per block) → data
-parallel wrapping. Checkpointing wraps blocks first so compile sees the recompute region;
-compiling per block keeps compile times short and lets FSDP shard at block boundaries.
+parallel wrapping (DDP, or FSDP2 ``fully_shard`` per block then the root). Checkpointing
+wraps block forwards first so compile sees the recompute region; compiling per block keeps
+compile times short; FSDP's hooks then sit outside the compiled regions, at block boundaries.
+
+Everything is applied to the module in place and never renames parameters, so checkpoints
+(DCP) and exports are the same whatever parallelism or compilation a run used.
+
+FSDP on CPU: the gloo backend in this torch implements ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` natively, so FSDP2 runs unchanged on N gloo ranks (what the tests
+use); on GPUs the same code runs on NCCL.
 """
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+from functools import partial
+
 import torch
+import torch.distributed as td
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.dist import DistInfo
+from lmforge.errors import UserError
+
+SHARDED = ("fsdp", "hsdp")
 
 
-def _checkpointed(forward):
+# --------------------------------------------------------------------------- activation checkpointing
+
+def ac_plan(value, n_layers: int) -> tuple[str | None, list[int]]:
+    """Config value → (mode, indices of the blocks to checkpoint).
+
+    ``true``/``full``: every block; ``selective``: every block, keeping matmul and attention
+    outputs (recomputing only the cheap element-wise ops); ``N``: every N-th block (full).
+    """
+    if value is False or value is None:
+        return None, []
+    if value is True or value == "full":
+        return "full", list(range(n_layers))
+    if value == "selective":
+        return "selective", list(range(n_layers))
+    return "full", [i for i in range(n_layers) if (i + 1) % int(value) == 0]
+
+
+def _selective_policy():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    # Expensive to recompute: keep their outputs. Norms, activations, RoPE: recompute.
+    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+def _checkpointed(forward, selective: bool):
+    context_fn = _selective_policy() if selective else None
+
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # eval / generation: nothing to save
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn else {}
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     return run
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each block's activations in backward instead of storing them.
+def apply_activation_checkpointing(model: nn.Module, value=True) -> None:
+    """Recompute blocks' activations in backward instead of storing them.
 
     The block's ``forward`` is replaced on the instance (not wrapped in a new module), so
     parameter names — and therefore checkpoints — are the same with and without it.
     """
-    for block in model.blocks:
-        block.forward = _checkpointed(block.forward)
+    mode, which = ac_plan(value, len(model.blocks))
+    for i in which:
+        block = model.blocks[i]
+        block.forward = _checkpointed(block.forward, selective=mode == "selective")
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Compile each block in place (``Module.compile`` keeps parameter names unchanged)."""
+    """Compile each block's forward (on the instance: names unchanged, FSDP hooks stay eager)."""
     for block in model.blocks:
-        block.compile(dynamic=False)
+        block.forward = torch.compile(block.forward, dynamic=False)
 
 
-def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo) -> nn.Module:
-    """Returns the module to train (possibly a DDP wrapper around ``model``)."""
+# --------------------------------------------------------------------------- device mesh and FSDP2
+
+def ensure_process_group(dist: DistInfo) -> None:
+    """FSDP needs a process group even for one rank (e.g. FSDP on 1 GPU): make a 1-rank one."""
+    if not td.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if dist.device.type == "cuda" else "gloo"
+        td.init_process_group(backend, store=td.HashStore(), rank=0, world_size=1)
+
+
+def check_mesh(compute: ComputeConfig, world_size: int, local_world_size: int | None = None) -> tuple[int, int]:
+    """(replicate, shard) sizes for the run's data parallelism; raises UserError when they do not fit."""
+    if compute.data_parallel != "hsdp":
+        if compute.shard_size is not None and compute.shard_size != world_size and compute.data_parallel == "fsdp":
+            raise UserError(f"compute.shard_size: {compute.shard_size} is for data_parallel: hsdp; fsdp shards "
+                            f"over all {world_size} ranks (set data_parallel: hsdp or remove shard_size)")
+        return 1, world_size
+    shard = compute.shard_size or local_world_size or world_size
+    if shard > world_size or world_size % shard:
+        raise UserError(f"compute.shard_size: {shard} does not divide the {world_size} ranks; expected a divisor "
+                        f"of {world_size} (ranks per shard group)")
+    return world_size // shard, shard
+
+
+def build_mesh(compute: ComputeConfig, dist: DistInfo):
+    """1-D mesh (shard) for fsdp, 2-D (replicate, shard) for hsdp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ensure_process_group(dist)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+    replicate, shard = check_mesh(compute, dist.world_size, local)
+    if compute.data_parallel == "hsdp":
+        return init_device_mesh(dist.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(dist.device.type, (shard,), mesh_dim_names=("shard",))
+
+
+def apply_fsdp(model: nn.Module, mesh, *, bf16: bool, reshard_after_forward: bool) -> None:
+    """FSDP2 per transformer block, then the root (embeddings, final norm, head)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # bf16 compute and communication of weights, fp32 gradient reduction and master weights.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root's weights are needed again right at the start of backward: keep them gathered.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32") -> nn.Module:
+    """Returns the module to train (a DDP wrapper around ``model``, or ``model`` itself).
+
+    With fsdp/hsdp, ``model`` may live on the meta device; call ``materialize`` afterwards.
+    """
     if compute.activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, compute.activation_checkpointing)
     if compute.compile:
         apply_compile(model)
+    if compute.data_parallel in SHARDED:
+        apply_fsdp(model, build_mesh(compute, dist), bf16=precision == "bf16",
+                   reshard_after_forward=compute.reshard_after_forward)
+        return model
     if dist.distributed and compute.data_parallel != "none":
-        # FSDP/HSDP come with the scale-out work; DDP is correct for every model that fits.
         ids = [dist.device.index] if dist.device.type == "cuda" else None
         return DDP(model, device_ids=ids)
     return model
+
+
+def materialize(model: nn.Module, device: torch.device, full_state: dict | None) -> None:
+    """Allocate a sharded meta-device model's shards on ``device`` and fill them.
+
+    ``full_state`` (a full, unsharded state dict on the CPU) is needed on rank 0 only; its
+    tensors are scattered to the other ranks piece by piece, so no device ever holds the whole
+    model. Rank 0 builds it with the run's seed, which keeps "same seed → same weights"
+    whatever the number of ranks.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    model.init_rope()  # non-persistent buffers are not in any state dict
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state if td.get_rank() == 0 else {}, options=opts)
+
+
+def full_state_dict(model: nn.Module) -> dict | None:
+    """The whole model's weights on the CPU, on rank 0 (None on the others). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd if td.get_rank() == 0 else None
+
+
+@contextmanager
+def no_grad_sync(train_model: nn.Module, skip: bool):
+    """Accumulate gradients locally (no all-reduce / reduce-scatter) while ``skip``."""
+    if not skip:
+        yield
+    elif isinstance(train_model, DDP):
+        with train_model.no_sync():
+            yield
+    elif is_sharded(train_model):
+        train_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            train_model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def local_value(t) -> float:
+    """A (possibly DTensor) scalar as a float: FSDP's grad norm is a replicated DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return float(t.full_tensor() if isinstance(t, DTensor) else t)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

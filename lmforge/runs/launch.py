@@ -55,9 +55,11 @@ def child_argv(args, name: str, save_folder: str, *, first: bool) -> list[str]:
     argv = [getattr(args, "command", None) or "train"]  # `train` or `finetune`
     if args.file:
         argv += ["-f", os.path.abspath(args.file)]
-    for flag, attr in (("--model", "model"), ("--weights", "weights"), ("--training-duration", "training_duration")):
-        if getattr(args, attr, None):
-            argv += [flag, getattr(args, attr)]
+    for flag, attr in (("--model", "model"), ("--weights", "weights"), ("--training-duration", "training_duration"),
+                       ("--nnodes", "nnodes"), ("--node-rank", "node_rank"), ("--rdzv-endpoint", "rdzv_endpoint"),
+                       ("--max-restarts", "max_restarts")):
+        if getattr(args, attr, None) is not None:
+            argv += [flag, str(getattr(args, attr))]
     for path in args.train_data or []:
         argv += ["--train-data", path]
     for item in args.set or []:

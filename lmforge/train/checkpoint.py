@@ -26,6 +26,7 @@ import warnings
 
 import numpy as np
 import torch
+import torch.distributed as td
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -76,13 +77,55 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class PendingSave:
+    """At most one asynchronous checkpoint in flight (``dcp.async_save``).
+
+    Training continues while DCP writes the shards from a CPU copy in a background thread.
+    DCP's last step gathers every rank's write results on rank 0 (the coordinator), which then
+    writes ``.metadata``: so once rank 0's future is done, every rank's shards are on disk, and
+    rank 0 alone completes the checkpoint (``lmforge-state.json`` last, then the rename) —
+    as soon as ``poll()`` sees it done, or at the latest in ``wait()`` (next save, end of run).
+    """
+
+    def __init__(self):
+        """Collective when distributed: every rank creates it at the same point."""
+        self._inflight = None  # (future, completion arguments)
+        # The background write coordinates ranks (plans, metadata) while the training thread
+        # runs its own collectives: it gets a separate gloo group so the two never interleave.
+        self.group = td.new_group(backend="gloo") if td.is_available() and td.is_initialized() else None
+
+    def start(self, future, complete_args: tuple) -> None:
+        self._inflight = (future, complete_args)
+
+    def poll(self) -> str | None:
+        """Complete the in-flight checkpoint if its write finished (never blocks, not collective)."""
+        if self._inflight is None or not self._inflight[0].done():
+            return None
+        return self._complete_inflight()
+
+    def wait(self) -> str | None:
+        """Block until the in-flight checkpoint is written and complete it. Collective."""
+        path = self._complete_inflight() if self._inflight is not None else None
+        barrier()
+        return path
+
+    def _complete_inflight(self) -> str:
+        future, args = self._inflight
+        self._inflight = None
+        future.result()  # raises the write's error, if any
+        return _complete(*args)
+
+
 def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict, *, rank: int, keep: int, on_complete=None) -> str:
+                    state: dict, *, rank: int, keep: int, on_complete=None, pending: PendingSave | None = None) -> str:
     """Write a checkpoint for ``step``; returns its folder. Collective: every rank calls it.
 
-    ``on_complete(path)`` is called on rank 0 once the checkpoint is complete (renamed into
-    place), e.g. to upload it to an object store.
+    ``on_complete(path)`` is called on rank 0 once the checkpoint is complete (visible under
+    its final name). With ``pending`` the shards are written asynchronously and completion
+    happens later (see ``PendingSave``); the previous in-flight checkpoint completes first.
     """
+    if pending is not None:
+        pending.wait()
     root = checkpoints_dir(save_folder)
     final = os.path.join(root, f"step_{step:08d}")
     tmp = os.path.join(root, f".step_{step:08d}.tmp")
@@ -94,9 +137,27 @@ def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimiz
         os.makedirs(tmp)
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    finish_args = (save_folder, tmp, final, state, rank, keep, on_complete)
+    if pending is not None:
+        # Returns once the state is staged (copied to CPU memory); the write continues in a thread.
+        pending.start(dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
+                                     process_group=pending.group), finish_args)
+        return final
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    return _finish(*finish_args)
+
+
+def _finish(*args) -> str:
+    """Every rank's shards are written (synchronous save): complete the checkpoint. Collective."""
     barrier()
+    final = _complete(*args)
+    barrier()
+    return final
+
+
+def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, keep: int, on_complete) -> str:
+    """Rank 0 writes the state file last and renames (the checkpoint becomes visible); other ranks: no-op."""
     if rank == 0:
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(state, f, indent=1)
@@ -109,7 +170,6 @@ def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimiz
             shutil.rmtree(old, ignore_errors=True)
         if on_complete is not None:
             on_complete(final)
-    barrier()
     return final
 
 
@@ -143,6 +203,9 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
         set_state_dict(model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
     else:
         set_state_dict(model, [], model_state_dict=to_load["model"], optim_state_dict={})
+    # Each rank restores its own RNG file. On a different world size, ranks beyond the saving
+    # world keep their freshly seeded state and extra files are ignored: the model code draws
+    # no random numbers in training, so only sampling-based extras could differ.
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")
     if os.path.exists(rng_file):
         set_rng_state(torch.load(rng_file, weights_only=False))

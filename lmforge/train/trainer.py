@@ -23,11 +23,14 @@ from lmforge.data.stream import DatasetSpec, TokenStream
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.distributed.dist import (DistInfo, all_reduce_sum, barrier, broadcast_object, destroy,
                                       init_distributed)
-from lmforge.distributed.parallelize import parallelize, unwrap
+from lmforge.distributed.elastic import restarted_from_elastic
+from lmforge.distributed.parallelize import (SHARDED, full_state_dict, is_sharded, local_value, materialize,
+                                              no_grad_sync, parallelize)
 from lmforge.errors import UserError
 from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.models import build_model, generate, save_pretrained
+from lmforge.models.transformer import Transformer
 from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
 from lmforge.train import remote_store
@@ -152,19 +155,30 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
 
     # --- model, parallelism, optimizer (same seed on every rank → same initial weights)
     torch.manual_seed(cfg.parameters.seed)
-    model = build_model(cfg.model, device=device)
-    if cfg.custom_weights_path and not resume_from:
-        from lmforge.models.locate import load_model
+    sharded = cfg.compute.data_parallel in SHARDED
+    model = None
+    if dist.is_main or not sharded:  # fsdp/hsdp: rank 0 alone builds the full init, on the CPU
+        model = build_model(cfg.model, device="cpu" if sharded else device)
+        if cfg.custom_weights_path and not resume_from:
+            from lmforge.models.locate import load_model
 
-        source, source_cfg, _ = load_model(cfg.custom_weights_path, device=device)
-        if source.state_dict().keys() != model.state_dict().keys() or any(
-                v.shape != model.state_dict()[k].shape for k, v in source.state_dict().items()):
-            raise UserError(f"custom_weights_path: {cfg.custom_weights_path} holds a different model shape than "
-                            "`model` in the config (leave `model` out to take the weights' own)")
-        model.load_state_dict(source.state_dict(), strict=True)
-        del source
-        log(f"weights: starting from {cfg.custom_weights_path} (fresh optimizer and LR schedule)")
-    train_model = parallelize(model, cfg.compute, dist)
+            source, _, _ = load_model(cfg.custom_weights_path, device=model.output_weight.device)
+            if source.state_dict().keys() != model.state_dict().keys() or any(
+                    v.shape != model.state_dict()[k].shape for k, v in source.state_dict().items()):
+                raise UserError(f"custom_weights_path: {cfg.custom_weights_path} holds a different model shape "
+                                "than `model` in the config (leave `model` out to take the weights' own)")
+            model.load_state_dict(source.state_dict(), strict=True)
+            del source
+            log(f"weights: starting from {cfg.custom_weights_path} (fresh optimizer and LR schedule)")
+    if sharded:  # meta-device model, sharded, then each rank's shards filled from rank 0's init
+        full = model.state_dict() if model is not None else None
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        train_model = parallelize(model, cfg.compute, dist, precision=plan.precision)
+        materialize(model, device, full)
+        del full
+    else:
+        train_model = parallelize(model, cfg.compute, dist, precision=plan.precision)
     p = cfg.parameters
     optimizer = build_optimizer(model, lr=plan.learning_rate, weight_decay=p.weight_decay,
                                 betas=tuple(p.betas), eps=p.eps, device_type=device.type)
@@ -176,6 +190,10 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
         stream.load_state_dict(state["data"])
         step, tokens, elapsed_before = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
         log(f"resume: continuing from {resume_from} (step {step}, {tokens:,} tokens)")
+        if state.get("world_size", dist.world_size) != dist.world_size:
+            log(f"resume: checkpoint written by {state['world_size']} rank(s), resharded onto {dist.world_size}")
+    restarted_from_elastic(save_folder, resume_from, step, dist, log)
+    saver = ckpt.PendingSave() if cfg.compute.async_checkpoint else None
 
     from lmforge.tracking import build_trackers, mlflow_ui_command
 
@@ -212,7 +230,12 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
             metrics["eval/loss"] = sum(losses) / len(losses)
         if hasattr(data, "eval_metrics"):  # fine-tuning: loss on held-out responses
             metrics |= data.eval_metrics(train_model, plan, dist, cfg, device, autocast)
-        gens = _generations(model, tokenizer, cfg, at_step, compiled=cfg.compute.compile) if dist.is_main else []
+        # FSDP: every rank takes part in each forward (same prompts, same seeds → same tokens).
+        gens = []
+        if dist.is_main or sharded:
+            with autocast() if sharded else nullcontext():
+                gens = _generations(model, tokenizer, cfg, at_step, compiled=cfg.compute.compile)
+            gens = gens if dist.is_main else []
         for i, text in enumerate(gens):
             trackers.log_text(f"generation_{i}", text, at_step)
         if metrics:
@@ -258,7 +281,7 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
             for micro, batch in enumerate(batches):
                 inputs, targets, doc_ids = unpack_batch(batch, device)
                 last = micro == plan.grad_accum - 1
-                sync = nullcontext() if last or not dist.distributed else train_model.no_sync()
+                sync = no_grad_sync(train_model, skip=not last and dist.distributed)
                 with sync:
                     with autocast():
                         logits, aux = train_model(inputs, return_aux=True, doc_ids=doc_ids)
@@ -271,7 +294,8 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
                         aux_log = aux
                     loss.backward()
                 loss_sum += ce.detach() / step_norm
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip or float("inf"))
+            # FSDP: a replicated DTensor holding the norm over all shards.
+            grad_norm = local_value(torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip or float("inf")))
             loss_val = all_reduce_sum(loss_sum).item() / dist.world_size
             if not math.isfinite(loss_val) or not math.isfinite(float(grad_norm)):
                 good = ckpt.latest_checkpoint(save_folder)
@@ -280,6 +304,8 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
                     f"saving. Last good checkpoint: {good or 'none'}. Try a lower parameters.learning_rate")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if saver is not None:
+                saver.poll()  # rank 0 completes a background checkpoint as soon as it is written
             step += 1
             tokens += plan.tokens_per_step
             if loss_ema is not None and loss_val > 3 * loss_ema and step > plan.warmup_steps:
@@ -312,7 +338,7 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
                 trackers.log_metrics(run_icl(model, tokenizer, icl, cfg, dist), step)
             if (step % plan.save_interval == 0 and not done) or stop_now:
                 _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist,
-                      elapsed_before + time.monotonic() - t_start, on_complete=on_saved)
+                      elapsed_before + time.monotonic() - t_start, saver, on_complete=on_saved)
             if stop_now:
                 status = "stopped"
                 break
@@ -321,15 +347,16 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
             last_eval = run_eval(step)
             if not plan.total_steps or step > 0:
                 _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist,
-                      elapsed_before + time.monotonic() - t_start, on_complete=on_saved)
+                      elapsed_before + time.monotonic() - t_start, saver, on_complete=on_saved)
             icl_metrics = run_icl(model, tokenizer, icl, cfg, dist)
             if icl_metrics:
                 trackers.log_metrics(icl_metrics, step)
                 last_eval |= icl_metrics
+        if saver is not None:
+            saver.wait()  # the last checkpoint is complete before the run reports success
         final_dir = None
-        if dist.is_main and status == "completed":
-            final_dir = os.path.join(save_folder, "final")
-            save_pretrained(model, cfg.model, final_dir, tokenizer_dir=data.tokenizer_path)
+        if status == "completed":
+            final_dir = _export(model, cfg, dist, os.path.join(save_folder, "final"), data.tokenizer_path)
         barrier()
         trackers.finish(status)
         if store:
@@ -366,11 +393,25 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist, elapsed, on_complete=None):
+def _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist, elapsed, saver=None, on_complete=None):
     state = {"step": step, "tokens": tokens, "elapsed_s": elapsed, "data": stream.state_dict(),
              "world_size": dist.world_size, "config": redact_config(cfg.model_dump(mode="json"))}
     ckpt.save_checkpoint(save_folder, step, model, optimizer, state, rank=dist.rank,
-                         keep=cfg.save_num_checkpoints_to_keep, on_complete=on_complete)
+                         keep=cfg.save_num_checkpoints_to_keep, pending=saver, on_complete=on_complete)
+
+
+def _export(model, cfg: RunConfig, dist: DistInfo, final_dir: str, tokenizer_dir) -> str | None:
+    """Write the final model on rank 0; FSDP first gathers the full weights (every rank takes part)."""
+    if is_sharded(model):
+        full = full_state_dict(model)
+        if not dist.is_main:
+            return None
+        model = build_model(cfg.model, device="cpu", init=False)
+        model.load_state_dict(full)
+    elif not dist.is_main:
+        return None
+    save_pretrained(model, cfg.model, final_dir, tokenizer_dir=tokenizer_dir)
+    return final_dir
 
 
 def _generations(model, tokenizer, cfg: RunConfig, step: int, compiled: bool) -> list[str]:
@@ -403,15 +444,20 @@ def load_icl(cfg: RunConfig):
 def run_icl(model, tokenizer, icl, cfg: RunConfig, dist: DistInfo) -> dict:
     """In-context-learning accuracies (and gauntlet scores) as flat metrics, computed on rank 0.
 
-    Every rank holds the whole model under DDP, so rank 0 alone can run it.
+    Every rank holds the whole model under DDP, so rank 0 alone can run it; under FSDP every
+    rank runs the same examples in step (each forward gathers weights from all of them).
     """
-    if not icl or not dist.is_main:
+    sharded = is_sharded(model)
+    if not icl or not (dist.is_main or sharded):
         return {}
     from lmforge.eval.gauntlet import gauntlet_scores
     from lmforge.eval.icl import evaluate_icl
 
     tasks, gauntlet = icl
-    results = evaluate_icl(model, tokenizer, tasks, limit=cfg.eval.icl_limit, max_seq_len=model.cfg.max_seq_len)
+    with _autocast(dist.device, cfg.parameters.precision)() if sharded else nullcontext():
+        results = evaluate_icl(model, tokenizer, tasks, limit=cfg.eval.icl_limit, max_seq_len=model.cfg.max_seq_len)
+    if not dist.is_main:
+        return {}
     metrics = {f"icl/{k}": v["accuracy"] for k, v in results.items() if isinstance(v, dict) and "accuracy" in v}
     if gauntlet is not None:
         scores = gauntlet_scores(results, gauntlet)

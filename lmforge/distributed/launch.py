@@ -1,0 +1,112 @@
+"""Starting the ranks: `lmforge train` re-launches itself through torchrun when a run needs several.
+
+- one machine, several GPUs: one rank per GPU (or ``compute.gpus``), NCCL;
+- CPU, ``compute.ranks: N``: N gloo ranks (for tests and users without GPUs);
+- several machines: ``compute.nodes``/``node_rank``/``rdzv_endpoint`` (or ``--nnodes``,
+  ``--node-rank``, ``--rdzv-endpoint``) → torchrun's c10d rendezvous, one ``lmforge train`` per node;
+- ``max_retries`` → torchrun ``--max-restarts``: torchelastic restarts every worker after a
+  failure and they autoresume from the latest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from lmforge.errors import UserError
+
+
+def resolve_device_kind(kind: str) -> str:
+    if kind != "auto":
+        return kind
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def procs_per_node(compute) -> int:
+    """How many ranks this node runs; raises UserError for more GPUs than present."""
+    if resolve_device_kind(compute.device) == "cuda":
+        import torch
+
+        present = torch.cuda.device_count()
+        if compute.gpus == "auto":
+            if present == 0:
+                raise UserError("compute.device: cuda was asked for but no CUDA GPU is visible")
+            return present
+        if compute.gpus > present:
+            raise UserError(f"compute.gpus: {compute.gpus} GPUs requested but only {present} present on this node")
+        return compute.gpus
+    return compute.ranks or 1
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UserError(f"compute.rdzv_endpoint: {endpoint!r} is not HOST:PORT (e.g. node0.cluster:29500)")
+    return host, int(port)
+
+
+def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
+    """Nodes other than node 0 wait for the rendezvous to be reachable; a clear error, not a hang."""
+    host, port = split_endpoint(endpoint)
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.5)
+    raise UserError(f"compute.rdzv_endpoint: cannot reach the rendezvous at {endpoint} after {timeout_s:.0f}s "
+                    f"({last.strerror if isinstance(last, OSError) and last.strerror else last}); start node 0 "
+                    "first and check the host, port and firewall (compute.rdzv_timeout_s sets the wait)")
+
+
+def check_world(cfg, nproc: int) -> None:
+    """Mesh checks that need only sizes: fail before any process starts."""
+    from lmforge.distributed.parallelize import check_mesh
+
+    check_mesh(cfg.compute, nproc * cfg.compute.nodes, nproc)
+
+
+def torchrun_command(cfg, nproc: int, argv: list[str]) -> list[str]:
+    c = cfg.compute
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--max-restarts={cfg.max_retries}"]
+    if c.nodes == 1:
+        cmd.append("--standalone")
+    else:
+        if not c.rdzv_endpoint:
+            raise UserError(f"compute.nodes: {c.nodes} nodes need compute.rdzv_endpoint (HOST:PORT of node 0), "
+                            "e.g. --rdzv-endpoint node0:29500")
+        if c.node_rank >= c.nodes:
+            raise UserError(f"compute.node_rank: {c.node_rank} is not below compute.nodes ({c.nodes})")
+        split_endpoint(c.rdzv_endpoint)
+        cmd += [f"--nnodes={c.nodes}", f"--node-rank={c.node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={c.rdzv_endpoint}", f"--rdzv-id={cfg.name or 'lmforge'}",
+                f"--rdzv-conf=join_timeout={c.rdzv_timeout_s}"]
+    return cmd + ["-m", "lmforge", *argv]
+
+
+def needs_launch(cfg) -> int | None:
+    """Ranks per node when this command must start torchrun, else None (run in this process)."""
+    if "WORLD_SIZE" in os.environ:  # already a torchrun worker
+        return None
+    nproc = procs_per_node(cfg.compute)
+    check_world(cfg, nproc)
+    if nproc == 1 and cfg.compute.nodes == 1:
+        return None
+    return nproc
+
+
+def launch(cfg, nproc: int, argv: list[str]) -> int:
+    """Run this same command under torchrun; returns its exit status."""
+    cmd = torchrun_command(cfg, nproc, argv)
+    if cfg.compute.nodes > 1 and cfg.compute.node_rank > 0:
+        wait_for_endpoint(cfg.compute.rdzv_endpoint, cfg.compute.rdzv_timeout_s)
+    return subprocess.call(cmd, env=os.environ | {"LMFORGE_LAUNCHED": "1"})

@@ -1,0 +1,286 @@
+"""Scale-out on CPU: FSDP2/DDP over real gloo ranks started by real torchrun, resharding resume,
+activation checkpointing, two "nodes" on one machine, elastic restarts, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_run_config
+from train_helpers import REPO, assert_one_line_error, env, final_weights, lmforge, train_losses, write_config
+
+
+def run(tmp_path, tiny_data, name, **overrides):
+    folder = tmp_path / name
+    base = {"eval.prompts": [], "eval.interval": "100ba"}
+    cfg = write_config(tmp_path / f"{name}.yaml", tiny_run_config(tiny_data, folder, **(base | overrides)))
+    return cfg, folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# One reference for the multi-rank runs below: a single process, same global batch (8), 6 steps.
+COMMON = {"training_duration": "6ba", "parameters.micro_batch_size": 2, "save_interval": "3ba"}
+
+
+@pytest.fixture(scope="module")
+def single_ref(tmp_path_factory, tiny_data):
+    tmp = tmp_path_factory.mktemp("single")
+    cfg, folder = run(tmp, tiny_data, "single", **COMMON)
+    lmforge("train", "-f", cfg, check=True)
+    return folder
+
+
+def assert_same_losses(expected: dict, got: dict, steps) -> None:
+    """Tolerance: the same math on every rank count; only the order of float sums differs
+    (gradients averaged over ranks by all-reduce / reduce-scatter), ~1e-6 relative per step,
+    compounding over a few steps of Adam."""
+    assert sorted(got) == list(steps)
+    for step in steps:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+
+
+def test_fsdp_two_ranks_match_single_and_reshard_on_resume(tmp_path, tiny_data, single_ref):
+    """FSDP2 over 2 gloo ranks (sharded meta-device init, gradient accumulation, clipping,
+    generation in lockstep, async checkpoints, gathered export) follows the single process.
+    Its step-3 checkpoint then resumes on 2 ranks and on 1 rank (DCP reshards; the data stream
+    continues at the same global sample) with the same next-step losses."""
+    fsdp_cfg, fsdp = run(tmp_path, tiny_data, "fsdp", **COMMON, **{
+        "compute.ranks": 2, "compute.data_parallel": "fsdp", "eval.prompts": ["def main("], "eval.interval": "4ba"})
+    proc = lmforge("train", "-f", fsdp_cfg, "--json", check=True)
+    assert_same_losses(train_losses(single_ref), train_losses(fsdp), range(1, 7))
+    wa, wb = final_weights(single_ref), final_weights(fsdp)  # the export gathered the full weights
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert summary["generations"][0].startswith("def main(")
+    ckpt = fsdp / "checkpoints" / "step_00000003"  # one shard file per rank
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    expected = train_losses(fsdp)
+    for ranks in (2, 1):
+        cfg, folder = run(tmp_path, tiny_data, f"resume{ranks}", **COMMON, **{
+            "compute.ranks": ranks, "compute.data_parallel": "fsdp"})
+        folder.mkdir()
+        shutil.copy(fsdp / "run.json", folder / "run.json")
+        shutil.copytree(ckpt, folder / "checkpoints" / ckpt.name)
+        proc = lmforge("train", "-f", cfg, check=True)
+        assert "resume: continuing from" in proc.stdout and "(step 3," in proc.stdout
+        if ranks == 1:
+            assert "written by 2 rank(s), resharded onto 1" in proc.stdout
+        assert_same_losses(expected, train_losses(folder), range(4, 7))
+
+
+def test_activation_checkpointing_changes_memory_not_results(tmp_path):
+    """In-process on a tiny model: every mode gives the same loss and gradients as no
+    checkpointing (recomputation is the same float math, so equality is exact on CPU) while
+    the activations kept for backward shrink (measured with saved-tensor hooks, which see what
+    autograd stores outside checkpointed regions). Selective keeps matmul outputs inside the
+    region, so backward recomputes no matmul there, unlike full (counted with a dispatch mode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmforge.config.model import resolve_model
+    from lmforge.config.schema import ComputeConfig
+    from lmforge.distributed.dist import DistInfo
+    from lmforge.distributed.parallelize import parallelize
+    from lmforge.models import build_model
+
+    shape = resolve_model({"d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
+                           "max_seq_len": 64, "vocab_size": 256})
+    batch = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+    class CountMatmuls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def measure(mode):
+        torch.manual_seed(0)
+        model = build_model(shape)
+        parallelize(model, ComputeConfig(activation_checkpointing=mode, data_parallel="none"), one)
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(batch).float().logsumexp(-1).mean()
+        with CountMatmuls() as counter:
+            loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters()], sum(saved), counter.n
+
+    base_loss, base_grads, base_bytes, base_mm = measure(False)
+    sizes, mms = {}, {}
+    for mode in (True, "full", "selective", 2):
+        loss, grads, sizes[mode], mms[mode] = measure(mode)
+        assert loss == base_loss, mode
+        for g, h in zip(grads, base_grads):
+            torch.testing.assert_close(g, h, rtol=0, atol=0)
+    assert sizes[True] == sizes["full"] < sizes[2] < base_bytes, sizes
+    assert sizes["selective"] < base_bytes, sizes
+    assert base_mm == mms["selective"] < mms[2] < mms["full"], (base_mm, mms)
+
+
+def test_two_nodes_on_one_machine_train_together(tmp_path, tiny_data, single_ref):
+    """Two `lmforge train` processes as two "nodes" (torchrun --nnodes 2, c10d rendezvous on
+    127.0.0.1), one rank each, HSDP (shard within a node — the default shard_size is the ranks
+    per node, here 1 — replicate across the nodes: a 2×1 mesh): one 2-rank run with the single
+    process's losses."""
+    cfg, folder = run(tmp_path, tiny_data, "nodes", **COMMON, **{
+        "compute.data_parallel": "hsdp", "compute.nodes": 2, "compute.rdzv_endpoint": f"127.0.0.1:{free_port()}", "compute.rdzv_timeout_s": 60})
+    procs = [subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--node-rank", str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, (out[-2000:], err[-3000:])
+    assert any("2 rank(s)" in out for out, _ in outs)
+    assert_same_losses(train_losses(single_ref), train_losses(folder), range(1, 7))
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _worker_with_rank(pid: int, rank: int) -> int | None:
+    for d in _descendants(pid):
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                envs = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in envs and b"TORCHELASTIC_RESTART_COUNT=0" in envs:
+            return d
+    return None
+
+
+def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, single_ref):
+    """SIGKILL one of two DDP workers mid-run: torchelastic (max_retries 1 → --max-restarts 1)
+    restarts both, they resume from the latest complete checkpoint and finish; the restart is
+    logged and recorded in events.jsonl; the losses equal the uninterrupted single process's."""
+    cfg, folder = run(tmp_path, tiny_data, "victim", **COMMON, **{"compute.ranks": 2, "max_retries": 1})
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+    deadline = time.time() + 180
+    victim = None
+    while victim is None:  # find rank 1's process first, so that the kill itself is immediate
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        victim = _worker_with_rank(proc.pid, 1)
+    while not (folder / "checkpoints" / "step_00000003").exists() or max(train_losses(folder), default=0) < 4:
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, (out[-2000:], err[-3000:])
+    assert "elastic: workers restarted after a failure (restart 1" in out
+    events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    restart = [e for e in events if e["event"] == "elastic_restart"]
+    assert len(restart) == 1 and restart[0]["step"] == 3 and restart[0]["resumed_from"].endswith("step_00000003")
+    assert (folder / "final" / "model.safetensors").exists()
+    assert_same_losses(train_losses(single_ref), train_losses(folder), range(1, 7))
+
+
+@pytest.mark.parametrize("sets,needles", [
+    (["compute.ranks=2", "compute.data_parallel=hsdp", "compute.shard_size=3"],
+     ["compute.shard_size: 3 does not divide the 2 ranks"]),
+    (["compute.ranks=4", "compute.data_parallel=fsdp", "compute.shard_size=3"],
+     ["compute.shard_size: 3 is for data_parallel: hsdp"]),
+    (["compute.device=cuda", "compute.gpus=2"], ["compute.gpus: 2 GPUs requested but only 0 present"]),
+    (["compute.nodes=2"], ["compute.nodes: 2 nodes need compute.rdzv_endpoint"]),
+    (["compute.nodes=2", "compute.rdzv_endpoint=nohost"], ["is not HOST:PORT"]),
+    (["compute.activation_checkpointing=0"], ["activation_checkpointing"]),
+])
+def test_bad_scale_out_config_is_one_line(tmp_path, tiny_data, sets, needles):
+    cfg, folder = run(tmp_path, tiny_data, "bad")
+    args = [a for s in sets for a in ("--set", s)]
+    proc = lmforge("train", "-f", cfg, *args, timeout=60)
+    assert_one_line_error(proc, *needles)
+    assert not folder.exists()
+
+
+def test_unreachable_rendezvous_times_out_with_a_clear_message(tmp_path, tiny_data):
+    cfg, folder = run(tmp_path, tiny_data, "lost")
+    t0 = time.monotonic()
+    proc = lmforge("train", "-f", cfg, "--nnodes", "2", "--node-rank", "1",
+                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--set", "compute.rdzv_timeout_s=2", timeout=60)
+    assert_one_line_error(proc, "cannot reach the rendezvous at 127.0.0.1:", "after 2s")
+    assert time.monotonic() - t0 < 30
+    assert not folder.exists()
+
+
+def test_launch_slurm_and_k8s_write_valid_job_files(tmp_path, tiny_data):
+    import yaml
+
+    cfg, _ = run(tmp_path, tiny_data, "job")
+    sbatch = tmp_path / "job.sbatch"
+    proc = lmforge("launch", "slurm", "-f", cfg, "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
+                   "--time", "24:00:00", "--set", "compute.data_parallel=hsdp", "-o", sbatch, check=True)
+    assert f"sbatch {sbatch}" in proc.stdout
+    text = sbatch.read_text()
+    assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=24:00:00"):
+        assert line in text.splitlines()
+    srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
+    for part in (f"-m lmforge train -f {cfg}", "--nnodes 4", "compute.gpus=8", "compute.data_parallel=hsdp",
+                 '--node-rank "$SLURM_NODEID"', '--rdzv-endpoint "$LMFORGE_RDZV_ENDPOINT"'):
+        assert part in srun, part
+    assert os.access(sbatch, os.X_OK)
+
+    manifest = tmp_path / "pytorchjob.yaml"
+    proc = lmforge("launch", "k8s", "-f", cfg, "--nodes", "3", "--gpus-per-node", "4", "--image", "reg/lmforge:1",
+                   "-o", manifest, check=True)
+    assert f"kubectl apply -f {manifest}" in proc.stdout
+    config_map, job = list(yaml.safe_load_all(manifest.read_text()))
+    assert config_map["kind"] == "ConfigMap" and yaml.safe_load(config_map["data"]["run.yaml"])["name"] == "tiny"
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 2
+    pod = specs["Worker"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == "reg/lmforge:1" and container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    script = container["command"][-1]
+    assert "--nnodes 3" in script and '--node-rank "$NODE_RANK"' in script and "unset WORLD_SIZE RANK" in script
+    assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
+    assert pod["volumes"][0]["configMap"]["name"] == config_map["metadata"]["name"]
+
+    # a mesh that cannot be built is refused before any file is written
+    bad = lmforge("launch", "slurm", "-f", cfg, "--nodes", "2", "--gpus-per-node", "3", "--set",
+                  "compute.data_parallel=hsdp", "--set", "compute.shard_size=4", "-o", tmp_path / "bad.sbatch")
+    assert_one_line_error(bad, "compute.shard_size: 4 does not divide the 6 ranks")
+    assert not (tmp_path / "bad.sbatch").exists()
