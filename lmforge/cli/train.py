@@ -91,11 +91,11 @@ def _run(args) -> int:
     from lmforge.runs.launch import launch, should_supervise
     from lmforge.runs.supervisor import report_status
 
-    if should_supervise() and cfg.compute.node_rank == 0:  # other nodes: torchrun's agent restarts workers
-        return launch(cfg, args)
     from lmforge.distributed.launch import launch as launch_ranks, needs_launch
 
-    nproc = needs_launch(cfg)  # several GPUs, compute.ranks: N or several nodes → torchrun
+    nproc = needs_launch(cfg)  # several GPUs, compute.ranks: N or several nodes → torchrun (mesh checked here)
+    if should_supervise() and cfg.compute.node_rank == 0:  # other nodes: torchrun's agent restarts workers
+        return launch(cfg, args)
     if nproc:
         return launch_ranks(cfg, nproc, sys.argv[1:])
     from lmforge.errors import UserError

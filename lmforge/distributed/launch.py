@@ -72,6 +72,14 @@ def check_world(cfg, nproc: int) -> None:
     from lmforge.distributed.parallelize import check_mesh
 
     check_mesh(cfg.compute, nproc * cfg.compute.nodes, nproc)
+    c = cfg.compute
+    if c.nodes > 1:
+        if not c.rdzv_endpoint:
+            raise UserError(f"compute.nodes: {c.nodes} nodes need compute.rdzv_endpoint (HOST:PORT of node 0), "
+                            "e.g. --rdzv-endpoint node0:29500")
+        if c.node_rank >= c.nodes:
+            raise UserError(f"compute.node_rank: {c.node_rank} is not below compute.nodes ({c.nodes})")
+        split_endpoint(c.rdzv_endpoint)
 
 
 def torchrun_command(cfg, nproc: int, argv: list[str]) -> list[str]:
@@ -80,13 +88,7 @@ def torchrun_command(cfg, nproc: int, argv: list[str]) -> list[str]:
            f"--max-restarts={cfg.max_retries}"]
     if c.nodes == 1:
         cmd.append("--standalone")
-    else:
-        if not c.rdzv_endpoint:
-            raise UserError(f"compute.nodes: {c.nodes} nodes need compute.rdzv_endpoint (HOST:PORT of node 0), "
-                            "e.g. --rdzv-endpoint node0:29500")
-        if c.node_rank >= c.nodes:
-            raise UserError(f"compute.node_rank: {c.node_rank} is not below compute.nodes ({c.nodes})")
-        split_endpoint(c.rdzv_endpoint)
+    else:  # (check_world has validated the endpoint and node rank)
         cmd += [f"--nnodes={c.nodes}", f"--node-rank={c.node_rank}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={c.rdzv_endpoint}", f"--rdzv-id={cfg.name or 'lmforge'}",
                 f"--rdzv-conf=join_timeout={c.rdzv_timeout_s}"]
