@@ -43,7 +43,8 @@ def write_jsonl(path, rows):
 
 
 def sft_config(tmp_path, weights, **extra):
-    cfg = {"name": "sft", "custom_weights_path": str(weights), "task_type": "instruction_finetune",
+    cfg = {"name": f"sft-{tmp_path.name}",  # run names are unique in the registry
+           "custom_weights_path": str(weights), "task_type": "instruction_finetune",
            "train_data": str(write_jsonl(tmp_path / "train.jsonl", sft_rows())),
            "training_duration": "30ba", "save_folder": str(tmp_path / "sft"), "log_interval": 1,
            "parameters": {"global_batch_size": 4, "micro_batch_size": 2, "learning_rate": 3e-3,
