@@ -101,3 +101,21 @@ def test_compiled_blocks_train_like_eager(tmp_path, tiny_data):
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=1e-3)
     assert final_weights(tmp_path / "eager").keys() == final_weights(tmp_path / "compiled").keys()
+
+
+def test_moe_under_fsdp_two_ranks_matches_single_process(tmp_path, tiny_data):
+    """MoE blocks shard per block like dense ones: 2 gloo ranks with FSDP2 follow the single
+    process (same global batch) within float-summation tolerance."""
+    common = {"model": MOE, "training_duration": "3ba", "eval.prompts": [], "save_interval": "3ba"}
+    single = write_config(tmp_path / "one.yaml", tiny_run_config(tiny_data, tmp_path / "one", **common))
+    lmforge("train", "-f", single, check=True)
+    sharded = write_config(tmp_path / "fsdp.yaml", tiny_run_config(
+        tiny_data, tmp_path / "fsdp", **common, **{"compute.ranks": 2, "compute.data_parallel": "fsdp"}))
+    lmforge("train", "-f", sharded, check=True)
+    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-4)
+    wa, wb = final_weights(tmp_path / "one"), final_weights(tmp_path / "fsdp")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)

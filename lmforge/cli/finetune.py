@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from lmforge.cli.common import add_command
@@ -31,7 +30,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from lmforge.cli.train import print_summary
+    from lmforge.cli.train import train_here
     from lmforge.distributed.launch import launch as launch_ranks, needs_launch
     from lmforge.train.finetune import finetune, load_run_config
 
@@ -44,21 +43,11 @@ def run(args) -> int:
     if cfg.task_type == "pretrain":  # `finetune` means instruction fine-tuning unless the config says otherwise
         cfg = cfg.model_copy(update={"task_type": "instruction_finetune"})
     # Registered and supervised like `lmforge train` (retries, logs, `lmforge runs ...`).
-    from lmforge.errors import UserError
     from lmforge.runs.launch import launch, should_supervise
-    from lmforge.runs.supervisor import report_status
 
+    nproc = needs_launch(cfg)  # several GPUs or compute.ranks: N → torchrun (mesh checked here)
     if should_supervise():
         return launch(cfg, args)
-    nproc = needs_launch(cfg)  # several GPUs or compute.ranks: N → torchrun
     if nproc:
         return launch_ranks(cfg, nproc, sys.argv[1:])
-    try:
-        result = finetune(cfg, overwrite=args.overwrite)
-    except UserError as e:
-        report_status("failed", error=str(e), exit_code=e.exit_code)
-        raise
-    report_status(result.status, step=result.step, tokens=result.tokens)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print_summary(result, as_json=args.json)
-    return 0 if result.status in ("completed", "stopped") else 1
+    return train_here(finetune, cfg, args)

@@ -89,8 +89,6 @@ def _run(args) -> int:
     # [runs] `lmforge train` registers the run and supervises a child `lmforge train` (retries,
     # logs, `lmforge runs ...`); the child, and torchrun ranks, come through here and just train.
     from lmforge.runs.launch import launch, should_supervise
-    from lmforge.runs.supervisor import report_status
-
     from lmforge.distributed.launch import launch as launch_ranks, needs_launch
 
     nproc = needs_launch(cfg)  # several GPUs, compute.ranks: N or several nodes → torchrun (mesh checked here)
@@ -98,11 +96,19 @@ def _run(args) -> int:
         return launch(cfg, args)
     if nproc:
         return launch_ranks(cfg, nproc, sys.argv[1:])
-    from lmforge.errors import UserError
     from lmforge.train.trainer import train
 
+    return train_here(train, cfg, args)
+
+
+def train_here(train_fn, cfg, args) -> int:
+    """Train in this process (a supervised child or a torchrun rank); report the outcome to the
+    supervisor and print the summary on rank 0."""
+    from lmforge.errors import UserError
+    from lmforge.runs.supervisor import report_status
+
     try:
-        result = train(cfg, overwrite=args.overwrite)
+        result = train_fn(cfg, overwrite=args.overwrite)
     except UserError as e:
         report_status("failed", error=str(e), exit_code=e.exit_code)
         raise

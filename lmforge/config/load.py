@@ -115,14 +115,14 @@ def build_config(data: dict, source: str | None = None) -> RunConfig:
         raise UserError(format_error(e, RunConfig, source)) from None
 
 
-def load_config(
+def load_raw(
     path: str | None = None,
     data: dict | None = None,
     *,
     overrides: dict[str, Any] | None = None,
     sets: list[str] | None = None,
-) -> RunConfig:
-    """YAML file (or dict) → overrides (``--model`` etc., dotted keys) → ``--set`` → validated config."""
+) -> dict:
+    """YAML file (or dict) → overrides (``--model`` etc., dotted keys) → ``--set``, not yet validated."""
     raw = read_yaml(path) if path else copy.deepcopy(data or {})
     for key, value in (overrides or {}).items():
         if value is not None:
@@ -131,4 +131,15 @@ def load_config(
         set_path(raw, *parse_set(item))
     if path and not raw.get("name"):
         raw["name"] = os.path.splitext(os.path.basename(path))[0]
-    return build_config(raw, source=path)
+    return raw
+
+
+def load_config(
+    path: str | None = None,
+    data: dict | None = None,
+    *,
+    overrides: dict[str, Any] | None = None,
+    sets: list[str] | None = None,
+) -> RunConfig:
+    """YAML file (or dict) → overrides → ``--set`` → validated config."""
+    return build_config(load_raw(path, data, overrides=overrides, sets=sets), source=path)

@@ -183,14 +183,6 @@ def finetune(cfg: RunConfig, *, overwrite: bool = False, log=print):
 
 def load_run_config(path: str | None, overrides: dict | None = None, sets: list[str] | None = None) -> RunConfig:
     """Like `config.load.load_config`, but `model`/`tokenizer` may come from `custom_weights_path`."""
-    from lmforge.config.load import build_config, parse_set, read_yaml, set_path
+    from lmforge.config.load import build_config, load_raw
 
-    raw = read_yaml(path) if path else {}
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            set_path(raw, key, value)
-    for item in sets or []:
-        set_path(raw, *parse_set(item))
-    if path and not raw.get("name"):
-        raw["name"] = os.path.splitext(os.path.basename(path))[0]
-    return build_config(fill_from_weights(raw), source=path)
+    return build_config(fill_from_weights(load_raw(path, overrides=overrides, sets=sets)), source=path)
