@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.data import remote
+from lmforge.data.prepare import MARKER
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 from lmforge.home import cache_dir
 
-SUMMARY_FILE = "lmforge-dataset.json"
+SUMMARY_FILE = MARKER  # the done-marker `data prepare` writes last
 
 
 @dataclass
@@ -67,28 +69,16 @@ def _read_summary(path: str) -> dict:
     return {}
 
 
-def _fingerprint(inputs: list[str]) -> list:
-    """What identifies raw inputs for the cache key: local files by size and mtime."""
+def _fingerprint(inputs: list[str]) -> str:
+    """What identifies raw inputs for the cache key: `data prepare`'s own fingerprint of the files."""
+    from lmforge.data.prepare import input_fingerprint
     from lmforge.data.sources import list_files
 
-    out = []
-    for item in list_files(inputs):
-        path = getattr(item, "path", item)
-        if isinstance(path, str) and os.path.exists(path):
-            st = os.stat(path)
-            out.append([path, st.st_size, int(st.st_mtime)])
-        else:
-            out.append([str(path)])
-    return out
+    return input_fingerprint(list_files(inputs))
 
 
 def _key(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _tokenizer_fingerprint(tok_dir: str) -> str:
-    with open(os.path.join(tok_dir, "tokenizer.json"), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
 def resolve_tokenizer(cfg: RunConfig, log=print) -> str:
@@ -127,7 +117,7 @@ def _prepare_cached(inputs: list[str], tokenizer_path: str, seq_len: int, eval_f
                     text_field: str, log=print) -> str:
     from lmforge.data.prepare import prepare
 
-    key = _key({"inputs": _fingerprint(inputs), "tok": _tokenizer_fingerprint(tokenizer_path),
+    key = _key({"inputs": _fingerprint(inputs), "tok": load_tokenizer(tokenizer_path).fingerprint,
                 "seq": seq_len, "eval": eval_fraction, "field": text_field})
     out = os.path.join(cache_dir("data"), key)
     if not os.path.exists(os.path.join(out, SUMMARY_FILE)):

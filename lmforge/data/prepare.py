@@ -204,7 +204,7 @@ class _Packer:
 # ----------------------------------------------------------------------------- identity / marker
 
 
-def _input_fingerprint(sources) -> str:
+def input_fingerprint(sources) -> str:
     """What identifies the inputs' content cheaply: path, size and (local) mtime of every file."""
     h = hashlib.sha256()
     for src in sources:
@@ -352,7 +352,7 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
         "format": "lmforge-dataset",
         "version": FORMAT_VERSION,
         "inputs": inputs,
-        "input_fingerprint": _input_fingerprint(sources),
+        "input_fingerprint": input_fingerprint(sources),
         "args": {"seq_len": seq_len, "eval_fraction": eval_fraction, "text_field": text_field,
                  "compression": compression},
         "tokenizer": {"path": tok_path, "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,

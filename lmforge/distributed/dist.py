@@ -82,6 +82,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is true on any (one small all-reduce; no pickling)."""
+    if not (td.is_available() and td.is_initialized()):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    td.all_reduce(t, op=td.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def broadcast_object(obj, src: int = 0):
     """Send a picklable object from rank ``src`` to every rank (identity when single process)."""
     if not (td.is_available() and td.is_initialized()):

@@ -21,7 +21,7 @@ from lmforge.config.schema import RunConfig
 from lmforge.data.pipeline import ResolvedData, resolve_data
 from lmforge.data.stream import DatasetSpec, TokenStream
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.distributed.dist import (DistInfo, all_reduce_sum, barrier, broadcast_object, destroy,
+from lmforge.distributed.dist import (DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object, destroy,
                                       init_distributed)
 from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.parallelize import (SHARDED, full_state_dict, is_sharded, local_value, materialize,
@@ -331,7 +331,7 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
                 trackers.log_metrics(metrics, step)
 
             done = _done(plan, step, elapsed_before + time.monotonic() - t_start)
-            stop_now = bool(broadcast_object(stop["asked"]))
+            stop_now = any_rank(stop["asked"], device)  # a stop asked on any rank stops all
             if step % plan.eval_interval == 0 and not done:
                 last_eval = run_eval(step)
             if plan.icl_interval and step % plan.icl_interval == 0 and not done:
