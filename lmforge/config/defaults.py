@@ -42,8 +42,10 @@ def default_batch_tokens(non_embedding_params: float) -> int:
     return next(tokens for bound, tokens in BATCH_TOKENS if non_embedding_params <= bound)
 
 
-def default_warmup_steps(total_steps: int) -> int:
-    return int(min(2000, max(1, round(0.05 * total_steps))))
+# The default warmup: this share of the run, in the run's own unit (steps, or seconds of a
+# wall-clock budget), and never more than MAX_WARMUP_STEPS steps' worth.
+WARMUP_FRACTION = 0.05
+MAX_WARMUP_STEPS = 2000
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -60,3 +62,16 @@ def bf16_supported(device: torch.device) -> bool:
 def micro_batch_for(per_rank: int, cap: int = 8) -> int:
     """The largest divisor of the per-rank batch that is at most `cap` (8 on CPU; memory-based on GPUs)."""
     return max(d for d in range(1, min(per_rank, cap) + 1) if per_rank % d == 0)
+
+
+def auto_vocab(d_model: int, data_bytes: float | None = None) -> int:
+    """The BPE vocabulary to train when `tokenizer.train.vocab_size` is auto (see VOCAB in the table)."""
+    v = 1024 if d_model <= 192 else 4096 if d_model <= 512 else 32768
+    if data_bytes:
+        v = min(v, max(512, 2 ** int(math.log2(data_bytes / 256))))
+    return v
+
+
+def estimated_bytes_per_token(vocab: int) -> float:
+    """Typical bytes per token of a byte-level BPE of this size on English text or code."""
+    return 2.3 + 0.35 * max(0.0, math.log2(vocab / 1024))

@@ -9,7 +9,7 @@ their parameters and FLOPs.
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -47,6 +47,13 @@ class ModelConfig(BaseModel):
     tie_embeddings: bool = Field(False, description="share input embedding and output head")
     clip_qkv: float | None = Field(None, gt=0, description="clamp q/k/v projections to ±clip_qkv")
     init_std: float = Field(0.02, gt=0, description="std of the normal init of weight matrices")
+    # Training-recipe options (bench/sweep.py measures each; the defaults are what won there).
+    qk_norm: bool = Field(False, description="RMSNorm on each head's queries and keys before RoPE (OLMo 2, Qwen3)")
+    mlp: Literal["swiglu", "relu2"] = Field(
+        "swiglu", description="dense feed-forward: swiglu (Llama) or relu2 (squared ReLU, hidden 4·d_model; Primer)")
+    logit_softcap: float | None = Field(
+        None, gt=0, description="cap output logits smoothly to ±softcap (tanh; Gemma 2, modded-nanogpt)")
+    z_loss: float = Field(0.0, ge=0, description="weight of the log(Z)² penalty on the output logits (PaLM)")
     # Mixture of experts (n_experts == 0 means a dense model).
     n_experts: int = Field(0, ge=0, description="experts per MoE layer; 0 = dense")
     top_k: int = Field(0, ge=0, description="experts each token is routed to")
@@ -79,6 +86,8 @@ class ModelConfig(BaseModel):
     def ffn_dim(self) -> int:
         if self.ffn_hidden:
             return self.ffn_hidden
+        if self.mlp == "relu2":  # one up-projection instead of two: 4·d keeps the FLOPs of 8/3·d SwiGLU
+            return 4 * self.d_model
         hidden = int(8 * self.d_model / 3)
         return 256 * ((hidden + 255) // 256)
 

@@ -34,7 +34,16 @@ class DatasetEntry(_Strict):
 
 
 class TokenizerTrain(_Strict):
-    vocab_size: int = Field(8192, ge=64, description="vocabulary size of the BPE to train")
+    vocab_size: int | Literal["auto"] = Field(
+        "auto", description="vocabulary size of the BPE to train; auto: from the model width and the data size "
+        "(chosen with the shape under model: auto)")
+
+    @field_validator("vocab_size")
+    @classmethod
+    def _vocab(cls, v):
+        if isinstance(v, int) and v < 64:
+            raise ValueError("must be at least 64 or 'auto'")
+        return v
     bos: bool = Field(False, description="also add a beginning-of-text token")
 
 
@@ -67,10 +76,18 @@ class Parameters(_Strict):
     global_batch_size: int | str | None = Field(
         None, description="samples per optimizer step across all ranks, or tokens ('1M tok'); default from model size")
     micro_batch_size: int | Literal["auto"] = Field("auto", description="samples per forward pass per rank")
-    warmup: DurationField | None = Field(None, description="LR warmup, e.g. '100ba' or '10M tok'; default from run length")
-    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay after warmup")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final LR as a fraction of the peak (cosine/linear)")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (matrices only)")
+    # [recipe] schedule and optimizer (lmforge/train/optim.py; defaults from bench/sweep.py)
+    warmup: DurationField | None = Field(
+        None, description="LR warmup, e.g. '100ba', '10M tok' or '5s'; default: a share of the run in its own unit")
+    schedule: Literal["wsd", "cosine", "linear", "constant"] = Field(
+        "wsd", description="LR shape after warmup: wsd (stable, then decay over the last decay_fraction), "
+        "cosine, linear, constant")
+    decay_fraction: float = Field(0.2, gt=0, lt=1, description="wsd: share of the run spent decaying the LR")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final LR as a fraction of the peak (wsd/cosine/linear)")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw, or muon for the blocks' matrices (AdamW for embeddings, head, norms)")
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (matrices only)")
+    # [/recipe]
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null to turn off")
@@ -136,7 +153,9 @@ class SFTOptions(_Strict):
 
 class RunConfig(_Strict):
     name: str | None = Field(None, description="run name; default: the config file's name, else model + timestamp")
-    model: ModelConfig = Field(..., description="preset name, {preset: ..., overrides}, or a full shape")
+    model: ModelConfig | Literal["auto"] = Field(
+        ..., description="preset name, {preset: ..., overrides}, a full shape, or auto (the shape expected to "
+        "reach the lowest loss for training_duration on this machine)")
     tokenizer: str | TokenizerSpec | None = Field(
         None, description="tokenizer folder, or {train: {vocab_size: N}}; default: the one the data was prepared with")
     train_data: list[DatasetEntry] = Field(..., description="path/URI, list, or {name: {path, proportion}} mix")
@@ -166,7 +185,7 @@ class RunConfig(_Strict):
     @field_validator("model", mode="before")
     @classmethod
     def _model(cls, v):
-        return resolve_model(v)
+        return "auto" if v == "auto" else resolve_model(v)
 
     @field_validator("train_data", mode="before")
     @classmethod

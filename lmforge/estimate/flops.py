@@ -26,14 +26,14 @@ def block_counts(cfg: ModelConfig) -> dict[str, int]:
     """Parameters of one transformer block: attention, norms, feed-forward (all / active)."""
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
     attention = d * h * dh + 2 * d * kv * dh + h * dh * d  # q, k, v, o
-    norms = 2 * d
+    norms = 2 * d + (2 * dh if cfg.qk_norm else 0)
     if cfg.is_moe:
         expert = 3 * d * cfg.expert_dim  # SwiGLU: gate, up, down
         router = d * cfg.n_experts
         ffn = router + cfg.n_experts * expert
         ffn_active = router + cfg.top_k * expert
     else:
-        ffn = ffn_active = 3 * d * cfg.ffn_dim
+        ffn = ffn_active = (2 if cfg.mlp == "relu2" else 3) * d * cfg.ffn_dim  # relu2: up, down
     return {"attention": attention, "norms": norms, "ffn": ffn, "ffn_active": ffn_active,
             "total": attention + norms + ffn, "active": attention + norms + ffn_active}
 

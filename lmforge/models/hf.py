@@ -29,6 +29,11 @@ def to_hf_config(cfg: ModelConfig, *, allow_clip_qkv: bool = False):
         raise UserError(
             f"model.clip_qkv: {cfg.clip_qkv} has no Hugging Face Llama/Mixtral equivalent; the exported "
             "model matches only while |q|,|k|,|v| stay under the clip (pass allow_clip_qkv=True to accept)")
+    for key, value, plain in (("qk_norm", cfg.qk_norm, False), ("mlp", cfg.mlp, "swiglu"),
+                              ("logit_softcap", cfg.logit_softcap, None)):
+        if value != plain:
+            raise UserError(f"model.{key}: {value} has no Hugging Face Llama/Mixtral equivalent; export needs "
+                            f"{key}: {plain}")
     common = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.dim_head,

@@ -25,10 +25,26 @@ class LossOutput:
     moe: dict[str, torch.Tensor] = field(default_factory=dict)  # detached MoE statistics for logging
 
 
-def next_token_loss(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropy (fp32) of ``hidden @ head_weight.T`` against ``targets`` (IGNORE skipped).
+def head_logits(hidden: torch.Tensor, head_weight: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """``hidden @ head_weight.T``, smoothly capped to ±softcap when given (tanh, as Gemma 2)."""
+    logits = F.linear(hidden, head_weight)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits.float() / softcap)
+    return logits
+
+
+def next_token_loss(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, *,
+                    softcap: float | None = None, with_z: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sum of cross-entropy (fp32) of the head's logits against ``targets`` (IGNORE skipped), and
+    with ``with_z`` the mean of log(Z)² over the same targets (PaLM's z-loss, before its weight).
 
     hidden [B, T, d], head_weight [V, d], targets [B, T] already shifted (see `data.batch`).
     """
-    logits = F.linear(hidden, head_weight)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    logits = head_logits(hidden, head_weight, softcap).flatten(0, 1).float()
+    flat = targets.flatten()
+    ce = F.cross_entropy(logits, flat, ignore_index=IGNORE, reduction="sum")
+    if not with_z:
+        return ce, None
+    keep = flat != IGNORE
+    lse = torch.logsumexp(logits[keep], dim=-1)
+    return ce, lse.square().sum() / keep.sum().clamp(min=1)

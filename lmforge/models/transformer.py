@@ -14,6 +14,11 @@ Design choices, and why:
   which dispatches to flash attention on GPU and never materializes repeated K/V.
 - **clip_qkv.** Clamping q/k/v projections (DBRX) bounds attention logits and prevents the
   loss spikes seen in large runs; off unless the config sets it.
+- **Recipe options** (off by default unless bench/sweep.py showed they win): `qk_norm`
+  (RMSNorm of each head's q and k before RoPE, OLMo 2 / Qwen3), `mlp: relu2` (squared-ReLU MLP,
+  Primer / modded-nanogpt), `logit_softcap` (tanh capping of the output logits, Gemma 2) and
+  `z_loss` (PaLM's log(Z)² penalty, returned as an auxiliary loss so the logged loss stays the
+  cross-entropy).
 - **No biases.** They add parameters and state but nothing measurable in quality.
 - **Tied embeddings** are implemented by reusing the embedding matrix in the head inside
   `forward` (no second Parameter). That keeps exactly one tensor after meta-device
@@ -34,7 +39,7 @@ from torch import nn
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.models.loss import LossOutput, next_token_loss
+from lmforge.models.loss import LossOutput, head_logits, next_token_loss
 
 
 class RMSNorm(nn.Module):
@@ -85,6 +90,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.dh = cfg.n_heads, cfg.kv_heads, cfg.dim_head
         self.clip = cfg.clip_qkv
+        self.q_norm = RMSNorm(self.dh, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.dh, cfg.norm_eps) if cfg.qk_norm else None
         self.wq = nn.Linear(cfg.d_model, self.n_heads * self.dh, bias=False)
         self.wk = nn.Linear(cfg.d_model, self.n_kv * self.dh, bias=False)
         self.wv = nn.Linear(cfg.d_model, self.n_kv * self.dh, bias=False)
@@ -99,6 +106,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.dh).transpose(1, 2)
         k = k.view(B, T, self.n_kv, self.dh).transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.dh).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask, causal = None, True
         if attn_mask is not None:  # packed examples: block-diagonal causal mask from doc ids
@@ -121,15 +130,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down. relu2: w2(relu(w1 x)²), no w3."""
 
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, kind: str = "swiglu"):
         super().__init__()
         self.w1 = nn.Linear(d_model, hidden, bias=False)
-        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False) if kind == "swiglu" else None
         self.w2 = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            return self.w2(F.relu(self.w1(x)).square())
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -146,7 +157,7 @@ class Block(nn.Module):
             from lmforge.models.moe import MoE  # moe imports nothing from here at import time
             self.mlp: nn.Module = MoE(cfg)
         else:
-            self.mlp = MLP(cfg.d_model, cfg.ffn_dim)
+            self.mlp = MLP(cfg.d_model, cfg.ffn_dim, cfg.mlp)
 
     def forward(self, x, cos, sin, cache=None, start_pos: int = 0, attn_mask=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, attn_mask)
@@ -197,12 +208,16 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.attn_norm.weight.fill_(1.0)
             block.mlp_norm.weight.fill_(1.0)
+            if block.attn.q_norm is not None:
+                block.attn.q_norm.weight.fill_(1.0)
+                block.attn.k_norm.weight.fill_(1.0)
             for lin in (block.attn.wq, block.attn.wk, block.attn.wv):
                 nn.init.normal_(lin.weight, 0.0, std)
             nn.init.normal_(block.attn.wo.weight, 0.0, out_std)
             if isinstance(block.mlp, MLP):
                 nn.init.normal_(block.mlp.w1.weight, 0.0, std)
-                nn.init.normal_(block.mlp.w3.weight, 0.0, std)
+                if block.mlp.w3 is not None:
+                    nn.init.normal_(block.mlp.w3.weight, 0.0, std)
                 nn.init.normal_(block.mlp.w2.weight, 0.0, out_std)
             else:
                 block.mlp.init_weights(std, out_std)
@@ -219,18 +234,22 @@ class Transformer(nn.Module):
         """Logits [B, T, V]. doc_ids [B, T] (packed rows): a token attends only to earlier tokens
         with the same id; without them attention is plain causal (SDPA's is_causal fast path)."""
         h, _ = self._hidden(input_ids, doc_ids)
-        return F.linear(self.norm(h), self.output_weight)
+        return self.logits(h)
 
     def training_loss(self, input_ids: torch.Tensor, targets: torch.Tensor, *,
                       doc_ids: torch.Tensor | None = None) -> LossOutput:
         """The training forward: summed next-token loss against shifted ``targets`` (see
         `data.batch.Batch`), plus the MoE auxiliary loss and routing statistics."""
         h, stats = self._hidden(input_ids, doc_ids)
-        ce = next_token_loss(self.norm(h), self.output_weight, targets)
+        cfg = self.cfg
+        ce, z = next_token_loss(self.norm(h), self.output_weight, targets, softcap=cfg.logit_softcap,
+                                with_z=cfg.z_loss > 0)
+        z_aux = cfg.z_loss * z if z is not None else None
         if not stats:
-            return LossOutput(ce)
-        aux = _reduce_aux(stats, self.cfg)
-        return LossOutput(ce, aux.pop("aux_loss"), aux)
+            return LossOutput(ce, z_aux)
+        aux = _reduce_aux(stats, cfg)
+        moe_aux = aux.pop("aux_loss")
+        return LossOutput(ce, moe_aux if z_aux is None else moe_aux + z_aux, aux)
 
     def decode(self, input_ids: torch.Tensor, kv_cache: KVCache, start_pos: int = 0) -> torch.Tensor:
         """Logits [B, T, V] of ``input_ids`` placed at ``start_pos``, reading and filling ``kv_cache``."""
@@ -242,7 +261,11 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(input_ids)
         for i, block in enumerate(self.blocks):
             h, _ = block(h, cos, sin, (kv_cache.k[i], kv_cache.v[i]), start_pos)
-        return F.linear(self.norm(h), self.output_weight)
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Output logits of final hidden states (before the last norm), soft-capped when configured."""
+        return head_logits(self.norm(h), self.output_weight, self.cfg.logit_softcap)
 
     def _hidden(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None):
         """Final hidden states (before the last norm) and the MoE statistics of each block."""

@@ -12,13 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from lmforge.config.defaults import (bf16_supported, micro_batch_for, default_batch_tokens,
-                                     default_learning_rate, default_warmup_steps)
+from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, bf16_supported, micro_batch_for,
+                                     default_batch_tokens, default_learning_rate)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.schema import RunConfig
 from lmforge.errors import UserError
-from lmforge.estimate.flops import mfu_flops_per_token, param_counts
+from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
+from lmforge.estimate.hardware import detect_device_spec, peak_flops
 from lmforge.estimate.memory import memory_plan
+from lmforge.train.optim import Schedule
 
 
 @dataclass
@@ -30,7 +32,7 @@ class TrainPlan:
     world_size: int
     total_steps: int | None  # None: wall-clock bounded
     time_limit_s: float | None
-    warmup_steps: int
+    warmup_steps: int  # the warmup in steps (estimated from step_time_s when it is given in seconds)
     learning_rate: float
     eval_interval: int
     save_interval: int
@@ -38,6 +40,8 @@ class TrainPlan:
     precision: str  # "bf16" | "fp32"
     params: dict
     flops_per_token: float
+    schedule: Schedule  # the LR shape, in the run's own unit (steps, or seconds of training)
+    step_time_s: float  # expected seconds per optimizer step: measured on this machine, else estimated
 
     @property
     def tokens_per_step(self) -> int:
@@ -48,12 +52,15 @@ class TrainPlan:
         return None if self.total_steps is None else self.total_steps * self.tokens_per_step
 
 
-def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int | None) -> int | None:
+def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int | None,
+           flops_per_token: float = 0.0) -> int | None:
     """A duration in optimizer steps (None for wall-clock durations)."""
     if d.unit == "ba":
         return max(1, math.ceil(d.value))
     if d.unit == "tok":
         return max(1, math.ceil(d.value / (gbs * ctx)))
+    if d.unit == "flop":
+        return max(1, math.ceil(d.value / (flops_per_token * gbs * ctx)))
     if d.unit == "sp":
         return max(1, math.ceil(d.value / gbs))
     if d.unit == "ep":
@@ -110,24 +117,10 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
                         f"× ranks ({world_size}) = {micro * world_size}")
     grad_accum = gbs // (micro * world_size)
 
-    total = _steps(cfg.training_duration, "training_duration", gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch)
+    fpt = mfu_flops_per_token(model, ctx)
+    total = _steps(cfg.training_duration, "training_duration", gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch,
+                   flops_per_token=fpt)
     time_limit = cfg.training_duration.value if cfg.training_duration.unit == "s" else None
-
-    def interval(d: Duration | None, what: str, default: int) -> int:
-        if d is None:
-            return default
-        steps = _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch)
-        if steps is None:
-            raise UserError(f"{what}: use steps or tokens ('100ba', '1M tok'), not wall-clock time")
-        return steps
-
-    nominal = total or 1000  # wall-clock runs: intervals as if ~1000 steps
-    warmup = interval(p.warmup, "parameters.warmup", default_warmup_steps(nominal))
-    if total is not None:
-        warmup = min(warmup, total)
-    eval_every = interval(cfg.eval.interval, "eval.interval", max(1, nominal // 10))
-    save_every = interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)))
-    icl_every = interval(cfg.eval.icl_interval, "eval.icl_interval", 0) or None
 
     if p.precision == "auto":
         precision = "bf16" if bf16_supported(device) else "fp32"
@@ -135,14 +128,80 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
         precision = p.precision
         if precision == "bf16" and not bf16_supported(device) and device.type != "cpu":
             raise UserError(f"parameters.precision: bf16 is not supported on {device}")
+    if p.optimizer == "muon" and cfg.compute.data_parallel in ("fsdp", "hsdp"):
+        raise UserError("parameters.optimizer: muon needs whole matrices; use compute.data_parallel ddp or none "
+                        "(not fsdp/hsdp)")
+
+    step_s, fastest_s = step_seconds(cfg, ctx, gbs, micro, world_size, precision, device)
+    if time_limit is not None and fastest_s >= time_limit:
+        raise UserError(f"training_duration: {cfg.training_duration} is shorter than one optimizer step of this model "
+                        f"and batch here (≈{fastest_s:.3g}s); expected a longer duration or a smaller batch/model")
+
+    def interval(d: Duration | None, what: str, default: int) -> int:
+        if d is None:
+            return default
+        steps = _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch, flops_per_token=fpt)
+        if steps is None:
+            raise UserError(f"{what}: use steps or tokens ('100ba', '1M tok'), not wall-clock time")
+        return steps
+
+    # Wall-clock runs: intervals from the expected number of steps.
+    nominal = total or max(1, int(time_limit / step_s))
+    schedule = make_schedule(cfg, total, time_limit, step_s,
+                             lambda d: _steps(d, "parameters.warmup", gbs=gbs, ctx=ctx,
+                                              samples_per_epoch=samples_per_epoch, flops_per_token=fpt))
+    warmup = int(schedule.warmup if schedule.warmup_unit == "steps" else math.ceil(schedule.warmup / step_s))
+    eval_every = interval(cfg.eval.interval, "eval.interval", max(1, nominal // 10))
+    save_every = interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)))
+    icl_every = interval(cfg.eval.icl_interval, "eval.icl_interval", 0) or None
 
     return TrainPlan(
         context_length=ctx, global_batch=gbs, micro_batch=micro, grad_accum=grad_accum,
         world_size=world_size, total_steps=total, time_limit_s=time_limit, warmup_steps=warmup,
         learning_rate=p.learning_rate or default_learning_rate(counts["non_embedding"]),
         eval_interval=eval_every, save_interval=save_every, icl_interval=icl_every,
-        precision=precision, params=counts, flops_per_token=mfu_flops_per_token(model, ctx),
+        precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
     )
+
+
+def step_seconds(cfg: RunConfig, ctx: int, gbs: int, micro: int, world_size: int, precision: str,
+                 device: torch.device) -> tuple[float, float]:
+    """(expected, fastest possible) seconds per optimizer step. Expected: this machine's cached
+    measurement of the shape (`train.throughput`), else the FLOPs at half the device's peak;
+    fastest: the measurement, else the FLOPs at the full peak (a lower bound)."""
+    from lmforge.train.throughput import cached_tokens_per_s
+
+    tokens = gbs * ctx / world_size  # per device
+    measured = None
+    if cfg.model.vocab_size:
+        measured = cached_tokens_per_s(cfg.model, ctx, micro, precision=precision,
+                                       optimizer=cfg.parameters.optimizer, device=device)
+    if measured:
+        return tokens / measured, tokens / measured
+    peak = peak_flops(detect_device_spec(device), "bf16" if precision == "bf16" else "fp32")
+    flops = tokens * flops_per_token(cfg.model, ctx)["total"]
+    return flops / (0.5 * peak), flops / peak
+
+
+def make_schedule(cfg: RunConfig, total_steps: int | None, time_limit_s: float | None, step_s: float,
+                  to_steps) -> Schedule:
+    """The LR schedule in the run's unit. The default warmup is WARMUP_FRACTION of the run
+    (at most MAX_WARMUP_STEPS steps' worth); a given warmup keeps its own unit."""
+    p = cfg.parameters
+    unit, total = ("steps", float(total_steps)) if total_steps is not None else ("s", float(time_limit_s))
+    if p.warmup is None:
+        cap = MAX_WARMUP_STEPS * (1.0 if unit == "steps" else step_s)
+        warmup = min(cap, WARMUP_FRACTION * total)
+        warmup = float(max(1, round(warmup))) if unit == "steps" else warmup
+        warmup_unit = unit
+    elif p.warmup.unit == "s":
+        warmup, warmup_unit = p.warmup.value, "s"
+    else:
+        warmup, warmup_unit = float(to_steps(p.warmup)), "steps"
+    if warmup_unit == unit:
+        warmup = min(warmup, total)
+    return Schedule(kind=p.schedule, unit=unit, total=total, warmup=warmup, warmup_unit=warmup_unit,
+                    decay_fraction=p.decay_fraction, min_ratio=p.min_lr_ratio)
 
 
 def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
@@ -151,9 +210,15 @@ def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
     data["parameters"].update(
         learning_rate=plan.learning_rate, context_length=plan.context_length,
         global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
-        warmup=f"{plan.warmup_steps}ba", precision=plan.precision)
+        warmup=_warmup_text(plan.schedule), precision=plan.precision)
     data["eval"]["interval"] = f"{plan.eval_interval}ba"
     if plan.icl_interval:
         data["eval"]["icl_interval"] = f"{plan.icl_interval}ba"
     data["save_interval"] = f"{plan.save_interval}ba"
     return RunConfig.model_validate(data)
+
+
+def _warmup_text(schedule: Schedule) -> str:
+    if schedule.warmup_unit == "steps":
+        return f"{int(schedule.warmup)}ba"
+    return f"{schedule.warmup:.4g}s"
