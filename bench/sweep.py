@@ -276,18 +276,17 @@ def point_key(corpus: str, budget: str, knobs: dict) -> str:
 
 
 def run_point(corpus: str, budget: str, knobs: dict, table: dict) -> dict | None:
+    """Train one point in a one-thread subprocess; it appends its own result line (so a result
+    survives this process being stopped)."""
     tokens, tps, source = tokens_for(knobs, budget, table)
-    proc = JOBS.run([sys.executable, __file__, "_train", corpus, json.dumps(knobs), f"{tokens}tok"],
-                    env=os.environ | {"OMP_NUM_THREADS": "1"})
+    meta = {"key": point_key(corpus, budget, knobs), "corpus": corpus, "budget": budget, "knobs": knobs,
+            "tokens_per_s": round(tps, 1), "throughput": source}
+    proc = JOBS.run([sys.executable, __file__, "_train", corpus, json.dumps(knobs), f"{tokens}tok",
+                     "--record", json.dumps(meta)], env=os.environ | {"OMP_NUM_THREADS": "1"})
     if proc.returncode:
         print(f"  FAILED {corpus} {budget} {knobs}:\n{proc.stderr[-3000:]}")
         return None
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    record = {"key": point_key(corpus, budget, knobs), "corpus": corpus, "budget": budget, "knobs": knobs,
-              "tokens_per_s": round(tps, 1), "throughput": source, "when": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit()} | result
-    with open(RESULTS, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    return record
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _commit() -> str:
@@ -355,6 +354,10 @@ def cmd_one(args) -> int:
 def cmd_train(args) -> int:
     knobs = json.loads(args.knobs)
     result = train_and_measure(args.corpus, knobs, args.duration)
+    if args.record:
+        result = json.loads(args.record) | {"when": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit()} | result
+        with open(RESULTS, "a") as f:
+            f.write(json.dumps(result, default=str) + "\n")
     print(json.dumps(result, default=str))
     return 0
 
@@ -392,6 +395,7 @@ def main() -> int:
     i.add_argument("corpus")
     i.add_argument("knobs")
     i.add_argument("duration")
+    i.add_argument("--record", help="point metadata: append the result to the results file")
     args = p.parse_args()
     return {"throughput": cmd_throughput, "_time": cmd_time, "run": cmd_run, "one": cmd_one, "table": cmd_table,
             "_train": cmd_train}[args.cmd](args)

@@ -19,7 +19,7 @@ from lmforge.errors import UserError
 from lmforge.estimate.auto import SMALL_SHAPES, TOKENS_PER_PARAM, Budget, candidates, choose, effective_tokens
 from lmforge.estimate.flops import param_counts
 from lmforge.models import build_model
-from lmforge.train.optim import Schedule, build_optimizer
+from lmforge.train.optim import Muon, Schedule, build_optimizer
 from lmforge.train.plan import make_plan
 from lmforge.train.setup import setup_run
 from lmforge.train.trainer import Trainer
@@ -167,10 +167,26 @@ def test_muon_steps_hidden_matrices_and_adamw_the_rest():
     opt = build_optimizer(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device_type="cpu",
                           kind="muon")
     muon, adamw = opt
-    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
     in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
     assert id(model.blocks[0].attn.wq.weight) in in_muon and id(model.tok_embeddings.weight) not in in_muon
     assert len(opt.param_groups) == len(muon.param_groups) + len(adamw.param_groups)
+
+
+def test_muon_matches_torch_muon_update():
+    """Ours in fp32 against torch's (bf16 iterations) with the AdamW-matched scale: same update."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 32)
+    grads = [torch.randn(48, 32) for _ in range(3)]
+    ours, theirs = w.clone().requires_grad_(), w.clone().requires_grad_()
+    a = Muon([ours], lr=0.02, weight_decay=0.1)
+    b = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for g in grads:
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    assert torch.allclose(ours, theirs, atol=2e-3), (ours - theirs).abs().max()
+    assert not torch.allclose(ours, w, atol=1e-2)
 
 
 def test_muon_run_checkpoints_and_resumes_bitwise(tiny_data, tmp_path):
