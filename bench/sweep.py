@@ -346,6 +346,8 @@ def cmd_one(args) -> int:
     for item in args.set:
         k, v = item.split("=", 1)
         knobs[k] = yaml.safe_load(v)
+    if throughput_key(knobs) not in load_throughput():
+        measure_cpu(knobs)
     rec = run_point(args.corpus, args.budget, knobs, load_throughput())
     print(json.dumps(rec, indent=1))
     return 0

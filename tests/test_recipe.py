@@ -93,6 +93,38 @@ def test_wall_clock_budget_shorter_than_one_step_names_the_key(tiny_data, tmp_pa
                 **{"parameters.global_batch_size": 64, "parameters.micro_batch_size": 8})
 
 
+def test_short_runs_get_many_small_steps_long_runs_the_size_default():
+    from lmforge.config.defaults import MIN_BATCH_TOKENS, default_batch_tokens
+
+    assert default_batch_tokens(1e6) == 8192  # no length known (a step count): by size
+    assert default_batch_tokens(1e6, 0.7e6) == 1024  # 60 s on 2 cores: ~680 steps (the sweep's best)
+    assert default_batch_tokens(1e6, 3e6) == 4096
+    assert default_batch_tokens(1e6, 1e4) == MIN_BATCH_TOKENS
+    assert default_batch_tokens(100e6, 1e12) == 524288  # long runs: the published recipes
+
+
+def test_plan_sizes_the_default_batch_for_the_run(tiny_data, tmp_path):
+    no_default = {"parameters.global_batch_size": None, "parameters.micro_batch_size": "auto"}
+    assert plan_of(tiny_data, tmp_path, training_duration="0.7M tok", **no_default).tokens_per_step == 1024
+    assert plan_of(tiny_data, tmp_path, training_duration="5M tok", **no_default).tokens_per_step == 8192
+    assert plan_of(tiny_data, tmp_path, training_duration="100ba", **no_default).tokens_per_step == 8192
+    timed = plan_of(tiny_data, tmp_path, training_duration="60s", **no_default)
+    assert 1024 <= timed.tokens_per_step <= 8192
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"parameters.decay_fraction": 1.0}, "parameters.decay_fraction: Input should be less than 1"),
+    ({"training_duration": "0.01s", "model": {"d_model": 512, "n_layers": 8, "n_heads": 8, "max_seq_len": 64},
+      "parameters.global_batch_size": 64, "parameters.micro_batch_size": 8},
+     "training_duration: 0.01s is shorter than one optimizer step"),
+])
+def test_recipe_bad_input_exits_2_with_one_line(tiny_data, tmp_path, override, message):
+    (tmp_path / "bad.yaml").write_text(json.dumps(tiny_run_config(tiny_data, tmp_path / "run", **override)))
+    out = lmforge("train", "-f", "bad.yaml", "--dry-run", home=tmp_path / "home", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and message in out.stderr, out.stderr
+    assert out.stderr.strip().count("\n") == 0 and not (tmp_path / "run").exists()
+
+
 def make_trainer(tiny_data, folder, **overrides) -> Trainer:
     raw = tiny_run_config(tiny_data, folder, **({"compute.async_checkpoint": False, "eval.prompts": []} | overrides))
     return Trainer(setup_run(build_config(raw), ONE_RANK, log=lambda *_: None), ONE_RANK, log=lambda *_: None)

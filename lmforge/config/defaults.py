@@ -38,8 +38,21 @@ def default_learning_rate(non_embedding_params: float) -> float:
     raise AssertionError("unreachable")
 
 
-def default_batch_tokens(non_embedding_params: float) -> int:
-    return next(tokens for bound, tokens in BATCH_TOKENS if non_embedding_params <= bound)
+# A short run learns more from many small steps than from a few large ones: the default batch is
+# at most the run's tokens / MIN_STEPS (a power of two, at least MIN_BATCH_TOKENS). bench/sweep.py,
+# tinyshakespeare at a 60 s budget (≈0.7M tokens): 1,024 tokens/step (681 steps) beat 2,048
+# (370 steps) by 0.05 bits per byte.
+MIN_STEPS = 500
+MIN_BATCH_TOKENS = 1024
+
+
+def default_batch_tokens(non_embedding_params: float, run_tokens: float | None = None) -> int:
+    """Tokens per optimizer step: by model size, made smaller for a short run (``run_tokens``)."""
+    tokens = next(t for bound, t in BATCH_TOKENS if non_embedding_params <= bound)
+    if run_tokens:
+        cap = 2 ** int(math.log2(max(1.0, run_tokens / MIN_STEPS)))
+        tokens = min(tokens, max(MIN_BATCH_TOKENS, cap))
+    return tokens
 
 
 # The default warmup: this share of the run, in the run's own unit (steps, or seconds of a

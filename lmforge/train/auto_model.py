@@ -20,7 +20,7 @@ from lmforge.config.model import ModelConfig
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.errors import UserError
 from lmforge.estimate.auto import SMALL_CONTEXT, Budget, Candidate, candidates, choose
-from lmforge.estimate.flops import flops_per_token, param_counts
+from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
 from lmforge.estimate.hardware import detect_device_spec, peak_flops
 
 
@@ -129,10 +129,12 @@ def _auto_model(cfg: RunConfig, device: torch.device, log) -> RunConfig:
             raise UserError("tokenizer: model: auto needs to know the vocabulary: give a tokenizer folder, "
                             "{train: {vocab_size: auto}}, or prepared train_data")
     data_bytes = raw_data_bytes(cfg) if data_tokens is None else None
+    precision = "bf16" if (p.precision == "bf16" or (p.precision == "auto" and bf16_supported(device))) else "fp32"
 
     def batch_tokens(m: ModelConfig, ctx: int) -> int:
         if p.global_batch_size is None:
-            return default_batch_tokens(param_counts(m)["non_embedding"])
+            return default_batch_tokens(param_counts(m)["non_embedding"], _budget_tokens(budget, m, ctx, device,
+                                                                                         precision))
         if isinstance(p.global_batch_size, str):
             return int(parse_duration(p.global_batch_size).value) if "tok" in p.global_batch_size else \
                 int(parse_duration(p.global_batch_size).value) * ctx
@@ -143,7 +145,6 @@ def _auto_model(cfg: RunConfig, device: torch.device, log) -> RunConfig:
     unique = data_tokens
     if unique is None and data_bytes:
         unique = data_bytes / estimated_bytes_per_token(vocab or cands[0].model.vocab_size)
-    precision = "bf16" if (p.precision == "bf16" or (p.precision == "auto" and bf16_supported(device))) else "fp32"
     measure = _throughput_fn(device, precision, p.optimizer, log)
     best, reason = choose(budget, cands, unique_tokens=unique, tokens_per_s=measure,
                           flops_per_s_guess=_flops_guess(device, precision))
@@ -154,6 +155,17 @@ def _auto_model(cfg: RunConfig, device: torch.device, log) -> RunConfig:
     if isinstance(cfg.tokenizer, TokenizerSpec):
         out = _with_vocab(out, best.model.vocab_size if vocab is None else vocab)
     return out
+
+
+def _budget_tokens(budget: Budget, m: ModelConfig, ctx: int, device: torch.device, precision: str) -> float | None:
+    """Roughly how many tokens the budget buys for this shape (sizes its default batch); None for steps."""
+    if budget.kind == "tok":
+        return budget.value
+    if budget.kind == "flop":
+        return budget.value / mfu_flops_per_token(m, ctx)
+    if budget.kind == "s":
+        return budget.value * _flops_guess(device, precision) / flops_per_token(m, ctx)["total"]
+    return None
 
 
 def _flops_guess(device: torch.device, precision: str) -> float:

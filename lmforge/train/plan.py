@@ -93,9 +93,19 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
         raise UserError(f"parameters.context_length ({ctx}) is longer than the training data's samples "
                         f"({data_seq_len} tokens); prepare the data with --seq-len {ctx} or lower the context")
 
+    if p.precision == "auto":
+        precision = "bf16" if bf16_supported(device) else "fp32"
+    else:
+        precision = p.precision
+        if precision == "bf16" and not bf16_supported(device) and device.type != "cpu":
+            raise UserError(f"parameters.precision: bf16 is not supported on {device}")
+    fpt = mfu_flops_per_token(model, ctx)
+
     # Global batch in samples (rounded so that every rank gets the same share).
     if p.global_batch_size is None:
-        gbs = max(1, round(default_batch_tokens(counts["non_embedding"]) / ctx))
+        run_tokens = _run_tokens(cfg, ctx, samples_per_epoch, fpt,
+                                 lambda: _tokens_per_s(cfg, ctx, world_size, precision, device))
+        gbs = max(1, round(default_batch_tokens(counts["non_embedding"], run_tokens) / ctx))
     elif isinstance(p.global_batch_size, str):
         d = parse_duration(p.global_batch_size)
         gbs = max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
@@ -117,17 +127,10 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
                         f"× ranks ({world_size}) = {micro * world_size}")
     grad_accum = gbs // (micro * world_size)
 
-    fpt = mfu_flops_per_token(model, ctx)
     total = _steps(cfg.training_duration, "training_duration", gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch,
                    flops_per_token=fpt)
     time_limit = cfg.training_duration.value if cfg.training_duration.unit == "s" else None
 
-    if p.precision == "auto":
-        precision = "bf16" if bf16_supported(device) else "fp32"
-    else:
-        precision = p.precision
-        if precision == "bf16" and not bf16_supported(device) and device.type != "cpu":
-            raise UserError(f"parameters.precision: bf16 is not supported on {device}")
     if p.optimizer == "muon" and cfg.compute.data_parallel in ("fsdp", "hsdp"):
         raise UserError("parameters.optimizer: muon needs whole matrices; use compute.data_parallel ddp or none "
                         "(not fsdp/hsdp)")
@@ -162,6 +165,30 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
         eval_interval=eval_every, save_interval=save_every, icl_interval=icl_every,
         precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
     )
+
+
+def _run_tokens(cfg: RunConfig, ctx: int, samples_per_epoch: int | None, fpt: float, rate) -> float | None:
+    """The run's length in tokens where it is known before the batch (None for a step count):
+    what the default batch is sized for. ``rate()``: expected tokens/s (wall-clock budgets)."""
+    d = cfg.training_duration
+    if d.unit == "tok":
+        return d.value
+    if d.unit == "sp":
+        return d.value * ctx
+    if d.unit == "ep":
+        return d.value * samples_per_epoch * ctx if samples_per_epoch else None
+    if d.unit == "flop":
+        return d.value / fpt
+    if d.unit == "s":
+        return d.value * rate()
+    return None
+
+
+def _tokens_per_s(cfg: RunConfig, ctx: int, world_size: int, precision: str, device: torch.device) -> float:
+    """Expected training tokens/s of all ranks (see step_seconds), at the CPU micro-batch size."""
+    micro = micro_batch_for(max(1, default_batch_tokens(param_counts(cfg.model)["non_embedding"]) // ctx))
+    step_s, _ = step_seconds(cfg, ctx, micro * world_size, micro, world_size, precision, device)
+    return micro * ctx * world_size / step_s
 
 
 def step_seconds(cfg: RunConfig, ctx: int, gbs: int, micro: int, world_size: int, precision: str,
