@@ -74,11 +74,13 @@ class Parameters(_Strict):
     learning_rate: float | None = Field(None, gt=0, description="peak LR; default from model size")
     context_length: int | None = Field(None, gt=1, description="tokens per sample; default: model max_seq_len")
     global_batch_size: int | str | None = Field(
-        None, description="samples per optimizer step across all ranks, or tokens ('1M tok'); default from model size")
+        None, description="samples per optimizer step across all ranks, or tokens ('1M tok'); default from model size, smaller "
+        "for a short run (at least ~500 steps)")
     micro_batch_size: int | Literal["auto"] = Field("auto", description="samples per forward pass per rank")
     # [recipe] schedule and optimizer (lmforge/train/optim.py; defaults from bench/sweep.py)
     warmup: DurationField | None = Field(
-        None, description="LR warmup, e.g. '100ba', '10M tok' or '5s'; default: a share of the run in its own unit")
+        None, description="LR warmup, e.g. '100ba', '10M tok' or '5s'; default: 5% of the run in its own unit "
+        "(seconds for a wall-clock run)")
     schedule: Literal["wsd", "cosine", "linear", "constant"] = Field(
         "wsd", description="LR shape after warmup: wsd (stable, then decay over the last decay_fraction), "
         "cosine, linear, constant")
