@@ -366,11 +366,11 @@ def cmd_train(args) -> int:
 
 def cmd_table(args) -> int:
     rows = list(results().values())
-    print("| corpus | budget | change from the base | tokens | steps | held-out bpb |")
-    print("|---|---|---|---|---|---|")
+    print("| corpus | budget | change from the base | tokens/s assumed | tokens | steps | held-out bpb | commit |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["corpus"], BUDGETS.get(r["budget"], 0), r["bpb"])):
-        print(f"| {r['corpus']} | {r['budget']} | {_diff(r['corpus'], r['knobs'])} | {r['tokens']:,} | {r['steps']} | "
-              f"{r['bpb']:.3f} |")
+        print(f"| {r['corpus']} | {r['budget']} | {_diff(r['corpus'], r['knobs'])} | {r['tokens_per_s']:,.0f} "
+              f"({r['throughput']}) | {r['tokens']:,} | {r['steps']} | {r['bpb']:.3f} | {r['commit']} |")
     return 0
 
 

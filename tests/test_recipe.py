@@ -97,15 +97,15 @@ def test_short_runs_get_many_small_steps_long_runs_the_size_default():
     from lmforge.config.defaults import MIN_BATCH_TOKENS, default_batch_tokens
 
     assert default_batch_tokens(1e6) == 8192  # no length known (a step count): by size
-    assert default_batch_tokens(1e6, 0.7e6) == 1024  # 60 s on 2 cores: ~680 steps (the sweep's best)
-    assert default_batch_tokens(1e6, 3e6) == 4096
+    assert default_batch_tokens(1e6, 0.7e6) == 2048  # 60 s on 2 cores: ~340 steps (the sweep's best)
+    assert default_batch_tokens(1e6, 1.5e6) == 4096
     assert default_batch_tokens(1e6, 1e4) == MIN_BATCH_TOKENS
     assert default_batch_tokens(100e6, 1e12) == 524288  # long runs: the published recipes
 
 
 def test_plan_sizes_the_default_batch_for_the_run(tiny_data, tmp_path):
     no_default = {"parameters.global_batch_size": None, "parameters.micro_batch_size": "auto"}
-    assert plan_of(tiny_data, tmp_path, training_duration="0.7M tok", **no_default).tokens_per_step == 1024
+    assert plan_of(tiny_data, tmp_path, training_duration="0.7M tok", **no_default).tokens_per_step == 2048
     assert plan_of(tiny_data, tmp_path, training_duration="5M tok", **no_default).tokens_per_step == 8192
     assert plan_of(tiny_data, tmp_path, training_duration="100ba", **no_default).tokens_per_step == 8192
     timed = plan_of(tiny_data, tmp_path, training_duration="60s", **no_default)
