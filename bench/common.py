@@ -75,6 +75,44 @@ def heldout_bpb(trainer, batch_size: int = 16) -> dict:
     return {"loss": loss, "bpb": loss / math.log(2) / bpt, "eval_tokens": count, "bytes_per_token": bpt}
 
 
+QUICKSTART_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef ", "class Stack:\n    \"\"\""]
+
+
+def python_share(samples: list[str]) -> float:
+    """Share of non-empty generated lines that Python's `tokenize` accepts, each line on its own
+    (so multi-line brackets and strings count against it)."""
+    import io
+    import tokenize
+
+    ok = total = 0
+    for text in samples:
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            total += 1
+            try:
+                list(tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline))
+                ok += 1
+            except (tokenize.TokenError, IndentationError, SyntaxError):
+                pass
+    return ok / max(1, total)
+
+
+def python_lines(model, tok, n: int = 12, new_tokens: int = 128) -> float:
+    """python_share of ``n`` samples of ``new_tokens`` from the quickstart's prompts."""
+    from lmforge.models.generate import generate
+
+    model.eval()
+    samples = []
+    for i in range(n):
+        prompt = QUICKSTART_PROMPTS[i % len(QUICKSTART_PROMPTS)]
+        new = generate(model, tok.encode(prompt), new_tokens, temperature=0.8, top_k=50, top_p=0.95,
+                       eos_id=tok.eos_id, seed=100 + i)
+        samples.append(prompt + tok.decode([t for t in new if t != tok.eos_id]))
+    model.train()
+    return python_share(samples)
+
+
 def train_config(corpus: str, knobs: dict, duration: str, save_folder: str) -> dict:
     """A run config from recipe knobs (see sweep.BASE); knobs left out take lmforge's defaults."""
     k = dict(knobs)
@@ -138,6 +176,8 @@ def train_and_measure(corpus: str, knobs: dict, duration: str, log=lambda *_: No
         train_s = time.perf_counter() - t0
         trainer.stream.close()
         result = heldout_bpb(trainer)
+        if corpus == "python":
+            result["python_lines"] = python_lines(trainer.model, setup.tokenizer)
         counts = plan.params
     return result | {
         "steps": trainer.state.step, "tokens": trainer.state.tokens, "train_s": round(train_s, 2),

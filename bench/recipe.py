@@ -32,7 +32,6 @@ Wall-clock numbers need a quiet machine: each run waits for a 1-minute load aver
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
@@ -41,14 +40,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import tokenize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
-from common import corpus_paths  # noqa: E402
+from common import corpus_paths, python_share  # noqa: E402
 
 NANOGPT_70S = 2.72  # issue 13: nanoGPT's CPU recipe, 70 s on this machine's 2 cores
 BUDGETS = ("70s", "60s", "5min", "20min")
@@ -139,22 +137,6 @@ def run_budget(corpus: str, budget: str, home: str, wait: bool) -> dict:
     return {"corpus": corpus, "budget": budget, "shape": f"{m.n_layers}×{m.d_model}, vocab {m.vocab_size}",
             "tokens": train.get("train/tokens"), "bpb": full["bpb"], "trainer_bpb": ev.get("eval/bits_per_byte"),
             "wall_s": wall, "load": (round(load0, 2), round(load1, 2)), "choice": choice}
-
-
-def python_share(samples: list[str]) -> float:
-    """Share of non-empty generated lines that `tokenize` accepts, line by line."""
-    ok = total = 0
-    for text in samples:
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            total += 1
-            try:
-                list(tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline))
-                ok += 1
-            except (tokenize.TokenError, IndentationError, SyntaxError):
-                pass
-    return ok / max(1, total)
 
 
 def quickstart(wait: bool) -> dict:

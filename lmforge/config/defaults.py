@@ -3,7 +3,7 @@
 | default | rule | where it comes from |
 |---|---|---|
 | learning_rate | log-linear in non-embedding params between the anchors below | MPT/LLM Foundry recipes (125M 6e-4, 350M 3e-4, 760M 2.5e-4, 1B 2e-4, 3B 1.6e-4, 7B 1.2e-4, 13B 1e-4, 30B 1e-4, 70B 8e-5, as published by MosaicML and Meta); ≤5M 2e-3 from bench/sweep.py |
-| global batch | tokens per step by size (≤30M: 8K; ≤200M: 0.5M; ≤2B: 1M; ≤20B: 2M; else 4M), at most ≈ run tokens / 300 for a run of known length, converted to samples | MPT recipes (256–512 × 2048) and Llama 2 (4M tokens); the short-run cap from bench/sweep.py |
+| global batch | tokens per step by size (≤30M: 8K; ≤200M: 0.5M; ≤2B: 1M; ≤20B: 2M; else 4M), at most run tokens / 250 (a power of two) for a run of known length, converted to samples | MPT recipes (256–512 × 2048) and Llama 2 (4M tokens); the short-run cap from bench/sweep.py |
 | warmup | 5% of the run in its own unit (steps, or seconds of a wall-clock run), at most 2000 steps | common practice (torchtitan, nanoGPT use fixed ~2k for long runs) |
 | schedule | wsd: warmup, constant, linear decay to 0 over the last 20% | MiniCPM (Hu et al. 2024), Hägele et al. 2024; bench/sweep.py (beat cosine at 60 s) |
 | AdamW | β (0.9, 0.95), ε 1e-8, weight decay 0.1 on matrices only | GPT-3, Llama |
@@ -39,12 +39,12 @@ def default_learning_rate(non_embedding_params: float) -> float:
 
 
 # A short run learns more from a few hundred small steps than from a few large ones: for a run of
-# known length the default batch is at most the power of two nearest its tokens / TARGET_STEPS
-# (at least MIN_BATCH_TOKENS). bench/sweep.py at a 60 s budget (≈0.6–0.7M tokens, 1M-parameter
-# model): 2,048 tokens/step (≈300–370 steps) beat 1,024 on the built-in corpus by 0.09 bits per
-# byte and lost on tinyshakespeare by 0.05 — better on average; 8,192 (≈80 steps) was worse on
-# both, and the old quickstart (480K tokens) learned more with 118 steps than with 59.
-TARGET_STEPS = 300
+# known length the default batch is at most the largest power of two that still gives it
+# MIN_STEPS steps (and at least MIN_BATCH_TOKENS). bench/sweep.py at a 60 s budget (≈0.6–0.7M
+# tokens, 1M-parameter model): 2,048 tokens/step (≈300–370 steps) beat 1,024 on the built-in
+# corpus by 0.09 bits per byte and lost on tinyshakespeare by 0.05 (better on average); the old
+# quickstart (480K tokens) learned more with 118 steps than with 59.
+MIN_STEPS = 250
 MIN_BATCH_TOKENS = 1024
 
 
@@ -52,7 +52,7 @@ def default_batch_tokens(non_embedding_params: float, run_tokens: float | None =
     """Tokens per optimizer step: by model size, made smaller for a short run (``run_tokens``)."""
     tokens = next(t for bound, t in BATCH_TOKENS if non_embedding_params <= bound)
     if run_tokens:
-        cap = 2 ** round(math.log2(max(1.0, run_tokens / TARGET_STEPS)))
+        cap = 2 ** int(math.log2(max(1.0, run_tokens / MIN_STEPS)))
         tokens = min(tokens, max(MIN_BATCH_TOKENS, cap))
     return tokens
 
