@@ -258,6 +258,18 @@ def test_auto_picks_the_shape_nearest_the_compute_optimal_tokens_per_parameter()
     assert small.params < 2e6 < 1e9 < large.params
 
 
+def test_auto_step_budget_costs_every_shape_at_one_batch():
+    """The default batch grows with the model (8K → 0.5M tokens): 3 steps must not buy a 70M model
+    more tokens than a 1M one and so pick it."""
+    from lmforge.config.defaults import default_batch_tokens
+
+    cands = candidates(1024, None, None, lambda m, ctx: default_batch_tokens(param_counts(m)["non_embedding"]))
+    best, reason = choose(Budget("ba", 3), cands)
+    assert best.model.d_model == SMALL_SHAPES[0][0] and "3 steps × 8.19K tokens" in reason
+    big, _ = choose(Budget("ba", 1e6), cands)
+    assert big.params > best.params
+
+
 def test_auto_wall_clock_budget_uses_the_measured_rate():
     """The same seconds buy more tokens on a faster machine, so a faster one gets a bigger model."""
     def rate(flops_per_s):

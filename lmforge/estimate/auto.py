@@ -16,7 +16,8 @@ The rule, and where it comes from:
   repeated epochs are worth less than fresh tokens: D_eff = U + U·R*·(1 − e^(−R/R*)) with U the
   unique tokens, R the repetitions beyond the first and R* ≈ 15.4 (Muennighoff et al. 2023,
   "Scaling data-constrained language models").
-- **The budget's unit.** Tokens and steps fix D; FLOPs give D = C / FLOPs per token of the
+- **The budget's unit.** Tokens fix D; steps fix it with one batch for every shape (the
+  ``global_batch_size`` given, else the smallest shape's default); FLOPs give D = C / FLOPs per token of the
   candidate (6·N_active, the standard basis); wall-clock time gives D = seconds × the
   candidate's training tokens/s *measured on this machine* (`train.throughput`, cached), so
   whatever runs efficiently here is preferred.
@@ -126,10 +127,15 @@ def choose(budget: Budget, cands: list[Candidate], *, unique_tokens: float | Non
             raise ValueError("a wall-clock budget needs tokens_per_s")
         # Time only the few shapes around the FLOPs-based guess: measuring is not free.
         cands = _near_flops_optimum(budget, cands, flops_per_s_guess)
+    step_batch = min(c.batch_tokens for c in cands)
     for c in cands:
         if budget.kind == "tok":
             c.tokens = budget.value
         elif budget.kind == "ba":
+            # One batch for every shape: the default batch grows with the model, and costing each
+            # shape at its own would let a few huge steps "buy" a big model more tokens than a
+            # small one gets (3 steps × 0.5M tokens). The smallest is the one a small pick uses.
+            c.batch_tokens = step_batch
             c.tokens = budget.value * c.batch_tokens
         elif budget.kind == "flop":
             c.tokens = budget.value / mfu_flops_per_token(c.model, c.context_length)
