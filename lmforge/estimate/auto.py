@@ -161,7 +161,7 @@ def choose(budget: Budget, cands: list[Candidate], *, unique_tokens: float | Non
         bought += f" ({best.tokens / unique_tokens:.1f} epochs of {_n(unique_tokens)}, worth {_n(best.effective_tokens)})"
     reason = (f"model: auto → {best.label} ({m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, vocab "
               f"{m.vocab_size}, {best.params / 1e6:.2f}M params, context {best.context_length}): {bought}, "
-              f"{best.effective_tokens / best.params:.1f} per parameter — of {len(cands)} shapes the closest to "
+              f"{best.effective_tokens / best.params:.2g} per parameter — of {len(cands)} shapes the closest to "
               f"{TOKENS_PER_PARAM:g} tokens per parameter (Chinchilla, embeddings counted)")
     return best, reason
 
