@@ -11,7 +11,9 @@ import torch
 
 from eval_helpers import SHARED_EVAL, SHARED_TEXT, CharTokenizer, sentence, tiny_model, write_jsonl
 from lmforge.errors import UserError
-from lmforge.eval.icl import TASK_TYPES, answer_matches, evaluate_icl, fewshot_indices, final_answer, load_tasks, score_task
+from lmforge.eval.icl import (
+    TASK_TYPES, answer_matches, evaluate_icl, fewshot_indices, final_answer, load_tasks, score_task,
+)
 from lmforge.eval.icl_metrics import calibration_error
 
 # ----------------------------------------------------------------------------- references
@@ -214,10 +216,13 @@ def test_evaluate_icl_keys_categories_limit_and_mode(task_files, model, tok):
             if t.task_type != "generation_task_with_answers":
                 assert r["calibration_error"] == pytest.approx(calibration_error([x.calibration for x in full]))
     lm = results["langua/0-shot"]
-    assert lm["categories"] == {"other": {"accuracy": 0.0, "n": 3, "size": 6, "calibration_error": pytest.approx(
-        calibration_error([x.calibration for x in score_task(model, tok, tasks[0], 0)[:6] if x.category == "other"]))},
-        "own": {"accuracy": 1.0, "n": 3, "size": 6, "calibration_error": pytest.approx(
-            calibration_error([x.calibration for x in score_task(model, tok, tasks[0], 0)[:6] if x.category == "own"]))}}
+    rows = score_task(model, tok, tasks[0], 0)[:6]
+
+    def ece(category):
+        return pytest.approx(calibration_error([x.calibration for x in rows if x.category == category]))
+
+    assert lm["categories"] == {"other": {"accuracy": 0.0, "n": 3, "size": 6, "calibration_error": ece("other")},
+                                "own": {"accuracy": 1.0, "n": 3, "size": 6, "calibration_error": ece("own")}}
 
 
 @pytest.mark.parametrize("task_type", TASK_TYPES)
@@ -271,7 +276,8 @@ def test_tasks_from_object_store(s3_env, tmp_path):
     uri = f"s3://{s3_env.bucket}/eval/mc.jsonl"
     with fsspec.open(uri, "w") as f:
         f.write("".join(__import__("json").dumps(r) + "\n" for r in rows))
-    task = load_tasks([{"label": "s3mc", "dataset_uri": uri, "num_fewshot": [1], "icl_task_type": "multiple_choice"}])[0]
+    task = load_tasks([{"label": "s3mc", "dataset_uri": uri, "num_fewshot": [1],
+                        "icl_task_type": "multiple_choice"}])[0]
     assert task.examples == rows and task.source == uri
     with pytest.raises(UserError, match="not found"):
         load_tasks([{"label": "s3x", "dataset_uri": uri + ".missing", "icl_task_type": "multiple_choice"}])

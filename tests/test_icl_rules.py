@@ -156,7 +156,8 @@ def test_prompt_text_generation_with_chain_of_thought(tmp_path):
     task = _task(tmp_path, rows, "generation_task_with_answers", cot_delimiter="The answer is ",
                  continuation_delimiter="\nA:", early_stopping_criteria=["\n\n", "Question:"], do_normalization=False)
     assert task.has_cot
-    assert preamble_text(task, [3, 1]) == "Question: 3+3?\nA:3 and 3The answer is 6\nQuestion: 1+1?\nA:1 and 1The answer is 2"
+    assert preamble_text(task, [3, 1]) == ("Question: 3+3?\nA:3 and 3The answer is 6"
+                                           "\nQuestion: 1+1?\nA:1 and 1The answer is 2")
     tok = CharTokenizer()
     ids = generation_prompt(task, tok, 0, [3, 1], 10_000)
     assert tok.decode(ids).endswith("The answer is 2\nQuestion: 0+0?\nA:")
@@ -213,7 +214,8 @@ def test_tokens_of_a_stripped_piqa_item(tmp_path, bpe_variants, variant):
     assert got == [(ctx, plain(" hang it")), (ctx, plain(" soak it in water"))]
     # One shot: the preamble is tokenized on its own (with BOS), the example after it without.
     got = likelihood_sequences(task, tok, 0, [1], 512, True)
-    ctx = start + plain("Question: how do I soak it?\nAnswer: water") + plain("\nQuestion: how do I dry a towel?\nAnswer:")
+    ctx = start + plain("Question: how do I soak it?\nAnswer: water") + plain(
+        "\nQuestion: how do I dry a towel?\nAnswer:")
     assert got[0] == (ctx, plain(" hang it"))
     for c, a in got:
         assert bos not in a and c.count(bos) == len(start)  # BOS once, first, and never scored
