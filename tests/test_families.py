@@ -9,7 +9,8 @@ import torch
 from family_models import CASES, hf_config, hf_model
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.models import build_model, generate, load_pretrained, save_hf
+from lmforge.estimate.flops import param_counts
+from lmforge.models import build_model, generate, load_pretrained, num_params, save_hf
 from lmforge.models.hf import from_hf_config, from_hf_state_dict, to_hf_config
 
 transformers = pytest.importorskip("transformers")
@@ -38,6 +39,7 @@ def test_import_export_parity(family, tmp_path):
     cfg = from_hf_config(hf.config)
     assert cfg.family == family
     model = ours_from(hf, cfg)
+    assert param_counts(cfg)["total"] == num_params(model)  # the estimator counts the new parameters
     with torch.no_grad():
         expected = hf(IDS).logits
         assert max_diff(model(IDS), expected) <= TOL

@@ -161,7 +161,7 @@ def dry_run(cfg, args) -> int:
     if cfg.model.vocab_size is None:
         from lmforge.config.schema import TokenizerSpec
 
-        vocab = cfg.tokenizer.train.vocab_size if isinstance(cfg.tokenizer, TokenizerSpec) else None
+        vocab = cfg.tokenizer.train.vocab_size if isinstance(cfg.tokenizer, TokenizerSpec) and cfg.tokenizer.train else None
         if isinstance(cfg.tokenizer, str) and os.path.exists(cfg.tokenizer):
             from lmforge.data.tokenizer import load_tokenizer
 

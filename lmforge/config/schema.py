@@ -38,8 +38,22 @@ class TokenizerTrain(_Strict):
     bos: bool = Field(False, description="also add a beginning-of-text token")
 
 
+class TokenizerExtend(_Strict):
+    vocab_size: int = Field(..., gt=0, description="vocabulary size after extension (more than the base tokenizer's)")
+    base: str | None = Field(None, description="tokenizer folder to extend; default: the one with custom_weights_path")
+
+
 class TokenizerSpec(_Strict):
-    train: TokenizerTrain = Field(..., description="train a byte-level BPE on the training data")
+    train: TokenizerTrain | None = Field(None, description="train a byte-level BPE on the training data")
+    extend: TokenizerExtend | None = Field(
+        None, description="continued pretraining: add BPE merges learned on the training data to the model's "
+        "tokenizer; new embedding rows start as the mean of their old pieces")
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.train is None) == (self.extend is None):
+            raise ValueError("give exactly one of train: {vocab_size: N} or extend: {vocab_size: N}")
+        return self
 
 
 class EvalConfig(_Strict):
@@ -128,6 +142,29 @@ class ComputeConfig(_Strict):
         return v
 
 
+# The projections LoRA can target, by their Hugging Face / PEFT names (attention, then MLP).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAConfig(_Strict):
+    """Low-rank adapters on a frozen base model (lmforge/models/lora.py)."""
+    rank: int = Field(8, gt=0, description="rank r of each adapter")
+    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / rank")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapter's input")
+    targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS),
+                               description="projections to adapt: " + ", ".join(LORA_TARGETS))
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, v):
+        if not v:
+            raise ValueError("at least one target is needed")
+        for t in v:
+            if t not in LORA_TARGETS:
+                raise ValueError(f"unknown target {t!r}; expected some of {', '.join(LORA_TARGETS)}")
+        return list(dict.fromkeys(v))
+
+
 class SFTOptions(_Strict):
     """Supervised fine-tuning data handling (task_type instruction_finetune / chat_completion)."""
     packing: bool = Field(True, description="pack several examples per row (attention kept within each); "
@@ -155,6 +192,9 @@ class RunConfig(_Strict):
         "pretrain", description="instruction_finetune / chat_completion: train_data and eval.data_path are "
         "JSONL prompt/response or messages rows, loss on responses only (lmforge finetune)")
     sft: SFTOptions = Field(default_factory=SFTOptions, description="fine-tuning data options")
+    lora: LoRAConfig | None = Field(
+        None, description="train low-rank adapters on the frozen custom_weights_path model instead of all weights "
+        "({rank, alpha, dropout, targets}); the final model is merged, final/adapter is a PEFT adapter")
     autoresume: bool = Field(True, description="continue from the latest checkpoint in save_folder")
     max_retries: int = Field(2, ge=0, description="automatic restarts after a crash (supervised runs)")
     log_interval: int = Field(10, ge=1, description="steps between console/tracker log lines")
@@ -189,6 +229,16 @@ class RunConfig(_Strict):
     def _names(self):
         if not self.train_data:
             raise ValueError("train_data: at least one dataset is required")
+        if self.lora is not None and not self.custom_weights_path:
+            raise ValueError("lora: needs custom_weights_path (the frozen model the adapters are trained on)")
+        dense_only = [t for t in (self.lora.targets if self.lora else []) if t in ("gate_proj", "up_proj", "down_proj")]
+        if dense_only and self.model.is_moe:
+            raise ValueError(f"lora.targets: {dense_only[0]} matches no module of this model (mixture-of-experts "
+                             "layers have no dense MLP projections; target q_proj, k_proj, v_proj, o_proj)")
+        if self.lora is not None and isinstance(self.tokenizer, TokenizerSpec) and self.tokenizer.extend:
+            raise ValueError("lora: cannot be combined with tokenizer.extend (new embedding rows must be trained)")
+        if isinstance(self.tokenizer, TokenizerSpec) and self.tokenizer.extend and not self.custom_weights_path:
+            raise ValueError("tokenizer.extend: needs custom_weights_path (the model whose vocabulary is extended)")
         for i, entry in enumerate(self.train_data):
             if entry.name is None:
                 entry.name = f"d{i}"

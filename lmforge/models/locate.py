@@ -102,23 +102,43 @@ def _dcp_model_config(folder: str) -> ModelConfig:
     return ModelConfig(**model)
 
 
-def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32):
-    """(model, ModelConfig, Located) for any supported checkpoint."""
+def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, *, merge_lora: bool = True):
+    """(model, ModelConfig, Located) for any supported checkpoint.
+
+    A checkpoint of a LoRA run comes back with its adapters merged into the weights (or, with
+    merge_lora=False, still as adapters, e.g. to save them for PEFT)."""
     from lmforge.models.io import load_pretrained
 
     loc = locate(path)
     if loc.kind in ("lmforge", "hf"):
         model, cfg = load_pretrained(loc.path, device=device, dtype=dtype)
         return model, cfg, loc
+    from lmforge.config.schema import LoRAConfig
+    from lmforge.models import lora
     from lmforge.models.transformer import build_model
     from lmforge.train.checkpoint import load_checkpoint
 
     cfg = _dcp_model_config(loc.path)
+    adapters = (_read_state(loc.path).get("config") or {}).get("lora")
     model = build_model(cfg, device=device, init=False)
+    lora.apply_lora(model, LoRAConfig(**adapters) if adapters else None)
     rng = torch.get_rng_state()
     load_checkpoint(loc.path, model, None, rank=0)
     torch.set_rng_state(rng)  # loading restores the run's RNG; a reader should not inherit it
+    if merge_lora:
+        lora.merge_lora(model)
     return model.to(dtype), cfg, loc
+
+
+def lora_config_of(path: str):
+    """The `lora:` settings a checkpoint was trained with (None if it was not a LoRA run)."""
+    from lmforge.config.schema import LoRAConfig
+
+    loc = locate(path)
+    if loc.kind != "dcp":
+        return None
+    adapters = (_read_state(loc.path).get("config") or {}).get("lora")
+    return LoRAConfig(**adapters) if adapters else None
 
 
 def check_tokenizer_fits(tokenizer, cfg: ModelConfig, what: str) -> None:

@@ -6,7 +6,8 @@ streamed as dicts with loss targets and doc ids) and otherwise runs unchanged �
 checkpoints, resume, trackers and final export. Defaults that differ from pretraining:
 
 - learning rate: one tenth of the size-based pretraining default (e.g. 1.2e-5 for 7B), the
-  usual SFT range; warmup, schedule and AdamW settings as in pretraining;
+  usual SFT range — with `lora:` the pretraining default itself (adapters take ~10× the full
+  fine-tuning rate); warmup, schedule and AdamW settings as in pretraining;
 - generation at each evaluation: max_new_tokens 100, temperature 1, top_k 50, top_p 0.95;
 - `model` and `tokenizer` are taken from `custom_weights_path` when left out (`fill_from_weights`).
 
@@ -121,7 +122,7 @@ def sft_setup(cfg: RunConfig, dist, log=print):
 
     cfg = default_names(cfg)
     if not isinstance(cfg.tokenizer, str):
-        what = "a tokenizer to train" if isinstance(cfg.tokenizer, TokenizerSpec) else "none"
+        what = "a tokenizer to train or extend" if isinstance(cfg.tokenizer, TokenizerSpec) else "none"
         raise UserError(f"tokenizer: fine-tuning needs the base model's tokenizer folder (got {what}); "
                         "set tokenizer: PATH, or custom_weights_path to a model folder that holds one")
     tokenizer = load_tokenizer(cfg.tokenizer)
@@ -147,7 +148,7 @@ def sft_setup(cfg: RunConfig, dist, log=print):
         + (f"; {rows.dropped} dropped (no response token fits)" if rows.dropped else ""))
     plan = make_plan(cfg, world_size=dist.world_size, device=dist.device, samples_per_epoch=len(rows),
                      data_seq_len=seq_len)
-    if cfg.parameters.learning_rate is None:
+    if cfg.parameters.learning_rate is None and cfg.lora is None:  # LoRA keeps the pretraining default (~10×)
         plan.learning_rate = float(f"{plan.learning_rate * SFT_LR_FACTOR:.3g}")
     return resolved_config(cfg, plan), plan, SFTData(tokenizer.path, rows, eval_rows), tokenizer
 

@@ -30,6 +30,7 @@ from lmforge.errors import UserError
 from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.models import build_model, generate, save_pretrained
+from lmforge.models.lora import apply_lora, save_final as save_lora_final
 from lmforge.models.transformer import Transformer
 from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
@@ -170,10 +171,11 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
             model.load_state_dict(source.state_dict(), strict=True)
             del source
             log(f"weights: starting from {cfg.custom_weights_path} (fresh optimizer and LR schedule)")
+        apply_lora(model, cfg.lora, log=log)  # [lora] frozen base + adapters; no-op without `lora:`
     if sharded:  # meta-device model, sharded, then each rank's shards filled from rank 0's init
         full = model.state_dict() if model is not None else None
         with torch.device("meta"):
-            model = Transformer(cfg.model)
+            model = apply_lora(Transformer(cfg.model), cfg.lora)  # [lora] same modules as rank 0's
         train_model = parallelize(model, cfg.compute, dist, precision=plan.precision)
         materialize(model, device, full)
         del full
@@ -406,10 +408,12 @@ def _export(model, cfg: RunConfig, dist: DistInfo, final_dir: str, tokenizer_dir
         full = full_state_dict(model)
         if not dist.is_main:
             return None
-        model = build_model(cfg.model, device="cpu", init=False)
+        model = apply_lora(build_model(cfg.model, device="cpu", init=False), cfg.lora)  # [lora]
         model.load_state_dict(full)
     elif not dist.is_main:
         return None
+    if cfg.lora:  # [lora] final/ = merged weights, final/adapter = PEFT adapter
+        return save_lora_final(model, cfg, final_dir, tokenizer_dir)
     save_pretrained(model, cfg.model, final_dir, tokenizer_dir=tokenizer_dir)
     return final_dir
 
