@@ -73,7 +73,8 @@ class ModelConfig(BaseModel):
     init_std: float = Field(0.02, gt=0, description="std of the normal init of weight matrices")
     # Block features of published families (see lmforge/models/families.py); off = plain Llama.
     family: Family | None = Field(
-        None, description="Hugging Face architecture for import/export; default llama (dense) or mixtral (MoE)")
+        None, description="Hugging Face architecture for import/export; default: the family whose features match "
+        "(llama for a plain dense model, mixtral for MoE)")
     qkv_bias: bool = Field(False, description="biases on the q/k/v projections (Qwen2)")
     qk_norm: Literal["none", "head", "full"] = Field(
         "none", description="RMSNorm on q and k before RoPE: per head (Qwen3) or over all heads (OLMo 2)")

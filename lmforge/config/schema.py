@@ -175,7 +175,8 @@ class RunConfig(_Strict):
     name: str | None = Field(None, description="run name; default: the config file's name, else model + timestamp")
     model: ModelConfig = Field(..., description="preset name, {preset: ..., overrides}, or a full shape")
     tokenizer: str | TokenizerSpec | None = Field(
-        None, description="tokenizer folder, or {train: {vocab_size: N}}; default: the one the data was prepared with")
+        None, description="tokenizer folder, {train: {vocab_size: N}} to train one, or {extend: {vocab_size: N}} to grow "
+        "the custom_weights_path model's; default: the one the data was prepared with")
     train_data: list[DatasetEntry] = Field(..., description="path/URI, list, or {name: {path, proportion}} mix")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation while training")
     save_folder: str | None = Field(None, description="checkpoints, metrics, exports; default runs/<name>")

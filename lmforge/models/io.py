@@ -21,7 +21,8 @@ CONFIG_FILE = "lmforge-model.json"
 WEIGHTS_FILE = "model.safetensors"
 # What a tokenizer folder may hold; copied so the saved folder is self-contained.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "generation_config.json", "lmforge-tokenizer.json")
+                   "merges.txt", "tokenizer.model", "generation_config.json", "lmforge-tokenizer.json",
+                   "chat_template.jinja")
 
 
 def _state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

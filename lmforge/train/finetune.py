@@ -129,19 +129,24 @@ def sft_setup(cfg: RunConfig, dist, log=print):
     if cfg.model.vocab_size is not None:
         check_tokenizer_fits(tokenizer, cfg.model, "tokenizer")
     cfg = vocab_for(cfg, tokenizer.vocab_size)
+    from lmforge.data.chat import load_chat_template
+
+    template = load_chat_template(tokenizer.path)  # the tokenizer's own, else None → ours
     updates = {k: v for k, v in SFT_SAMPLING.items() if k not in cfg.eval.model_fields_set}
     if cfg.task_type == "chat_completion":
-        updates["prompts"] = [p if ASSISTANT_HEADER in p else chat_prompt(p) for p in cfg.eval.prompts]
+        updates["prompts"] = [template.generation_prompt(p, tokenizer) if template else
+                              p if ASSISTANT_HEADER in p else chat_prompt(p) for p in cfg.eval.prompts]
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update=updates)})
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     if seq_len > cfg.model.max_seq_len:  # as in pretraining: RoPE tables are derived, not stored
         cfg.model.max_seq_len = seq_len
     rows = load_rows([d.path for d in cfg.train_data], tokenizer, seq_len, task=cfg.task_type,
-                     packing=cfg.sft.packing, seed=cfg.parameters.seed)
+                     packing=cfg.sft.packing, seed=cfg.parameters.seed, template=template)
     eval_rows = None
     if cfg.eval.data_path:
         eval_rows = load_rows([cfg.eval.data_path], tokenizer, seq_len, task=cfg.task_type,
-                              packing=cfg.sft.packing, seed=cfg.parameters.seed)
+                              packing=cfg.sft.packing, seed=cfg.parameters.seed, template=template)
+    log(f"chat template: {'the tokenizer’s own' if template else 'lmforge’s plain one (the tokenizer has none)'}")
     log(f"data: {rows.examples} examples in {len(rows)} rows of {seq_len} tokens"
         f"{' (packed)' if cfg.sft.packing else ''}"
         + (f"; {rows.truncated} cut at the context length" if rows.truncated else "")
@@ -154,12 +159,15 @@ def sft_setup(cfg: RunConfig, dist, log=print):
 
 
 def write_chat_template(folder: str) -> None:
-    """Store the chat template with the exported tokenizer (transformers' apply_chat_template)."""
+    """Store our chat template with the exported tokenizer (transformers' apply_chat_template),
+    unless the tokenizer came with its own (then that one was used, and it stays)."""
     path = os.path.join(folder, "tokenizer_config.json")
-    if not os.path.isfile(path):
+    if not os.path.isfile(path) or os.path.isfile(os.path.join(folder, "chat_template.jinja")):
         return
     with open(path) as f:
         config = json.load(f)
+    if config.get("chat_template"):
+        return
     config["chat_template"] = CHAT_TEMPLATE
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
