@@ -83,6 +83,8 @@ def _key(obj) -> str:
 
 def resolve_tokenizer(cfg: RunConfig, log=print) -> str:
     spec = cfg.tokenizer
+    if isinstance(spec, TokenizerSpec) and spec.extend is not None:
+        return _extended_tokenizer(cfg, log)
     if isinstance(spec, TokenizerSpec):
         raw = [d for d in cfg.train_data if not is_prepared(d.path)]
         if not raw:
@@ -111,6 +113,36 @@ def resolve_tokenizer(cfg: RunConfig, log=print) -> str:
             if tok and os.path.exists(tok):
                 return tok
     raise UserError("tokenizer: required (a tokenizer folder, or {train: {vocab_size: N}} to train one)")
+
+
+def _extended_tokenizer(cfg: RunConfig, log=print) -> str:
+    """`tokenizer: {extend: …}`: the weights' tokenizer plus merges learned on the raw train_data
+    (`vocab_extension`), made once into ``cache/tokenizers/<key>``."""
+    from lmforge.data.vocab_extension import extend_tokenizer
+
+    spec = cfg.tokenizer.extend
+    base = spec.base
+    if base is None:
+        from lmforge.models.locate import locate
+
+        base = locate(cfg.custom_weights_path).tokenizer_dir
+        if base is None:
+            raise UserError(f"tokenizer.extend: {cfg.custom_weights_path} holds no tokenizer.json; "
+                            "set tokenizer.extend.base to the tokenizer folder to extend")
+    raw = [d for d in cfg.train_data if not is_prepared(d.path)]
+    if not raw:
+        raise UserError("tokenizer.extend: needs raw text in train_data to learn new merges from, but every "
+                        "train_data entry is an already prepared dataset")
+    inputs = [d.path for d in raw]
+    key = _key({"inputs": _fingerprint(inputs), "base": load_tokenizer(base).fingerprint,
+                "extend": spec.vocab_size, "fields": [d.text_field for d in raw]})
+    out = os.path.join(cache_dir("tokenizers"), key)
+    if os.path.exists(os.path.join(out, "tokenizer.json")):
+        log(f"tokenizer: reusing {out}")
+        return out
+    log(f"tokenizer: extending {base} to {spec.vocab_size} tokens with merges learned on {', '.join(inputs)} → {out}")
+    extend_tokenizer(base, inputs, spec.vocab_size, out, text_field=raw[0].text_field)
+    return out
 
 
 def _prepare_cached(inputs: list[str], tokenizer_path: str, seq_len: int, eval_fraction: float,

@@ -31,6 +31,8 @@ from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.models import build_model, generate, save_pretrained
 from lmforge.models.lora import apply_lora, save_final as save_lora_final
+from lmforge.models.resize import extend_embeddings
+from lmforge.data.vocab_extension import grown_vocab, read_extension
 from lmforge.models.transformer import Transformer
 from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
@@ -102,6 +104,7 @@ def setup(cfg: RunConfig, dist: DistInfo, log=print):
     if dist.is_main:
         barrier()
     tokenizer = load_tokenizer(data.tokenizer_path)
+    cfg = grown_vocab(cfg, tokenizer.vocab_size)  # [vocab-extension] no-op without tokenizer.extend
     cfg = vocab_for(cfg, tokenizer.vocab_size)
     lengths = [d.seq_len for d in data.train]
     data_seq_len = min(lengths) if all(lengths) else None
@@ -164,11 +167,15 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
             from lmforge.models.locate import load_model
 
             source, _, _ = load_model(cfg.custom_weights_path, device=model.output_weight.device)
-            if source.state_dict().keys() != model.state_dict().keys() or any(
-                    v.shape != model.state_dict()[k].shape for k, v in source.state_dict().items()):
+            weights = source.state_dict()
+            extension = read_extension(data.tokenizer_path)  # [vocab-extension] new rows from their pieces
+            if extension:
+                weights = extend_embeddings(weights, extension, cfg.model.vocab_size)
+            if weights.keys() != model.state_dict().keys() or any(
+                    v.shape != model.state_dict()[k].shape for k, v in weights.items()):
                 raise UserError(f"custom_weights_path: {cfg.custom_weights_path} holds a different model shape "
                                 "than `model` in the config (leave `model` out to take the weights' own)")
-            model.load_state_dict(source.state_dict(), strict=True)
+            model.load_state_dict(weights, strict=True)
             del source
             log(f"weights: starting from {cfg.custom_weights_path} (fresh optimizer and LR schedule)")
         apply_lora(model, cfg.lora, log=log)  # [lora] frozen base + adapters; no-op without `lora:`
