@@ -114,3 +114,37 @@ def test_unsupported_family_names_the_supported_ones():
     with pytest.raises(UserError, match="model_type 'gemma2' is not supported; supported: llama, mistral, qwen2, "
                                         "qwen3, olmo2, mixtral"):
         from_hf_config(transformers.Gemma2Config())
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_continued_pretraining_from_each_family(family, tmp_path, tiny_data):
+    """hf:/path import → a few steps of continued pretraining (in-process) → export back to the
+    same architecture, which transformers loads with the same logits as our final model."""
+    import shutil
+
+    from conftest import tiny_run_config
+    from lmforge.config.load import build_config
+    from lmforge.models.export import export
+    from lmforge.models.locate import load_model
+    from lmforge.train.finetune import fill_from_weights
+    from lmforge.train.trainer import train
+
+    hf = hf_model(family, vocab_size=512)
+    hf.save_pretrained(tmp_path / "hf")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tiny_data.tokenizer / f, tmp_path / "hf" / f)
+    raw = tiny_run_config(tiny_data, tmp_path / "cpt", training_duration="2ba", save_interval="2ba",
+                          custom_weights_path=f"hf:{tmp_path / 'hf'}", task_type="continued_pretrain",
+                          **{"eval.prompts": [], "eval.interval": "2ba"})
+    del raw["model"], raw["tokenizer"]  # both from the weights folder
+    result = train(build_config(fill_from_weights(raw)), log=lambda *_: None)
+    trained, cfg, _ = load_model(result.final_dir)
+    assert cfg.family == family
+    assert not torch.equal(trained.tok_embeddings.weight, from_hf_state_dict(hf.state_dict(), cfg)[
+        "tok_embeddings.weight"])  # it trained
+    export(result.final_dir, str(tmp_path / "out"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert type(back).__name__ == type(hf).__name__
+    x = IDS * 5 % 512
+    with torch.no_grad():
+        assert max_diff(back(x).logits, trained.eval()(x)) <= TOL
