@@ -151,16 +151,18 @@ class Block(nn.Module):
             self.mlp = MLP(cfg.d_model, cfg.ffn_dim)
 
     def forward(self, x, cos, sin, cache=None, start_pos: int = 0, attn_mask=None):
-        if self.post_norm:
+        if self.post_norm:  # normalize what each sublayer writes into the residual stream
             x = x + self.attn_norm(self.attn(x, cos, sin, cache, start_pos, attn_mask))
-        else:
-            x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, attn_mask)
-        h = self.mlp(x if self.post_norm else self.mlp_norm(x))
-        if isinstance(h, tuple):
-            h, aux = h
-        else:
-            aux = {}
-        return x + (self.mlp_norm(h) if self.post_norm else h), aux
+            h, aux = _with_aux(self.mlp(x))
+            return x + self.mlp_norm(h), aux
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, attn_mask)
+        h, aux = _with_aux(self.mlp(self.mlp_norm(x)))
+        return x + h, aux
+
+
+def _with_aux(out) -> tuple[torch.Tensor, dict]:
+    """An MLP's output and its statistics: MoE layers return (h, aux), dense ones just h."""
+    return out if isinstance(out, tuple) else (out, {})
 
 
 class Transformer(nn.Module):
