@@ -107,10 +107,9 @@ def test_roles_the_template_does_not_know(tmp_path, tiny_data):
 def test_sft_run_keeps_the_tokenizers_template(tmp_path, tiny_data):
     """A chat SFT run (in-process) on a model whose tokenizer has a Qwen-style template: rows and
     eval prompts use it, and the final model keeps it."""
-    from lmforge.config.load import build_config
     from lmforge.config.model import ModelConfig
     from lmforge.models import build_model, save_pretrained
-    from lmforge.train.finetune import fill_from_weights, finetune
+    from train_helpers import train_in_process
 
     tok_dir = write_tokenizer(tiny_data.tokenizer, tmp_path / "tok", "qwen")
     cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=128, vocab_size=576)
@@ -122,7 +121,7 @@ def test_sft_run_keeps_the_tokenizers_template(tmp_path, tiny_data):
            "training_duration": "2ba", "save_folder": str(tmp_path / "run"),
            "parameters": {"global_batch_size": 2, "micro_batch_size": 2, "context_length": 128},
            "eval": {"prompts": ["Sum?"], "max_new_tokens": 2}, "experiment_tracker": {"mlflow": None}}
-    result = finetune(build_config(fill_from_weights(raw)), log=lines.append)
+    result = train_in_process(raw, log=lines.append)
     assert "chat template: the tokenizer’s own" in lines
     assert result.generations[0].startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
                                             "<|im_start|>user\nSum?<|im_end|>\n<|im_start|>assistant\n")

@@ -123,11 +123,9 @@ def test_continued_pretraining_from_each_family(family, tmp_path, tiny_data):
     import shutil
 
     from conftest import tiny_run_config
-    from lmforge.config.load import build_config
-    from lmforge.models.export import export
-    from lmforge.models.locate import load_model
-    from lmforge.train.finetune import fill_from_weights
-    from lmforge.train.trainer import train
+    from lmforge.train.export import export
+    from lmforge.train.locate import load_model
+    from train_helpers import train_in_process
 
     hf = hf_model(family, vocab_size=512)
     hf.save_pretrained(tmp_path / "hf")
@@ -137,7 +135,7 @@ def test_continued_pretraining_from_each_family(family, tmp_path, tiny_data):
                           custom_weights_path=f"hf:{tmp_path / 'hf'}", task_type="continued_pretrain",
                           **{"eval.prompts": [], "eval.interval": "2ba"})
     del raw["model"], raw["tokenizer"]  # both from the weights folder
-    result = train(build_config(fill_from_weights(raw)), log=lambda *_: None)
+    result = train_in_process(raw)
     trained, cfg, _ = load_model(result.final_dir)
     assert cfg.family == family
     assert not torch.equal(trained.tok_embeddings.weight, from_hf_state_dict(hf.state_dict(), cfg)[

@@ -18,7 +18,7 @@ from lmforge.config.schema import LoRAConfig
 from lmforge.errors import UserError
 from lmforge.models import build_model, save_hf
 from lmforge.models.lora import LoRALinear, apply_lora, merge_lora, trainable_counts
-from train_helpers import final_weights, lmforge, train_losses, write_config
+from train_helpers import final_weights, lmforge, train_in_process, train_losses, write_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,13 +66,12 @@ def hf_base(tmp_path_factory, tiny_data):
     """The frozen base: a small Llama pretrained for a few steps (in-process), exported to
     Hugging Face format with its tokenizer."""
     from conftest import tiny_run_config
-    from lmforge.models.export import export
-    from lmforge.train.trainer import train
+    from lmforge.train.export import export
 
     root = tmp_path_factory.mktemp("lora-base")
     raw = tiny_run_config(tiny_data, root / "pre", training_duration="24ba", save_interval="24ba",
                           **{"model.max_seq_len": 128, "eval.prompts": [], "eval.interval": "24ba"})
-    train(build_config(raw), log=lambda *_: None)
+    train_in_process(raw)
     export(str(root / "pre"), str(root / "hf"))
     return root / "hf"
 
@@ -89,20 +88,14 @@ def lora_config(tmp_path, base, name="lora", **extra):
     return cfg
 
 
-def run_in_process(raw: dict):
-    from lmforge.train.finetune import fill_from_weights, finetune
-
-    return finetune(build_config(fill_from_weights(raw)), log=lambda *_: None)
-
-
 def test_lora_run_learns_resumes_and_exports_for_peft(tmp_path, hf_base):
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
 
-    from lmforge.models.export import export
+    from lmforge.train.export import export
 
     raw = lora_config(tmp_path, hf_base)
-    result = run_in_process(raw)
+    train_in_process(raw)
     folder = tmp_path / "lora"
     losses = train_losses(folder)
     # a small, barely pretrained base with its embeddings frozen learns slowly, but it learns
@@ -124,7 +117,7 @@ def test_lora_run_learns_resumes_and_exports_for_peft(tmp_path, hf_base):
     export(str(last_ckpt), str(adapter_from_ckpt), fmt="peft")
     shutil.rmtree(last_ckpt)
     shutil.rmtree(final)
-    again = run_in_process(raw)
+    again = train_in_process(raw)
     assert again.status == "completed" and middle.is_dir()
     resumed = load_file(final / "model.safetensors")
     assert all(torch.equal(merged[k], resumed[k]) for k in merged)
@@ -146,33 +139,40 @@ def test_lora_run_learns_resumes_and_exports_for_peft(tmp_path, hf_base):
 
 
 @pytest.mark.slow
-def test_lora_under_fsdp_matches_one_process(tmp_path, hf_base, tiny_data):
-    """Continued pretraining with adapters on two gloo ranks with FSDP2 (adapters and frozen
-    base sharded alike, sharded meta-device init, gathered export) follows one process."""
+def test_lora_under_fsdp_matches_one_process(tmp_path, hf_base, tiny_data, monkeypatch):
+    """The multi-rank proof, kept small: two steps of continued pretraining with adapters on two
+    gloo ranks with FSDP2 (adapters and frozen base sharded alike, sharded meta-device init,
+    gathered merged export) follow the same two steps in one process."""
     from conftest import tiny_run_config
 
-    from lmforge.train.finetune import fill_from_weights
-    from lmforge.train.trainer import train
+    base = hf_base.parent / "pre" / "final"  # lmforge layout: the ranks need not import transformers
 
     def config(name, **extra):
-        cfg = tiny_run_config(tiny_data, tmp_path / name, training_duration="4ba", save_interval="2ba",
-                              custom_weights_path=f"hf:{hf_base}", lora={"rank": 4, "dropout": 0.0},
-                              **{"parameters.micro_batch_size": 2, "eval.prompts": [], "eval.interval": "4ba"},
-                              **extra)
-        del cfg["model"]
+        cfg = tiny_run_config(tiny_data, tmp_path / name, training_duration="2ba", save_interval="2ba",
+                              custom_weights_path=str(base), lora={"rank": 4, "dropout": 0.0},
+                              **{"eval.prompts": [], "eval.interval": "2ba", "eval.max_batches": 1}, **extra)
+        del cfg["model"], cfg["tokenizer"]  # both from the weights folder
         return cfg
 
-    train(build_config(fill_from_weights(config("single"))), log=lambda *_: None)  # the reference, in-process
-    fsdp = write_config(tmp_path / "fsdp.yaml", config("fsdp", **{"compute.ranks": 2, "compute.data_parallel": "fsdp"}))
-    lmforge("train", "-f", fsdp, check=True)
+    train_in_process(config("single"))  # the reference
+    monkeypatch.setenv("LMFORGE_NO_SUPERVISOR", "1")  # torchrun's two ranks only, no supervising parent
+    lmforge("train", "-f", write_config(tmp_path / "fsdp.yaml", config(
+        "fsdp", **{"compute.ranks": 2, "compute.data_parallel": "fsdp"})), check=True)
     a, b = train_losses(tmp_path / "single"), train_losses(tmp_path / "fsdp")
-    assert sorted(b) == [1, 2, 3, 4] and a[4] != a[1]
+    assert sorted(b) == [1, 2] and a[2] != a[1]
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-4), step
     wa, wb = final_weights(tmp_path / "single"), final_weights(tmp_path / "fsdp")
+    assert not torch.equal(wa["blocks.0.attn.wq.weight"], load_file_of(base)["blocks.0.attn.wq.weight"])
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)
     assert (tmp_path / "fsdp" / "final" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def load_file_of(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
 
 
 @pytest.mark.parametrize("change,needles", [

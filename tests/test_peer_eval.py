@@ -26,7 +26,7 @@ def test_lm_eval_agrees_with_lmforge_loglikelihoods(tmp_path, tiny_data, monkeyp
     from lmforge.data.tokenizer import load_tokenizer
     from lmforge.eval.icl import load_tasks, score_task
     from lmforge.models import build_model, save_pretrained
-    from lmforge.models.export import export
+    from lmforge.train.export import export
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

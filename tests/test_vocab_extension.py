@@ -74,13 +74,11 @@ def test_new_rows_are_the_mean_of_their_pieces():
 
 def test_continued_pretraining_with_extended_vocabulary(tmp_path, tiny_data, corpus):
     """In-process CPT with tokenizer.extend, then the HF export of model and tokenizer."""
-    from lmforge.config.load import build_config
     from lmforge.config.model import ModelConfig
     from lmforge.models import build_model, save_pretrained
-    from lmforge.models.export import export
-    from lmforge.models.locate import load_model
-    from lmforge.train.finetune import fill_from_weights
-    from lmforge.train.trainer import train
+    from lmforge.train.export import export
+    from lmforge.train.locate import load_model
+    from train_helpers import train_in_process
 
     cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=64, vocab_size=512)
     torch.manual_seed(0)
@@ -93,7 +91,7 @@ def test_continued_pretraining_with_extended_vocabulary(tmp_path, tiny_data, cor
                           "learning_rate": 1e-9},  # ~no update: the new rows stay at their initial value
            "eval": {"prompts": [], "holdout_fraction": 0.05}, "experiment_tracker": {"mlflow": None}}
     lines = []
-    result = train(build_config(fill_from_weights(raw)), log=lines.append)
+    result = train_in_process(raw, log=lines.append)
     assert any("extending" in line and "600 tokens" in line for line in lines)
     trained, tcfg, _ = load_model(result.final_dir)
     assert tcfg.vocab_size == 640  # 600 rounded up to a multiple of 64

@@ -9,9 +9,7 @@ their parameters and FLOPs.
 from __future__ import annotations
 
 import difflib
-from typing import Any
-
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -46,6 +44,14 @@ class RopeScaling(BaseModel):
         if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError("rope_scaling: high_freq_factor must be larger than low_freq_factor")
         return self
+
+
+VOCAB_MULTIPLE = 64  # embedding and head matmuls run faster on multiples of 64
+
+
+def padded_vocab(tokenizer_vocab: int) -> int:
+    """The model vocabulary for a tokenizer's: rounded up to a multiple of 64."""
+    return VOCAB_MULTIPLE * -(-tokenizer_vocab // VOCAB_MULTIPLE)
 
 
 class ModelConfig(BaseModel):

@@ -38,6 +38,11 @@ class TokenizerChatTemplate:
         self.hf = hf_tokenizer
         self.source = source
 
+    @property
+    def text(self):
+        """The Jinja template itself (a str, or a name → template dict), as the export writes it back."""
+        return self.hf.chat_template
+
     def render(self, messages: list[dict], *, add_generation_prompt: bool = False, where: str = "") -> str:
         try:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

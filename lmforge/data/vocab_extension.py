@@ -131,13 +131,14 @@ def extend_tokenizer(base_dir: str, inputs: list[str], vocab_size: int, out_dir:
 
 def grown_vocab(cfg, tokenizer_vocab: int):
     """With `tokenizer: {extend: …}`, the model's vocabulary (taken from the weights) grows to the
-    extended tokenizer's, rounded up to a multiple of 64; otherwise `cfg` is returned as is."""
+    extended tokenizer's, rounded up (`padded_vocab`); otherwise `cfg` is returned as is."""
+    from lmforge.config.model import padded_vocab
     from lmforge.config.schema import TokenizerSpec
 
     spec = cfg.tokenizer
     if not (isinstance(spec, TokenizerSpec) and spec.extend) or cfg.model.vocab_size is None:
         return cfg
-    v = max(cfg.model.vocab_size, 64 * -(-tokenizer_vocab // 64))
+    v = max(cfg.model.vocab_size, padded_vocab(tokenizer_vocab))
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": v})})
 
 

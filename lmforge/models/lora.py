@@ -169,17 +169,34 @@ def trainable_counts(model: nn.Module) -> tuple[int, int]:
     return trainable, sum(p.numel() for p in model.parameters())
 
 
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's weights with every adapter folded in, as contiguous CPU tensors; the
+    model itself is left as it is (a trainer can go on using it, and the device holds no
+    merged copy)."""
+    adapted = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith((".lora_A", ".lora_B")):
+            continue
+        t = t.detach().to("cpu")
+        if name in adapted:
+            m = adapted[name]
+            t = t + m.scale * (m.lora_B.detach().to("cpu") @ m.lora_A.detach().to("cpu")).to(t.dtype)
+        out[name] = t.contiguous()
+    return out
+
+
 def save_final(model: nn.Module, cfg, final_dir: str, tokenizer_dir: str | None) -> str:
     """A LoRA run's final export: `final/` holds the merged model (so generate, export and later
-    stages use it like any other) and `final/adapter/` the PEFT adapter. Merges in place."""
+    stages use it like any other) and `final/adapter/` the PEFT adapter."""
     from lmforge.models.io import save_pretrained
 
-    adapter = adapter_tensors(model)  # read before merging
-    merge_lora(model)
-    save_pretrained(model, cfg.model, final_dir, tokenizer_dir=tokenizer_dir)
-    write_peft_adapter(adapter, cfg.lora, Path(final_dir) / "adapter", base_model_reference(cfg.custom_weights_path))
+    save_pretrained(None, cfg.model, final_dir, tokenizer_dir=tokenizer_dir, weights=merged_state_dict(model))
+    write_peft_adapter(adapter_tensors(model), cfg.lora, Path(final_dir) / "adapter",
+                       base_model_reference(cfg.custom_weights_path))
     return final_dir
 
 
-__all__ = ["LORA_TARGETS", "LoRALinear", "adapter_tensors", "apply_lora", "merge_lora", "save_final",
-           "trainable_counts", "write_peft_adapter"]
+__all__ = ["LORA_TARGETS", "LoRALinear", "adapter_tensors", "apply_lora", "merge_lora", "merged_state_dict",
+           "save_final", "trainable_counts", "write_peft_adapter"]
