@@ -26,9 +26,11 @@ IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 64, 1, 0, 77, 23, 50]])
 
 
 def test_trainable_share_on_llama_tiny_and_exact_start():
-    """The shipped example's adapters train < 2% of llama-tiny (as the quickstart builds it,
-    8192-token vocabulary); at initialization the adapted model computes the base model."""
-    lora = LoRAConfig(**read_yaml(str(REPO / "examples" / "lora.yaml"))["lora"])
+    """The default adapters (the shipped example's too) train < 2% of llama-tiny (as the
+    quickstart builds it, 8192-token vocabulary); at initialization the adapted model computes
+    the base model."""
+    lora = LoRAConfig()
+    assert LoRAConfig(**read_yaml(str(REPO / "examples" / "lora.yaml"))["lora"]) == lora
     cfg = get_preset("llama-tiny").model_copy(update={"vocab_size": 8192})
     torch.manual_seed(0)
     model = build_model(cfg).eval()
@@ -57,7 +59,7 @@ def test_moe_mlp_targets_match_nothing():
     model = build_model(cfg)
     with pytest.raises(UserError, match="lora.targets: gate_proj matches no module of this model"):
         apply_lora(model, LoRAConfig(targets=["q_proj", "gate_proj"]))
-    apply_lora(model, LoRAConfig(targets=["q_proj", "v_proj"]))  # attention is fine
+    apply_lora(model, LoRAConfig(rank=8, targets=["q_proj", "v_proj"]))  # attention is fine
     assert trainable_counts(model)[0] == 2 * (8 * 64 + 8 * 64 + 8 * 64 + 8 * 64)
 
 
