@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from lmforge.config.schema import RunConfig
 from lmforge.data.pipeline import ResolvedData, resolve_data
-from lmforge.data.stream import DatasetSpec, TokenStream
+from lmforge.data.stream import DatasetSpec, StreamPhase, TokenStream
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.distributed.dist import (DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object, destroy,
                                       init_distributed)
@@ -81,10 +81,15 @@ def _stream(data: ResolvedData, plan: TrainPlan, dist: DistInfo, cfg: RunConfig,
             datasets=None, micro_batch=None, global_batch=None) -> TokenStream:
     specs = [DatasetSpec(d.name, d.path, d.proportion) for d in (datasets or data.train)]
     mb = micro_batch or plan.micro_batch
+    phases = None
+    if cfg.curriculum and split == "train" and datasets is None:  # phase ends on optimizer-step boundaries
+        ends = [s * plan.global_batch for s in plan.phase_steps] + [None]
+        phases = [StreamPhase(end, ph.mix) for end, ph in zip(ends, cfg.curriculum)]
     return TokenStream(specs, seq_len=plan.context_length, micro_batch_size=mb,
                        global_batch_size=global_batch or plan.global_batch, rank=dist.rank,
                        world_size=dist.world_size, seed=cfg.parameters.seed,
-                       num_workers=cfg.compute.num_workers if split == "train" else 0, split=split)
+                       num_workers=cfg.compute.num_workers if split == "train" else 0, split=split,
+                       phases=phases)
 
 
 def setup(cfg: RunConfig, dist: DistInfo, log=print):
@@ -265,7 +270,11 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
         t_log, tok_log = t_start, tokens
         train_model.train()
         norm_tokens = plan.micro_batch * (plan.context_length - 1) * plan.grad_accum
+        phase = None
         while not _done(plan, step, elapsed_before + time.monotonic() - t_start):
+            if cfg.curriculum and stream.current_phase() != phase:  # [data-curation] curriculum log line
+                phase = stream.current_phase()
+                log(f"data: {stream.describe_phase(phase)} from step {step}")
             lr = plan.learning_rate * lr_factor(
                 step, warmup_steps=plan.warmup_steps, total_steps=plan.total_steps or 0,
                 schedule=p.schedule, min_ratio=p.min_lr_ratio,
@@ -321,6 +330,7 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
                            "throughput/tokens_per_s": tps,
                            "throughput/tokens_per_s_per_device": tps / dist.world_size,
                            "throughput/mfu": mfu(tps, plan.flops_per_token, dist.world_size, peak)}
+                metrics |= getattr(stream, "metrics", dict)()  # [data-curation] curriculum phase and mix
                 if device.type == "cuda":
                     metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
                 if aux_log:
