@@ -115,7 +115,8 @@ class FiltersConfig(_Strict):
 
 
 class DecontaminateConfig(_Strict):
-    tasks: str | None = Field(None, description="ICL tasks YAML or 'default'; default: the run's eval.icl_tasks")
+    tasks: str | list[dict] | None = Field(
+        None, description="ICL tasks YAML, 'default', or a list of tasks; default: the run's eval.icl_tasks")
     data_root: str | None = Field(None, description="folder the tasks' relative dataset paths resolve against; "
                                   "default: the run's eval.data_root")
     ngram: int = Field(13, ge=4, le=64, description="words in a shared n-gram that marks a document contaminated")

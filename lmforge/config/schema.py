@@ -288,6 +288,10 @@ class RunConfig(_Strict):
         for i, entry in enumerate(self.train_data):
             if entry.name is None:
                 entry.name = f"d{i}"
+            cur = entry.curate
+            if cur and cur.decontaminate and not cur.decontaminate.tasks and not self.eval.icl_tasks:
+                raise ValueError(f"train_data.{entry.name}.curate.decontaminate: no ICL tasks to decontaminate "
+                                 "against; set eval.icl_tasks or curate.decontaminate.tasks")
         if self.curriculum:
             self._check_curriculum()
         return self

@@ -14,6 +14,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from lmforge.config.curation import CurateConfig
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.data import remote
 from lmforge.data.prepare import MARKER
@@ -114,17 +115,40 @@ def resolve_tokenizer(cfg: RunConfig, log=print) -> str:
 
 
 def _prepare_cached(inputs: list[str], tokenizer_path: str, seq_len: int, eval_fraction: float,
-                    text_field: str, log=print) -> str:
+                    text_field: str, log=print, curate: CurateConfig | None = None) -> str:
     from lmforge.data.prepare import prepare
 
-    key = _key({"inputs": _fingerprint(inputs), "tok": load_tokenizer(tokenizer_path).fingerprint,
-                "seq": seq_len, "eval": eval_fraction, "field": text_field})
-    out = os.path.join(cache_dir("data"), key)
+    ident = {"inputs": _fingerprint(inputs), "tok": load_tokenizer(tokenizer_path).fingerprint,
+             "seq": seq_len, "eval": eval_fraction, "field": text_field}
+    if curate is not None and curate.active:  # curation settings are part of the key (absent: keys as before)
+        ident["curate"] = curate.model_dump(mode="json")
+    else:
+        curate = None
+    out = os.path.join(cache_dir("data"), _key(ident))
     if not os.path.exists(os.path.join(out, SUMMARY_FILE)):
-        log(f"data: preparing {', '.join(inputs)} (seq {seq_len}, {eval_fraction:.1%} held out) → {out}")
-    prepare(inputs, tokenizer_path, out, seq_len, eval_fraction=eval_fraction, workers=min(4, os.cpu_count() or 1),
-            text_field=text_field, progress=None)
+        log(f"data: preparing {', '.join(inputs)} (seq {seq_len}, {eval_fraction:.1%} held out"
+            f"{', curated' if curate else ''}) → {out}")
+    # overwrite: the folder is ours, keyed by the settings; a stale one (e.g. eval task files edited
+    # under the same path, which changes the decontamination index) is rebuilt.
+    summary = prepare(inputs, tokenizer_path, out, seq_len, eval_fraction=eval_fraction,
+                      workers=min(4, os.cpu_count() or 1), text_field=text_field, progress=None, curate=curate,
+                      overwrite=True)
+    if curate is not None and not summary.get("already_prepared"):
+        c = summary["curation"]
+        log(f"data: curation kept {c['documents_kept']:,} of {c['documents_in']:,} documents"
+            + (f" (removed: {', '.join(f'{k} {v}' for k, v in c['by_reason'].items())})" if c["by_reason"] else "")
+            + (f"; contaminated tasks: {', '.join(f'{k} {v}' for k, v in c['contaminated_tasks'].items())}"
+               if c["contaminated_tasks"] else ""))
     return out
+
+
+def _curation_for(cfg: RunConfig, curate: CurateConfig | None) -> CurateConfig | None:
+    """A dataset's curate settings, with decontamination defaulting to the run's own ICL tasks."""
+    if curate is None or curate.decontaminate is None or curate.decontaminate.tasks:
+        return curate
+    d = curate.decontaminate.model_copy(update={"tasks": cfg.eval.icl_tasks,
+                                                "data_root": curate.decontaminate.data_root or cfg.eval.data_root})
+    return curate.model_copy(update={"decontaminate": d})
 
 
 def resolve_data(cfg: RunConfig, seq_len: int, log=print) -> ResolvedData:
@@ -135,7 +159,8 @@ def resolve_data(cfg: RunConfig, seq_len: int, log=print) -> ResolvedData:
         if is_prepared(d.path):
             path = d.path
         else:
-            path = _prepare_cached([d.path], tokenizer_path, seq_len, cfg.eval.holdout_fraction, d.text_field, log)
+            path = _prepare_cached([d.path], tokenizer_path, seq_len, cfg.eval.holdout_fraction, d.text_field, log,
+                                   curate=_curation_for(cfg, d.curate))
         train.append(ResolvedDataset(d.name, path, d.proportion, _read_summary(path)))
     evals: list[tuple[ResolvedDataset, str]] = []
     if cfg.eval.data_path:
