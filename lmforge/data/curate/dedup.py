@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from lmforge.config.curation import DedupConfig
-from lmforge.data.curate.text import exact_key, ngram_hashes, word_hashes
+from lmforge.data.curate.text import exact_key, ngram_hashes, word_hashes, words
 from lmforge.errors import UserError
 
 _SEED = 1  # datasketch's default permutation seed; fixed so signatures compare across runs
@@ -44,9 +44,9 @@ def _minhash(num_perm: int, hashvalues=None):
                       permutations=_PERMS[num_perm], scheme="affine32")
 
 
-def signature(text: str, cfg: DedupConfig) -> np.ndarray | None:
+def signature(text: str, cfg: DedupConfig, ws: list[bytes] | None = None) -> np.ndarray | None:
     """MinHash signature (uint32[num_perm]) of the document's word shingles; None without words."""
-    shingles = ngram_hashes(word_hashes(text), cfg.ngram, short=True)
+    shingles = ngram_hashes(word_hashes(text, ws), cfg.ngram, short=True)
     if not len(shingles):
         return None
     folded = np.unique((shingles >> np.uint64(32)) ^ (shingles & np.uint64(0xFFFFFFFF)))  # 32-bit inputs
@@ -57,8 +57,11 @@ def signature(text: str, cfg: DedupConfig) -> np.ndarray | None:
 
 def signatures(texts: list[str], cfg: DedupConfig) -> tuple[list[bytes | None], list[np.ndarray | None]]:
     """Per document: the exact key (when exact dedup is on) and the MinHash signature (when near is on)."""
-    keys = [exact_key(t) for t in texts] if cfg.exact else [None] * len(texts)
-    sigs = [signature(t, cfg) for t in texts] if cfg.near else [None] * len(texts)
+    keys, sigs = [], []
+    for t in texts:
+        ws = words(t)
+        keys.append(exact_key(t, ws) if cfg.exact else None)
+        sigs.append(signature(t, cfg, ws) if cfg.near else None)
     return keys, sigs
 
 
@@ -79,7 +82,7 @@ class Deduplicator:
             if first is not None:
                 return "exact", first
         if sig is not None:
-            m = _minhash(self.cfg.num_perm, hashvalues=sig)
+            m = _datasketch().LeanMinHash(seed=_SEED, hashvalues=sig, scheme="affine32")  # no permutations needed
             best, best_j = None, 0.0
             for cand in self.lsh.query(m):
                 j = float(np.mean(self.kept_sigs[cand] == sig))

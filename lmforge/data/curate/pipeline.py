@@ -25,6 +25,14 @@ class _State:
         self.cfg = CurateConfig.model_validate_json(cfg_json) if cfg_json else None
         self.checker = DocChecker(self.cfg, index) if self.cfg else None
         self.encoder = encoder[0](*encoder[1]) if encoder else None
+        if self.cfg and self.cfg.dedup and self.cfg.dedup.near:
+            from lmforge.data.curate.dedup import _minhash
+
+            _minhash(self.cfg.dedup.num_perm)  # import datasketch (~1 s) now, while the parent reads input
+
+    @property
+    def has_stage_b(self) -> bool:
+        return self.encoder is not None or (self.checker is not None and self.checker.active)
 
     def stage_a(self, texts: list[str]):
         return signatures(texts, self.cfg.dedup)
@@ -54,6 +62,10 @@ def _stage_a(texts):
 
 def _stage_b(texts):
     return _STATE.stage_b(texts)
+
+
+def _ready():
+    return True
 
 
 def _ordered(submit, items: Iterable, depth: int) -> Iterator:
@@ -116,11 +128,16 @@ def run(chunks: Iterable[list[str]], curator: Curator | None, *, workers: int = 
                 curator.count_checked(texts, ids, matched)
             yield texts, result
 
+    # Stage B runs only when there is something to do per document (dedup alone ends in the parent).
+    do_b = encoder is not None or (curator is not None and DocChecker(curator.cfg, index).active)
     if workers <= 1:
         state = _State(cfg_json, index, encoder)
         src = numbered(chunks)
         if do_a:
             src = deduped(_ordered(lambda c: _Done(state.stage_a(c[0])), src, 0))
+        if not do_b:
+            yield from ((texts, texts) for texts, ids in src)
+            return
         yield from finish(_ordered(lambda c: _Done(state.stage_b(c[0])), src, 0))
         return
     import multiprocessing
@@ -131,7 +148,12 @@ def run(chunks: Iterable[list[str]], curator: Curator | None, *, workers: int = 
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
                              initargs=(cfg_json, index, encoder, threads)) as pool:
+        for _ in range(workers):  # start the workers (imports, models) while the parent reads the input
+            pool.submit(_ready)
         src = numbered(chunks)
         if do_a:
             src = deduped(_ordered(lambda c: pool.submit(_stage_a, c[0]), src, 2 * workers))
+        if not do_b:
+            yield from ((texts, texts) for texts, ids in src)
+            return
         yield from finish(_ordered(lambda c: pool.submit(_stage_b, c[0]), src, 2 * workers))
