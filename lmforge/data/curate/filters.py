@@ -25,8 +25,6 @@ from lmforge.config.curation import C4Config, FineWebConfig, GopherQualityConfig
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*|[^\w\s]|_+")
 _ALNUM = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
 _ALPHA = re.compile(r"[^\W\d_]")
-_PUNCT = re.compile(r"[^\w\s]")
-_UNDERSCORES = re.compile(r"_+")
 _PARAGRAPHS = re.compile(r"\n{2,}")
 _LINES = re.compile(r"\n+")
 _CITATION = re.compile(r"\[\d*]|\[edit]|\[citation needed]")
@@ -118,10 +116,9 @@ def fineweb(cfg: FineWebConfig) -> Filter:
 
 def gopher_quality(cfg: GopherQualityConfig) -> Filter:
     def run(text: str) -> tuple[str | None, str]:
+        n_words = len(_WORD.findall(text))
         alnum = _ALNUM.findall(text)  # the words that are not punctuation
         n = len(alnum)
-        # All words = those + one per punctuation character + underscore runs (counted without a list).
-        n_words = n + len(text) - len(_PUNCT.sub("", text)) + len(_UNDERSCORES.findall(text))
         if cfg.min_doc_words and n < cfg.min_doc_words:
             return "gopher_quality/short_doc", text
         if cfg.max_doc_words and n > cfg.max_doc_words:
