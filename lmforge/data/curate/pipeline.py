@@ -129,7 +129,7 @@ def run(chunks: Iterable[list[str]], curator: Curator | None, *, workers: int = 
             yield texts, result
 
     # Stage B runs only when there is something to do per document (dedup alone ends in the parent).
-    do_b = encoder is not None or (curator is not None and DocChecker(curator.cfg, index).active)
+    do_b = encoder is not None or (curator is not None and bool(curator.cfg.filters.enabled() or index is not None))
     if workers <= 1:
         state = _State(cfg_json, index, encoder)
         src = numbered(chunks)
