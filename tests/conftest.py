@@ -14,6 +14,18 @@ sys.path.insert(0, str(Path(__file__).parent))  # so test files can `import s3se
 from s3server import S3Server, weed_binary  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: skipped (with the reason shown) on machines without it."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real SeaweedFS S3 server on loopback for the whole session.

@@ -241,7 +241,7 @@ def test_bad_curation_input_is_one_line_and_writes_nothing(corpus, tok, tmp_path
 
 def test_run_config_curation_is_in_the_cache_key(corpus, tok, tasks_yaml, tmp_path):
     from lmforge.config.load import build_config
-    from lmforge.data.pipeline import resolve_data
+    from lmforge.data.resolve import resolve_data
 
     base = {"model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32}, "tokenizer": str(tok),
             "training_duration": "10ba", "eval": {"holdout_fraction": 0.0, "icl_tasks": str(tasks_yaml)}}

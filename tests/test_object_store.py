@@ -28,7 +28,7 @@ def _s3fs(server):
 
 def _staging(home: Path, uri: str) -> Path:
     """The staging folder a run in LMFORGE_HOME=home uses for save_folder uri (computed as lmforge does)."""
-    code = f"from lmforge.train.remote_store import staging_dir; print(staging_dir({uri!r}))"
+    code = f"from lmforge.runs.store import staging_dir; print(staging_dir({uri!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=env(LMFORGE_HOME=str(home)))
     return Path(out.stdout.strip())
@@ -151,12 +151,12 @@ def test_server_stops_mid_upload_then_restarts_or_not(own_server, tmp_path, tiny
     _wait_for(lambda: max((r["step"] for r in metrics(stage)), default=0) >= 10, proc, what="step 10")
     server.stop()
     stopped_at = max(r["step"] for r in metrics(stage))
-    time.sleep(3)
-    during = max(r["step"] for r in metrics(stage))
+    # training does not wait for the store: it passes the next checkpoints while the store is down
+    _wait_for(lambda: max(r["step"] for r in metrics(stage)) >= min(stopped_at + 25, 120), proc,
+              what="training to go on while the store is down")
     own_server.append(S3Server.start(tmp_path / "own-s3", ports=server.ports))
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    assert during > stopped_at or during == 120, (stopped_at, during)  # training did not wait for the store
     assert "retrying" in out  # the outage was seen and retried
     assert _complete_steps(fs, uri[5:])[-1] == 120
     fs.invalidate_cache()

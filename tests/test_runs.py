@@ -72,13 +72,13 @@ def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     cfg_a, folder_a = config(tmp_path, tiny_data, "side-a", training_duration="40ba")
     cfg_b, folder_b = config(tmp_path, tiny_data, "side-b", training_duration="30ba",
                              **{"parameters.learning_rate": 1e-3})
-    t0 = time.time()
     assert detach(cfg_a) == "side-a"
+    assert not sdk.get_run("side-a").is_terminal  # returned once registered, not after training
+    _, seen_a = wait_for("side-a", lambda r: r.status == "RUNNING", what="side-a running")
     assert detach(cfg_b) == "side-b"
-    assert time.time() - t0 < 30  # returns at once, not after training
-    run_a, seen_a = wait_for("side-a", lambda r: r.status == "COMPLETED", what="side-a completed")
+    run_a, seen = wait_for("side-a", lambda r: r.status == "COMPLETED", what="side-a completed")
     run_b, _ = wait_for("side-b", lambda r: r.status == "COMPLETED", what="side-b completed")
-    assert "RUNNING" in seen_a and seen_a.index("RUNNING") < seen_a.index("COMPLETED"), seen_a
+    assert seen_a[-1] == "RUNNING" and seen[-1] == "COMPLETED", (seen_a, seen)
     assert max(train_losses(folder_a)) == 40 and max(train_losses(folder_b)) == 30
     assert train_losses(folder_a)[5] != train_losses(folder_b)[5]  # different learning rates, no mix-up
     for run, folder in ((run_a, folder_a), (run_b, folder_b)):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from lmforge.config.tracking import TrackerConfig
+from lmforge.train.callbacks import Callback, RunInfo
 from lmforge.tracking.base import Tracker, Trackers, flatten_params, warn_disabled
 from lmforge.tracking.console import ConsoleTracker
 from lmforge.tracking.jsonl import JsonlTracker, read_metrics
@@ -23,7 +24,7 @@ from lmforge.tracking.mlflow_tracker import default_tracking_uri, mlflow_ui_comm
 STATE_FILE = "trackers.json"
 
 __all__ = [
-    "ConsoleTracker", "JsonlTracker", "Tracker", "Trackers", "build_trackers",
+    "ConsoleTracker", "JsonlTracker", "Tracker", "Trackers", "TrackingCallback", "build_trackers",
     "default_tracking_uri", "flatten_params", "mlflow_ui_command", "read_metrics",
     "read_state",
 ]
@@ -103,3 +104,30 @@ def build_trackers(cfg: TrackerConfig, *, run_name: str, run_dir: str,
         # Keep entries of backends that are off this time, so turning one back on resumes it.
         _write_state(directory, {**state, **new_state})
     return Trackers(trackers)
+
+
+class TrackingCallback(Callback):
+    """The trainer's metrics and texts, fanned out to the trackers the config asks for.
+
+    The trackers start with the training (`on_start`), so a resumed training continues the
+    MLflow / W&B runs recorded in the save folder.
+    """
+
+    def __init__(self, cfg: TrackerConfig, stream: TextIO | None = None):
+        self.cfg, self.stream = cfg, stream
+        self.trackers = Trackers([])
+
+    def on_start(self, info: RunInfo) -> None:
+        self.trackers = build_trackers(self.cfg, run_name=info.name, run_dir=info.save_folder, resume=info.resumed,
+                                       total_steps=info.total_steps, total_tokens=info.total_tokens,
+                                       stream=self.stream)
+        self.trackers.log_params(info.config | {"plan": info.plan})
+
+    def on_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.trackers.log_metrics(metrics, step)
+
+    def on_text(self, key: str, text: str, step: int) -> None:
+        self.trackers.log_text(key, text, step)
+
+    def on_end(self, status: str, final_dir: str | None) -> None:
+        self.trackers.finish(status)

@@ -15,9 +15,10 @@ import torch
 from lmforge.config.defaults import (bf16_supported, micro_batch_for, default_batch_tokens,
                                      default_learning_rate, default_warmup_steps)
 from lmforge.config.durations import Duration, parse_duration
-from lmforge.config.schema import RunConfig
+from lmforge.config.schema import RunConfig, phase_end
 from lmforge.errors import UserError
 from lmforge.estimate.flops import mfu_flops_per_token, param_counts
+from lmforge.estimate.memory import memory_plan
 
 
 @dataclass
@@ -67,8 +68,6 @@ def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int
 
 def _gpu_micro_batch(cfg: RunConfig, ctx: int, world_size: int, device: torch.device) -> int:
     """Largest micro-batch the memory model says fits on this GPU (activations + sharded states)."""
-    from lmforge.estimate.memory import memory_plan
-
     sharded = cfg.compute.data_parallel in ("fsdp", "hsdp")
     plan = memory_plan(param_counts(cfg.model)["total"], cfg.model, ctx, world_size if sharded else 1,
                        float(torch.cuda.get_device_properties(device).total_memory),
@@ -152,8 +151,6 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
 
 def curriculum_steps(cfg: RunConfig, total: int | None, *, gbs: int, ctx: int) -> list[int]:
     """Each phase's end as an optimizer step (phases change only between steps); the last phase is open."""
-    from lmforge.config.schema import phase_end
-
     ends, prev = [], 0
     for i, phase in enumerate(cfg.curriculum[:-1] if cfg.curriculum[-1].until is None else cfg.curriculum):
         unit, value = phase_end(phase.until)
