@@ -3,8 +3,10 @@ decontamination, accounting in `data prepare`, `data dedup`, `data stats`, datat
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from lmforge.data.curate.curator import Curator, DocChecker
 from lmforge.data.curate.dedup import Deduplicator, signatures
 from lmforge.data.curate.text import exact_key, normalize
 from lmforge.errors import UserError
-from train_helpers import assert_one_line_error, lmforge
+from train_helpers import lmforge
 
 WORDS = ("river stone cloud market garden winter signal harbor lantern meadow copper thunder violet "
          "orchard engine silver candle forest bridge window marble feather canyon velvet anchor").split()
@@ -75,6 +77,7 @@ def test_near_duplicates_are_found_first_kept_and_precise():
 
 # ----------------------------------------------------------------------------- filters vs datatrove
 
+@functools.cache
 def _reference_docs() -> list[str]:
     from lmforge.data.builtin import pydoc_topics, stdlib_files
 
@@ -131,15 +134,16 @@ def test_language_filter_uses_the_shipped_model():
     assert [check.check(t)[0] for t in (en, fr, de)] == [None, None, "language/de"]
 
 
-@pytest.fixture
-def tasks_yaml(tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def tasks_yaml(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("curate-tasks")
     rows = [{"query": "Which gas do green plants absorb from the air during photosynthesis in bright sunlight",
              "choices": ["carbon dioxide", "helium"], "gold": 0},
             {"query": "Short one", "choices": ["a", "b"], "gold": 1}]
-    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "tasks.yaml").write_text(
+    (root / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "tasks.yaml").write_text(
         "icl_tasks:\n- label: science\n  dataset_uri: mc.jsonl\n  icl_task_type: multiple_choice\n  num_fewshot: [0]\n")
-    return tmp_path / "tasks.yaml"
+    return root / "tasks.yaml"
 
 
 def test_decontamination_needs_a_13_word_overlap(tasks_yaml):
@@ -187,11 +191,45 @@ def curation_flags(tasks_yaml):
             "--decontaminate", str(tasks_yaml)]
 
 
-def test_prepare_counts_every_removal_and_is_idempotent(corpus, tok, tasks_yaml, tmp_path):
-    out, removed = tmp_path / "ds", tmp_path / "removed"
+def cli(capsys, *args) -> tuple[int, str, str]:
+    """`lmforge ARGS` in this process (the same entry point; a subprocess would only add seconds of
+    start-up): exit status, stdout, stderr."""
+    from lmforge.cli.main import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line_error(capsys, *args) -> str:
+    code, _, err = cli(capsys, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
+    return lines[0]
+
+
+@dataclass
+class Prepared:
+    args: list
+    summary: dict
+    out: Path
+    removed: Path
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tok, tasks_yaml, tmp_path_factory) -> Prepared:
+    """One curated `lmforge data prepare` (a real subprocess, two worker processes): the tests
+    of accounting, idempotence, `data inspect` and `data stats` all read this one dataset."""
+    root = tmp_path_factory.mktemp("curated")
+    out, removed = root / "ds", root / "removed"
     args = ["data", "prepare", "--input", corpus, "--tokenizer", tok, "--out", out, "--seq-len", 32,
             "--workers", 2, "--json", "--removed-out", removed, *curation_flags(tasks_yaml)]
-    s = json.loads(lmforge(*args, check=True).stdout)
+    return Prepared(args, json.loads(lmforge(*args, check=True).stdout), out, removed)
+
+
+def test_prepare_counts_every_removal_and_is_idempotent(prepared, tasks_yaml, capsys):
+    s, removed = prepared.summary, prepared.removed
     c = s["curation"]
     assert c["documents_in"] == 58 and c["by_reason"] == {
         "c4/curly_bracket": 1, "decontaminate": 1, "dedup/exact": 5, "dedup/near": 10, "language/fr": 1}
@@ -201,21 +239,22 @@ def test_prepare_counts_every_removal_and_is_idempotent(corpus, tok, tasks_yaml,
     near = [json.loads(x) for x in (removed / "dedup-near.jsonl").read_text().splitlines()]
     assert len(near) == 10 and all(r["duplicate_of"] < r["doc"] for r in near)
     # Re-run: nothing to do. Different filters: a different dataset (refused without --overwrite).
-    again = json.loads(lmforge(*args, check=True).stdout)
-    assert again["already_prepared"] and again["curation"]["by_reason"] == c["by_reason"]
-    other = lmforge(*args[:-len(curation_flags(tasks_yaml))], "--dedup", "exact")
-    assert_one_line_error(other, "already holds a different prepared dataset")
+    code, out, _ = cli(capsys, *prepared.args)
+    again = json.loads(out)
+    assert code == 0 and again["already_prepared"] and again["curation"]["by_reason"] == c["by_reason"]
+    other = prepared.args[:-len(curation_flags(tasks_yaml))] + ["--dedup", "exact"]
+    assert "already holds a different prepared dataset" in one_line_error(capsys, *other)
     # The table view names the reasons and the contaminated task.
-    table = lmforge("data", "inspect", out, check=True).stdout
-    assert "dedup/near" in table and "science 1" in table
+    code, table, _ = cli(capsys, "data", "inspect", prepared.out)
+    assert code == 0 and "dedup/near" in table and "science 1" in table
 
 
-def test_dedup_command_same_for_any_worker_count(corpus, tmp_path):
+def test_dedup_command_same_for_any_worker_count(corpus, tmp_path, capsys):
     outs = []
     for w in (1, 2):
-        s = json.loads(lmforge("data", "dedup", "--input", corpus, "--out", tmp_path / f"o{w}", "--workers", w,
-                               "--json", check=True).stdout)
-        assert s["curation"]["by_reason"] == {"dedup/exact": 5, "dedup/near": 10}
+        code, out, _ = cli(capsys, "data", "dedup", "--input", corpus, "--out", tmp_path / f"o{w}", "--workers", w,
+                           "--json")
+        assert code == 0 and json.loads(out)["curation"]["by_reason"] == {"dedup/exact": 5, "dedup/near": 10}
         outs.append((tmp_path / f"o{w}" / "documents.jsonl").read_text())
     assert outs[0] == outs[1] and len(outs[0].splitlines()) == 43
 
@@ -227,15 +266,15 @@ def test_dedup_command_same_for_any_worker_count(corpus, tmp_path):
     (["--curate", "CUR"], "curate.filters.c4.min_sentences: Input should be greater than or equal to 0"),
     (["--curate", "UNKNOWN"], "unknown config key 'curate.filters.perplexity'"),
 ])
-def test_bad_curation_input_is_one_line_and_writes_nothing(corpus, tok, tmp_path, flags, needle):
+def test_bad_curation_input_is_one_line_and_writes_nothing(corpus, tok, tmp_path, capsys, flags, needle):
     (tmp_path / "cur.yaml").write_text("filters:\n  c4: {min_sentences: -1}\n")
     (tmp_path / "unknown.yaml").write_text("filters:\n  perplexity: true\n")
     flags = [str(tmp_path / "cur.yaml") if f == "CUR" else str(tmp_path / "unknown.yaml") if f == "UNKNOWN" else f
              for f in flags]
     out = tmp_path / "ds"
-    proc = lmforge("data", "prepare", "--input", corpus, "--tokenizer", tok, "--out", out, "--seq-len", 32,
-                   "--removed-out", tmp_path / "rm", *flags)
-    assert_one_line_error(proc, needle)
+    err = one_line_error(capsys, "data", "prepare", "--input", corpus, "--tokenizer", tok, "--out", out,
+                         "--seq-len", 32, "--removed-out", tmp_path / "rm", *flags)
+    assert needle in err
     assert not out.exists() and not (tmp_path / "rm").exists()
 
 
@@ -259,25 +298,23 @@ def test_run_config_curation_is_in_the_cache_key(corpus, tok, tasks_yaml, tmp_pa
         build_config({**base, "eval": {}, "train_data": {"web": {"path": "x", "curate": {"decontaminate": True}}}})
 
 
-def test_stats_raw_and_prepared(corpus, tok, tmp_path):
-    s = json.loads(lmforge("data", "stats", corpus, "--tokenizer", tok, "--plot", tmp_path / "s.html", "--json",
-                           check=True).stdout)
-    assert s["documents"] == 58 and s["tokens"] > 0 and s["length_unit"] == "tokens"
+def test_stats_raw_and_prepared(corpus, tok, prepared, tmp_path, capsys):
+    code, out, _ = cli(capsys, "data", "stats", corpus, "--tokenizer", tok, "--plot", tmp_path / "s.html", "--json")
+    s = json.loads(out)
+    assert code == 0 and s["documents"] == 58 and s["tokens"] > 0 and s["length_unit"] == "tokens"
     assert s["duplicates"]["exact_rate"] == pytest.approx(5 / 58, abs=1e-4)
     assert s["duplicates"]["near_rate"] == pytest.approx(15 / 58, abs=1e-4)
     assert list(s["languages"])[0] == "en" and s["languages"]["fr"] == pytest.approx(1 / 58, abs=1e-3)
     assert sum(s["doc_length"]["histogram"]["counts"]) == 58
     assert (tmp_path / "s.html").read_text().startswith("<!doctype html>")
-    from lmforge.data.prepare import prepare
-
-    prepare([str(corpus)], str(tok), str(tmp_path / "ds"), 32, curate={"dedup": True})
-    p = json.loads(lmforge("data", "stats", tmp_path / "ds", "--plot", tmp_path / "p.png", "--json",
-                           check=True).stdout)
-    # 43 kept; the last one ends in the partial sample that packing drops, so 42 end with EOS in the shards.
-    assert p["kind"] == "prepared" and p["documents"] == 42 and p["duplicates"]["exact_rate"] == 0
+    code, out, _ = cli(capsys, "data", "stats", prepared.out, "--plot", tmp_path / "p.png", "--json")
+    p = json.loads(out)
+    # 40 kept; the last one ends in the partial sample that packing drops, so 39 end with EOS in the shards.
+    assert p["kind"] == "prepared" and p["documents"] == 39 and p["duplicates"]["exact_rate"] == 0
+    assert list(p["languages"]) == ["en"]  # the French page was filtered out
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
-    table = lmforge("data", "stats", tmp_path / "ds", check=True).stdout
-    assert "exact-duplicate rate" in table and "languages" in table
+    code, table, _ = cli(capsys, "data", "stats", prepared.out)
+    assert code == 0 and "exact-duplicate rate" in table and "languages" in table
 
 
 def test_datatrove_local_executor_with_several_workers(corpus, tasks_yaml, tmp_path):
