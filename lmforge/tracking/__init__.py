@@ -69,6 +69,13 @@ def build_trackers(cfg: TrackerConfig, *, run_name: str, run_dir: str,
             trackers.append(JsonlTracker(directory, resume=resume))
         except OSError as exc:
             warn_disabled("jsonl", exc)
+        if cfg.report:  # reads what the JSONL tracker wrote, so it comes right after it
+            try:
+                from lmforge.tracking.report import ReportTracker
+
+                trackers.append(ReportTracker(directory, run_name, resume=resume))
+            except Exception as exc:  # noqa: BLE001 - a report never stops a run
+                warn_disabled("report", exc)
 
     new_state: dict = {}
     if cfg.mlflow is not None:

@@ -25,6 +25,13 @@ class Tracker:
     def log_text(self, key: str, text: str, step: int) -> None:
         """Record a text, e.g. the generations of an eval."""
 
+    def log_model(self, final_dir: str) -> None:
+        """Record the exported final model (weights + tokenizer folder), once, at the end of a run.
+
+        A back-end that registers models must not raise: the run has already finished well,
+        so a failure here is its own warning line, never the end of the tracker or the run.
+        """
+
     def finish(self, status: str = "completed") -> None:
         """Close the tracker; status is one of completed | failed | stopped."""
 
@@ -114,6 +121,9 @@ class Trackers(Tracker):
 
     def log_text(self, key: str, text: str, step: int) -> None:
         self._call("log_text", key, text, step)
+
+    def log_model(self, final_dir: str) -> None:
+        self._call("log_model", final_dir)
 
     def finish(self, status: str = "completed") -> None:
         if status not in FINISH_STATUSES:

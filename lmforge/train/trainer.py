@@ -27,6 +27,7 @@ from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.parallelize import (SHARDED, full_state_dict, is_sharded, local_value, materialize,
                                               no_grad_sync, parallelize)
 from lmforge.errors import UserError
+from lmforge.estimate.cost import live_cost
 from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.models import build_model, generate, save_pretrained
@@ -321,6 +322,7 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
                            "throughput/tokens_per_s": tps,
                            "throughput/tokens_per_s_per_device": tps / dist.world_size,
                            "throughput/mfu": mfu(tps, plan.flops_per_token, dist.world_size, peak)}
+                metrics |= live_cost(elapsed_before + now - t_start, dist.world_size, cfg.compute.price_per_gpu_hour)
                 if device.type == "cuda":
                     metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
                 if aux_log:
@@ -358,6 +360,8 @@ def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResu
         if status == "completed":
             final_dir = _export(model, cfg, dist, os.path.join(save_folder, "final"), data.tokenizer_path)
         barrier()
+        if final_dir:
+            trackers.log_model(final_dir)  # model registries (MLflow, W&B); a failure there is only a warning
         trackers.finish(status)
         if store:
             store.finish()  # the run is complete only once the store has its last checkpoint and export
