@@ -19,6 +19,8 @@ def register(sub) -> None:
     p.add_argument("--training-duration", metavar="DUR", help="override, e.g. 3ep, 200ba")
     p.add_argument("--save-folder", metavar="DIR", help="override `save_folder`")
     p.add_argument("--name", help="override `name`")
+    p.add_argument("--price-per-gpu-hour", type=float, metavar="P",
+                   help="override `compute.price_per_gpu_hour`: show the cost so far and to finish")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override any key, e.g. --set parameters.learning_rate=2e-5 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace checkpoints of a different run in save_folder")
@@ -39,6 +41,8 @@ def run(args) -> int:
     if args.no_autoresume:
         overrides["autoresume"] = False
     sets = list(args.set)
+    if args.price_per_gpu_hour is not None:
+        sets.append(f"compute.price_per_gpu_hour={args.price_per_gpu_hour}")
     cfg = load_run_config(args.file, overrides=overrides, sets=sets)
     if cfg.task_type == "pretrain":  # `finetune` means instruction fine-tuning unless the config says otherwise
         cfg = cfg.model_copy(update={"task_type": "instruction_finetune"})

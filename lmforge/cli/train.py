@@ -19,6 +19,8 @@ def register(sub) -> None:
     p.add_argument("--training-duration", metavar="DUR", help="override, e.g. 10000tok, 500ba, 2ep, 30min")
     p.add_argument("--save-folder", metavar="DIR", help="override `save_folder`")
     p.add_argument("--name", help="override `name`")
+    p.add_argument("--price-per-gpu-hour", type=float, metavar="P",
+                   help="override `compute.price_per_gpu_hour`: show the cost so far and to finish")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override any key, e.g. --set parameters.learning_rate=3e-4 (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
@@ -53,7 +55,8 @@ def load_from_args(args):
         overrides["autoresume"] = False
     sets = list(args.set)
     for flag, key in (("nnodes", "compute.nodes"), ("node_rank", "compute.node_rank"),
-                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_restarts", "max_retries")):
+                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_restarts", "max_retries"),
+                      ("price_per_gpu_hour", "compute.price_per_gpu_hour")):
         if getattr(args, flag, None) is not None:
             sets.append(f"{key}={getattr(args, flag)}")
     from lmforge.train.finetune import load_run_config  # `model` may come from custom_weights_path

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from lmforge.config.tracking import TrackerConfig
+from lmforge.errors import UserError
 from lmforge.tracking.base import Tracker, Trackers, flatten_params, warn_disabled
 from lmforge.tracking.console import ConsoleTracker
 from lmforge.tracking.jsonl import JsonlTracker, read_metrics
@@ -92,6 +93,8 @@ def build_trackers(cfg: TrackerConfig, *, run_name: str, run_dir: str,
             new_state["mlflow"] = {"tracking_uri": tracker.tracking_uri,
                                    "experiment_id": tracker.experiment_id,
                                    "run_id": tracker.run_id}
+        except UserError:  # a model_registry_path the registry refuses: bad input, before training
+            raise
         except Exception as exc:  # noqa: BLE001 - tracking never stops a run
             warn_disabled("mlflow", exc)
     if cfg.wandb is not None:

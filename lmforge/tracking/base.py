@@ -65,7 +65,7 @@ def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     msg = text[0] if text else ""
     if len(msg) > 300:
@@ -75,7 +75,7 @@ def _one_line(exc: BaseException) -> str:
 
 def warn_disabled(name: str, exc: BaseException, stream: TextIO | None = None) -> None:
     """The single warning line printed when a tracker is switched off."""
-    print(f"warning: {name} tracking disabled ({_one_line(exc)})",
+    print(f"warning: {name} tracking disabled ({one_line(exc)})",
           file=stream or sys.stderr, flush=True)
 
 
