@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +187,9 @@ class MlflowTracker(Tracker):
         if not self.registry_name:
             return
         try:
-            from lmforge.tracking.mlflow_model import register_model
+            with warnings.catch_warnings():  # MLflow's advice on defining a PythonModel, for notebook users
+                warnings.simplefilter("ignore")
+                from lmforge.tracking.mlflow_model import register_model
 
             version = register_model(self.client, self.run_id, final_dir, self.registry_name)
         except Exception as exc:  # noqa: BLE001 - never fail a finished run over its registration
