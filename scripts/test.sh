@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LMFORGE_EXTRAS=test bash scripts/setup.sh
+bash scripts/install-browser.sh  # headless Chromium for the report test (Debian package; skipped if it can't)
 . .venv/bin/activate
 exec python -m pytest "$@"
