@@ -106,10 +106,10 @@ def test_report_of_two_runs_overlays_them_and_lists_config_differences(runs, tmp
     fast, slow = load_run(str(runs[0])), load_run(str(runs[1]))
     title, ytitle, pick, scale = CHARTS[0]
     fig = metric_chart([fast, slow], title, ytitle, pick, scale)
-    assert [tr.name for tr in fig.data] == ["report-fast", "report-slow"]
-    for trace, folder in zip(fig.data, runs):
+    assert [tr["name"] for tr in fig["data"]] == ["report-fast", "report-slow"]
+    for trace, folder in zip(fig["data"], runs):
         losses = {r["step"]: r["train/loss"] for r in metrics(folder) if "train/loss" in r}
-        assert list(trace.x) == sorted(losses) and list(trace.y) == [losses[s] for s in sorted(losses)]
+        assert trace["x"] == sorted(losses) and trace["y"] == [losses[s] for s in sorted(losses)]
     assert config_differences([fast, slow]) == [("parameters.learning_rate", [3e-3, 1e-3])]
     assert "parameters.learning_rate" in page
 

@@ -8,6 +8,7 @@ axes, one colour per run.
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import time
@@ -68,49 +69,54 @@ def _thin(xs: list, ys: list) -> tuple[list, list]:
     return [xs[i] for i in idx], [ys[i] for i in idx]
 
 
-def _figure_html(fig, div_id: str) -> str:
+def _figure_html(fig: dict, div_id: str) -> str:
     import plotly.io as pio
 
-    return pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=div_id,
+    # Plain dicts, serialised without plotly.py's per-property validation (seconds for long runs).
+    return pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=div_id, validate=False,
                        config={"displaylogo": False, "responsive": True})
 
 
+@functools.lru_cache(maxsize=1)
+def _template() -> dict:
+    """plotly's "plotly_white" theme as JSON (named templates are resolved in Python, not in plotly.js)."""
+    import plotly.io as pio
+
+    return pio.templates["plotly_white"].to_plotly_json()
+
+
 def _layout(title: str, ytitle: str, xtitle: str = "step", height: int = 330) -> dict:
-    return dict(title=dict(text=title, x=0.02, font=dict(size=15)), height=height, template="plotly_white",
-                margin=dict(l=60, r=20, t=40, b=40), xaxis_title=xtitle, yaxis_title=ytitle,
-                hovermode="x unified", legend=dict(orientation="h", y=-0.2, font=dict(size=11)))
+    return {"title": {"text": title, "x": 0.02, "font": {"size": 15}}, "height": height, "template": _template(),
+            "margin": {"l": 60, "r": 20, "t": 40, "b": 40}, "xaxis": {"title": {"text": xtitle}},
+            "yaxis": {"title": {"text": ytitle}}, "hovermode": "x unified",
+            "legend": {"orientation": "h", "y": -0.2, "font": {"size": 11}}}
 
 
-def metric_chart(runs: list[RunData], title: str, ytitle: str, pick, scale: float):
-    """A plotly figure with one curve per (run, metric key), or None when no run logged any."""
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
+def metric_chart(runs: list[RunData], title: str, ytitle: str, pick, scale: float) -> dict | None:
+    """A plotly figure (as a dict) with one curve per (run, metric key), or None when no run logged any."""
+    traces = []
     for i, run in enumerate(runs):
         keys = pick(run)
         for j, key in enumerate(keys):
             steps, values = run.series(key)
             steps, values = _thin(steps, [v * scale for v in values])
             label = run.name if len(keys) == 1 else f"{run.name} · {key.split('/', 1)[-1]}"
-            mode = "lines+markers" if len(steps) <= 30 else "lines"
-            fig.add_trace(go.Scatter(x=steps, y=values, name=label, mode=mode,
-                                     line=dict(color=PALETTE[i % len(PALETTE)], dash=DASHES[j % len(DASHES)])))
-    if not fig.data:
+            traces.append({"type": "scatter", "x": steps, "y": values, "name": label,
+                           "mode": "lines+markers" if len(steps) <= 30 else "lines",
+                           "line": {"color": PALETTE[i % len(PALETTE)], "dash": DASHES[j % len(DASHES)]}})
+    if not traces:
         return None
-    fig.update_layout(**_layout(title, ytitle))
-    return fig
+    return {"data": traces, "layout": _layout(title, ytitle)}
 
 
-def timeline_chart(runs: list[RunData]):
+def timeline_chart(runs: list[RunData]) -> dict | None:
     """Resumptions as bars and events as markers, on the wall clock, one row per run."""
     import datetime as dt
 
-    import plotly.graph_objects as go
+    def when(t: float) -> str:
+        return dt.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="milliseconds")
 
-    def when(t: float):
-        return dt.datetime.fromtimestamp(t)
-
-    fig = go.Figure()
+    traces = []
     colours = {"COMPLETED": "#2ca02c", "RUNNING": "#1f77b4", "FAILED": "#d62728", "STOPPED": "#ff7f0e"}
     for i, run in enumerate(runs):
         for r in run.resumptions:
@@ -119,21 +125,23 @@ def timeline_chart(runs: list[RunData]):
             if start is None:
                 continue
             text = f"resumption {r.get('idx')}: {r.get('status')}" + (f" — {r['reason']}" if r.get("reason") else "")
-            fig.add_trace(go.Scatter(x=[when(start), when(end)], y=[run.name, run.name], mode="lines",
-                                     line=dict(width=14, color=colours.get(str(r.get("status")), "#7f7f7f")),
-                                     name=f"{run.name} resumption {r.get('idx')}", hovertext=text,
-                                     hoverinfo="text+x", showlegend=False))
+            traces.append({"type": "scatter", "x": [when(start), when(end)], "y": [run.name, run.name],
+                           "mode": "lines", "line": {"width": 14, "color": colours.get(str(r.get("status")), "#7f7f7f")},
+                           "name": f"{run.name} resumption {r.get('idx')}", "hovertext": [text, text],
+                           "hoverinfo": "text+x"})
         if run.events:
-            fig.add_trace(go.Scatter(
-                x=[when(e["time"]) for e in run.events], y=[run.name] * len(run.events), mode="markers",
-                marker=dict(size=11, symbol="diamond", color=PALETTE[i % len(PALETTE)], line=dict(width=1, color="#333")),
-                hovertext=[f"{e['type']}: {e['message'][:300]}" for e in run.events], hoverinfo="text+x",
-                name=f"{run.name} events"))
-    if not fig.data:
+            traces.append({
+                "type": "scatter", "x": [when(e["time"]) for e in run.events], "y": [run.name] * len(run.events),
+                "mode": "markers", "name": f"{run.name} events", "hoverinfo": "text+x",
+                "marker": {"size": 11, "symbol": "diamond", "color": PALETTE[i % len(PALETTE)],
+                           "line": {"width": 1, "color": "#333"}},
+                "hovertext": [f"{e['type']}: {e['message'][:300]}" for e in run.events]})
+    if not traces:
         return None
-    fig.update_layout(**_layout("Resumptions and events", "", "time", height=140 + 50 * len(runs)))
-    fig.update_layout(hovermode="closest", showlegend=False)
-    return fig
+    layout = _layout("Resumptions and events", "", "time", height=140 + 50 * len(runs))
+    layout.update(hovermode="closest", showlegend=False)
+    layout["yaxis"]["type"] = "category"
+    return {"data": traces, "layout": layout}
 
 
 # --------------------------------------------------------------------------- tables
@@ -174,8 +182,8 @@ def plan_rows(run: RunData) -> list[tuple[str, str, str]]:
     tokens = last.get("train/tokens")
     steps, _ = run.series("train/loss")
     elapsed = last.get("time/elapsed_s")
-    tps = summary(run)["tokens/s (median)"]
-    mfu = summary(run)["MFU (median)"]
+    headline = summary(run)
+    tps, mfu = headline["tokens/s (median)"], headline["MFU (median)"]
     total_tokens = plan.get("total_tokens")
     remaining_s = None
     if total_tokens and tokens is not None and tps and run.status not in ("COMPLETED",):

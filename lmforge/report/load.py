@@ -34,19 +34,32 @@ class RunData:
     resumptions: list[dict] = field(default_factory=list)  # {"idx", "started_at", "ended_at", "status", "reason"}
     status: str | None = None
     plan: dict | None = None  # plan.json
+    _by_key: dict | None = field(default=None, repr=False, compare=False)
+    _indexed: int = field(default=0, repr=False, compare=False)
+
+    def _index(self) -> dict[str, dict[int, float]]:
+        """key -> {step: value}, built once in one pass over the records; a step logged again after
+        a resume keeps its last value."""
+        if self._by_key is None or self._indexed != len(self.records):
+            index: dict[str, dict[int, float]] = {}
+            for rec in self.records:
+                step = rec.get("step")
+                if step is None:
+                    continue
+                for key, value in rec.items():
+                    if value is not None and key not in ("step", "time"):
+                        index.setdefault(key, {})[int(step)] = value
+            self._by_key, self._indexed = index, len(self.records)
+        return self._by_key
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
-        """(steps, values) of one metric; a step logged again after a resume keeps its last value."""
-        by_step: dict[int, float] = {}
-        for rec in self.records:
-            value = rec.get(key)
-            if value is not None and "step" in rec:
-                by_step[int(rec["step"])] = value
+        """(steps, values) of one metric, by step."""
+        by_step = self._index().get(key, {})
         steps = sorted(by_step)
         return steps, [by_step[s] for s in steps]
 
     def keys(self) -> set[str]:
-        return {k for rec in self.records for k, v in rec.items() if v is not None} - {"step", "time"}
+        return set(self._index())
 
     def last(self, key: str) -> float | None:
         _, values = self.series(key)
