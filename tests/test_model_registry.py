@@ -152,7 +152,7 @@ def test_wandb_logs_the_final_model_as_an_artifact(tmp_path, tiny_data, monkeypa
     for raw in records:
         rec = pb.Record()
         rec.ParseFromString(raw)
-        if rec.WhichOneof("record_type") == "artifact":
+        if rec.WhichOneof("record_type") == "artifact" and rec.artifact.type == "model":  # (tables are artifacts too)
             artifacts.append(rec.artifact)
     (art,) = artifacts
     assert art.type == "model" and art.name == "wandb-model-model" and "final" in art.aliases

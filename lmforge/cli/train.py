@@ -147,6 +147,9 @@ def print_summary(result, as_json: bool = False) -> None:
     if result.final_dir:
         c.print(f"final model: {result.final_dir}  (lmforge generate --checkpoint {result.final_dir})")
     c.print(f"metrics:     {os.path.join(result.save_folder, 'metrics.jsonl')}")
+    report = os.path.join(result.save_folder, "report.html")
+    if "://" in result.save_folder or os.path.exists(report):
+        c.print(f"report:      {report}")
     if result.mlflow_ui:
         c.print(f"MLflow:      {result.mlflow_ui}")
 
@@ -188,7 +191,7 @@ def dry_run(cfg, args) -> int:
         name = detect_device_spec(device).name
         gpu_type = name if name in GPU_TYPES else "h100-sxm"
     est = estimate_plan(cfg.model, tokens=plan.total_tokens, gpus=world if device.type == "cuda" else 1,
-                        gpu_type=gpu_type, seq_len=plan.context_length)
+                        gpu_type=gpu_type, seq_len=plan.context_length, price=cfg.compute.price_per_gpu_hour)
     if args.json:
         print(json.dumps({"config": resolved, "plan": est}, indent=1, default=str))
         return 0

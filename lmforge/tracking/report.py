@@ -105,12 +105,16 @@ def run_plan(params: dict) -> dict:
            "tokens_per_step": tokens_per_step, "params_total": plan.get("params_total"),
            "params_active": plan.get("params_active"), "price_per_gpu_hour": price,
            "training_duration": params.get("training_duration"), "estimate": None}
-    if total_tokens:
-        est = make_plan(ModelConfig.model_validate(params["model"]), tokens=total_tokens, gpus=devices,
-                        spec=spec, price=price, seq_len=ctx, precision=precision)
-        out["estimate"] = {"mfu": est["time"]["mfu"], "seconds": est["time"]["seconds"],
-                           "tokens_per_second": est["time"]["tokens_per_second"],
-                           "flops": est["flops"]["total"], "cost": est["cost"]["total"]}
+    if total_tokens:  # a wall-clock duration has no token count to estimate from
+        try:
+            est = make_plan(ModelConfig.model_validate(params["model"]), tokens=total_tokens, gpus=devices,
+                            spec=spec, price=price, seq_len=ctx, precision=precision)
+        except Exception as exc:  # noqa: BLE001 - the report then shows what happened without a plan
+            out["estimate_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            out["estimate"] = {"mfu": est["time"]["mfu"], "seconds": est["time"]["seconds"],
+                               "tokens_per_second": est["time"]["tokens_per_second"],
+                               "flops": est["flops"]["total"], "cost": est["cost"]["total"]}
     return out
 
 
