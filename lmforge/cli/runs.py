@@ -153,11 +153,13 @@ def cmd_describe(args) -> int:
         if m.get("cost") is not None:
             from lmforge.estimate.cost import format_cost
 
-            rest = m.get("cost_to_finish") if not run.is_terminal else None
+            line = f"cost       {format_cost(m['cost'])} so far"
+            if not run.is_terminal and m.get("cost_to_finish") is not None:
+                line += f", ~{format_cost(m['cost_to_finish'])} to finish"
             price = (cfg.get("compute") or {}).get("price_per_gpu_hour")
-            print(f"cost       {format_cost(m['cost'])} so far" + (f", ~{format_cost(rest)} to finish" if rest is not None
-                                                                    else "")
-                  + (f"  ({format_cost(m.get('cost_per_hour'))} per hour at {price:g} per device-hour)" if price else ""))
+            if price is not None:
+                line += f"  ({format_cost(m.get('cost_per_hour'))} per hour at {price:g} per device-hour)"
+            print(line)
     print("resumptions")
     for r in run.resumptions:
         code = f" exit {r['exit_code']}" if r["exit_code"] is not None else ""

@@ -145,8 +145,11 @@ def _registry_entry(name: str | None) -> dict | None:
     if not os.path.exists(registry_path()):
         return None
     reg = Registry()
-    row = reg.get(name)
-    return reg.mark_lost_if_dead(row) if row else None
+    try:
+        row = reg.get(name)
+        return reg.mark_lost_if_dead(row) if row else None
+    except UserError:  # a locked or corrupt registry: the folder's own files still tell the story
+        return None
 
 
 def resolve(ref: str) -> tuple[str, dict | None]:

@@ -59,10 +59,14 @@ class ReportTracker(Tracker):
         self.write(status.upper())
 
     def write(self, status: str = "RUNNING") -> None:
+        from lmforge.errors import UserError
         from lmforge.report.html import write_report
         from lmforge.report.load import load_run
 
-        run = load_run(str(self.run_dir), name=self.run_name, status=status)
+        try:
+            run = load_run(str(self.run_dir), name=self.run_name, status=status)
+        except UserError:  # nothing logged yet (a run that failed before its first step): no page
+            return
         write_report([run], str(self.path))
 
 
