@@ -23,14 +23,32 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-default-apps", "--mute-audio", "--hide-scrollbars"]
 
 
-def find_chromium() -> str | None:
-    """The Chromium binary ($LMFORGE_CHROMIUM, or the usual names on PATH), or None."""
+def find_chromium(wait_s: float = 900) -> str | None:
+    """The Chromium binary ($LMFORGE_CHROMIUM, or the usual names on PATH), or None.
+
+    When scripts/test.sh is installing Chromium alongside the tests ($LMFORGE_BROWSER_SETUP), wait
+    for that to end first (a half-unpacked package is no browser)."""
+    setup = os.environ.get("LMFORGE_BROWSER_SETUP")
+    if setup and os.path.isdir(setup):
+        deadline = time.monotonic() + wait_s
+        while not os.path.exists(os.path.join(setup, "done")) and time.monotonic() < deadline:
+            time.sleep(1)
     candidates = [os.environ.get("LMFORGE_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"]
     for c in candidates:
         path = c and shutil.which(c)
         if path:
             return path
     return None
+
+
+def browser_setup_note() -> str:
+    """The last line of scripts/install-browser.sh's output in this test run, if any (for a skip reason)."""
+    try:
+        with open(os.path.join(os.environ["LMFORGE_BROWSER_SETUP"], "log")) as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except (KeyError, OSError):
+        return ""
+    return lines[-1] if lines else ""
 
 
 class Browser:

@@ -1,4 +1,10 @@
-"""A real `mlflow server` on loopback: sqlite backend store, local artifact root (proxied by the server)."""
+"""A real `mlflow server` on loopback: sqlite backend store, local artifact root (proxied by the server).
+
+Starting one costs tens of seconds of CPU (imports, the sqlite schema migrations, the uvicorn
+worker's own imports), so a session starts at most one: ``launch`` returns at once and ``wait``
+blocks until it answers, which lets conftest start it in the background as soon as it knows a
+collected test needs it.
+"""
 
 from __future__ import annotations
 
@@ -21,9 +27,12 @@ def _free_port() -> int:
 class MlflowServer:
     def __init__(self, proc: subprocess.Popen, url: str, log: Path):
         self.proc, self.url, self.log = proc, url, log
+        self.ready = False
 
     @classmethod
-    def start(cls, root: Path, timeout: float = 120.0) -> "MlflowServer":
+    def launch(cls, root: Path) -> "MlflowServer":
+        """Start the server process; it is not answering yet (see ``wait``)."""
+        root.mkdir(parents=True, exist_ok=True)
         port = _free_port()
         log = root / "server.log"
         cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
@@ -32,20 +41,33 @@ class MlflowServer:
         with open(log, "wb") as out:
             # Its own process group: the server starts uvicorn workers, stopped together below.
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
-        server = cls(proc, f"http://127.0.0.1:{port}", log)
+                                    start_new_session=True, env=os.environ | {
+                                        "OMP_NUM_THREADS": "1",
+                                        # An experiment may name an artifact store of its own (the
+                                        # registry-failure test names an FTP port where nothing listens).
+                                        "MLFLOW_ALLOWED_HOST_ADDRESSED_ARTIFACT_SCHEMES": "ftp"})
+        return cls(proc, f"http://127.0.0.1:{port}", log)
+
+    def wait(self, timeout: float = 180.0) -> "MlflowServer":
+        """Until ``/health`` answers; a server that exits or never answers is stopped and raised."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        while not self.ready:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mlflow server did not answer within {timeout:.0f}s:\n"
+                                   f"{self.log.read_text()[-3000:]}")
             try:
-                with urllib.request.urlopen(f"{server.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return server
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    self.ready = r.status == 200
             except OSError:
                 time.sleep(0.25)
-        server.stop()
-        raise RuntimeError(f"mlflow server did not answer within {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+        return self
+
+    @classmethod
+    def start(cls, root: Path, timeout: float = 180.0) -> "MlflowServer":
+        return cls.launch(root).wait(timeout)
 
     def stop(self) -> None:
         """Kill the server and its uvicorn worker (its group): a test store has nothing to flush, and the

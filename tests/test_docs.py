@@ -25,7 +25,7 @@ def test_train_help_shows_config_defaults():
 
 def test_examples_are_valid_configs():
     from lmforge.config.load import build_config, load_config, read_yaml
-    from lmforge.pipeline import load_pipeline
+    from lmforge.runs.stages import load_pipeline
 
     for name in ("quickstart.yaml", "pretrain.yaml"):
         load_config(str(REPO / "examples" / name))

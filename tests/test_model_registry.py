@@ -1,62 +1,36 @@
-"""The final model in model registries: a real `mlflow server` on loopback (sqlite backend, local
-artifact root), MLflow's sqlite store, and W&B offline files."""
+"""The final model in model registries: the session's real `mlflow server` on loopback (sqlite backend,
+local artifact root) and W&B offline files.
+
+The two registered versions and the W&B artifact come from conftest's `finished_runs` (trained once
+for this file and the report's); this file trains only the run whose registration must fail.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
 
 import pytest
 
-from conftest import tiny_run_config
-from mlflow_server import MlflowServer
-from train_helpers import assert_one_line_error, lmforge, write_config
+from conftest import REGISTERED_MODEL, tiny_run_config
+from train_helpers import assert_one_line_error, cli, write_config
 
 
-def _train(cfg: dict):
-    from lmforge.config.load import build_config
-    from lmforge.train.trainer import train
-
-    return train(build_config(cfg), log=lambda *a: None)
-
-
-def _cfg(tiny_data, folder: Path, **overrides) -> dict:
-    return tiny_run_config(tiny_data, folder, training_duration="4ba", **{
-        "eval.interval": "4ba", "save_interval": "4ba", "experiment_tracker.console": False, **overrides})
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer.start(tmp_path_factory.mktemp("mlflow-server"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def test_each_run_registers_a_new_version_that_loads_back_for_serving(mlflow_server, tmp_path, tiny_data,
-                                                                      monkeypatch, capfd):
+def test_each_run_registers_a_new_version_that_loads_back_for_serving(finished_runs, mlflow_server, monkeypatch):
     import mlflow
     import pandas as pd
     from mlflow.tracking import MlflowClient
 
     from lmforge.data.tokenizer import load_tokenizer
     from lmforge.models import generate
-    from lmforge.models.locate import load_model
+    from lmforge.train.locate import load_model
 
-    name = "lmforge-tiny-" + hashlib.sha1(str(tmp_path).encode()).hexdigest()[:8]
-    tracker = {"tracking_uri": mlflow_server.url, "model_registry_path": name}
-    folders = [tmp_path / "first", tmp_path / "second"]
-    for i, folder in enumerate(folders):
-        result = _train(_cfg(tiny_data, folder, **{"experiment_tracker.mlflow": tracker,
-                                                    "parameters.learning_rate": 3e-3 * (i + 1)}))
-        assert result.status == "completed"
-        assert f"MLflow model registry: {name} version {i + 1}" in capfd.readouterr().out
-
+    name = REGISTERED_MODEL
+    for i, run in enumerate(finished_runs):
+        assert f"MLflow model registry: {name} version {i + 1}" in run.out
+        assert "warning" not in run.err, run.err  # no tracker was switched off, no registration failed
     client = MlflowClient(tracking_uri=mlflow_server.url)
     versions = sorted(client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version))
-    run_ids = [json.loads((f / "trackers.json").read_text())["mlflow"]["run_id"] for f in folders]
+    run_ids = [json.loads((r.folder / "trackers.json").read_text())["mlflow"]["run_id"] for r in finished_runs]
     assert [(v.version, v.run_id, v.status) for v in versions] == [("1", run_ids[0], "READY"), ("2", run_ids[1], "READY")]
     assert all(client.get_run(r).info.status == "FINISHED" for r in run_ids)
     # The registered model carries the weights with their tokenizer and lmforge's own code.
@@ -71,8 +45,9 @@ def test_each_run_registers_a_new_version_that_loads_back_for_serving(mlflow_ser
     served = mlflow.pyfunc.load_model(f"models:/{name}/2")
     prompts = ["def main(", "class "]
     got = served.predict(pd.DataFrame({"prompt": prompts}), params={"max_new_tokens": 12, "temperature": 0.0})
-    model, _, _ = load_model(str(folders[1] / "final"))
-    tok = load_tokenizer(str(folders[1] / "final"))
+    final = finished_runs[1].folder / "final"
+    model, _, _ = load_model(str(final))
+    tok = load_tokenizer(str(final))
     for prompt, text in zip(prompts, got):
         new = generate(model, tok.encode(prompt), 12, temperature=0.0, eos_id=tok.eos_id)
         new = new[:-1] if new and new[-1] == tok.eos_id else new
@@ -102,8 +77,10 @@ def test_a_registry_name_mlflow_rejects_is_one_line_exit_2(mlflow_server, tmp_pa
         except ValidationError:
             ours_ok = False
         assert ours_ok == mlflow_ok, candidate
-    cfg = write_config(tmp_path / "bad.yaml", _cfg(tiny_data, tmp_path / "bad"))
-    assert_one_line_error(lmforge("train", "-f", cfg, "--set", "experiment_tracker.mlflow.model_registry_path=team/model"),
+    # The command line (in this process; --dry-run so that a config let through would only print its plan).
+    cfg = write_config(tmp_path / "bad.yaml", tiny_run_config(tiny_data, tmp_path / "bad"))
+    assert_one_line_error(cli("train", "-f", cfg, "--dry-run",
+                              "--set", "experiment_tracker.mlflow.model_registry_path=team/model"),
                           "experiment_tracker.mlflow.model_registry_path", "'/'")
     assert not (tmp_path / "bad").exists()  # nothing started
     # The registry server's own verdict, before any training (a config built past the check above).
@@ -113,41 +90,40 @@ def test_a_registry_name_mlflow_rejects_is_one_line_exit_2(mlflow_server, tmp_pa
         MlflowTracker(unchecked, "rejected")
 
 
-def test_a_registry_failure_at_the_end_is_a_warning_and_the_run_completes(tmp_path, tiny_data, capfd):
+def test_a_registry_failure_at_the_end_is_a_warning_and_the_run_completes(mlflow_server, tmp_path, tiny_data,
+                                                                          capfd):
     from mlflow.tracking import MlflowClient
 
-    # A real sqlite store whose artifact store (FTP, on a port where nothing listens) is unreachable:
-    # creating the run does not touch it, registering the final model does. No eval prompts, so no
-    # generation text is uploaded there before the end.
-    store = tmp_path / "store"
-    store.mkdir()
-    uri = f"sqlite:///{store / 'mlflow.db'}"
-    MlflowClient(uri).create_experiment("unreachable-artifacts", artifact_location="ftp://127.0.0.1:9/artifacts")
+    from lmforge.config.load import build_config
+    from lmforge.runs.job import run_job
+
+    # An experiment of the real server whose artifact store (FTP, on a port where nothing listens) is
+    # unreachable: the run's metrics go to the server, registering the final model needs the artifact
+    # store. No eval prompts, so no generation text is uploaded there before the end.
+    client = MlflowClient(mlflow_server.url)
+    client.create_experiment("unreachable-artifacts", artifact_location="ftp://127.0.0.1:9/artifacts")
     folder = tmp_path / "run"
-    result = _train(_cfg(tiny_data, folder, **{"eval.prompts": [], "experiment_tracker.mlflow": {
-        "tracking_uri": uri, "experiment_path": "unreachable-artifacts", "model_registry_path": "never-registered"}}))
+    cfg = tiny_run_config(tiny_data, folder, training_duration="2ba", **{
+        "eval.interval": "2ba", "save_interval": "2ba", "eval.prompts": [], "experiment_tracker.console": False,
+        "experiment_tracker.mlflow": {"tracking_uri": mlflow_server.url, "experiment_path": "unreachable-artifacts",
+                                      "model_registry_path": "never-registered"}})
+    result = run_job(build_config(cfg), log=lambda *a: None)
     assert result.status == "completed" and (folder / "final" / "model.safetensors").exists()
     err = capfd.readouterr().err
     warnings = [ln for ln in err.splitlines() if ln.startswith("warning: MLflow model registry")]
     assert len(warnings) == 1 and "'never-registered'" in warnings[0] and "the run itself is complete" in warnings[0]
     assert "tracking disabled" not in err  # the tracker went on and closed its run
     run_id = json.loads((folder / "trackers.json").read_text())["mlflow"]["run_id"]
-    client = MlflowClient(uri)
     assert client.get_run(run_id).info.status == "FINISHED"
     assert client.search_model_versions("name='never-registered'") == []
 
 
-def test_wandb_logs_the_final_model_as_an_artifact(tmp_path, tiny_data, monkeypatch):
+def test_wandb_logs_the_final_model_as_an_artifact(finished_runs):
     from test_tracking import _wandb_records
     from wandb.proto import wandb_internal_pb2 as pb
 
-    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
-        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
-    folder = tmp_path / "run"
-    result = _train(_cfg(tiny_data, folder, name="wandb-model", **{
-        "experiment_tracker.mlflow": None, "experiment_tracker.wandb": {"project": "lmforge-test", "mode": "offline"}}))
-    assert result.status == "completed"
-    (records,) = [_wandb_records(f) for f in (folder / "wandb").glob("offline-run-*/run-*.wandb")]
+    run = finished_runs[1]  # the run that also logs to W&B (offline)
+    (records,) = [_wandb_records(f) for f in (run.folder / "wandb").glob("offline-run-*/run-*.wandb")]
     artifacts = []
     for raw in records:
         rec = pb.Record()
@@ -155,8 +131,8 @@ def test_wandb_logs_the_final_model_as_an_artifact(tmp_path, tiny_data, monkeypa
         if rec.WhichOneof("record_type") == "artifact" and rec.artifact.type == "model":  # (tables are artifacts too)
             artifacts.append(rec.artifact)
     (art,) = artifacts
-    assert art.type == "model" and art.name == "wandb-model-model" and "final" in art.aliases
+    assert art.type == "model" and art.name == "report-slow-model" and "final" in art.aliases
     contents = {c.path: c.size for c in art.manifest.contents}
-    final = folder / "final"
+    final = run.folder / "final"
     assert contents == {p.name: p.stat().st_size for p in final.iterdir() if p.is_file()}
     assert {"model.safetensors", "tokenizer.json", "lmforge-model.json"} <= set(contents)

@@ -10,32 +10,24 @@ import re
 
 import pytest
 
-from browser import Browser, find_chromium
-from conftest import tiny_run_config
-from train_helpers import assert_one_line_error, lmforge, metrics
-
-PRICE = 2.5
-
-
-def _train(cfg: dict):
-    from lmforge.config.load import build_config
-    from lmforge.train.trainer import train
-
-    return train(build_config(cfg), log=lambda *a: None)
+from browser import Browser, browser_setup_note, find_chromium
+from conftest import RUN_PRICE as PRICE
+from train_helpers import assert_one_line_error, cli, metrics
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_data):
-    """Two finished runs that differ only in their learning rate (in-process: no start-up cost)."""
-    root = tmp_path_factory.mktemp("report-runs")
-    folders = []
-    for name, lr in (("fast", 3e-3), ("slow", 1e-3)):
-        cfg = tiny_run_config(tiny_data, root / name, name=f"report-{name}", training_duration="8ba", **{
-            "eval.interval": "4ba", "save_interval": "8ba", "parameters.learning_rate": lr,
-            "compute.price_per_gpu_hour": PRICE, "experiment_tracker.console": False})
-        assert _train(cfg).status == "completed"
-        folders.append(root / name)
-    return folders
+def runs(finished_runs):
+    """The save folders of the session's two finished runs (conftest: lr 3e-3 and 1e-3, priced)."""
+    return [r.folder for r in finished_runs]
+
+
+@pytest.fixture(scope="module")
+def both_page(runs, tmp_path_factory):
+    """`lmforge report` of both runs, one page."""
+    out = tmp_path_factory.mktemp("report-page") / "both.html"
+    proc = cli("report", *runs, "--out", out)
+    assert proc.returncode == 0 and "2 run(s)" in proc.stdout, proc
+    return out
 
 
 def test_each_run_leaves_its_report_plan_events_and_cost(runs):
@@ -86,15 +78,12 @@ def test_report_is_refreshed_at_each_eval_and_at_the_end(runs, tmp_path):
     assert json.loads((tmp_path / "plan.json").read_text())["total_tokens"] == 4 * 8 * 64
 
 
-def test_report_of_two_runs_overlays_them_and_lists_config_differences(runs, tmp_path):
+def test_report_of_two_runs_overlays_them_and_lists_config_differences(runs, both_page):
     from lmforge.report import load_run
     from lmforge.report.compare import config_differences
     from lmforge.report.html import CHARTS, metric_chart
 
-    out = tmp_path / "both.html"
-    proc = lmforge("report", *runs, "--out", out, check=True)
-    assert "2 run(s)" in proc.stdout
-    page = out.read_text()
+    page = both_page.read_text()
     # Self-contained: plotly.js is inline (in the head) and nothing in the page refers to the network.
     head, body = page.split("</head>", 1)
     assert head.count("<script") == 1 and "<script type='text/javascript'>" in head and len(head) > 3e6
@@ -110,12 +99,17 @@ def test_report_of_two_runs_overlays_them_and_lists_config_differences(runs, tmp
     for trace, folder in zip(fig["data"], runs):
         losses = {r["step"]: r["train/loss"] for r in metrics(folder) if "train/loss" in r}
         assert trace["x"] == sorted(losses) and trace["y"] == [losses[s] for s in sorted(losses)]
-    assert config_differences([fast, slow]) == [("parameters.learning_rate", [3e-3, 1e-3])]
+    # The runs differ in their learning rate, and the second also logs to W&B (conftest).
+    assert dict(config_differences([fast, slow])) == {
+        "parameters.learning_rate": [3e-3, 1e-3], "experiment_tracker.wandb.project": [None, "lmforge-test"],
+        "experiment_tracker.wandb.mode": [None, "offline"]}
     assert "parameters.learning_rate" in page
 
 
 def test_runs_compare_prints_metric_and_config_differences(runs):
-    out = lmforge("runs", "compare", *runs, check=True).stdout
+    proc = cli("runs", "compare", *runs)
+    assert proc.returncode == 0, proc
+    out = proc.stdout
     fast = [r for r in metrics(runs[0]) if "train/loss" in r][-1]
     slow = [r for r in metrics(runs[1]) if "train/loss" in r][-1]
     row = next(ln for ln in out.splitlines() if ln.strip().startswith("train loss (last)"))
@@ -126,12 +120,13 @@ def test_runs_compare_prints_metric_and_config_differences(runs):
 
 
 def test_bad_input_is_one_line(runs, tmp_path):
-    assert_one_line_error(lmforge("report", "no-such-run"), "'no-such-run'", "neither a run")
+    assert_one_line_error(cli("report", "no-such-run"), "'no-such-run'", "neither a run")
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert_one_line_error(lmforge("report", empty), str(empty), "no metrics.jsonl")
-    assert_one_line_error(lmforge("runs", "compare", runs[0], "no-such-run"), "no-such-run")
-    assert_one_line_error(lmforge("report", runs[0], "--out", tmp_path), "--out", "is a folder")
+    assert_one_line_error(cli("report", empty), str(empty), "no metrics.jsonl")
+    assert_one_line_error(cli("runs", "compare", runs[0], "no-such-run"), "no-such-run")
+    assert_one_line_error(cli("report", runs[0], "--out", tmp_path), "--out", "is a folder")
+    assert list(tmp_path.iterdir()) == [empty]  # nothing written
 
 
 def test_progress_line_shows_cost_so_far_and_to_finish():
@@ -148,6 +143,24 @@ def test_progress_line_shows_cost_so_far_and_to_finish():
     assert "cost 1.00" in lines[-1] and "to finish" not in lines[-1]
 
 
+def test_cost_is_derived_for_all_devices_before_the_trackers(tmp_path):
+    """The trainer logs only its training time; TrackingCallback prices it for every device of the run."""
+    from lmforge.config.tracking import TrackerConfig
+    from lmforge.tracking import TrackingCallback
+    from lmforge.train.callbacks import RunInfo
+
+    cb = TrackingCallback(TrackerConfig(mlflow=None, console=False, report=False))
+    cb.on_start(RunInfo(name="priced", save_folder=str(tmp_path), resumed=False,
+                        config={"compute": {"price_per_gpu_hour": 3.0}}, plan={"world_size": 4},
+                        total_steps=2, total_tokens=None))
+    cb.on_metrics({"train/loss": 2.0, "time/elapsed_s": 1800.0}, 1)
+    cb.on_metrics({"eval/loss": 2.5}, 1)  # no training time: nothing to price
+    cb.on_end("stopped", None)
+    (train, evaluation) = metrics(tmp_path)
+    assert train["cost/per_hour"] == 12.0 and train["cost/so_far"] == 6.0
+    assert not any(k.startswith("cost/") for k in evaluation)
+
+
 def test_describe_summary_has_cost_to_finish(runs):
     from lmforge.runs.progress import summarize
 
@@ -158,18 +171,16 @@ def test_describe_summary_has_cost_to_finish(runs):
     assert math.isclose(s["cost_to_finish"], PRICE * s["eta_s"] / 3600)
 
 
-def test_report_renders_in_headless_chromium(runs, tmp_path):
+def test_report_renders_in_headless_chromium(both_page, tmp_path):
     chromium = find_chromium()
     if chromium is None:
         pytest.skip("Chromium is not installed (scripts/test.sh installs Debian's `chromium` when it runs as "
-                    "root with apt-get; or set LMFORGE_CHROMIUM)")
+                    f"root with apt-get; or set LMFORGE_CHROMIUM) {browser_setup_note()}".strip())
     Image = pytest.importorskip("PIL.Image")
-    out = tmp_path / "both.html"
-    lmforge("report", *runs, "--out", out, check=True)
     charts = json.loads(re.search(r"name='lmforge-report' content=\"([^\"]+)\"",
-                                  out.read_text()).group(1).replace("&quot;", '"'))["charts"]
+                                  both_page.read_text()).group(1).replace("&quot;", '"'))["charts"]
     with Browser(chromium) as b:
-        b.open(out.as_uri())
+        b.open(both_page.as_uri())
         plots = b.evaluate("document.querySelectorAll('.js-plotly-plot').length")
         drawn = b.evaluate("Array.from(document.querySelectorAll('.js-plotly-plot'))"
                            ".filter(d => d.querySelector('.main-svg .scatterlayer .trace')).length")

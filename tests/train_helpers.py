@@ -34,6 +34,20 @@ def lmforge(*args, timeout=300, check=False, **kw) -> subprocess.CompletedProces
     return proc
 
 
+def cli(*args) -> subprocess.CompletedProcess:
+    """`lmforge ARGS...` in this process (no interpreter start-up), for commands that return at once:
+    the exit status and what it printed, as `lmforge(...)` gives them."""
+    import contextlib
+    import io
+
+    from lmforge.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def metrics(save_folder: Path) -> list[dict]:
     path = save_folder / "metrics.jsonl"
     if not path.exists():

@@ -68,7 +68,7 @@ def run(args) -> int:
     from lmforge.distributed.dist import pick_device
     from lmforge.errors import UserError
     from lmforge.models import generate
-    from lmforge.models.locate import check_tokenizer_fits, load_model
+    from lmforge.train.locate import check_tokenizer_fits, load_model
 
     device = pick_device(args.device, 0)
     model, cfg, loc = load_model(args.checkpoint, device=device)

@@ -16,6 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from lmforge.errors import UserError
 
 
+VOCAB_MULTIPLE = 64  # embedding and head matmuls run faster on multiples of 64
+
+
+def padded_vocab(tokenizer_vocab: int) -> int:
+    """The model vocabulary for a tokenizer's: rounded up to a multiple of 64."""
+    return VOCAB_MULTIPLE * -(-tokenizer_vocab // VOCAB_MULTIPLE)
+
+
 class ModelConfig(BaseModel):
     """A Llama-style decoder, optionally with mixture-of-experts feed-forward layers."""
 

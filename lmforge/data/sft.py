@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from lmforge.data.batch import Batch, EvalSet, StreamLayout
 from lmforge.errors import UserError
 
 ROLES = ("system", "user", "assistant")
 SFT_TASKS = ("instruction_finetune", "chat_completion")
-IGNORE = -100  # cross_entropy's default ignore_index
 
 # The chat template. Keep `render_chat` and this Jinja text in step (a test checks they agree).
 ASSISTANT_HEADER = "### Assistant:\n"
@@ -160,10 +161,8 @@ class PackedRows:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def batch(self, idx) -> dict:
-        tokens = self.tokens[idx]
-        return {"input_ids": tokens, "targets": tokens.masked_fill(~self.trained[idx], IGNORE),
-                "doc_ids": self.doc_ids[idx]}
+    def batch(self, idx) -> Batch:
+        return Batch.from_masked(self.tokens[idx], self.trained[idx], self.doc_ids[idx])
 
 
 def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int, *, packing: bool = True,
@@ -215,9 +214,8 @@ def load_rows(paths: list[str], tokenizer, seq_len: int, *, task: str, packing: 
 class SFTStream:
     """Deterministic, resumable micro-batches of packed rows, partitioned across ranks.
 
-    Same contract as ``TokenStream`` for the trainer (iterate, ``state_dict``, ``epoch``,
-    ``close``), but yields dicts: ``input_ids``, ``targets`` (``-100`` where not trained) and
-    ``doc_ids``. Global sample k of the run is row ``perm_e[k mod N]`` of epoch ``e = k // N``.
+    A `BatchStream`, like ``TokenStream``; its batches carry ``doc_ids`` and targets only on
+    response tokens. Global sample k of the run is row ``perm_e[k mod N]`` of epoch ``e = k // N``.
     """
 
     def __init__(self, rows: PackedRows, *, micro_batch_size: int, global_batch_size: int, rank: int,
@@ -271,3 +269,25 @@ def eval_batches(rows: PackedRows, micro_batch: int, rank: int, world_size: int,
     mine = list(range(rank, len(rows), world_size))
     for b in range(min(max_batches, -(-len(mine) // micro_batch))):
         yield rows.batch(mine[b * micro_batch:(b + 1) * micro_batch])
+
+
+@dataclass
+class SFTData:
+    """Packed fine-tuning rows (and held-out rows): a `TrainingData` of kind ``"sft"``.
+    Held-out loss is over response tokens only."""
+
+    tokenizer_path: str
+    rows: PackedRows
+    eval_rows: PackedRows | None
+    kind: str = "sft"
+    chat_template: str | None = CHAT_TEMPLATE
+
+    def train_stream(self, layout: StreamLayout) -> SFTStream:
+        return SFTStream(self.rows, micro_batch_size=layout.micro_batch, global_batch_size=layout.global_batch,
+                         rank=layout.rank, world_size=layout.world_size, seed=layout.seed)
+
+    def eval_sets(self, layout: StreamLayout, max_batches: int) -> list[EvalSet]:
+        if self.eval_rows is None:
+            return []
+        return [EvalSet("eval", partial(eval_batches, self.eval_rows, layout.micro_batch, layout.rank,
+                                        layout.world_size, max_batches))]

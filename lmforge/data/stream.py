@@ -39,8 +39,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lmforge.data import remote
-from lmforge.data.mds import INDEX, MDSReader, cache_root, read_index
+from lmforge.data.batch import Batch
+from lmforge.data.mds import INDEX, MDSReader, read_index
 from lmforge.errors import UserError
+from lmforge.home import cache_dir as lmforge_cache
 
 STATE_VERSION = 1
 
@@ -79,7 +81,7 @@ def _open_remote(uri: str, split: str, cache_dir: str | None) -> MDSReader:
         raise UserError(
             f"{uri}: no {INDEX} found (expected an MDS folder, or a prepared dataset with {split}/{INDEX})"
         )
-    local = Path(cache_dir) if cache_dir else cache_root() / "mds" / hashlib.sha256(base.encode()).hexdigest()[:16]
+    local = Path(cache_dir) if cache_dir else Path(lmforge_cache("mds"), hashlib.sha256(base.encode()).hexdigest()[:16])
     local.mkdir(parents=True, exist_ok=True)
     fresh = local / f".{INDEX}.{os.getpid()}.new"  # per process: ranks may share a cache
     remote.download(remote.join(base, INDEX), str(fresh))
@@ -104,7 +106,7 @@ def _open_remote(uri: str, split: str, cache_dir: str | None) -> MDSReader:
 def open_dataset(path: str, split: str = "train", cache_dir: str | None = None) -> MDSReader:
     """Open an MDS folder, or the ``split`` subfolder of a prepared dataset; local or remote.
 
-    Remote datasets are cached under ``cache_dir`` (default ``cache_root()/mds/<hash of URI>``):
+    Remote datasets are cached under ``cache_dir`` (default ``$LMFORGE_HOME/cache/mds/<hash of URI>``):
     ``index.json`` on open, shards on first use. For local compressed datasets, ``cache_dir``
     is where shards are decompressed.
     """
@@ -199,7 +201,7 @@ class _MicroBatches(IterableDataset):
         start = self.base + t * self.gb + self.rank * self.per_rank + a * self.mb
         return np.arange(start, start + self.mb, dtype=np.int64)
 
-    def build(self, m: int) -> torch.Tensor:
+    def build(self, m: int) -> Batch:
         ds, idx = self.order.lookup(self.samples_of(m))
         out = np.empty((self.mb, self.seq_len), np.int64)
         for row, (d, i) in enumerate(zip(ds.tolist(), idx.tolist())):
@@ -210,9 +212,9 @@ class _MicroBatches(IterableDataset):
                     f"shorter than seq_len {self.seq_len}"
                 )
             out[row] = tokens[: self.seq_len]
-        return torch.from_numpy(out)
+        return Batch.from_tokens(torch.from_numpy(out))
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         k, n = (info.id, info.num_workers) if info else (0, 1)
         m = self.first + k
@@ -253,7 +255,8 @@ def _normalize(datasets: list[DatasetSpec] | str | DatasetSpec) -> list[DatasetS
 
 
 class TokenStream:
-    """Infinite iterable of ``LongTensor[micro_batch_size, seq_len]`` for one data-parallel rank."""
+    """Infinite iterable of `Batch` es (token ids ``[micro_batch_size, seq_len]``) for one
+    data-parallel rank; a `BatchStream`."""
 
     def __init__(
         self,
@@ -268,6 +271,7 @@ class TokenStream:
         num_workers: int = 0,
         cache_dir: str | None = None,
         split: str = "train",
+        pin_memory: bool = False,
     ):
         for name, v, lo in (("seq_len", seq_len, 1), ("micro_batch_size", micro_batch_size, 1),
                             ("global_batch_size", global_batch_size, 1), ("world_size", world_size, 1),
@@ -284,6 +288,7 @@ class TokenStream:
         self.specs = _normalize(datasets)
         self.seq_len, self.micro_batch_size, self.global_batch_size = seq_len, micro_batch_size, global_batch_size
         self.rank, self.world_size, self.seed, self.num_workers = rank, world_size, seed, num_workers
+        self.pin_memory = pin_memory  # CUDA: page-locked batches, so host→device copies overlap compute
         self.readers = []
         for i, s in enumerate(self.specs):
             sub = None if cache_dir is None else str(Path(cache_dir) / f"{i}-{hashlib.sha256(s.path.encode()).hexdigest()[:12]}")
@@ -369,20 +374,21 @@ class TokenStream:
             rank=self.rank, world_size=self.world_size, base=self._base, first=self._yielded,
         )
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[Batch]:
         self.close()
         ds = self._dataset()
         if self.num_workers == 0:
             source = iter(ds)
         else:
-            loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers,
+            loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                                 persistent_workers=False, prefetch_factor=4,
                                 worker_init_fn=_worker_init)
             gc.collect()  # finalize our own garbage here, not in the forked workers
             source = self._loader_iter = iter(loader)
+        pin = self.pin_memory and self.num_workers == 0  # the DataLoader pins in its own thread otherwise
         for batch in source:
             self._yielded += 1
-            yield batch
+            yield batch.pin_memory() if pin else batch
 
     def close(self) -> None:
         """Stop DataLoader workers, if any."""

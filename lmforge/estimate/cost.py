@@ -1,22 +1,22 @@
 """What a run costs while it runs: device-hours × price, and what the rest will cost.
 
-The trainer logs ``live_cost(...)`` with every training step it logs, so every reader
-(progress line, ``metrics.jsonl``, MLflow/W&B, ``lmforge runs describe``, the HTML report)
-shows the same numbers without knowing how many devices the run used.
+The trainer logs its training wall time (``time/elapsed_s``, carried over resumes) with every
+training step it logs; the tracking layer adds ``live_cost(...)`` to those records before they
+reach any back-end, so every reader (progress line, ``metrics.jsonl``, MLflow/W&B,
+``lmforge runs describe``, the HTML report) shows the same numbers without knowing how many
+devices the run used.
 """
 
 from __future__ import annotations
 
 
 def live_cost(elapsed_s: float, devices: int, price_per_device_hour: float | None) -> dict[str, float]:
-    """``time/elapsed_s`` (training wall time, carried over resumes), and with a price
-    ``cost/so_far`` and ``cost/per_hour`` (the burn rate: devices × price)."""
-    out = {"time/elapsed_s": float(elapsed_s)}
-    if price_per_device_hour is not None:
-        rate = devices * float(price_per_device_hour)
-        out["cost/per_hour"] = rate
-        out["cost/so_far"] = rate * elapsed_s / 3600.0
-    return out
+    """With a price, ``cost/so_far`` after ``elapsed_s`` seconds of training and ``cost/per_hour``
+    (the burn rate: devices × price); without one, nothing."""
+    if price_per_device_hour is None:
+        return {}
+    rate = devices * float(price_per_device_hour)
+    return {"cost/per_hour": rate, "cost/so_far": rate * float(elapsed_s) / 3600.0}
 
 
 def cost_to_finish(per_hour: float | None, eta_s: float | None) -> float | None:

@@ -55,6 +55,16 @@ def save_pretrained(model: Transformer, cfg: ModelConfig, out_dir: str | Path,
     return out
 
 
+def write_chat_template(folder: str | Path, template: str) -> None:
+    """Store a chat template with a saved tokenizer (what transformers' apply_chat_template reads)."""
+    path = Path(folder) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def save_hf(model: Transformer, cfg: ModelConfig, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
             *, bos_id: int | None = None, eos_id: int | None = None, allow_clip_qkv: bool = False) -> Path:
     """Write a Hugging Face folder (config.json + model.safetensors) that transformers/vLLM load.

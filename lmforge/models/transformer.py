@@ -34,6 +34,7 @@ from torch import nn
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
+from lmforge.models.loss import LossOutput, next_token_loss
 
 
 class RMSNorm(nn.Module):
@@ -210,33 +211,56 @@ class Transformer(nn.Module):
         w = self.tok_embeddings.weight
         return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, w.device, w.dtype)
 
-    def forward(self, input_ids: torch.Tensor, *, return_aux: bool = False,
-                kv_cache: KVCache | None = None, start_pos: int = 0, doc_ids: torch.Tensor | None = None):
-        """doc_ids [B, T] (packed fine-tuning rows): a token attends only to earlier tokens with
-        the same id. Without them attention is plain causal (SDPA's is_causal fast path)."""
+    # Three entry points with fixed return types: `forward` (logits, for evaluation and
+    # inference), `training_loss` (the training forward: loss and MoE statistics, never the
+    # full logits) and `decode` (incremental decoding with a KV cache).
+
+    def forward(self, input_ids: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V]. doc_ids [B, T] (packed rows): a token attends only to earlier tokens
+        with the same id; without them attention is plain causal (SDPA's is_causal fast path)."""
+        h, _ = self._hidden(input_ids, doc_ids)
+        return F.linear(self.norm(h), self.output_weight)
+
+    def training_loss(self, input_ids: torch.Tensor, targets: torch.Tensor, *,
+                      doc_ids: torch.Tensor | None = None) -> LossOutput:
+        """The training forward: summed next-token loss against shifted ``targets`` (see
+        `data.batch.Batch`), plus the MoE auxiliary loss and routing statistics."""
+        h, stats = self._hidden(input_ids, doc_ids)
+        ce = next_token_loss(self.norm(h), self.output_weight, targets)
+        if not stats:
+            return LossOutput(ce)
+        aux = _reduce_aux(stats, self.cfg)
+        return LossOutput(ce, aux.pop("aux_loss"), aux)
+
+    def decode(self, input_ids: torch.Tensor, kv_cache: KVCache, start_pos: int = 0) -> torch.Tensor:
+        """Logits [B, T, V] of ``input_ids`` placed at ``start_pos``, reading and filling ``kv_cache``."""
         B, T = input_ids.shape
-        limit = kv_cache.max_len if kv_cache is not None else self.cfg.max_seq_len
-        if start_pos + T > min(limit, self.cfg.max_seq_len):
-            raise ValueError(f"sequence end {start_pos + T} exceeds max_seq_len/cache length {limit}")
+        if start_pos + T > min(kv_cache.max_len, self.cfg.max_seq_len):
+            raise ValueError(f"sequence end {start_pos + T} exceeds max_seq_len/cache length {kv_cache.max_len}")
         cos = self.rope_cos[start_pos:start_pos + T]
         sin = self.rope_sin[start_pos:start_pos + T]
         h = self.tok_embeddings(input_ids)
+        for i, block in enumerate(self.blocks):
+            h, _ = block(h, cos, sin, (kv_cache.k[i], kv_cache.v[i]), start_pos)
+        return F.linear(self.norm(h), self.output_weight)
+
+    def _hidden(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None):
+        """Final hidden states (before the last norm) and the MoE statistics of each block."""
+        B, T = input_ids.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        h = self.tok_embeddings(input_ids)
         mask = None
         if doc_ids is not None:
-            if kv_cache is not None:
-                raise ValueError("doc_ids are for training/eval forward passes, not cached decoding")
             causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
             mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]  # [B, 1, T, T]
         stats: list[dict[str, torch.Tensor]] = []
-        for i, block in enumerate(self.blocks):
-            cache = (kv_cache.k[i], kv_cache.v[i]) if kv_cache is not None else None
-            h, aux = block(h, cos, sin, cache, start_pos, mask)
+        for block in self.blocks:
+            h, aux = block(h, cos, sin, attn_mask=mask)
             if aux:
                 stats.append(aux)
-        logits = F.linear(self.norm(h), self.output_weight)
-        if not return_aux:
-            return logits
-        return logits, _reduce_aux(stats, self.cfg)
+        return h, stats
 
 
 def _reduce_aux(stats: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:

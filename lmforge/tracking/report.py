@@ -91,7 +91,7 @@ def run_plan(params: dict) -> dict:
     """plan.json: the trainer's plan (steps, tokens, devices) and what `lmforge estimate`
     makes of it on this machine's device at its default MFU."""
     from lmforge.config.model import ModelConfig
-    from lmforge.estimate.plan import make_plan
+    from lmforge.estimate.plan import estimate_run
 
     plan = params.get("plan") or {}
     p = params.get("parameters") or {}
@@ -111,8 +111,8 @@ def run_plan(params: dict) -> dict:
            "training_duration": params.get("training_duration"), "estimate": None}
     if total_tokens:  # a wall-clock duration has no token count to estimate from
         try:
-            est = make_plan(ModelConfig.model_validate(params["model"]), tokens=total_tokens, gpus=devices,
-                            spec=spec, price=price, seq_len=ctx, precision=precision)
+            est = estimate_run(ModelConfig.model_validate(params["model"]), tokens=total_tokens, gpus=devices,
+                               spec=spec, price=price, seq_len=ctx, precision=precision)
         except Exception as exc:  # noqa: BLE001 - the report then shows what happened without a plan
             out["estimate_error"] = f"{type(exc).__name__}: {exc}"
         else:

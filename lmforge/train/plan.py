@@ -18,6 +18,7 @@ from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.schema import RunConfig
 from lmforge.errors import UserError
 from lmforge.estimate.flops import mfu_flops_per_token, param_counts
+from lmforge.estimate.memory import memory_plan
 
 
 @dataclass
@@ -66,8 +67,6 @@ def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int
 
 def _gpu_micro_batch(cfg: RunConfig, ctx: int, world_size: int, device: torch.device) -> int:
     """Largest micro-batch the memory model says fits on this GPU (activations + sharded states)."""
-    from lmforge.estimate.memory import memory_plan
-
     sharded = cfg.compute.data_parallel in ("fsdp", "hsdp")
     plan = memory_plan(param_counts(cfg.model)["total"], cfg.model, ctx, world_size if sharded else 1,
                        float(torch.cuda.get_device_properties(device).total_memory),

@@ -22,6 +22,9 @@ import torch
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
+from lmforge.models.io import CONFIG_FILE, load_pretrained
+from lmforge.models.transformer import build_model
+from lmforge.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_state
 
 HF_PREFIX = "hf:"
 
@@ -39,9 +42,6 @@ def _has_tokenizer(folder: str | None) -> bool:
 
 def locate(path: str) -> Located:
     """Which kind of checkpoint `path` is, without loading any weights."""
-    from lmforge.models.io import CONFIG_FILE
-    from lmforge.train.checkpoint import STATE_FILE, latest_checkpoint
-
     raw = str(path)
     folder = os.path.expanduser(raw.removeprefix(HF_PREFIX))
     if not os.path.isdir(folder):
@@ -65,14 +65,8 @@ def locate(path: str) -> Located:
                     "or checkpoints/step_N)")
 
 
-def _read_state(folder: str) -> dict:
-    from lmforge.train.checkpoint import read_state
-
-    return read_state(folder)
-
-
 def _state_tokenizer(folder: str) -> str | None:
-    tok = (_read_state(folder).get("config") or {}).get("tokenizer")
+    tok = (read_state(folder).get("config") or {}).get("tokenizer")
     return tok if isinstance(tok, str) and _has_tokenizer(tok) else None
 
 
@@ -80,8 +74,6 @@ def model_config_of(path: str) -> ModelConfig:
     """The ModelConfig of a checkpoint, read from its metadata only."""
     loc = locate(path)
     if loc.kind == "lmforge":
-        from lmforge.models.io import CONFIG_FILE
-
         return ModelConfig(**json.loads(Path(loc.path, CONFIG_FILE).read_text()))
     if loc.kind == "hf":
         from transformers import AutoConfig
@@ -96,7 +88,7 @@ def model_config_of(path: str) -> ModelConfig:
 
 
 def _dcp_model_config(folder: str) -> ModelConfig:
-    model = (_read_state(folder).get("config") or {}).get("model")
+    model = (read_state(folder).get("config") or {}).get("model")
     if not isinstance(model, dict):
         raise UserError(f"checkpoint {folder}: its lmforge-state.json has no model config")
     return ModelConfig(**model)
@@ -104,15 +96,10 @@ def _dcp_model_config(folder: str) -> ModelConfig:
 
 def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32):
     """(model, ModelConfig, Located) for any supported checkpoint."""
-    from lmforge.models.io import load_pretrained
-
     loc = locate(path)
     if loc.kind in ("lmforge", "hf"):
         model, cfg = load_pretrained(loc.path, device=device, dtype=dtype)
         return model, cfg, loc
-    from lmforge.models.transformer import build_model
-    from lmforge.train.checkpoint import load_checkpoint
-
     cfg = _dcp_model_config(loc.path)
     model = build_model(cfg, device=device, init=False)
     rng = torch.get_rng_state()
@@ -126,3 +113,18 @@ def check_tokenizer_fits(tokenizer, cfg: ModelConfig, what: str) -> None:
     if cfg.vocab_size is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise UserError(f"{what}: the tokenizer ({tokenizer.path}) has {tokenizer.vocab_size} tokens but the "
                         f"weights' vocabulary has {cfg.vocab_size}; use the tokenizer the model was trained with")
+
+
+def fill_from_weights(raw: dict) -> dict:
+    """A raw config dict with `model` / `tokenizer` taken from its `custom_weights_path` when left out."""
+    path = raw.get("custom_weights_path")
+    if not path or (raw.get("model") and raw.get("tokenizer")):
+        return raw
+    raw = dict(raw)
+    if not raw.get("model"):
+        raw["model"] = model_config_of(path).model_dump(mode="json")
+    if not raw.get("tokenizer"):
+        tok = locate(path).tokenizer_dir
+        if tok:
+            raw["tokenizer"] = tok
+    return raw

@@ -14,18 +14,20 @@ import shutil
 from pathlib import Path
 
 import torch
+from huggingface_hub import save_torch_state_dict
+from transformers import GenerationConfig
 
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
+from lmforge.models.hf import to_hf_config, to_hf_state_dict
+from lmforge.models.io import _copy_tokenizer, _state_dict, save_pretrained
+from lmforge.train.locate import check_tokenizer_fits, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None = None, dtype: str = "float32",
            max_shard_size: str = "5GB", allow_clip_qkv: bool = False, overwrite: bool = False) -> Path:
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.models.io import _copy_tokenizer, save_pretrained
-    from lmforge.models.locate import check_tokenizer_fits, load_model
-
     out_path = Path(out)
     if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not overwrite:
         raise UserError(f"--out {out}: already exists and is not empty; choose another folder or pass --overwrite")
@@ -61,12 +63,6 @@ def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None 
 
 
 def _save_hf(model, cfg, out: Path, tok, *, allow_clip_qkv: bool, max_shard_size: str) -> None:
-    from huggingface_hub import save_torch_state_dict
-    from transformers import GenerationConfig
-
-    from lmforge.models.hf import to_hf_config, to_hf_state_dict
-    from lmforge.models.io import _state_dict
-
     hf_config = to_hf_config(cfg, allow_clip_qkv=allow_clip_qkv)
     bos = tok.bos_id if tok is not None else None
     eos = tok.eos_id if tok is not None else None

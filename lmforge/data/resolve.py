@@ -12,11 +12,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
+from itertools import islice
+from typing import Iterator
 
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.data import remote
+from lmforge.data.batch import Batch, EvalSet, StreamLayout
 from lmforge.data.prepare import MARKER
+from lmforge.data.stream import DatasetSpec, TokenStream
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 from lmforge.home import cache_dir
@@ -44,9 +49,43 @@ class ResolvedDataset:
 
 @dataclass
 class ResolvedData:
+    """Prepared pretraining data: the tokenizer, the datasets of the mix, the held-out sets.
+    A `TrainingData` of kind ``"pretrain"``."""
+
     tokenizer_path: str
     train: list[ResolvedDataset]
     eval: list[tuple[ResolvedDataset, str]]  # (dataset, split) pairs to evaluate on
+    kind: str = "pretrain"
+    chat_template: str | None = None
+
+    def train_stream(self, layout: StreamLayout) -> TokenStream:
+        return _token_stream([DatasetSpec(d.name, d.path, d.proportion) for d in self.train], layout)
+
+    def eval_sets(self, layout: StreamLayout, max_batches: int) -> list[EvalSet]:
+        # Each pass reads the same first micro-batches of the split: one micro-batch per rank per
+        # "step", so every rank evaluates different samples.
+        per_pass = replace(layout, global_batch=layout.micro_batch * layout.world_size, num_workers=0)
+        sets = []
+        for d, split in self.eval:
+            name = "eval" if len(self.eval) == 1 else f"eval/{d.name}"
+            spec = DatasetSpec(d.name, d.path, None)
+            sets.append(EvalSet(name, partial(_first_batches, spec, per_pass, split, max_batches),
+                                d.split_stats(split).get("bytes_per_token")))
+        return sets
+
+
+def _token_stream(specs: list[DatasetSpec], layout: StreamLayout, split: str = "train") -> TokenStream:
+    return TokenStream(specs, seq_len=layout.seq_len, micro_batch_size=layout.micro_batch,
+                       global_batch_size=layout.global_batch, rank=layout.rank, world_size=layout.world_size,
+                       seed=layout.seed, num_workers=layout.num_workers, split=split, pin_memory=layout.pin_memory)
+
+
+def _first_batches(spec: DatasetSpec, layout: StreamLayout, split: str, n: int) -> Iterator[Batch]:
+    stream = _token_stream([spec], layout, split)
+    try:
+        yield from islice(stream, n)
+    finally:
+        stream.close()
 
 
 def _join(*parts: str) -> str:
