@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator, model_validator
 
+from lmforge.config.curation import CurateConfig
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.model import ModelConfig, resolve_model
 from lmforge.config.storage import ObjectStoreConfig, SecretsConfig
@@ -31,6 +32,59 @@ class DatasetEntry(_Strict):
     path: str = Field(..., description="prepared MDS dataset, or raw text (files, globs, URIs, builtin:python-stdlib)")
     proportion: float | None = Field(None, gt=0, description="share of this dataset in the mix; default: by size")
     text_field: str = Field("text", description="JSON field / parquet column holding the text (raw inputs)")
+    curate: CurateConfig | None = Field(
+        None, description="raw inputs: dedup / filters / decontaminate on the way in (see docs/curation.md)")
+
+
+class Phase(_Strict):
+    """One phase of a curriculum: a mix that holds until a point of the run."""
+
+    until: str | None = Field(None, description="end of the phase: a duration ('20B tok', '500ba', '1M sp') or "
+                              "a fraction of the run ('0.8', '80%'); the last phase runs to the end")
+    mix: dict[str, float | None] = Field(..., description="dataset name → proportion (none given: by size)")
+
+    @field_validator("until", mode="before")
+    @classmethod
+    def _until(cls, v):
+        if v is None:
+            return None
+        if isinstance(v, bool):
+            raise ValueError("expected a duration like '20B tok' or a fraction of the run like 0.8 or '80%'")
+        if isinstance(v, (int, float)):
+            v = str(v)
+        phase_end(v)  # raises ValueError with the expected forms
+        return str(v).strip()
+
+    @field_validator("mix")
+    @classmethod
+    def _mix(cls, v):
+        if not v:
+            raise ValueError("a phase needs at least one dataset")
+        given = [p is not None for p in v.values()]
+        if any(given) and not all(given):
+            raise ValueError("give a proportion for every dataset of the phase or none")
+        for name, p in v.items():
+            if p is not None and not p > 0:
+                raise ValueError(f"proportion of {name!r} must be > 0, got {p}")
+        return v
+
+
+def phase_end(text: str) -> tuple[str, float]:
+    """A phase end point: ('frac', f) with 0 < f <= 1, or (unit, value) of a step-countable duration."""
+    t = str(text).strip()
+    try:
+        f = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        f = None
+    if f is not None:
+        if not 0 < f <= 1:
+            raise ValueError(f"a fraction of the run must be in (0, 1], got {text!r}")
+        return "frac", f
+    d = parse_duration(t, "phase end")
+    if d.unit not in ("tok", "ba", "sp"):
+        raise ValueError(f"a phase ends after tokens, steps or samples ('20B tok', '500ba', '1M sp') "
+                         f"or at a fraction of the run, not {text!r}")
+    return d.unit, d.value
 
 
 class TokenizerTrain(_Strict):
@@ -142,7 +196,11 @@ class RunConfig(_Strict):
     model: ModelConfig = Field(..., description="preset name, {preset: ..., overrides}, or a full shape")
     tokenizer: str | TokenizerSpec | None = Field(
         None, description="tokenizer folder, or {train: {vocab_size: N}}; default: the one the data was prepared with")
-    train_data: list[DatasetEntry] = Field(..., description="path/URI, list, or {name: {path, proportion}} mix")
+    train_data: list[DatasetEntry] = Field(
+        ..., description="path/URI, list, {name: {path, proportion}} mix, or a curriculum: a list of phases "
+        "[{until, mix}, ...] (stored as the datasets here plus `curriculum`)")
+    curriculum: list[Phase] | None = Field(
+        None, description="phases that change the mix (normally written as train_data: [{until, mix}, ...])")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation while training")
     save_folder: str | None = Field(None, description="checkpoints, metrics, exports; default runs/<name>")
     save_interval: DurationField | None = Field(None, description="checkpoint every …; default: ~5 per run")
@@ -171,6 +229,44 @@ class RunConfig(_Strict):
     def _model(cls, v):
         return resolve_model(v)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _phases(cls, data):
+        """`train_data: [{until, mix: {name: {path, proportion}}}, ...]` → datasets + `curriculum`."""
+        td = data.get("train_data") if isinstance(data, dict) else None
+        if not (isinstance(td, list) and any(isinstance(e, dict) and "mix" in e for e in td)):
+            return data
+        if data.get("curriculum") is not None:
+            raise ValueError("train_data: phases are given in train_data; do not also set curriculum")
+        datasets: dict[str, dict] = {}
+        phases = []
+        for i, phase in enumerate(td):
+            if not isinstance(phase, dict) or not isinstance(phase.get("mix"), dict):
+                raise ValueError(f"train_data[{i}]: every phase of a curriculum is a mapping with "
+                                 "`mix: {name: {path, proportion}}` (and `until:`)")
+            mix = {}
+            for name, entry in phase["mix"].items():
+                if isinstance(entry, (int, float)) and not isinstance(entry, bool):
+                    entry = {"proportion": entry}  # a dataset defined (with its path) in another phase
+                elif isinstance(entry, str):
+                    entry = {"path": entry}
+                elif not isinstance(entry, dict):
+                    raise ValueError(f"train_data[{i}].mix.{name}: expected a path, a proportion or "
+                                     "{path, proportion}")
+                entry = dict(entry)
+                mix[name] = entry.pop("proportion", None)
+                if entry:
+                    seen = datasets.setdefault(name, {"name": name, **entry})
+                    if {"name": name, **entry} != seen:
+                        raise ValueError(f"train_data[{i}].mix.{name}: defined differently in an earlier phase "
+                                         f"({seen}); a dataset keeps one path and settings in every phase")
+            phases.append({k: v for k, v in phase.items() if k != "mix"} | {"mix": mix})
+        for i, phase in enumerate(phases):
+            for name in phase["mix"]:
+                if name not in datasets:
+                    raise ValueError(f"train_data[{i}].mix.{name}: no phase gives this dataset's path")
+        return dict(data, train_data=list(datasets.values()), curriculum=phases)
+
     @field_validator("train_data", mode="before")
     @classmethod
     def _train_data(cls, v):
@@ -195,4 +291,33 @@ class RunConfig(_Strict):
         for i, entry in enumerate(self.train_data):
             if entry.name is None:
                 entry.name = f"d{i}"
+            cur = entry.curate
+            if cur and cur.decontaminate and not cur.decontaminate.tasks and not self.eval.icl_tasks:
+                raise ValueError(f"train_data.{entry.name}.curate.decontaminate: no ICL tasks to decontaminate "
+                                 "against; set eval.icl_tasks or curate.decontaminate.tasks")
+        if self.curriculum:
+            self._check_curriculum()
         return self
+
+    def _check_curriculum(self) -> None:
+        """What can be checked before the plan: names, and end points increasing within a unit."""
+        names = {d.name for d in self.train_data}
+        last: dict[str, float] = {}
+        run = self.training_duration
+        for i, phase in enumerate(self.curriculum):
+            unknown = sorted(set(phase.mix) - names)
+            if unknown:
+                raise ValueError(f"curriculum[{i}].mix: unknown dataset {', '.join(unknown)} "
+                                 f"(datasets: {', '.join(sorted(names))})")
+            if phase.until is None:
+                if i != len(self.curriculum) - 1:
+                    raise ValueError(f"train_data[{i}].until: only the last phase may leave out its end point")
+                continue
+            unit, value = phase_end(phase.until)
+            if unit in last and value <= last[unit]:
+                raise ValueError(f"train_data[{i}].until: end points must increase ({phase.until!r} is not "
+                                 "after the previous phase's end)")
+            last[unit] = value
+            if unit == run.unit and value > run.value:
+                raise ValueError(f"train_data[{i}].until: {phase.until!r} is past the end of the run "
+                                 f"(training_duration {run})")

@@ -263,6 +263,12 @@ class SFTStream:
     def close(self) -> None:
         pass
 
+    def phase(self) -> str | None:
+        return None  # fine-tuning rows have no curriculum
+
+    def metrics(self) -> dict:
+        return {}
+
 
 def eval_batches(rows: PackedRows, micro_batch: int, rank: int, world_size: int, max_batches: int):
     """Each held-out row once (rank r takes rows r, r+W, ...), at most max_batches per rank."""

@@ -13,12 +13,12 @@ from lmforge.config.model import padded_vocab
 from lmforge.config.schema import RunConfig
 from lmforge.data.resolve import resolve_data
 from lmforge.data.sft import SFT_TASKS
-from lmforge.data.stream import open_dataset
+from lmforge.data.stream import StreamPhase, open_dataset
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.distributed.dist import DistInfo, barrier
 from lmforge.errors import UserError
 from lmforge.train.finetune import finetune_setup
-from lmforge.train.plan import make_plan, resolved_config
+from lmforge.train.plan import TrainPlan, make_plan, resolved_config
 from lmforge.train.trainer import RunSetup
 
 
@@ -58,4 +58,13 @@ def pretrain_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
         samples = sum(len(open_dataset(d.path)) for d in data.train)
     plan = make_plan(cfg, world_size=dist.world_size, device=dist.device, samples_per_epoch=samples,
                      data_seq_len=data_seq_len)
+    if cfg.curriculum:
+        data.phases = stream_phases(cfg, plan)
     return RunSetup(resolved_config(cfg, plan), plan, data, tokenizer)
+
+
+def stream_phases(cfg: RunConfig, plan: TrainPlan) -> list[StreamPhase]:
+    """The curriculum on the stream's global sample axis: each phase ends on the optimizer step
+    the plan chose (whole global batches, so a step never mixes two phases); the last runs on."""
+    ends = [step * plan.global_batch for step in plan.phase_steps] + [None]
+    return [StreamPhase(end, phase.mix) for end, phase in zip(ends, cfg.curriculum)]

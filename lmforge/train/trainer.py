@@ -364,7 +364,11 @@ class Trainer:
         self._start_clock()
         meter = _Meter(state.tokens)
         self.train_forward.train()
+        phase = None
         while not self._done():
+            if self.stream.phase() not in (None, phase):  # a curriculum phase begins (or the run resumes in one)
+                phase = self.stream.phase()
+                self.log(f"data: {phase} from step {state.step}")
             out = self.train_step([next(batches) for _ in range(plan.grad_accum)])
             if self.saver is not None:
                 self.saver.poll()  # rank 0 completes a background checkpoint as soon as it is written
@@ -391,6 +395,7 @@ class Trainer:
                    "throughput/tokens_per_s_per_device": tokens_per_s / world,
                    "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops),
                    "time/elapsed_s": self._elapsed()}  # training wall time over all attempts (ETA, cost)
+        metrics |= self.stream.metrics()  # e.g. the curriculum phase and its mix (of the next step)
         if self.device.type == "cuda":
             metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if out.moe:
