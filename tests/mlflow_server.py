@@ -43,6 +43,9 @@ class MlflowServer:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env=os.environ | {
                                         "OMP_NUM_THREADS": "1",
+                                        # No job runner: it starts seven huey consumer processes that
+                                        # poll all session long (GenAI jobs; the registry needs none).
+                                        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
                                         # An experiment may name an artifact store of its own (the
                                         # registry-failure test names an FTP port where nothing listens).
                                         "MLFLOW_ALLOWED_HOST_ADDRESSED_ARTIFACT_SCHEMES": "ftp"})
