@@ -139,13 +139,17 @@ def tiny_run_config(data: TinyData, save_folder: Path, **overrides) -> dict:
 _SESSION: dict = {}  # the session's `mlflow server`, launched as soon as collection shows a test needs it
 
 
+def _launch_mlflow_server() -> None:
+    from mlflow_server import MlflowServer
+
+    _SESSION["mlflow_server"] = MlflowServer.launch(Path(tempfile.mkdtemp(prefix="lmforge-mlflow-server-")))
+
+
 def pytest_collection_finish(session):
     """Start the session's real `mlflow server` in the background when a collected test needs it:
-    its start-up (tens of CPU seconds: imports, schema migrations) overlaps the tests before it."""
+    its start-up (about ten CPU seconds: imports, schema migrations) overlaps the tests before it."""
     if any("mlflow_server" in getattr(item, "fixturenames", ()) for item in session.items):
-        from mlflow_server import MlflowServer
-
-        _SESSION["mlflow_server"] = MlflowServer.launch(Path(tempfile.mkdtemp(prefix="lmforge-mlflow-server-")))
+        _launch_mlflow_server()
 
 
 def pytest_sessionfinish(session):
@@ -159,9 +163,7 @@ def pytest_sessionfinish(session):
 def mlflow_server():
     """A real `mlflow server` on loopback (sqlite backend, local artifact root), one per session."""
     if "mlflow_server" not in _SESSION:  # requested without being collected (getfixturevalue)
-        from mlflow_server import MlflowServer
-
-        _SESSION["mlflow_server"] = MlflowServer.launch(Path(tempfile.mkdtemp(prefix="lmforge-mlflow-server-")))
+        _launch_mlflow_server()
     return _SESSION["mlflow_server"].wait()
 
 
@@ -181,10 +183,10 @@ class FinishedRun:
 def finished_runs(tmp_path_factory, tiny_data, mlflow_server) -> list[FinishedRun]:
     """Two finished tiny runs, trained once (in-process) for the report, compare and model-registry tests.
 
-    They differ only in the learning rate (3e-3, then 1e-3). Both have a price (live cost), evals at
+    Their configs differ in the learning rate (3e-3, then 1e-3) and in W&B: the second also logs to
+    W&B (offline), so its final model is a W&B artifact too. Both have a price (live cost), evals at
     steps 4 and 8, and are tracked in the session's MLflow server with ``model_registry_path``, so they
-    are versions 1 and 2 of ``REGISTERED_MODEL``. The second also logs to W&B (offline), so its final
-    model is a W&B artifact too.
+    are versions 1 and 2 of ``REGISTERED_MODEL``.
     """
     from lmforge.config.load import build_config
     from lmforge.runs.job import run_job

@@ -27,7 +27,8 @@ def test_each_run_registers_a_new_version_that_loads_back_for_serving(finished_r
     name = REGISTERED_MODEL
     for i, run in enumerate(finished_runs):
         assert f"MLflow model registry: {name} version {i + 1}" in run.out
-        assert "warning" not in run.err, run.err  # no tracker was switched off, no registration failed
+        # lmforge's own warnings (a tracker switched off, a failed registration) start with "warning:"
+        assert not [ln for ln in run.err.splitlines() if ln.startswith("warning:")], run.err
     client = MlflowClient(tracking_uri=mlflow_server.url)
     versions = sorted(client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version))
     run_ids = [json.loads((r.folder / "trackers.json").read_text())["mlflow"]["run_id"] for r in finished_runs]
