@@ -187,6 +187,9 @@ class ComputeConfig(_Strict):
     # --- end scale-out
     compile: bool = Field(False, description="torch.compile each transformer block")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+    price_per_gpu_hour: float | None = Field(
+        None, ge=0, description="price of one device (GPU, or CPU rank) per hour: the progress line, `runs describe` "
+        "and the report show the cost so far and the estimated cost to finish")
 
     @field_validator("activation_checkpointing")
     @classmethod

@@ -403,7 +403,8 @@ class Trainer:
                    "train/tokens": self.state.tokens, "train/epoch": self.stream.epoch,
                    "throughput/tokens_per_s": tokens_per_s,
                    "throughput/tokens_per_s_per_device": tokens_per_s / world,
-                   "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops)}
+                   "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops),
+                   "time/elapsed_s": self._elapsed()}  # training wall time over all attempts (ETA, cost)
         metrics |= self.stream.metrics()  # e.g. the curriculum phase and its mix (of the next step)
         if self.device.type == "cuda":
             metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
