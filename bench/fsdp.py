@@ -20,10 +20,10 @@ import time
 
 import torch
 import torch.distributed as td
-import torch.nn.functional as F
 
 from lmforge.config.model import resolve_model
 from lmforge.config.schema import ComputeConfig
+from lmforge.data.batch import Batch
 from lmforge.distributed.dist import init_distributed
 from lmforge.distributed.parallelize import materialize, parallelize
 from lmforge.estimate.flops import mfu_flops_per_token
@@ -40,21 +40,21 @@ def bench(shape, dist, *, fsdp: bool, ac, compile_: bool, batch: int, seq: int, 
         full = build_model(shape, device="cpu").state_dict() if dist.rank == 0 else None
         with torch.device("meta"):
             model = Transformer(shape)
-        parallelize(model, compute, dist, precision="bf16" if bf16 else "fp32")
+        train_forward = parallelize(model, compute, dist, precision="bf16" if bf16 else "fp32")
         materialize(model, dist.device, full)
         del full
     else:
         model = build_model(shape, device=dist.device)
-        parallelize(model, compute, dist)
+        train_forward = parallelize(model, compute, dist)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dist.device.type == "cuda")
-    ids = torch.randint(0, shape.vocab_size, (batch, seq), device=dist.device)
+    data = Batch.from_tokens(torch.randint(0, shape.vocab_size, (batch, seq))).to(dist.device)
+    n_targets = int(data.num_targets())
     autocast = torch.autocast(dist.device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def step():
         with autocast:
-            logits = model(ids)
-        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
+            out = train_forward(data.input_ids, data.targets)
+        (out.ce_sum / n_targets).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

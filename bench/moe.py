@@ -14,9 +14,9 @@ import platform
 import time
 
 import torch
-import torch.nn.functional as F
 
 from lmforge.config.model import ModelConfig, resolve_model
+from lmforge.data.batch import Batch
 from lmforge.models import build_model, num_active_params
 
 # Dense bf16 peak FLOP/s, for MFU.
@@ -33,13 +33,14 @@ def bench(cfg: ModelConfig, device: str, dtype, batch: int, seq: int, iters: int
     torch.manual_seed(0)
     model = build_model(cfg, device=device, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+    data = Batch.from_tokens(torch.randint(0, cfg.vocab_size, (batch, seq))).to(device)
+    n_targets = int(data.num_targets())
 
     def step():
-        logits, aux = model(ids[:, :-1], return_aux=True)
-        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
-        if aux:
-            loss = loss + aux["aux_loss"]
+        out = model.training_loss(data.input_ids, data.targets)
+        loss = out.ce_sum / n_targets
+        if out.aux_loss is not None:
+            loss = loss + out.aux_loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -18,11 +18,11 @@ import time
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from lmforge.config.model import get_preset  # noqa: E402
+from lmforge.data.batch import Batch  # noqa: E402
 from lmforge.estimate.flops import mfu_flops_per_token, param_counts  # noqa: E402
 from lmforge.estimate.hardware import detect_device_spec, peak_flops  # noqa: E402
 from lmforge.models import build_model  # noqa: E402
@@ -43,14 +43,15 @@ def measure(args, compile_: bool, precision: str, device: torch.device) -> dict:
             block.compile(dynamic=False)
     opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device_type=device.type)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" else nullcontext
-    x = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq), device=device)
+    batch = Batch.from_tokens(torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq))).to(device)
+    n_targets = int(batch.num_targets())
 
     def step():
         with autocast():
-            logits, aux = model(x, return_aux=True)
-        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), x[:, 1:].flatten())
-        if "aux_loss" in aux:
-            loss = loss + aux["aux_loss"]
+            out = model.training_loss(batch.input_ids, batch.targets)
+        loss = out.ce_sum / n_targets
+        if out.aux_loss is not None:
+            loss = loss + out.aux_loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -59,7 +59,7 @@ def sft_config(tmp_path, weights, **extra):
 def test_export_hf_parity_and_generate(base, tmp_path):
     from lmforge.data.tokenizer import load_tokenizer
     from lmforge.models import generate
-    from lmforge.models.locate import load_model
+    from lmforge.train.locate import load_model
 
     out = tmp_path / "hf"
     lmforge("export", "--checkpoint", base, "--format", "hf", "--out", out, "--max-shard-size", "100KB", check=True)
@@ -90,7 +90,7 @@ def test_export_hf_parity_and_generate(base, tmp_path):
     out2 = tmp_path / "from-step"
     from safetensors.torch import load_file
 
-    from lmforge.models.export import export
+    from lmforge.train.export import export
 
     export(str(step), str(out2), fmt="lmforge")  # same code as the CLI, in-process to save a start-up
 
@@ -101,9 +101,9 @@ def test_export_hf_parity_and_generate(base, tmp_path):
 def test_import_hf_llama_for_continued_pretraining(base, tmp_path, tiny_data):
     """CPT from an imported HF folder: step-1 loss = the source model's loss on that batch."""
     from lmforge.data.stream import DatasetSpec, TokenStream
-    from lmforge.models.locate import load_model
+    from lmforge.train.locate import load_model
 
-    from lmforge.models.export import export
+    from lmforge.train.export import export
 
     hf_dir = tmp_path / "hf"
     export(str(base / "final"), str(hf_dir))
@@ -121,7 +121,7 @@ def test_import_hf_llama_for_continued_pretraining(base, tmp_path, tiny_data):
         losses = []
         for _ in range(2):  # one optimizer step = 2 micro-batches
             b = next(it)
-            losses.append(torch.nn.functional.cross_entropy(source(b)[:, :-1].flatten(0, 1), b[:, 1:].flatten()))
+            losses.append(source.training_loss(b.input_ids, b.targets).ce_sum / b.num_targets())
     stream.close()
     first = train_losses(folder)[1]
     assert first == pytest.approx(float(sum(losses) / 2), rel=1e-4)
@@ -189,7 +189,7 @@ def test_bad_weights_and_tokenizer(base, tmp_path, tiny_data):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}))
     assert_one_line_error(lmforge("finetune", "-f", sft_config(tmp_path, f"hf:{gpt2}")),
-                          "gpt2", "supported: llama, mixtral")
+                          "gpt2", "supported: llama, mistral, qwen2, qwen3, olmo2, mixtral")
     from lmforge.data.tokenizer import train_tokenizer
 
     big = tmp_path / "tok1024"
@@ -214,7 +214,7 @@ def test_export_moe_as_mixtral(tmp_path, tiny_data):
     """MoE checkpoints export to the Mixtral layout that transformers loads (in-process: fast)."""
     from lmforge.config.model import ModelConfig
     from lmforge.models import build_model, save_pretrained
-    from lmforge.models.export import export
+    from lmforge.train.export import export
 
     cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, vocab_size=512,
                       n_experts=4, top_k=2, expansion_ratio=2)

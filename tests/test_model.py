@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.config.model import ModelConfig
+from lmforge.data.batch import Batch
 from lmforge.errors import UserError
 from lmforge.models import Transformer, build_model, generate, num_params
 from lmforge.models.transformer import apply_rope, rope_tables
@@ -75,20 +76,20 @@ def test_kv_cache_matches_full_recompute():
     seq = list(prompt)
     cache = model.new_kv_cache(1)
     with torch.no_grad():
-        cached = model(torch.tensor([seq]), kv_cache=cache)[0, -1]
+        cached = model.decode(torch.tensor([seq]), cache)[0, -1]
         pos = len(seq)
         for tok in out:
             full = model(torch.tensor([seq]))[0, -1]
             torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
             assert int(full.argmax()) == tok
             seq.append(tok)
-            cached = model(torch.tensor([[tok]]), kv_cache=cache, start_pos=pos)[0, -1]
+            cached = model.decode(torch.tensor([[tok]]), cache, start_pos=pos)[0, -1]
             pos += 1
     # Chunked prefill after cached tokens (explicit mask path) equals recompute too.
     cache = model.new_kv_cache(1)
     with torch.no_grad():
-        model(torch.tensor([seq[:5]]), kv_cache=cache)
-        chunk = model(torch.tensor([seq[5:9]]), kv_cache=cache, start_pos=5)
+        model.decode(torch.tensor([seq[:5]]), cache)
+        chunk = model.decode(torch.tensor([seq[5:9]]), cache, start_pos=5)
         torch.testing.assert_close(chunk, model(torch.tensor([seq[:9]]))[:, 5:9], rtol=1e-4, atol=1e-4)
 
 
@@ -153,10 +154,11 @@ def test_tiny_model_overfits_one_batch():
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(0, 97, (4, 33))
     losses = []
+    batch = Batch.from_tokens(ids)
     for _ in range(30):
-        logits, aux = model(ids[:, :-1], return_aux=True)
-        assert aux == {}
-        loss = F.cross_entropy(logits.reshape(-1, 97), ids[:, 1:].reshape(-1))
+        out = model.training_loss(batch.input_ids, batch.targets)
+        assert out.aux_loss is None and out.moe == {}
+        loss = out.ce_sum / int(batch.num_targets())
         opt.zero_grad()
         loss.backward()
         opt.step()

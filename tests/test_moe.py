@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.config.model import ModelConfig, get_preset, resolve_model
+from lmforge.data.batch import Batch
 from lmforge.models import Transformer, build_model, generate, num_active_params, num_params
 from lmforge.models.moe import MoE, load_balancing_loss, route
 
@@ -106,17 +107,18 @@ def test_moe_tiny_trains_and_generates():
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     ids = torch.randint(0, 128, (2, 33))
     losses = []
+    batch = Batch.from_tokens(ids)
     for _ in range(15):
-        logits, aux = model(ids[:, :-1], return_aux=True)
-        loss = F.cross_entropy(logits.reshape(-1, 128), ids[:, 1:].reshape(-1))
+        out = model.training_loss(batch.input_ids, batch.targets)
+        loss = out.ce_sum / int(batch.num_targets())
         opt.zero_grad()
-        (loss + aux["aux_loss"]).backward()
+        (loss + out.aux_loss).backward()
         opt.step()
         losses.append(loss.item())
-    assert set(aux) == {"aux_loss", "moe_lb_loss", "moe_z_loss", "moe_tokens_per_expert"}
-    assert aux["moe_tokens_per_expert"].shape == (8,)
-    assert int(aux["moe_tokens_per_expert"].sum()) == 2 * 2 * 32 * 2  # layers · tokens · top_k
-    assert aux["aux_loss"].requires_grad and aux["moe_lb_loss"].item() >= 1.0 - 1e-4
+    assert set(out.moe) == {"moe_lb_loss", "moe_z_loss", "moe_tokens_per_expert"}
+    assert out.moe["moe_tokens_per_expert"].shape == (8,)
+    assert int(out.moe["moe_tokens_per_expert"].sum()) == 2 * 2 * 33 * 2  # layers · tokens · top_k
+    assert out.aux_loss.requires_grad and out.moe["moe_lb_loss"].item() >= 1.0 - 1e-4
     assert losses[-1] < 0.5 * losses[0], losses
     assert len(generate(model, [1, 2, 3], 5, temperature=0)) == 5
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from conftest import tiny_run_config
-from train_helpers import REPO, assert_one_line_error, env, train_losses, write_config
+from train_helpers import REPO, assert_one_line_error, cli, env, metrics, train_losses, write_config
 
 import lmforge as sdk
 from lmforge.errors import UserError
@@ -72,13 +73,13 @@ def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     cfg_a, folder_a = config(tmp_path, tiny_data, "side-a", training_duration="40ba")
     cfg_b, folder_b = config(tmp_path, tiny_data, "side-b", training_duration="30ba",
                              **{"parameters.learning_rate": 1e-3})
-    t0 = time.time()
     assert detach(cfg_a) == "side-a"
-    assert detach(cfg_b) == "side-b"
-    assert time.time() - t0 < 30  # returns at once, not after training
-    run_a, seen_a = wait_for("side-a", lambda r: r.status == "COMPLETED", what="side-a completed")
+    assert not sdk.get_run("side-a").is_terminal  # returned once registered, not after training
+    _, seen_a = wait_for("side-a", lambda r: r.status == "RUNNING", what="side-a running")
+    assert detach(cfg_b, "--price-per-gpu-hour", "3") == "side-b"  # forwarded to the supervised trainer
+    run_a, seen = wait_for("side-a", lambda r: r.status == "COMPLETED", what="side-a completed")
     run_b, _ = wait_for("side-b", lambda r: r.status == "COMPLETED", what="side-b completed")
-    assert "RUNNING" in seen_a and seen_a.index("RUNNING") < seen_a.index("COMPLETED"), seen_a
+    assert seen_a[-1] == "RUNNING" and seen[-1] == "COMPLETED", (seen_a, seen)
     assert max(train_losses(folder_a)) == 40 and max(train_losses(folder_b)) == 30
     assert train_losses(folder_a)[5] != train_losses(folder_b)[5]  # different learning rates, no mix-up
     for run, folder in ((run_a, folder_a), (run_b, folder_b)):
@@ -94,6 +95,15 @@ def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     assert {"side-a", "side-b"} <= {r["name"] for r in as_json}
     described = lmforge("runs", "describe", "side-b", check=True).stdout
     assert "COMPLETED" in described and str(folder_b / "logs" / "resumption-0.log") in described
+    # [report] live cost: the price reached the trainer; describe shows what the run cost
+    last = [r for r in metrics(folder_b) if "train/loss" in r][-1]
+    assert last["cost/per_hour"] == 3.0 and run_b.latest_metrics["cost"] == last["cost/so_far"] > 0
+    assert re.search(r"^cost\s+\S+ so far .*at 3 per device-hour", described, re.M), described
+    # every run leaves its report; `lmforge report` takes registry names
+    assert (folder_a / "report.html").exists() and (folder_b / "report.html").exists()
+    page = tmp_path / "ab.html"
+    assert cli("report", "side-a", "side-b", "--out", page).returncode == 0  # in this process: no start-up
+    assert "resumption 0: COMPLETED" in page.read_text()
     # a finished run cannot be stopped again: said so, exit 0
     again = lmforge("runs", "stop", "side-a", check=True)
     assert "already ended: COMPLETED" in again.stdout

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.config.model import ModelConfig
-from lmforge.data.sft import (CHAT_TEMPLATE, IGNORE, SFTStream, chat_prompt, pack, read_examples, render_chat,
+from lmforge.data.batch import IGNORE, Batch
+from lmforge.data.sft import (CHAT_TEMPLATE, SFTStream, chat_prompt, pack, read_examples, render_chat,
                               tokenize_example)
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models import build_model
-from lmforge.train.finetune import target_count, unpack_batch
+from lmforge.models.io import write_chat_template
 
 ROWS = [
     {"prompt": "def add(a, b):\n", "response": "    return a + b\n"},
@@ -43,10 +44,17 @@ def examples(tmp_path, tok, rows=ROWS, task="instruction_finetune"):
     return [tokenize_example(s, tok) for s in read_examples([str(path)], task)]
 
 
-def loss_of(model, batch):
-    inputs, targets, docs = unpack_batch(batch, "cpu")
-    logits = model(inputs, doc_ids=docs)
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(), reduction="sum")
+def loss_of(model, batch: Batch):
+    return model.training_loss(batch.input_ids, batch.targets, doc_ids=batch.doc_ids).ce_sum
+
+
+def test_training_loss_is_cross_entropy_of_the_logits(tmp_path, tok, model):
+    """The training forward's loss equals a plain cross-entropy of `forward`'s logits."""
+    rows = pack(examples(tmp_path, tok), 256, tok.pad_id, seed=3)
+    batch = rows.batch([0])
+    logits = model(batch.input_ids, doc_ids=batch.doc_ids)
+    expected = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    torch.testing.assert_close(loss_of(model, batch), expected)
 
 
 def test_prompt_tokens_are_masked(tmp_path, tok, model):
@@ -58,12 +66,12 @@ def test_prompt_tokens_are_masked(tmp_path, tok, model):
     rows = pack([ex[0]], 64, tok.pad_id)
     batch = rows.batch([0])
     base = loss_of(model, batch)
-    assert target_count([batch]) == len(ids) - prompt_len
+    assert int(batch.num_targets()) == len(ids) - prompt_len
 
     def with_target(pos: int, new: int):
-        tokens = batch["input_ids"].clone()
+        tokens = batch.input_ids.clone()
         tokens[0, pos] = new  # the *target* stream only: inputs stay as they are
-        return {**batch, "targets": tokens.masked_fill(~rows.trained[[0]], IGNORE)}
+        return Batch(batch.input_ids, Batch.from_masked(tokens, rows.trained[[0]], None).targets, batch.doc_ids)
 
     # Changing a prompt token's target changes nothing; changing a response token's target does.
     for pos in range(1, prompt_len):
@@ -76,20 +84,21 @@ def test_packed_examples_do_not_attend_across(tmp_path, tok, model):
     rows = pack(ex, 256, tok.pad_id, seed=3)
     assert len(rows) == 1 and rows.examples == 3  # all three share one row
     batch = rows.batch([0])
-    docs = batch["doc_ids"][0]
+    docs = batch.doc_ids[0]
     with torch.no_grad():
-        packed = model(batch["input_ids"], doc_ids=batch["doc_ids"])[0]
-        leaky = model(batch["input_ids"])[0]  # plain causal attention over the whole row
+        packed = model(batch.input_ids, doc_ids=batch.doc_ids)[0]
+        leaky = model(batch.input_ids)[0]  # plain causal attention over the whole row
     for d in range(3):
         where = (docs == d).nonzero().flatten()
-        alone = model(batch["input_ids"][:, where])[0].detach()
+        alone = model(batch.input_ids[:, where])[0].detach()
         torch.testing.assert_close(packed[where], alone, atol=2e-5, rtol=1e-4)
         if d > 0:  # the test can fail: without doc ids later examples see earlier ones
             assert not torch.allclose(leaky[where], alone, atol=1e-3)
-    # padding is never trained on, and no target crosses into the next example
-    targets = batch["targets"][0]
-    starts = [int((docs == d).nonzero()[0]) for d in range(3)]
-    assert all(targets[s] == IGNORE for s in starts)
+    # padding is never trained on, and no target crosses into the next example: the last
+    # position of each example predicts nothing (targets are shifted: position t predicts t+1)
+    targets = batch.targets[0]
+    ends = [int((docs == d).nonzero()[-1]) for d in range(3)]
+    assert all(targets[e] == IGNORE for e in ends)
     assert (targets[docs == 3] == IGNORE).all()
 
 
@@ -108,11 +117,9 @@ def test_chat_template_matches_transformers(tmp_path, tok):
     transformers = pytest.importorskip("transformers")
     import shutil
 
-    from lmforge.train.finetune import write_chat_template
-
     folder = tmp_path / "tok"
     shutil.copytree(tok.path, folder)
-    write_chat_template(str(folder))
+    write_chat_template(folder, CHAT_TEMPLATE)
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     msgs = ROWS[2]["messages"]
     ours = "".join(text + (tok.eos_token if trained else "") for text, trained in render_chat(msgs))
@@ -140,14 +147,14 @@ def test_stream_resumes_exactly_and_partitions_ranks(tmp_path, tok):
     kw = dict(micro_batch_size=2, global_batch_size=8, seed=5)
     a = SFTStream(rows, rank=0, world_size=1, **kw)
     it = iter(a)
-    seen = [next(it)["input_ids"] for _ in range(4 * 3)]  # 3 steps of 4 micro-batches
+    seen = [next(it).input_ids for _ in range(4 * 3)]  # 3 steps of 4 micro-batches
     b = SFTStream(rows, rank=0, world_size=1, **kw)
     b.load_state_dict(json.loads(json.dumps(SFTStream(rows, rank=0, world_size=1, **kw).state_dict())))
     state = a.state_dict()
     assert state["steps"] == 3
     b.load_state_dict(state)
-    torch.testing.assert_close(next(iter(b))["input_ids"], next(it)["input_ids"])
+    torch.testing.assert_close(next(iter(b)).input_ids, next(it).input_ids)
     # two ranks together see what one rank sees, per step
     r0, r1 = (iter(SFTStream(rows, rank=r, world_size=2, **kw)) for r in (0, 1))
-    two = [next(r0)["input_ids"], next(r0)["input_ids"], next(r1)["input_ids"], next(r1)["input_ids"]]
+    two = [next(r0).input_ids, next(r0).input_ids, next(r1).input_ids, next(r1).input_ids]
     torch.testing.assert_close(torch.cat(two), torch.cat(seen[:4]))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from lmforge.data.batch import IGNORE, Batch, BatchStream
 from lmforge.data.mds import MDSWriter
 from lmforge.data.stream import DatasetSpec, TokenStream, open_dataset
 from lmforge.errors import UserError
@@ -38,7 +39,8 @@ def ids(batch: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def take(stream: TokenStream, n: int) -> list[torch.Tensor]:
-    return list(islice(iter(stream), n))
+    """The token ids of the next n micro-batches."""
+    return [b.input_ids for b in islice(iter(stream), n)]
 
 
 def stream(path, tmp_path, **kw) -> TokenStream:
@@ -49,9 +51,14 @@ def stream(path, tmp_path, **kw) -> TokenStream:
 
 def test_batches_shape_and_truncation(ds, tmp_path):
     s = stream(ds, tmp_path, seq_len=5)
-    b = next(iter(s))
+    batch = next(iter(s))
+    assert isinstance(batch, Batch) and isinstance(s, BatchStream)
+    b = batch.input_ids
     assert b.dtype == torch.long and b.shape == (2, 5)
     assert torch.all(b[:, 2:] == 7)
+    # targets: each position's next token; the last position predicts nothing
+    assert torch.equal(batch.targets[:, :-1], b[:, 1:]) and torch.all(batch.targets[:, -1] == IGNORE)
+    assert batch.doc_ids is None
 
 
 def test_seq_len_longer_than_samples_is_an_error(ds, tmp_path):

@@ -35,12 +35,12 @@ def test_stream_from_s3_equals_local(s3_env, tmp_path):
     reader.get_tokens(0)
     assert len(list((cache / "probe").glob("shard.*"))) == 2  # shard 0: the .zstd and its raw copy
 
-    ref = list(islice(iter(_stream(local, str(tmp_path / "lc"))), 80))  # > 1 epoch
-    got = list(islice(iter(_stream(uri, str(cache / "stream"), num_workers=2)), 80))
+    ref = [b.input_ids for b in islice(iter(_stream(local, str(tmp_path / "lc"))), 80)]  # > 1 epoch
+    got = [b.input_ids for b in islice(iter(_stream(uri, str(cache / "stream"), num_workers=2)), 80)]
     assert all(torch.equal(a, b) for a, b in zip(ref, got)) and len(got) == 80
 
     # a second open reuses the cache (no refetch needed: works with the server unreachable too)
-    again = list(islice(iter(_stream(uri, str(cache / "stream"))), 80))
+    again = [b.input_ids for b in islice(iter(_stream(uri, str(cache / "stream"))), 80)]
     assert all(torch.equal(a, b) for a, b in zip(ref, again))
 
 

@@ -53,7 +53,7 @@ def _load_model(value: str):
 
 
 def run(args) -> int:
-    from lmforge.estimate.plan import check_fits, format_plan, make_plan
+    from lmforge.estimate.plan import check_fits, format_plan, estimate_run
 
     if (args.model is None) == (args.params is None):
         raise UserError("estimate: give exactly one of --model PRESET_OR_YAML or --params COUNT")
@@ -65,7 +65,7 @@ def run(args) -> int:
         seq_len = seq_len or yaml_seq
     else:
         model = parse_count(args.params, "--params")
-    plan = make_plan(
+    plan = estimate_run(
         model,
         tokens=parse_count(args.tokens, "--tokens") if args.tokens is not None else None,
         gpus=args.gpus,

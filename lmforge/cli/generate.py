@@ -52,10 +52,6 @@ def _prompt(args) -> str:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"--file {args.file}: cannot read ({e.strerror if isinstance(e, OSError) else e})") from None
-    if args.chat:
-        from lmforge.data.sft import chat_prompt
-
-        text = chat_prompt(text)
     if not text:
         raise UserError("prompt: empty (give --prompt TEXT or a non-empty --file)")
     return text
@@ -68,7 +64,7 @@ def run(args) -> int:
     from lmforge.distributed.dist import pick_device
     from lmforge.errors import UserError
     from lmforge.models import generate
-    from lmforge.models.locate import check_tokenizer_fits, load_model
+    from lmforge.train.locate import check_tokenizer_fits, load_model
 
     device = pick_device(args.device, 0)
     model, cfg, loc = load_model(args.checkpoint, device=device)
@@ -77,6 +73,12 @@ def run(args) -> int:
         raise UserError(f"checkpoint {args.checkpoint}: no tokenizer stored with it; pass --tokenizer DIR")
     tok = load_tokenizer(tok_dir)
     check_tokenizer_fits(tok, cfg, f"checkpoint {args.checkpoint}")
+    if args.chat:  # the tokenizer's own chat template if it has one, else lmforge's plain one
+        from lmforge.data.chat import load_chat_template
+        from lmforge.data.sft import chat_prompt
+
+        template = load_chat_template(tok.path)
+        text = template.generation_prompt(text, tok) if template else chat_prompt(text)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
     sys.stdout.write(text)
     sys.stdout.flush()

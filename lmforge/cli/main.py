@@ -19,7 +19,6 @@ from lmforge.errors import UserError
 # exist yet is skipped, so the CLI stays usable while features are added.
 COMMAND_MODULES = [
     "lmforge.cli.train",
-    "lmforge.cli.finetune",
     "lmforge.cli.pipeline",
     "lmforge.cli.data",
     "lmforge.cli.tokenizer",
@@ -28,6 +27,7 @@ COMMAND_MODULES = [
     "lmforge.cli.generate",
     "lmforge.cli.export",
     "lmforge.cli.runs",
+    "lmforge.cli.report",
     "lmforge.cli.launch",
 ]
 

@@ -14,7 +14,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from lmforge.pipeline import run_pipeline
+    from lmforge.runs.stages import run_pipeline
 
     results = run_pipeline(args.file)
     for r in results:

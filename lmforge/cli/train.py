@@ -1,4 +1,10 @@
-"""`lmforge train -f run.yaml [overrides]`."""
+"""`lmforge train -f run.yaml` and `lmforge finetune -f sft.yaml`: one command path for both.
+
+Both load the config with the same overrides, check object-store credentials once, then run
+in one of three ways: register and supervise the run (the first process), start torchrun
+(several ranks), or train in this process (a supervised child or a torchrun rank).
+`finetune` differs only in its default `task_type` (instruction_finetune) and its help.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +13,38 @@ import os
 import sys
 
 from lmforge.cli.common import add_command
+from lmforge.config.reference import render_text
+from lmforge.errors import UserError
+
+SFT_DEFAULT_TASK = "instruction_finetune"
 
 
 def register(sub) -> None:
     p = add_command(sub, "train", "pretrain (or continue pretraining) a model from a YAML config",
                     description="Train from a run config. Re-running the same command continues from the latest "
                     "checkpoint in save_folder (autoresume).")
+    add_run_arguments(p)
+    p.epilog = render_text()
+    p.set_defaults(func=run)
+    p = add_command(sub, "finetune", "fine-tune a model on prompt/response or chat JSONL (SFT)",
+                    description="Fine-tune from a run config with task_type instruction_finetune (default), "
+                    "chat_completion or continued_pretrain. `model` and `tokenizer` default to those of "
+                    "custom_weights_path. Re-running the same command resumes (autoresume).")
+    add_run_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_run_arguments(p) -> None:
     p.add_argument("-f", "--file", metavar="YAML", help="run config (see examples/)")
     p.add_argument("--model", help="override `model` (a preset name)")
+    p.add_argument("--weights", metavar="PATH", help="override `custom_weights_path` (run folder, final/, step "
+                   "folder or Hugging Face folder)")
     p.add_argument("--train-data", action="append", metavar="PATH", help="override `train_data` (repeatable)")
     p.add_argument("--training-duration", metavar="DUR", help="override, e.g. 10000tok, 500ba, 2ep, 30min")
     p.add_argument("--save-folder", metavar="DIR", help="override `save_folder`")
     p.add_argument("--name", help="override `name`")
+    p.add_argument("--price-per-gpu-hour", type=float, metavar="P",
+                   help="override `compute.price_per_gpu_hour`: show the cost so far and to finish")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override any key, e.g. --set parameters.learning_rate=3e-4 (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
@@ -36,34 +62,36 @@ def register(sub) -> None:
                    help="do not run the object-store credentials check before training")
     p.add_argument("--detach", action="store_true",
                    help="run in the background (logs in <save_folder>/logs); print the run name and return")
-    from lmforge.config.reference import render_text
-
-    p.epilog = render_text()
-    p.set_defaults(func=run)
 
 
 def load_from_args(args):
-    from lmforge.errors import UserError
+    """The run config of a `train` / `finetune` command line (overrides applied, validated)."""
+    from lmforge.config.load import build_config, load_raw
+    from lmforge.train.locate import fill_from_weights
 
+    finetune = args.command == "finetune"
     if not args.file and not (args.model and args.train_data and args.training_duration):
-        raise UserError("train: give a config with -f FILE (or at least --model, --train-data and --training-duration)")
-    overrides = {"model": args.model, "train_data": args.train_data, "training_duration": args.training_duration,
-                 "save_folder": args.save_folder, "name": args.name}
+        raise UserError(f"{args.command}: give a config with -f FILE (or at least --model, --train-data and "
+                        "--training-duration)")
+    overrides = {"model": args.model, "custom_weights_path": args.weights, "train_data": args.train_data,
+                 "training_duration": args.training_duration, "save_folder": args.save_folder, "name": args.name}
     if args.no_autoresume:
         overrides["autoresume"] = False
     sets = list(args.set)
     for flag, key in (("nnodes", "compute.nodes"), ("node_rank", "compute.node_rank"),
-                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_restarts", "max_retries")):
+                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_restarts", "max_retries"),
+                      ("price_per_gpu_hour", "compute.price_per_gpu_hour")):
         if getattr(args, flag, None) is not None:
             sets.append(f"{key}={getattr(args, flag)}")
-    from lmforge.train.finetune import load_run_config  # `model` may come from custom_weights_path
-
-    return load_run_config(args.file, overrides=overrides, sets=sets)
+    raw = load_raw(args.file, overrides=overrides, sets=sets)
+    if finetune:
+        raw.setdefault("task_type", SFT_DEFAULT_TASK)
+    # `model` and `tokenizer` may come from custom_weights_path.
+    return build_config(fill_from_weights(raw), source=args.file)
 
 
 def run(args) -> int:
     from lmforge import secrets
-    from lmforge.errors import UserError
 
     try:
         return _run(args)
@@ -86,29 +114,27 @@ def _run(args) -> int:
         if args.check_credentials:
             print("credentials: ok" if checked else "credentials: nothing remote to check")
             return 0
-    # [runs] `lmforge train` registers the run and supervises a child `lmforge train` (retries,
-    # logs, `lmforge runs ...`); the child, and torchrun ranks, come through here and just train.
-    from lmforge.runs.launch import launch, should_supervise
-    from lmforge.distributed.launch import launch as launch_ranks, needs_launch
+    # [runs] the first process registers the run and supervises a child `lmforge train`
+    # (retries, logs, `lmforge runs ...`); the child, and torchrun ranks, come through here and just train.
+    from lmforge.distributed.torchrun import launch as launch_ranks, needs_launch
+    from lmforge.runs.start import start, should_supervise
 
     nproc = needs_launch(cfg)  # several GPUs, compute.ranks: N or several nodes → torchrun (mesh checked here)
     if should_supervise() and cfg.compute.node_rank == 0:  # other nodes: torchrun's agent restarts workers
-        return launch(cfg, args)
+        return start(cfg, args)
     if nproc:
         return launch_ranks(cfg, nproc, sys.argv[1:])
-    from lmforge.train.trainer import train
-
-    return train_here(train, cfg, args)
+    return train_here(cfg, args)
 
 
-def train_here(train_fn, cfg, args) -> int:
+def train_here(cfg, args) -> int:
     """Train in this process (a supervised child or a torchrun rank); report the outcome to the
     supervisor and print the summary on rank 0."""
-    from lmforge.errors import UserError
+    from lmforge.runs.job import run_job
     from lmforge.runs.supervisor import report_status
 
     try:
-        result = train_fn(cfg, overwrite=args.overwrite)
+        result = run_job(cfg, overwrite=args.overwrite)
     except UserError as e:
         report_status("failed", error=str(e), exit_code=e.exit_code)
         raise
@@ -144,6 +170,9 @@ def print_summary(result, as_json: bool = False) -> None:
     if result.final_dir:
         c.print(f"final model: {result.final_dir}  (lmforge generate --checkpoint {result.final_dir})")
     c.print(f"metrics:     {os.path.join(result.save_folder, 'metrics.jsonl')}")
+    report = os.path.join(result.save_folder, "report.html")
+    if "://" in result.save_folder or os.path.exists(report):
+        c.print(f"report:      {report}")
     if result.mlflow_ui:
         c.print(f"MLflow:      {result.mlflow_ui}")
 
@@ -152,22 +181,21 @@ def dry_run(cfg, args) -> int:
     """Resolve every default without training; data preparation is not started for this."""
     import yaml
 
+    from lmforge.config.identity import with_default_names
+    from lmforge.config.model import padded_vocab
+    from lmforge.config.schema import TokenizerSpec
+    from lmforge.data.tokenizer import load_tokenizer
     from lmforge.distributed.dist import pick_device
-    from lmforge.estimate.plan import format_plan, make_plan as estimate_plan
+    from lmforge.estimate.plan import estimate_run, format_plan
     from lmforge.train.plan import make_plan, resolved_config
-    from lmforge.train.trainer import default_names
 
-    cfg = default_names(cfg)
+    cfg = with_default_names(cfg)
     if cfg.model.vocab_size is None:
-        from lmforge.config.schema import TokenizerSpec
-
-        vocab = cfg.tokenizer.train.vocab_size if isinstance(cfg.tokenizer, TokenizerSpec) else None
+        vocab = cfg.tokenizer.train.vocab_size if isinstance(cfg.tokenizer, TokenizerSpec) and cfg.tokenizer.train else None
         if isinstance(cfg.tokenizer, str) and os.path.exists(cfg.tokenizer):
-            from lmforge.data.tokenizer import load_tokenizer
-
             vocab = load_tokenizer(cfg.tokenizer).vocab_size
         if vocab:
-            cfg.model.vocab_size = 64 * -(-vocab // 64)
+            cfg.model.vocab_size = padded_vocab(vocab)
     device = pick_device(cfg.compute.device, 0)
     world = cfg.compute.ranks or 1
     if device.type == "cuda":
@@ -184,8 +212,8 @@ def dry_run(cfg, args) -> int:
 
         name = detect_device_spec(device).name
         gpu_type = name if name in GPU_TYPES else "h100-sxm"
-    est = estimate_plan(cfg.model, tokens=plan.total_tokens, gpus=world if device.type == "cuda" else 1,
-                        gpu_type=gpu_type, seq_len=plan.context_length)
+    est = estimate_run(cfg.model, tokens=plan.total_tokens, gpus=world if device.type == "cuda" else 1,
+                       gpu_type=gpu_type, seq_len=plan.context_length, price=cfg.compute.price_per_gpu_hour)
     if args.json:
         print(json.dumps({"config": resolved, "plan": est}, indent=1, default=str))
         return 0

@@ -36,6 +36,7 @@ from typing import Callable
 import numpy as np
 
 from lmforge.errors import UserError
+from lmforge.home import cache_dir as lmforge_cache
 
 INDEX = "index.json"
 
@@ -55,14 +56,6 @@ _VARIABLE = {"bytes", "str", "str_int", "str_float", "str_decimal", "json", "nda
 _UNSUPPORTED = {"pil", "jpeg", "png", "pkl"}  # image/pickle columns: not for token datasets
 
 _ZSTD_DEFAULT_LEVEL = 3
-
-
-def cache_root() -> Path:
-    """Root of lmforge's data cache (``$LMFORGE_CACHE`` or ``~/.cache/lmforge``)."""
-    return Path(os.environ.get("LMFORGE_CACHE") or Path.home() / ".cache" / "lmforge")
-
-
-# ----------------------------------------------------------------------------- encodings
 
 
 def _parse_ndarray(encoding: str) -> tuple[str | None, tuple[int, ...] | None]:
@@ -434,7 +427,7 @@ class MDSReader:
     ``local_dir`` holds ``index.json`` and the shard files. With ``fetch`` (a callable that
     brings ``basename`` into ``local_dir``, used for remote datasets) shards are fetched on first
     use instead of being required up front. Compressed shards are decompressed once into
-    ``cache_dir`` (default: under ``cache_root()``, keyed by the folder and its index).
+    ``cache_dir`` (default: under ``$LMFORGE_HOME/cache/mds``, keyed by the folder and its index).
     """
 
     def __init__(
@@ -454,7 +447,7 @@ class MDSReader:
         self._fetch = fetch
         if cache_dir is None:
             key = hashlib.sha256(str(self.local_dir.resolve()).encode() + index_path.read_bytes()).hexdigest()[:16]
-            cache_dir = str(cache_root() / "mds" / "raw" / key)
+            cache_dir = os.path.join(lmforge_cache("mds"), "raw", key)
         self.cache_dir = Path(cache_dir)
         s0 = self.shards[0] if self.shards else {"column_names": [], "column_encodings": []}
         self.columns: dict[str, str] = dict(zip(s0["column_names"], s0["column_encodings"]))

@@ -1,7 +1,7 @@
 """Job files for clusters: a SLURM sbatch script and a Kubeflow PyTorchJob manifest.
 
 Both start one `lmforge train` per node; each of those starts torchrun for its GPUs and joins
-the c10d rendezvous on the first node (see ``lmforge.distributed.launch``). Nothing here
+the c10d rendezvous on the first node (see ``lmforge.distributed.torchrun``). Nothing here
 submits anything: the files are written and the user submits them.
 """
 

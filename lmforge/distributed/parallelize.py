@@ -22,8 +22,12 @@ from functools import partial
 import torch
 import torch.distributed as td
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.dist import DistInfo
@@ -50,8 +54,6 @@ def ac_plan(value, n_layers: int) -> tuple[str | None, list[int]]:
 
 
 def _selective_policy():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
     aten = torch.ops.aten
     # Expensive to recompute: keep their outputs. Norms, activations, RoPE: recompute.
     keep = {aten.mm.default, aten.addmm.default, aten.bmm.default,
@@ -120,8 +122,6 @@ def check_mesh(compute: ComputeConfig, world_size: int, local_world_size: int | 
 
 def build_mesh(compute: ComputeConfig, dist: DistInfo):
     """1-D mesh (shard) for fsdp, 2-D (replicate, shard) for hsdp."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     ensure_process_group(dist)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
     replicate, shard = check_mesh(compute, dist.world_size, local)
@@ -132,8 +132,6 @@ def build_mesh(compute: ComputeConfig, dist: DistInfo):
 
 def apply_fsdp(model: nn.Module, mesh, *, bf16: bool, reshard_after_forward: bool) -> None:
     """FSDP2 per transformer block, then the root (embeddings, final norm, head)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     # bf16 compute and communication of weights, fp32 gradient reduction and master weights.
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
@@ -141,16 +139,36 @@ def apply_fsdp(model: nn.Module, mesh, *, bf16: bool, reshard_after_forward: boo
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # The root's weights are needed again right at the start of backward: keep them gathered.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    # FSDP gathers the root's weights around `forward` only; the model's other entry points
+    # (the training forward and cached decoding) need the same hooks.
+    for method in ("training_loss", "decode"):
+        register_fsdp_forward_method(model, method)
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return isinstance(model, FSDPModule)
 
 
+class TrainingForward(nn.Module):
+    """Makes the model's training forward (`training_loss`) a module's `forward`.
+
+    DDP synchronizes gradients only for calls that go through the wrapped module's `forward`;
+    with this adapter every kind of data parallelism is driven the same way:
+    ``parallelize(model, ...)(input_ids, targets, doc_ids=...)`` → `LossOutput`. It owns no
+    parameters of its own (the model's names are unchanged in checkpoints).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None):
+        return self.model.training_loss(input_ids, targets, doc_ids=doc_ids)
+
+
 def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32") -> nn.Module:
-    """Returns the module to train (a DDP wrapper around ``model``, or ``model`` itself).
+    """Apply, in this order, activation checkpointing → compile → data parallelism; returns the
+    module that runs one training forward (a `TrainingForward`, inside DDP when replicated).
 
     With fsdp/hsdp, ``model`` may live on the meta device; call ``materialize`` afterwards.
     """
@@ -161,11 +179,11 @@ def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, pre
     if compute.data_parallel in SHARDED:
         apply_fsdp(model, build_mesh(compute, dist), bf16=precision == "bf16",
                    reshard_after_forward=compute.reshard_after_forward)
-        return model
+        return TrainingForward(model)
     if dist.distributed and compute.data_parallel != "none":
         ids = [dist.device.index] if dist.device.type == "cuda" else None
-        return DDP(model, device_ids=ids)
-    return model
+        return DDP(TrainingForward(model), device_ids=ids)
+    return TrainingForward(model)
 
 
 def materialize(model: nn.Module, device: torch.device, full_state: dict | None) -> None:
@@ -176,8 +194,6 @@ def materialize(model: nn.Module, device: torch.device, full_state: dict | None)
     model. Rank 0 builds it with the run's seed, which keeps "same seed → same weights"
     whatever the number of ranks.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     model.to_empty(device=device)
     model.init_rope()  # non-persistent buffers are not in any state dict
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -186,36 +202,36 @@ def materialize(model: nn.Module, device: torch.device, full_state: dict | None)
 
 def full_state_dict(model: nn.Module) -> dict | None:
     """The whole model's weights on the CPU, on rank 0 (None on the others). Collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return sd if td.get_rank() == 0 else None
 
 
 @contextmanager
-def no_grad_sync(train_model: nn.Module, skip: bool):
+def no_grad_sync(train_forward: nn.Module, skip: bool):
     """Accumulate gradients locally (no all-reduce / reduce-scatter) while ``skip``."""
+    model = unwrap(train_forward)
     if not skip:
         yield
-    elif isinstance(train_model, DDP):
-        with train_model.no_sync():
+    elif isinstance(train_forward, DDP):
+        with train_forward.no_sync():
             yield
-    elif is_sharded(train_model):
-        train_model.set_requires_gradient_sync(False)
+    elif is_sharded(model):
+        model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            train_model.set_requires_gradient_sync(True)
+            model.set_requires_gradient_sync(True)
     else:
         yield
 
 
 def local_value(t) -> float:
     """A (possibly DTensor) scalar as a float: FSDP's grad norm is a replicated DTensor."""
-    from torch.distributed.tensor import DTensor
-
     return float(t.full_tensor() if isinstance(t, DTensor) else t)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DDP) else model
+def unwrap(train_forward: nn.Module) -> nn.Module:
+    """The model inside what `parallelize` returned."""
+    if isinstance(train_forward, DDP):
+        train_forward = train_forward.module
+    return train_forward.model if isinstance(train_forward, TrainingForward) else train_forward

@@ -1,6 +1,6 @@
 """A training plan: parameters, FLOPs, tokens, time, cost and memory, as one dict.
 
-`make_plan` computes every number (JSON-ready), `format_plan` renders it as a table,
+`estimate_run` computes every number (JSON-ready), `format_plan` renders it as a table,
 `check_fits` turns a plan that cannot run into a one-line UserError. Used by
 `lmforge estimate` and `lmforge train --dry-run`.
 """
@@ -25,7 +25,7 @@ def _check_positive(value, name: str) -> None:
         raise UserError(f"{name}: expected a number > 0, got {value}")
 
 
-def make_plan(
+def estimate_run(
     model: ModelConfig | int | float,
     tokens: float | None = None,
     gpus: int = 1,

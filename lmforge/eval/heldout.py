@@ -9,26 +9,31 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 
+from lmforge.data.batch import Batch
 from lmforge.distributed.dist import all_reduce_sum
 
 
 @torch.no_grad()
-def heldout_loss(model: torch.nn.Module, batches, device: torch.device, autocast=nullcontext) -> tuple[float, int]:
-    """Mean next-token loss (nats) over the given batches, summed across ranks."""
+def heldout_loss(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device,
+                 autocast=nullcontext) -> tuple[float, int]:
+    """Mean next-token loss (nats) per target over the given batches, summed across ranks.
+
+    Uses the model's training forward (`training_loss`), so held-out and training losses are the
+    same function; targets marked IGNORE (fine-tuning prompts, padding) do not count.
+    """
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in batches:
-        batch = batch.to(device, non_blocking=True)
+        batch = batch.to(device)
         with autocast():
-            logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-        total[0] += loss.double()
-        total[1] += batch[:, 1:].numel()
+            out = model.training_loss(batch.input_ids, batch.targets, doc_ids=batch.doc_ids)
+        total[0] += out.ce_sum.double()
+        total[1] += batch.num_targets()
     model.train(was_training)
     all_reduce_sum(total)
     n = int(total[1].item())

@@ -302,7 +302,8 @@ def generate_batch(model, prompts: list[list[int]], max_new: list[int], stop_ids
 def _can_cache(model) -> bool:
     weight = getattr(getattr(model, "tok_embeddings", None), "weight", None)
     # Sharded (DTensor) weights take the plain path, which every rank runs in step.
-    return hasattr(model, "new_kv_cache") and weight is not None and not hasattr(weight, "placements")
+    return hasattr(model, "new_kv_cache") and hasattr(model, "decode") and weight is not None \
+        and not hasattr(weight, "placements")
 
 
 def _generate_cached(model, prompt: list[int], max_new: int, stop_ids: set[int], pick, done, device) -> list[int]:
@@ -325,8 +326,7 @@ def _generate_cached(model, prompt: list[int], max_new: int, stop_ids: set[int],
 
 
 def _forward_cached(model, ids: list[int], cache, start: int, device) -> torch.Tensor:
-    out = model(torch.tensor([ids], dtype=torch.long, device=device), kv_cache=cache, start_pos=start)
-    return out[0, -1]
+    return model.decode(torch.tensor([ids], dtype=torch.long, device=device), cache, start_pos=start)[0, -1]
 
 
 # ----------------------------------------------------------------------------- model plumbing

@@ -51,7 +51,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, *, 
                     # relative under RoPE, so restarting at 0 is sound).
                     feed, pos = tokens[-(max_len // 2):], 0
                 ids = torch.tensor([feed], dtype=torch.long, device=device)
-                logits = model(ids, kv_cache=cache, start_pos=pos)[0, -1].float()
+                logits = model.decode(ids, cache, start_pos=pos)[0, -1].float()
                 pos += len(feed)
                 tok = _sample(logits, temperature, top_k, top_p, gen)
                 tokens.append(tok)

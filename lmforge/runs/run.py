@@ -107,7 +107,7 @@ class Run:
 
     def restart(self) -> "Run":
         """A new resumption that continues from the latest checkpoint, supervised in the background."""
-        from lmforge.runs.launch import spawn_supervisor, wait_registered
+        from lmforge.runs.start import spawn_supervisor, wait_registered
 
         self.refresh()
         if not self.is_terminal:
@@ -217,7 +217,7 @@ def finetune(config_path_or_dict: str | os.PathLike | dict | None = None, **over
 def _start(command: str, config_path_or_dict, overrides: dict) -> Run:
     """Validate in-process (bad input raises here), write the config, `lmforge <command> --detach`."""
     from lmforge.home import lmforge_home
-    from lmforge.runs.launch import default_name
+    from lmforge.config.identity import default_name
 
     if config_path_or_dict is None:
         raw: dict = {}
@@ -232,7 +232,7 @@ def _start(command: str, config_path_or_dict, overrides: dict) -> Run:
     for key, value in overrides.items():
         _merge(raw, key.replace("__", ".").split("."), value)
     if command == "finetune":
-        from lmforge.train.finetune import fill_from_weights
+        from lmforge.train.locate import fill_from_weights
 
         raw.setdefault("task_type", "instruction_finetune")
         raw = fill_from_weights(raw)

@@ -217,17 +217,11 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
 RUN_FILE = "run.json"
 
 
-def run_identity(cfg) -> dict:
-    """What makes two runs 'the same run' (a longer duration or new eval settings do not)."""
-    model = cfg.model.model_dump(mode="json")
-    return {"name": cfg.name, "model": model, "train_data": [d.model_dump(mode="json") for d in cfg.train_data]}
-
-
 def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, autoresume: bool) -> bool:
     """Returns True when the folder already holds this run's checkpoints (resume is possible).
 
-    A folder that holds a different run is refused unless ``overwrite``, in which case its
-    checkpoints are removed (never silently mixed).
+    ``identity`` is `config.identity.run_identity`. A folder that holds a different run is refused
+    unless ``overwrite``, in which case its checkpoints are removed (never silently mixed).
     """
     path = os.path.join(save_folder, RUN_FILE)
     if not os.path.exists(path):

@@ -1,8 +1,20 @@
-"""The training loop: config → data → model → steps → checkpoints and trackers.
+"""The trainer: one code path for one CPU process, N gloo ranks under torchrun, and GPUs.
 
-One code path for a single CPU process, torchrun with N gloo ranks, and GPUs. Read
-`train()` top to bottom: setup, resume, then the loop (accumulate micro-batches, clip,
-step, log, evaluate, checkpoint), then the final export.
+Read it top to bottom:
+
+- `Trainer.__init__` claims the save folder (same run → resume, another run → refuse), builds
+  the model (seeded, sharded or replicated), the optimizer and the data stream, and loads the
+  latest checkpoint;
+- `train_step` is one optimizer step: forward and backward over the micro-batches of one global
+  batch, gradient clipping, the update. A test or a profiler can call it alone;
+- `evaluate` is held-out loss / perplexity / bits per byte and generations from the eval prompts;
+- `save` / `load` write and read checkpoints through state objects that carry their own
+  ``state_dict()``: model and optimizer (DCP), data stream, counters (`TrainState`), RNG;
+- `fit` is the loop: steps, logging, periodic evaluation and checkpoints, a graceful stop on
+  SIGTERM / Ctrl-C, and at the end a final evaluation, checkpoint and export.
+
+The trainer knows nothing of trackers, object stores or the run registry: they hook in through
+`train.callbacks`. What it needs is set up by `train.setup.setup_run` (a `RunSetup`).
 """
 
 from __future__ import annotations
@@ -10,37 +22,76 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from lmforge.config.identity import run_identity
 from lmforge.config.schema import RunConfig
-from lmforge.data.pipeline import ResolvedData, resolve_data
-from lmforge.data.stream import DatasetSpec, TokenStream
-from lmforge.data.tokenizer import load_tokenizer
-from lmforge.distributed.dist import (DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object, destroy,
-                                      init_distributed)
+from lmforge.data.batch import Batch, StreamLayout, TrainingData
+from lmforge.data.vocab_extension import read_extension
+from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.parallelize import (SHARDED, full_state_dict, is_sharded, local_value, materialize,
                                               no_grad_sync, parallelize)
 from lmforge.errors import UserError
 from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
-from lmforge.models import build_model, generate, save_pretrained
+from lmforge.eval.in_training import generations, load_icl, run_icl
+from lmforge.models import build_model, save_pretrained
+from lmforge.models.io import write_chat_template
+from lmforge.models.lora import apply_lora, save_final as save_lora_final
+from lmforge.models.resize import extend_embeddings
 from lmforge.models.transformer import Transformer
 from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
-from lmforge.train import remote_store
-from lmforge.train.finetune import target_count, unpack_batch
+from lmforge.train.callbacks import Callback, Callbacks, RunInfo
+from lmforge.train.locate import load_model
 from lmforge.train.optim import build_optimizer, lr_factor
-from lmforge.train.plan import TrainPlan, make_plan, resolved_config
+from lmforge.train.plan import TrainPlan
 
 
 class TrainingDiverged(UserError):
     exit_code = 3
+
+
+@dataclass
+class RunSetup:
+    """Everything resolved before training: the config with every default written in, the plan
+    (batch sizes, steps, LR, intervals), the data and the tokenizer."""
+
+    cfg: RunConfig
+    plan: TrainPlan
+    data: TrainingData
+    tokenizer: object  # data.tokenizer.Tokenizer
+
+
+@dataclass
+class TrainState:
+    """The counters a checkpoint carries (besides model, optimizer, data position and RNG)."""
+
+    step: int = 0  # optimizer steps taken
+    tokens: int = 0  # tokens trained on, all ranks
+    elapsed_s: float = 0.0  # training wall time, summed over resumptions
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.elapsed_s = float(state.get("elapsed_s", 0.0))
+
+
+@dataclass
+class StepOutput:
+    loss: float  # mean next-token loss of the step, all ranks
+    grad_norm: float  # before clipping
+    lr: float
+    moe: dict = field(default_factory=dict)  # MoE routing statistics of the last micro-batch
 
 
 @dataclass
@@ -52,428 +103,385 @@ class TrainResult:
     final_dir: str | None
     eval: dict = field(default_factory=dict)
     generations: list[str] = field(default_factory=list)
-    mlflow_ui: str | None = None
+    mlflow_ui: str | None = None  # filled in by the operations layer when MLflow tracks the run
 
 
-def default_names(cfg: RunConfig) -> RunConfig:
-    """Fill name and save_folder (a stable folder, so re-running the command resumes)."""
-    name = cfg.name or f"{cfg.model.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return cfg.model_copy(update={"name": name, "save_folder": cfg.save_folder or os.path.join("runs", name)})
+def _silent(*_args, **_kwargs) -> None:
+    pass
 
 
-def vocab_for(cfg: RunConfig, tokenizer_vocab: int) -> RunConfig:
-    """The model's vocabulary: the tokenizer's, rounded up to a multiple of 64 (faster matmuls)."""
-    v = cfg.model.vocab_size
-    if v is None:
-        v = 64 * math.ceil(tokenizer_vocab / 64)
-    elif v < tokenizer_vocab:
-        raise UserError(f"model.vocab_size ({v}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})")
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": v})})
+class Trainer:
+    def __init__(self, setup: RunSetup, dist: DistInfo, *, save_folder: str | None = None,
+                 callbacks: Sequence[Callback] = (), overwrite: bool = False, log=print):
+        self.cfg, self.plan, self.data, self.tokenizer = setup.cfg, setup.plan, setup.data, setup.tokenizer
+        self.dist, self.device = dist, dist.device
+        self.save_folder = save_folder or self.cfg.save_folder  # local (a remote run's staging folder)
+        self.callbacks = Callbacks(callbacks if dist.is_main else ())
+        self.log = log if dist.is_main else _silent
+        self.state = TrainState()
+        self.sharded = self.cfg.compute.data_parallel in SHARDED
+        self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) \
+            if self.plan.precision == "bf16" else nullcontext
+        self.icl = load_icl(self.cfg)  # bad task files fail before any training
 
+        resume_from = self._claim_save_folder(overwrite)
+        self.model, self.train_forward = self._build_model(from_weights=not resume_from)
+        p = self.cfg.parameters
+        self.optimizer = build_optimizer(self.model, lr=self.plan.learning_rate, weight_decay=p.weight_decay,
+                                         betas=tuple(p.betas), eps=p.eps, device_type=self.device.type)
+        self.layout = StreamLayout(
+            seq_len=self.plan.context_length, micro_batch=self.plan.micro_batch,
+            global_batch=self.plan.global_batch, rank=dist.rank, world_size=dist.world_size, seed=p.seed,
+            num_workers=self.cfg.compute.num_workers, pin_memory=self.device.type == "cuda")
+        self.stream = self.data.train_stream(self.layout)
+        self.eval_sets = self.data.eval_sets(self.layout, self.cfg.eval.max_batches)
+        self.resumed = bool(resume_from)
+        if resume_from:
+            self.load(resume_from)
+        restarted_from_elastic(self.save_folder, resume_from, self.state.step, dist, self.log)
+        self.saver = ckpt.PendingSave() if self.cfg.compute.async_checkpoint else None
+        self.peak_flops = peak_flops(detect_device_spec(self.device),
+                                     "bf16" if self.plan.precision == "bf16" else "fp32")
+        self._stop_asked = False
+        self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
+        self._elapsed0 = 0.0
 
-def _autocast(device: torch.device, precision: str):
-    if precision == "bf16":
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    return nullcontext
+    # ------------------------------------------------------------------ setup
 
-
-def _stream(data: ResolvedData, plan: TrainPlan, dist: DistInfo, cfg: RunConfig, *, split="train",
-            datasets=None, micro_batch=None, global_batch=None) -> TokenStream:
-    specs = [DatasetSpec(d.name, d.path, d.proportion) for d in (datasets or data.train)]
-    mb = micro_batch or plan.micro_batch
-    return TokenStream(specs, seq_len=plan.context_length, micro_batch_size=mb,
-                       global_batch_size=global_batch or plan.global_batch, rank=dist.rank,
-                       world_size=dist.world_size, seed=cfg.parameters.seed,
-                       num_workers=cfg.compute.num_workers if split == "train" else 0, split=split)
-
-
-def setup(cfg: RunConfig, dist: DistInfo, log=print):
-    """Resolve data and every default. Rank 0 prepares data first; the others then hit the cache."""
-    from lmforge.train.finetune import is_sft, sft_setup
-
-    if is_sft(cfg):  # JSONL prompt/response or chat rows instead of the pretraining pipeline
-        return sft_setup(cfg, dist, log)
-    cfg = default_names(cfg)
-    seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
-    if not dist.is_main:
+    def _claim_save_folder(self, overwrite: bool) -> str | None:
+        """Same run in the folder → the latest checkpoint to resume from; another run → refuse."""
+        identity = run_identity(self.cfg)
+        if self.dist.is_main:
+            self.callbacks.before_resume(self.save_folder)
+            can_resume = ckpt.check_save_folder(self.save_folder, identity, overwrite=overwrite,
+                                                autoresume=self.cfg.autoresume)
+            self.callbacks.resume_decided(self.save_folder, can_resume and self.cfg.autoresume, overwrite)
+            ckpt.write_run_file(self.save_folder, identity, redact_config(self.cfg.model_dump(mode="json")))
         barrier()
-    data = resolve_data(cfg, seq_len, log=log if dist.is_main else (lambda *_: None))
-    if dist.is_main:
-        barrier()
-    tokenizer = load_tokenizer(data.tokenizer_path)
-    cfg = vocab_for(cfg, tokenizer.vocab_size)
-    lengths = [d.seq_len for d in data.train]
-    data_seq_len = min(lengths) if all(lengths) else None
-    if data_seq_len is None:
-        from lmforge.data.stream import open_dataset
+        latest = ckpt.latest_checkpoint(self.save_folder) if self.cfg.autoresume else None
+        return broadcast_object(latest)
 
-        data_seq_len = min(open_dataset(d.path).sample_length(0) for d in data.train)
-    if cfg.parameters.context_length and cfg.parameters.context_length > cfg.model.max_seq_len:
-        cfg.model.max_seq_len = cfg.parameters.context_length
-    probe = None
-    if cfg.training_duration.unit == "ep":
-        from lmforge.data.stream import open_dataset
-
-        probe = sum(len(open_dataset(d.path)) for d in data.train)
-    plan = make_plan(cfg, world_size=dist.world_size, device=dist.device,
-                     samples_per_epoch=probe, data_seq_len=data_seq_len)
-    return resolved_config(cfg, plan), plan, data, tokenizer
-
-
-def train(cfg: RunConfig, *, overwrite: bool = False, log=print) -> TrainResult:
-    from lmforge import secrets
-
-    secrets.apply(cfg)  # credentials named by `secrets:` → this process's environment
-    log = secrets.redacting(log)
-    dist = init_distributed(cfg.compute.device)
-    try:
-        return _train(cfg, dist, overwrite=overwrite, log=log if dist.is_main else (lambda *_: None))
-    finally:
-        destroy()
-
-
-def _train(cfg: RunConfig, dist: DistInfo, *, overwrite: bool, log) -> TrainResult:
-    cfg, plan, data, tokenizer = setup(cfg, dist, log)
-    icl = load_icl(cfg)
-    # A remote save_folder is written to a local staging folder and uploaded in the background.
-    device, save_folder = dist.device, remote_store.local_folder(cfg.save_folder)
-    store = remote_store.open_store(cfg, log) if dist.is_main else None
-    on_saved = store.checkpoint_saved if store else None
-    identity = ckpt.run_identity(cfg)
-
-    # --- save folder: same run → resume; a different run → refuse (unless --overwrite)
-    if dist.is_main:
-        if store:
-            store.fetch_run_file()  # the identity check below then sees the remote run
-        can_resume = ckpt.check_save_folder(save_folder, identity, overwrite=overwrite, autoresume=cfg.autoresume)
-        if store:
-            store.restore(resume=can_resume and cfg.autoresume, overwrite=overwrite)
-        ckpt.write_run_file(save_folder, identity, redact_config(cfg.model_dump(mode="json")))
-    barrier()
-    resume_from = ckpt.latest_checkpoint(save_folder) if cfg.autoresume else None
-    resume_from = broadcast_object(resume_from)
-
-    # --- model, parallelism, optimizer (same seed on every rank → same initial weights)
-    torch.manual_seed(cfg.parameters.seed)
-    sharded = cfg.compute.data_parallel in SHARDED
-    model = None
-    if dist.is_main or not sharded:  # fsdp/hsdp: rank 0 alone builds the full init, on the CPU
-        model = build_model(cfg.model, device="cpu" if sharded else device)
-        if cfg.custom_weights_path and not resume_from:
-            from lmforge.models.locate import load_model
-
-            source, _, _ = load_model(cfg.custom_weights_path, device=model.output_weight.device)
-            if source.state_dict().keys() != model.state_dict().keys() or any(
-                    v.shape != model.state_dict()[k].shape for k, v in source.state_dict().items()):
-                raise UserError(f"custom_weights_path: {cfg.custom_weights_path} holds a different model shape "
-                                "than `model` in the config (leave `model` out to take the weights' own)")
-            model.load_state_dict(source.state_dict(), strict=True)
-            del source
-            log(f"weights: starting from {cfg.custom_weights_path} (fresh optimizer and LR schedule)")
-    if sharded:  # meta-device model, sharded, then each rank's shards filled from rank 0's init
+    def _build_model(self, from_weights: bool) -> tuple[Transformer, torch.nn.Module]:
+        """The same seed on every rank gives the same initial weights; fsdp/hsdp: rank 0 alone
+        builds the full model on the CPU, the others a meta-device twin, then rank 0's weights are
+        scattered shard by shard."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.parameters.seed)
+        model = None
+        if self.dist.is_main or not self.sharded:
+            model = build_model(cfg.model, device="cpu" if self.sharded else self.device)
+            if cfg.custom_weights_path and from_weights:
+                self._load_custom_weights(model)
+            apply_lora(model, cfg.lora, log=self.log)  # frozen base + adapters; no-op without `lora:`
+        if not self.sharded:
+            return model, parallelize(model, cfg.compute, self.dist, precision=self.plan.precision)
         full = model.state_dict() if model is not None else None
         with torch.device("meta"):
-            model = Transformer(cfg.model)
-        train_model = parallelize(model, cfg.compute, dist, precision=plan.precision)
-        materialize(model, device, full)
-        del full
-    else:
-        train_model = parallelize(model, cfg.compute, dist, precision=plan.precision)
-    p = cfg.parameters
-    optimizer = build_optimizer(model, lr=plan.learning_rate, weight_decay=p.weight_decay,
-                                betas=tuple(p.betas), eps=p.eps, device_type=device.type)
-    stream = data.train_stream(plan, dist, cfg) if hasattr(data, "train_stream") else _stream(data, plan, dist, cfg)
+            model = apply_lora(Transformer(cfg.model), cfg.lora)  # the same modules as rank 0's
+        train_forward = parallelize(model, cfg.compute, self.dist, precision=self.plan.precision)
+        materialize(model, self.device, full)
+        return model, train_forward
 
-    step, tokens, elapsed_before = 0, 0, 0.0
-    if resume_from:
-        state = ckpt.load_checkpoint(resume_from, model, optimizer, rank=dist.rank)
-        stream.load_state_dict(state["data"])
-        step, tokens, elapsed_before = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
-        log(f"resume: continuing from {resume_from} (step {step}, {tokens:,} tokens)")
-        if state.get("world_size", dist.world_size) != dist.world_size:
-            log(f"resume: checkpoint written by {state['world_size']} rank(s), resharded onto {dist.world_size}")
-    restarted_from_elastic(save_folder, resume_from, step, dist, log)
-    saver = ckpt.PendingSave() if cfg.compute.async_checkpoint else None
+    def _load_custom_weights(self, model: Transformer) -> None:
+        path = self.cfg.custom_weights_path
+        source, _, _ = load_model(path, device=model.output_weight.device)
+        theirs, ours = source.state_dict(), model.state_dict()
+        extension = read_extension(self.data.tokenizer_path)  # tokenizer.extend: new rows from their pieces
+        if extension:
+            theirs = extend_embeddings(theirs, extension, self.cfg.model.vocab_size)
+        if theirs.keys() != ours.keys() or any(v.shape != ours[k].shape for k, v in theirs.items()):
+            raise UserError(f"custom_weights_path: {path} holds a different model shape than `model` in the "
+                            "config (leave `model` out to take the weights' own)")
+        model.load_state_dict(theirs, strict=True)
+        self.log(f"weights: starting from {path} (fresh optimizer and LR schedule)")
 
-    from lmforge.tracking import build_trackers, mlflow_ui_command
+    # ------------------------------------------------------------------ one step
 
-    trackers = build_trackers(cfg.experiment_tracker, run_name=cfg.name, run_dir=save_folder,
-                              resume=bool(resume_from), total_steps=plan.total_steps,
-                              total_tokens=plan.total_tokens, is_main=dist.is_main)
-    trackers.log_params(redact_config(cfg.model_dump(mode="json")) | {"plan": {
-        "params_total": plan.params["total"], "params_active": plan.params["active"],
-        "world_size": dist.world_size, "grad_accum": plan.grad_accum, "total_steps": plan.total_steps}})
-    _announce(cfg, plan, dist, log)
+    def learning_rate(self) -> float:
+        """The LR of the next step: warmup, then the schedule (by steps, or by elapsed time)."""
+        plan, p = self.plan, self.cfg.parameters
+        progress = None if plan.time_limit_s is None else self._elapsed() / plan.time_limit_s
+        return plan.learning_rate * lr_factor(self.state.step, warmup_steps=plan.warmup_steps,
+                                              total_steps=plan.total_steps or 0, schedule=p.schedule,
+                                              min_ratio=p.min_lr_ratio, progress=progress)
 
-    autocast = _autocast(device, plan.precision)
-    spec = detect_device_spec(device)
-    peak = peak_flops(spec, "bf16" if plan.precision == "bf16" else "fp32")
-    bytes_per_token = {d.name: d.split_stats(split).get("bytes_per_token") for d, split in data.eval}
+    def train_step(self, batches: Sequence[Batch]) -> StepOutput:
+        """One optimizer step over this rank's micro-batches of one global batch.
 
-    def run_eval(at_step: int) -> dict:
-        metrics = {}
-        losses = []
-        for d, split in data.eval:
-            eval_stream = _stream(data, plan, dist, cfg, split=split, datasets=[d],
-                                  global_batch=plan.micro_batch * dist.world_size)
-            batches = _take(eval_stream, cfg.eval.max_batches)
-            loss, n = heldout_loss(train_model, batches, device, autocast)
-            eval_stream.close()
-            prefix = "eval" if len(data.eval) == 1 else f"eval/{d.name}"
-            metrics[f"{prefix}/loss"] = loss
-            metrics[f"{prefix}/perplexity"] = math.exp(min(loss, 50))
-            bpb = bits_per_byte(loss, bytes_per_token.get(d.name))
+        The loss is the mean over every trained-on target of the global batch: each micro-batch's
+        summed cross-entropy is divided by the step's target count (all ranks' mean under data
+        parallelism, which averages gradients). Gradients are synchronized on the last
+        micro-batch only. A non-finite loss or gradient stops the run before the update.
+        """
+        lr = self.learning_rate()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        norm = self._target_norm(batches)
+        ce_total = torch.zeros((), device=self.device)
+        moe: dict = {}
+        for i, batch in enumerate(batches):
+            batch = batch.to(self.device)
+            skip_sync = i < len(batches) - 1 and self.dist.distributed
+            with no_grad_sync(self.train_forward, skip=skip_sync):
+                with self.autocast():
+                    out = self.train_forward(batch.input_ids, batch.targets, batch.doc_ids)
+                loss = out.ce_sum / norm
+                if out.aux_loss is not None:
+                    loss = loss + out.aux_loss / len(batches)
+                    moe = out.moe
+                loss.backward()
+            ce_total += out.ce_sum.detach()
+        clip = self.cfg.parameters.grad_clip or float("inf")
+        # FSDP: a replicated DTensor holding the norm over all shards.
+        grad_norm = local_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        loss_val = all_reduce_sum(ce_total).item() / (norm * self.dist.world_size)
+        if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingDiverged(
+                f"loss became {loss_val} at step {self.state.step + 1} (grad norm {grad_norm:.3g}); stopped without "
+                f"saving. Last good checkpoint: {ckpt.latest_checkpoint(self.save_folder) or 'none'}. "
+                "Try a lower parameters.learning_rate")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.tokens += self.plan.tokens_per_step
+        return StepOutput(loss=loss_val, grad_norm=grad_norm, lr=lr, moe=moe)
+
+    def _target_norm(self, batches: Sequence[Batch]) -> float:
+        """Targets per rank in this step. Pretraining rows all have the same count; fine-tuning
+        rows differ, so their count is summed over ranks (then each rank divides by the mean)."""
+        count = torch.stack([b.num_targets() for b in batches]).sum()
+        if self.data.kind != "pretrain" and self.dist.distributed:
+            count = all_reduce_sum(count.to(self.device)) / self.dist.world_size
+        return max(1.0, float(count))
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self) -> dict:
+        """Held-out loss / perplexity / bits per byte of each eval set, then generations from the
+        eval prompts; logged through the callbacks. Returns the metrics (``_generations`` too)."""
+        metrics, losses = {}, []
+        eval_model = self.model
+        for es in self.eval_sets:
+            loss, n = heldout_loss(eval_model, es.batches(), self.device, self.autocast)
+            metrics[f"{es.name}/loss"] = loss
+            metrics[f"{es.name}/perplexity"] = math.exp(min(loss, 50))
+            metrics[f"{es.name}/tokens"] = n
+            bpb = bits_per_byte(loss, es.bytes_per_token)
             if bpb is not None:
-                metrics[f"{prefix}/bits_per_byte"] = bpb
+                metrics[f"{es.name}/bits_per_byte"] = bpb
             losses.append(loss)
         if len(losses) > 1:
             metrics["eval/loss"] = sum(losses) / len(losses)
-        if hasattr(data, "eval_metrics"):  # fine-tuning: loss on held-out responses
-            metrics |= data.eval_metrics(train_model, plan, dist, cfg, device, autocast)
-        # FSDP: every rank takes part in each forward (same prompts, same seeds → same tokens).
         gens = []
-        if dist.is_main or sharded:
-            with autocast() if sharded else nullcontext():
-                gens = _generations(model, tokenizer, cfg, at_step, compiled=cfg.compute.compile)
-            gens = gens if dist.is_main else []
+        if self.dist.is_main or self.sharded:  # FSDP: every rank takes part in each forward
+            with self.autocast() if self.sharded else nullcontext():
+                gens = generations(self.model, self.tokenizer, self.cfg, compiled=self.cfg.compute.compile)
+            gens = gens if self.dist.is_main else []
         for i, text in enumerate(gens):
-            trackers.log_text(f"generation_{i}", text, at_step)
+            self.callbacks.on_text(f"generation_{i}", text, self.state.step)
         if metrics:
-            trackers.log_metrics(metrics, at_step)
+            self.callbacks.on_metrics(metrics, self.state.step)
         return metrics | {"_generations": gens}
 
-    # --- graceful stop: SIGTERM / first Ctrl-C → checkpoint at the next step boundary, then exit
-    stop = {"asked": False}
+    def evaluate_icl(self) -> dict:
+        metrics = run_icl(self.model, self.tokenizer, self.icl, self.cfg, self.dist, self.sharded, self.autocast)
+        if metrics:
+            self.callbacks.on_metrics(metrics, self.state.step)
+        return metrics
 
-    def _ask_stop(signum, frame):
-        if stop["asked"]:
-            raise KeyboardInterrupt
-        stop["asked"] = True
-        log("stop requested: saving a checkpoint after this step (Ctrl-C again to abort)")
+    # ------------------------------------------------------------------ checkpoints
 
-    old_handlers = {s: signal.signal(s, _ask_stop) for s in (signal.SIGTERM, signal.SIGINT)} \
-        if _in_main_thread() else {}
+    def save(self) -> None:
+        """A checkpoint of the current step (asynchronous when compute.async_checkpoint). Collective."""
+        self.state.elapsed_s = self._elapsed()
+        state = self.state.state_dict() | {
+            "data": self.stream.state_dict(), "world_size": self.dist.world_size,
+            "config": redact_config(self.cfg.model_dump(mode="json"))}
+        ckpt.save_checkpoint(self.save_folder, self.state.step, self.model, self.optimizer, state,
+                             rank=self.dist.rank, keep=self.cfg.save_num_checkpoints_to_keep, pending=self.saver,
+                             on_complete=self.callbacks.on_checkpoint if self.dist.is_main else None)
 
-    last_eval: dict = {}
-    status = "completed"
-    loss_ema = None
-    try:
-        if plan.total_steps is not None and step >= plan.total_steps:
-            log(f"run {cfg.name} already completed {step} steps; nothing to train")
-        it = iter(stream)
-        t_start = time.monotonic()
-        t_log, tok_log = t_start, tokens
-        train_model.train()
-        norm_tokens = plan.micro_batch * (plan.context_length - 1) * plan.grad_accum
-        while not _done(plan, step, elapsed_before + time.monotonic() - t_start):
-            lr = plan.learning_rate * lr_factor(
-                step, warmup_steps=plan.warmup_steps, total_steps=plan.total_steps or 0,
-                schedule=p.schedule, min_ratio=p.min_lr_ratio,
-                progress=None if plan.time_limit_s is None else
-                (elapsed_before + time.monotonic() - t_start) / plan.time_limit_s)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            loss_sum = torch.zeros((), device=device)
-            aux_log: dict = {}
-            batches = [next(it) for _ in range(plan.grad_accum)]
-            # Fine-tuning batches average over their response tokens only (prompts are -100).
-            step_norm = target_count(batches) or norm_tokens
-            for micro, batch in enumerate(batches):
-                inputs, targets, doc_ids = unpack_batch(batch, device)
-                last = micro == plan.grad_accum - 1
-                sync = no_grad_sync(train_model, skip=not last and dist.distributed)
-                with sync:
-                    with autocast():
-                        logits, aux = train_model(inputs, return_aux=True, doc_ids=doc_ids)
-                    # Predict token t+1 from tokens ≤ t; the last position has no target.
-                    ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets[:, 1:].flatten(),
-                                         reduction="sum")
-                    loss = ce / step_norm
-                    if "aux_loss" in aux:
-                        loss = loss + aux["aux_loss"] / plan.grad_accum
-                        aux_log = aux
-                    loss.backward()
-                loss_sum += ce.detach() / step_norm
-            # FSDP: a replicated DTensor holding the norm over all shards.
-            grad_norm = local_value(torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip or float("inf")))
-            loss_val = all_reduce_sum(loss_sum).item() / dist.world_size
-            if not math.isfinite(loss_val) or not math.isfinite(float(grad_norm)):
-                good = ckpt.latest_checkpoint(save_folder)
-                raise TrainingDiverged(
-                    f"loss became {loss_val} at step {step + 1} (grad norm {float(grad_norm):.3g}); stopped without "
-                    f"saving. Last good checkpoint: {good or 'none'}. Try a lower parameters.learning_rate")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if saver is not None:
-                saver.poll()  # rank 0 completes a background checkpoint as soon as it is written
-            step += 1
-            tokens += plan.tokens_per_step
-            if loss_ema is not None and loss_val > 3 * loss_ema and step > plan.warmup_steps:
-                log(f"warning: loss spike at step {step}: {loss_val:.3f} vs recent average {loss_ema:.3f}")
-            loss_ema = loss_val if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_val
+    def load(self, path: str) -> None:
+        """Model, optimizer and this rank's RNG from ``path``; then counters and data position."""
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer, rank=self.dist.rank)
+        self.stream.load_state_dict(state["data"])
+        self.state.load_state_dict(state)
+        self.log(f"resume: continuing from {path} (step {self.state.step}, {self.state.tokens:,} tokens)")
+        if state.get("world_size", self.dist.world_size) != self.dist.world_size:
+            self.log(f"resume: checkpoint written by {state['world_size']} rank(s), resharded onto "
+                     f"{self.dist.world_size}")
 
-            if step % cfg.log_interval == 0 or step == 1 or _done(plan, step, 0):
-                now = time.monotonic()
-                tps = (tokens - tok_log) / max(now - t_log, 1e-9)
-                t_log, tok_log = now, tokens
-                metrics = {"train/loss": loss_val, "train/lr": lr, "train/grad_norm": float(grad_norm),
-                           "train/tokens": tokens, "train/epoch": stream.epoch,
-                           "throughput/tokens_per_s": tps,
-                           "throughput/tokens_per_s_per_device": tps / dist.world_size,
-                           "throughput/mfu": mfu(tps, plan.flops_per_token, dist.world_size, peak)}
-                if device.type == "cuda":
-                    metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-                if aux_log:
-                    metrics["train/moe_lb_loss"] = float(aux_log["moe_lb_loss"])
-                    metrics["train/moe_z_loss"] = float(aux_log["moe_z_loss"])
-                    counts = aux_log["moe_tokens_per_expert"].float()
-                    metrics["train/moe_max_expert_share"] = float(counts.max() / counts.sum().clamp(min=1))
-                trackers.log_metrics(metrics, step)
-
-            done = _done(plan, step, elapsed_before + time.monotonic() - t_start)
-            stop_now = any_rank(stop["asked"], device)  # a stop asked on any rank stops all
-            if step % plan.eval_interval == 0 and not done:
-                last_eval = run_eval(step)
-            if plan.icl_interval and step % plan.icl_interval == 0 and not done:
-                trackers.log_metrics(run_icl(model, tokenizer, icl, cfg, dist), step)
-            if (step % plan.save_interval == 0 and not done) or stop_now:
-                _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist,
-                      elapsed_before + time.monotonic() - t_start, saver, on_complete=on_saved)
-            if stop_now:
-                status = "stopped"
-                break
-
-        if status == "completed":
-            last_eval = run_eval(step)
-            if not plan.total_steps or step > 0:
-                _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist,
-                      elapsed_before + time.monotonic() - t_start, saver, on_complete=on_saved)
-            icl_metrics = run_icl(model, tokenizer, icl, cfg, dist)
-            if icl_metrics:
-                trackers.log_metrics(icl_metrics, step)
-                last_eval |= icl_metrics
-        if saver is not None:
-            saver.wait()  # the last checkpoint is complete before the run reports success
-        final_dir = None
-        if status == "completed":
-            final_dir = _export(model, cfg, dist, os.path.join(save_folder, "final"), data.tokenizer_path)
-        barrier()
-        trackers.finish(status)
-        if store:
-            store.finish()  # the run is complete only once the store has its last checkpoint and export
-    except BaseException:
-        trackers.finish("failed")
-        if store:
-            store.abort()
-        raise
-    finally:
-        stream.close()
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
-    gens = last_eval.pop("_generations", [])
-    return TrainResult(status=status, step=step, tokens=tokens, save_folder=cfg.save_folder, final_dir=final_dir,
-                       eval=last_eval, generations=gens, mlflow_ui=mlflow_ui_command(cfg.experiment_tracker))
-
-
-def _done(plan: TrainPlan, step: int, elapsed: float) -> bool:
-    if plan.total_steps is not None:
-        return step >= plan.total_steps
-    return elapsed >= (plan.time_limit_s or 0)
-
-
-def _take(stream: TokenStream, n: int):
-    it = iter(stream)
-    for _ in range(n):
-        yield next(it)
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-def _save(save_folder, step, tokens, model, optimizer, stream, cfg, dist, elapsed, saver=None, on_complete=None):
-    state = {"step": step, "tokens": tokens, "elapsed_s": elapsed, "data": stream.state_dict(),
-             "world_size": dist.world_size, "config": redact_config(cfg.model_dump(mode="json"))}
-    ckpt.save_checkpoint(save_folder, step, model, optimizer, state, rank=dist.rank,
-                         keep=cfg.save_num_checkpoints_to_keep, pending=saver, on_complete=on_complete)
-
-
-def _export(model, cfg: RunConfig, dist: DistInfo, final_dir: str, tokenizer_dir) -> str | None:
-    """Write the final model on rank 0; FSDP first gathers the full weights (every rank takes part)."""
-    if is_sharded(model):
-        full = full_state_dict(model)
-        if not dist.is_main:
+    def export(self) -> str | None:
+        """Write the final model to ``<save_folder>/final`` on rank 0; FSDP first gathers the full
+        weights (every rank takes part)."""
+        model = self.model
+        if is_sharded(model):
+            full = full_state_dict(model)
+            if not self.dist.is_main:
+                return None
+            model = apply_lora(build_model(self.cfg.model, device="cpu", init=False), self.cfg.lora)
+            model.load_state_dict(full)
+        elif not self.dist.is_main:
             return None
-        model = build_model(cfg.model, device="cpu", init=False)
-        model.load_state_dict(full)
-    elif not dist.is_main:
-        return None
-    save_pretrained(model, cfg.model, final_dir, tokenizer_dir=tokenizer_dir)
-    return final_dir
+        final_dir = os.path.join(self.save_folder, "final")
+        if self.cfg.lora:  # final/ = the merged model, final/adapter = the PEFT adapter
+            save_lora_final(model, self.cfg, final_dir, self.data.tokenizer_path)
+        else:
+            save_pretrained(model, self.cfg.model, final_dir, tokenizer_dir=self.data.tokenizer_path)
+        if self.data.chat_template:
+            write_chat_template(final_dir, self.data.chat_template)
+        return final_dir
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> TrainResult:
+        """Train until the duration is reached or a stop is asked; then evaluate, checkpoint and
+        (when completed) export. Every rank calls it."""
+        self.callbacks.on_start(self._run_info())
+        self._announce()
+        try:
+            # The stop handler stays through the final evaluation and export: those finish.
+            with self._graceful_stop():
+                status = self._loop()
+                last_eval = self._finish() if status == "completed" else {}
+                if self.saver is not None:
+                    self.saver.wait()  # the last checkpoint is complete before the run reports success
+                final_dir = self.export() if status == "completed" else None
+                barrier()
+            self.callbacks.on_end(status, final_dir)
+        except BaseException:
+            self.callbacks.on_end("failed", None)
+            raise
+        finally:
+            self.stream.close()
+        gens = last_eval.pop("_generations", [])
+        return TrainResult(status=status, step=self.state.step, tokens=self.state.tokens,
+                           save_folder=self.cfg.save_folder, final_dir=final_dir, eval=last_eval, generations=gens)
+
+    def _finish(self) -> dict:
+        """The end of a completed run: a last evaluation, checkpoint and ICL pass."""
+        metrics = self.evaluate()
+        if self.plan.total_steps is None or self.state.step > 0:
+            self.save()
+        return metrics | self.evaluate_icl()
+
+    def _loop(self) -> str:
+        plan, state = self.plan, self.state
+        if plan.total_steps is not None and state.step >= plan.total_steps:
+            self.log(f"run {self.cfg.name} already completed {state.step} steps; nothing to train")
+        batches = iter(self.stream)
+        self._start_clock()
+        meter = _Meter(state.tokens)
+        self.train_forward.train()
+        phase = None
+        while not self._done():
+            if self.stream.phase() not in (None, phase):  # a curriculum phase begins (or the run resumes in one)
+                phase = self.stream.phase()
+                self.log(f"data: {phase} from step {state.step}")
+            out = self.train_step([next(batches) for _ in range(plan.grad_accum)])
+            if self.saver is not None:
+                self.saver.poll()  # rank 0 completes a background checkpoint as soon as it is written
+            meter.watch_spike(out.loss, state.step, past_warmup=state.step > plan.warmup_steps, log=self.log)
+            done = self._done()
+            if state.step % self.cfg.log_interval == 0 or state.step == 1 or done:
+                self.callbacks.on_metrics(self._step_metrics(out, meter.tokens_per_s(state.tokens)), state.step)
+            stop = any_rank(self._stop_asked, self.device)  # a stop asked on any rank stops all
+            if state.step % plan.eval_interval == 0 and not done:
+                self.evaluate()
+            if plan.icl_interval and state.step % plan.icl_interval == 0 and not done:
+                self.evaluate_icl()
+            if (state.step % plan.save_interval == 0 and not done) or stop:
+                self.save()
+            if stop:
+                return "stopped"
+        return "completed"
+
+    def _step_metrics(self, out: StepOutput, tokens_per_s: float) -> dict:
+        world = self.dist.world_size
+        metrics = {"train/loss": out.loss, "train/lr": out.lr, "train/grad_norm": out.grad_norm,
+                   "train/tokens": self.state.tokens, "train/epoch": self.stream.epoch,
+                   "throughput/tokens_per_s": tokens_per_s,
+                   "throughput/tokens_per_s_per_device": tokens_per_s / world,
+                   "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops),
+                   "time/elapsed_s": self._elapsed()}  # training wall time over all attempts (ETA, cost)
+        metrics |= self.stream.metrics()  # e.g. the curriculum phase and its mix (of the next step)
+        if self.device.type == "cuda":
+            metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if out.moe:
+            counts = out.moe["moe_tokens_per_expert"].float()
+            metrics["train/moe_lb_loss"] = float(out.moe["moe_lb_loss"])
+            metrics["train/moe_z_loss"] = float(out.moe["moe_z_loss"])
+            metrics["train/moe_max_expert_share"] = float(counts.max() / counts.sum().clamp(min=1))
+        return metrics
+
+    def _done(self) -> bool:
+        if self.plan.total_steps is not None:
+            return self.state.step >= self.plan.total_steps
+        return self._elapsed() >= (self.plan.time_limit_s or 0)
+
+    def _start_clock(self) -> None:
+        self._t0, self._elapsed0 = time.monotonic(), self.state.elapsed_s
+
+    def _elapsed(self) -> float:
+        """Training wall time of the run, including earlier attempts (0 before the loop starts)."""
+        if self._t0 is None:
+            return self.state.elapsed_s
+        return self._elapsed0 + time.monotonic() - self._t0
+
+    @contextmanager
+    def _graceful_stop(self):
+        """SIGTERM / first Ctrl-C → checkpoint at the end of this step, then stop; a second Ctrl-C aborts."""
+        def ask(signum, frame):
+            if self._stop_asked:
+                raise KeyboardInterrupt
+            self._stop_asked = True
+            self.log("stop requested: saving a checkpoint after this step (Ctrl-C again to abort)")
+
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        old = {s: signal.signal(s, ask) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _run_info(self) -> RunInfo:
+        plan = self.plan
+        return RunInfo(
+            name=self.cfg.name, save_folder=self.save_folder, resumed=self.resumed,
+            config=redact_config(self.cfg.model_dump(mode="json")),
+            plan={"params_total": plan.params["total"], "params_active": plan.params["active"],
+                  "world_size": self.dist.world_size, "grad_accum": plan.grad_accum, "total_steps": plan.total_steps},
+            total_steps=plan.total_steps, total_tokens=plan.total_tokens)
+
+    def _announce(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        total = f"{plan.total_steps:,} steps ({plan.total_tokens:,} tokens)" if plan.total_steps else \
+            f"{plan.time_limit_s:.0f}s of training"
+        self.log(f"run {cfg.name}: {cfg.model.preset or 'custom'} model, {plan.params['total'] / 1e6:.1f}M params "
+                 f"({plan.params['active'] / 1e6:.1f}M active), {total}")
+        self.log(f"  batch {plan.global_batch} × {plan.context_length} tokens = micro-batch {plan.micro_batch} × "
+                 f"{plan.grad_accum} accumulation × {self.dist.world_size} rank(s); lr {plan.learning_rate:.3g}, "
+                 f"warmup {plan.warmup_steps}, {cfg.parameters.schedule}; {plan.precision} on {self.device}")
+        self.log(f"  checkpoints and metrics: {cfg.save_folder}")
 
 
-def _generations(model, tokenizer, cfg: RunConfig, step: int, compiled: bool) -> list[str]:
-    """Sample from each eval prompt with a fixed seed (never touches the training RNG)."""
-    out = []
-    stance = torch.compiler.set_stance("force_eager") if compiled else nullcontext()
-    with stance:
-        for i, prompt in enumerate(cfg.eval.prompts):
-            ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
-            new = generate(model, ids, cfg.eval.max_new_tokens, temperature=cfg.eval.temperature,
-                           top_k=cfg.eval.top_k, top_p=cfg.eval.top_p, eos_id=tokenizer.eos_id,
-                           seed=cfg.parameters.seed + i)
-            if new and new[-1] == tokenizer.eos_id:
-                new = new[:-1]
-            out.append(prompt + tokenizer.decode(new))
-    return out
+class _Meter:
+    """Tokens/s between log steps and a loss-spike warning (an exponential average of the loss)."""
 
+    def __init__(self, tokens: int):
+        self._t, self._tokens, self._ema = time.monotonic(), tokens, None
 
-def load_icl(cfg: RunConfig):
-    """Read ICL tasks and the gauntlet once, before training, so bad files fail early."""
-    if not cfg.eval.icl_tasks:
-        return None
-    from lmforge.eval.gauntlet import load_gauntlet
-    from lmforge.eval.icl import load_tasks
+    def tokens_per_s(self, tokens: int) -> float:
+        now = time.monotonic()
+        rate = (tokens - self._tokens) / max(now - self._t, 1e-9)
+        self._t, self._tokens = now, tokens
+        return rate
 
-    tasks = load_tasks(cfg.eval.icl_tasks, data_root=cfg.eval.data_root)
-    return tasks, (load_gauntlet(cfg.eval.gauntlet, tasks=tasks) if cfg.eval.gauntlet else None)
-
-
-def run_icl(model, tokenizer, icl, cfg: RunConfig, dist: DistInfo) -> dict:
-    """In-context-learning accuracies (and gauntlet scores) as flat metrics, computed on rank 0.
-
-    Every rank holds the whole model under DDP, so rank 0 alone can run it; under FSDP every
-    rank runs the same examples in step (each forward gathers weights from all of them).
-    """
-    sharded = is_sharded(model)
-    if not icl or not (dist.is_main or sharded):
-        return {}
-    from lmforge.eval.gauntlet import gauntlet_scores
-    from lmforge.eval.icl import evaluate_icl
-
-    tasks, gauntlet = icl
-    with _autocast(dist.device, cfg.parameters.precision)() if sharded else nullcontext():
-        results = evaluate_icl(model, tokenizer, tasks, limit=cfg.eval.icl_limit, max_seq_len=model.cfg.max_seq_len)
-    if not dist.is_main:
-        return {}
-    metrics = {f"icl/{k}": v["accuracy"] for k, v in results.items() if isinstance(v, dict) and "accuracy" in v}
-    if gauntlet is not None:
-        scores = gauntlet_scores(results, gauntlet)
-        for group in ("categories", "averages"):
-            for k, v in (scores.get(group) or {}).items():
-                if v is not None:
-                    metrics[f"gauntlet/{k}"] = v
-    return metrics
-
-
-def _announce(cfg: RunConfig, plan: TrainPlan, dist: DistInfo, log) -> None:
-    total = f"{plan.total_steps:,} steps ({plan.total_tokens:,} tokens)" if plan.total_steps else \
-        f"{plan.time_limit_s:.0f}s of training"
-    log(f"run {cfg.name}: {cfg.model.preset or 'custom'} model, {plan.params['total'] / 1e6:.1f}M params "
-        f"({plan.params['active'] / 1e6:.1f}M active), {total}")
-    log(f"  batch {plan.global_batch} × {plan.context_length} tokens = micro-batch {plan.micro_batch} × "
-        f"{plan.grad_accum} accumulation × {dist.world_size} rank(s); lr {plan.learning_rate:.3g}, "
-        f"warmup {plan.warmup_steps}, {cfg.parameters.schedule}; {plan.precision} on {dist.device}")
-    log(f"  checkpoints and metrics: {cfg.save_folder}")
+    def watch_spike(self, loss: float, step: int, *, past_warmup: bool, log) -> None:
+        if self._ema is not None and loss > 3 * self._ema and past_warmup:
+            log(f"warning: loss spike at step {step}: {loss:.3f} vs recent average {self._ema:.3f}")
+        self._ema = loss if self._ema is None else 0.9 * self._ema + 0.1 * loss

@@ -36,7 +36,8 @@ from lmforge.data import remote
 from lmforge.errors import UserError
 from lmforge.home import cache_dir
 from lmforge.secrets import redact
-from lmforge.train.checkpoint import RUN_FILE
+from lmforge.train.callbacks import Callback
+from lmforge.train.checkpoint import RUN_FILE, checkpoints_dir, list_checkpoints
 
 MARKER = "lmforge-complete.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -152,8 +153,6 @@ class RunStore:
             return
         if not resume:
             return
-        from lmforge.train.checkpoint import checkpoints_dir, list_checkpoints
-
         ckpts = self.remote_checkpoints()
         complete = [c for c in ckpts if c.manifest is not None]
         newest = complete[-1].step if complete else -1
@@ -343,3 +342,25 @@ class RunStore:
             self._cv.notify_all()
         if wait and self._thread is not None:
             self._thread.join()
+
+
+class MirrorCallback(Callback):
+    """Keeps a remote save folder in step with the trainer's local staging folder (rank 0)."""
+
+    def __init__(self, store: RunStore):
+        self.store = store
+
+    def before_resume(self, save_folder: str) -> None:
+        self.store.fetch_run_file()  # the run identity check then sees the remote run
+
+    def resume_decided(self, save_folder: str, resume: bool, overwrite: bool) -> None:
+        self.store.restore(resume=resume, overwrite=overwrite)
+
+    def on_checkpoint(self, path: str) -> None:
+        self.store.checkpoint_saved(path)
+
+    def on_end(self, status: str, final_dir: str | None) -> None:
+        if status == "failed":
+            self.store.abort()
+        else:
+            self.store.finish()  # the run is complete only once the store has its last checkpoint and export

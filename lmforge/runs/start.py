@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from lmforge.config.identity import default_name, run_identity
 from lmforge.errors import UserError
 from lmforge.runs.registry import ACTIVE, Registry, process_start, this_host
 
@@ -21,11 +22,6 @@ from lmforge.runs.registry import ACTIVE, Registry, process_start, this_host
 def should_supervise() -> bool:
     """No supervisor inside torchrun ranks, inside a supervised child, or when turned off."""
     return not any(os.environ.get(k) for k in ("WORLD_SIZE", "LMFORGE_SUPERVISED_CHILD", "LMFORGE_NO_SUPERVISOR"))
-
-
-def default_name(cfg) -> str:
-    # Same rule as lmforge.train.trainer.default_names (which must not be imported here: torch).
-    return cfg.name or f"{cfg.model.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def run_paths(cfg, name: str) -> tuple[str, str]:
@@ -40,8 +36,8 @@ def run_paths(cfg, name: str) -> tuple[str, str]:
 
 
 def identity(cfg, name: str, save_folder: str) -> dict:
-    return {"save_folder": save_folder, "model": cfg.model.model_dump(mode="json", exclude={"vocab_size"}),
-            "train_data": [d.model_dump(mode="json") for d in cfg.train_data]}
+    """The run identity (`config.identity.run_identity`) and where the run is saved."""
+    return run_identity(cfg.model_copy(update={"name": name})) | {"save_folder": save_folder}
 
 
 def model_label(cfg) -> str:
@@ -57,7 +53,7 @@ def child_argv(args, name: str, save_folder: str, *, first: bool) -> list[str]:
         argv += ["-f", os.path.abspath(args.file)]
     for flag, attr in (("--model", "model"), ("--weights", "weights"), ("--training-duration", "training_duration"),
                        ("--nnodes", "nnodes"), ("--node-rank", "node_rank"), ("--rdzv-endpoint", "rdzv_endpoint"),
-                       ("--max-restarts", "max_restarts")):
+                       ("--max-restarts", "max_restarts"), ("--price-per-gpu-hour", "price_per_gpu_hour")):
         if getattr(args, attr, None) is not None:
             argv += [flag, str(getattr(args, attr))]
     for path in args.train_data or []:
@@ -131,8 +127,8 @@ def register(reg: Registry, cfg, args, *, name: str, save_folder: str, log_dir: 
                         f"`lmforge runs delete {name}`")
 
 
-def launch(cfg, args) -> int:
-    """`lmforge train` outside torchrun: supervise the run (here, or detached)."""
+def start(cfg, args) -> int:
+    """`lmforge train` outside torchrun: register the run and supervise it (here, or detached)."""
     name = default_name(cfg)
     save_folder, log_dir = run_paths(cfg, name)
     if args.detach and not os.environ.get("LMFORGE_DETACHED"):

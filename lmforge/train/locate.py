@@ -7,8 +7,8 @@
 - a ``final/`` folder, or any folder in our layout (``lmforge-model.json`` + safetensors);
 - a DCP step folder (``checkpoints/step_N``): the model is built from the resolved config
   stored in its ``lmforge-state.json`` and only the weights are read (no optimizer);
-- a Hugging Face Llama/Mixtral folder (``config.json`` + safetensors), optionally written
-  ``hf:/path`` to say so explicitly.
+- a Hugging Face folder of a supported family (``config.json`` + safetensors, see
+  ``models/families.py``), optionally written ``hf:/path`` to say so explicitly.
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ from pathlib import Path
 import torch
 
 from lmforge.config.model import ModelConfig
+from lmforge.config.schema import LoRAConfig
 from lmforge.errors import UserError
+from lmforge.models import lora
+from lmforge.models.io import CONFIG_FILE, load_pretrained
+from lmforge.models.transformer import build_model
+from lmforge.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_state
 
 HF_PREFIX = "hf:"
 
@@ -39,9 +44,6 @@ def _has_tokenizer(folder: str | None) -> bool:
 
 def locate(path: str) -> Located:
     """Which kind of checkpoint `path` is, without loading any weights."""
-    from lmforge.models.io import CONFIG_FILE
-    from lmforge.train.checkpoint import STATE_FILE, latest_checkpoint
-
     raw = str(path)
     folder = os.path.expanduser(raw.removeprefix(HF_PREFIX))
     if not os.path.isdir(folder):
@@ -65,14 +67,8 @@ def locate(path: str) -> Located:
                     "or checkpoints/step_N)")
 
 
-def _read_state(folder: str) -> dict:
-    from lmforge.train.checkpoint import read_state
-
-    return read_state(folder)
-
-
 def _state_tokenizer(folder: str) -> str | None:
-    tok = (_read_state(folder).get("config") or {}).get("tokenizer")
+    tok = (read_state(folder).get("config") or {}).get("tokenizer")
     return tok if isinstance(tok, str) and _has_tokenizer(tok) else None
 
 
@@ -80,8 +76,6 @@ def model_config_of(path: str) -> ModelConfig:
     """The ModelConfig of a checkpoint, read from its metadata only."""
     loc = locate(path)
     if loc.kind == "lmforge":
-        from lmforge.models.io import CONFIG_FILE
-
         return ModelConfig(**json.loads(Path(loc.path, CONFIG_FILE).read_text()))
     if loc.kind == "hf":
         from transformers import AutoConfig
@@ -96,29 +90,39 @@ def model_config_of(path: str) -> ModelConfig:
 
 
 def _dcp_model_config(folder: str) -> ModelConfig:
-    model = (_read_state(folder).get("config") or {}).get("model")
+    model = (read_state(folder).get("config") or {}).get("model")
     if not isinstance(model, dict):
         raise UserError(f"checkpoint {folder}: its lmforge-state.json has no model config")
     return ModelConfig(**model)
 
 
-def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32):
-    """(model, ModelConfig, Located) for any supported checkpoint."""
-    from lmforge.models.io import load_pretrained
+def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, *, merge_lora: bool = True):
+    """(model, ModelConfig, Located) for any supported checkpoint.
 
+    A checkpoint of a LoRA run comes back with its adapters merged into the weights (or, with
+    merge_lora=False, still as adapters, e.g. to save them for PEFT)."""
     loc = locate(path)
     if loc.kind in ("lmforge", "hf"):
         model, cfg = load_pretrained(loc.path, device=device, dtype=dtype)
         return model, cfg, loc
-    from lmforge.models.transformer import build_model
-    from lmforge.train.checkpoint import load_checkpoint
-
     cfg = _dcp_model_config(loc.path)
     model = build_model(cfg, device=device, init=False)
+    lora.apply_lora(model, lora_config_of(loc.path))
     rng = torch.get_rng_state()
     load_checkpoint(loc.path, model, None, rank=0)
     torch.set_rng_state(rng)  # loading restores the run's RNG; a reader should not inherit it
+    if merge_lora:
+        lora.merge_lora(model)
     return model.to(dtype), cfg, loc
+
+
+def lora_config_of(path: str) -> LoRAConfig | None:
+    """The `lora:` settings a checkpoint was trained with (None if it was not a LoRA run)."""
+    loc = locate(path)
+    if loc.kind != "dcp":
+        return None
+    adapters = (read_state(loc.path).get("config") or {}).get("lora")
+    return LoRAConfig(**adapters) if adapters else None
 
 
 def check_tokenizer_fits(tokenizer, cfg: ModelConfig, what: str) -> None:
@@ -126,3 +130,18 @@ def check_tokenizer_fits(tokenizer, cfg: ModelConfig, what: str) -> None:
     if cfg.vocab_size is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise UserError(f"{what}: the tokenizer ({tokenizer.path}) has {tokenizer.vocab_size} tokens but the "
                         f"weights' vocabulary has {cfg.vocab_size}; use the tokenizer the model was trained with")
+
+
+def fill_from_weights(raw: dict) -> dict:
+    """A raw config dict with `model` / `tokenizer` taken from its `custom_weights_path` when left out."""
+    path = raw.get("custom_weights_path")
+    if not path or (raw.get("model") and raw.get("tokenizer")):
+        return raw
+    raw = dict(raw)
+    if not raw.get("model"):
+        raw["model"] = model_config_of(path).model_dump(mode="json")
+    if not raw.get("tokenizer"):
+        tok = locate(path).tokenizer_dir
+        if tok:
+            raw["tokenizer"] = tok
+    return raw

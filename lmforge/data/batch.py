@@ -1,0 +1,133 @@
+"""What the data layer hands the trainer: a `Batch`, from a `BatchStream`.
+
+Targets are already shifted: ``targets[b, t]`` is the token that position ``t`` must predict
+(``input_ids[b, t + 1]`` for plain text), or ``IGNORE`` where nothing is trained (the last
+position of a row, prompts and padding in fine-tuning). The loss is then a plain cross-entropy
+over every position, with no slicing of the logits (a slice of [B, T, V] logits is a copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol, runtime_checkable
+
+import torch
+
+IGNORE = -100  # cross_entropy's default ignore_index
+
+
+@dataclass
+class Batch:
+    """One micro-batch: token ids [B, T], shifted targets [B, T], optional document ids [B, T]."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    # Packed rows (fine-tuning, document masking): a token attends only to earlier tokens
+    # with the same id. None: plain causal attention over the whole row.
+    doc_ids: torch.Tensor | None = None
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor) -> "Batch":
+        """Plain language modelling: every position predicts the next token of its row."""
+        targets = torch.empty_like(tokens)
+        targets[:, :-1] = tokens[:, 1:]
+        targets[:, -1] = IGNORE
+        return cls(tokens, targets)
+
+    @classmethod
+    def from_masked(cls, tokens: torch.Tensor, trained: torch.Tensor, doc_ids: torch.Tensor | None) -> "Batch":
+        """Fine-tuning: only tokens flagged in ``trained`` are predicted (their previous position
+        carries them as its target)."""
+        shifted = tokens.masked_fill(~trained, IGNORE)
+        targets = torch.full_like(tokens, IGNORE)
+        targets[:, :-1] = shifted[:, 1:]
+        return cls(tokens, targets, doc_ids)
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> "Batch":
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return Batch(move(self.input_ids), move(self.targets), move(self.doc_ids))
+
+    def pin_memory(self) -> "Batch":
+        """Page-locked host memory, so that `.to(cuda, non_blocking=True)` really overlaps
+        (the DataLoader calls this for custom batch types when pin_memory=True)."""
+        def pin(t):
+            return None if t is None else t.pin_memory()
+
+        return Batch(pin(self.input_ids), pin(self.targets), pin(self.doc_ids))
+
+    def num_targets(self) -> torch.Tensor:
+        """Positions that contribute to the loss (a tensor: no host sync)."""
+        return (self.targets != IGNORE).sum()
+
+
+@runtime_checkable
+class BatchStream(Protocol):
+    """An endless, deterministic, resumable sequence of one rank's micro-batches.
+
+    Both the pretraining stream (`data.stream.TokenStream`) and the fine-tuning stream
+    (`data.sft.SFTStream`) implement it; the trainer knows nothing else about its data.
+    """
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+    def phase(self) -> str | None:
+        """The curriculum phase the next batch comes from, for a log line ("phase 2/3: web 30%,
+        hq 70%"); None when the data has no phases."""
+        ...
+
+    def metrics(self) -> dict:
+        """What the trainer logs about the data at each log step (e.g. the phase and its mix);
+        may be empty."""
+        ...
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """How one rank reads its data: sample length, batch sizes, its place among the ranks."""
+
+    seq_len: int
+    micro_batch: int  # samples per forward pass on this rank
+    global_batch: int  # samples per optimizer step, all ranks together
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    num_workers: int = 0  # DataLoader worker processes (training stream only)
+    pin_memory: bool = False
+
+
+@dataclass
+class EvalSet:
+    """One held-out set: a name for its metrics and a way to make a fresh pass over it."""
+
+    name: str  # metric prefix, e.g. "eval" or "eval/<dataset>"
+    batches: Callable[[], Iterator[Batch]]  # a new iterator of at most eval.max_batches micro-batches
+    bytes_per_token: float | None = None  # of the held-out text, for bits per byte (None: unknown)
+
+
+@runtime_checkable
+class TrainingData(Protocol):
+    """Training data as the trainer sees it, whatever it came from.
+
+    ``kind`` is ``"pretrain"`` (packed token streams, `data.resolve.ResolvedData`) or ``"sft"``
+    (prompt/response rows, `data.sft.SFTData`): the trainer branches on this declared kind, never
+    on what attributes an object happens to have.
+    """
+
+    kind: str
+    tokenizer_path: str
+    chat_template: str | None  # written with the exported tokenizer (fine-tuning), else None
+
+    def train_stream(self, layout: StreamLayout) -> BatchStream: ...
+
+    def eval_sets(self, layout: StreamLayout, max_batches: int) -> list[EvalSet]: ...

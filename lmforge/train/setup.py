@@ -1,0 +1,86 @@
+"""From a run config to what the trainer needs: resolved config, plan, data and tokenizer.
+
+`setup_run` picks by the config's declared `task_type`: pretraining and continued pretraining
+go through the data pipeline (`data.resolve`: raw text → tokenizer → packed MDS shards, cached),
+fine-tuning through `train.finetune` (prompt/response or chat rows). Either way every default
+is filled here, once, and the resolved config is what checkpoints record.
+"""
+
+from __future__ import annotations
+
+from lmforge.config.identity import with_default_names
+from lmforge.config.model import padded_vocab
+from lmforge.config.schema import RunConfig, TokenizerSpec
+from lmforge.data.resolve import resolve_data
+from lmforge.data.sft import SFT_TASKS
+from lmforge.data.stream import StreamPhase, open_dataset
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.vocab_extension import grown_vocab
+from lmforge.distributed.dist import DistInfo, barrier
+from lmforge.errors import UserError
+from lmforge.train.finetune import finetune_setup
+from lmforge.train.locate import locate
+from lmforge.train.plan import TrainPlan, make_plan, resolved_config
+from lmforge.train.trainer import RunSetup
+
+
+def setup_run(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
+    cfg = with_default_names(cfg)
+    if cfg.task_type in SFT_TASKS:
+        return finetune_setup(cfg, dist, log)
+    return pretrain_setup(cfg, dist, log)
+
+
+def with_vocab(cfg: RunConfig, tokenizer_vocab: int) -> RunConfig:
+    """The model's vocabulary: the config's, else the tokenizer's rounded up (`padded_vocab`)."""
+    v = cfg.model.vocab_size
+    if v is None:
+        v = padded_vocab(tokenizer_vocab)
+    elif v < tokenizer_vocab:
+        raise UserError(f"model.vocab_size ({v}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})")
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": v})})
+
+
+def with_extension_base(cfg: RunConfig) -> RunConfig:
+    """`tokenizer: {extend: …}` without a `base`: the tokenizer stored with custom_weights_path."""
+    spec = cfg.tokenizer
+    if not (isinstance(spec, TokenizerSpec) and spec.extend is not None and spec.extend.base is None):
+        return cfg
+    base = locate(cfg.custom_weights_path).tokenizer_dir
+    if base is None:
+        raise UserError(f"tokenizer.extend: {cfg.custom_weights_path} holds no tokenizer.json; "
+                        "set tokenizer.extend.base to the tokenizer folder to extend")
+    extend = spec.extend.model_copy(update={"base": base})
+    return cfg.model_copy(update={"tokenizer": spec.model_copy(update={"extend": extend})})
+
+
+def pretrain_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
+    """Resolve the data (rank 0 prepares it first; the others then hit the cache) and every default."""
+    cfg = with_extension_base(cfg)
+    seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
+    if not dist.is_main:
+        barrier()
+    data = resolve_data(cfg, seq_len, log=log if dist.is_main else (lambda *_: None))
+    if dist.is_main:
+        barrier()
+    tokenizer = load_tokenizer(data.tokenizer_path)
+    cfg = with_vocab(grown_vocab(cfg, tokenizer.vocab_size), tokenizer.vocab_size)  # grown: tokenizer.extend
+    lengths = [d.seq_len for d in data.train]
+    data_seq_len = min(lengths) if all(lengths) else min(open_dataset(d.path).sample_length(0) for d in data.train)
+    if cfg.parameters.context_length and cfg.parameters.context_length > cfg.model.max_seq_len:
+        cfg.model.max_seq_len = cfg.parameters.context_length  # RoPE tables are derived, not stored
+    samples = None
+    if cfg.training_duration.unit == "ep":
+        samples = sum(len(open_dataset(d.path)) for d in data.train)
+    plan = make_plan(cfg, world_size=dist.world_size, device=dist.device, samples_per_epoch=samples,
+                     data_seq_len=data_seq_len)
+    if cfg.curriculum:
+        data.phases = stream_phases(cfg, plan)
+    return RunSetup(resolved_config(cfg, plan), plan, data, tokenizer)
+
+
+def stream_phases(cfg: RunConfig, plan: TrainPlan) -> list[StreamPhase]:
+    """The curriculum on the stream's global sample axis: each phase ends on the optimizer step
+    the plan chose (whole global batches, so a step never mixes two phases); the last runs on."""
+    ends = [step * plan.global_batch for step in plan.phase_steps] + [None]
+    return [StreamPhase(end, phase.mix) for end, phase in zip(ends, cfg.curriculum)]

@@ -1,0 +1,103 @@
+"""The Trainer in-process: one `train_step`, evaluation, a checkpoint round trip, the callback
+protocol. Seconds each; the end-to-end subprocess tests (test_train.py) cover the CLI and kills."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import tiny_run_config
+from lmforge.config.load import build_config
+from lmforge.data.batch import Batch, BatchStream, TrainingData
+from lmforge.distributed.dist import DistInfo
+from lmforge.train.callbacks import Callback
+from lmforge.train.setup import setup_run
+from lmforge.train.trainer import Trainer
+
+ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def make_trainer(tiny_data, folder, callbacks=(), **overrides) -> Trainer:
+    raw = tiny_run_config(tiny_data, folder, **({"compute.async_checkpoint": False, "eval.prompts": []} | overrides))
+    cfg = build_config(raw)
+    return Trainer(setup_run(cfg, ONE_RANK, log=lambda *_: None), ONE_RANK, callbacks=callbacks,
+                   log=lambda *_: None)
+
+
+def next_batches(trainer: Trainer, it) -> list[Batch]:
+    return [next(it) for _ in range(trainer.plan.grad_accum)]
+
+
+def test_data_and_streams_implement_the_protocols(tiny_data, tmp_path):
+    trainer = make_trainer(tiny_data, tmp_path / "run")
+    assert isinstance(trainer.data, TrainingData) and trainer.data.kind == "pretrain"
+    assert isinstance(trainer.stream, BatchStream)
+    batch = next(iter(trainer.stream))
+    assert isinstance(batch, Batch) and batch.input_ids.shape == (4, 64)
+
+
+def test_train_step_updates_the_model_and_lowers_the_loss(tiny_data, tmp_path):
+    trainer = make_trainer(tiny_data, tmp_path / "run", **{"parameters.warmup": "1ba"})
+    batches = next_batches(trainer, iter(trainer.stream))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    losses = [trainer.train_step(batches).loss for _ in range(8)]  # the same batch: it must be learned
+    assert trainer.state.step == 8 and trainer.state.tokens == 8 * trainer.plan.tokens_per_step
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert all(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_evaluate_reports_loss_perplexity_and_bits_per_byte(tiny_data, tmp_path):
+    trainer = make_trainer(tiny_data, tmp_path / "run")
+    metrics = trainer.evaluate()
+    assert metrics["eval/loss"] > 5.0  # ≈ ln(512) at init
+    assert metrics["eval/bits_per_byte"] > 0 and metrics["eval/tokens"] == 2 * 4 * 63
+
+
+def test_checkpoint_round_trip_continues_bitwise(tiny_data, tmp_path):
+    """Save after 3 steps; a new Trainer on the same folder resumes and its next step is the
+    very step the first trainer takes next (weights, optimizer, data position, counters)."""
+    a = make_trainer(tiny_data, tmp_path / "run")
+    it = iter(a.stream)
+    for _ in range(3):
+        a.train_step(next_batches(a, it))
+    a.save()
+    expected = a.train_step(next_batches(a, it))
+
+    b = make_trainer(tiny_data, tmp_path / "run")
+    assert b.resumed and b.state.step == 3
+    got = b.train_step(next_batches(b, iter(b.stream)))
+    assert got.loss == expected.loss and got.grad_norm == expected.grad_norm
+    for (k, va), vb in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(va, vb), k
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.calls = []
+
+    def before_resume(self, save_folder):
+        self.calls.append("before_resume")
+
+    def resume_decided(self, save_folder, resume, overwrite):
+        self.calls.append(f"resume_decided:{resume}")
+
+    def on_start(self, info):
+        self.calls.append(f"start:{info.total_steps}")
+
+    def on_metrics(self, metrics, step):
+        self.calls.append(f"metrics:{step}:{'eval/loss' in metrics}")
+
+    def on_checkpoint(self, path):
+        self.calls.append(f"checkpoint:{path.rsplit('_', 1)[-1].lstrip('0')}")
+
+    def on_end(self, status, final_dir):
+        self.calls.append(f"end:{status}:{final_dir is not None}")
+
+
+def test_fit_calls_the_callbacks_in_order(tiny_data, tmp_path):
+    rec = Recorder()
+    trainer = make_trainer(tiny_data, tmp_path / "run", [rec], training_duration="4ba", save_interval="2ba",
+                           log_interval=2, **{"eval.interval": "4ba"})
+    result = trainer.fit()
+    assert result.status == "completed" and result.step == 4 and result.final_dir
+    assert rec.calls == ["before_resume", "resume_decided:False", "start:4", "metrics:1:False", "metrics:2:False",
+                         "checkpoint:2", "metrics:4:False", "metrics:4:True", "checkpoint:4", "end:completed:True"]
