@@ -222,10 +222,11 @@ def lmforge_rows(task, tokenizer, k: int, members: list[int], max_seq_len: int) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--foundry", required=True, help="folder holding llmfoundry/ (pip install --no-deps --target)")
-    ap.add_argument("--checkpoint", required=True, help="a run folder (its latest checkpoint), a final/ folder or an export")
+    ap.add_argument("--checkpoint", required=True,
+                    help="a run folder (its latest checkpoint), a final/ folder or an export")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder, when the checkpoint has none beside it")
     ap.add_argument("--data-root", default=str(REPO.parent / "shared" / "eval-data"))
-    ap.add_argument("--tasks", default=None, help="a Foundry task YAML (default: nine tasks, see DEFAULT_TASKS)")
+    ap.add_argument("--tasks", default=None, help="a Foundry task YAML; --shots replaces its num_fewshot (default: DEFAULT_TASKS)")
     ap.add_argument("--shots", default="0,3")
     ap.add_argument("--limit", type=int, default=100, help="examples per task (per category for categories)")
     ap.add_argument("--batch-size", type=int, default=4)
@@ -297,6 +298,7 @@ def main() -> None:
                             break
                 print(f"| {task.label} | {k} | {n} | {ours_right / n:.3f} | {theirs_right / n:.3f} | "
                       f"{same_tokens}/{n} | {same_pred}/{n} |", flush=True)
+    shutil.rmtree(hf_dir.parent, ignore_errors=True)
 
 
 if __name__ == "__main__":
