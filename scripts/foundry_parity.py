@@ -226,7 +226,8 @@ def main() -> None:
                     help="a run folder (its latest checkpoint), a final/ folder or an export")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder, when the checkpoint has none beside it")
     ap.add_argument("--data-root", default=str(REPO.parent / "shared" / "eval-data"))
-    ap.add_argument("--tasks", default=None, help="a Foundry task YAML; --shots replaces its num_fewshot (default: DEFAULT_TASKS)")
+    ap.add_argument("--tasks", default=None,
+                    help="a Foundry task YAML; --shots replaces its num_fewshot (default: DEFAULT_TASKS)")
     ap.add_argument("--shots", default="0,3")
     ap.add_argument("--limit", type=int, default=100, help="examples per task (per category for categories)")
     ap.add_argument("--batch-size", type=int, default=4)
