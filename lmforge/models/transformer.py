@@ -264,17 +264,18 @@ class Transformer(nn.Module):
 
 
 def _reduce_aux(stats: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Average MoE losses over layers (so the coefficients do not scale with depth), sum counts."""
+    """Average MoE losses over layers (so the coefficients do not scale with depth); keep the
+    routing statistics per layer (for expert-health metrics): counts [L, E], entropy [L]."""
     if not stats:
         return {}
     lb = torch.stack([s["lb_loss"] for s in stats]).mean()
     z = torch.stack([s["z_loss"] for s in stats]).mean()
-    counts = torch.stack([s["tokens_per_expert"] for s in stats]).sum(0)
     return {
         "aux_loss": cfg.moe_aux_loss_coef * lb + cfg.moe_z_loss_coef * z,
         "moe_lb_loss": lb.detach(),
         "moe_z_loss": z.detach(),
-        "moe_tokens_per_expert": counts.detach(),
+        "moe_tokens_per_expert": torch.stack([s["tokens_per_expert"] for s in stats]).detach(),
+        "moe_router_entropy": torch.stack([s["router_entropy"] for s in stats]).detach(),
     }
 
 
