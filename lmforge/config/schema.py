@@ -107,6 +107,9 @@ class ComputeConfig(_Strict):
     data_parallel: Literal["ddp", "fsdp", "hsdp", "none"] = Field("ddp", description="how ranks share the model")
     # --- scale-out (lmforge.distributed; see docs/scale-out.md)
     shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (default: ranks per node)")
+    expert_parallel: int = Field(
+        1, ge=1, description="MoE, fsdp/hsdp: split each layer's experts over N ranks (E/N each), tokens sent to "
+        "them by all-to-all; N divides n_experts and the ranks of a shard group")
     reshard_after_forward: bool = Field(
         True, description="fsdp/hsdp: free gathered weights after forward (less memory, one more all-gather)")
     node_rank: int = Field(0, ge=0, description="multi-node: this node's index (0 … nodes-1)")

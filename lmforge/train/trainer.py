@@ -35,8 +35,8 @@ from lmforge.config.schema import RunConfig
 from lmforge.data.batch import Batch, StreamLayout, TrainingData
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
-from lmforge.distributed.parallelize import (SHARDED, full_state_dict, is_sharded, local_value, materialize,
-                                              no_grad_sync, parallelize)
+from lmforge.distributed.parallelize import (SHARDED, clip_grad_norm, full_state_dict, is_sharded, local_value,
+                                              materialize, no_grad_sync, parallelize)
 from lmforge.errors import UserError
 from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
@@ -226,7 +226,7 @@ class Trainer:
             ce_total += out.ce_sum.detach()
         clip = self.cfg.parameters.grad_clip or float("inf")
         # FSDP: a replicated DTensor holding the norm over all shards.
-        grad_norm = local_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        grad_norm = local_value(clip_grad_norm(self.model.parameters(), clip))
         loss_val = all_reduce_sum(ce_total).item() / (norm * self.dist.world_size)
         if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
