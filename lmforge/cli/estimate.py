@@ -78,6 +78,7 @@ def run(args) -> int:
         vocab_size=args.vocab_size,
         precision=args.precision,
         micro_batch=args.micro_batch,
+        expert_parallel=args.expert_parallel,
     )
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan), end="\n" if args.json else "")
     check_fits(plan)
@@ -91,7 +92,8 @@ def register(subparsers) -> None:
         subparsers, "estimate", "plan a run: FLOPs, tokens, time, cost and memory per GPU",
         description="Plan a training run before spending: parameters (total/active), FLOPs "
         "(6·N_active·D plus attention), Chinchilla tokens, time and cost at a given MFU on a "
-        "given cluster, and memory per GPU under full sharding.",
+        "given cluster, memory per GPU under full sharding, and for MoE models the expert traffic "
+        "per GPU with and without expert parallelism.",
     )
     p.add_argument("--model", metavar="PRESET_OR_YAML", help="preset name or a run YAML (its model: key)")
     p.add_argument("--params", metavar="COUNT", help="nominal parameter count instead of a shape, e.g. 7B")
@@ -107,5 +109,7 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="context length; unset = the model's max_seq_len (or the YAML's context_length)")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary; unset = the model's, or 32000 where the model leaves it to the tokenizer")
     p.add_argument("--micro-batch", type=int, default=None, help="micro-batch per GPU; unset = the largest power of two that fits")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="MoE: GPUs each layer's experts are split over (memory and all-to-all traffic)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)

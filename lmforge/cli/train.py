@@ -207,7 +207,9 @@ def dry_run(cfg, args) -> int:
         name = detect_device_spec(device).name
         gpu_type = name if name in GPU_TYPES else "h100-sxm"
     est = estimate_run(cfg.model, tokens=plan.total_tokens, gpus=world if device.type == "cuda" else 1,
-                        gpu_type=gpu_type, seq_len=plan.context_length)
+                        gpu_type=gpu_type, seq_len=plan.context_length, micro_batch=plan.micro_batch,
+                        grad_accum=plan.grad_accum, expert_parallel=cfg.compute.expert_parallel
+                        if device.type == "cuda" else 1)
     if args.json:
         print(json.dumps({"config": resolved, "plan": est}, indent=1, default=str))
         return 0

@@ -44,7 +44,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoint,
+                                   create_selective_checkpoint_contexts)
 
 from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.dist import DistInfo
@@ -83,6 +84,15 @@ def _selective_policy():
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    # Routing must not change between forward and recompute (a different choice of experts would
+    # change the all-to-all's split sizes): keep top-k's output, as torchtitan does.
+    keep.add(aten.topk.default)
+    # Expert parallelism nests the experts' FSDP unit inside the block: on recompute FSDP opens one
+    # more profiler range there (it takes the iteration's root role again) than in forward, and
+    # SAC would look for that extra op in its cache. Profiler ranges compute nothing: skip them.
+    SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                            torch.ops.profiler._record_function_exit._RecordFunction})
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
@@ -201,15 +211,16 @@ def build_meshes(compute: ComputeConfig, dist: DistInfo, n_experts: int = 0) -> 
     ensure_process_group(dist)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
     replicate, shard = check_mesh(compute, dist.world_size, local, n_experts=n_experts)
-    hsdp = compute.data_parallel == "hsdp"
-    outer = (("replicate",), (replicate,)) if hsdp else ((), ())
+    names, sizes = (("replicate", "shard"), (replicate, shard)) if compute.data_parallel == "hsdp" \
+        else (("shard",), (shard,))
+    dense = init_device_mesh(dist.device.type, sizes, mesh_dim_names=names)
     ep = compute.expert_parallel
     if ep == 1:
-        return Meshes(init_device_mesh(dist.device.type, outer[1] + (shard,), mesh_dim_names=outer[0] + ("shard",)))
-    mesh = init_device_mesh(dist.device.type, outer[1] + (shard // ep, ep),
-                            mesh_dim_names=outer[0] + ("shard_mod_ep", "ep"))
-    mesh["shard_mod_ep", "ep"]._flatten("shard")
-    return Meshes(dense=mesh[outer[0] + ("shard",)], experts=mesh[outer[0] + ("shard_mod_ep",)], ep=mesh["ep"])
+        return Meshes(dense)
+    # The same ranks, the shard dimension seen as (shard_mod_ep, ep): one mesh family, as FSDP
+    # requires of a DTensor parameter's mesh and its own.
+    full = dense._unflatten("shard", (shard // ep, ep), ("shard_mod_ep", "ep"))
+    return Meshes(dense, experts=full[names[:-1] + ("shard_mod_ep",)], ep=full["ep"])
 
 
 def apply_fsdp(model: nn.Module, meshes: Meshes, *, bf16: bool, reshard_after_forward: bool) -> None:

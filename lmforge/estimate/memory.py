@@ -14,7 +14,8 @@ Model states, in bytes per parameter, sharded evenly over the N GPUs:
 Unsharded working set: FSDP all-gathers one unit (a block, or the embedding, or the
 output head) at a time in bf16 and prefetches the next one, and each unit's bf16
 gradient exists before it is reduce-scattered: 2 units × (2 + 2) bytes × the largest
-unit's parameters.
+unit's parameters. With expert parallelism N a GPU gathers only its E/N experts of a
+block (model states stay sharded over all GPUs either way).
 
 Activations per sequence of T tokens (bf16, 2 bytes/element), counting the tensors
 autograd keeps for the backward pass, in the spirit of Korthikanti et al. 2022
@@ -80,9 +81,12 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, checkpointing: bool) -> flo
     return float(per_token * seq_len)
 
 
-def largest_unit_params(cfg: ModelConfig) -> int:
-    """Parameters of the largest FSDP unit: a block, the embedding or the output head."""
-    return max(block_counts(cfg)["total"], vocab_of(cfg) * cfg.d_model)
+def largest_unit_params(cfg: ModelConfig, expert_parallel: int = 1) -> int:
+    """Parameters of the largest FSDP unit: a block (its E/N experts under expert parallelism N),
+    the embedding or the output head."""
+    block = block_counts(cfg)
+    experts = block["ffn"] - cfg.d_model * cfg.n_experts if cfg.is_moe else 0  # less the router
+    return max(block["total"] - experts + experts // expert_parallel, vocab_of(cfg) * cfg.d_model)
 
 
 def usable_bytes(gpu_memory: float) -> float:
@@ -105,6 +109,7 @@ def memory_plan(
     gpu_memory: float,
     micro_batch: int | None = None,
     activation_checkpointing: bool | None = None,
+    expert_parallel: int = 1,
 ) -> dict:
     """Per-GPU memory, fit check and micro-batch suggestion under full sharding.
 
@@ -132,7 +137,7 @@ def memory_plan(
                    min_gpus=math.ceil(states_total / usable) if usable > 0 else None)
         return out
 
-    gathered = 2 * 4 * largest_unit_params(cfg)
+    gathered = 2 * 4 * largest_unit_params(cfg, expert_parallel)
     act = {"no_ac": activation_bytes(cfg, seq_len, False), "ac": activation_bytes(cfg, seq_len, True)}
     free = usable - states - gathered
     max_mb = {k: _max_batch(free, v) for k, v in act.items()}

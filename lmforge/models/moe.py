@@ -36,6 +36,7 @@ import torch
 import torch.distributed as td
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.config.model import ModelConfig
 from lmforge.models import grouped_mm as gmm
@@ -149,7 +150,7 @@ def return_from_experts(y_local: torch.Tensor, ex: Exchange) -> torch.Tensor:
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     """This rank's experts: expert-parallel weights are DTensors sharded on the expert dim."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

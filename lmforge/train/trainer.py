@@ -47,6 +47,7 @@ from lmforge.models.transformer import Transformer
 from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.callbacks import Callback, Callbacks, RunInfo
+from lmforge.train.expert_health import ExpertHealth
 from lmforge.train.locate import load_model
 from lmforge.train.optim import build_optimizer, lr_factor
 from lmforge.train.plan import TrainPlan
@@ -120,6 +121,7 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) \
             if self.plan.precision == "bf16" else nullcontext
         self.icl = load_icl(self.cfg)  # bad task files fail before any training
+        self.expert_health = ExpertHealth() if self.cfg.model.is_moe else None
 
         resume_from = self._claim_save_folder(overwrite)
         self.model, self.train_forward = self._build_model(from_weights=not resume_from)
@@ -222,6 +224,7 @@ class Trainer:
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss / len(batches)
                     moe = out.moe
+                    self.expert_health.add(out.moe)
                 loss.backward()
             ce_total += out.ce_sum.detach()
         clip = self.cfg.parameters.grad_clip or float("inf")
@@ -238,6 +241,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens += self.plan.tokens_per_step
+        if self.expert_health is not None:
+            self.expert_health.step()
         return StepOutput(loss=loss_val, grad_norm=grad_norm, lr=lr, moe=moe)
 
     def _target_norm(self, batches: Sequence[Batch]) -> float:
@@ -393,10 +398,10 @@ class Trainer:
         if self.device.type == "cuda":
             metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if out.moe:
-            counts = out.moe["moe_tokens_per_expert"].float()
             metrics["train/moe_lb_loss"] = float(out.moe["moe_lb_loss"])
             metrics["train/moe_z_loss"] = float(out.moe["moe_z_loss"])
-            metrics["train/moe_max_expert_share"] = float(counts.max() / counts.sum().clamp(min=1))
+        if self.expert_health is not None:  # per-layer routing over the log window (all ranks)
+            metrics |= self.expert_health.report(self.log)
         return metrics
 
     def _done(self) -> bool:
