@@ -5,7 +5,8 @@
 
 Each mode builds the model fresh, runs warm-up steps (compilation happens there), then times
 `--steps` full optimizer steps (forward, backward, clip, fused AdamW) exactly as the trainer runs
-them. MFU uses lmforge.estimate's FLOPs (6 × active params per token) and the device's peak.
+them. MFU uses lmforge.estimate's FLOPs (`mfu_flops_per_token`: 6 × active params + 12·L·H·Dh·T
+attention per token) and the device's peak.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The dropless MoE layer: reference equality, no drops, aux losses, training, preset sizes."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -212,3 +214,90 @@ def test_weights_saved_before_gate_and_up_were_fused_still_load(tmp_path):
     loaded, _ = load_pretrained(tmp_path)
     ids = torch.randint(0, 61, (1, 12))
     torch.testing.assert_close(loaded(ids), model(ids))
+
+
+def test_expert_health_reports_per_layer_and_warns_once_when_experts_die():
+    """Counts add up over the forwards of a log window (no host sync until `report`); an expert
+    with no token in the whole window is dead; the warning names newly dead experts only."""
+    from lmforge.train.expert_health import ExpertHealth
+
+    health, lines = ExpertHealth(), []
+
+    def forward(counts, entropy=(1.0, 0.5)):
+        health.add({"moe_tokens_per_expert": torch.tensor(counts), "moe_router_entropy": torch.tensor(entropy)})
+
+    forward([[4, 4, 0, 0], [8, 0, 0, 0]])
+    forward([[4, 0, 0, 0], [0, 0, 0, 8]], entropy=(0.0, 0.5))
+    health.step()
+    m = health.report(lines.append)
+    assert m["moe/layer_0/max_expert_share"] == pytest.approx(8 / 12)
+    assert m["moe/layer_1/max_expert_share"] == pytest.approx(0.5)
+    assert m["moe/layer_0/router_entropy"] == pytest.approx(0.5)  # mean over the window's forwards
+    assert (m["moe/layer_0/dead_experts"], m["moe/layer_1/dead_experts"]) == (2.0, 2.0)
+    assert m["train/moe_dead_experts"] == 4.0 and m["train/moe_max_expert_share"] == pytest.approx(8 / 12)
+    assert lines == ["warning: MoE layer 0: expert(s) 2, 3 received no tokens in the last 1 step(s) (2 of 4 "
+                     "experts idle); consider a larger model.moe_aux_loss_coef",
+                     "warning: MoE layer 1: expert(s) 1, 2 received no tokens in the last 1 step(s) (2 of 4 "
+                     "experts idle); consider a larger model.moe_aux_loss_coef"]
+    lines.clear()
+    forward([[1, 1, 0, 0], [1, 0, 1, 1]])  # layer 0: the same two still dead; layer 1: 2 revived, 1 dead
+    health.step()
+    m = health.report(lines.append)
+    assert lines == [] and m["moe/layer_1/dead_experts"] == 1.0
+    assert health.report(lines.append) == {}  # an empty window reports nothing
+
+
+def test_selective_checkpointing_keeps_grouped_gemm_outputs():
+    """Selective activation checkpointing on an MoE model: the same loss and gradients as none,
+    and backward recomputes no expert GEMM (their outputs are kept), where full recomputes them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmforge.config.schema import ComputeConfig
+    from lmforge.distributed.dist import DistInfo
+    from lmforge.distributed.parallelize import parallelize
+
+    class CountGroupedGemms(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.lmforge.grouped_mm.default, torch.ops.aten._grouped_mm.default):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = build_model(moe_cfg())
+        parallelize(model, ComputeConfig(activation_checkpointing=mode, data_parallel="none"), one)
+        out = model.training_loss(ids, ids.roll(-1, 1))
+        with CountGroupedGemms() as counter:
+            (out.ce_sum + out.aux_loss).backward()
+        return out.ce_sum.item(), [p.grad for p in model.parameters()], counter.n
+
+    base_loss, base_grads, base_gemms = run(False)  # backward's own GEMMs (input gradients)
+    for mode in ("selective", "full"):
+        loss, grads, gemms = run(mode)
+        assert loss == base_loss
+        for g, h in zip(grads, base_grads):
+            torch.testing.assert_close(g, h, rtol=0, atol=0)
+        # full recomputes 2 layers × (w13, w2) forward GEMMs; selective none
+        assert gemms - base_gemms == {"selective": 0, "full": 4}[mode]
+
+
+@pytest.mark.parametrize("compute,world,n_experts,needle", [
+    ({"expert_parallel": 2}, 2, 0, "compute.expert_parallel: 2 needs a mixture-of-experts model"),
+    ({"expert_parallel": 3, "data_parallel": "fsdp"}, 3, 4, "does not divide the model's 4 experts"),
+    ({"expert_parallel": 4, "data_parallel": "fsdp"}, 2, 8, "does not divide the 2 ranks"),
+    ({"expert_parallel": 2, "data_parallel": "hsdp", "shard_size": 1}, 2, 4, "does not divide the 1 ranks of a shard"),
+    ({"expert_parallel": 2, "data_parallel": "ddp"}, 2, 4, "needs data_parallel: fsdp or hsdp (got ddp)"),
+])
+def test_expert_parallel_that_does_not_fit_is_refused(compute, world, n_experts, needle):
+    from lmforge.config.schema import ComputeConfig
+    from lmforge.distributed.parallelize import check_mesh
+    from lmforge.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(needle)):
+        check_mesh(ComputeConfig(**compute), world, n_experts=n_experts)
+    assert check_mesh(ComputeConfig(expert_parallel=2, data_parallel="hsdp"), 4, 2, n_experts=4) == (2, 2)

@@ -139,17 +139,21 @@ def is_moe_layer(module: nn.Module) -> bool:
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
-    """Split each MoE layer's expert weights over ``ep_mesh`` (Shard(0): E/N experts per rank)
-    and give the layer the group its tokens are exchanged in. Names and global shapes stay, so
-    checkpoints load on any expert-parallel size."""
+    """Split every MoE layer's experts over ``ep_mesh`` (see `shard_experts`)."""
     for block in model.blocks:
-        if not is_moe_layer(block.mlp):
-            continue
-        experts = block.mlp.experts
-        for name, p in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(p, ep_mesh, [Shard(0)]),
-                                                          requires_grad=p.requires_grad))
-        block.mlp.ep_group = ep_mesh.get_group()
+        if is_moe_layer(block.mlp):
+            shard_experts(block.mlp, ep_mesh)
+
+
+def shard_experts(moe: nn.Module, ep_mesh) -> None:
+    """Make an MoE layer's expert weights DTensors sharded on the expert dimension over
+    ``ep_mesh`` (E/N experts per rank) and give the layer the group its tokens are exchanged in.
+    Names and global shapes stay, so checkpoints load on any expert-parallel size."""
+    experts = moe.experts
+    for name, p in list(experts.named_parameters(recurse=False)):
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(p, ep_mesh, [Shard(0)]),
+                                                      requires_grad=p.requires_grad))
+    moe.ep_group = ep_mesh.get_group()
 
 
 # --------------------------------------------------------------------------- device mesh and FSDP2

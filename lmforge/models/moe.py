@@ -14,8 +14,9 @@ The layer is kept in three steps, with the expert-parallel exchange between them
 
 Compile-clean: routing, counting and sorting have static shapes (no `bincount`, no host sync),
 and the experts run as grouped GEMMs (`models.grouped_mm`, CPU and CUDA) on the unpadded sorted
-rows, so one MoE block is one graph. Only the expert-parallel exchange needs the split sizes on
-the host (`all_to_all_single` takes them as Python ints): a graph break there, by necessity.
+rows, so one MoE block is one graph. Only expert parallelism breaks it: `all_to_all_single` takes
+its split sizes as Python ints (one host sync) and the rows a rank receives vary, so the
+exchange and the experts' GEMMs on the received rows run eagerly between two compiled graphs.
 
 Experts are SwiGLU with the gate and up projections fused: ``w13 [E, d, 2h]`` (gate columns
 first, then up) — one grouped GEMM instead of two — and ``w2 [E, h, d]`` (down).
@@ -239,12 +240,18 @@ class MoE(nn.Module):
         if self.ep_group is None:
             y_sorted = self.experts(x_sorted, counts, self.grouped)
         else:
-            x_local, local_counts, exchange = send_to_experts(x_sorted, counts, self.ep_group)
-            y_sorted = return_from_experts(self.experts(x_local, local_counts, self.grouped), exchange)
+            y_sorted = self._expert_parallel(x_sorted, counts)
         y = combine(y_sorted, order, weights)
         stats = {"lb_loss": load_balancing_loss(probs, counts), "z_loss": z_loss(logits),
                  "tokens_per_expert": counts, "router_entropy": router_entropy(probs.detach())}
         return y.view(shape), stats
+
+    # How many rows arrive is data: the exchange and the expert GEMMs on those rows stay out of
+    # compiled graphs (which keep static shapes); routing, dispatch and combine still compile.
+    @torch.compiler.disable
+    def _expert_parallel(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        x_local, local_counts, exchange = send_to_experts(x_sorted, counts, self.ep_group)
+        return return_from_experts(self.experts(x_local, local_counts, self.grouped), exchange)
 
 
 def fuse_legacy_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
