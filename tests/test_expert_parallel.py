@@ -17,8 +17,8 @@ from train_helpers import assert_one_line_error, env, lmforge, metrics, train_lo
 MOE = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64,
        "n_experts": 4, "top_k": 2, "expansion_ratio": 1.0}
 # Global batch 8 = micro-batch 2 × 4 accumulation on one rank, × 2 accumulation × 2 ranks.
-COMMON = {"model": MOE, "training_duration": "6ba", "save_interval": "3ba", "eval.prompts": [],
-          "parameters.micro_batch_size": 2}
+COMMON = {"model": MOE, "training_duration": "6ba", "save_interval": "3ba", "eval.interval": "100ba",
+          "eval.max_new_tokens": 4, "parameters.micro_batch_size": 2}
 EP2 = {"compute.ranks": 2, "compute.data_parallel": "fsdp", "compute.expert_parallel": 2}
 
 
@@ -66,7 +66,7 @@ def test_two_ranks_with_expert_parallel_match_one_rank_and_reshard_both_ways(tmp
                            str(REPO / "tests" / "ep_worker.py"), str(ref / "checkpoints" / "step_00000003"),
                            str(ep_yaml)], capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    assert "2 rank(s)" in proc.stdout
+    assert "2 rank(s)" in proc.stdout and "--- sample ---" in proc.stdout  # generation: ranks in step
     assert_same_losses(train_losses(ref), train_losses(ep), range(1, 7))
     ref_rows = {r["step"]: r for r in metrics(ref) if "train/loss" in r}
     for r in (r for r in metrics(ep) if "train/loss" in r):

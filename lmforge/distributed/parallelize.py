@@ -235,6 +235,7 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, *, bf16: bool, reshard_after_fo
         else MixedPrecisionPolicy()
     mesh = meshes.dense
     for block in model.blocks:
+        experts = None
         if meshes.experts is not None and is_moe_layer(block.mlp):
             experts = fully_shard(block.mlp.experts, mesh=meshes.experts, mp_policy=mp,
                                   reshard_after_forward=reshard_after_forward)
@@ -244,6 +245,8 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, *, bf16: bool, reshard_after_fo
                 # 1-rank shard group: there torch's FSDP would divide twice.)
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        if experts is not None:  # gather the experts while attention and routing run
+            block.set_modules_to_forward_prefetch([experts])
     # The root's weights are needed again right at the start of backward: keep them gathered.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     # FSDP gathers the root's weights around `forward` only; the model's other entry points
