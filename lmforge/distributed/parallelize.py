@@ -77,17 +77,15 @@ def _selective_policy():
     aten = torch.ops.aten
     # Expensive to recompute: keep their outputs (matmuls, the MoE experts' grouped GEMMs,
     # attention, and the expert-parallel all-to-all, which recomputing would send again).
-    # Norms, activations, RoPE, routing: recompute.
+    # The router's top-k too: a recompute must route exactly as the forward did (on a GPU a tie
+    # could flip, and the all-to-all's split sizes with it), as torchtitan does.
+    # Norms, activations, RoPE, the rest of routing: recompute.
     keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._grouped_mm.default,
-            torch.ops.lmforge.grouped_mm.default,
+            torch.ops.lmforge.grouped_mm.default, aten.topk.default,
             torch.ops._c10d_functional.all_to_all_single.default,
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default}
-
-    # Routing must not change between forward and recompute (a different choice of experts would
-    # change the all-to-all's split sizes): keep top-k's output, as torchtitan does.
-    keep.add(aten.topk.default)
     # Expert parallelism nests the experts' FSDP unit inside the block: on recompute FSDP opens one
     # more profiler range there (it takes the iteration's root role again) than in forward, and
     # SAC would look for that extra op in its cache. Profiler ranges compute nothing: skip them.
