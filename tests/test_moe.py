@@ -190,10 +190,11 @@ def test_compiled_layer_matches_eager_forward_and_backward(dtype):
     assert int(stats["tokens_per_expert"].sum()) == 32
 
 
-def test_unaligned_shapes_fall_back_to_the_loop():
+@pytest.mark.parametrize("d,ratio", [(30, 1.0), (32, 1.0625)])  # d unaligned; only the hidden 34 unaligned
+def test_unaligned_shapes_fall_back_to_the_loop(d, ratio):
     """The grouped kernel wants 16-byte row strides; other shapes take the reference loop."""
-    layer = make_layer(d_model=30, n_heads=3, n_kv_heads=1, expansion_ratio=1.0)
-    x = torch.randn(2, 5, 30)
+    layer = make_layer(d_model=d, n_heads=2, n_kv_heads=1, expansion_ratio=ratio)
+    x = torch.randn(2, 5, d)
     torch.testing.assert_close(layer(x)[0], naive(layer, x), rtol=1e-5, atol=1e-5)
 
 

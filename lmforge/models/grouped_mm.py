@@ -14,12 +14,13 @@ import torch
 _native = getattr(torch, "_grouped_mm", None)
 
 
-def supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether the grouped kernel takes these operands: torch has it, CUDA only in bf16, and
-    every row stride a multiple of 16 bytes (its alignment rule, e.g. d % 4 == 0 in fp32)."""
+def supported(x: torch.Tensor, *row_lengths: int) -> bool:
+    """Whether the grouped kernel takes operands of ``x``'s dtype and device whose rows (or
+    columns, transposed in backward) have these lengths: torch has it, CUDA only in bf16, and
+    every such stride a multiple of 16 bytes (its alignment rule: e.g. % 4 in fp32, % 8 in bf16)."""
     if _native is None or (x.is_cuda and x.dtype != torch.bfloat16):
         return False
-    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, *weights))
+    return all(n * x.element_size() % 16 == 0 for n in row_lengths)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -180,8 +180,8 @@ class GroupedExperts(nn.Module):
         w13, w2 = _local(self.w13), _local(self.w2)
         dtype = _compute_dtype(x)
         x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
-        if grouped is None:
-            grouped = gmm.supported(x, w13, w2)
+        if grouped is None:  # rows of x, w13, the SwiGLU output and w2: d, 2h, h, d
+            grouped = gmm.supported(x, x.shape[-1], w13.shape[-1], w2.shape[-2], w2.shape[-1])
         if not grouped:
             return _loop(x, counts, w13, w2)
         # Unpadded: expert e's rows are offs[e-1]:offs[e], whatever their alignment.
