@@ -61,11 +61,14 @@ def test_moe_suite_counts(name):
 
 def test_moe_9b_200b_tokens_on_128_h100_in_one_day():
     cfg = get_preset("moe-9b")
-    needed = mfu(200e9 / DAY, mfu_flops_per_token(cfg, 4096), 128, peak_flops(GPU_TYPES["h100-sxm"], "bf16"))
-    assert needed == pytest.approx(0.28, abs=0.01)
-    plan = estimate_run(cfg, 200e9, gpus=8, nodes=16, gpu_type="h100-sxm", mfu=0.28)
+    peak = peak_flops(GPU_TYPES["h100-sxm"], "bf16")
+    # 28% on 6·N·D alone (the published planning figure); 33% on the standard basis, which
+    # adds the attention scores at 4096 context (what training logs and the estimate uses).
+    assert mfu(200e9 / DAY, flops_per_token(cfg, 4096)["dense"], 128, peak) == pytest.approx(0.28, abs=0.01)
+    needed = mfu(200e9 / DAY, mfu_flops_per_token(cfg, 4096), 128, peak)
+    assert needed == pytest.approx(0.33, abs=0.01)
+    plan = estimate_run(cfg, 200e9, gpus=8, nodes=16, gpu_type="h100-sxm", mfu=0.33, seq_len=4096)
     assert plan["time"]["days"] == pytest.approx(1.0, rel=0.05)
-    assert plan["time"]["days_incl_attention"] > plan["time"]["days"]
 
 
 # ---------------------------------------------------------------- formulas by hand
@@ -229,7 +232,7 @@ def test_cli_text_and_json():
                 "--price-per-gpu-hour", "2")
     assert proc.returncode == 0, proc.stderr
     assert "5.88e+21" in proc.stdout and "6.7 days" in proc.stdout and "140B" in proc.stdout
-    proc = _cli("--model", "moe-9b", "--tokens", "200B", "--gpus", "8", "--nodes", "16", "--mfu", "0.28", "--json")
+    proc = _cli("--model", "moe-9b", "--tokens", "200B", "--gpus", "8", "--nodes", "16", "--mfu", "0.33", "--json")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["params"]["total"] == param_counts(get_preset("moe-9b"))["total"]

@@ -142,8 +142,15 @@ class Parameters(_Strict):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null to turn off")
-    precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="bf16 autocast where the hardware supports it, else fp32")
+    precision: Literal["auto", "bf16", "fp32", "fp8"] = Field(
+        "auto", description="bf16 autocast where the hardware supports it, else fp32; fp8: FP8 matmuls in the "
+        "linear layers (torchao, lmforge[gpu]; GPUs of compute capability 8.9+), bf16 elsewhere")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="precision fp8: one scale per tensor (fastest; FP8 all-gather under FSDP) or "
+        "per row (more accurate)")
+    document_masking: bool = Field(
+        False, description="pretraining: a token attends only to earlier tokens of its own document (documents "
+        "end at the tokenizer's end-of-text token in the packed samples); fine-tuning rows always are")
     seed: int = Field(17, description="seed for init, data order and sampling")
 
 
@@ -185,7 +192,11 @@ class ComputeConfig(_Strict):
         "outputs, recompute the rest), or N (every N-th block)")
     async_checkpoint: bool = Field(True, description="write checkpoints in the background while training continues")
     # --- end scale-out
-    compile: bool = Field(False, description="torch.compile each transformer block")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each transformer block and the norm + head + loss; auto: on CUDA")
+    loss_kernel: Literal["auto", "chunked", "liger"] = Field(
+        "auto", description="output head + cross-entropy without whole logits: liger-kernel's fused kernel (CUDA, "
+        "lmforge[gpu]) or lmforge's chunked one; auto: liger where installed on CUDA, else chunked")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
 
     @field_validator("activation_checkpointing")

@@ -218,8 +218,9 @@ class _MicroBatches(IterableDataset):
 
     def __init__(self, readers: list[MDSReader], names: list[str], order: _Order, *, seq_len: int,
                  micro_batch_size: int, global_batch_size: int, rank: int, world_size: int,
-                 base: int, first: int):
+                 base: int, first: int, document_eos: int | None = None):
         self.readers = readers
+        self.document_eos = document_eos
         self.names = names
         self.order = order
         self.seq_len = seq_len
@@ -248,7 +249,7 @@ class _MicroBatches(IterableDataset):
                     f"shorter than seq_len {self.seq_len}"
                 )
             out[row] = tokens[: self.seq_len]
-        return Batch.from_tokens(torch.from_numpy(out))
+        return Batch.from_tokens(torch.from_numpy(out), eos_id=self.document_eos)
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
@@ -340,6 +341,7 @@ class TokenStream:
         split: str = "train",
         pin_memory: bool = False,
         phases: list[StreamPhase] | None = None,
+        document_eos: int | None = None,
     ):
         for name, v, lo in (("seq_len", seq_len, 1), ("micro_batch_size", micro_batch_size, 1),
                             ("global_batch_size", global_batch_size, 1), ("world_size", world_size, 1),
@@ -357,6 +359,7 @@ class TokenStream:
         self.seq_len, self.micro_batch_size, self.global_batch_size = seq_len, micro_batch_size, global_batch_size
         self.rank, self.world_size, self.seed, self.num_workers = rank, world_size, seed, num_workers
         self.pin_memory = pin_memory  # CUDA: page-locked batches, so host→device copies overlap compute
+        self.document_eos = document_eos  # document masking: batches carry doc_ids split after this token
         self.readers = []
         for i, s in enumerate(self.specs):
             sub = None if cache_dir is None else str(Path(cache_dir) / f"{i}-{hashlib.sha256(s.path.encode()).hexdigest()[:12]}")
@@ -476,6 +479,7 @@ class TokenStream:
             self.readers, [s.name for s in self.specs], self._order, seq_len=self.seq_len,
             micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
             rank=self.rank, world_size=self.world_size, base=self._base, first=self._yielded,
+            document_eos=self.document_eos,
         )
 
     def __iter__(self) -> Iterator[Batch]:

@@ -1,9 +1,12 @@
 """Apply parallelism and compilation to a model, in one place and one order.
 
-Order (as in torchtitan): activation checkpointing → torch.compile (per block) → data
-parallel wrapping (DDP, or FSDP2 ``fully_shard`` per block then the root). Checkpointing
-wraps block forwards first so compile sees the recompute region; compiling per block keeps
-compile times short; FSDP's hooks then sit outside the compiled regions, at block boundaries.
+Order (as in torchtitan): activation checkpointing → FP8 → torch.compile (per block, and
+the final norm + head + loss) → data parallel wrapping (DDP, or FSDP2 ``fully_shard`` per
+block then the root). Checkpointing wraps block forwards first so compile sees the recompute
+region; FP8 (torchao) swaps the linear layers next — after checkpointing and before compile,
+as torchao documents — so compile traces the FP8 casts and FSDP shards (and all-gathers in
+FP8) the swapped weights; compiling per block keeps compile times short; FSDP's hooks then sit
+outside the compiled regions, at block boundaries.
 
 Everything is applied to the module in place and never renames parameters, so checkpoints
 (DCP) and exports are the same whatever parallelism or compilation a run used.
@@ -31,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.dist import DistInfo
+from lmforge.distributed.float8 import apply_float8
 from lmforge.errors import UserError
 
 SHARDED = ("fsdp", "hsdp")
@@ -60,6 +64,9 @@ def _selective_policy():
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    # FlexAttention (packed documents on CUDA) is attention too: keep its output.
+    keep.add(torch._higher_order_ops.flex_attention)
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
@@ -91,10 +98,22 @@ def apply_activation_checkpointing(model: nn.Module, value=True) -> None:
         block.forward = _checkpointed(block.forward, selective=mode == "selective")
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block's forward (on the instance: names unchanged, FSDP hooks stay eager)."""
+def compile_enabled(value, device: torch.device) -> bool:
+    """compute.compile → on or off: ``auto`` compiles on CUDA (the CPU gains nothing on small
+    models and pays the compile time, see BENCHMARKS.md)."""
+    return device.type == "cuda" if value == "auto" else bool(value)
+
+
+def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
+    """Compile each block's forward, and the final norm + output head + loss (`head_loss`) as
+    one more unit (on the instance: names unchanged, FSDP hooks stay eager).
+
+    ``fullgraph``: a block must trace as one graph (an error otherwise, never a silent break).
+    The loss unit may break only around liger-kernel's fused loss, which runs eagerly.
+    """
     for block in model.blocks:
-        block.forward = torch.compile(block.forward, dynamic=False)
+        block.forward = torch.compile(block.forward, dynamic=False, fullgraph=fullgraph)
+    model.head_loss = torch.compile(model.head_loss, dynamic=False)
 
 
 # --------------------------------------------------------------------------- device mesh and FSDP2
@@ -166,18 +185,24 @@ class TrainingForward(nn.Module):
         return self.model.training_loss(input_ids, targets, doc_ids=doc_ids)
 
 
-def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32") -> nn.Module:
-    """Apply, in this order, activation checkpointing → compile → data parallelism; returns the
-    module that runs one training forward (a `TrainingForward`, inside DDP when replicated).
+def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32",
+                fp8_recipe: str = "tensorwise") -> nn.Module:
+    """Apply, in this order, activation checkpointing → FP8 (``precision`` "fp8") → compile →
+    data parallelism; returns the module that runs one training forward (a `TrainingForward`,
+    inside DDP when replicated).
 
     With fsdp/hsdp, ``model`` may live on the meta device; call ``materialize`` afterwards.
     """
+    sharded = compute.data_parallel in SHARDED
+    model.loss_kernel = compute.loss_kernel
     if compute.activation_checkpointing:
         apply_activation_checkpointing(model, compute.activation_checkpointing)
-    if compute.compile:
+    if precision == "fp8":
+        apply_float8(model, fp8_recipe, fsdp=sharded)
+    if compile_enabled(compute.compile, dist.device):
         apply_compile(model)
-    if compute.data_parallel in SHARDED:
-        apply_fsdp(model, build_mesh(compute, dist), bf16=precision == "bf16",
+    if sharded:
+        apply_fsdp(model, build_mesh(compute, dist), bf16=precision in ("bf16", "fp8"),
                    reshard_after_forward=compute.reshard_after_forward)
         return TrainingForward(model)
     if dist.distributed and compute.data_parallel != "none":
@@ -225,9 +250,10 @@ def no_grad_sync(train_forward: nn.Module, skip: bool):
         yield
 
 
-def local_value(t) -> float:
-    """A (possibly DTensor) scalar as a float: FSDP's grad norm is a replicated DTensor."""
-    return float(t.full_tensor() if isinstance(t, DTensor) else t)
+def device_value(t) -> torch.Tensor:
+    """A (possibly DTensor) scalar as a plain tensor on its device, without waiting for it (a
+    replicated DTensor's full tensor is its local one: no communication)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def unwrap(train_forward: nn.Module) -> nn.Module:

@@ -99,8 +99,8 @@ def estimate_run(
     cluster_peak = peak * n
     training_flops = per_token["dense"] * tokens
     attention_flops = per_token["attention"] * tokens
-    seconds = training_flops / (mfu * cluster_peak)
-    seconds_attn = (training_flops + attention_flops) / (mfu * cluster_peak)
+    # MFU is on the standard basis (6·N_active + attention), as the trainer logs it.
+    seconds = (training_flops + attention_flops) / (mfu * cluster_peak)
     gpu_hours = seconds * n / 3600
 
     memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes,
@@ -116,7 +116,7 @@ def estimate_run(
             "training": training_flops,
             "attention": attention_flops,
             "total": training_flops + attention_flops,
-            "mfu_basis": "6 × active parameters per token (attention term excluded)",
+            "mfu_basis": "6 × active parameters + 12·L·H·Dh·T attention per token (as logged in training)",
         },
         "cluster": {"gpu_type": spec.name, "description": spec.description, "gpus_per_node": gpus,
                     "nodes": nodes, "gpus": n, "precision": precision,
@@ -126,7 +126,6 @@ def estimate_run(
             "seconds": seconds,
             "hours": seconds / 3600,
             "days": seconds / DAY,
-            "days_incl_attention": seconds_attn / DAY,
             "days_at_100pct_mfu": seconds * mfu / DAY,
             "gpu_hours": gpu_hours,
             "tokens_per_second": tokens / seconds,
@@ -211,13 +210,13 @@ def format_plan(plan: dict) -> str:
         ("cluster", f"{c['gpus']} × {c['gpu_type']} ({c['nodes']} node(s)), {c['precision']} peak "
                     f"{c['peak_flops_per_gpu'] / 1e12:.4g} TFLOP/s per device"),
         ("time", f"{_duration(tm['seconds'])} at {tm['mfu']:.1%} MFU "
-                 f"({tm['days_at_100pct_mfu']:.2f} days at 100%; {tm['days_incl_attention']:.2f} days "
-                 f"counting attention); {tm['tokens_per_second']:.3g} tokens/s"),
+                 f"({tm['days_at_100pct_mfu']:.2f} days at 100%); {tm['tokens_per_second']:.3g} tokens/s"),
         ("GPU-hours", f"{tm['gpu_hours']:,.0f}"),
         ("cost", f"{plan['cost']['total']:,.0f} at {plan['cost']['price_per_gpu_hour']:g} per GPU-hour"
                  if plan["cost"]["total"] is not None else "— (give --price-per-gpu-hour)"),
         ("memory/GPU", f"model states {_bytes(m['states_bytes_per_gpu'])} "
                        f"(18 B/param over {m['devices']} GPUs), gathered {_bytes(m['gathered_bytes_per_gpu'])}, "
+                       f"loss {_bytes(m['loss_workspace_bytes'])}, "
                        f"usable {_bytes(m['usable_bytes'])} of {_bytes(m['gpu_memory_bytes'])}"),
     ]
     act = m["activation_bytes_per_sample"]
