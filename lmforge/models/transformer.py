@@ -345,7 +345,7 @@ def _flex(q: torch.Tensor):
     graph; without compile its eager form would materialize the scores: a reference
     implementation, which is what the CPU gets)."""
     global _compiled_flex
-    if not q.is_cuda:
+    if not q.is_cuda or torch.compiler.is_compiling():  # a compiled block traces flex_attention itself
         return flex_attention
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
