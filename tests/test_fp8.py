@@ -103,3 +103,38 @@ def test_fp8_training_steps_on_a_gpu(recipe):
         opt.zero_grad()
         losses.append(out.ce_sum.item() / ids.numel())
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+@pytest.mark.gpu
+def test_fp8_under_fsdp_trains_saves_resumes_and_exports(tiny_data, tmp_path):
+    """The trainer's whole path with FP8 all-gathers (tensorwise, FSDP2 on one GPU): meta-device
+    build, sharded materialization, scales precomputed after each step, DCP checkpoints, resume,
+    and a plain safetensors export."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    pytest.importorskip("torchao.float8")
+    import torch.distributed as td
+    from safetensors.torch import load_file
+
+    from lmforge.config.load import build_config
+    from lmforge.distributed.dist import DistInfo
+    from lmforge.train.setup import setup_run
+    from lmforge.train.trainer import Trainer
+
+    cuda = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+
+    def fit(duration):
+        raw = tiny_run_config(tiny_data, tmp_path / "run", training_duration=duration, save_interval="2ba",
+                              **{"parameters.precision": "fp8", "compute.data_parallel": "fsdp",
+                                 "compute.async_checkpoint": False, "eval.prompts": []})
+        return Trainer(setup_run(build_config(raw), cuda, log=lambda *_: None), cuda, log=lambda *_: None).fit()
+
+    try:
+        assert fit("4ba").status == "completed"
+        resumed = fit("6ba")
+        assert resumed.status == "completed" and resumed.step == 6 and resumed.final_dir
+        weights = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+        assert all(torch.isfinite(w).all() for w in weights.values())
+    finally:
+        if td.is_initialized():
+            td.destroy_process_group()

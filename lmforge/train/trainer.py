@@ -315,7 +315,11 @@ class Trainer:
         return metrics | {"_generations": gens}
 
     def evaluate_icl(self) -> dict:
-        metrics = run_icl(self.model, self.tokenizer, self.icl, self.cfg, self.dist, self.sharded, self.autocast)
+        # ICL examples come in every length: compiled blocks (specialized to the training shape)
+        # would recompile for each, so they run eagerly here.
+        compiled = compile_enabled(self.cfg.compute.compile, self.device)
+        with torch.compiler.set_stance("force_eager") if compiled else nullcontext():
+            metrics = run_icl(self.model, self.tokenizer, self.icl, self.cfg, self.dist, self.sharded, self.autocast)
         if metrics:
             self.callbacks.on_metrics(metrics, self.state.step)
         return metrics
