@@ -1,17 +1,22 @@
 """`lmforge train -f run.yaml` and `lmforge finetune -f sft.yaml`: one command path for both.
 
-Both load the config with the same overrides, check object-store credentials once, then run
-in one of three ways: register and supervise the run (the first process), start torchrun
-(several ranks), or train in this process (a supervised child or a torchrun rank).
+Both load the config with the same overrides and check object-store credentials once; then the
+launch plan (`runs.plan`) says what this process is — it supervises the run (the first
+process), becomes torchrun (several ranks), or trains here (a supervised child or a rank).
 `finetune` differs only in its default `task_type` (instruction_finetune) and its help.
+
+The heavy imports (torch, through `runs`) are inside the functions so that `lmforge --help`
+and `import lmforge` stay free of torch.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 
+from lmforge import secrets
 from lmforge.cli.common import add_command
 from lmforge.config.reference import render_text
 from lmforge.errors import UserError
@@ -53,13 +58,17 @@ def add_run_arguments(p) -> None:
     p.add_argument("--nnodes", type=int, metavar="N", help="override `compute.nodes`")
     p.add_argument("--node-rank", type=int, metavar="R", help="override `compute.node_rank` (0 … N-1)")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="override `compute.rdzv_endpoint` (node 0's address)")
-    p.add_argument("--max-restarts", type=int, metavar="N", help="override `max_retries` (torchrun restarts)")
+    p.add_argument("--max-retries", "--max-restarts", dest="max_retries", type=int, metavar="N",
+                   help="override `max_retries` (restarts after a failure, in all)")
     p.add_argument("--check-credentials", action="store_true",
                    help="only check read access to remote data and write access to a remote save_folder, then exit")
     p.add_argument("--skip-credentials-check", action="store_true",
                    help="do not run the object-store credentials check before training")
     p.add_argument("--detach", action="store_true",
                    help="run in the background (logs in <save_folder>/logs); print the run name and return")
+    p.add_argument("--no-supervisor", action="store_true",
+                   help="train in this process: no run registry, no automatic restarts (torchrun's aside)")
+    p.add_argument("--plan", help=argparse.SUPPRESS)  # set by lmforge for the processes it starts (runs.plan)
 
 
 def load_from_args(args):
@@ -77,7 +86,7 @@ def load_from_args(args):
         overrides["autoresume"] = False
     sets = list(args.set)
     for flag, key in (("nnodes", "compute.nodes"), ("node_rank", "compute.node_rank"),
-                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_restarts", "max_retries")):
+                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_retries", "max_retries")):
         if getattr(args, flag, None) is not None:
             sets.append(f"{key}={getattr(args, flag)}")
     raw = load_raw(args.file, overrides=overrides, sets=sets)
@@ -88,8 +97,6 @@ def load_from_args(args):
 
 
 def run(args) -> int:
-    from lmforge import secrets
-
     try:
         return _run(args)
     except UserError as e:  # no secret may reach the terminal, whatever raised the error
@@ -97,45 +104,37 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from lmforge import secrets
+    from lmforge.runs.plan import launch_plan  # torch (through distributed)
 
     cfg = load_from_args(args)
     secrets.apply(cfg)  # credentials named by `secrets:` → env (torchrun's ranks inherit it)
     if args.dry_run:
         return dry_run(cfg, args)
-    # Object-store access is checked once, before anything is registered or started; the
-    # supervised child, torchrun's ranks and relaunched processes skip it.
-    if args.check_credentials or not (args.skip_credentials_check or int(os.environ.get("RANK", "0")) != 0
-                                      or os.environ.get("LMFORGE_LAUNCHED") or os.environ.get("LMFORGE_SUPERVISED_CHILD")):
+    if args.check_credentials:
         checked = secrets.check_credentials(cfg, log=print)  # a local save_folder: nothing to check
-        if args.check_credentials:
-            print("credentials: ok" if checked else "credentials: nothing remote to check")
-            return 0
-    # [runs] the first process registers the run and supervises a child `lmforge train`
-    # (retries, logs, `lmforge runs ...`); the child, and torchrun ranks, come through here and just train.
-    from lmforge.distributed.torchrun import launch as launch_ranks, needs_launch
-    from lmforge.runs.start import start, should_supervise
+        print("credentials: ok" if checked else "credentials: nothing remote to check")
+        return 0
+    plan = launch_plan(args, cfg)
+    # Object-store access is checked once, in the process the user started, before anything is
+    # registered or started.
+    if plan.first and not args.skip_credentials_check:
+        secrets.check_credentials(cfg, log=print)
+    if plan.role in ("detach", "supervise"):
+        from lmforge.runs.start import start
 
-    nproc = needs_launch(cfg)  # several GPUs, compute.ranks: N or several nodes → torchrun (mesh checked here)
-    if should_supervise() and cfg.compute.node_rank == 0:  # other nodes: torchrun's agent restarts workers
-        return start(cfg, args)
-    if nproc:
-        return launch_ranks(cfg, nproc, sys.argv[1:])
-    return train_here(cfg, args)
+        return start(cfg, args, plan)
+    if plan.role == "launch":
+        from lmforge.runs.job import launch
+
+        return launch(cfg, plan, sys.argv[1:])
+    return train_here(cfg, args, plan)
 
 
-def train_here(cfg, args) -> int:
-    """Train in this process (a supervised child or a torchrun rank); report the outcome to the
-    supervisor and print the summary on rank 0."""
+def train_here(cfg, args, plan) -> int:
+    """Role "train": train in this process; print the summary on rank 0."""
     from lmforge.runs.job import run_job
-    from lmforge.runs.supervisor import report_status
 
-    try:
-        result = run_job(cfg, overwrite=args.overwrite)
-    except UserError as e:
-        report_status("failed", error=str(e), exit_code=e.exit_code)
-        raise
-    report_status(result.status, step=result.step, tokens=result.tokens)
+    result = run_job(cfg, plan, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         print_summary(result, as_json=args.json)
     return 0 if result.status in ("completed", "stopped") else 1
@@ -143,9 +142,7 @@ def train_here(cfg, args) -> int:
 
 def print_summary(result, as_json: bool = False) -> None:
     if as_json:
-        from lmforge.secrets import redact
-
-        print(redact(json.dumps({"status": result.status, "step": result.step, "tokens": result.tokens,
+        print(secrets.redact(json.dumps({"status": result.status, "step": result.step, "tokens": result.tokens,
                           "save_folder": result.save_folder, "final": result.final_dir,
                           "eval": result.eval, "generations": result.generations,
                           "mlflow_ui": result.mlflow_ui}, indent=1, default=str)))
@@ -163,10 +160,18 @@ def print_summary(result, as_json: bool = False) -> None:
         c.print("[dim]--- sample ---[/dim]")
         c.print(text, markup=False)
     c.print("[dim]---[/dim]")
-    c.print(f"checkpoints: {os.path.join(result.save_folder, 'checkpoints')}")
-    if result.final_dir:
+    remote = "://" in result.save_folder
+    join = (lambda *p: "/".join([result.save_folder.rstrip("/"), *p])) if remote else \
+        (lambda *p: os.path.join(result.save_folder, *p))
+    c.print(f"checkpoints: {join('checkpoints')}")
+    if result.final_dir and remote:
+        from lmforge.runs.store import staging_dir
+
+        local = os.path.join(staging_dir(result.save_folder), "final")
+        c.print(f"final model: {result.final_dir}  (local copy: lmforge generate --checkpoint {local})")
+    elif result.final_dir:
         c.print(f"final model: {result.final_dir}  (lmforge generate --checkpoint {result.final_dir})")
-    c.print(f"metrics:     {os.path.join(result.save_folder, 'metrics.jsonl')}")
+    c.print(f"metrics:     {join('metrics.jsonl')}")
     if result.mlflow_ui:
         c.print(f"MLflow:      {result.mlflow_ui}")
 

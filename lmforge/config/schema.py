@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator, model_validator
 
 from lmforge.config.durations import Duration, parse_duration
+
+HANG_TIMEOUT_MIN_S = 5.0  # shorter timeouts fire on ordinary pauses (GC, a slow read)
 from lmforge.config.model import ModelConfig, resolve_model
 from lmforge.config.storage import ObjectStoreConfig, SecretsConfig
 from lmforge.config.tracking import TrackerConfig
@@ -119,6 +121,21 @@ class ComputeConfig(_Strict):
     # --- end scale-out
     compile: bool = Field(False, description="torch.compile each transformer block")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+    hang_timeout: float | None = Field(
+        None, description="seconds (or '10min') without a completed training step before every rank dumps its "
+        "stacks and the run restarts; default: 20× the median step time, at least 5 minutes")
+
+    @field_validator("hang_timeout", mode="before")
+    @classmethod
+    def _hang_timeout(cls, v):
+        if isinstance(v, str):
+            d = parse_duration(v, "hang_timeout")
+            if d.unit != "s":
+                raise ValueError(f"expected seconds or a wall-clock duration like '90s' or '10min', got {v!r}")
+            v = d.value
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < HANG_TIMEOUT_MIN_S:
+            raise ValueError(f"{v:g}s is below the floor of {HANG_TIMEOUT_MIN_S:g}s")
+        return v
 
     @field_validator("activation_checkpointing")
     @classmethod
@@ -156,7 +173,8 @@ class RunConfig(_Strict):
         "JSONL prompt/response or messages rows, loss on responses only (lmforge finetune)")
     sft: SFTOptions = Field(default_factory=SFTOptions, description="fine-tuning data options")
     autoresume: bool = Field(True, description="continue from the latest checkpoint in save_folder")
-    max_retries: int = Field(2, ge=0, description="automatic restarts after a crash (supervised runs)")
+    max_retries: int = Field(2, ge=0, description="restarts after a crash or a hang, in all (by the supervisor or "
+                             "torchrun); each resumes from the latest checkpoint")
     log_interval: int = Field(10, ge=1, description="steps between console/tracker log lines")
     # [object-store] remote save_folder / train_data settings (lmforge/config/storage.py)
     object_store: ObjectStoreConfig = Field(default_factory=ObjectStoreConfig, description="endpoint, retries")

@@ -40,6 +40,7 @@ from lmforge.data import remote
 from lmforge.data.sources import SourceStats, list_files, no_documents_message, read_source
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.errors import UserError
+from lmforge.process import die_with_parent
 
 MARKER = "lmforge-dataset.json"
 FORMAT_VERSION = 1
@@ -93,8 +94,10 @@ def split_value(raw: bytes) -> int:
 _WORKER: _Encoder | None = None
 
 
-def _init_worker(tokenizer_json: str, eos_id: int, eval_fraction: float, threads_per_worker: int) -> None:
+def _init_worker(tokenizer_json: str, eos_id: int, eval_fraction: float, threads_per_worker: int,
+                 parent: int) -> None:
     global _WORKER
+    die_with_parent(parent)  # a killed `prepare` (or trainer preparing its data) leaves no worker behind
     # The tokenizer's Rust thread pool would otherwise start one thread per core in every worker.
     os.environ["RAYON_NUM_THREADS"] = str(threads_per_worker)
     if threads_per_worker <= 1:
@@ -136,7 +139,7 @@ def _encoded_chunks(docs: Iterable[str], tok: Tokenizer, eval_fraction: float, w
     # spawn, not fork: a forked copy of a tokenizer that already ran its thread pool can deadlock.
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(tok.to_json(), tok.eos_id, eval_fraction, threads)) as pool:
+                             initargs=(tok.to_json(), tok.eos_id, eval_fraction, threads, os.getpid())) as pool:
         pending: collections.deque = collections.deque()
         try:
             for chunk in _chunks(docs, CHUNK_CHARS_POOL):

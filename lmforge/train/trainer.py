@@ -11,7 +11,8 @@ Read it top to bottom:
 - `save` / `load` write and read checkpoints through state objects that carry their own
   ``state_dict()``: model and optimizer (DCP), data stream, counters (`TrainState`), RNG;
 - `fit` is the loop: steps, logging, periodic evaluation and checkpoints, a graceful stop on
-  SIGTERM / Ctrl-C, and at the end a final evaluation, checkpoint and export.
+  SIGTERM / Ctrl-C, a hang watchdog fed after every step (`train.watchdog`), and at the end a
+  final evaluation, checkpoint and export.
 
 The trainer knows nothing of trackers, object stores or the run registry: they hook in through
 `train.callbacks`. What it needs is set up by `train.setup.setup_run` (a `RunSetup`).
@@ -50,6 +51,7 @@ from lmforge.train.callbacks import Callback, Callbacks, RunInfo
 from lmforge.train.locate import load_model
 from lmforge.train.optim import build_optimizer, lr_factor
 from lmforge.train.plan import TrainPlan
+from lmforge.train.watchdog import HangWatchdog
 
 
 class TrainingDiverged(UserError):
@@ -140,6 +142,7 @@ class Trainer:
         self.peak_flops = peak_flops(detect_device_spec(self.device),
                                      "bf16" if self.plan.precision == "bf16" else "fp32")
         self._stop_asked = False
+        self.watchdog = HangWatchdog(self.cfg.compute.hang_timeout, rank=dist.rank)
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
         self._elapsed0 = 0.0
 
@@ -333,7 +336,10 @@ class Trainer:
         try:
             # The stop handler stays through the final evaluation and export: those finish.
             with self._graceful_stop():
-                status = self._loop()
+                try:
+                    status = self._loop()
+                finally:
+                    self.watchdog.close()  # the end of the run is not timed
                 last_eval = self._finish() if status == "completed" else {}
                 if self.saver is not None:
                     self.saver.wait()  # the last checkpoint is complete before the run reports success
@@ -374,11 +380,15 @@ class Trainer:
                 self.callbacks.on_metrics(self._step_metrics(out, meter.tokens_per_s(state.tokens)), state.step)
             stop = any_rank(self._stop_asked, self.device)  # a stop asked on any rank stops all
             if state.step % plan.eval_interval == 0 and not done:
-                self.evaluate()
+                with self.watchdog.paused():
+                    self.evaluate()
             if plan.icl_interval and state.step % plan.icl_interval == 0 and not done:
-                self.evaluate_icl()
+                with self.watchdog.paused():
+                    self.evaluate_icl()
             if (state.step % plan.save_interval == 0 and not done) or stop:
-                self.save()
+                with self.watchdog.paused():
+                    self.save()
+            self.watchdog.beat(state.step)
             if stop:
                 return "stopped"
         return "completed"
