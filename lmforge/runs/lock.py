@@ -11,9 +11,9 @@ folder). Two things make it up:
 
 **Claiming** (a new run, a second ``train`` on the same folder, ``runs restart``, a resume)
 takes the kernel lock *exclusively* without waiting, which succeeds only when no process of
-any earlier run still holds it. Otherwise it is refused with one line naming the run, after a
-few seconds' grace (the processes of a run killed a moment ago take that long to go). Once
-exclusive, the content decides:
+any earlier run still holds it. Otherwise it is refused with one line naming the run — at once
+while the process that claimed it lives, else after a few seconds' grace (the processes of a
+run killed a moment ago take that long to go). Once exclusive, the content decides:
 
 - written on this host: the processes it names are gone (a *stale* lock) — taken over;
 - written on **another host** (a shared filesystem, whose locks may not reach across hosts):
@@ -78,7 +78,8 @@ class SaveFolderLock:
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     os.close(fd)
                     raise UserError(f"save_folder {folder}: cannot lock {LOCK_FILE} ({e.strerror})") from None
-                if time.monotonic() < deadline:
+                # Grace only for a run whose claimer is gone: its other processes are on their way out.
+                if time.monotonic() < deadline and not _claimer_alive(read_holder(folder)):
                     time.sleep(0.1)
                     continue
                 os.close(fd)
@@ -221,6 +222,11 @@ def _still_live(folder: str, holder: dict | None) -> str | None:
     if holder.get("pid") != os.getpid() and process_alive(holder.get("pid"), holder.get("pid_start")):
         return f"save_folder {folder} is in use by {who}, which is still running"
     return None
+
+
+def _claimer_alive(holder: dict | None) -> bool:
+    return bool(holder) and holder.get("host") == this_host() and \
+        process_alive(holder.get("pid"), holder.get("pid_start"))
 
 
 def _in_use(folder: str, holder: dict | None) -> str:
