@@ -7,7 +7,11 @@ import os
 import sys
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 from lmforge.cli.common import add_command
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
 DESCRIPTION = """\
@@ -37,7 +41,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from lmforge.eval.gauntlet import gauntlet_scores, load_gauntlet
+    from lmforge.eval.gauntlet import gauntlet_scores, load_gauntlet  # torch, as below (lazy: `lmforge --help`)
     from lmforge.eval.icl import evaluate_icl, load_tasks
 
     if args.limit is not None and args.limit < 1:
@@ -63,7 +67,7 @@ def run(args) -> int:
 
 
 def _device(name: str):
-    import torch
+    import torch  # (lazy: `lmforge --help` stays free of torch)
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,8 +83,7 @@ def _device(name: str):
 def _load_checkpoint(path: str, device):
     """The model and its tokenizer, from anything `train.locate` accepts (a run's save folder, its
     final/, a checkpoints/step_N folder, a Hugging Face folder) — as `generate` and `export` do."""
-    from lmforge.data.tokenizer import load_tokenizer  # torch and tokenizers: only when evaluating
-    from lmforge.train.locate import check_tokenizer_fits, load_model, locate
+    from lmforge.train.locate import check_tokenizer_fits, load_model, locate  # torch (lazy: `lmforge --help`)
 
     loc = locate(path)
     # The tokenizer is saved next to the weights (save_pretrained copies it), or in tokenizer/.
@@ -96,9 +99,6 @@ def _load_checkpoint(path: str, device):
 
 
 def _print_tables(results: dict, scores: dict | None, tasks) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     types = {t.label: t.task_type for t in tasks}
     table = Table(title="In-context learning")

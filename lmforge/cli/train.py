@@ -16,10 +16,21 @@ import json
 import os
 import sys
 
+import yaml
+from rich.console import Console
+
 from lmforge import secrets
 from lmforge.cli.common import add_command
+from lmforge.config.identity import with_default_names
+from lmforge.config.load import build_config, load_raw
+from lmforge.config.model import padded_vocab
 from lmforge.config.reference import render_text
+from lmforge.config.schema import TokenizerSpec
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
+from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec
+from lmforge.estimate.plan import estimate_run, format_plan
+from lmforge.runs.plan import launch_plan
 
 SFT_DEFAULT_TASK = "instruction_finetune"
 
@@ -73,8 +84,7 @@ def add_run_arguments(p) -> None:
 
 def load_from_args(args):
     """The run config of a `train` / `finetune` command line (overrides applied, validated)."""
-    from lmforge.config.load import build_config, load_raw
-    from lmforge.train.locate import fill_from_weights
+    from lmforge.train.locate import fill_from_weights  # torch (lazy: `lmforge --help` stays light)
 
     finetune = args.command == "finetune"
     if not args.file and not (args.model and args.train_data and args.training_duration):
@@ -104,8 +114,6 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from lmforge.runs.plan import launch_plan  # torch (through distributed)
-
     cfg = load_from_args(args)
     secrets.apply(cfg)  # credentials named by `secrets:` → env (torchrun's ranks inherit it)
     if args.dry_run:
@@ -120,7 +128,7 @@ def _run(args) -> int:
     if plan.first and not args.skip_credentials_check:
         secrets.check_credentials(cfg, log=print)
     if plan.role in ("detach", "supervise"):
-        from lmforge.runs.start import start
+        from lmforge.runs.start import start  # torch, as runs.job below (lazy: `lmforge --help` stays light)
 
         return start(cfg, args, plan)
     if plan.role == "launch":
@@ -147,8 +155,6 @@ def print_summary(result, as_json: bool = False) -> None:
                           "eval": result.eval, "generations": result.generations,
                           "mlflow_ui": result.mlflow_ui}, indent=1, default=str)))
         return
-    from rich.console import Console
-
     c = Console(highlight=False)
     c.print()
     c.print(f"[bold]{result.status}[/bold] after {result.step:,} steps ({result.tokens:,} tokens)")
@@ -165,7 +171,7 @@ def print_summary(result, as_json: bool = False) -> None:
         (lambda *p: os.path.join(result.save_folder, *p))
     c.print(f"checkpoints: {join('checkpoints')}")
     if result.final_dir and remote:
-        from lmforge.runs.store import staging_dir
+        from lmforge.runs.store import staging_dir  # torch (through the trainer's checkpoints)
 
         local = os.path.join(staging_dir(result.save_folder), "final")
         c.print(f"final model: {result.final_dir}  (local copy: lmforge generate --checkpoint {local})")
@@ -178,14 +184,9 @@ def print_summary(result, as_json: bool = False) -> None:
 
 def dry_run(cfg, args) -> int:
     """Resolve every default without training; data preparation is not started for this."""
-    import yaml
+    import torch  # (lazy, like the two below: `lmforge --help` stays free of torch)
 
-    from lmforge.config.identity import with_default_names
-    from lmforge.config.model import padded_vocab
-    from lmforge.config.schema import TokenizerSpec
-    from lmforge.data.tokenizer import load_tokenizer
     from lmforge.distributed.dist import pick_device
-    from lmforge.estimate.plan import estimate_run, format_plan
     from lmforge.train.plan import make_plan, resolved_config
 
     cfg = with_default_names(cfg)
@@ -198,17 +199,11 @@ def dry_run(cfg, args) -> int:
     device = pick_device(cfg.compute.device, 0)
     world = cfg.compute.ranks or 1
     if device.type == "cuda":
-        import torch
-
         world = (torch.cuda.device_count() if cfg.compute.gpus == "auto" else cfg.compute.gpus) * cfg.compute.nodes
     plan = make_plan(cfg, world_size=world, device=device, samples_per_epoch=None, data_seq_len=None)
-    from lmforge.secrets import redact_config
-
-    resolved = redact_config(resolved_config(cfg, plan).model_dump(mode="json"))
+    resolved = secrets.redact_config(resolved_config(cfg, plan).model_dump(mode="json"))
     gpu_type = "cpu"
     if device.type == "cuda":
-        from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec
-
         name = detect_device_spec(device).name
         gpu_type = name if name in GPU_TYPES else "h100-sxm"
     est = estimate_run(cfg.model, tokens=plan.total_tokens, gpus=world if device.type == "cuda" else 1,

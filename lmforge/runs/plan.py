@@ -26,6 +26,7 @@ import os
 import uuid
 from dataclasses import asdict, dataclass, fields, replace
 
+from lmforge.distributed.torchrun import needs_launch  # (imports torch only when called)
 from lmforge.errors import UserError
 
 ROLES = ("detach", "supervise", "launch", "train")
@@ -80,8 +81,6 @@ _DEFAULTS = {f.name: f.default for f in fields(LaunchPlan)}
 
 def launch_plan(args, cfg, environ=os.environ) -> LaunchPlan:
     """The plan of this process: the one its parent gave it, or the one a user's command implies."""
-    from lmforge.distributed.torchrun import needs_launch  # imports torch (CUDA device count)
-
     if getattr(args, "plan", None):
         plan = LaunchPlan.from_arg(args.plan)
         # A supervisor (detached, or restarted later) sizes the run itself: the machine may have changed.

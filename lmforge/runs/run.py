@@ -125,7 +125,7 @@ class Run:
         """A new resumption that continues from the latest checkpoint, supervised in the background.
         Refused while any process of the run (or of another run in its save folder) is alive."""
         from lmforge.runs.start import spawn_supervisor, wait_registered  # torch (through the trainer)
-        from lmforge.runs.store import local_folder
+        from lmforge.runs.store import local_folder  # (same: lazy, `import lmforge` stays free of torch)
 
         self.refresh()
         if not self.is_terminal:

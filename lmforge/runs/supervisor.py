@@ -24,12 +24,15 @@ worker with its rank: a ``kill -9`` of the supervisor takes the whole run down.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import re
 import signal
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections import deque
@@ -175,7 +178,7 @@ class Supervisor:
                 self.reg.event(self.name, "end", f"resumption {idx}: {state.lower()}" + (f" ({reason})" if reason else ""))
                 self._finish(state, reason)
                 if state == "FAILED":
-                    return rc if rc > 0 else 1
+                    return status.get("exit_code") or (rc if rc > 0 else 1)
                 return 130 if self.stop_signal == signal.SIGINT and rc == 130 else 0
             self.reg.event(self.name, "failure", f"resumption {idx}: {reason}; last log lines:\n{last}")
             if self.restarts >= self.max_retries:
@@ -232,8 +235,6 @@ class Supervisor:
         self._log = open(log_path, "ab")
         use_pty = self.echo and sys.stdout.isatty() and sys.platform.startswith("linux")
         if use_pty:  # keep the live progress bar: the child sees a terminal
-            import pty  # only on this path (a terminal on Linux)
-
             master, slave = pty.openpty()
             _copy_winsize(sys.stdout.fileno(), slave)
             outs = {"stdout": slave, "stderr": slave}
@@ -288,7 +289,7 @@ class Supervisor:
                 pass
             fields = {}
             status = read_status(status_file)
-            if status.get("status") == "failed" and not self._fatal_seen:
+            if status.get("status") == "failed" and self.plan.nproc and not self._fatal_seen:
                 # Bad input or divergence on a rank: torchrun would restart it; end it instead.
                 self._fatal_seen = True
                 self._kill_child(signal.SIGTERM)
@@ -368,9 +369,6 @@ class Supervisor:
 
 def _copy_winsize(src: int, dst: int) -> None:
     try:
-        import fcntl  # only with a terminal
-        import termios
-
         fcntl.ioctl(dst, termios.TIOCSWINSZ, fcntl.ioctl(src, termios.TIOCGWINSZ, b"\0" * 8))
     except OSError:
         pass
