@@ -14,7 +14,7 @@ the whole run down and the same command is run again, which resumes. After each 
 and at the end: the final weights equal the reference bit for bit, and the registry holds one
 resumption per kill (restarts counted once, whoever restarted).
 
-    python bench/faults.py --kills 20                     # 1 and 2 ranks, 10 kills each
+    python bench/faults.py --kills 20 --stops 5           # 1 and 2 ranks, 10 kills each; 5 timed stops
     python bench/faults.py --kills 2 --ranks 1 --json     # what the CI test runs
 """
 
@@ -211,6 +211,35 @@ def faults(ranks: int, kills: int, steps: int, work: Path, data: Path, tok: Path
             "half_written_visible": len(half), "wall_s": round(wall, 1), "resumptions": resumptions}
 
 
+def stop_latency(n: int, work: Path, data: Path, tok: Path) -> dict:
+    """SIGTERM to a supervised 2-rank run (as Ctrl-C or `lmforge runs stop` do), ``n`` times: seconds
+    until every process of the run is gone, and whether each rank wrote its part of one checkpoint
+    at the step where training stopped."""
+    e = env(work / "home")
+    folder = work / "stopper"
+    cfg = config(work / "stopper.yaml", "stopper", folder, data, tok, 2, 100_000, 0)
+    times, ok = [], 0
+    with open(work / "stopper.out", "ab") as logs:
+        for _ in range(n):
+            sup = subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg)], env=e, cwd=REPO,
+                                   stdout=logs, stderr=subprocess.STDOUT)
+            n0 = steps_logged(folder)
+            wait_for(lambda: steps_logged(folder) >= n0 + 5, 300, "training steps", sup)
+            tree = {p: process_start(p) for p in [sup.pid, *descendants(sup.pid)]}
+            t0 = time.monotonic()
+            sup.send_signal(signal.SIGTERM)
+            wait_for(lambda: not any(process_alive(p, s) for p, s in tree.items()), 120, "the run to exit")
+            times.append(time.monotonic() - t0)
+            sup.wait()
+            last = max(json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()
+                       if '"train/loss"' in line)
+            ckpt = folder / "checkpoints" / f"step_{last:08d}"
+            ok += sup.returncode == 0 and len(list(ckpt.glob("*.distcp"))) == 2 and not half_written(folder, 2)
+    times.sort()
+    return {"stops": n, "checkpoint_at_stop_step": ok, "seconds_min": round(times[0], 2),
+            "seconds_median": round(times[len(times) // 2], 2), "seconds_max": round(times[-1], 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=20, help="SIGKILLs in all (split over the rank counts)")
@@ -220,6 +249,7 @@ def main() -> None:
     ap.add_argument("--workdir", help="folder for data and runs (default: a temporary one)")
     ap.add_argument("--data", help="a prepared dataset (default: built from the standard library)")
     ap.add_argument("--tokenizer", help="its tokenizer folder (with --data)")
+    ap.add_argument("--stops", type=int, default=0, help="also time N stops (SIGTERM) of a 2-rank run")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(2**31)
@@ -230,9 +260,11 @@ def main() -> None:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         data, tok = (Path(args.data), Path(args.tokenizer)) if args.data else tiny_data(work / "tiny")
-        results = [faults(r, k, args.steps or 12 + 6 * k, work, data, tok, rng) for r, k in zip(ranks, per_run)]
+        results = [faults(r, k, args.steps or 12 + 6 * k, work, data, tok, rng)
+                   for r, k in zip(ranks, per_run) if k]
+        stops = stop_latency(args.stops, work, data, tok) if args.stops else None
     if args.json:
-        print(json.dumps({"seed": seed, "results": results}, indent=1))
+        print(json.dumps({"seed": seed, "results": results, "stop": stops}, indent=1))
         return
     print(f"seed {seed}")
     print("| ranks | SIGKILLs | in a checkpoint write | restarts recorded | final weights | orphans | "
@@ -242,6 +274,10 @@ def main() -> None:
         print(f"| {r['ranks']} | {r['kills']} | {r['inside_checkpoint_write']} | {r['restarts_recorded']} | "
               f"{'bitwise equal' if r['bitwise_equal'] else 'DIFFERENT'} | {r['orphans']} | "
               f"{r['half_written_visible']} | {r['wall_s']} |")
+    if stops:
+        print(f"\nstop of a 2-rank run (SIGTERM → every process gone), {stops['stops']} times: median "
+              f"{stops['seconds_median']} s (min {stops['seconds_min']}, max {stops['seconds_max']}); "
+              f"checkpoint at the stop step on both ranks: {stops['checkpoint_at_stop_step']}/{stops['stops']}")
 
 
 if __name__ == "__main__":

@@ -94,9 +94,7 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
         report_status(plan, "failed", error=str(e), exit_code=e.exit_code, attempt=restart_count())
         raise
     finally:
-        destroy()
-        if lock is not None:
-            lock.release()
+        destroy()  # (the lock is held until this process exits: the kernel lets it go then)
     if store is not None and result.final_dir:
         result.final_dir = remote_join(cfg.save_folder, "final")  # the store's copy, not the staging one
     result.mlflow_ui = mlflow_ui_command(cfg.experiment_tracker)

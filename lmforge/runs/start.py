@@ -28,6 +28,7 @@ from functools import partial
 
 from lmforge.config.identity import default_name, run_identity
 from lmforge.data.remote import is_remote
+from lmforge.distributed.torchrun import exit_now
 from lmforge.errors import UserError
 from lmforge.home import lmforge_home
 from lmforge.process import process_start, this_host
@@ -202,9 +203,11 @@ def start(cfg, args, plan: LaunchPlan) -> int:
                          save_folder=slot.save_folder, local_folder=local, log_dir=slot.log_dir,
                          max_retries=cfg.max_retries, config=cfg.model_dump(mode="json"),
                          echo=not plan.detached, after_resumption=after)
-        return sup.run()
+        rc = sup.run()
     finally:
         lock.release()
+    exit_now(rc)  # everything is recorded and closed: skip the interpreter's teardown of torch
+    return rc
 
 
 def detach(reg: Registry, args, slot: RunSlot, plan: LaunchPlan) -> int:

@@ -177,6 +177,8 @@ class Supervisor:
             if not retry:
                 self.reg.event(self.name, "end", f"resumption {idx}: {state.lower()}" + (f" ({reason})" if reason else ""))
                 self._finish(state, reason)
+                if state == "FAILED" and self.plan.nproc and status.get("error"):
+                    sys.stderr.write(f"error: {status['error']}\n")  # last, after torchrun's own lines
                 if state == "FAILED":
                     return status.get("exit_code") or (rc if rc > 0 else 1)
                 return 130 if self.stop_signal == signal.SIGINT and rc == 130 else 0
