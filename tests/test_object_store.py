@@ -94,6 +94,9 @@ def test_train_to_s3_lose_the_machine_resume_from_the_store(s3_env, tmp_path, ti
     assert "step_00000039 has no completion marker" in proc2.stdout, proc2.stdout
     assert "resume: downloaded" in proc2.stdout and "sizes verified" in proc2.stdout
     assert "resume: continuing from" in proc2.stdout
+    assert f"final model: {uri}/final" in proc2.stdout  # the store's copy, not the staging folder
+    fs.invalidate_cache()  # the supervisor copied the run's log to the store after the resumption
+    assert "resume: downloaded" in fs.cat_file(f"{prefix}/logs/resumption-0.log").decode()
 
     local = tmp_path / "got.safetensors"
     fs.get_file(f"{prefix}/final/model.safetensors", str(local))

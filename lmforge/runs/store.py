@@ -193,10 +193,10 @@ class RunStore:
         return out
 
     def clear(self) -> None:
-        """--overwrite: remove the store's checkpoints, export and run files (markers first)."""
+        """--overwrite: remove the store's checkpoints, export, logs and run files (markers first)."""
         for c in self.remote_checkpoints():
             self._delete_checkpoint(c.path)
-        for rel in ("final",):
+        for rel in ("final", "logs"):
             if self._call(f"{self.uri}/{rel}: looking", lambda: self._exists(self._p(rel))):
                 self._call(f"{self.uri}/{rel}: deleting", lambda: self.fs.rm(self._p(rel), recursive=True))
         for rel in self._top_level_remote_files():
