@@ -28,7 +28,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -348,25 +347,21 @@ class RunStore:
             self._thread.join()
 
 
-def upload_logs(uri: str, log_dir: str, *, retries: int = 5, backoff: float = 0.5, log=None) -> None:
+def upload_logs(uri: str, log_dir: str, *, retries: int = 5, backoff: float = 0.5) -> str | None:
     """Copy a remote run's log files (kept locally by the supervisor) to ``<uri>/logs/``.
 
     Called after each resumption, so the store has every attempt's output, crashes included.
-    A failure is a warning: the logs stay in ``log_dir``."""
+    Returns what went wrong (the logs then stay only in ``log_dir``), or None."""
     if not os.path.isdir(log_dir):
-        return
+        return None
     for name in sorted(os.listdir(log_dir)):
         if name.endswith(".log"):
             try:
                 remote.upload_file(os.path.join(log_dir, name), remote.join(uri, "logs", name),
                                    retries=retries, backoff=backoff)
             except UserError as e:
-                (log or _warn)(redact(f"warning: could not upload the logs to {uri}/logs ({e}); they are in {log_dir}"))
-                return
-
-
-def _warn(msg: str) -> None:
-    sys.stderr.write(f"lmforge: {msg}\n")
+                return redact(f"could not upload the logs to {uri}/logs ({e}); they are in {log_dir}")
+    return None
 
 
 class MirrorCallback(Callback):

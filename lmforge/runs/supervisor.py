@@ -116,7 +116,7 @@ class Supervisor:
         self.argv, self.retry_argv, self.cwd = argv, retry_argv, cwd
         self.save_folder, self.local_folder, self.log_dir = save_folder, local_folder, log_dir
         self.max_retries, self.config, self.echo = max_retries, config, echo
-        self.after_resumption = after_resumption  # e.g. upload the logs to the object store
+        self.after_resumption = after_resumption  # e.g. upload the logs to the store; returns a warning or None
         self.proc: subprocess.Popen | None = None
         self.stop_signal: int | None = None  # first stop signal received
         self.force = False
@@ -171,8 +171,9 @@ class Supervisor:
             idx, log_path = self.idx, self._log_path()
             self.reg.set_resumption(self.name, idx, status="FAILED" if retry else state, reason=reason,
                                     exit_code=rc, ended_at=time.time())
-            if self.after_resumption is not None:
-                self.after_resumption()
+            trouble = self.after_resumption() if self.after_resumption is not None else None
+            if trouble:  # recorded for `runs describe`, not printed over the run's own last line
+                self.reg.event(self.name, "warning", trouble)
             last = "\n".join(tail[-20:])
             if not retry:
                 self.reg.event(self.name, "end", f"resumption {idx}: {state.lower()}" + (f" ({reason})" if reason else ""))
