@@ -20,7 +20,7 @@ from conftest import tiny_run_config
 from lmforge.config.load import build_config
 from lmforge.errors import UserError
 from lmforge.runs.lock import REMOTE_STALE_S, SaveFolderLock, lock_path, probe, read_holder
-from lmforge.runs.plan import LaunchPlan, launch_plan, with_plan
+from lmforge.runs.plan import LaunchPlan, launch_plan, started_by_user, with_plan
 from lmforge.runs.registry import Registry
 from lmforge.runs.start import check_not_active, register, resolve_run
 from lmforge.runs.supervisor import failure_reason, read_status, report_status
@@ -44,10 +44,12 @@ def args(**kw) -> Namespace:
 def test_launch_plan_decides_each_process_role(tiny_data, tmp_path):
     one = cfg_for(tiny_data, tmp_path / "r")
     two = cfg_for(tiny_data, tmp_path / "r", **{"compute.ranks": 2})
-    assert launch_plan(args(), one, {}) == LaunchPlan("supervise", first=True)
-    assert launch_plan(args(detach=True), two, {}) == LaunchPlan("detach", nproc=2, first=True)
+    assert launch_plan(args(), one, {}) == LaunchPlan("supervise")
+    assert launch_plan(args(detach=True), two, {}) == LaunchPlan("detach", nproc=2)
     plan = launch_plan(args(no_supervisor=True), two, {})
-    assert (plan.role, plan.lock, plan.nproc, plan.max_restarts, plan.first) == ("launch", "claim", 2, 2, True)
+    assert (plan.role, plan.lock, plan.nproc, plan.max_restarts) == ("launch", "claim", 2, 2)
+    assert started_by_user(args(), {}) and not started_by_user(args(plan=plan.to_arg()), {})
+    assert not started_by_user(args(), {"WORLD_SIZE": "2", "RANK": "1"})  # credentials: checked by rank 0
     assert launch_plan(args(no_supervisor=True), one, {}).role == "train"
     assert launch_plan(args(), one, {"LMFORGE_NO_SUPERVISOR": "1"}).role == "train"
     # a torchrun the user started by hand: every worker trains; rank 0 alone claims the folder
@@ -62,9 +64,9 @@ def test_launch_plan_decides_each_process_role(tiny_data, tmp_path):
 
 
 def test_a_plan_travels_as_one_argument_and_replaces_the_old_one(tiny_data, tmp_path):
-    parent = LaunchPlan("supervise", run_uid="abc", nproc=2, first=True)
+    parent = LaunchPlan("supervise", run_uid="abc", nproc=2)
     child = parent.child("launch", lock="join", status_file="/x/s.json", max_restarts=1)
-    assert child.parent_pid == os.getpid() and not child.first and child.run_uid == "abc"
+    assert child.parent_pid == os.getpid() and child.run_uid == "abc"
     argv = with_plan(["train", "-f", "x.yaml", "--plan", parent.to_arg()], child)
     assert argv[:3] == ["train", "-f", "x.yaml"] and argv.count("--plan") == 1
     assert LaunchPlan.from_arg(argv[-1]) == child

@@ -30,7 +30,7 @@ from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec
 from lmforge.estimate.plan import estimate_run, format_plan
-from lmforge.runs.plan import launch_plan
+from lmforge.runs.plan import launch_plan, started_by_user
 
 SFT_DEFAULT_TASK = "instruction_finetune"
 
@@ -122,11 +122,11 @@ def _run(args) -> int:
         checked = secrets.check_credentials(cfg, log=print)  # a local save_folder: nothing to check
         print("credentials: ok" if checked else "credentials: nothing remote to check")
         return 0
-    plan = launch_plan(args, cfg)
     # Object-store access is checked once, in the process the user started, before anything is
-    # registered or started.
-    if plan.first and not args.skip_credentials_check:
+    # registered or started (and before torch is imported: a wrong key fails in seconds).
+    if started_by_user(args) and not args.skip_credentials_check:
         secrets.check_credentials(cfg, log=print)
+    plan = launch_plan(args, cfg)
     if plan.role in ("detach", "supervise"):
         from lmforge.runs.start import start  # torch, as runs.job below (lazy: `lmforge --help` stays light)
 

@@ -49,10 +49,9 @@ class LaunchPlan:
     parent_pid: int | None = None  # who started this process (it dies with it)
     detached: bool = False  # supervise: in the background (no terminal; output in supervisor.log)
     reason: str = "train"  # supervise: train | restart — what the registry records as the cause
-    first: bool = False  # the process the user started (checks credentials once); never sent on
 
     def to_arg(self) -> str:
-        d = {k: v for k, v in asdict(self).items() if k != "first" and v != _DEFAULTS[k]}
+        d = {k: v for k, v in asdict(self).items() if v != _DEFAULTS[k]}
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
@@ -68,8 +67,8 @@ class LaunchPlan:
         return plan
 
     def child(self, role: str, **changes) -> "LaunchPlan":
-        """The plan of a process this one starts (same run; ``first`` is not passed on)."""
-        return replace(self, role=role, first=False, parent_pid=os.getpid(), **changes)
+        """The plan of a process this one starts (the same run)."""
+        return replace(self, role=role, parent_pid=os.getpid(), **changes)
 
     @property
     def supervised(self) -> bool:
@@ -79,6 +78,11 @@ class LaunchPlan:
 _DEFAULTS = {f.name: f.default for f in fields(LaunchPlan)}
 
 
+def started_by_user(args, environ=os.environ) -> bool:
+    """This process is the one the user started (no plan from a parent; rank 0 of a hand-made torchrun)."""
+    return not getattr(args, "plan", None) and environ.get("RANK", "0") == "0"
+
+
 def launch_plan(args, cfg, environ=os.environ) -> LaunchPlan:
     """The plan of this process: the one its parent gave it, or the one a user's command implies."""
     if getattr(args, "plan", None):
@@ -86,9 +90,8 @@ def launch_plan(args, cfg, environ=os.environ) -> LaunchPlan:
         # A supervisor (detached, or restarted later) sizes the run itself: the machine may have changed.
         return replace(plan, nproc=needs_launch(cfg)) if plan.role == "supervise" else plan
     if "WORLD_SIZE" in environ:  # a worker of a torchrun the user started by hand
-        rank0 = environ.get("RANK", "0") == "0" and cfg.compute.node_rank == 0
-        return LaunchPlan("train", run_uid=new_run_uid() if rank0 else None, lock="claim" if rank0 else "none",
-                          first=rank0)
+        rank0 = started_by_user(args, environ) and cfg.compute.node_rank == 0
+        return LaunchPlan("train", run_uid=new_run_uid() if rank0 else None, lock="claim" if rank0 else "none")
     nproc = needs_launch(cfg)  # several GPUs, compute.ranks or several nodes → torchrun (mesh checked here)
     no_supervisor = bool(getattr(args, "no_supervisor", False) or environ.get("LMFORGE_NO_SUPERVISOR"))
     other_node = cfg.compute.node_rank > 0  # node 0's supervisor counts restarts; torchrun's agents follow
@@ -96,9 +99,9 @@ def launch_plan(args, cfg, environ=os.environ) -> LaunchPlan:
         raise UserError("--detach runs the supervisor in the background; it cannot be combined with "
                         "--no-supervisor or a node rank other than 0")
     if not (no_supervisor or other_node):
-        return LaunchPlan("detach" if getattr(args, "detach", False) else "supervise", nproc=nproc, first=True)
+        return LaunchPlan("detach" if getattr(args, "detach", False) else "supervise", nproc=nproc)
     return LaunchPlan("launch" if nproc else "train", run_uid=new_run_uid(), lock="none" if other_node else "claim",
-                      nproc=nproc, max_restarts=cfg.max_retries if nproc else None, first=True)
+                      nproc=nproc, max_restarts=cfg.max_retries if nproc else None)
 
 
 def with_plan(argv: list[str], plan: LaunchPlan) -> list[str]:
