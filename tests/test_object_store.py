@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from conftest import tiny_run_config
 from lmforge.data import remote
 from s3server import S3Server, weed_binary
-from train_helpers import REPO, assert_one_line_error, env, final_weights, lmforge, metrics, write_config
+from train_helpers import REPO, assert_one_line_error, cli, env, final_weights, lmforge, metrics, write_config
 
 
 def _s3fs(server):
@@ -112,6 +112,15 @@ def test_train_to_s3_lose_the_machine_resume_from_the_store(s3_env, tmp_path, ti
     assert fs.exists(f"{prefix}/run.json") and fs.exists(f"{prefix}/metrics.jsonl")
     rows = [json.loads(x) for x in fs.cat_file(f"{prefix}/metrics.jsonl").decode().splitlines()]
     assert max(r["step"] for r in rows) == 40
+    # [report] The store holds the run's report too, and `lmforge report` reads the remote folder itself:
+    # the lost machine's part of the run and the resumed one are both on its timeline.
+    assert fs.exists(f"{prefix}/report.html") and fs.exists(f"{prefix}/plan.json")
+    page = tmp_path / "remote-report.html"
+    assert cli("report", uri, "--out", page).returncode == 0  # in this process: no start-up
+    assert "resumption 1: COMPLETED" in page.read_text()
+    from lmforge.report import load_run
+
+    assert [r["status"] for r in load_run(uri).resumptions] == ["FAILED", "COMPLETED"]
 
     # run.json identity is checked against the store: another run may not reuse the folder
     other = write_config(tmp_path / "other.yaml", tiny_run_config(tiny_data, uri, name="other", **COMMON))

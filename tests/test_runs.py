@@ -5,10 +5,9 @@ bench/faults.py, run here with a small count."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -18,7 +17,7 @@ import time
 import pytest
 
 from conftest import tiny_run_config
-from train_helpers import REPO, assert_one_line_error, env, train_losses, write_config
+from train_helpers import REPO, assert_one_line_error, cli, env, metrics, train_losses, write_config
 
 import lmforge as sdk
 from lmforge.cli.main import main
@@ -26,17 +25,6 @@ from lmforge.errors import UserError
 from lmforge.process import descendants, process_alive, process_start
 from lmforge.runs.registry import registry_path
 
-
-def cli(*args, check=False) -> subprocess.CompletedProcess:
-    """`lmforge ...` in-process, through the CLI's own entry point: the same code without an
-    interpreter start (for commands that only read or write the registry, or fail early)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in args])
-    proc = subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
-    if check and rc != 0:
-        raise AssertionError(f"lmforge {' '.join(map(str, args))} failed ({rc}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
 
 
 def lmforge(*args, check=False, **extra_env) -> subprocess.CompletedProcess:
@@ -93,7 +81,7 @@ def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     assert detach(cfg_a) == "side-a"
     assert not sdk.get_run("side-a").is_terminal  # returned once registered, not after training
     _, seen_a = wait_for("side-a", lambda r: r.status == "RUNNING", what="side-a running")
-    assert detach(cfg_b) == "side-b"
+    assert detach(cfg_b, "--price-per-gpu-hour", "3") == "side-b"  # forwarded to the supervised trainer
     run_a, seen = wait_for("side-a", lambda r: r.status == "COMPLETED", what="side-a completed")
     run_b, _ = wait_for("side-b", lambda r: r.status == "COMPLETED", what="side-b completed")
     assert seen_a[-1] == "RUNNING" and seen[-1] == "COMPLETED", (seen_a, seen)
@@ -115,6 +103,15 @@ def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     described = cli("runs", "describe", "side-b", check=True).stdout
     assert "COMPLETED" in described and str(folder_b / "logs" / "resumption-0.log") in described
     assert run_b.run_uid in described and "STARTING" in described.split("lifecycle")[1]
+    # [report] live cost: the price reached the trainer; describe shows what the run cost
+    last = [r for r in metrics(folder_b) if "train/loss" in r][-1]
+    assert last["cost/per_hour"] == 3.0 and run_b.latest_metrics["cost"] == last["cost/so_far"] > 0
+    assert re.search(r"^cost\s+\S+ so far .*at 3 per device-hour", described, re.M), described
+    # every run leaves its report; `lmforge report` takes registry names
+    assert (folder_a / "report.html").exists() and (folder_b / "report.html").exists()
+    page = tmp_path / "ab.html"
+    assert cli("report", "side-a", "side-b", "--out", page).returncode == 0  # in this process: no start-up
+    assert "resumption 0: COMPLETED" in page.read_text()
     # a finished run cannot be stopped again: said so, exit 0
     again = cli("runs", "stop", "side-a", check=True)
     assert "already ended: COMPLETED" in again.stdout
@@ -293,8 +290,6 @@ def test_sdk_pretrain_wait_returns_a_completed_run_with_metrics(tmp_path, tiny_d
 
 def test_a_corrupt_or_locked_registry_is_one_clear_error(tmp_path, monkeypatch, capsys):
     """In-process through the CLI's entry point (nothing here needs another process)."""
-    from lmforge.cli.main import main
-
     home = tmp_path / "home"
     home.mkdir()
     db = home / "runs.db"

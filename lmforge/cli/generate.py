@@ -50,10 +50,6 @@ def _prompt(args) -> str:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"--file {args.file}: cannot read ({e.strerror if isinstance(e, OSError) else e})") from None
-    if args.chat:
-        from lmforge.data.sft import chat_prompt  # torch (lazy, like run()'s: `lmforge --help` stays light)
-
-        text = chat_prompt(text)
     if not text:
         raise UserError("prompt: empty (give --prompt TEXT or a non-empty --file)")
     return text
@@ -73,6 +69,12 @@ def run(args) -> int:
         raise UserError(f"checkpoint {args.checkpoint}: no tokenizer stored with it; pass --tokenizer DIR")
     tok = load_tokenizer(tok_dir)
     check_tokenizer_fits(tok, cfg, f"checkpoint {args.checkpoint}")
+    if args.chat:  # the tokenizer's own chat template if it has one, else lmforge's plain one
+        from lmforge.data.chat import load_chat_template
+        from lmforge.data.sft import chat_prompt
+
+        template = load_chat_template(tok.path)
+        text = template.generation_prompt(text, tok) if template else chat_prompt(text)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
     sys.stdout.write(text)
     sys.stdout.flush()

@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "lmforge.cli.generate",
     "lmforge.cli.export",
     "lmforge.cli.runs",
+    "lmforge.cli.report",
     "lmforge.cli.launch",
 ]
 

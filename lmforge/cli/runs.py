@@ -1,4 +1,4 @@
-"""`lmforge runs list | describe | logs | stop | delete | restart`: the run registry."""
+"""`lmforge runs list | describe | logs | stop | delete | restart | compare`: the run registry."""
 
 from __future__ import annotations
 
@@ -53,6 +53,12 @@ def register(sub) -> None:
     c = add_command(rs, "restart", "a new resumption in the background, from the latest checkpoint")
     c.add_argument("name")
     c.set_defaults(func=cmd_restart)
+
+    c = add_command(rs, "compare", "metric and config differences of two runs (the report is the graphical form)",
+                    description="A and B are run names or save folders (local or object-store URIs).")
+    c.add_argument("a", metavar="A")
+    c.add_argument("b", metavar="B")
+    c.set_defaults(func=cmd_compare)
 
 
 # --------------------------------------------------------------------------- formatting
@@ -140,6 +146,16 @@ def cmd_describe(args) -> int:
         print(f"metrics    step {m.get('step')}  tokens {_human(m.get('tokens'))}  loss {m.get('loss', 0):.4f}  "
               f"{_human(m.get('tokens_per_s'))} tok/s  MFU {mfu}  progress {progress_text(m)}  "
               f"ETA {format_eta(m.get('eta_s')) if not run.is_terminal else '-'}")
+        if m.get("cost") is not None:
+            from lmforge.estimate.cost import format_cost
+
+            line = f"cost       {format_cost(m['cost'])} so far"
+            if not run.is_terminal and m.get("cost_to_finish") is not None:
+                line += f", ~{format_cost(m['cost_to_finish'])} to finish"
+            price = (cfg.get("compute") or {}).get("price_per_gpu_hour")
+            if price is not None:
+                line += f"  ({format_cost(m.get('cost_per_hour'))} per hour at {price:g} per device-hour)"
+            print(line)
     print("resumptions")
     for r in run.resumptions:
         code = f" exit {r['exit_code']}" if r["exit_code"] is not None else ""
@@ -228,4 +244,13 @@ def cmd_restart(args) -> int:
     n = len(run.resumptions)
     run.restart()
     print(f"{run.name}: restarted as resumption {n} ({run.status})")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from lmforge.report.compare import format_compare
+    from lmforge.report.load import load_run
+
+    a, b = load_run(args.a), load_run(args.b)
+    sys.stdout.write(format_compare(a, b))
     return 0

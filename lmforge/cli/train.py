@@ -59,6 +59,8 @@ def add_run_arguments(p) -> None:
     p.add_argument("--training-duration", metavar="DUR", help="override, e.g. 10000tok, 500ba, 2ep, 30min")
     p.add_argument("--save-folder", metavar="DIR", help="override `save_folder`")
     p.add_argument("--name", help="override `name`")
+    p.add_argument("--price-per-gpu-hour", type=float, metavar="P",
+                   help="override `compute.price_per_gpu_hour`: show the cost so far and to finish")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override any key, e.g. --set parameters.learning_rate=3e-4 (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
@@ -96,7 +98,8 @@ def load_from_args(args):
         overrides["autoresume"] = False
     sets = list(args.set)
     for flag, key in (("nnodes", "compute.nodes"), ("node_rank", "compute.node_rank"),
-                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_retries", "max_retries")):
+                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_retries", "max_retries"),
+                      ("price_per_gpu_hour", "compute.price_per_gpu_hour")):
         if getattr(args, flag, None) is not None:
             sets.append(f"{key}={getattr(args, flag)}")
     raw = load_raw(args.file, overrides=overrides, sets=sets)
@@ -178,6 +181,9 @@ def print_summary(result, as_json: bool = False) -> None:
     elif result.final_dir:
         c.print(f"final model: {result.final_dir}  (lmforge generate --checkpoint {result.final_dir})")
     c.print(f"metrics:     {join('metrics.jsonl')}")
+    report = join("report.html")
+    if remote or os.path.exists(report):
+        c.print(f"report:      {report}")
     if result.mlflow_ui:
         c.print(f"MLflow:      {result.mlflow_ui}")
 
@@ -191,7 +197,7 @@ def dry_run(cfg, args) -> int:
 
     cfg = with_default_names(cfg)
     if cfg.model.vocab_size is None:
-        vocab = cfg.tokenizer.train.vocab_size if isinstance(cfg.tokenizer, TokenizerSpec) else None
+        vocab = cfg.tokenizer.train.vocab_size if isinstance(cfg.tokenizer, TokenizerSpec) and cfg.tokenizer.train else None
         if isinstance(cfg.tokenizer, str) and os.path.exists(cfg.tokenizer):
             vocab = load_tokenizer(cfg.tokenizer).vocab_size
         if vocab:
@@ -207,7 +213,7 @@ def dry_run(cfg, args) -> int:
         name = detect_device_spec(device).name
         gpu_type = name if name in GPU_TYPES else "h100-sxm"
     est = estimate_run(cfg.model, tokens=plan.total_tokens, gpus=world if device.type == "cuda" else 1,
-                        gpu_type=gpu_type, seq_len=plan.context_length)
+                       gpu_type=gpu_type, seq_len=plan.context_length, price=cfg.compute.price_per_gpu_hour)
     if args.json:
         print(json.dumps({"config": resolved, "plan": est}, indent=1, default=str))
         return 0

@@ -81,6 +81,16 @@ class BatchStream(Protocol):
 
     def close(self) -> None: ...
 
+    def phase(self) -> str | None:
+        """The curriculum phase the next batch comes from, for a log line ("phase 2/3: web 30%,
+        hq 70%"); None when the data has no phases."""
+        ...
+
+    def metrics(self) -> dict:
+        """What the trainer logs about the data at each log step (e.g. the phase and its mix);
+        may be empty."""
+        ...
+
 
 @dataclass(frozen=True)
 class StreamLayout:

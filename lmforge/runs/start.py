@@ -80,7 +80,7 @@ def child_argv(args, name: str, save_folder: str, *, first: bool) -> list[str]:
         argv += ["-f", os.path.abspath(args.file)]
     for flag, attr in (("--model", "model"), ("--weights", "weights"), ("--training-duration", "training_duration"),
                        ("--nnodes", "nnodes"), ("--node-rank", "node_rank"), ("--rdzv-endpoint", "rdzv_endpoint"),
-                       ("--max-retries", "max_retries")):
+                       ("--max-retries", "max_retries"), ("--price-per-gpu-hour", "price_per_gpu_hour")):
         if getattr(args, attr, None) is not None:
             argv += [flag, str(getattr(args, attr))]
     for path in args.train_data or []:

@@ -34,6 +34,7 @@ import torch
 from lmforge.config.identity import run_identity
 from lmforge.config.schema import RunConfig
 from lmforge.data.batch import Batch, StreamLayout, TrainingData
+from lmforge.data.vocab_extension import read_extension
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.parallelize import (SHARDED, full_state_dict, is_sharded, local_value, materialize,
@@ -44,6 +45,8 @@ from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.eval.in_training import generations, load_icl, run_icl
 from lmforge.models import build_model, save_pretrained
 from lmforge.models.io import write_chat_template
+from lmforge.models.lora import apply_lora, save_final as save_lora_final
+from lmforge.models.resize import extend_embeddings
 from lmforge.models.transformer import Transformer
 from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
@@ -172,11 +175,12 @@ class Trainer:
             model = build_model(cfg.model, device="cpu" if self.sharded else self.device)
             if cfg.custom_weights_path and from_weights:
                 self._load_custom_weights(model)
+            apply_lora(model, cfg.lora, log=self.log)  # frozen base + adapters; no-op without `lora:`
         if not self.sharded:
             return model, parallelize(model, cfg.compute, self.dist, precision=self.plan.precision)
         full = model.state_dict() if model is not None else None
         with torch.device("meta"):
-            model = Transformer(cfg.model)
+            model = apply_lora(Transformer(cfg.model), cfg.lora)  # the same modules as rank 0's
         train_forward = parallelize(model, cfg.compute, self.dist, precision=self.plan.precision)
         materialize(model, self.device, full)
         return model, train_forward
@@ -185,6 +189,9 @@ class Trainer:
         path = self.cfg.custom_weights_path
         source, _, _ = load_model(path, device=model.output_weight.device)
         theirs, ours = source.state_dict(), model.state_dict()
+        extension = read_extension(self.data.tokenizer_path)  # tokenizer.extend: new rows from their pieces
+        if extension:
+            theirs = extend_embeddings(theirs, extension, self.cfg.model.vocab_size)
         if theirs.keys() != ours.keys() or any(v.shape != ours[k].shape for k, v in theirs.items()):
             raise UserError(f"custom_weights_path: {path} holds a different model shape than `model` in the "
                             "config (leave `model` out to take the weights' own)")
@@ -316,12 +323,15 @@ class Trainer:
             full = full_state_dict(model)
             if not self.dist.is_main:
                 return None
-            model = build_model(self.cfg.model, device="cpu", init=False)
+            model = apply_lora(build_model(self.cfg.model, device="cpu", init=False), self.cfg.lora)
             model.load_state_dict(full)
         elif not self.dist.is_main:
             return None
         final_dir = os.path.join(self.save_folder, "final")
-        save_pretrained(model, self.cfg.model, final_dir, tokenizer_dir=self.data.tokenizer_path)
+        if self.cfg.lora:  # final/ = the merged model, final/adapter = the PEFT adapter
+            save_lora_final(model, self.cfg, final_dir, self.data.tokenizer_path)
+        else:
+            save_pretrained(model, self.cfg.model, final_dir, tokenizer_dir=self.data.tokenizer_path)
         if self.data.chat_template:
             write_chat_template(final_dir, self.data.chat_template)
         return final_dir
@@ -370,7 +380,11 @@ class Trainer:
         self._start_clock()
         meter = _Meter(state.tokens)
         self.train_forward.train()
+        phase = None
         while not self._done():
+            if self.stream.phase() not in (None, phase):  # a curriculum phase begins (or the run resumes in one)
+                phase = self.stream.phase()
+                self.log(f"data: {phase} from step {state.step}")
             out = self.train_step([next(batches) for _ in range(plan.grad_accum)])
             if self.saver is not None:
                 self.saver.poll()  # rank 0 completes a background checkpoint as soon as it is written
@@ -399,7 +413,9 @@ class Trainer:
                    "train/tokens": self.state.tokens, "train/epoch": self.stream.epoch,
                    "throughput/tokens_per_s": tokens_per_s,
                    "throughput/tokens_per_s_per_device": tokens_per_s / world,
-                   "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops)}
+                   "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops),
+                   "time/elapsed_s": self._elapsed()}  # training wall time over all attempts (ETA, cost)
+        metrics |= self.stream.metrics()  # e.g. the curriculum phase and its mix (of the next step)
         if self.device.type == "cuda":
             metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if out.moe:
