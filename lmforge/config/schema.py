@@ -18,6 +18,8 @@ from lmforge.config.model import ModelConfig, resolve_model
 from lmforge.config.storage import ObjectStoreConfig, SecretsConfig
 from lmforge.config.tracking import TrackerConfig
 
+HANG_TIMEOUT_MIN_S = 5.0  # shorter timeouts fire on ordinary pauses (GC, a slow read)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -198,6 +200,24 @@ class ComputeConfig(_Strict):
         "auto", description="output head + cross-entropy without whole logits: liger-kernel's fused kernel (CUDA, "
         "lmforge[gpu]) or lmforge's chunked one; auto: liger where installed on CUDA, else chunked")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+    hang_timeout: float | None = Field(
+        None, description="seconds (or '10min') without a completed training step before every rank dumps its "
+        "stacks and the run restarts; default: 20× the median step time, at least 5 minutes")
+
+    @field_validator("hang_timeout", mode="before")
+    @classmethod
+    def _hang_timeout(cls, v):
+        if isinstance(v, str):
+            d = parse_duration(v, "hang_timeout")
+            if d.unit != "s":
+                raise ValueError(f"expected seconds or a wall-clock duration like '90s' or '10min', got {v!r}")
+            v = d.value
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < HANG_TIMEOUT_MIN_S:
+            raise ValueError(f"{v:g}s is below the floor of {HANG_TIMEOUT_MIN_S:g}s")
+        return v
+    price_per_gpu_hour: float | None = Field(
+        None, ge=0, description="price of one device (GPU, or CPU rank) per hour: the progress line, `runs describe` "
+        "and the report show the cost so far and the estimated cost to finish")
 
     @field_validator("activation_checkpointing")
     @classmethod
@@ -267,7 +287,8 @@ class RunConfig(_Strict):
         None, description="train low-rank adapters on the frozen custom_weights_path model instead of all weights "
         "({rank, alpha, dropout, targets}); the final model is merged, final/adapter is a PEFT adapter")
     autoresume: bool = Field(True, description="continue from the latest checkpoint in save_folder")
-    max_retries: int = Field(2, ge=0, description="automatic restarts after a crash (supervised runs)")
+    max_retries: int = Field(2, ge=0, description="restarts after a crash or a hang, in all (by the supervisor or "
+                             "torchrun); each resumes from the latest checkpoint")
     log_interval: int = Field(10, ge=1, description="steps between console/tracker log lines")
     # [object-store] remote save_folder / train_data settings (lmforge/config/storage.py)
     object_store: ObjectStoreConfig = Field(default_factory=ObjectStoreConfig, description="endpoint, retries")

@@ -37,6 +37,8 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import signal
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -50,6 +52,7 @@ from lmforge.data.batch import Batch
 from lmforge.data.mds import INDEX, MDSReader, read_index
 from lmforge.errors import UserError
 from lmforge.home import cache_dir as lmforge_cache
+from lmforge.process import die_with_parent
 
 STATE_VERSION = 1
 
@@ -260,8 +263,13 @@ class _MicroBatches(IterableDataset):
             m += n
 
 
-def _worker_init(_worker_id: int) -> None:
+def _worker_init(parent: int, _worker_id: int) -> None:
     remote.keep_inherited_clients()
+    # A worker dies with its rank (even a SIGKILLed one) and leaves stop signals to it: SIGTERM /
+    # Ctrl-C reach the whole process group, and the rank stops its workers itself after checkpointing.
+    die_with_parent(parent)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # ----------------------------------------------------------------------------- the stream
@@ -490,7 +498,7 @@ class TokenStream:
         else:
             loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                                 persistent_workers=False, prefetch_factor=4,
-                                worker_init_fn=_worker_init)
+                                worker_init_fn=partial(_worker_init, os.getpid()))
             gc.collect()  # finalize our own garbage here, not in the forked workers
             source = self._loader_iter = iter(loader)
         pin = self.pin_memory and self.num_workers == 0  # the DataLoader pins in its own thread otherwise

@@ -13,7 +13,8 @@ Read it top to bottom:
 - `save` / `load` write and read checkpoints through state objects that carry their own
   ``state_dict()``: model and optimizer (DCP), data stream, counters (`TrainState`), RNG;
 - `fit` is the loop: steps, logging, periodic evaluation and checkpoints, a graceful stop on
-  SIGTERM / Ctrl-C, and at the end a final evaluation, checkpoint and export.
+  SIGTERM / Ctrl-C, a hang watchdog fed after every step (`train.watchdog`), and at the end a
+  final evaluation, checkpoint and export.
 
 The trainer knows nothing of trackers, object stores or the run registry: they hook in through
 `train.callbacks`. What it needs is set up by `train.setup.setup_run` (a `RunSetup`).
@@ -56,6 +57,7 @@ from lmforge.train.callbacks import Callback, Callbacks, RunInfo
 from lmforge.train.locate import load_model
 from lmforge.train.optim import build_optimizer, lr_factor
 from lmforge.train.plan import TrainPlan
+from lmforge.train.watchdog import HangWatchdog
 
 
 class TrainingDiverged(UserError):
@@ -157,6 +159,7 @@ class Trainer:
         self.peak_flops = peak_flops(detect_device_spec(self.device),
                                      "fp32" if self.plan.precision == "fp32" else "bf16")
         self._stop_asked = False
+        self.watchdog = HangWatchdog(self.cfg.compute.hang_timeout, rank=dist.rank)
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
         self._elapsed0 = 0.0
 
@@ -377,7 +380,10 @@ class Trainer:
         try:
             # The stop handler stays through the final evaluation and export: those finish.
             with self._graceful_stop():
-                status = self._loop()
+                try:
+                    status = self._loop()
+                finally:
+                    self.watchdog.close()  # the end of the run is not timed
                 last_eval = self._finish() if status == "completed" else {}
                 if self.saver is not None:
                     self.saver.wait()  # the last checkpoint is complete before the run reports success
@@ -432,11 +438,15 @@ class Trainer:
                     read = StepOutput(loss=loss, grad_norm=grad_norm, lr=out.lr, moe=out.moe)
                     self.callbacks.on_metrics(self._step_metrics(read, meter.tokens_per_s(state.tokens)), state.step)
             if state.step % plan.eval_interval == 0 and not done:
-                self.evaluate()
+                with self.watchdog.paused():
+                    self.evaluate()
             if plan.icl_interval and state.step % plan.icl_interval == 0 and not done:
-                self.evaluate_icl()
+                with self.watchdog.paused():
+                    self.evaluate_icl()
             if save_now:
-                self.save()
+                with self.watchdog.paused():
+                    self.save()
+            self.watchdog.beat(state.step)
             if stop:
                 return "stopped"
         return "completed"
@@ -459,7 +469,8 @@ class Trainer:
                    "throughput/tokens_per_s_per_device": tokens_per_s / world,
                    # the standard basis (6·N_active + 12·L·H·Dh·T), and 6·N_active alone
                    "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops),
-                   "throughput/mfu_6n": mfu(tokens_per_s, self.plan.model_flops_per_token, world, self.peak_flops)}
+                   "throughput/mfu_6n": mfu(tokens_per_s, self.plan.model_flops_per_token, world, self.peak_flops),
+                   "time/elapsed_s": self._elapsed()}  # training wall time over all attempts (ETA, cost)
         metrics |= self.stream.metrics()  # e.g. the curriculum phase and its mix (of the next step)
         if self.device.type == "cuda":
             metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
