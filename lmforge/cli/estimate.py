@@ -6,8 +6,14 @@ import json
 import re
 from pathlib import Path
 
+import yaml
+from pydantic import ValidationError
+
 from lmforge.cli.common import add_command
+from lmforge.config.model import PRESETS, resolve_model
 from lmforge.errors import UserError
+from lmforge.estimate.hardware import gpu_type_names
+from lmforge.estimate.plan import check_fits, estimate_run, format_plan
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _COUNT = re.compile(r"^\s*([0-9][0-9_]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*(?:tok|tokens)?\s*$", re.I)
@@ -23,15 +29,9 @@ def parse_count(text: str, what: str) -> float:
 
 def _load_model(value: str):
     """A preset name, or a run YAML whose `model:` key is taken. Returns (cfg, seq_len or None)."""
-    from pydantic import ValidationError
-
-    from lmforge.config.model import PRESETS, resolve_model
-
     looks_like_file = value.endswith((".yaml", ".yml")) or "/" in value or Path(value).is_file()
     if value in PRESETS or not looks_like_file:
         return resolve_model(value), None
-    import yaml
-
     path = Path(value)
     if not path.is_file():
         raise UserError(f"--model: no such file {value!r} (expected a preset name or a run YAML)")
@@ -53,8 +53,6 @@ def _load_model(value: str):
 
 
 def run(args) -> int:
-    from lmforge.estimate.plan import check_fits, format_plan, estimate_run
-
     if (args.model is None) == (args.params is None):
         raise UserError("estimate: give exactly one of --model PRESET_OR_YAML or --params COUNT")
     if args.tokens is not None and args.chinchilla:
@@ -86,8 +84,6 @@ def run(args) -> int:
 
 
 def register(subparsers) -> None:
-    from lmforge.estimate.hardware import gpu_type_names
-
     p = add_command(
         subparsers, "estimate", "plan a run: FLOPs, tokens, time, cost and memory per GPU",
         description="Plan a training run before spending: parameters (total/active), FLOPs "

@@ -1,11 +1,13 @@
 """Apply parallelism and compilation to a model, in one place and one order.
 
-Order (as in torchtitan): expert parallelism → activation checkpointing → torch.compile (per
-block) → data parallel wrapping (DDP, or FSDP2 ``fully_shard`` per block then the root).
-Expert parallelism is model parallelism: it splits the expert weights first, so everything
-after sees the layout training runs with. Checkpointing wraps block forwards next so compile
-sees the recompute region; compiling per block keeps compile times short; FSDP's hooks then sit
-outside the compiled regions, at block boundaries.
+Order (as in torchtitan): expert parallelism → activation checkpointing → FP8 → torch.compile
+(per block, and the final norm + head + loss) → data parallel wrapping (DDP, or FSDP2
+``fully_shard`` per block then the root). Expert parallelism is model parallelism: it splits the
+expert weights first, so everything after sees the layout training runs with. Checkpointing wraps
+block forwards next so compile sees the recompute region; FP8 (torchao) swaps the linear layers
+next — after checkpointing and before compile, as torchao documents — so compile traces the FP8
+casts and FSDP shards (and all-gathers in FP8) the swapped weights; compiling per block keeps
+compile times short; FSDP's hooks then sit outside the compiled regions, at block boundaries.
 
 Expert parallelism (``compute.expert_parallel: N``, MoE models, fsdp/hsdp) splits the ranks of
 a shard group into groups of N consecutive ranks (one node's GPUs, on a cluster: the
@@ -49,6 +51,7 @@ from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoin
 
 from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.dist import DistInfo
+from lmforge.distributed.float8 import apply_float8
 from lmforge.errors import UserError
 
 SHARDED = ("fsdp", "hsdp")
@@ -92,6 +95,9 @@ def _selective_policy():
     SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
                             torch.ops.profiler._record_function_exit._RecordFunction})
 
+    # FlexAttention (packed documents on CUDA) is attention too: keep its output.
+    keep.add(torch._higher_order_ops.flex_attention)
+
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -122,14 +128,23 @@ def apply_activation_checkpointing(model: nn.Module, value=True) -> None:
         block.forward = _checkpointed(block.forward, selective=mode == "selective")
 
 
+def compile_enabled(value, device: torch.device) -> bool:
+    """compute.compile → on or off: ``auto`` compiles on CUDA (the CPU gains nothing on small
+    models and pays the compile time, see BENCHMARKS.md)."""
+    return device.type == "cuda" if value == "auto" else bool(value)
+
+
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
-    """Compile each block's forward (on the instance: names unchanged, FSDP hooks stay eager).
+    """Compile each block's forward, and the final norm + output head + loss (`head_loss`) as
+    one more unit (on the instance: names unchanged, FSDP hooks stay eager).
 
     ``fullgraph``: a block must trace as one graph (an error otherwise, never a silent break).
-    Expert parallelism is the exception: its all-to-all needs the split sizes on the host.
+    Expert parallelism is the exception: its all-to-all needs the split sizes on the host. The
+    loss unit may break only around liger-kernel's fused loss, which runs eagerly.
     """
     for block in model.blocks:
         block.forward = torch.compile(block.forward, dynamic=False, fullgraph=fullgraph)
+    model.head_loss = torch.compile(model.head_loss, dynamic=False)
 
 
 def is_moe_layer(module: nn.Module) -> bool:
@@ -274,23 +289,28 @@ class TrainingForward(nn.Module):
         return self.model.training_loss(input_ids, targets, doc_ids=doc_ids)
 
 
-def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32") -> nn.Module:
-    """Apply, in this order, expert parallelism → activation checkpointing → compile → data
-    parallelism; returns the module that runs one training forward (a `TrainingForward`, inside
-    DDP when replicated).
+def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32",
+                fp8_recipe: str = "tensorwise") -> nn.Module:
+    """Apply, in this order, expert parallelism → activation checkpointing → FP8 (``precision``
+    "fp8") → compile → data parallelism; returns the module that runs one training forward (a
+    `TrainingForward`, inside DDP when replicated).
 
     With fsdp/hsdp, ``model`` may live on the meta device; call ``materialize`` afterwards.
     """
     check_mesh(compute, dist.world_size, n_experts=model.cfg.n_experts)  # in-process callers too
-    meshes = build_meshes(compute, dist, model.cfg.n_experts) if compute.data_parallel in SHARDED else None
+    sharded = compute.data_parallel in SHARDED
+    model.loss_kernel = compute.loss_kernel
+    meshes = build_meshes(compute, dist, model.cfg.n_experts) if sharded else None
     if meshes is not None and meshes.ep is not None:
         apply_expert_parallel(model, meshes.ep)
     if compute.activation_checkpointing:
         apply_activation_checkpointing(model, compute.activation_checkpointing)
-    if compute.compile:
+    if precision == "fp8":
+        apply_float8(model, fp8_recipe, fsdp=sharded)
+    if compile_enabled(compute.compile, dist.device):
         apply_compile(model, fullgraph=compute.expert_parallel == 1)
     if meshes is not None:
-        apply_fsdp(model, meshes, bf16=precision == "bf16", reshard_after_forward=compute.reshard_after_forward)
+        apply_fsdp(model, meshes, bf16=precision in ("bf16", "fp8"), reshard_after_forward=compute.reshard_after_forward)
         return TrainingForward(model)
     if dist.distributed and compute.data_parallel != "none":
         ids = [dist.device.index] if dist.device.type == "cuda" else None
@@ -357,9 +377,11 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     return total
 
 
-def local_value(t) -> float:
-    """A (possibly DTensor) scalar as a float: FSDP's grad norm is a replicated DTensor."""
-    return float(t.full_tensor() if isinstance(t, DTensor) else t)
+
+def device_value(t) -> torch.Tensor:
+    """A (possibly DTensor) scalar as a plain tensor on its device, without waiting for it (a
+    replicated DTensor's full tensor is its local one: no communication)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def unwrap(train_forward: nn.Module) -> nn.Module:

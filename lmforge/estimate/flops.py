@@ -26,6 +26,10 @@ def block_counts(cfg: ModelConfig) -> dict[str, int]:
     """Parameters of one transformer block: attention, norms, feed-forward (all / active)."""
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
     attention = d * h * dh + 2 * d * kv * dh + h * dh * d  # q, k, v, o
+    if cfg.qkv_bias:
+        attention += (h + 2 * kv) * dh
+    if cfg.qk_norm != "none":
+        attention += 2 * dh if cfg.qk_norm == "head" else (h + kv) * dh
     norms = 2 * d
     if cfg.is_moe:
         expert = 3 * d * cfg.expert_dim  # SwiGLU: gate, up, down

@@ -244,6 +244,7 @@ def format_plan(plan: dict) -> str:
                  if plan["cost"]["total"] is not None else "— (give --price-per-gpu-hour)"),
         ("memory/GPU", f"model states {_bytes(m['states_bytes_per_gpu'])} "
                        f"(18 B/param over {m['devices']} GPUs), gathered {_bytes(m['gathered_bytes_per_gpu'])}, "
+                       f"loss {_bytes(m['loss_workspace_bytes'])}, "
                        f"usable {_bytes(m['usable_bytes'])} of {_bytes(m['gpu_memory_bytes'])}"),
     ]
     act = m["activation_bytes_per_sample"]
