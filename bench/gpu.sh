@@ -7,6 +7,7 @@
 #                                     # probe, llama-1b eager vs compiled at vocab 32k and 128k
 #   bash bench/gpu.sh 2               # FP8 tensorwise/rowwise vs bf16, llama-1b and llama-3b
 #   bash bench/gpu.sh 3               # `lmforge train` 60 steps vs the bench loop; FSDP2 on one rank vs none
+#   bash bench/gpu.sh 4               # MoE: the GPU MoE tests and bench/moe.py's moe-9b-shaped stack vs its dense twin
 #   bash bench/gpu.sh all             # everything in one go (no time budget)
 #   bash bench/gpu.sh only NAME,...   # chosen configs (`python bench/gpu.py list`)
 #
@@ -37,12 +38,18 @@ gpu_tests() {
   timeout "${TEST_TIMEOUT:-200}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_loss.py \
     tests/test_attention.py tests/test_fp8.py tests/test_trainer.py 2>&1 | tail -15 || echo "# GPU tests: exit $?"
 }
+moe() {
+  # [moe-scale] the grouped GEMM on CUDA against the loop, then the moe-9b-shaped stack (bf16, compiled, 8 × 2048).
+  timeout 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_moe.py 2>&1 | tail -8 || echo "# MoE GPU tests: exit $?"
+  timeout "${MOE_TIMEOUT:-360}" "$PY" bench/moe.py --device cuda 2>&1 | tee -a "${OUT:-.bench}/moe.txt" || echo "# bench/moe.py: exit $?"
+}
 start=$SECONDS
 case "$what" in
   1) gpu_tests; "$PY" bench/gpu.py part 1 --budget "$(( ${BUDGET:-560} - (SECONDS - start) ))" ;;
   2|3) "$PY" bench/gpu.py part "$what" --budget "${BUDGET:-540}" ;;
-  all) gpu_tests; for p in 1 2 3; do "$PY" bench/gpu.py part "$p" --budget 100000; done ;;
+  4) moe ;;
+  all) gpu_tests; for p in 1 2 3; do "$PY" bench/gpu.py part "$p" --budget 100000; done; moe ;;
   only) "$PY" bench/gpu.py only "$2" --budget "${BUDGET:-540}" ;;
   table) "$PY" bench/gpu.py table ;;
-  *) echo "usage: bash bench/gpu.sh 1|2|3|all|only NAME,...|table" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu.sh 1|2|3|4|all|only NAME,...|table" >&2; exit 2 ;;
 esac
