@@ -361,6 +361,22 @@ def test_cli_bad_input(checkpoint, suite, tmp_path):
         assert expected in err, (args, err)
 
 
+def test_cli_takes_a_run_folder_like_generate_and_export(checkpoint, suite, tmp_path, capsys):
+    """A run's save folder (its final/ inside) is found by the same locator as generate and export."""
+    import shutil
+
+    from lmforge.cli.main import main
+
+    run = tmp_path / "run"
+    shutil.copytree(checkpoint, run / "final")
+    results = []
+    for path in (checkpoint, run):
+        assert main(["eval", "--checkpoint", str(path), "--tasks", str(suite / "tasks.yaml"), "--limit", "3",
+                     "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out)["results"])
+    assert results[0] == results[1] and results[0]
+
+
 def _run_main(main, argv) -> str:
     import contextlib
     import io

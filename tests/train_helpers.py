@@ -44,9 +44,9 @@ def train_in_process(raw: dict, log=lambda *_: None):
     return run_job(build_config(fill_from_weights(raw)), log=log)
 
 
-def cli(*args) -> subprocess.CompletedProcess:
+def cli(*args, check: bool = False) -> subprocess.CompletedProcess:
     """`lmforge ARGS...` in this process (no interpreter start-up), for commands that return at once:
-    the exit status and what it printed, as `lmforge(...)` gives them."""
+    the exit status and what it printed, as `lmforge(...)` gives them; ``check`` fails on a non-zero exit."""
     import contextlib
     import io
 
@@ -55,6 +55,8 @@ def cli(*args) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([str(a) for a in args])
+    if check and code != 0:
+        raise AssertionError(f"lmforge {' '.join(map(str, args))} failed ({code}):\n{out.getvalue()}\n{err.getvalue()}")
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 

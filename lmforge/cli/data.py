@@ -7,7 +7,15 @@ import os
 import sys
 import tempfile
 
+from rich.console import Console
+from rich.table import Table
+
 from lmforge.cli.common import OneLineParser, add_command
+from lmforge.data import remote
+from lmforge.data.mds import MDSReader
+from lmforge.data.prepare import prepare, read_summary
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.errors import UserError
 
 
 def register(subparsers) -> None:
@@ -137,8 +145,6 @@ def curation_from_args(args) -> dict | None:
 
 
 def _prepare(args) -> int:
-    from lmforge.data.prepare import prepare
-
     summary = prepare(args.input, args.tokenizer, args.out, args.seq_len, eval_fraction=args.eval_fraction,
                       workers=args.workers, compression=args.compression, text_field=args.text_field,
                       overwrite=args.overwrite, progress=None if not args.json else False,
@@ -161,9 +167,6 @@ def _fmt(v) -> str:
 
 
 def _print_summary(summary: dict, dest: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     table = Table(title=f"dataset {dest}", title_justify="left")
     cols = ("documents", "tokens", "bytes", "bytes_per_token", "samples", "shards", "dropped_tokens")
@@ -244,9 +247,6 @@ def _stats(args) -> int:
 
 def first_sample(dest: str) -> list[int]:
     """Token ids of the first train sample of a prepared dataset (local or remote)."""
-    from lmforge.data import remote
-    from lmforge.data.mds import MDSReader
-
     split_uri = remote.join(dest, "train")
     if not remote.is_remote(dest):
         with tempfile.TemporaryDirectory() as cache:
@@ -259,10 +259,6 @@ def first_sample(dest: str) -> list[int]:
 
 
 def _inspect(args) -> int:
-    from lmforge.data.prepare import read_summary
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.errors import UserError
-
     summary = read_summary(args.dest)
     ids = first_sample(args.dest)
     text = None

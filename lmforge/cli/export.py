@@ -26,7 +26,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from lmforge.train.export import export
+    from lmforge.train.export import export  # torch (lazy: `lmforge --help` stays light)
 
     out = export(args.checkpoint, args.out, fmt=args.format, tokenizer=args.tokenizer, dtype=args.dtype,
                  max_shard_size=args.max_shard_size, allow_clip_qkv=args.allow_clip_qkv, overwrite=args.overwrite)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 
 from lmforge.cli.common import add_command
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.errors import UserError
 
 
 def register(sub) -> None:
@@ -27,8 +29,6 @@ def register(sub) -> None:
 
 
 def _check(args) -> None:
-    from lmforge.errors import UserError
-
     if args.max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens: must be positive (got {args.max_new_tokens})")
     if args.temperature < 0:
@@ -40,8 +40,6 @@ def _check(args) -> None:
 
 
 def _prompt(args) -> str:
-    from lmforge.errors import UserError
-
     if args.prompt is not None:
         text = args.prompt
     elif args.file == "-":
@@ -60,9 +58,7 @@ def _prompt(args) -> str:
 def run(args) -> int:
     _check(args)
     text = _prompt(args)
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.distributed.dist import pick_device
-    from lmforge.errors import UserError
+    from lmforge.distributed.dist import pick_device  # torch, as the two below (lazy: `lmforge --help`)
     from lmforge.models import generate
     from lmforge.train.locate import check_tokenizer_fits, load_model
 

@@ -18,6 +18,8 @@ from lmforge.config.model import ModelConfig, resolve_model
 from lmforge.config.storage import ObjectStoreConfig, SecretsConfig
 from lmforge.config.tracking import TrackerConfig
 
+HANG_TIMEOUT_MIN_S = 5.0  # shorter timeouts fire on ordinary pauses (GC, a slow read)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -142,8 +144,15 @@ class Parameters(_Strict):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null to turn off")
-    precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="bf16 autocast where the hardware supports it, else fp32")
+    precision: Literal["auto", "bf16", "fp32", "fp8"] = Field(
+        "auto", description="bf16 autocast where the hardware supports it, else fp32; fp8: FP8 matmuls in the "
+        "linear layers (torchao, lmforge[gpu]; GPUs of compute capability 8.9+), bf16 elsewhere")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="precision fp8: one scale per tensor (fastest; FP8 all-gather under FSDP) or "
+        "per row (more accurate)")
+    document_masking: bool = Field(
+        False, description="pretraining: a token attends only to earlier tokens of its own document (documents "
+        "end at the tokenizer's end-of-text token in the packed samples); fine-tuning rows always are")
     seed: int = Field(17, description="seed for init, data order and sampling")
 
 
@@ -175,6 +184,9 @@ class ComputeConfig(_Strict):
     data_parallel: Literal["ddp", "fsdp", "hsdp", "none"] = Field("ddp", description="how ranks share the model")
     # --- scale-out (lmforge.distributed; see docs/scale-out.md)
     shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (default: ranks per node)")
+    expert_parallel: int = Field(
+        1, ge=1, description="MoE, fsdp/hsdp: split each layer's experts over N ranks (E/N each), tokens sent to "
+        "them by all-to-all; N divides n_experts and the ranks of a shard group")
     reshard_after_forward: bool = Field(
         True, description="fsdp/hsdp: free gathered weights after forward (less memory, one more all-gather)")
     node_rank: int = Field(0, ge=0, description="multi-node: this node's index (0 … nodes-1)")
@@ -185,8 +197,27 @@ class ComputeConfig(_Strict):
         "outputs, recompute the rest), or N (every N-th block)")
     async_checkpoint: bool = Field(True, description="write checkpoints in the background while training continues")
     # --- end scale-out
-    compile: bool = Field(False, description="torch.compile each transformer block")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each transformer block and the norm + head + loss; auto: on CUDA")
+    loss_kernel: Literal["auto", "chunked", "liger"] = Field(
+        "auto", description="output head + cross-entropy without whole logits: liger-kernel's fused kernel (CUDA, "
+        "lmforge[gpu]) or lmforge's chunked one; auto: liger where installed on CUDA, else chunked")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+    hang_timeout: float | None = Field(
+        None, description="seconds (or '10min') without a completed training step before every rank dumps its "
+        "stacks and the run restarts; default: 20× the median step time, at least 5 minutes")
+
+    @field_validator("hang_timeout", mode="before")
+    @classmethod
+    def _hang_timeout(cls, v):
+        if isinstance(v, str):
+            d = parse_duration(v, "hang_timeout")
+            if d.unit != "s":
+                raise ValueError(f"expected seconds or a wall-clock duration like '90s' or '10min', got {v!r}")
+            v = d.value
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < HANG_TIMEOUT_MIN_S:
+            raise ValueError(f"{v:g}s is below the floor of {HANG_TIMEOUT_MIN_S:g}s")
+        return v
     price_per_gpu_hour: float | None = Field(
         None, ge=0, description="price of one device (GPU, or CPU rank) per hour: the progress line, `runs describe` "
         "and the report show the cost so far and the estimated cost to finish")
@@ -259,7 +290,8 @@ class RunConfig(_Strict):
         None, description="train low-rank adapters on the frozen custom_weights_path model instead of all weights "
         "({rank, alpha, dropout, targets}); the final model is merged, final/adapter is a PEFT adapter")
     autoresume: bool = Field(True, description="continue from the latest checkpoint in save_folder")
-    max_retries: int = Field(2, ge=0, description="automatic restarts after a crash (supervised runs)")
+    max_retries: int = Field(2, ge=0, description="restarts after a crash or a hang, in all (by the supervisor or "
+                             "torchrun); each resumes from the latest checkpoint")
     log_interval: int = Field(10, ge=1, description="steps between console/tracker log lines")
     # [object-store] remote save_folder / train_data settings (lmforge/config/storage.py)
     object_store: ObjectStoreConfig = Field(default_factory=ObjectStoreConfig, description="endpoint, retries")

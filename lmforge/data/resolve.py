@@ -84,7 +84,7 @@ def _token_stream(specs: list[DatasetSpec], layout: StreamLayout, split: str = "
     return TokenStream(specs, seq_len=layout.seq_len, micro_batch_size=layout.micro_batch,
                        global_batch_size=layout.global_batch, rank=layout.rank, world_size=layout.world_size,
                        seed=layout.seed, num_workers=layout.num_workers, split=split, pin_memory=layout.pin_memory,
-                       phases=phases)
+                       phases=phases, document_eos=layout.document_eos)
 
 
 def _first_batches(spec: DatasetSpec, layout: StreamLayout, split: str, n: int) -> Iterator[Batch]:

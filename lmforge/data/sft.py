@@ -229,8 +229,9 @@ class SFTStream:
     """
 
     def __init__(self, rows: PackedRows, *, micro_batch_size: int, global_batch_size: int, rank: int,
-                 world_size: int, seed: int):
+                 world_size: int, seed: int, pin_memory: bool = False):
         self.rows, self.mb, self.gbs = rows, micro_batch_size, global_batch_size
+        self.pin_memory = pin_memory  # CUDA: page-locked batches, so host→device copies overlap compute
         self.rank, self.world, self.seed = rank, world_size, seed
         self.accum = global_batch_size // (micro_batch_size * world_size)
         self.micro = 0  # micro-batches this rank has yielded
@@ -252,7 +253,8 @@ class SFTStream:
         while True:
             idx = self._indices(self.micro)
             self.micro += 1
-            yield self.rows.batch(idx)
+            batch = self.rows.batch(idx)
+            yield batch.pin_memory() if self.pin_memory else batch
 
     @property
     def epoch(self) -> int:
@@ -300,7 +302,8 @@ class SFTData:
 
     def train_stream(self, layout: StreamLayout) -> SFTStream:
         return SFTStream(self.rows, micro_batch_size=layout.micro_batch, global_batch_size=layout.global_batch,
-                         rank=layout.rank, world_size=layout.world_size, seed=layout.seed)
+                         rank=layout.rank, world_size=layout.world_size, seed=layout.seed,
+                         pin_memory=layout.pin_memory)
 
     def eval_sets(self, layout: StreamLayout, max_batches: int) -> list[EvalSet]:
         if self.eval_rows is None:

@@ -37,6 +37,8 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import signal
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -50,6 +52,7 @@ from lmforge.data.batch import Batch
 from lmforge.data.mds import INDEX, MDSReader, read_index
 from lmforge.errors import UserError
 from lmforge.home import cache_dir as lmforge_cache
+from lmforge.process import die_with_parent
 
 STATE_VERSION = 1
 
@@ -218,8 +221,9 @@ class _MicroBatches(IterableDataset):
 
     def __init__(self, readers: list[MDSReader], names: list[str], order: _Order, *, seq_len: int,
                  micro_batch_size: int, global_batch_size: int, rank: int, world_size: int,
-                 base: int, first: int):
+                 base: int, first: int, document_eos: int | None = None):
         self.readers = readers
+        self.document_eos = document_eos
         self.names = names
         self.order = order
         self.seq_len = seq_len
@@ -248,7 +252,7 @@ class _MicroBatches(IterableDataset):
                     f"shorter than seq_len {self.seq_len}"
                 )
             out[row] = tokens[: self.seq_len]
-        return Batch.from_tokens(torch.from_numpy(out))
+        return Batch.from_tokens(torch.from_numpy(out), eos_id=self.document_eos)
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
@@ -259,8 +263,13 @@ class _MicroBatches(IterableDataset):
             m += n
 
 
-def _worker_init(_worker_id: int) -> None:
+def _worker_init(parent: int, _worker_id: int) -> None:
     remote.keep_inherited_clients()
+    # A worker dies with its rank (even a SIGKILLed one) and leaves stop signals to it: SIGTERM /
+    # Ctrl-C reach the whole process group, and the rank stops its workers itself after checkpointing.
+    die_with_parent(parent)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # ----------------------------------------------------------------------------- the stream
@@ -340,6 +349,7 @@ class TokenStream:
         split: str = "train",
         pin_memory: bool = False,
         phases: list[StreamPhase] | None = None,
+        document_eos: int | None = None,
     ):
         for name, v, lo in (("seq_len", seq_len, 1), ("micro_batch_size", micro_batch_size, 1),
                             ("global_batch_size", global_batch_size, 1), ("world_size", world_size, 1),
@@ -357,6 +367,7 @@ class TokenStream:
         self.seq_len, self.micro_batch_size, self.global_batch_size = seq_len, micro_batch_size, global_batch_size
         self.rank, self.world_size, self.seed, self.num_workers = rank, world_size, seed, num_workers
         self.pin_memory = pin_memory  # CUDA: page-locked batches, so host→device copies overlap compute
+        self.document_eos = document_eos  # document masking: batches carry doc_ids split after this token
         self.readers = []
         for i, s in enumerate(self.specs):
             sub = None if cache_dir is None else str(Path(cache_dir) / f"{i}-{hashlib.sha256(s.path.encode()).hexdigest()[:12]}")
@@ -476,6 +487,7 @@ class TokenStream:
             self.readers, [s.name for s in self.specs], self._order, seq_len=self.seq_len,
             micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
             rank=self.rank, world_size=self.world_size, base=self._base, first=self._yielded,
+            document_eos=self.document_eos,
         )
 
     def __iter__(self) -> Iterator[Batch]:
@@ -486,7 +498,7 @@ class TokenStream:
         else:
             loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                                 persistent_workers=False, prefetch_factor=4,
-                                worker_init_fn=_worker_init)
+                                worker_init_fn=partial(_worker_init, os.getpid()))
             gc.collect()  # finalize our own garbage here, not in the forked workers
             source = self._loader_iter = iter(loader)
         pin = self.pin_memory and self.num_workers == 0  # the DataLoader pins in its own thread otherwise

@@ -3,10 +3,10 @@
 `lmforge estimate`, `lmforge train --dry-run` and the trainer's MFU metric all use
 these functions, so a planned MFU and a logged MFU mean the same thing.
 
-MFU basis: `mfu_flops_per_token` = 6 · N_active (forward 2·N + backward 4·N per token,
-Kaplan/Chinchilla). The attention-score term 12·L·H·Dh·T (nanoGPT/PaLM) is reported
-next to it but not in the basis, which is the convention published planning figures
-use ("FLOPs = 6·N·D"); `flops_per_token(...)["total"]` is the PaLM-style figure.
+MFU basis (the standard one, used everywhere MFU appears): `mfu_flops_per_token` =
+6 · N_active (forward 2·N + backward 4·N per token, Kaplan/Chinchilla; active parameters for
+MoE) + 12·L·H·Dh·T for the attention scores (nanoGPT/PaLM). `flops_per_token` gives the
+two terms apart; "FLOPs = 6·N·D" planning figures are its "dense" term alone.
 """
 
 from __future__ import annotations
@@ -81,5 +81,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """The FLOPs per token MFU is measured against (estimate and trainer alike): 6·N_active."""
-    return flops_per_token(cfg, seq_len)["dense"]
+    """The FLOPs per token MFU is measured against (estimate, trainer and benchmarks alike):
+    6·N_active + 12·L·H·Dh·T."""
+    return flops_per_token(cfg, seq_len)["total"]

@@ -3,9 +3,10 @@
 
 Our layout was chosen so the mapping is a pure rename: RoPE uses HF's rotate-half pairing, so
 q/k rows need no permutation, and SwiGLU w1/w3/w2 are HF's gate/up/down projections. MoE expert
-weights are 3-D parameters here ([E, d, h] and [E, h, d]); they are split into the per-expert
-`block_sparse_moe.experts.{j}.w1/w2/w3` matrices of the published Mixtral checkpoint format,
-which transformers, vLLM and llama.cpp all read.
+weights are 3-D parameters here — ``w13 [E, d, 2h]`` (gate and up fused, gate first) and
+``w2 [E, h, d]`` —; they are split into the per-expert `block_sparse_moe.experts.{j}.w1/w2/w3`
+matrices of the published Mixtral checkpoint format, which transformers, vLLM and llama.cpp all
+read.
 """
 
 from __future__ import annotations
@@ -197,7 +198,8 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     """Rename our tensors to HF names (Mixtral per-expert matrices for MoE)."""
     out = {theirs: sd[ours] for ours, theirs in _pairs(cfg)}
     for i in range(cfg.n_layers if cfg.is_moe else 0):
-        w1, w3, w2 = (sd[f"blocks.{i}.mlp.experts.{n}"] for n in ("w1", "w3", "w2"))  # [E,d,h], [E,d,h], [E,h,d]
+        w13, w2 = sd[f"blocks.{i}.mlp.experts.w13"], sd[f"blocks.{i}.mlp.experts.w2"]  # [E,d,2h], [E,h,d]
+        w1, w3 = w13.chunk(2, dim=-1)
         for j in range(cfg.n_experts):
             # nn.Linear layout is [out, in]: ours are [in, out] per expert, so transpose.
             out[_MOE_EXPERT.format(i=i, j=j, w="w1")] = w1[j].t().contiguous()
@@ -218,14 +220,13 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     out = {ours: take(theirs) for ours, theirs in _pairs(cfg)}
     for i in range(cfg.n_layers if cfg.is_moe else 0):
         fused = f"model.layers.{i}.mlp.experts.gate_up_proj"
-        if fused in hf_sd:  # transformers >= 5 module layout: [E, 2h, d] and [E, d, h]
-            gate, up = hf_sd[fused].chunk(2, dim=1)
-            out[f"blocks.{i}.mlp.experts.w1"] = gate.transpose(1, 2).contiguous()
-            out[f"blocks.{i}.mlp.experts.w3"] = up.transpose(1, 2).contiguous()
+        if fused in hf_sd:  # transformers >= 5 module layout: [E, 2h, d] (gate rows first) and [E, d, h]
+            out[f"blocks.{i}.mlp.experts.w13"] = hf_sd[fused].transpose(1, 2).contiguous()
             down = take(f"model.layers.{i}.mlp.experts.down_proj")
             out[f"blocks.{i}.mlp.experts.w2"] = down.transpose(1, 2).contiguous()
             continue
-        for n in ("w1", "w3", "w2"):
-            mats = [take(_MOE_EXPERT.format(i=i, j=j, w=n)) for j in range(cfg.n_experts)]
-            out[f"blocks.{i}.mlp.experts.{n}"] = torch.stack([m.t() for m in mats]).contiguous()
+        w1, w3, w2 = ([take(_MOE_EXPERT.format(i=i, j=j, w=n)).t() for j in range(cfg.n_experts)]
+                      for n in ("w1", "w3", "w2"))
+        out[f"blocks.{i}.mlp.experts.w13"] = torch.cat([torch.stack(w1), torch.stack(w3)], dim=-1).contiguous()
+        out[f"blocks.{i}.mlp.experts.w2"] = torch.stack(w2).contiguous()
     return out

@@ -15,6 +15,7 @@ from torch import nn
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
+from lmforge.models.moe import fuse_legacy_experts
 from lmforge.models.transformer import Transformer, build_model
 
 CONFIG_FILE = "lmforge-model.json"
@@ -123,7 +124,7 @@ def load_pretrained(path: str | Path, device="cpu",
             raise UserError(f"{folder / CONFIG_FILE}: invalid model config ({e})".splitlines()[0]) from None
         if not (folder / WEIGHTS_FILE).is_file():
             raise UserError(f"{folder}: {WEIGHTS_FILE} is missing")
-        sd = _read_safetensors([folder / WEIGHTS_FILE])
+        sd = fuse_legacy_experts(_read_safetensors([folder / WEIGHTS_FILE]))
     elif (folder / "config.json").is_file():
         from transformers import AutoConfig
 

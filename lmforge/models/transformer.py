@@ -12,6 +12,11 @@ Design choices, and why:
   same FLOPs; hidden size comes from `ModelConfig.ffn_dim`.
 - **Grouped-query attention** through `F.scaled_dot_product_attention` with `enable_gqa`,
   which dispatches to flash attention on GPU and never materializes repeated K/V.
+- **FlexAttention for masks that are not plain causal** (packed documents, sliding windows)
+  on CUDA: a dense [B, 1, T, T] boolean mask would force SDPA onto its O(T²)-memory math
+  kernel, so `attention_mask` builds a `BlockMask` instead and a compiled `flex_attention`
+  skips the blocks nothing attends to. The CPU keeps the boolean mask (torch has no
+  FlexAttention backward on the CPU), and so does decoding with a KV cache.
 - **clip_qkv.** Clamping q/k/v projections (DBRX) bounds attention logits and prevents the
   loss spikes seen in large runs; off unless the config sets it.
 - **No biases** by default: they add parameters and state but nothing measurable in quality.
@@ -36,6 +41,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
@@ -95,8 +102,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.dh if per_head else self.n_kv * self.dh, cfg.norm_eps)
 
     def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
-                attn_mask: torch.Tensor | None = None):
-        """attn_mask: None for plain causal attention, else a boolean mask (see `attention_mask`)."""
+                attn_mask: torch.Tensor | BlockMask | None = None):
+        """attn_mask: None for plain causal attention, else a boolean mask or a FlexAttention
+        block mask (see `attention_mask`)."""
         B, T, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.clip is not None:
@@ -116,8 +124,11 @@ class Attention(nn.Module):
             ck[:B, :, start_pos:end] = k
             cv[:B, :, start_pos:end] = v
             k, v = ck[:B, :, :end], cv[:B, :, :end]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                           enable_gqa=self.n_kv != self.n_heads)
+        if isinstance(attn_mask, BlockMask):
+            y = _flex(q)(q, k, v, block_mask=attn_mask, enable_gqa=self.n_kv != self.n_heads)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                               enable_gqa=self.n_kv != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dh))
 
 
@@ -167,6 +178,10 @@ def _with_aux(out) -> tuple[torch.Tensor, dict]:
 
 
 class Transformer(nn.Module):
+    # How `head_loss` computes the loss (`models.loss.next_token_loss`'s kernel); set from
+    # compute.loss_kernel by `distributed.parallelize`.
+    loss_kernel: str = "auto"
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.vocab_size is None:
@@ -239,11 +254,16 @@ class Transformer(nn.Module):
         """The training forward: summed next-token loss against shifted ``targets`` (see
         `data.batch.Batch`), plus the MoE auxiliary loss and routing statistics."""
         h, stats = self._hidden(input_ids, doc_ids)
-        ce = next_token_loss(self.norm(h), self.output_weight, targets)
+        ce = self.head_loss(h, targets)
         if not stats:
             return LossOutput(ce)
         aux = _reduce_aux(stats, self.cfg)
         return LossOutput(ce, aux.pop("aux_loss"), aux)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, output head and summed cross-entropy of the last hidden states: one unit
+        that `distributed.parallelize` compiles (the logits never exist whole, see `models.loss`)."""
+        return next_token_loss(self.norm(h), self.output_weight, targets, kernel=self.loss_kernel)
 
     def decode(self, input_ids: torch.Tensor, kv_cache: KVCache, start_pos: int = 0) -> torch.Tensor:
         """Logits [B, T, V] of ``input_ids`` placed at ``start_pos``, reading and filling ``kv_cache``."""
@@ -265,7 +285,7 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.tok_embeddings(input_ids)
-        mask = attention_mask(T, 0, doc_ids, self.cfg.sliding_window, input_ids.device)
+        mask = attention_mask(T, 0, doc_ids, self.cfg.sliding_window, input_ids.device, flex=input_ids.is_cuda)
         stats: list[dict[str, torch.Tensor]] = []
         for block in self.blocks:
             h, aux = block(h, cos, sin, attn_mask=mask)
@@ -275,14 +295,19 @@ class Transformer(nn.Module):
 
 
 def attention_mask(T: int, start_pos: int, doc_ids: torch.Tensor | None, window: int | None,
-                   device) -> torch.Tensor | None:
-    """The boolean mask shared by every layer, or None when plain causal attention is exact
-    (SDPA's is_causal fast path). Query i (absolute position start_pos + i) may see key j when
+                   device, flex: bool = False) -> torch.Tensor | BlockMask | None:
+    """The mask shared by every layer, or None when plain causal attention is exact (SDPA's
+    is_causal fast path). Query i (absolute position start_pos + i) may see key j when
     j <= start_pos + i, j is within `window` positions (itself included), and, for packed rows
-    (doc_ids [B, T]), j belongs to the same example."""
+    (doc_ids [B, T]), j belongs to the same example.
+
+    Without cached keys (start_pos 0) and with ``flex``, the mask is a FlexAttention `BlockMask`
+    (`flex_mask`); otherwise a boolean tensor, [T, start_pos + T] or [B, 1, T, T]."""
     end = start_pos + T
     if doc_ids is None and start_pos == 0 and (window is None or end <= window):
         return None
+    if flex and start_pos == 0:
+        return flex_mask(T, doc_ids, window, device)
     # After cached keys (start_pos > 0) SDPA's top-left-aligned is_causal would be wrong, so
     # the mask is explicit there too.
     q = torch.arange(start_pos, end, device=device)[:, None]
@@ -295,18 +320,51 @@ def attention_mask(T: int, start_pos: int, doc_ids: torch.Tensor | None, window:
     return mask
 
 
+def flex_mask(T: int, doc_ids: torch.Tensor | None, window: int | None, device) -> BlockMask:
+    """`attention_mask`'s rule as a FlexAttention block mask over T queries and keys (one per row
+    of ``doc_ids``, shared by the heads). Blocks of 128×128 positions that no query may see
+    (other documents, beyond the window, the future) are skipped, never computed."""
+
+    def rule(b, h, q, k):
+        keep = k <= q
+        if window is not None:
+            keep = keep & (q - k < window)
+        if doc_ids is not None:
+            keep = keep & (doc_ids[b, q] == doc_ids[b, k])
+        return keep
+
+    rows = None if doc_ids is None else doc_ids.shape[0]
+    return create_block_mask(rule, rows, None, T, T, device=device)
+
+
+_compiled_flex = None
+
+
+def _flex(q: torch.Tensor):
+    """flex_attention, compiled on CUDA (inside a compiled block it is traced into the block's
+    graph; without compile its eager form would materialize the scores: a reference
+    implementation, which is what the CPU gets)."""
+    global _compiled_flex
+    if not q.is_cuda or torch.compiler.is_compiling():  # a compiled block traces flex_attention itself
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
 def _reduce_aux(stats: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Average MoE losses over layers (so the coefficients do not scale with depth), sum counts."""
+    """Average MoE losses over layers (so the coefficients do not scale with depth); keep the
+    routing statistics per layer (for expert-health metrics): counts [L, E], entropy [L]."""
     if not stats:
         return {}
     lb = torch.stack([s["lb_loss"] for s in stats]).mean()
     z = torch.stack([s["z_loss"] for s in stats]).mean()
-    counts = torch.stack([s["tokens_per_expert"] for s in stats]).sum(0)
     return {
         "aux_loss": cfg.moe_aux_loss_coef * lb + cfg.moe_z_loss_coef * z,
         "moe_lb_loss": lb.detach(),
         "moe_z_loss": z.detach(),
-        "moe_tokens_per_expert": counts.detach(),
+        "moe_tokens_per_expert": torch.stack([s["tokens_per_expert"] for s in stats]).detach(),
+        "moe_router_entropy": torch.stack([s["router_entropy"] for s in stats]).detach(),
     }
 
 

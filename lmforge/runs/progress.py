@@ -10,6 +10,7 @@ import json
 import os
 
 from lmforge.config.durations import parse_duration
+from lmforge.tracking.jsonl import read_metrics
 
 
 def metrics_path(save_folder: str) -> str:
@@ -45,8 +46,6 @@ class MetricsTail:
 
 
 def read_history(save_folder: str) -> list[dict]:
-    from lmforge.tracking.jsonl import read_metrics
-
     path = metrics_path(save_folder)
     return read_metrics(path) if os.path.exists(path) else []
 

@@ -16,8 +16,9 @@ from lmforge.config.defaults import (bf16_supported, micro_batch_for, default_ba
                                      default_learning_rate, default_warmup_steps)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.schema import RunConfig, phase_end
+from lmforge.distributed.float8 import check_fp8_supported
 from lmforge.errors import UserError
-from lmforge.estimate.flops import mfu_flops_per_token, param_counts
+from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
 from lmforge.estimate.memory import memory_plan
 
 
@@ -35,10 +36,11 @@ class TrainPlan:
     eval_interval: int
     save_interval: int
     icl_interval: int | None
-    precision: str  # "bf16" | "fp32"
+    precision: str  # "bf16" | "fp32" | "fp8"
     params: dict
-    flops_per_token: float
+    flops_per_token: float  # the MFU basis: 6·N_active + 12·L·H·Dh·T (estimate.flops.mfu_flops_per_token)
     phase_steps: list[int] | None = None  # curriculum: the optimizer step at which each phase but the last ends
+    model_flops_per_token: float = 0.0  # 6·N_active alone ("model FLOPs" of planning figures)
 
     @property
     def tokens_per_step(self) -> int:
@@ -138,6 +140,8 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
         precision = p.precision
         if precision == "bf16" and not bf16_supported(device) and device.type != "cpu":
             raise UserError(f"parameters.precision: bf16 is not supported on {device}")
+        if precision == "fp8":
+            check_fp8_supported(device)  # one clear line, never a silent fallback
 
     return TrainPlan(
         context_length=ctx, global_batch=gbs, micro_batch=micro, grad_accum=grad_accum,
@@ -145,7 +149,7 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
         learning_rate=p.learning_rate or default_learning_rate(counts["non_embedding"]),
         eval_interval=eval_every, save_interval=save_every, icl_interval=icl_every,
         precision=precision, params=counts, flops_per_token=mfu_flops_per_token(model, ctx),
-        phase_steps=phase_steps,
+        phase_steps=phase_steps, model_flops_per_token=flops_per_token(model, ctx)["dense"],
     )
 
 

@@ -31,7 +31,10 @@ _CITATION = re.compile(r"\[\d*]|\[edit]|\[citation needed]")
 _SENTENCE_END = re.compile(r"[.!?]+['\"”’)\]]*(?=\s|$)")
 STOP_WORDS = frozenset(["the", "be", "to", "of", "and", "that", "have", "with"])
 END_PUNCTUATION = (".", "?", "!", '"', "'")
-TERMINAL_PUNCTUATION = tuple(".!?\"'”’…。！？؟۔।॥።፧;:")
+# Sentence terminals (Unicode's Sentence_Terminal class, the common scripts): what FineWeb's
+# line_punct rule counts as a line that ends a sentence. Quotes, colons and semicolons are not:
+# code and headings end with them.
+TERMINAL_PUNCTUATION = tuple(".!?‼‽⁇⁈⁉。！？｡．؟؞۔܀܁܂।॥။၊።፧፨᙮᠃᠉᥄᥅។៕៖៙៚꓿꘎꘏꛳꛷꡶꡷꣎꣏꤯꧈꧉꩝꩞꩟꫰꫱꯫﹒﹖﹗")
 POLICY_SUBSTRINGS = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies",
                      "use cookies")
 

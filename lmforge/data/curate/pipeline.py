@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from lmforge.config.curation import CurateConfig
 from lmforge.data.curate.curator import Curator, DocChecker
 from lmforge.data.curate.dedup import signatures
+from lmforge.process import die_with_parent
 
 
 class _State:
@@ -47,8 +48,9 @@ class _State:
 _STATE: _State | None = None  # per worker process, built by the pool initializer
 
 
-def _init(cfg_json, index, encoder, threads: int) -> None:
+def _init(cfg_json, index, encoder, threads: int, parent: int) -> None:
     global _STATE
+    die_with_parent(parent)  # a killed `prepare` (or trainer preparing its data) leaves no worker behind
     # The tokenizer's Rust thread pool would otherwise start one thread per core in every worker.
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     if threads <= 1:
@@ -147,7 +149,7 @@ def run(chunks: Iterable[list[str]], curator: Curator | None, *, workers: int = 
     # spawn, not fork: a forked copy of a tokenizer that already ran its thread pool can deadlock.
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
-                             initargs=(cfg_json, index, encoder, threads)) as pool:
+                             initargs=(cfg_json, index, encoder, threads, os.getpid())) as pool:
         for _ in range(workers):  # start the workers (imports, models) while the parent reads the input
             pool.submit(_ready)
         src = numbered(chunks)
