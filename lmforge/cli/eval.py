@@ -52,7 +52,7 @@ def run(args) -> int:
         raise UserError(f"--data-root {args.data_root}: no such folder")
     # Validate every input file before loading the (possibly large) model.
     tasks = load_tasks(args.tasks, data_root=args.data_root)
-    gauntlet = load_gauntlet(args.gauntlet) if args.gauntlet else None
+    gauntlet = load_gauntlet(args.gauntlet, tasks=tasks) if args.gauntlet else None
     device = _device(args.device)
     model, tokenizer = _load_checkpoint(args.checkpoint, device)
 
@@ -101,14 +101,23 @@ def _load_checkpoint(path: str, device):
 def _print_tables(results: dict, scores: dict | None, tasks) -> None:
     console = Console()
     types = {t.label: t.task_type for t in tasks}
+    ece = any("calibration_error" in r for r in results.values())
     table = Table(title="In-context learning")
-    for col, justify in (("task", "left"), ("shots", "right"), ("type", "left"), ("accuracy", "right"), ("n", "right")):
+    columns = [("task", "left"), ("shots", "right"), ("type", "left"), ("accuracy", "right"), ("n", "right")]
+    for col, justify in columns + ([("calibration error", "right")] if ece else []):
         table.add_column(col, justify=justify)
+
+    def extra(r: dict) -> list[str]:
+        if not ece:
+            return []
+        return [f"{r['calibration_error']:.4f}" if "calibration_error" in r else ""]
+
     for key, r in results.items():
         label, shots = key.rsplit("/", 1)
-        table.add_row(label, shots.removesuffix("-shot"), types.get(label, ""), f"{r['accuracy']:.4f}", str(r["n"]))
+        table.add_row(label, shots.removesuffix("-shot"), types.get(label, ""), f"{r['accuracy']:.4f}",
+                      f"{r['n']}/{r['size']}" if r["n"] != r["size"] else str(r["n"]), *extra(r))
         for cat, c in r.get("categories", {}).items():
-            table.add_row(f"  {cat}", "", "", f"{c['accuracy']:.4f}", str(c["n"]))
+            table.add_row(f"  {cat}", "", "", f"{c['accuracy']:.4f}", str(c["n"]), *extra(c))
     console.print(table)
     if scores is None:
         return

@@ -107,6 +107,7 @@ def _save_hf(model, cfg, out: Path, tok, *, allow_clip_qkv: bool, max_shard_size
     except ValueError as e:
         raise UserError(f"--max-shard-size {max_shard_size!r}: {e}") from None
     if eos is not None:
-        # Sampling defaults for `model.generate` and vLLM match `lmforge generate`'s.
-        GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=tok.pad_id, do_sample=True,
-                         temperature=1.0, top_k=50, top_p=0.95).save_pretrained(str(out))
+        # Greedy by default: evaluators (LLM Foundry, lm-eval) and vLLM call `generate` without
+        # sampling arguments and would otherwise score random samples. Sampling is opt-in there.
+        GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=tok.pad_id,
+                         do_sample=False).save_pretrained(str(out))
