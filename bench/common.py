@@ -120,7 +120,7 @@ def train_config(corpus: str, knobs: dict, duration: str, save_folder: str) -> d
     if model is None:
         model = {key: k.pop(key) for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
                  if key in k}
-        for key in ("tie_embeddings", "qk_norm", "mlp", "logit_softcap", "z_loss"):
+        for key in ("tie_embeddings", "qk_norm"):
             if key in k:
                 model[key] = k.pop(key)
         if "context_length" in k:

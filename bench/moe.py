@@ -1,26 +1,43 @@
-"""Tokens/s of a MoE model vs a dense model with the same active parameters (fwd+bwd).
+"""Tokens/s and MFU of an MoE model against its dense twin (same active parameters), fwd+bwd+AdamW.
 
-CPU (default): `moe-tiny` against a dense twin whose SwiGLU hidden equals top_k · expert_dim.
-GPU (`--device cuda`): a small MoE (16 experts, top-4, d 1024) vs its dense twin in bf16 with
-the grouped-GEMM path, with MFU on active parameters (6·N_active + attention, per token).
+    python bench/moe.py                    # CPU: moe-tiny, fp32, batch 4 × 256
+    python bench/moe.py --device cuda      # GPU: a moe-9b-shaped stack, bf16 autocast, compiled, 8 × 2048
 
-    python bench/moe.py [--device cuda] [--iters 5] [--batch 4] [--seq 256] [--rounds 2]
+GPU: a stack of `--layers` (default 4) blocks of moe-9b's shape (d 2048, 16 heads / 8 KV heads, 16
+experts of hidden 3584, top-4, vocabulary 100352) — the whole 24-layer model's weights and Adam
+state do not fit one GPU without sharding — trained as `lmforge train` trains on one GPU: fp32
+master weights, bf16 autocast, every block compiled (fullgraph), fused AdamW, gradient clipping.
+The dense twin replaces each MoE layer with one SwiGLU MLP of hidden top_k × expert hidden, so one
+token meets the same parameters. MFU is on active parameters on the standard basis
+(`lmforge.estimate.flops.mfu_flops_per_token`: 6·N_active + 12·L·H·Dh·T) against the device's
+dense bf16 peak (fp32 peak on the CPU, `estimate.hardware.cpu_spec`).
+
+Rounds alternate MoE and dense and keep each one's best, so load from other processes on a
+shared machine hits both alike; tokens per CPU-second of this process are printed too.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
-from lmforge.config.model import ModelConfig, resolve_model
-from lmforge.data.batch import Batch
-from lmforge.models import build_model, num_active_params
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-# Dense bf16 peak FLOP/s, for MFU.
-PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+from lmforge.config.model import ModelConfig, get_preset, resolve_model  # noqa: E402
+from lmforge.config.schema import ComputeConfig  # noqa: E402
+from lmforge.data.batch import Batch  # noqa: E402
+from lmforge.distributed.dist import DistInfo  # noqa: E402
+from lmforge.distributed.parallelize import parallelize  # noqa: E402
+from lmforge.estimate.flops import mfu_flops_per_token, param_counts  # noqa: E402
+from lmforge.estimate.hardware import detect_device_spec, peak_flops  # noqa: E402
+from lmforge.models import build_model  # noqa: E402
+from lmforge.train.optim import build_optimizer  # noqa: E402
 
 
 def dense_twin(cfg: ModelConfig) -> ModelConfig:
@@ -28,67 +45,88 @@ def dense_twin(cfg: ModelConfig) -> ModelConfig:
                                   "preset": None})
 
 
-def bench(cfg: ModelConfig, device: str, dtype, batch: int, seq: int, iters: int) -> tuple[float, float, int]:
-    """-> (tokens per wall second, tokens per CPU second of this process, active params)."""
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench(cfg: ModelConfig, args, device: torch.device) -> tuple[float, float]:
+    """-> (tokens per wall second, tokens per CPU second of this process)."""
     torch.manual_seed(0)
-    model = build_model(cfg, device=device, dtype=dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = Batch.from_tokens(torch.randint(0, cfg.vocab_size, (batch, seq))).to(device)
-    n_targets = int(data.num_targets())
+    model = build_model(cfg, device=device)
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    train_forward = parallelize(model, ComputeConfig(compile=args.compile, data_parallel="none"), one)
+    opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device_type=device.type)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.bf16 else nullcontext
+    batch = Batch.from_tokens(torch.randint(0, cfg.vocab_size, (args.batch, args.seq))).to(device)
+    n_targets = int(batch.num_targets())
 
     def step():
-        out = model.training_loss(data.input_ids, data.targets)
+        with autocast():
+            out = train_forward(batch.input_ids, batch.targets)
         loss = out.ce_sum / n_targets
         if out.aux_loss is not None:
             loss = loss + out.aux_loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()  # warm-up (allocations, kernel selection)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t, cpu = time.perf_counter(), time.process_time()
-    for _ in range(iters):
+    for _ in range(args.warmup):  # allocations, kernel selection, compilation
         step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    tokens = batch * seq * iters
-    return tokens / (time.perf_counter() - t), tokens / (time.process_time() - cpu), num_active_params(model)
+    sync(device)
+    t, cpu = time.perf_counter(), time.process_time()
+    for _ in range(args.iters):
+        step()
+    sync(device)
+    tokens = args.batch * args.seq * args.iters
+    return tokens / (time.perf_counter() - t), tokens / (time.process_time() - cpu)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--layers", type=int, default=4, help="cuda: blocks in the moe-9b-shaped stack")
+    ap.add_argument("--batch", type=int, default=None, help="micro-batch (cpu 4, cuda 8)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (cpu 256, cuda 2048)")
+    ap.add_argument("--iters", type=int, default=None, help="timed steps (cpu 5, cuda 20)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (cpu 1, cuda 3)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="compile every block (default: on for cuda, off for cpu)")
     args = ap.parse_args()
-    if args.device == "cuda":
-        moe = ModelConfig(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=32768,
-                          max_seq_len=max(2048, args.seq), n_experts=16, top_k=4, expansion_ratio=1.75)
-        dtype = torch.bfloat16
+    gpu = args.device == "cuda"
+    defaults = dict(batch=8, seq=2048, iters=20, warmup=3, compile=True) if gpu else \
+        dict(batch=4, seq=256, iters=5, warmup=1, compile=False)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.bf16 = gpu
+    device = torch.device(args.device)
+    if gpu:
+        moe = get_preset("moe-9b").model_copy(update={"n_layers": args.layers, "max_seq_len": max(4096, args.seq),
+                                                      "preset": None})
         name = torch.cuda.get_device_name()
     else:
         moe = resolve_model({"preset": "moe-tiny", "vocab_size": 8192, "max_seq_len": max(512, args.seq)})
-        dtype = torch.float32
         name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
-    peak = next((v for k, v in PEAK.items() if k in name), None) if args.device == "cuda" else None
-    print(f"# {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, batch {args.batch} × "
-          f"seq {args.seq}, {args.iters} iters, {dtype}")
-    print(f"{'model':<8} {'active params':>14} {'tokens/s':>10} {'tokens/cpu-s':>13} {'MFU':>6}")
-    # On a shared CPU, wall time depends on other processes; CPU seconds of this process much less.
-    best: dict[str, tuple[float, float, int]] = {}
-    for _ in range(args.rounds):  # alternate and keep the best, so load from others hits both alike
-        for label, cfg in (("moe", moe), ("dense", dense_twin(moe))):
-            best[label] = max(best.get(label, (0.0, 0.0, 0)),
-                              bench(cfg, args.device, dtype, args.batch, args.seq, args.iters))
-    for label, cfg in (("moe", moe), ("dense", dense_twin(moe))):
-        tps, tpcpu, active = best[label]
-        flops_per_token = 6 * active + 6 * cfg.n_layers * args.seq * cfg.n_heads * cfg.dim_head
-        mfu = f"{100 * tps * flops_per_token / peak:.1f}%" if peak else "-"
-        print(f"{label:<8} {active / 1e6:>13.1f}M {tps:>10.0f} {tpcpu:>13.0f} {mfu:>6}")
+    peak = peak_flops(detect_device_spec(device), "bf16" if gpu else "fp32")
+    print(f"# {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, micro-batch {args.batch} × seq "
+          f"{args.seq}, {args.iters} iters, {'bf16 autocast' if gpu else 'fp32'}"
+          f"{', compiled' if args.compile else ''}")
+    print(f"{'model':<8} {'layers':>6} {'active params':>14} {'tokens/s':>10} {'tokens/cpu-s':>13} {'MFU':>7}")
+    models = {"moe": moe, "dense": dense_twin(moe)}
+    best: dict[str, tuple[float, float]] = {}
+    for _ in range(args.rounds):
+        for label, cfg in models.items():
+            best[label] = max(best.get(label, (0.0, 0.0)), bench(cfg, args, device))
+    for label, cfg in models.items():
+        tps, tpcpu = best[label]
+        mfu = tps * mfu_flops_per_token(cfg, args.seq) / peak
+        print(f"{label:<8} {cfg.n_layers:>6} {param_counts(cfg)['active'] / 1e6:>13.1f}M {tps:>10.0f} {tpcpu:>13.0f} "
+              f"{100 * mfu:>6.1f}%")
+    print(f"moe / dense tokens/s: {best['moe'][0] / best['dense'][0]:.2f}× (per CPU-second "
+          f"{best['moe'][1] / best['dense'][1]:.2f}×)")
 
 
 if __name__ == "__main__":

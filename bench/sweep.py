@@ -71,7 +71,7 @@ STAGES: dict[str, tuple[tuple[str, ...], list[dict]]] = {
     "optimizer": (("60s",), [{"optimizer": "muon"}]),
     "schedule": (("60s",), [{"schedule": "cosine", "min_lr_ratio": 0.1}, {"decay_fraction": 0.4}]),
     "regularize": (("60s",), [{"weight_decay": 0.0}, {"warmup": "0ba"}, {"warmup": "15%"}]),
-    "arch": (("60s",), [{"tie_embeddings": False}, {"qk_norm": True}, {"z_loss": 1e-4}, {"mlp": "relu2"}]),
+    "arch": (("60s",), [{"tie_embeddings": False}, {"qk_norm": "head"}]),
 }
 
 
@@ -82,14 +82,14 @@ def knob_key(knobs: dict) -> str:
 def throughput_key(knobs: dict) -> str:
     """What the throughput of a configuration depends on."""
     keys = ("d_model", "n_layers", "n_heads", "vocab", "context_length", "micro_batch_size", "optimizer",
-            "tie_embeddings", "qk_norm", "mlp", "logit_softcap")
+            "tie_embeddings", "qk_norm")
     return ",".join(f"{k}={knobs.get(k)}" for k in keys)
 
 
 def _model_config(knobs: dict):
     from lmforge.config.model import ModelConfig, padded_vocab
 
-    extra = {k: knobs[k] for k in ("tie_embeddings", "qk_norm", "mlp", "logit_softcap") if k in knobs}
+    extra = {k: knobs[k] for k in ("tie_embeddings", "qk_norm") if k in knobs}
     return ModelConfig(d_model=knobs["d_model"], n_layers=knobs["n_layers"], n_heads=knobs["n_heads"],
                        vocab_size=padded_vocab(knobs["vocab"]), max_seq_len=knobs["context_length"], **extra)
 

@@ -5,7 +5,8 @@
 
 Each mode builds the model fresh, runs warm-up steps (compilation happens there), then times
 `--steps` full optimizer steps (forward, backward, clip, fused AdamW) exactly as the trainer runs
-them. MFU uses lmforge.estimate's FLOPs (6 × active params per token) and the device's peak.
+them. MFU uses lmforge.estimate's FLOPs (`mfu_flops_per_token`: 6 × active params + 12·L·H·Dh·T
+attention per token) and the device's peak.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from lmforge.config.model import get_preset  # noqa: E402
 from lmforge.data.batch import Batch  # noqa: E402
+from lmforge.distributed.parallelize import apply_compile  # noqa: E402
 from lmforge.estimate.flops import mfu_flops_per_token, param_counts  # noqa: E402
 from lmforge.estimate.hardware import detect_device_spec, peak_flops  # noqa: E402
 from lmforge.models import build_model  # noqa: E402
@@ -39,8 +41,7 @@ def measure(args, compile_: bool, precision: str, device: torch.device) -> dict:
     torch.manual_seed(0)
     model = build_model(cfg, device=device)
     if compile_:
-        for block in model.blocks:
-            block.compile(dynamic=False)
+        apply_compile(model)  # the blocks and the norm + head + loss, as training compiles them
     opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device_type=device.type)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" else nullcontext
     batch = Batch.from_tokens(torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq))).to(device)

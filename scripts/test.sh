@@ -3,5 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LMFORGE_EXTRAS=test bash scripts/setup.sh
+# Headless Chromium for the report's browser test (Debian's package; that test skips where there is
+# none). On a fresh machine the install takes a minute or two, so it runs alongside the tests: the
+# browser test waits for "$LMFORGE_BROWSER_SETUP/done" (the script's output is in .../log).
+export LMFORGE_BROWSER_SETUP="$(mktemp -d "${TMPDIR:-/tmp}/lmforge-browser.XXXXXX")"
+{ bash scripts/install-browser.sh >"$LMFORGE_BROWSER_SETUP/log" 2>&1; touch "$LMFORGE_BROWSER_SETUP/done"; } &
 . .venv/bin/activate
 exec python -m pytest "$@"

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
+import shutil
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -127,3 +132,80 @@ def tiny_run_config(data: TinyData, save_folder: Path, **overrides) -> dict:
             node = node.setdefault(k, {})
         node[last] = value
     return cfg
+
+
+# --------------------------------------------------------------------------- MLflow server, finished runs
+
+_SESSION: dict = {}  # the session's `mlflow server`, launched as soon as collection shows a test needs it
+
+
+def _launch_mlflow_server() -> None:
+    from mlflow_server import MlflowServer
+
+    _SESSION["mlflow_server"] = MlflowServer.launch(Path(tempfile.mkdtemp(prefix="lmforge-mlflow-server-")))
+
+
+def pytest_collection_finish(session):
+    """Start the session's real `mlflow server` in the background when a collected test needs it:
+    its start-up (about ten CPU seconds: imports, schema migrations) overlaps the tests before it."""
+    if any("mlflow_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        _launch_mlflow_server()
+
+
+def pytest_sessionfinish(session):
+    server = _SESSION.pop("mlflow_server", None)
+    if server is not None:
+        server.stop()
+        shutil.rmtree(server.log.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server():
+    """A real `mlflow server` on loopback (sqlite backend, local artifact root), one per session."""
+    if "mlflow_server" not in _SESSION:  # requested without being collected (getfixturevalue)
+        _launch_mlflow_server()
+    return _SESSION["mlflow_server"].wait()
+
+
+REGISTERED_MODEL = "lmforge-tiny"
+RUN_PRICE = 2.5  # compute.price_per_gpu_hour of the finished runs
+
+
+@dataclass
+class FinishedRun:
+    folder: Path
+    result: object  # TrainResult
+    out: str  # what the run printed
+    err: str
+
+
+@pytest.fixture(scope="session")
+def finished_runs(tmp_path_factory, tiny_data, mlflow_server) -> list[FinishedRun]:
+    """Two finished tiny runs, trained once (in-process) for the report, compare and model-registry tests.
+
+    Their configs differ in the learning rate (3e-3, then 1e-3) and in W&B: the second also logs to
+    W&B (offline), so its final model is a W&B artifact too. Both have a price (live cost), evals at
+    steps 4 and 8, and are tracked in the session's MLflow server with ``model_registry_path``, so they
+    are versions 1 and 2 of ``REGISTERED_MODEL``.
+    """
+    from lmforge.config.load import build_config
+    from lmforge.runs.job import run_job
+
+    root = tmp_path_factory.mktemp("finished-runs")
+    runs = []
+    for name, lr in (("fast", 3e-3), ("slow", 1e-3)):
+        folder = root / name
+        cfg = tiny_run_config(tiny_data, folder, name=f"report-{name}", training_duration="8ba", **{
+            "eval.interval": "4ba", "save_interval": "8ba", "parameters.learning_rate": lr,
+            "compute.price_per_gpu_hour": RUN_PRICE, "experiment_tracker.console": False,
+            "experiment_tracker.mlflow": {"tracking_uri": mlflow_server.url, "model_registry_path": REGISTERED_MODEL}})
+        out, err = io.StringIO(), io.StringIO()
+        with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            if name == "slow":
+                cfg["experiment_tracker"]["wandb"] = {"project": "lmforge-test", "mode": "offline"}
+                for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+                    mp.setenv(var, str(root / "wandb-home"))
+            result = run_job(build_config(cfg), log=print)
+        assert result.status == "completed", (out.getvalue()[-3000:], err.getvalue()[-3000:])
+        runs.append(FinishedRun(folder, result, out.getvalue(), err.getvalue()))
+    return runs

@@ -27,10 +27,10 @@ class CharTokenizer:
         self.stoi = {ch: i for i, ch in self.itos.items()}
         self.vocab_size = len(chars) + 3
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [self.stoi.get(ch, self.unk_id) for ch in text]
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return "".join(self.itos.get(int(i), "") for i in ids)
 
 

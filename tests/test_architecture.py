@@ -15,16 +15,17 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "lmforge"
 CORE = ("models", "data", "train", "distributed")
-OPERATIONS = ("runs", "cli", "tracking")
+OPERATIONS = ("runs", "cli", "tracking", "report")
 # package → packages of lmforge it must never import
 FORBIDDEN = {
-    "config": ("data", "models", "train", "distributed", "eval", "runs", "cli", "tracking", "estimate"),
+    "config": ("data", "models", "train", "distributed", "eval", "runs", "cli", "tracking", "estimate", "report"),
     "data": ("models", "train", "runs", "cli", "tracking"),
     "models": ("train", "runs", "cli", "tracking", "eval"),
     "distributed": ("train", "runs", "cli", "tracking"),
     "train": OPERATIONS,
     "eval": ("train",) + OPERATIONS,
-    "estimate": ("train", "runs", "cli", "tracking"),
+    "estimate": ("train", "runs", "cli", "tracking", "report"),
+    "report": ("models", "train", "distributed", "cli"),  # reads a run's files; never trains
 }
 
 

@@ -189,7 +189,8 @@ def _worker_with_rank(pid: int, rank: int) -> int | None:
 def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, single_ref):
     """SIGKILL one of two DDP workers mid-run: torchelastic (max_retries 1 → --max-restarts 1)
     restarts both, they resume from the latest complete checkpoint and finish; the restart is
-    logged and recorded in events.jsonl; the losses equal the uninterrupted single process's."""
+    logged, recorded in events.jsonl and in the registry as a resumption; the losses equal the
+    uninterrupted single process's."""
     cfg, folder = run(tmp_path, tiny_data, "victim", **COMMON, **{"compute.ranks": 2, "max_retries": 1})
     proc = subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
@@ -212,6 +213,14 @@ def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, 
     assert len(restart) == 1 and restart[0]["step"] == 3 and restart[0]["resumed_from"].endswith("step_00000003")
     assert (folder / "final" / "model.safetensors").exists()
     assert_same_losses(train_losses(single_ref), train_losses(folder), range(1, 7))
+    # torchrun's restart is one of the run's resumptions, with its reason (max_retries counts it)
+    import lmforge
+
+    record = lmforge.get_run(json.loads((folder / "run.json").read_text())["identity"]["name"])
+    assert [(r["status"], r["reason"]) for r in record.resumptions] == [
+        ("FAILED", "rank 1 killed by SIGKILL"), ("COMPLETED", None)]
+    assert "restart 1 of 1 (by torchrun)" in next(e["message"] for e in record.events if e["type"] == "retry")
+    assert "elastic: workers restarted" in record.logs(1) and "elastic: workers restarted" not in record.logs(0)
 
 
 @pytest.mark.parametrize("sets,needles", [

@@ -30,6 +30,7 @@ def test_examples_are_valid_configs():
     for name in ("quickstart.yaml", "pretrain.yaml"):
         load_config(str(REPO / "examples" / name))
     # sft.yaml takes model and tokenizer from its (not yet trained) weights: check the rest of it
-    sft = read_yaml(str(REPO / "examples" / "sft.yaml")) | {"model": "llama-tiny", "tokenizer": "tok"}
-    assert build_config(sft).task_type == "instruction_finetune"
+    for name in ("sft.yaml", "lora.yaml"):
+        sft = read_yaml(str(REPO / "examples" / name)) | {"model": "llama-tiny", "tokenizer": "tok"}
+        assert build_config(sft).task_type == "instruction_finetune"
     assert [s["name"] for s in load_pipeline(str(REPO / "examples" / "pipeline.yaml"))["stages"]]

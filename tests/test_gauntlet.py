@@ -52,7 +52,7 @@ def test_sample_size_weightings():
     assert s["categories"]["reasoning"] == pytest.approx((0.5 * 100 + 0.2 * 400) / 500)  # 0.26
     assert s["averages"]["core"] == pytest.approx((0.26 + 0.3) / 2)
     s = gauntlet_scores(RESULTS, _gauntlet(weighting="LOG_SAMPLE_SZ"))
-    want = (0.5 * math.log(100) + 0.2 * math.log(400)) / (math.log(100) + math.log(400))
+    want = (0.5 * math.log2(100) + 0.2 * math.log2(400)) / (math.log2(100) + math.log2(400))
     assert s["categories"]["reasoning"] == pytest.approx(want)  # ≈ 0.3304
     assert s["categories"]["knowledge"] == pytest.approx(0.3)
 
@@ -76,12 +76,51 @@ def test_missing_benchmark_drops_its_category_only():
     assert gauntlet_scores({}, _gauntlet())["averages"] == {"core": None, "only_reasoning": None}
 
 
+def test_tasks_with_categories_count_the_mean_of_their_categories():
+    # Foundry's gauntlet averages the per-category accuracies of a has_categories task,
+    # unweighted: (0.9 + 0.2) / 2 = 0.55, not the pooled (9 + 18) / 100 = 0.27.
+    results = {
+        "jeopardy/3-shot": {"accuracy": 0.27, "n": 100, "size": 100, "categories": {
+            "history": {"accuracy": 0.9, "n": 10, "size": 10}, "science": {"accuracy": 0.2, "n": 90, "size": 90}}},
+        "arc/0-shot": {"accuracy": 0.5, "n": 100, "size": 100},
+    }
+    g = parse_gauntlet({"categories": [{"name": "wk", "benchmarks": [
+        {"name": "jeopardy", "num_fewshot": 3, "random_baseline": 0},
+        {"name": "arc", "num_fewshot": 0, "random_baseline": 0.25}]}]})
+    s = gauntlet_scores(results, g)
+    assert s["benchmarks"] == pytest.approx({"jeopardy/3-shot": 0.55, "arc/0-shot": 1 / 3})
+    assert s["categories"]["wk"] == pytest.approx((0.55 + 1 / 3) / 2)  # 0.4417; pooled would give 0.3017
+
+
+def test_sample_size_weights_use_the_full_task_size():
+    # With --limit only 10 examples of each were scored; the weights are the tasks' sizes.
+    results = {"a/0-shot": {"accuracy": 0.75, "n": 10, "size": 100},
+               "b/3-shot": {"accuracy": 0.40, "n": 10, "size": 400},
+               "c/0-shot": {"accuracy": 0.30, "n": 1, "size": 1}}
+    s = gauntlet_scores(results, _gauntlet(weighting="SAMPLE_SZ"))
+    assert s["categories"]["reasoning"] == pytest.approx((0.5 * 100 + 0.2 * 400) / 500)
+    s = gauntlet_scores(results, _gauntlet(weighting="LOG_SAMPLE_SZ"))
+    w_a, w_b = math.log2(100), math.log2(400)
+    assert s["categories"]["reasoning"] == pytest.approx((0.5 * w_a + 0.2 * w_b) / (w_a + w_b))
+    # Foundry's weight is max(log2(size), 1): a one-example task still weighs 1.
+    g = parse_gauntlet({"weighting": "LOG_SAMPLE_SZ", "categories": [{"name": "k", "benchmarks": [
+        {"name": "c", "num_fewshot": 0}, {"name": "a", "num_fewshot": 0, "random_baseline": 0.5}]}]})
+    assert gauntlet_scores(results, g)["categories"]["k"] == pytest.approx((0.3 * 1 + 0.5 * w_a) / (1 + w_a))
+
+
 def test_foundry_gauntlet_yaml_loads(tmp_path):
+    # Shaped like Foundry's eval_gauntlet.yaml: an average names a category the file never
+    # defines (Foundry's `programming` is commented out); Foundry ignores it, so do we.
     (tmp_path / "g.yaml").write_text("""\
 eval_gauntlet:
   weighting: LOG_SAMPLE_SZ
   subtract_random_baseline: true
   rescale_accuracy: true
+  averages:
+    core_average:
+    - world_knowledge
+    - commonsense_reasoning
+    - programming
   categories:
   - name: world_knowledge
     benchmarks:
@@ -96,11 +135,46 @@ eval_gauntlet:
     - name: copa
       num_fewshot: 0
       random_baseline: 0.5
+  # - name: programming
+  #   benchmarks:
+  #   - name: human_eval
 """)
     g = load_gauntlet(tmp_path / "g.yaml")
     assert g.weighting == "LOG_SAMPLE_SZ"
     assert g.benchmark_keys() == ["jeopardy/10-shot", "arc_easy/10-shot", "copa/0-shot"]
-    assert g.averages == {"default_average": ["world_knowledge", "commonsense_reasoning"]}  # Foundry's default
+    results = {"jeopardy/10-shot": {"accuracy": 0.2, "n": 8}, "arc_easy/10-shot": {"accuracy": 0.5, "n": 8},
+               "copa/0-shot": {"accuracy": 0.7, "n": 8}}
+    s = gauntlet_scores(results, g)
+    assert s["averages"]["core_average"] == pytest.approx((s["categories"]["world_knowledge"] + 0.4) / 2)
+    del g.averages["core_average"]
+    (tmp_path / "plain.yaml").write_text("categories:\n- {name: x, benchmarks: [{name: copa, num_fewshot: 0}]}\n")
+    assert load_gauntlet(tmp_path / "plain.yaml").averages == {"default_average": ["x"]}  # Foundry's default
+
+
+def test_gauntlet_benchmarks_must_be_evaluated_tasks(tmp_path):
+    from lmforge.eval.icl import load_tasks
+
+    write_jsonl(tmp_path / "mc.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 0}] * 4)
+    tasks = load_tasks([{"label": "mc", "dataset_uri": str(tmp_path / "mc.jsonl"), "icl_task_type": "multiple_choice",
+                         "num_fewshot": [0, 3]}])
+    (tmp_path / "g.yaml").write_text("""\
+eval_gauntlet:
+  categories:
+  - name: choice
+    benchmarks:
+    - {name: mc, num_fewshot: 3, random_baseline: 0.5}
+    - name: mc
+      num_fewshot: 5
+      random_baseline: 0.5
+    - {name: arc, num_fewshot: 0}
+""")
+    with pytest.raises(UserError) as e:
+        load_gauntlet(tmp_path / "g.yaml", tasks=tasks)
+    assert str(e.value).startswith(f"{tmp_path / 'g.yaml'}:line 6: categories[0].benchmarks[1] (choice): "
+                                   "benchmark mc/5-shot is not among the ICL tasks: task 'mc' runs num_fewshot [0, 3]")
+    (tmp_path / "g.yaml").write_text("categories:\n- name: choice\n  benchmarks:\n  - {name: arc, num_fewshot: 0}\n")
+    with pytest.raises(UserError, match=r"g.yaml:line 4: .*no task is labelled 'arc' \(labels: mc\)"):
+        load_gauntlet(tmp_path / "g.yaml", tasks=tasks)
 
 
 def test_shipped_gauntlet_matches_shipped_tasks():
@@ -113,7 +187,7 @@ def test_shipped_gauntlet_matches_shipped_tasks():
 
 @pytest.mark.parametrize("change, message", [
     ({"weighting": "HEAVY"}, "weighting 'HEAVY' is not one of EQUAL, SAMPLE_SZ, LOG_SAMPLE_SZ"),
-    ({"averages": {"core": ["reasoning", "nonsense"]}}, "averages.core names unknown category 'nonsense'"),
+    ({"averages": {"reasoning": ["reasoning"]}}, "averages.reasoning: an average cannot share a category's name"),
     ({"categories": []}, "categories must be a non-empty list"),
     ({"categories": [{"name": "x", "benchmarks": [{"name": "a", "num_fewshot": 0, "random_baseline": 1.0}]}],
       "averages": None}, "random_baseline must be a number in [0, 1)"),
@@ -133,8 +207,14 @@ def test_bad_gauntlet_files(tmp_path):
     with pytest.raises(UserError, match="not found"):
         load_gauntlet(tmp_path / "missing.yaml")
     (tmp_path / "bad.yaml").write_text("eval_gauntlet: [unclosed\n")
-    with pytest.raises(UserError, match="not valid YAML"):
+    with pytest.raises(UserError, match="bad.yaml:line 2: not valid YAML"):
         load_gauntlet(tmp_path / "bad.yaml")
+    (tmp_path / "bad.yaml").write_text("eval_gauntlet:\n  weighting: EQUAL\n  categories:\n  - name: x\n"
+                                       "    benchmarks:\n    - {name: a, num_fewshot: 0, baseline: 0.5}\n")
+    with pytest.raises(UserError) as e:
+        load_gauntlet(tmp_path / "bad.yaml")
+    assert str(e.value).startswith(f"{tmp_path / 'bad.yaml'}:line 6: categories[0].benchmarks[0]: "
+                                   "unknown key 'baseline'")
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -263,11 +343,38 @@ def test_cli_bad_input(checkpoint, suite, tmp_path):
         (["--checkpoint", checkpoint, "--tasks", "default", "--data-root", tmp_path], "not found"),
         (["--checkpoint", checkpoint, "--tasks", suite / "tasks.yaml", "--device", "cuda:0"], "--device"),
     ]
+    # Foundry-format inputs that are wrong: one line naming the file, the line and the key.
+    (tmp_path / "odd.yaml").write_text("icl_tasks:\n- label: mc\n  dataset_uri: data/mc.jsonl\n"
+                                       "  icl_task_type: multiple_choice\n  num_fewshots: [1]\n")
+    (tmp_path / "g2.yaml").write_text("eval_gauntlet:\n  categories:\n  - name: c\n    benchmarks:\n"
+                                     "    - {name: mc, num_fewshot: 0}\n    - {name: sc, num_fewshot: 3}\n")
+    cases += [
+        (["--checkpoint", checkpoint, "--tasks", tmp_path / "odd.yaml"],
+         f"{tmp_path / 'odd.yaml'}:line 5: icl_tasks[0] (mc): num_fewshots: unknown key"),
+        (["--checkpoint", checkpoint, "--tasks", suite / "tasks.yaml", "--gauntlet", tmp_path / "g2.yaml"],
+         f"{tmp_path / 'g2.yaml'}:line 6: categories[0].benchmarks[1] (c): benchmark sc/3-shot is not among"),
+    ]
     for args, expected in cases:
         if "cuda:0" in args and torch.cuda.is_available():
             continue
         err = _run_main(main, ["eval", *map(str, args)])
         assert expected in err, (args, err)
+
+
+def test_cli_takes_a_run_folder_like_generate_and_export(checkpoint, suite, tmp_path, capsys):
+    """A run's save folder (its final/ inside) is found by the same locator as generate and export."""
+    import shutil
+
+    from lmforge.cli.main import main
+
+    run = tmp_path / "run"
+    shutil.copytree(checkpoint, run / "final")
+    results = []
+    for path in (checkpoint, run):
+        assert main(["eval", "--checkpoint", str(path), "--tasks", str(suite / "tasks.yaml"), "--limit", "3",
+                     "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out)["results"])
+    assert results[0] == results[1] and results[0]
 
 
 def _run_main(main, argv) -> str:

@@ -77,6 +77,10 @@ def test_export_hf_parity_and_generate(base, tmp_path):
         torch.testing.assert_close(hf(x).logits, ours(x))
         hf_new = hf.generate(x, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, len(ids):].tolist()
     assert generate(ours, ids, 12, temperature=0) == hf_new
+    # Evaluators call generate() without sampling arguments: the export's defaults must be greedy.
+    assert not transformers.GenerationConfig.from_pretrained(out).do_sample
+    with torch.no_grad():
+        assert hf.generate(x, max_new_tokens=12, eos_token_id=None)[0, len(ids):].tolist() == hf_new
     # `lmforge generate` on the exported HF folder streams the same greedy continuation
     proc = lmforge("generate", "--checkpoint", out, "--prompt", text, "--temperature", "0",
                    "--max-new-tokens", "12", check=True)
@@ -185,7 +189,7 @@ def test_bad_weights_and_tokenizer(base, tmp_path, tiny_data):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}))
     assert_one_line_error(lmforge("finetune", "-f", sft_config(tmp_path, f"hf:{gpt2}")),
-                          "gpt2", "supported: llama, mixtral")
+                          "gpt2", "supported: llama, mistral, qwen2, qwen3, olmo2, mixtral")
     from lmforge.data.tokenizer import train_tokenizer
 
     big = tmp_path / "tok1024"

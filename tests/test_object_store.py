@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from conftest import tiny_run_config
 from lmforge.data import remote
 from s3server import S3Server, weed_binary
-from train_helpers import REPO, assert_one_line_error, env, final_weights, lmforge, metrics, write_config
+from train_helpers import REPO, assert_one_line_error, cli, env, final_weights, lmforge, metrics, write_config
 
 
 def _s3fs(server):
@@ -94,6 +94,9 @@ def test_train_to_s3_lose_the_machine_resume_from_the_store(s3_env, tmp_path, ti
     assert "step_00000039 has no completion marker" in proc2.stdout, proc2.stdout
     assert "resume: downloaded" in proc2.stdout and "sizes verified" in proc2.stdout
     assert "resume: continuing from" in proc2.stdout
+    assert f"final model: {uri}/final" in proc2.stdout  # the store's copy, not the staging folder
+    fs.invalidate_cache()  # the supervisor copied the run's log to the store after the resumption
+    assert "resume: downloaded" in fs.cat_file(f"{prefix}/logs/resumption-0.log").decode()
 
     local = tmp_path / "got.safetensors"
     fs.get_file(f"{prefix}/final/model.safetensors", str(local))
@@ -109,6 +112,15 @@ def test_train_to_s3_lose_the_machine_resume_from_the_store(s3_env, tmp_path, ti
     assert fs.exists(f"{prefix}/run.json") and fs.exists(f"{prefix}/metrics.jsonl")
     rows = [json.loads(x) for x in fs.cat_file(f"{prefix}/metrics.jsonl").decode().splitlines()]
     assert max(r["step"] for r in rows) == 40
+    # [report] The store holds the run's report too, and `lmforge report` reads the remote folder itself:
+    # the lost machine's part of the run and the resumed one are both on its timeline.
+    assert fs.exists(f"{prefix}/report.html") and fs.exists(f"{prefix}/plan.json")
+    page = tmp_path / "remote-report.html"
+    assert cli("report", uri, "--out", page).returncode == 0  # in this process: no start-up
+    assert "resumption 1: COMPLETED" in page.read_text()
+    from lmforge.report import load_run
+
+    assert [r["status"] for r in load_run(uri).resumptions] == ["FAILED", "COMPLETED"]
 
     # run.json identity is checked against the store: another run may not reuse the folder
     other = write_config(tmp_path / "other.yaml", tiny_run_config(tiny_data, uri, name="other", **COMMON))
@@ -178,6 +190,41 @@ def test_server_stops_mid_upload_then_restarts_or_not(own_server, tmp_path, tiny
     assert (stage2 / "final" / "model.safetensors").exists()
     assert (stage2 / "checkpoints" / "step_00000120" / "lmforge-state.json").exists()
     assert server.key not in err and server.secret not in out + err
+
+
+def test_the_old_marker_check_rides_out_an_outage(own_server, tmp_path, monkeypatch):
+    """Saving a step again re-uploads it: its old completion marker is looked for and deleted
+    first, through the same retries as every upload call. A store that is down at that moment
+    must neither fail the upload nor leave the old marker standing over the new files."""
+    import threading
+
+    import fsspec
+
+    from lmforge.runs.store import MARKER, RunStore
+
+    server = own_server[0]
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
+    logs: list[str] = []
+    store = RunStore(f"s3://{server.bucket}/runs/remark", str(tmp_path / "stage"), keep=2, retries=8,
+                     backoff=0.25, log=logs.append)
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / "shard.bin").write_bytes(b"1" * 10)
+    dest = store._p("checkpoints", "step_00000001")
+    store._upload_folder(str(snap), dest, "checkpoints/step_00000001", 1)
+    (snap / "shard.bin").write_bytes(b"2" * 20)  # the same step, saved again
+    server.stop()
+    restart = threading.Thread(target=lambda: own_server.append(
+        S3Server.start(tmp_path / "own-s3", ports=server.ports)))
+    restart.start()
+    store._upload_folder(str(snap), dest, "checkpoints/step_00000001", 1)
+    restart.join()
+    assert any("looking for an old marker" in line and "retrying" in line for line in logs), logs
+    fs = _s3fs(server)
+    assert json.loads(fs.cat_file(f"{dest}/{MARKER}"))["files"] == {"shard.bin": 20}
+    assert fs.cat_file(f"{dest}/shard.bin") == b"2" * 20
 
 
 def test_credentials_check(s3_env, tmp_path, tiny_data):

@@ -169,8 +169,7 @@ def test_resume_with_the_same_schedule_continues_exactly(tiny_data, tmp_path):
 
 # ---------------------------------------------------------------------------- model options, Muon
 
-OPTIONS = [{"qk_norm": True}, {"mlp": "relu2"}, {"logit_softcap": 5.0}, {"z_loss": 1e-3},
-           {"qk_norm": True, "mlp": "relu2", "tie_embeddings": True}]
+OPTIONS = [{"qk_norm": "head"}, {"tie_embeddings": True}, {"qk_norm": "head", "tie_embeddings": True}]
 
 
 @pytest.mark.parametrize("opts", OPTIONS)
@@ -182,14 +181,10 @@ def test_model_options_train_and_count_their_parameters(opts):
     ids = torch.randint(0, 128, (2, 32))
     targets = torch.roll(ids, -1, 1)
     out = model.training_loss(ids, targets)
-    assert (out.aux_loss is not None) == ("z_loss" in opts)
-    (out.ce_sum / targets.numel() + (out.aux_loss if out.aux_loss is not None else 0)).backward()
+    (out.ce_sum / targets.numel()).backward()
     assert all(p.grad is not None for p in model.parameters())
-    logits = model(ids)
-    if "logit_softcap" in opts:
-        assert logits.abs().max() <= 5.0
-    # forward and training loss agree (the soft cap applies to both)
-    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    # forward and training loss agree
+    ce = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), reduction="sum")
     assert ce.item() == pytest.approx(out.ce_sum.item(), rel=1e-4)
 
 

@@ -1,10 +1,13 @@
-"""Runs: detached training, the registry, `lmforge runs ...`, retries and the SDK — all with real
-processes (detached supervisors, trainers, kill -9) on tiny models."""
+"""Runs: detached training, the registry, `lmforge runs ...`, stops, restarts, hangs, orphans and the
+SDK — with real processes (detached supervisors, torchrun, gloo ranks, kill -9) on tiny models. The
+in-process pieces (plan, lock, watchdog, names) are in test_launch.py; random SIGKILLs are
+bench/faults.py, run here with a small count."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -14,11 +17,14 @@ import time
 import pytest
 
 from conftest import tiny_run_config
-from train_helpers import REPO, assert_one_line_error, env, train_losses, write_config
+from train_helpers import REPO, assert_one_line_error, cli, env, metrics, train_losses, write_config
 
 import lmforge as sdk
+from lmforge.cli.main import main
 from lmforge.errors import UserError
-from lmforge.runs.registry import process_alive, registry_path
+from lmforge.process import descendants, process_alive, process_start
+from lmforge.runs.registry import registry_path
+
 
 
 def lmforge(*args, check=False, **extra_env) -> subprocess.CompletedProcess:
@@ -63,23 +69,23 @@ def _no_leftover_runs(monkeypatch):
 
 
 def detach(cfg, *extra):
-    proc = lmforge("train", "-f", cfg, "--detach", *extra, check=True)
+    proc = cli("train", "-f", cfg, "--detach", *extra, check=True)
     return proc.stdout.strip().splitlines()[0]
 
 
 def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     """Two detached runs at once: each reaches RUNNING then COMPLETED with its own files."""
-    cfg_a, folder_a = config(tmp_path, tiny_data, "side-a", training_duration="40ba")
-    cfg_b, folder_b = config(tmp_path, tiny_data, "side-b", training_duration="30ba",
+    cfg_a, folder_a = config(tmp_path, tiny_data, "side-a", training_duration="24ba")
+    cfg_b, folder_b = config(tmp_path, tiny_data, "side-b", training_duration="16ba",
                              **{"parameters.learning_rate": 1e-3})
     assert detach(cfg_a) == "side-a"
     assert not sdk.get_run("side-a").is_terminal  # returned once registered, not after training
     _, seen_a = wait_for("side-a", lambda r: r.status == "RUNNING", what="side-a running")
-    assert detach(cfg_b) == "side-b"
+    assert detach(cfg_b, "--price-per-gpu-hour", "3") == "side-b"  # forwarded to the supervised trainer
     run_a, seen = wait_for("side-a", lambda r: r.status == "COMPLETED", what="side-a completed")
     run_b, _ = wait_for("side-b", lambda r: r.status == "COMPLETED", what="side-b completed")
     assert seen_a[-1] == "RUNNING" and seen[-1] == "COMPLETED", (seen_a, seen)
-    assert max(train_losses(folder_a)) == 40 and max(train_losses(folder_b)) == 30
+    assert max(train_losses(folder_a)) == 24 and max(train_losses(folder_b)) == 16
     assert train_losses(folder_a)[5] != train_losses(folder_b)[5]  # different learning rates, no mix-up
     for run, folder in ((run_a, folder_a), (run_b, folder_b)):
         assert run.save_folder == str(folder) and (folder / "final" / "model.safetensors").exists()
@@ -87,73 +93,96 @@ def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
         assert "completed after" in run.logs()
         assert run.latest_metrics["step"] == max(train_losses(folder))
         assert run.completed_at >= run.started_at >= run.created_at
-    listing = lmforge("runs", "list", check=True).stdout
+        assert [s["status"] for s in run.lifecycle] == ["STARTING", "RUNNING", "COMPLETED"]
+    assert run_a.run_uid != run_b.run_uid and sdk.get_run(run_a.run_uid).name == "side-a"
+    listing = cli("runs", "list", check=True).stdout
     row = next(ln for ln in listing.splitlines() if ln.startswith("side-a "))
     assert "COMPLETED" in row and "pretrain" in row and "100%" in row
-    as_json = json.loads(lmforge("runs", "list", "--status", "completed", "--json", check=True).stdout)
+    as_json = json.loads(cli("runs", "list", "--status", "completed", "--json", check=True).stdout)
     assert {"side-a", "side-b"} <= {r["name"] for r in as_json}
-    described = lmforge("runs", "describe", "side-b", check=True).stdout
+    described = cli("runs", "describe", "side-b", check=True).stdout
     assert "COMPLETED" in described and str(folder_b / "logs" / "resumption-0.log") in described
+    assert run_b.run_uid in described and "STARTING" in described.split("lifecycle")[1]
+    # [report] live cost: the price reached the trainer; describe shows what the run cost
+    last = [r for r in metrics(folder_b) if "train/loss" in r][-1]
+    assert last["cost/per_hour"] == 3.0 and run_b.latest_metrics["cost"] == last["cost/so_far"] > 0
+    assert re.search(r"^cost\s+\S+ so far .*at 3 per device-hour", described, re.M), described
+    # every run leaves its report; `lmforge report` takes registry names
+    assert (folder_a / "report.html").exists() and (folder_b / "report.html").exists()
+    page = tmp_path / "ab.html"
+    assert cli("report", "side-a", "side-b", "--out", page).returncode == 0  # in this process: no start-up
+    assert "resumption 0: COMPLETED" in page.read_text()
     # a finished run cannot be stopped again: said so, exit 0
-    again = lmforge("runs", "stop", "side-a", check=True)
+    again = cli("runs", "stop", "side-a", check=True)
     assert "already ended: COMPLETED" in again.stdout
 
 
-def test_stop_restart_and_bad_input_on_a_live_run(tmp_path, tiny_data):
-    cfg, folder = config(tmp_path, tiny_data, "stopper", training_duration="2000ba", save_interval="1000ba")
+def _tree(pid: int) -> dict[int, str | None]:
+    return {p: process_start(p) for p in [pid, *descendants(pid)]}
+
+
+def _wait_gone(procs: dict, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while any(process_alive(p, s) for p, s in procs.items()):
+        assert time.time() < deadline, [p for p, s in procs.items() if process_alive(p, s)]
+        time.sleep(0.05)
+
+
+def test_two_rank_run_stops_on_every_rank_and_dies_with_its_supervisor(tmp_path, tiny_data):
+    """`runs stop` of a 2-rank run: every rank checkpoints at the same step and exits, and the run
+    is STOPPED only once every process of it is gone. A restart resumes; a `kill -9` of the
+    supervisor then takes torchrun and both ranks with it (the registry says lost)."""
+    cfg, folder = config(tmp_path, tiny_data, "stopper", training_duration="2000ba", save_interval="1000ba",
+                         **{"compute.ranks": 2, "parameters.micro_batch_size": 2, "eval.prompts": [],
+                            "eval.interval": "1000ba"})
     detach(cfg)
-    wait_for("stopper", lambda r: (r.latest_metrics.get("step") or 0) >= 2, what="training steps")
+    run, _ = wait_for("stopper", lambda r: (r.latest_metrics.get("step") or 0) >= 2, what="training steps")
 
-    # while it runs: collisions, deletion and unknown names are refused in one line
-    assert_one_line_error(lmforge("train", "-f", cfg, "--detach"), "already RUNNING", "runs stop stopper")
-    other, _ = config(tmp_path, tiny_data, "elsewhere")
-    clash = lmforge("train", "-f", other, "--name", "stopper")
-    assert_one_line_error(clash, "taken by an active run", "save_folder")
-    assert_one_line_error(lmforge("runs", "delete", "stopper", "--yes"), "is RUNNING", "--force")
-    assert_one_line_error(lmforge("runs", "describe", "stoper"), "no run named 'stoper'", "stopper")
+    # while it runs: a second start in any form, deletion and unknown names are refused in one line
+    assert_one_line_error(cli("train", "-f", cfg, "--detach"), "already RUNNING", "runs stop stopper")
+    assert_one_line_error(cli("train", "-f", cfg, "--no-supervisor"), f"save_folder {folder} is in use",
+                          "run 'stopper'")
+    assert_one_line_error(cli("runs", "delete", "stopper", "--yes"), "is RUNNING", "--force")
+    assert_one_line_error(cli("runs", "describe", "stoper"), "no run named 'stoper'", "stopper")
 
-    stop = lmforge("runs", "stop", "stopper", check=True)
+    procs = _tree(run.supervisor_pid)
+    assert len(procs) >= 4, procs  # supervisor, torchrun, 2 ranks
+    stop = cli("runs", "stop", "stopper", check=True)
     assert "STOPPED" in stop.stdout
+    # STOPPED is written once every process of the run below the supervisor is gone
+    assert not [p for p, s in procs.items() if p != run.supervisor_pid and process_alive(p, s)]
+    _wait_gone(procs)  # and the supervisor exits right after writing it
     run = sdk.get_run("stopper")
     assert run.status == "STOPPED" and "with a checkpoint" in run.reason
     ckpts = list((folder / "checkpoints").glob("step_*"))
-    assert len(ckpts) == 1 and int(ckpts[0].name.split("_")[1]) >= 2
+    step = int(ckpts[0].name.split("_")[1])
+    assert len(ckpts) == 1 and f"stopped at step {step} " in run.reason
+    assert sorted(p.name for p in ckpts[0].glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert {"rng_rank0.pt", "rng_rank1.pt"} <= {p.name for p in ckpts[0].iterdir()}
     assert [e["type"] for e in run.events][-2:] == ["stop", "end"]
+    assert [s["status"] for s in run.lifecycle][-2:] == ["TERMINATING", "STOPPED"]
+    assert "Traceback" not in run.logs()
 
-    # restart: a new resumption continuing from that checkpoint, then stopped again
-    restarted = lmforge("runs", "restart", "stopper", check=True)
-    assert "restarted" in restarted.stdout
-    run, _ = wait_for("stopper", lambda r: len(r.resumptions) == 2 and r.status == "RUNNING", what="restart")
-    sdk.get_run("stopper").stop()
+    # restart: a new resumption continuing from that checkpoint; then its supervisor is killed
+    restarted = cli("runs", "restart", "stopper", check=True)
+    assert "restarted as resumption 1" in restarted.stdout
+    run, _ = wait_for("stopper", lambda r: len(r.resumptions) == 2 and (r.latest_metrics.get("step") or 0) > step,
+                      what="the restart training")
+    assert f"resume: continuing from {ckpts[0]}" in run.logs(resumption=1) and "2 rank(s)" in run.logs(resumption=1)
+    procs = _tree(run.supervisor_pid)
+    assert len(procs) >= 4, procs
+    os.kill(run.supervisor_pid, signal.SIGKILL)
+    _wait_gone(procs)  # the kernel takes torchrun and the ranks down with it
+    row = next(ln for ln in cli("runs", "list", check=True).stdout.splitlines() if ln.startswith("stopper "))
+    assert "FAILED (lost)" in row
     run = sdk.get_run("stopper")
-    assert run.status == "STOPPED"
-    assert "resume: continuing from" in run.logs(resumption=1)
-    assert "resume: continuing from" not in run.logs(resumption=0)
-    assert lmforge("runs", "logs", "stopper", "--resumption", "1", check=True).stdout == run.logs(1)
+    assert run.reason == "lost" and run.resumptions[-1]["status"] == "FAILED" and run.events[-1]["type"] == "lost"
 
     # delete needs --yes without a terminal; --purge removes the files
-    assert_one_line_error(lmforge("runs", "delete", "stopper"), "--yes")
-    lmforge("runs", "delete", "stopper", "--yes", "--purge", check=True)
+    assert_one_line_error(cli("runs", "delete", "stopper"), "--yes")
+    cli("runs", "delete", "stopper", "--yes", "--purge", check=True)
     assert not folder.exists()
-    assert_one_line_error(lmforge("runs", "describe", "stopper"), "no run named")
-
-
-def test_kill9_of_the_trainer_is_retried_and_completes(tmp_path, tiny_data):
-    cfg, folder = config(tmp_path, tiny_data, "retry", training_duration="60ba", save_interval="3ba")
-    detach(cfg)
-    run, _ = wait_for("retry", lambda r: max(train_losses(folder), default=0) >= 4 and r.child_pid,
-                      what="a checkpoint")
-    victim = run.child_pid
-    os.kill(victim, signal.SIGKILL)
-    run, _ = wait_for("retry", lambda r: r.status == "COMPLETED", what="completion after a retry")
-    assert [r["status"] for r in run.resumptions] == ["FAILED", "COMPLETED"]
-    assert run.resumptions[0]["reason"] == "killed by SIGKILL" and run.resumptions[0]["exit_code"] == -9
-    kinds = [e["type"] for e in run.events]
-    assert "failure" in kinds and "retry" in kinds
-    failure = next(e for e in run.events if e["type"] == "failure")
-    assert "last log lines" in failure["message"] and "step" in failure["message"]
-    assert "resume: continuing from" in run.logs()
-    assert max(train_losses(folder)) == 60 and (folder / "final" / "model.safetensors").exists()
+    assert_one_line_error(cli("runs", "describe", "stopper"), "no run named")
 
 
 def test_exceeding_max_retries_fails_with_the_reason(tmp_path, tiny_data):
@@ -168,36 +197,89 @@ def test_exceeding_max_retries_fails_with_the_reason(tmp_path, tiny_data):
     assert run.status == "FAILED"
     assert "killed by SIGKILL" in run.reason and "max_retries=1" in run.reason
     assert [r["status"] for r in run.resumptions] == ["FAILED", "FAILED"]
+    assert run.resumptions[0]["reason"] == "killed by SIGKILL" and run.resumptions[0]["exit_code"] == -9
+    assert "last log lines" in next(e for e in run.events if e["type"] == "failure")["message"]
 
 
-def test_kill9_of_everything_is_detected_as_lost(tmp_path, tiny_data):
-    cfg, folder = config(tmp_path, tiny_data, "vanish", training_duration="2000ba")
-    detach(cfg)
-    run, _ = wait_for("vanish", lambda r: r.status == "RUNNING" and r.child_pid, what="RUNNING")
-    child, sup = run.child_pid, run.supervisor_pid
-    os.kill(sup, signal.SIGKILL)
-    deadline = time.time() + 30
-    while process_alive(child, None) and time.time() < deadline:  # the kernel kills it (PDEATHSIG)
-        time.sleep(0.05)
-    assert not process_alive(child, None), "the trainer outlived its supervisor"
-    row = next(ln for ln in lmforge("runs", "list", check=True).stdout.splitlines() if ln.startswith("vanish "))
-    assert "FAILED (lost)" in row
-    run = sdk.get_run("vanish")
-    assert run.reason == "lost" and run.resumptions[-1]["status"] == "FAILED"
-    assert run.events[-1]["type"] == "lost"
-    # re-running the same command continues the same run as a new resumption
-    again = lmforge("train", "-f", cfg, "--training-duration", "6ba", "--detach", check=True)
-    assert again.stdout.strip() == "vanish"
-    run, _ = wait_for("vanish", lambda r: r.is_terminal, what="the rerun")
-    assert len(run.resumptions) == 2 and run.status in ("COMPLETED",), (run, run.logs()[-1500:])
+def test_a_hang_on_one_rank_dumps_every_rank_and_counts_as_a_restart(tmp_path, tiny_data):
+    """Rank 1 stops after its first step (the test hook) in every attempt: both ranks' watchdogs
+    dump their stacks after compute.hang_timeout, torchrun restarts them once (max_retries: 1 is
+    the total, not per layer), then the run fails with the hang as its reason."""
+    cfg, _ = config(tmp_path, tiny_data, "hang", training_duration="8ba", max_retries=1,
+                    **{"compute.ranks": 2, "compute.hang_timeout": 5, "parameters.micro_batch_size": 2,
+                       "eval.prompts": []})
+    proc = lmforge("train", "-f", cfg, LMFORGE_TEST_HANG="1:1")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    run = sdk.get_run("hang")
+    assert run.status == "FAILED" and "gave up after 1 restart; max_retries=1" in run.reason, run.reason
+    assert [r["status"] for r in run.resumptions] == ["FAILED", "FAILED"]
+    for r in run.resumptions:
+        assert r["reason"].startswith("hang detected on rank "), r
+    for idx in (0, 1):
+        log = run.logs(idx)
+        for rank in (0, 1):
+            assert f"hang detected on rank {rank}: no training step completed" in log, log[-3000:]
+        assert "in beat" in log  # the hung rank's stack: where it stopped
+    assert "torchrun" in next(e["message"] for e in run.events if e["type"] == "retry")
+
+
+def test_data_workers_die_with_their_trainer(tmp_path, tiny_data):
+    """DataLoader workers of a trainer stopped with SIGTERM, then killed with SIGKILL, and the
+    tokenizing workers of a killed `data prepare`: none is left behind."""
+    cfg, folder = config(tmp_path, tiny_data, "workers", training_duration="2000ba", save_interval="1000ba",
+                         **{"compute.num_workers": 2, "eval.prompts": [], "eval.interval": "1000ba"})
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc = subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--no-supervisor"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env(), cwd=REPO)
+        steps = max(train_losses(folder), default=0)
+        deadline = time.time() + 180
+        while max(train_losses(folder), default=0) < steps + 2:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.05)
+        procs = _tree(proc.pid)
+        assert len(procs) >= 3, procs  # the trainer and its 2 workers
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == (0 if sig == signal.SIGTERM else -9)
+        _wait_gone(procs)
+    big = tmp_path / "big.txt"
+    big.write_text((tiny_data.raw / "argparse.py.txt").read_text() * 150)  # ~15 MB: seconds of tokenizing
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge", "data", "prepare", "--input", str(big), "--tokenizer",
+                             str(tiny_data.tokenizer), "--out", str(tmp_path / "prepared"), "--seq-len", "64",
+                             "--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
+    deadline = time.time() + 120
+    while len(descendants(proc.pid)) < 2:
+        assert proc.poll() is None and time.time() < deadline, "prepare ended before its workers were seen"
+        time.sleep(0.01)
+    procs = _tree(proc.pid)
+    proc.kill()
+    proc.wait()
+    _wait_gone(procs)
+
+
+def test_random_sigkills_resume_bitwise_without_orphans(tiny_data, tmp_path):
+    """bench/faults.py with a small count: the trainer killed at a random step, the supervisor
+    killed inside a checkpoint write; each time the run resumes, and it ends with the
+    uninterrupted run's weights, no process left behind and no half-written checkpoint visible."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "faults.py"), "--kills", "2", "--ranks", "1",
+                           "--steps", "18", "--data", str(tiny_data.dataset), "--tokenizer", str(tiny_data.tokenizer),
+                           "--workdir", str(tmp_path), "--json"], capture_output=True, text=True, env=env(),
+                          cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = json.loads(proc.stdout)["results"]
+    assert result["kills"] == 2 and result["exit"] == 0, result
+    assert result["bitwise_equal"] and result["orphans"] == 0 and result["half_written_visible"] == 0, result
+    assert result["restarts_recorded"] == 2, result  # one resumption per kill, whoever restarted
+    assert [r["status"] for r in result["resumptions"]] == ["FAILED", "FAILED", "COMPLETED"]
+    assert [r["reason"] for r in result["resumptions"][:2]] == ["killed by SIGKILL", "lost"]
 
 
 def test_sdk_pretrain_wait_returns_a_completed_run_with_metrics(tmp_path, tiny_data):
     base = tiny_run_config(tiny_data, tmp_path / "sdk", name="sdk-run")
     run = sdk.pretrain(base, training_duration="6ba", parameters={"learning_rate": 2e-3})
-    assert isinstance(run, sdk.Run) and run.name == "sdk-run"
+    assert isinstance(run, sdk.Run) and run.name == "sdk-run" and run.run_uid
     run.wait(timeout=180)
     assert run.status == "COMPLETED" and run.config["parameters"]["learning_rate"] == 2e-3
+    assert [s["status"] for s in run.lifecycle][-1] == "COMPLETED"
     rows = run.metrics()
     rows = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
     assert sorted({r["step"] for r in rows if "train/loss" in r}) == list(range(1, 7))
@@ -206,25 +288,36 @@ def test_sdk_pretrain_wait_returns_a_completed_run_with_metrics(tmp_path, tiny_d
         sdk.pretrain(base, paramters={"learning_rate": 1.0})
 
 
-def test_a_corrupt_or_locked_registry_is_one_clear_error(tmp_path):
+def test_a_corrupt_or_locked_registry_is_one_clear_error(tmp_path, monkeypatch, capsys):
+    """In-process through the CLI's entry point (nothing here needs another process)."""
     home = tmp_path / "home"
     home.mkdir()
     db = home / "runs.db"
+    session_db = registry_path()
+    monkeypatch.setenv("LMFORGE_HOME", str(home))
+
+    def one_line_error(*needles):
+        assert main(["runs", "list"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:"), err
+        for n in needles:
+            assert n in err[0], (n, err)
+
     db.write_bytes(b"this is not a database, but someone's file" * 100)
     before = db.read_bytes()
-    proc = lmforge("runs", "list", LMFORGE_HOME=str(home))
-    assert_one_line_error(proc, "corrupt", str(db))
+    one_line_error("corrupt", str(db))
     assert db.read_bytes() == before  # never recreated over
 
     db.unlink()
-    lmforge("runs", "list", LMFORGE_HOME=str(home), check=True)  # creates an empty registry
+    assert main(["runs", "list"]) == 0  # creates an empty registry
+    assert "no runs" in capsys.readouterr().out
     holder = sqlite3.connect(db, isolation_level=None)
     holder.execute("PRAGMA locking_mode=EXCLUSIVE")
     holder.execute("BEGIN EXCLUSIVE")
     holder.execute("INSERT INTO events (run_name, time, type) VALUES ('x', 0, 'x')")
+    monkeypatch.setenv("LMFORGE_REGISTRY_TIMEOUT", "0.3")
     try:
-        proc = lmforge("runs", "list", LMFORGE_HOME=str(home), LMFORGE_REGISTRY_TIMEOUT="0.3")
-        assert_one_line_error(proc, "locked")
+        one_line_error("locked")
     finally:
         holder.close()
-    assert registry_path() != str(db)  # the session's registry was never touched
+    assert session_db != str(db)  # the session's registry was never touched

@@ -98,7 +98,7 @@ def test_non_main_rank_gets_nothing(tmp_path):
 
 
 def test_jsonl_written_and_appended_on_resume(tmp_path):
-    cfg = TrackerConfig(mlflow=None, console=False)
+    cfg = TrackerConfig(mlflow=None, console=False, report=False)
     run_dir = tmp_path / "run"
     t = build_trackers(cfg, run_name="r", run_dir=str(run_dir))
     t.log_metrics(_train(1, 5.0), 1)
@@ -126,7 +126,7 @@ def test_jsonl_written_and_appended_on_resume(tmp_path):
 def test_mlflow_sqlite_store_and_resume(tmp_path, home):
     from mlflow.tracking import MlflowClient
 
-    cfg = TrackerConfig(console=False)
+    cfg = TrackerConfig(console=False, report=False)
     run_dir = tmp_path / "run"
     t = build_trackers(cfg, run_name="tiny-run", run_dir=str(run_dir), total_steps=4)
     assert [x.name for x in t] == ["jsonl", "mlflow"]
@@ -179,7 +179,7 @@ def test_unreachable_mlflow_degrades_to_warning(tmp_path, home, monkeypatch, cap
     # Registered so the timeouts the tracker sets do not leak into other tests.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    cfg = TrackerConfig(mlflow=MLflowConfig(tracking_uri="http://127.0.0.1:9"), console=False)
+    cfg = TrackerConfig(mlflow=MLflowConfig(tracking_uri="http://127.0.0.1:9"), console=False, report=False)
     assert mlflow_ui_command(cfg) is None
     start = time.monotonic()
     t = build_trackers(cfg, run_name="r", run_dir=str(tmp_path / "run"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -76,33 +75,8 @@ def test_grad_accumulation_equals_full_batch(tmp_path, tiny_data):
         torch.testing.assert_close(w2[k], w8[k], rtol=1e-4, atol=5e-5)
 
 
-def test_sigkill_then_resume_is_bitwise_identical(tmp_path, tiny_data):
-    """Kill a real training process with SIGKILL at a random step; re-running the same command
-    continues from the latest checkpoint and ends with exactly the uninterrupted weights."""
-    common = {"training_duration": "12ba", "save_interval": "3ba", "eval.interval": "5ba"}
-    ref_cfg, ref_folder = run(tmp_path, tiny_data, name="ref", **common)
-    lmforge("train", "-f", ref_cfg, check=True)
-
-    cfg, folder = run(tmp_path, tiny_data, name="victim", **common)
-    kill_at = random.Random().randint(4, 10)
-    proc = subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
-    deadline = time.time() + 240
-    while max(train_losses(folder), default=0) < kill_at:
-        assert proc.poll() is None, "training ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (folder / "final").exists()
-
-    resumed = lmforge("train", "-f", cfg, check=True)
-    assert "resume: continuing from" in resumed.stdout
-    ref, got = final_weights(ref_folder), final_weights(folder)
-    assert ref.keys() == got.keys()
-    for k in ref:
-        assert torch.equal(ref[k], got[k]), f"{k} differs after resume (killed at step {kill_at})"
-    assert train_losses(folder) == train_losses(ref_folder)
+# SIGKILL at random points and resume bitwise: test_runs.py::test_random_sigkills_resume_bitwise_without_orphans
+# (bench/faults.py), through the supervisor as users run it.
 
 
 def test_sigterm_stops_gracefully_with_a_checkpoint(tmp_path, tiny_data):

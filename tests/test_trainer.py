@@ -3,6 +3,9 @@ protocol. Seconds each; the end-to-end subprocess tests (test_train.py) cover th
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
 from conftest import tiny_run_config
@@ -11,7 +14,7 @@ from lmforge.data.batch import Batch, BatchStream, TrainingData
 from lmforge.distributed.dist import DistInfo
 from lmforge.train.callbacks import Callback
 from lmforge.train.setup import setup_run
-from lmforge.train.trainer import Trainer
+from lmforge.train.trainer import Trainer, TrainingDiverged
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -101,3 +104,37 @@ def test_fit_calls_the_callbacks_in_order(tiny_data, tmp_path):
     assert result.status == "completed" and result.step == 4 and result.final_dir
     assert rec.calls == ["before_resume", "resume_decided:False", "start:4", "metrics:1:False", "metrics:2:False",
                          "checkpoint:2", "metrics:4:False", "metrics:4:True", "checkpoint:4", "end:completed:True"]
+
+
+def test_a_diverged_step_never_reaches_a_checkpoint(tiny_data, tmp_path):
+    """Losses stay on the device between log steps; with a log every 100 steps they are read
+    before each checkpoint instead, so a non-finite step stops the run before a save holds it."""
+    trainer = make_trainer(tiny_data, tmp_path / "run", training_duration="30ba", save_interval="3ba",
+                           log_interval=100, **{"parameters.learning_rate": 1e30, "parameters.grad_clip": None,
+                                                "parameters.warmup": "1ba"})
+    with pytest.raises(TrainingDiverged, match=r"loss became \S+ at step (\d+)") as err:
+        trainer.fit()
+    bad = int(re.search(r"at step (\d+)", str(err.value)).group(1))
+    saved = [int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*")]
+    assert all(step < bad for step in saved), (bad, saved)
+
+
+@pytest.mark.gpu
+def test_train_steps_never_wait_for_the_gpu(tiny_data, tmp_path):
+    """Between log steps nothing reads the device: CUDA's sync debug mode turns any wait
+    (.item(), float(), a copy to the host, a blocking copy from pageable memory) into an error."""
+    cuda = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+    raw = tiny_run_config(tiny_data, tmp_path / "run", **{"compute.async_checkpoint": False, "eval.prompts": [],
+                                                          "compute.loss_kernel": "chunked"})
+    trainer = Trainer(setup_run(build_config(raw), cuda, log=lambda *_: None), cuda, log=lambda *_: None)
+    it = iter(trainer.stream)
+    batches = next_batches(trainer, it)
+    assert batches[0].input_ids.is_pinned()
+    trainer.train_step(batches)  # the first step creates the optimizer state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [trainer.train_step(next_batches(trainer, it)) for _ in range(3)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert outs[-1].loss.is_cuda and all(torch.isfinite(o.loss) for o in outs)

@@ -1,4 +1,4 @@
-"""Run `lmforge train` for real, in a subprocess, and read what it wrote."""
+"""Run `lmforge train` for real (in a subprocess, or in-process as its child would) and read what it wrote."""
 
 from __future__ import annotations
 
@@ -32,6 +32,32 @@ def lmforge(*args, timeout=300, check=False, **kw) -> subprocess.CompletedProces
         raise AssertionError(f"lmforge {' '.join(map(str, args))} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def train_in_process(raw: dict, log=lambda *_: None):
+    """One run in this process, as a CLI child runs it (`runs.job.run_job`: setup by task_type,
+    Trainer, trackers), with `model` / `tokenizer` taken from custom_weights_path when left out."""
+    from lmforge.config.load import build_config
+    from lmforge.runs.job import run_job
+    from lmforge.train.locate import fill_from_weights
+
+    return run_job(build_config(fill_from_weights(raw)), log=log)
+
+
+def cli(*args, check: bool = False) -> subprocess.CompletedProcess:
+    """`lmforge ARGS...` in this process (no interpreter start-up), for commands that return at once:
+    the exit status and what it printed, as `lmforge(...)` gives them; ``check`` fails on a non-zero exit."""
+    import contextlib
+    import io
+
+    from lmforge.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    if check and code != 0:
+        raise AssertionError(f"lmforge {' '.join(map(str, args))} failed ({code}):\n{out.getvalue()}\n{err.getvalue()}")
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def metrics(save_folder: Path) -> list[dict]:

@@ -1,4 +1,4 @@
-"""`lmforge data prepare` and `lmforge data inspect`."""
+"""`lmforge data prepare`, `data dedup`, `data stats` and `data inspect`."""
 
 from __future__ import annotations
 
@@ -7,11 +7,19 @@ import os
 import sys
 import tempfile
 
+from rich.console import Console
+from rich.table import Table
+
 from lmforge.cli.common import OneLineParser, add_command
+from lmforge.data import remote
+from lmforge.data.mds import MDSReader
+from lmforge.data.prepare import prepare, read_summary
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.errors import UserError
 
 
 def register(subparsers) -> None:
-    group = add_command(subparsers, "data", "prepare and inspect datasets")
+    group = add_command(subparsers, "data", "prepare, curate and inspect datasets")
     sub = group.add_subparsers(dest="data_command", metavar="COMMAND", parser_class=OneLineParser)
 
     p = add_command(sub, "prepare", "tokenize raw text into packed MDS shards",
@@ -30,7 +38,35 @@ def register(subparsers) -> None:
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset already in DEST")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_curation_args(p, dedup_default=None)
     p.set_defaults(func=_prepare)
+
+    p = add_command(sub, "dedup", "deduplicate (and optionally filter) raw text into JSONL",
+                    "Remove exact and near-duplicate documents (and, with --filter/--decontaminate, low-quality,\n"
+                    "off-language and contaminated ones) from raw text; write the kept documents to\n"
+                    "DEST/documents.jsonl (one {\"text\": ...} per line) and the summary to DEST/curation.json.\n"
+                    "The same steps are options of `data prepare`. See docs/curation.md.")
+    p.add_argument("--input", nargs="+", required=True, metavar="SRC",
+                   help="files, folders, globs, URIs, hf://NAME[/CONFIG][:SPLIT] or builtin:python-stdlib")
+    p.add_argument("--out", required=True, metavar="DEST", help="output folder")
+    p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="worker processes")
+    p.add_argument("--overwrite", action="store_true", help="replace DEST if it holds other output")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_curation_args(p, dedup_default="exact,near")
+    p.set_defaults(func=_dedup)
+
+    p = add_command(sub, "stats", "documents, tokens, lengths, duplicates and languages of a corpus",
+                    "Statistics of raw text (SRC: anything --input takes) or of a prepared dataset (DEST):\n"
+                    "documents, tokens, bytes per token, document-length histogram, duplicate rate\n"
+                    "and language mix; a table here, and plots in --plot FILE (.png or .html).")
+    p.add_argument("source", metavar="SRC|DEST", nargs="+", help="raw inputs, or one prepared dataset folder")
+    p.add_argument("--tokenizer", metavar="TOK", help="count tokens of raw text with this tokenizer")
+    p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
+    p.add_argument("--max-docs", type=int, default=None, metavar="N", help="read at most N documents")
+    p.add_argument("--plot", metavar="FILE", help="write the plots to FILE.png or FILE.html")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    p.set_defaults(func=_stats)
 
     p = add_command(sub, "inspect", "show a prepared dataset's summary and its first sample")
     p.add_argument("dest", metavar="DEST", help="prepared dataset folder or URI")
@@ -40,12 +76,79 @@ def register(subparsers) -> None:
     group.set_defaults(func=lambda args: (group.print_help(), 2)[1])
 
 
-def _prepare(args) -> int:
-    from lmforge.data.prepare import prepare
+FILTERS_HELP = "c4, fineweb, language, gopher_quality, gopher_repetition"
 
+
+def add_curation_args(p, dedup_default: str | None) -> None:
+    g = p.add_argument_group("curation (docs/curation.md)")
+    g.add_argument("--dedup", default=dedup_default, metavar="KINDS",
+                   help="exact, near, exact,near or none: remove duplicate documents")
+    g.add_argument("--near-threshold", type=float, metavar="J", help="near-dup Jaccard threshold (default 0.8)")
+    g.add_argument("--filter", action="append", default=[], metavar="NAME",
+                   help=f"quality/language filter with its default thresholds (repeatable or comma-separated): "
+                        f"{FILTERS_HELP}")
+    g.add_argument("--language", metavar="LANGS", help="languages the language filter keeps, e.g. en,fr (default en)")
+    g.add_argument("--decontaminate", metavar="TASKS",
+                   help="remove documents sharing a 13-word n-gram with these ICL tasks (a tasks YAML or 'default')")
+    g.add_argument("--data-root", metavar="DIR", help="folder the ICL tasks' relative dataset paths resolve against")
+    g.add_argument("--curate", metavar="FILE", help="YAML with the full `curate:` settings (thresholds); "
+                   "the flags above are applied on top")
+    g.add_argument("--flag-only", action="store_true", help="count and sample what the steps match, remove nothing")
+    g.add_argument("--removed-out", metavar="DIR", help="write a sample of the removed documents per reason here")
+
+
+def curation_from_args(args) -> dict | None:
+    """The `curate:` mapping the flags describe (None: no curation)."""
+    from lmforge.config.curation import FILTER_NAMES
+    from lmforge.config.load import read_yaml
+    from lmforge.errors import UserError
+
+    cur: dict = {}
+    if args.curate:
+        cur = read_yaml(args.curate) or {}
+        if not isinstance(cur, dict):
+            raise UserError(f"--curate {args.curate}: expected a mapping of curate settings")
+        cur = dict(cur.get("curate", cur))
+    if args.dedup is not None:
+        kinds = {k.strip() for k in args.dedup.split(",") if k.strip()}
+        if not kinds <= {"exact", "near", "none"} or ("none" in kinds and len(kinds) > 1):
+            raise UserError(f"--dedup {args.dedup}: expected exact, near, exact,near or none")
+        cur["dedup"] = None if kinds == {"none"} else dict(cur.get("dedup") or {}, exact="exact" in kinds,
+                                                           near="near" in kinds)
+    if args.near_threshold is not None:
+        if not cur.get("dedup"):
+            raise UserError("--near-threshold: only with --dedup near")
+        cur["dedup"] = dict(cur["dedup"] if isinstance(cur["dedup"], dict) else {}, threshold=args.near_threshold)
+    filters = dict(cur.get("filters") or {}) if not isinstance(cur.get("filters"), list) else \
+        {n: True for n in cur["filters"]}
+    for item in args.filter:
+        for name in (n.strip() for n in item.split(",") if n.strip()):
+            if name not in FILTER_NAMES:
+                raise UserError(f"--filter {name}: unknown filter (expected one of {FILTERS_HELP})")
+            filters.setdefault(name, True)
+    if args.language:
+        lang = filters.get("language")
+        filters["language"] = (lang if isinstance(lang, dict) else {}) | {
+            "languages": [x.strip() for x in args.language.split(",") if x.strip()]}
+    if filters:
+        cur["filters"] = filters
+    if args.decontaminate:
+        d = cur.get("decontaminate")
+        cur["decontaminate"] = dict(d if isinstance(d, dict) else {}, tasks=args.decontaminate)
+    if args.data_root:
+        if not cur.get("decontaminate"):
+            raise UserError("--data-root: only with --decontaminate")
+        cur["decontaminate"]["data_root"] = args.data_root
+    if args.flag_only:
+        cur["action"] = "flag"
+    return cur or None
+
+
+def _prepare(args) -> int:
     summary = prepare(args.input, args.tokenizer, args.out, args.seq_len, eval_fraction=args.eval_fraction,
                       workers=args.workers, compression=args.compression, text_field=args.text_field,
-                      overwrite=args.overwrite, progress=None if not args.json else False)
+                      overwrite=args.overwrite, progress=None if not args.json else False,
+                      curate=curation_from_args(args), removed_out=args.removed_out)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -64,9 +167,6 @@ def _fmt(v) -> str:
 
 
 def _print_summary(summary: dict, dest: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     table = Table(title=f"dataset {dest}", title_justify="left")
     cols = ("documents", "tokens", "bytes", "bytes_per_token", "samples", "shards", "dropped_tokens")
@@ -84,6 +184,8 @@ def _print_summary(summary: dict, dest: str) -> None:
     if summary.get("tokens_per_second"):
         console.print(f"{summary.get('seconds')}s, {summary['tokens_per_second']:,.0f} tokens/s "
                       f"with {summary.get('workers')} workers", highlight=False)
+    if summary.get("curation"):
+        print_curation(summary["curation"], console)
     for s in summary.get("skipped_inputs") or []:
         console.print(f"skipped {s['input']}: {s['reason']}", highlight=False)
     if summary.get("skipped_lines"):
@@ -94,11 +196,57 @@ def _print_summary(summary: dict, dest: str) -> None:
                       f"{', '.join(summary.get('invalid_utf8_files') or [])}", highlight=False)
 
 
+def print_curation(c: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    verb = "flagged" if c.get("action") == "flag" else "removed"
+    table = Table(title=f"curation: {c['documents_kept']:,} of {c['documents_in']:,} documents kept "
+                        f"({', '.join(c.get('steps') or [])})", title_justify="left")
+    table.add_column(f"{verb} by", no_wrap=True)
+    table.add_column("documents", justify="right")
+    table.add_column("share", justify="right")
+    for reason, n in (c.get("by_reason") or {}).items():
+        table.add_row(reason, f"{n:,}", f"{n / max(1, c['documents_in']):.1%}")
+    console.print(table)
+    if c.get("contaminated_tasks"):
+        console.print("contaminated tasks (documents): " + ", ".join(
+            f"{t} {n}" for t, n in c["contaminated_tasks"].items()), highlight=False)
+    if c.get("removed_samples"):
+        console.print(f"samples of {verb} documents: {os.path.dirname(c['removed_samples'][0])}", highlight=False)
+
+
+def _dedup(args) -> int:
+    from lmforge.data.curate.documents import curate_to_jsonl
+
+    summary = curate_to_jsonl(args.input, args.out, curation_from_args(args), workers=args.workers,
+                              text_field=args.text_field, overwrite=args.overwrite, removed_out=args.removed_out)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    if summary.get("already_done"):
+        print(f"already done: {args.out} (same inputs and settings; nothing to do)")
+    print_curation(summary["curation"])
+    print(f"kept documents: {os.path.join(args.out, 'documents.jsonl')}")
+    return 0
+
+
+def _stats(args) -> int:
+    from lmforge.data.curate.stats import corpus_stats, print_stats, write_plots
+
+    stats = corpus_stats(args.source, tokenizer=args.tokenizer, text_field=args.text_field, max_docs=args.max_docs)
+    if args.plot:
+        stats["plot"] = write_plots(stats, args.plot)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    print_stats(stats)
+    return 0
+
+
 def first_sample(dest: str) -> list[int]:
     """Token ids of the first train sample of a prepared dataset (local or remote)."""
-    from lmforge.data import remote
-    from lmforge.data.mds import MDSReader
-
     split_uri = remote.join(dest, "train")
     if not remote.is_remote(dest):
         with tempfile.TemporaryDirectory() as cache:
@@ -111,10 +259,6 @@ def first_sample(dest: str) -> list[int]:
 
 
 def _inspect(args) -> int:
-    from lmforge.data.prepare import read_summary
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.errors import UserError
-
     summary = read_summary(args.dest)
     ids = first_sample(args.dest)
     text = None

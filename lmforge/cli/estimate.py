@@ -6,8 +6,14 @@ import json
 import re
 from pathlib import Path
 
+import yaml
+from pydantic import ValidationError
+
 from lmforge.cli.common import add_command
+from lmforge.config.model import PRESETS, resolve_model
 from lmforge.errors import UserError
+from lmforge.estimate.hardware import gpu_type_names
+from lmforge.estimate.plan import check_fits, estimate_run, format_plan
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _COUNT = re.compile(r"^\s*([0-9][0-9_]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*(?:tok|tokens)?\s*$", re.I)
@@ -23,15 +29,9 @@ def parse_count(text: str, what: str) -> float:
 
 def _load_model(value: str):
     """A preset name, or a run YAML whose `model:` key is taken. Returns (cfg, seq_len or None)."""
-    from pydantic import ValidationError
-
-    from lmforge.config.model import PRESETS, resolve_model
-
     looks_like_file = value.endswith((".yaml", ".yml")) or "/" in value or Path(value).is_file()
     if value in PRESETS or not looks_like_file:
         return resolve_model(value), None
-    import yaml
-
     path = Path(value)
     if not path.is_file():
         raise UserError(f"--model: no such file {value!r} (expected a preset name or a run YAML)")
@@ -100,8 +100,6 @@ def _auto(args, tokens: float | None):
 
 
 def run(args) -> int:
-    from lmforge.estimate.plan import check_fits, format_plan, estimate_run
-
     if (args.model is None) == (args.params is None):
         raise UserError("estimate: give exactly one of --model PRESET_OR_YAML or --params COUNT")
     if args.tokens is not None and args.chinchilla:
@@ -132,6 +130,7 @@ def run(args) -> int:
         vocab_size=args.vocab_size,
         precision=args.precision,
         micro_batch=args.micro_batch,
+        expert_parallel=args.expert_parallel,
     )
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan), end="\n" if args.json else "")
     check_fits(plan)
@@ -139,13 +138,12 @@ def run(args) -> int:
 
 
 def register(subparsers) -> None:
-    from lmforge.estimate.hardware import gpu_type_names
-
     p = add_command(
         subparsers, "estimate", "plan a run: FLOPs, tokens, time, cost and memory per GPU",
         description="Plan a training run before spending: parameters (total/active), FLOPs "
         "(6·N_active·D plus attention), Chinchilla tokens, time and cost at a given MFU on a "
-        "given cluster, and memory per GPU under full sharding.",
+        "given cluster, memory per GPU under full sharding, and for MoE models the expert traffic "
+        "per GPU with and without expert parallelism.",
     )
     p.add_argument("--model", metavar="PRESET_OR_YAML", help="preset name, a run YAML (its model: key), or auto "
                    "(the shape for the budget given by --tokens, --flops or --time)")
@@ -165,5 +163,7 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="context length; unset = the model's max_seq_len (or the YAML's context_length)")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary; unset = the model's, or 32000 where the model leaves it to the tokenizer")
     p.add_argument("--micro-batch", type=int, default=None, help="micro-batch per GPU; unset = the largest power of two that fits")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="MoE: GPUs each layer's experts are split over (memory and all-to-all traffic)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 from lmforge.cli.common import add_command
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
 DESCRIPTION = """\
@@ -23,7 +28,8 @@ accuracies into category and average scores.
 def register(subparsers) -> None:
     p = add_command(subparsers, "eval", "evaluate a model on ICL benchmarks and a gauntlet", DESCRIPTION)
     p.add_argument("--checkpoint", required=True, metavar="PATH",
-                   help="model folder (model.safetensors + lmforge-model.json, or Hugging Face) with its tokenizer")
+                   help="a run's save folder, its final/, a checkpoints/step_N folder or a Hugging Face folder "
+                   "(with its tokenizer)")
     p.add_argument("--tasks", default="default", metavar="TASKS.yaml", help="ICL task definitions, or `default`")
     p.add_argument("--gauntlet", default=None, metavar="G.yaml", help="gauntlet definition, or `default`")
     p.add_argument("--data-root", default=None, metavar="DIR", help="folder that relative dataset_uri paths resolve against")
@@ -35,7 +41,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from lmforge.eval.gauntlet import gauntlet_scores, load_gauntlet
+    from lmforge.eval.gauntlet import gauntlet_scores, load_gauntlet  # torch, as below (lazy: `lmforge --help`)
     from lmforge.eval.icl import evaluate_icl, load_tasks
 
     if args.limit is not None and args.limit < 1:
@@ -46,7 +52,7 @@ def run(args) -> int:
         raise UserError(f"--data-root {args.data_root}: no such folder")
     # Validate every input file before loading the (possibly large) model.
     tasks = load_tasks(args.tasks, data_root=args.data_root)
-    gauntlet = load_gauntlet(args.gauntlet) if args.gauntlet else None
+    gauntlet = load_gauntlet(args.gauntlet, tasks=tasks) if args.gauntlet else None
     device = _device(args.device)
     model, tokenizer = _load_checkpoint(args.checkpoint, device)
 
@@ -61,7 +67,7 @@ def run(args) -> int:
 
 
 def _device(name: str):
-    import torch
+    import torch  # (lazy: `lmforge --help` stays free of torch)
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,37 +81,43 @@ def _device(name: str):
 
 
 def _load_checkpoint(path: str, device):
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.models.io import load_pretrained
+    """The model and its tokenizer, from anything `train.locate` accepts (a run's save folder, its
+    final/, a checkpoints/step_N folder, a Hugging Face folder) — as `generate` and `export` do."""
+    from lmforge.train.locate import check_tokenizer_fits, load_model, locate  # torch (lazy: `lmforge --help`)
 
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise UserError(f"--checkpoint {path}: no such folder")
+    loc = locate(path)
     # The tokenizer is saved next to the weights (save_pretrained copies it), or in tokenizer/.
-    candidates = [folder, folder / "tokenizer"]
-    tok_dir = next((d for d in candidates if (d / "tokenizer.json").is_file()), None)
+    candidates = [d for d in (loc.tokenizer_dir, os.path.join(loc.path, "tokenizer")) if d]
+    tok_dir = next((d for d in candidates if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
     if tok_dir is None:
-        raise UserError(f"--checkpoint {path}: no tokenizer (tokenizer.json) in the folder; "
+        raise UserError(f"--checkpoint {path}: no tokenizer (tokenizer.json) stored with the model; "
                         "save the model together with its tokenizer")
-    tokenizer = load_tokenizer(str(tok_dir))
-    model, _ = load_pretrained(folder, device=device)
+    tokenizer = load_tokenizer(tok_dir)
+    model, cfg, _ = load_model(path, device=device)
+    check_tokenizer_fits(tokenizer, cfg, f"--checkpoint {path}")
     return model, tokenizer
 
 
 def _print_tables(results: dict, scores: dict | None, tasks) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     types = {t.label: t.task_type for t in tasks}
+    ece = any("calibration_error" in r for r in results.values())
     table = Table(title="In-context learning")
-    for col, justify in (("task", "left"), ("shots", "right"), ("type", "left"), ("accuracy", "right"), ("n", "right")):
+    columns = [("task", "left"), ("shots", "right"), ("type", "left"), ("accuracy", "right"), ("n", "right")]
+    for col, justify in columns + ([("calibration error", "right")] if ece else []):
         table.add_column(col, justify=justify)
+
+    def extra(r: dict) -> list[str]:
+        if not ece:
+            return []
+        return [f"{r['calibration_error']:.4f}" if "calibration_error" in r else ""]
+
     for key, r in results.items():
         label, shots = key.rsplit("/", 1)
-        table.add_row(label, shots.removesuffix("-shot"), types.get(label, ""), f"{r['accuracy']:.4f}", str(r["n"]))
+        table.add_row(label, shots.removesuffix("-shot"), types.get(label, ""), f"{r['accuracy']:.4f}",
+                      f"{r['n']}/{r['size']}" if r["n"] != r["size"] else str(r["n"]), *extra(r))
         for cat, c in r.get("categories", {}).items():
-            table.add_row(f"  {cat}", "", "", f"{c['accuracy']:.4f}", str(c["n"]))
+            table.add_row(f"  {cat}", "", "", f"{c['accuracy']:.4f}", str(c["n"]), *extra(c))
     console.print(table)
     if scores is None:
         return

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 
 from lmforge.cli.common import add_command
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.errors import UserError
 
 
 def register(sub) -> None:
@@ -27,8 +29,6 @@ def register(sub) -> None:
 
 
 def _check(args) -> None:
-    from lmforge.errors import UserError
-
     if args.max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens: must be positive (got {args.max_new_tokens})")
     if args.temperature < 0:
@@ -40,8 +40,6 @@ def _check(args) -> None:
 
 
 def _prompt(args) -> str:
-    from lmforge.errors import UserError
-
     if args.prompt is not None:
         text = args.prompt
     elif args.file == "-":
@@ -52,10 +50,6 @@ def _prompt(args) -> str:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"--file {args.file}: cannot read ({e.strerror if isinstance(e, OSError) else e})") from None
-    if args.chat:
-        from lmforge.data.sft import chat_prompt
-
-        text = chat_prompt(text)
     if not text:
         raise UserError("prompt: empty (give --prompt TEXT or a non-empty --file)")
     return text
@@ -64,9 +58,7 @@ def _prompt(args) -> str:
 def run(args) -> int:
     _check(args)
     text = _prompt(args)
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.distributed.dist import pick_device
-    from lmforge.errors import UserError
+    from lmforge.distributed.dist import pick_device  # torch, as the two below (lazy: `lmforge --help`)
     from lmforge.models import generate
     from lmforge.train.locate import check_tokenizer_fits, load_model
 
@@ -77,6 +69,12 @@ def run(args) -> int:
         raise UserError(f"checkpoint {args.checkpoint}: no tokenizer stored with it; pass --tokenizer DIR")
     tok = load_tokenizer(tok_dir)
     check_tokenizer_fits(tok, cfg, f"checkpoint {args.checkpoint}")
+    if args.chat:  # the tokenizer's own chat template if it has one, else lmforge's plain one
+        from lmforge.data.chat import load_chat_template
+        from lmforge.data.sft import chat_prompt
+
+        template = load_chat_template(tok.path)
+        text = template.generation_prompt(text, tok) if template else chat_prompt(text)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
     sys.stdout.write(text)
     sys.stdout.flush()

@@ -6,6 +6,9 @@ import os
 import sys
 
 from lmforge.cli.common import OneLineParser, add_command
+from lmforge.config.load import load_config
+from lmforge.distributed.cluster import k8s_name, pytorchjob_manifest, sbatch_script
+from lmforge.errors import UserError
 
 
 def register(subparsers) -> None:
@@ -38,15 +41,12 @@ def register(subparsers) -> None:
 
 def _checked(args):
     """Load the config with the same overrides the job will use, so mistakes show up now."""
-    from lmforge.config.load import load_config
-    from lmforge.errors import UserError
-
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise UserError("launch: --nodes and --gpus-per-node must be at least 1")
     if not os.path.exists(args.file):
         raise UserError(f"launch: config file {args.file} does not exist")
     cfg = load_config(args.file, sets=[*args.set, f"compute.nodes={args.nodes}", f"compute.gpus={args.gpus_per_node}"])
-    from lmforge.distributed.parallelize import check_mesh
+    from lmforge.distributed.parallelize import check_mesh  # torch (lazy: `lmforge --help` stays light)
 
     check_mesh(cfg.compute, args.nodes * args.gpus_per_node, args.gpus_per_node)
     name = cfg.name or os.path.splitext(os.path.basename(args.file))[0]
@@ -62,8 +62,6 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
 
 
 def run_slurm(args) -> int:
-    from lmforge.distributed.cluster import sbatch_script
-
     cfg, name = _checked(args)
     out = args.output or f"{name}.sbatch"
     _write(out, sbatch_script(name=name, config_path=os.path.abspath(args.file), nodes=args.nodes,
@@ -75,8 +73,6 @@ def run_slurm(args) -> int:
 
 
 def run_k8s(args) -> int:
-    from lmforge.distributed.cluster import k8s_name, pytorchjob_manifest
-
     cfg, name = _checked(args)
     out = args.output or f"{k8s_name(name)}-pytorchjob.yaml"
     with open(args.file) as f:

@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 
+from lmforge import __version__
 from lmforge.cli.common import HelpFormatter, OneLineParser
 from lmforge.errors import UserError
 
@@ -27,13 +28,12 @@ COMMAND_MODULES = [
     "lmforge.cli.generate",
     "lmforge.cli.export",
     "lmforge.cli.runs",
+    "lmforge.cli.report",
     "lmforge.cli.launch",
 ]
 
 
 def build_parser() -> OneLineParser:
-    from lmforge import __version__
-
     parser = OneLineParser(
         prog="lmforge",
         description="Own your language model: pretrain, continue pretraining and fine-tune LLMs "

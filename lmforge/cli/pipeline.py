@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lmforge.cli.common import add_command
+from lmforge.runs.stages import run_pipeline
 
 
 def register(sub) -> None:
@@ -14,7 +15,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from lmforge.runs.stages import run_pipeline
 
     results = run_pipeline(args.file)
     for r in results:

@@ -1,4 +1,4 @@
-"""`lmforge runs list | describe | logs | stop | delete | restart`: the run registry."""
+"""`lmforge runs list | describe | logs | stop | delete | restart | compare`: the run registry."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import sys
 import time
 
 from lmforge.cli.common import add_command
+from lmforge.errors import UserError
+from lmforge.runs.run import get_run, get_runs
+from lmforge.tracking.console import format_eta, human
 
 
 def register(sub) -> None:
@@ -51,6 +54,12 @@ def register(sub) -> None:
     c.add_argument("name")
     c.set_defaults(func=cmd_restart)
 
+    c = add_command(rs, "compare", "metric and config differences of two runs (the report is the graphical form)",
+                    description="A and B are run names or save folders (local or object-store URIs).")
+    c.add_argument("a", metavar="A")
+    c.add_argument("b", metavar="B")
+    c.set_defaults(func=cmd_compare)
+
 
 # --------------------------------------------------------------------------- formatting
 
@@ -77,14 +86,10 @@ def progress_text(m: dict) -> str:
 
 
 def _human(n) -> str:
-    from lmforge.tracking.console import human
-
     return human(n) if n is not None else "-"
 
 
 def cmd_list(args) -> int:
-    from lmforge.runs.run import get_runs
-
     runs = get_runs(args.status)
     if args.json:
         print(json.dumps([_summary(r) for r in runs], indent=1, default=str))
@@ -116,15 +121,14 @@ def _when(t: float | None) -> str:
 
 
 def cmd_describe(args) -> int:
-    from lmforge.runs.run import get_run
-
     run = get_run(args.name)
     if args.json:
         print(json.dumps(run.to_dict(), indent=1, default=str))
         return 0
     cfg = run.config
-    print(f"run        {run.name} ({run.run_type})")
+    print(f"run        {run.name} ({run.run_type})   run_uid {run.run_uid}")
     print(f"status     {run.status}" + (f" — {run.reason}" if run.reason else ""))
+    print("lifecycle  " + " → ".join(f"{s['status']} {_when(s['time'])[11:]}" for s in run.lifecycle))
     print(f"model      {run.model}")
     print(f"data       {', '.join(d.get('path', '?') for d in cfg.get('train_data') or [])}")
     print(f"duration   {cfg.get('training_duration')}   max_retries {run.max_retries}   ranks {run.ranks or 1}")
@@ -138,12 +142,20 @@ def cmd_describe(args) -> int:
     print(f"checkpoints {', '.join(ckpts) or 'none'} ({run.checkpoints_dir})")
     m = run.latest_metrics
     if m:
-        from lmforge.tracking.console import format_eta
-
         mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "-"
         print(f"metrics    step {m.get('step')}  tokens {_human(m.get('tokens'))}  loss {m.get('loss', 0):.4f}  "
               f"{_human(m.get('tokens_per_s'))} tok/s  MFU {mfu}  progress {progress_text(m)}  "
               f"ETA {format_eta(m.get('eta_s')) if not run.is_terminal else '-'}")
+        if m.get("cost") is not None:
+            from lmforge.estimate.cost import format_cost
+
+            line = f"cost       {format_cost(m['cost'])} so far"
+            if not run.is_terminal and m.get("cost_to_finish") is not None:
+                line += f", ~{format_cost(m['cost_to_finish'])} to finish"
+            price = (cfg.get("compute") or {}).get("price_per_gpu_hour")
+            if price is not None:
+                line += f"  ({format_cost(m.get('cost_per_hour'))} per hour at {price:g} per device-hour)"
+            print(line)
     print("resumptions")
     for r in run.resumptions:
         code = f" exit {r['exit_code']}" if r["exit_code"] is not None else ""
@@ -160,8 +172,6 @@ def cmd_describe(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    from lmforge.runs.run import get_run
-
     run = get_run(args.name)
     path = run.log_path(args.resumption)
     out = sys.stdout.buffer
@@ -197,8 +207,6 @@ def _copy(path: str, offset: int, out) -> int:
 
 
 def cmd_stop(args) -> int:
-    from lmforge.runs.run import get_run
-
     run = get_run(args.name)
     if run.is_terminal:
         print(f"run {run.name} already ended: {status_text(run)}" + (f" ({run.reason})" if run.reason and run.reason != "lost" else "")
@@ -207,8 +215,6 @@ def cmd_stop(args) -> int:
     try:
         run.stop(force=args.force, wait=not args.no_wait, timeout=args.timeout)
     except TimeoutError:
-        from lmforge.errors import UserError
-
         raise UserError(f"run {run.name} did not stop within {args.timeout:g}s (still {run.status}); "
                         f"`lmforge runs stop {run.name} --force` kills it") from None
     print(f"run {run.name}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
@@ -216,9 +222,6 @@ def cmd_stop(args) -> int:
 
 
 def cmd_delete(args) -> int:
-    from lmforge.errors import UserError
-    from lmforge.runs.run import get_run
-
     run = get_run(args.name)
     if not run.is_terminal and not args.force:
         raise UserError(f"run {run.name} is {run.status}; stop it first (`lmforge runs stop {run.name}`) "
@@ -237,9 +240,17 @@ def cmd_delete(args) -> int:
 
 
 def cmd_restart(args) -> int:
-    from lmforge.runs.run import get_run
+    run = get_run(args.name)
+    n = len(run.resumptions)
+    run.restart()
+    print(f"{run.name}: restarted as resumption {n} ({run.status})")
+    return 0
 
-    run = get_run(args.name).restart()
-    print(f"{run.name}: restarted as resumption {run.resumptions[-1]['idx'] if run.resumptions else 0} "
-          f"({run.status})")
+
+def cmd_compare(args) -> int:
+    from lmforge.report.compare import format_compare
+    from lmforge.report.load import load_run
+
+    a, b = load_run(args.a), load_run(args.b)
+    sys.stdout.write(format_compare(a, b))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from lmforge.cli.common import OneLineParser, add_command
+from lmforge.data.tokenizer import train_tokenizer
 
 
 def register(subparsers) -> None:
@@ -25,7 +26,6 @@ def register(subparsers) -> None:
 
 
 def _train(args) -> int:
-    from lmforge.data.tokenizer import train_tokenizer
 
     start = time.perf_counter()
     tok = train_tokenizer(args.input, args.vocab_size, args.out, text_field=args.text_field, add_bos=args.bos,

@@ -1,20 +1,36 @@
 """`lmforge train -f run.yaml` and `lmforge finetune -f sft.yaml`: one command path for both.
 
-Both load the config with the same overrides, check object-store credentials once, then run
-in one of three ways: register and supervise the run (the first process), start torchrun
-(several ranks), or train in this process (a supervised child or a torchrun rank).
+Both load the config with the same overrides and check object-store credentials once; then the
+launch plan (`runs.plan`) says what this process is — it supervises the run (the first
+process), becomes torchrun (several ranks), or trains here (a supervised child or a rank).
 `finetune` differs only in its default `task_type` (instruction_finetune) and its help.
+
+The heavy imports (torch, through `runs`) are inside the functions so that `lmforge --help`
+and `import lmforge` stay free of torch.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 
+import yaml
+from rich.console import Console
+
+from lmforge import secrets
 from lmforge.cli.common import add_command
+from lmforge.config.identity import with_default_names
+from lmforge.config.load import build_config, load_raw
+from lmforge.config.model import padded_vocab
 from lmforge.config.reference import render_text
+from lmforge.config.schema import TokenizerSpec
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
+from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec
+from lmforge.estimate.plan import estimate_run, format_plan
+from lmforge.runs.plan import launch_plan, started_by_user
 
 SFT_DEFAULT_TASK = "instruction_finetune"
 
@@ -43,6 +59,8 @@ def add_run_arguments(p) -> None:
     p.add_argument("--training-duration", metavar="DUR", help="override, e.g. 10000tok, 500ba, 2ep, 30min")
     p.add_argument("--save-folder", metavar="DIR", help="override `save_folder`")
     p.add_argument("--name", help="override `name`")
+    p.add_argument("--price-per-gpu-hour", type=float, metavar="P",
+                   help="override `compute.price_per_gpu_hour`: show the cost so far and to finish")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override any key, e.g. --set parameters.learning_rate=3e-4 (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
@@ -53,19 +71,22 @@ def add_run_arguments(p) -> None:
     p.add_argument("--nnodes", type=int, metavar="N", help="override `compute.nodes`")
     p.add_argument("--node-rank", type=int, metavar="R", help="override `compute.node_rank` (0 … N-1)")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="override `compute.rdzv_endpoint` (node 0's address)")
-    p.add_argument("--max-restarts", type=int, metavar="N", help="override `max_retries` (torchrun restarts)")
+    p.add_argument("--max-retries", "--max-restarts", dest="max_retries", type=int, metavar="N",
+                   help="override `max_retries` (restarts after a failure, in all)")
     p.add_argument("--check-credentials", action="store_true",
                    help="only check read access to remote data and write access to a remote save_folder, then exit")
     p.add_argument("--skip-credentials-check", action="store_true",
                    help="do not run the object-store credentials check before training")
     p.add_argument("--detach", action="store_true",
                    help="run in the background (logs in <save_folder>/logs); print the run name and return")
+    p.add_argument("--no-supervisor", action="store_true",
+                   help="train in this process: no run registry, no automatic restarts (torchrun's aside)")
+    p.add_argument("--plan", help=argparse.SUPPRESS)  # set by lmforge for the processes it starts (runs.plan)
 
 
 def load_from_args(args):
     """The run config of a `train` / `finetune` command line (overrides applied, validated)."""
-    from lmforge.config.load import build_config, load_raw
-    from lmforge.train.locate import fill_from_weights
+    from lmforge.train.locate import fill_from_weights  # torch (lazy: `lmforge --help` stays light)
 
     finetune = args.command == "finetune"
     if not args.file and not (args.model and args.train_data and args.training_duration):
@@ -77,7 +98,8 @@ def load_from_args(args):
         overrides["autoresume"] = False
     sets = list(args.set)
     for flag, key in (("nnodes", "compute.nodes"), ("node_rank", "compute.node_rank"),
-                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_restarts", "max_retries")):
+                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_retries", "max_retries"),
+                      ("price_per_gpu_hour", "compute.price_per_gpu_hour")):
         if getattr(args, flag, None) is not None:
             sets.append(f"{key}={getattr(args, flag)}")
     raw = load_raw(args.file, overrides=overrides, sets=sets)
@@ -88,8 +110,6 @@ def load_from_args(args):
 
 
 def run(args) -> int:
-    from lmforge import secrets
-
     try:
         return _run(args)
     except UserError as e:  # no secret may reach the terminal, whatever raised the error
@@ -97,45 +117,35 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from lmforge import secrets
-
     cfg = load_from_args(args)
     secrets.apply(cfg)  # credentials named by `secrets:` → env (torchrun's ranks inherit it)
     if args.dry_run:
         return dry_run(cfg, args)
-    # Object-store access is checked once, before anything is registered or started; the
-    # supervised child, torchrun's ranks and relaunched processes skip it.
-    if args.check_credentials or not (args.skip_credentials_check or int(os.environ.get("RANK", "0")) != 0
-                                      or os.environ.get("LMFORGE_LAUNCHED") or os.environ.get("LMFORGE_SUPERVISED_CHILD")):
+    if args.check_credentials:
         checked = secrets.check_credentials(cfg, log=print)  # a local save_folder: nothing to check
-        if args.check_credentials:
-            print("credentials: ok" if checked else "credentials: nothing remote to check")
-            return 0
-    # [runs] the first process registers the run and supervises a child `lmforge train`
-    # (retries, logs, `lmforge runs ...`); the child, and torchrun ranks, come through here and just train.
-    from lmforge.distributed.torchrun import launch as launch_ranks, needs_launch
-    from lmforge.runs.start import start, should_supervise
+        print("credentials: ok" if checked else "credentials: nothing remote to check")
+        return 0
+    # Object-store access is checked once, in the process the user started, before anything is
+    # registered or started (and before torch is imported: a wrong key fails in seconds).
+    if started_by_user(args) and not args.skip_credentials_check:
+        secrets.check_credentials(cfg, log=print)
+    plan = launch_plan(args, cfg)
+    if plan.role in ("detach", "supervise"):
+        from lmforge.runs.start import start  # torch, as runs.job below (lazy: `lmforge --help` stays light)
 
-    nproc = needs_launch(cfg)  # several GPUs, compute.ranks: N or several nodes → torchrun (mesh checked here)
-    if should_supervise() and cfg.compute.node_rank == 0:  # other nodes: torchrun's agent restarts workers
-        return start(cfg, args)
-    if nproc:
-        return launch_ranks(cfg, nproc, sys.argv[1:])
-    return train_here(cfg, args)
+        return start(cfg, args, plan)
+    if plan.role == "launch":
+        from lmforge.runs.job import launch
+
+        return launch(cfg, plan, sys.argv[1:])
+    return train_here(cfg, args, plan)
 
 
-def train_here(cfg, args) -> int:
-    """Train in this process (a supervised child or a torchrun rank); report the outcome to the
-    supervisor and print the summary on rank 0."""
+def train_here(cfg, args, plan) -> int:
+    """Role "train": train in this process; print the summary on rank 0."""
     from lmforge.runs.job import run_job
-    from lmforge.runs.supervisor import report_status
 
-    try:
-        result = run_job(cfg, overwrite=args.overwrite)
-    except UserError as e:
-        report_status("failed", error=str(e), exit_code=e.exit_code)
-        raise
-    report_status(result.status, step=result.step, tokens=result.tokens)
+    result = run_job(cfg, plan, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         print_summary(result, as_json=args.json)
     return 0 if result.status in ("completed", "stopped") else 1
@@ -143,15 +153,11 @@ def train_here(cfg, args) -> int:
 
 def print_summary(result, as_json: bool = False) -> None:
     if as_json:
-        from lmforge.secrets import redact
-
-        print(redact(json.dumps({"status": result.status, "step": result.step, "tokens": result.tokens,
+        print(secrets.redact(json.dumps({"status": result.status, "step": result.step, "tokens": result.tokens,
                           "save_folder": result.save_folder, "final": result.final_dir,
                           "eval": result.eval, "generations": result.generations,
                           "mlflow_ui": result.mlflow_ui}, indent=1, default=str)))
         return
-    from rich.console import Console
-
     c = Console(highlight=False)
     c.print()
     c.print(f"[bold]{result.status}[/bold] after {result.step:,} steps ({result.tokens:,} tokens)")
@@ -163,24 +169,30 @@ def print_summary(result, as_json: bool = False) -> None:
         c.print("[dim]--- sample ---[/dim]")
         c.print(text, markup=False)
     c.print("[dim]---[/dim]")
-    c.print(f"checkpoints: {os.path.join(result.save_folder, 'checkpoints')}")
-    if result.final_dir:
+    remote = "://" in result.save_folder
+    join = (lambda *p: "/".join([result.save_folder.rstrip("/"), *p])) if remote else \
+        (lambda *p: os.path.join(result.save_folder, *p))
+    c.print(f"checkpoints: {join('checkpoints')}")
+    if result.final_dir and remote:
+        from lmforge.runs.store import staging_dir  # torch (through the trainer's checkpoints)
+
+        local = os.path.join(staging_dir(result.save_folder), "final")
+        c.print(f"final model: {result.final_dir}  (local copy: lmforge generate --checkpoint {local})")
+    elif result.final_dir:
         c.print(f"final model: {result.final_dir}  (lmforge generate --checkpoint {result.final_dir})")
-    c.print(f"metrics:     {os.path.join(result.save_folder, 'metrics.jsonl')}")
+    c.print(f"metrics:     {join('metrics.jsonl')}")
+    report = join("report.html")
+    if remote or os.path.exists(report):
+        c.print(f"report:      {report}")
     if result.mlflow_ui:
         c.print(f"MLflow:      {result.mlflow_ui}")
 
 
 def dry_run(cfg, args) -> int:
     """Resolve every default without training; data preparation is not started for this."""
-    import yaml
+    import torch  # (lazy, like the two below: `lmforge --help` stays free of torch)
 
-    from lmforge.config.identity import with_default_names
-    from lmforge.config.model import padded_vocab
-    from lmforge.config.schema import TokenizerSpec
-    from lmforge.data.tokenizer import load_tokenizer
     from lmforge.distributed.dist import pick_device
-    from lmforge.estimate.plan import estimate_run, format_plan
     from lmforge.train.auto_model import resolve_auto
     from lmforge.train.plan import make_plan, resolved_config
 
@@ -188,28 +200,24 @@ def dry_run(cfg, args) -> int:
     device = pick_device(cfg.compute.device, 0)
     cfg = resolve_auto(cfg, device, log=print)
     if cfg.model.vocab_size is None:
-        vocab = cfg.tokenizer.train.vocab_size if isinstance(cfg.tokenizer, TokenizerSpec) else None
+        vocab = cfg.tokenizer.train.vocab_size if isinstance(cfg.tokenizer, TokenizerSpec) and cfg.tokenizer.train else None
         if isinstance(cfg.tokenizer, str) and os.path.exists(cfg.tokenizer):
             vocab = load_tokenizer(cfg.tokenizer).vocab_size
         if vocab:
             cfg.model.vocab_size = padded_vocab(vocab)
     world = cfg.compute.ranks or 1
     if device.type == "cuda":
-        import torch
-
         world = (torch.cuda.device_count() if cfg.compute.gpus == "auto" else cfg.compute.gpus) * cfg.compute.nodes
     plan = make_plan(cfg, world_size=world, device=device, samples_per_epoch=None, data_seq_len=None)
-    from lmforge.secrets import redact_config
-
-    resolved = redact_config(resolved_config(cfg, plan).model_dump(mode="json"))
+    resolved = secrets.redact_config(resolved_config(cfg, plan).model_dump(mode="json"))
     gpu_type = "cpu"
     if device.type == "cuda":
-        from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec
-
         name = detect_device_spec(device).name
         gpu_type = name if name in GPU_TYPES else "h100-sxm"
     est = estimate_run(cfg.model, tokens=plan.total_tokens, gpus=world if device.type == "cuda" else 1,
-                        gpu_type=gpu_type, seq_len=plan.context_length)
+                       gpu_type=gpu_type, seq_len=plan.context_length, micro_batch=plan.micro_batch,
+                       grad_accum=plan.grad_accum, price=cfg.compute.price_per_gpu_hour,
+                       expert_parallel=cfg.compute.expert_parallel if device.type == "cuda" else 1)
     if args.json:
         print(json.dumps({"config": resolved, "plan": est}, indent=1, default=str))
         return 0

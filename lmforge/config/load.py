@@ -105,6 +105,8 @@ def format_error(e: ValidationError, model: type[BaseModel] = RunConfig, source:
         msg = msg.replace(p, "")
     given = err.get("input")
     shown = "" if isinstance(given, (dict, list)) else f" (got {given!r})"
+    if not key:  # a whole-config check: its message names the keys itself
+        return f"{prefix}{msg}"
     return f"{prefix}{key}: {msg}{shown}"
 
 

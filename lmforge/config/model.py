@@ -9,11 +9,41 @@ their parameters and FLOPs.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lmforge.errors import UserError
+
+# Hugging Face architectures lmforge imports and exports; their specs: lmforge/models/families.py.
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral"]
+FAMILIES: tuple[str, ...] = get_args(Family)
+
+
+class RopeScaling(BaseModel):
+    """Long-context RoPE frequency scaling, as published with Llama 3.1+ (llama3), Qwen (yarn)
+    and older fine-tunes (linear). Values are Hugging Face's `rope_parameters` of the same name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["linear", "llama3", "yarn"] = Field(..., description="how the frequencies are rescaled")
+    factor: float = Field(..., gt=0, description="context extension factor")
+    original_max_seq_len: int | None = Field(
+        None, gt=0, description="llama3/yarn: context length of the original pretraining")
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3: wavelengths above original/low are scaled")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3: wavelengths below original/high are kept")
+    beta_fast: float = Field(32.0, gt=0, description="yarn: high-frequency boundary (rotations)")
+    beta_slow: float = Field(1.0, gt=0, description="yarn: low-frequency boundary (rotations)")
+    attention_factor: float | None = Field(None, gt=0, description="yarn: cos/sin scale; default 0.1·ln(factor)+1")
+    truncate: bool = Field(True, description="yarn: round the correction range to whole dimensions")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RopeScaling":
+        if self.type in ("llama3", "yarn") and self.original_max_seq_len is None:
+            raise ValueError(f"rope_scaling type {self.type} needs original_max_seq_len")
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("rope_scaling: high_freq_factor must be larger than low_freq_factor")
+        return self
 
 
 VOCAB_MULTIPLE = 64  # embedding and head matmuls run faster on multiples of 64
@@ -47,13 +77,18 @@ class ModelConfig(BaseModel):
     tie_embeddings: bool = Field(False, description="share input embedding and output head")
     clip_qkv: float | None = Field(None, gt=0, description="clamp q/k/v projections to ±clip_qkv")
     init_std: float = Field(0.02, gt=0, description="std of the normal init of weight matrices")
-    # Training-recipe options (bench/sweep.py measures each; the defaults are what won there).
-    qk_norm: bool = Field(False, description="RMSNorm on each head's queries and keys before RoPE (OLMo 2, Qwen3)")
-    mlp: Literal["swiglu", "relu2"] = Field(
-        "swiglu", description="dense feed-forward: swiglu (Llama) or relu2 (squared ReLU, hidden 4·d_model; Primer)")
-    logit_softcap: float | None = Field(
-        None, gt=0, description="cap output logits smoothly to ±softcap (tanh; Gemma 2, modded-nanogpt)")
-    z_loss: float = Field(0.0, ge=0, description="weight of the log(Z)² penalty on the output logits (PaLM)")
+    # Block features of published families (see lmforge/models/families.py); off = plain Llama.
+    family: Family | None = Field(
+        None, description="Hugging Face architecture for import/export; default: the family whose features match "
+        "(llama for a plain dense model, mixtral for MoE)")
+    qkv_bias: bool = Field(False, description="biases on the q/k/v projections (Qwen2)")
+    qk_norm: Literal["none", "head", "full"] = Field(
+        "none", description="RMSNorm on q and k before RoPE: per head (Qwen3) or over all heads (OLMo 2)")
+    norm_position: Literal["pre", "post"] = Field(
+        "pre", description="pre: normalize each sublayer's input; post: its output, before the residual add (OLMo 2)")
+    rope_scaling: RopeScaling | None = Field(None, description="long-context RoPE scaling (llama3, linear, yarn)")
+    sliding_window: int | None = Field(
+        None, gt=0, description="each token attends to at most this many tokens, itself included (Mistral)")
     # Mixture of experts (n_experts == 0 means a dense model).
     n_experts: int = Field(0, ge=0, description="experts per MoE layer; 0 = dense")
     top_k: int = Field(0, ge=0, description="experts each token is routed to")
@@ -69,6 +104,10 @@ class ModelConfig(BaseModel):
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({kv})")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.family == "mixtral" and not self.n_experts:
+            raise ValueError("family mixtral needs n_experts > 0 (a dense model is llama, mistral, qwen2, ...)")
+        if self.family not in (None, "mixtral") and self.n_experts:
+            raise ValueError(f"family {self.family} is dense; mixture-of-experts models export as mixtral")
         if self.n_experts and not (0 < self.top_k <= self.n_experts):
             raise ValueError(f"top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
         return self
@@ -86,8 +125,6 @@ class ModelConfig(BaseModel):
     def ffn_dim(self) -> int:
         if self.ffn_hidden:
             return self.ffn_hidden
-        if self.mlp == "relu2":  # one up-projection instead of two: 4·d keeps the FLOPs of 8/3·d SwiGLU
-            return 4 * self.d_model
         hidden = int(8 * self.d_model / 3)
         return 256 * ((hidden + 255) // 256)
 

@@ -26,7 +26,9 @@ def _type_name(annotation) -> str:
         return "null"
     name = getattr(annotation, "__name__", str(annotation))
     return {"DatasetEntry": "dataset", "Duration": "duration", "ModelConfig": "model shape",
-            "TokenizerSpec": "{train: …}", "MLflowConfig": "mlflow", "WandbConfig": "wandb"}.get(name, name)
+            "TokenizerSpec": "{train|extend: …}", "LoRAConfig": "{rank, alpha, dropout, targets}",
+            "TokenizerTrain": "{vocab_size, bos}", "TokenizerExtend": "{vocab_size, base}",
+            "RopeScaling": "{type, factor, …}", "MLflowConfig": "mlflow", "WandbConfig": "wandb"}.get(name, name)
 
 
 def _default(field) -> str:

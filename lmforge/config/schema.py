@@ -12,10 +12,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator, model_validator
 
+from lmforge.config.curation import CurateConfig
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.model import ModelConfig, resolve_model
 from lmforge.config.storage import ObjectStoreConfig, SecretsConfig
 from lmforge.config.tracking import TrackerConfig
+
+HANG_TIMEOUT_MIN_S = 5.0  # shorter timeouts fire on ordinary pauses (GC, a slow read)
 
 
 class _Strict(BaseModel):
@@ -31,6 +34,59 @@ class DatasetEntry(_Strict):
     path: str = Field(..., description="prepared MDS dataset, or raw text (files, globs, URIs, builtin:python-stdlib)")
     proportion: float | None = Field(None, gt=0, description="share of this dataset in the mix; default: by size")
     text_field: str = Field("text", description="JSON field / parquet column holding the text (raw inputs)")
+    curate: CurateConfig | None = Field(
+        None, description="raw inputs: dedup / filters / decontaminate on the way in (see docs/curation.md)")
+
+
+class Phase(_Strict):
+    """One phase of a curriculum: a mix that holds until a point of the run."""
+
+    until: str | None = Field(None, description="end of the phase: a duration ('20B tok', '500ba', '1M sp') or "
+                              "a fraction of the run ('0.8', '80%'); the last phase runs to the end")
+    mix: dict[str, float | None] = Field(..., description="dataset name → proportion (none given: by size)")
+
+    @field_validator("until", mode="before")
+    @classmethod
+    def _until(cls, v):
+        if v is None:
+            return None
+        if isinstance(v, bool):
+            raise ValueError("expected a duration like '20B tok' or a fraction of the run like 0.8 or '80%'")
+        if isinstance(v, (int, float)):
+            v = str(v)
+        phase_end(v)  # raises ValueError with the expected forms
+        return str(v).strip()
+
+    @field_validator("mix")
+    @classmethod
+    def _mix(cls, v):
+        if not v:
+            raise ValueError("a phase needs at least one dataset")
+        given = [p is not None for p in v.values()]
+        if any(given) and not all(given):
+            raise ValueError("give a proportion for every dataset of the phase or none")
+        for name, p in v.items():
+            if p is not None and not p > 0:
+                raise ValueError(f"proportion of {name!r} must be > 0, got {p}")
+        return v
+
+
+def phase_end(text: str) -> tuple[str, float]:
+    """A phase end point: ('frac', f) with 0 < f <= 1, or (unit, value) of a step-countable duration."""
+    t = str(text).strip()
+    try:
+        f = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        f = None
+    if f is not None:
+        if not 0 < f <= 1:
+            raise ValueError(f"a fraction of the run must be in (0, 1], got {text!r}")
+        return "frac", f
+    d = parse_duration(t, "phase end")
+    if d.unit not in ("tok", "ba", "sp"):
+        raise ValueError(f"a phase ends after tokens, steps or samples ('20B tok', '500ba', '1M sp') "
+                         f"or at a fraction of the run, not {text!r}")
+    return d.unit, d.value
 
 
 class TokenizerTrain(_Strict):
@@ -47,8 +103,22 @@ class TokenizerTrain(_Strict):
     bos: bool = Field(False, description="also add a beginning-of-text token")
 
 
+class TokenizerExtend(_Strict):
+    vocab_size: int = Field(..., gt=0, description="vocabulary size after extension (more than the base tokenizer's)")
+    base: str | None = Field(None, description="tokenizer folder to extend; default: the one with custom_weights_path")
+
+
 class TokenizerSpec(_Strict):
-    train: TokenizerTrain = Field(..., description="train a byte-level BPE on the training data")
+    train: TokenizerTrain | None = Field(None, description="train a byte-level BPE on the training data")
+    extend: TokenizerExtend | None = Field(
+        None, description="continued pretraining: add BPE merges learned on the training data to the model's "
+        "tokenizer; new embedding rows start as the mean of their old pieces")
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.train is None) == (self.extend is None):
+            raise ValueError("give exactly one of train: {vocab_size: N} or extend: {vocab_size: N}")
+        return self
 
 
 class EvalConfig(_Strict):
@@ -93,8 +163,15 @@ class Parameters(_Strict):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null to turn off")
-    precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="bf16 autocast where the hardware supports it, else fp32")
+    precision: Literal["auto", "bf16", "fp32", "fp8"] = Field(
+        "auto", description="bf16 autocast where the hardware supports it, else fp32; fp8: FP8 matmuls in the "
+        "linear layers (torchao, lmforge[gpu]; GPUs of compute capability 8.9+), bf16 elsewhere")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="precision fp8: one scale per tensor (fastest; FP8 all-gather under FSDP) or "
+        "per row (more accurate)")
+    document_masking: bool = Field(
+        False, description="pretraining: a token attends only to earlier tokens of its own document (documents "
+        "end at the tokenizer's end-of-text token in the packed samples); fine-tuning rows always are")
     seed: int = Field(17, description="seed for init, data order and sampling")
 
 
@@ -126,6 +203,9 @@ class ComputeConfig(_Strict):
     data_parallel: Literal["ddp", "fsdp", "hsdp", "none"] = Field("ddp", description="how ranks share the model")
     # --- scale-out (lmforge.distributed; see docs/scale-out.md)
     shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (default: ranks per node)")
+    expert_parallel: int = Field(
+        1, ge=1, description="MoE, fsdp/hsdp: split each layer's experts over N ranks (E/N each), tokens sent to "
+        "them by all-to-all; N divides n_experts and the ranks of a shard group")
     reshard_after_forward: bool = Field(
         True, description="fsdp/hsdp: free gathered weights after forward (less memory, one more all-gather)")
     node_rank: int = Field(0, ge=0, description="multi-node: this node's index (0 … nodes-1)")
@@ -136,8 +216,30 @@ class ComputeConfig(_Strict):
         "outputs, recompute the rest), or N (every N-th block)")
     async_checkpoint: bool = Field(True, description="write checkpoints in the background while training continues")
     # --- end scale-out
-    compile: bool = Field(False, description="torch.compile each transformer block")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each transformer block and the norm + head + loss; auto: on CUDA")
+    loss_kernel: Literal["auto", "chunked", "liger"] = Field(
+        "auto", description="output head + cross-entropy without whole logits: liger-kernel's fused kernel (CUDA, "
+        "lmforge[gpu]) or lmforge's chunked one; auto: liger where installed on CUDA, else chunked")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+    hang_timeout: float | None = Field(
+        None, description="seconds (or '10min') without a completed training step before every rank dumps its "
+        "stacks and the run restarts; default: 20× the median step time, at least 5 minutes")
+
+    @field_validator("hang_timeout", mode="before")
+    @classmethod
+    def _hang_timeout(cls, v):
+        if isinstance(v, str):
+            d = parse_duration(v, "hang_timeout")
+            if d.unit != "s":
+                raise ValueError(f"expected seconds or a wall-clock duration like '90s' or '10min', got {v!r}")
+            v = d.value
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < HANG_TIMEOUT_MIN_S:
+            raise ValueError(f"{v:g}s is below the floor of {HANG_TIMEOUT_MIN_S:g}s")
+        return v
+    price_per_gpu_hour: float | None = Field(
+        None, ge=0, description="price of one device (GPU, or CPU rank) per hour: the progress line, `runs describe` "
+        "and the report show the cost so far and the estimated cost to finish")
 
     @field_validator("activation_checkpointing")
     @classmethod
@@ -145,6 +247,30 @@ class ComputeConfig(_Strict):
         if isinstance(v, int) and not isinstance(v, bool) and v < 1:
             raise ValueError("expected false, true, full, selective or a positive integer N (every N-th block)")
         return v
+
+
+# The projections LoRA can target, by their Hugging Face / PEFT names (attention, then MLP).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAConfig(_Strict):
+    """Low-rank adapters on a frozen base model (lmforge/models/lora.py). Defaults: README,
+    "Where the defaults come from" (all seven projections at rank 4: < 2% of llama-tiny)."""
+    rank: int = Field(4, gt=0, description="rank r of each adapter")
+    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / rank")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapter's input")
+    targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS),
+                               description="projections to adapt: " + ", ".join(LORA_TARGETS))
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, v):
+        if not v:
+            raise ValueError("at least one target is needed")
+        for t in v:
+            if t not in LORA_TARGETS:
+                raise ValueError(f"unknown target {t!r}; expected some of {', '.join(LORA_TARGETS)}")
+        return list(dict.fromkeys(v))
 
 
 class SFTOptions(_Strict):
@@ -159,8 +285,13 @@ class RunConfig(_Strict):
         ..., description="preset name, {preset: ..., overrides}, a full shape, or auto (the shape expected to "
         "reach the lowest loss for training_duration on this machine)")
     tokenizer: str | TokenizerSpec | None = Field(
-        None, description="tokenizer folder, or {train: {vocab_size: N}}; default: the one the data was prepared with")
-    train_data: list[DatasetEntry] = Field(..., description="path/URI, list, or {name: {path, proportion}} mix")
+        None, description="tokenizer folder, {train: {vocab_size: N}} to train one, or {extend: {vocab_size: N}} to grow "
+        "the custom_weights_path model's; default: the one the data was prepared with")
+    train_data: list[DatasetEntry] = Field(
+        ..., description="path/URI, list, {name: {path, proportion}} mix, or a curriculum: a list of phases "
+        "[{until, mix}, ...] (stored as the datasets here plus `curriculum`)")
+    curriculum: list[Phase] | None = Field(
+        None, description="phases that change the mix (normally written as train_data: [{until, mix}, ...])")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation while training")
     save_folder: str | None = Field(None, description="checkpoints, metrics, exports; default runs/<name>")
     save_interval: DurationField | None = Field(None, description="checkpoint every …; default: ~5 per run")
@@ -176,8 +307,12 @@ class RunConfig(_Strict):
         "pretrain", description="instruction_finetune / chat_completion: train_data and eval.data_path are "
         "JSONL prompt/response or messages rows, loss on responses only (lmforge finetune)")
     sft: SFTOptions = Field(default_factory=SFTOptions, description="fine-tuning data options")
+    lora: LoRAConfig | None = Field(
+        None, description="train low-rank adapters on the frozen custom_weights_path model instead of all weights "
+        "({rank, alpha, dropout, targets}); the final model is merged, final/adapter is a PEFT adapter")
     autoresume: bool = Field(True, description="continue from the latest checkpoint in save_folder")
-    max_retries: int = Field(2, ge=0, description="automatic restarts after a crash (supervised runs)")
+    max_retries: int = Field(2, ge=0, description="restarts after a crash or a hang, in all (by the supervisor or "
+                             "torchrun); each resumes from the latest checkpoint")
     log_interval: int = Field(10, ge=1, description="steps between console/tracker log lines")
     # [object-store] remote save_folder / train_data settings (lmforge/config/storage.py)
     object_store: ObjectStoreConfig = Field(default_factory=ObjectStoreConfig, description="endpoint, retries")
@@ -188,6 +323,44 @@ class RunConfig(_Strict):
     @classmethod
     def _model(cls, v):
         return "auto" if v == "auto" else resolve_model(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _phases(cls, data):
+        """`train_data: [{until, mix: {name: {path, proportion}}}, ...]` → datasets + `curriculum`."""
+        td = data.get("train_data") if isinstance(data, dict) else None
+        if not (isinstance(td, list) and any(isinstance(e, dict) and "mix" in e for e in td)):
+            return data
+        if data.get("curriculum") is not None:
+            raise ValueError("train_data: phases are given in train_data; do not also set curriculum")
+        datasets: dict[str, dict] = {}
+        phases = []
+        for i, phase in enumerate(td):
+            if not isinstance(phase, dict) or not isinstance(phase.get("mix"), dict):
+                raise ValueError(f"train_data[{i}]: every phase of a curriculum is a mapping with "
+                                 "`mix: {name: {path, proportion}}` (and `until:`)")
+            mix = {}
+            for name, entry in phase["mix"].items():
+                if isinstance(entry, (int, float)) and not isinstance(entry, bool):
+                    entry = {"proportion": entry}  # a dataset defined (with its path) in another phase
+                elif isinstance(entry, str):
+                    entry = {"path": entry}
+                elif not isinstance(entry, dict):
+                    raise ValueError(f"train_data[{i}].mix.{name}: expected a path, a proportion or "
+                                     "{path, proportion}")
+                entry = dict(entry)
+                mix[name] = entry.pop("proportion", None)
+                if entry:
+                    seen = datasets.setdefault(name, {"name": name, **entry})
+                    if {"name": name, **entry} != seen:
+                        raise ValueError(f"train_data[{i}].mix.{name}: defined differently in an earlier phase "
+                                         f"({seen}); a dataset keeps one path and settings in every phase")
+            phases.append({k: v for k, v in phase.items() if k != "mix"} | {"mix": mix})
+        for i, phase in enumerate(phases):
+            for name in phase["mix"]:
+                if name not in datasets:
+                    raise ValueError(f"train_data[{i}].mix.{name}: no phase gives this dataset's path")
+        return dict(data, train_data=list(datasets.values()), curriculum=phases)
 
     @field_validator("train_data", mode="before")
     @classmethod
@@ -210,7 +383,46 @@ class RunConfig(_Strict):
     def _names(self):
         if not self.train_data:
             raise ValueError("train_data: at least one dataset is required")
+        if self.lora is not None and not self.custom_weights_path:
+            raise ValueError("lora: needs custom_weights_path (the frozen model the adapters are trained on)")
+        dense_only = [t for t in (self.lora.targets if self.lora else []) if t in ("gate_proj", "up_proj", "down_proj")]
+        if dense_only and self.model.is_moe:
+            raise ValueError(f"lora.targets: {dense_only[0]} matches no module of this model (mixture-of-experts "
+                             "layers have no dense MLP projections; target q_proj, k_proj, v_proj, o_proj)")
+        if self.lora is not None and isinstance(self.tokenizer, TokenizerSpec) and self.tokenizer.extend:
+            raise ValueError("lora: cannot be combined with tokenizer.extend (new embedding rows must be trained)")
+        if isinstance(self.tokenizer, TokenizerSpec) and self.tokenizer.extend and not self.custom_weights_path:
+            raise ValueError("tokenizer.extend: needs custom_weights_path (the model whose vocabulary is extended)")
         for i, entry in enumerate(self.train_data):
             if entry.name is None:
                 entry.name = f"d{i}"
+            cur = entry.curate
+            if cur and cur.decontaminate and not cur.decontaminate.tasks and not self.eval.icl_tasks:
+                raise ValueError(f"train_data.{entry.name}.curate.decontaminate: no ICL tasks to decontaminate "
+                                 "against; set eval.icl_tasks or curate.decontaminate.tasks")
+        if self.curriculum:
+            self._check_curriculum()
         return self
+
+    def _check_curriculum(self) -> None:
+        """What can be checked before the plan: names, and end points increasing within a unit."""
+        names = {d.name for d in self.train_data}
+        last: dict[str, float] = {}
+        run = self.training_duration
+        for i, phase in enumerate(self.curriculum):
+            unknown = sorted(set(phase.mix) - names)
+            if unknown:
+                raise ValueError(f"curriculum[{i}].mix: unknown dataset {', '.join(unknown)} "
+                                 f"(datasets: {', '.join(sorted(names))})")
+            if phase.until is None:
+                if i != len(self.curriculum) - 1:
+                    raise ValueError(f"train_data[{i}].until: only the last phase may leave out its end point")
+                continue
+            unit, value = phase_end(phase.until)
+            if unit in last and value <= last[unit]:
+                raise ValueError(f"train_data[{i}].until: end points must increase ({phase.until!r} is not "
+                                 "after the previous phase's end)")
+            last[unit] = value
+            if unit == run.unit and value > run.value:
+                raise ValueError(f"train_data[{i}].until: {phase.until!r} is past the end of the run "
+                                 f"(training_duration {run})")

@@ -27,12 +27,20 @@ class Batch:
     doc_ids: torch.Tensor | None = None
 
     @classmethod
-    def from_tokens(cls, tokens: torch.Tensor) -> "Batch":
-        """Plain language modelling: every position predicts the next token of its row."""
+    def from_tokens(cls, tokens: torch.Tensor, eos_id: int | None = None) -> "Batch":
+        """Plain language modelling: every position predicts the next token of its row.
+
+        With ``eos_id`` (document masking) the rows are split into their documents: a position's
+        document id is the number of end-of-text tokens before it, so each document ends with
+        its own EOS and attention stays inside it."""
         targets = torch.empty_like(tokens)
         targets[:, :-1] = tokens[:, 1:]
         targets[:, -1] = IGNORE
-        return cls(tokens, targets)
+        doc_ids = None
+        if eos_id is not None:
+            ends = (tokens == eos_id).to(torch.int32)
+            doc_ids = ends.cumsum(1, dtype=torch.int32) - ends
+        return cls(tokens, targets, doc_ids)
 
     @classmethod
     def from_masked(cls, tokens: torch.Tensor, trained: torch.Tensor, doc_ids: torch.Tensor | None) -> "Batch":
@@ -81,6 +89,16 @@ class BatchStream(Protocol):
 
     def close(self) -> None: ...
 
+    def phase(self) -> str | None:
+        """The curriculum phase the next batch comes from, for a log line ("phase 2/3: web 30%,
+        hq 70%"); None when the data has no phases."""
+        ...
+
+    def metrics(self) -> dict:
+        """What the trainer logs about the data at each log step (e.g. the phase and its mix);
+        may be empty."""
+        ...
+
 
 @dataclass(frozen=True)
 class StreamLayout:
@@ -94,6 +112,7 @@ class StreamLayout:
     seed: int = 0
     num_workers: int = 0  # DataLoader worker processes (training stream only)
     pin_memory: bool = False
+    document_eos: int | None = None  # pretraining document masking: the end-of-text id that ends a document
 
 
 @dataclass

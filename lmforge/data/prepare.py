@@ -24,7 +24,6 @@ DEST, a local temp folder for an object-store DEST) and published at the end, th
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import os
@@ -89,24 +88,6 @@ def split_value(raw: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 
-# One encoder per worker process, built by the pool initializer (a process-local, not shared state).
-_WORKER: _Encoder | None = None
-
-
-def _init_worker(tokenizer_json: str, eos_id: int, eval_fraction: float, threads_per_worker: int) -> None:
-    global _WORKER
-    # The tokenizer's Rust thread pool would otherwise start one thread per core in every worker.
-    os.environ["RAYON_NUM_THREADS"] = str(threads_per_worker)
-    if threads_per_worker <= 1:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER = _Encoder(tokenizer_json, eos_id, eval_fraction)
-
-
-def _worker_encode(texts: list[str]) -> dict:
-    assert _WORKER is not None
-    return _WORKER.encode_chunk(texts)
-
-
 def _chunks(docs: Iterable[str], max_chars: int | None = None) -> Iterator[list[str]]:
     max_chars = max_chars or CHUNK_CHARS
     batch: list[str] = []
@@ -121,34 +102,14 @@ def _chunks(docs: Iterable[str], max_chars: int | None = None) -> Iterator[list[
         yield batch
 
 
-def _encoded_chunks(docs: Iterable[str], tok: Tokenizer, eval_fraction: float, workers: int) -> Iterator[dict]:
-    """Encoded chunks in input order, tokenized in-process (workers=1) or by a process pool."""
-    if workers <= 1:
-        enc = _Encoder(tok.to_json(), tok.eos_id, eval_fraction)
-        for chunk in _chunks(docs):
-            yield enc.encode_chunk(chunk)
-        return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+def _encoded_chunks(docs: Iterable[str], tok: Tokenizer, eval_fraction: float, workers: int,
+                    curator=None) -> Iterator[tuple[list[str], dict]]:
+    """(chunk, encoded chunk) in input order; tokenized in-process (workers=1) or by a process pool,
+    after the curation steps when ``curator`` is given (lmforge.data.curate)."""
+    from lmforge.data.curate.pipeline import run
 
-    cores = os.cpu_count() or 1
-    threads = max(1, cores // workers)
-    # spawn, not fork: a forked copy of a tokenizer that already ran its thread pool can deadlock.
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(tok.to_json(), tok.eos_id, eval_fraction, threads)) as pool:
-        pending: collections.deque = collections.deque()
-        try:
-            for chunk in _chunks(docs, CHUNK_CHARS_POOL):
-                pending.append(pool.submit(_worker_encode, chunk))
-                # Bounded look-ahead keeps memory flat while every worker stays busy.
-                while len(pending) > 2 * workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            for f in pending:
-                f.cancel()
+    chunks = _chunks(docs, CHUNK_CHARS if workers <= 1 else CHUNK_CHARS_POOL)
+    yield from run(chunks, curator, workers=workers, encoder=(_Encoder, (tok.to_json(), tok.eos_id, eval_fraction)))
 
 
 # ----------------------------------------------------------------------------- packing
@@ -334,14 +295,22 @@ def _check_args(seq_len, eval_fraction, workers, compression) -> str | None:
 def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_len: int, *,
             eval_fraction: float = 0.0, workers: int = 1, compression: str | None = "zstd",
             text_field: str = "text", overwrite: bool = False, progress: bool | None = None,
-            log: Callable[[str], None] | None = None) -> dict:
+            log: Callable[[str], None] | None = None, curate=None, removed_out: str | None = None) -> dict:
     """Tokenize and pack ``inputs`` into the prepared dataset ``out``; returns its marker/summary.
 
-    A re-run with the same inputs, arguments and tokenizer returns the existing summary with
+    ``curate`` (a ``CurateConfig`` or its mapping) deduplicates, filters and decontaminates the
+    documents first; the summary's ``curation`` counts every removal by reason, and
+    ``removed_out`` receives a sample of removed documents per reason. A re-run with the same
+    inputs, arguments (curation included) and tokenizer returns the existing summary with
     ``already_prepared: True`` and writes nothing.
     """
     inputs = [inputs] if isinstance(inputs, str) else [str(i) for i in inputs]
     compression = _check_args(seq_len, eval_fraction, workers, compression)
+    from lmforge.data.curate import resolve_curation
+
+    curate, index = resolve_curation(curate)
+    if removed_out is not None and os.path.isfile(removed_out):
+        raise UserError(f"--removed-out {removed_out}: exists and is not a folder")
     eval_fraction = float(eval_fraction)
     out = str(out)
     tok = load_tokenizer(tokenizer)
@@ -358,6 +327,11 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
         "tokenizer": {"path": tok_path, "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
                       "eos_id": tok.eos_id, "pad_id": tok.pad_id, "bos_id": tok.bos_id},
     }
+
+    if curate is not None:  # only then: datasets prepared without curation keep their identity
+        marker["args"]["curate"] = curate.model_dump(mode="json")
+        if index is not None:
+            marker["args"]["decontaminate_index"] = index.fingerprint
 
     existing = _existing_marker(out)
     if existing is not None and _identity(existing) == _identity(marker):
@@ -385,8 +359,13 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
         shutil.rmtree(stage, ignore_errors=True)
         os.makedirs(stage)
     try:
+        curator = None
+        if curate is not None:
+            from lmforge.data.curate.curator import Curator
+
+            curator = Curator(curate, index)
         summary = _build(sources, tok, stage, seq_len, eval_fraction, workers, compression, text_field, stats,
-                         inputs, progress)
+                         inputs, progress, curator)
         marker |= summary
         marker["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         with open(os.path.join(stage, MARKER), "w") as f:
@@ -395,12 +374,14 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
         _publish(stage, out, listing is not None)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+    if curator is not None and removed_out:
+        marker["curation"]["removed_samples"] = curator.acct.write_samples(removed_out)
     return marker
 
 
 def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: float, workers: int,
            compression: str | None, text_field: str, stats: SourceStats, inputs: list[str],
-           progress: bool | None) -> dict:
+           progress: bool | None, curator=None) -> dict:
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     packers = {"train": _Packer(os.path.join(stage, "train"), seq_len, dtype, compression)}
     if eval_fraction > 0:
@@ -419,7 +400,7 @@ def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: flo
     start = time.perf_counter()
     docs = tokens = 0
     try:
-        for result in _encoded_chunks(documents(), tok, eval_fraction, workers):
+        for _, result in _encoded_chunks(documents(), tok, eval_fraction, workers, curator):
             nbytes = 0
             for split, (ids, ndocs, b) in result.items():
                 if split in packers:
@@ -432,6 +413,11 @@ def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: flo
         bar.close()
     if stats.documents == 0:
         raise UserError(no_documents_message(inputs, stats))
+    curation = curator.summary() if curator is not None else None
+    if curation is not None and curation["documents_kept"] == 0:
+        raise UserError(f"curation removed all {curation['documents_in']} documents (by reason: "
+                        f"{', '.join(f'{k} {v}' for k, v in curation['by_reason'].items())}); loosen or turn off "
+                        "the filters that removed them")
     splits = {name: p.finish() for name, p in packers.items()}
     seconds = time.perf_counter() - start
     if splits["train"]["samples"] == 0:
@@ -456,7 +442,7 @@ def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: flo
         "seconds": round(seconds, 3),
         "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
         "workers": workers,
-    }
+    } | ({"curation": curation} if curation is not None else {})
 
 
 def _publish(stage: str, out: str, out_exists: bool) -> None:

@@ -17,11 +17,12 @@ from functools import partial
 from itertools import islice
 from typing import Iterator
 
+from lmforge.config.curation import CurateConfig
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.data import remote
 from lmforge.data.batch import Batch, EvalSet, StreamLayout
 from lmforge.data.prepare import MARKER
-from lmforge.data.stream import DatasetSpec, TokenStream
+from lmforge.data.stream import DatasetSpec, StreamPhase, TokenStream
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 from lmforge.home import cache_dir
@@ -57,9 +58,13 @@ class ResolvedData:
     eval: list[tuple[ResolvedDataset, str]]  # (dataset, split) pairs to evaluate on
     kind: str = "pretrain"
     chat_template: str | None = None
+    # A curriculum: the mix of each phase and where it ends on the global sample axis. Set by
+    # `train.setup` once the plan has put the ends on optimizer steps; None: one mix (`train`).
+    phases: list[StreamPhase] | None = None
 
     def train_stream(self, layout: StreamLayout) -> TokenStream:
-        return _token_stream([DatasetSpec(d.name, d.path, d.proportion) for d in self.train], layout)
+        return _token_stream([DatasetSpec(d.name, d.path, d.proportion) for d in self.train], layout,
+                             phases=self.phases)
 
     def eval_sets(self, layout: StreamLayout, max_batches: int) -> list[EvalSet]:
         # Each pass reads the same first micro-batches of the split: one micro-batch per rank per
@@ -74,10 +79,12 @@ class ResolvedData:
         return sets
 
 
-def _token_stream(specs: list[DatasetSpec], layout: StreamLayout, split: str = "train") -> TokenStream:
+def _token_stream(specs: list[DatasetSpec], layout: StreamLayout, split: str = "train",
+                  phases: list[StreamPhase] | None = None) -> TokenStream:
     return TokenStream(specs, seq_len=layout.seq_len, micro_batch_size=layout.micro_batch,
                        global_batch_size=layout.global_batch, rank=layout.rank, world_size=layout.world_size,
-                       seed=layout.seed, num_workers=layout.num_workers, split=split, pin_memory=layout.pin_memory)
+                       seed=layout.seed, num_workers=layout.num_workers, split=split, pin_memory=layout.pin_memory,
+                       phases=phases, document_eos=layout.document_eos)
 
 
 def _first_batches(spec: DatasetSpec, layout: StreamLayout, split: str, n: int) -> Iterator[Batch]:
@@ -122,6 +129,8 @@ def _key(obj) -> str:
 
 def resolve_tokenizer(cfg: RunConfig, log=print) -> str:
     spec = cfg.tokenizer
+    if isinstance(spec, TokenizerSpec) and spec.extend is not None:
+        return _extended_tokenizer(cfg, log)
     if isinstance(spec, TokenizerSpec):
         raw = [d for d in cfg.train_data if not is_prepared(d.path)]
         if not raw:
@@ -152,18 +161,66 @@ def resolve_tokenizer(cfg: RunConfig, log=print) -> str:
     raise UserError("tokenizer: required (a tokenizer folder, or {train: {vocab_size: N}} to train one)")
 
 
+def _extended_tokenizer(cfg: RunConfig, log=print) -> str:
+    """`tokenizer: {extend: …}`: the weights' tokenizer plus merges learned on the raw train_data
+    (`vocab_extension`), made once into ``cache/tokenizers/<key>``."""
+    from lmforge.data.vocab_extension import extend_tokenizer
+
+    spec = cfg.tokenizer.extend
+    base = spec.base  # filled from custom_weights_path by train.setup when left out
+    if base is None:
+        raise UserError("tokenizer.extend.base: not set (the tokenizer folder to extend)")
+    raw = [d for d in cfg.train_data if not is_prepared(d.path)]
+    if not raw:
+        raise UserError("tokenizer.extend: needs raw text in train_data to learn new merges from, but every "
+                        "train_data entry is an already prepared dataset")
+    inputs = [d.path for d in raw]
+    key = _key({"inputs": _fingerprint(inputs), "base": load_tokenizer(base).fingerprint,
+                "extend": spec.vocab_size, "fields": [d.text_field for d in raw]})
+    out = os.path.join(cache_dir("tokenizers"), key)
+    if os.path.exists(os.path.join(out, "tokenizer.json")):
+        log(f"tokenizer: reusing {out}")
+        return out
+    log(f"tokenizer: extending {base} to {spec.vocab_size} tokens with merges learned on {', '.join(inputs)} → {out}")
+    extend_tokenizer(base, inputs, spec.vocab_size, out, text_field=raw[0].text_field)
+    return out
+
+
 def _prepare_cached(inputs: list[str], tokenizer_path: str, seq_len: int, eval_fraction: float,
-                    text_field: str, log=print) -> str:
+                    text_field: str, log=print, curate: CurateConfig | None = None) -> str:
     from lmforge.data.prepare import prepare
 
-    key = _key({"inputs": _fingerprint(inputs), "tok": load_tokenizer(tokenizer_path).fingerprint,
-                "seq": seq_len, "eval": eval_fraction, "field": text_field})
-    out = os.path.join(cache_dir("data"), key)
+    ident = {"inputs": _fingerprint(inputs), "tok": load_tokenizer(tokenizer_path).fingerprint,
+             "seq": seq_len, "eval": eval_fraction, "field": text_field}
+    if curate is not None and curate.active:  # curation settings are part of the key (absent: keys as before)
+        ident["curate"] = curate.model_dump(mode="json")
+    else:
+        curate = None
+    out = os.path.join(cache_dir("data"), _key(ident))
     if not os.path.exists(os.path.join(out, SUMMARY_FILE)):
-        log(f"data: preparing {', '.join(inputs)} (seq {seq_len}, {eval_fraction:.1%} held out) → {out}")
-    prepare(inputs, tokenizer_path, out, seq_len, eval_fraction=eval_fraction, workers=min(4, os.cpu_count() or 1),
-            text_field=text_field, progress=None)
+        log(f"data: preparing {', '.join(inputs)} (seq {seq_len}, {eval_fraction:.1%} held out"
+            f"{', curated' if curate else ''}) → {out}")
+    # overwrite: the folder is ours, keyed by the settings; a stale one (e.g. eval task files edited
+    # under the same path, which changes the decontamination index) is rebuilt.
+    summary = prepare(inputs, tokenizer_path, out, seq_len, eval_fraction=eval_fraction,
+                      workers=min(4, os.cpu_count() or 1), text_field=text_field, progress=None, curate=curate,
+                      overwrite=True)
+    if curate is not None and not summary.get("already_prepared"):
+        c = summary["curation"]
+        log(f"data: curation kept {c['documents_kept']:,} of {c['documents_in']:,} documents"
+            + (f" (removed: {', '.join(f'{k} {v}' for k, v in c['by_reason'].items())})" if c["by_reason"] else "")
+            + (f"; contaminated tasks: {', '.join(f'{k} {v}' for k, v in c['contaminated_tasks'].items())}"
+               if c["contaminated_tasks"] else ""))
     return out
+
+
+def _curation_for(cfg: RunConfig, curate: CurateConfig | None) -> CurateConfig | None:
+    """A dataset's curate settings, with decontamination defaulting to the run's own ICL tasks."""
+    if curate is None or curate.decontaminate is None or curate.decontaminate.tasks:
+        return curate
+    d = curate.decontaminate.model_copy(update={"tasks": cfg.eval.icl_tasks,
+                                                "data_root": curate.decontaminate.data_root or cfg.eval.data_root})
+    return curate.model_copy(update={"decontaminate": d})
 
 
 def resolve_data(cfg: RunConfig, seq_len: int, log=print) -> ResolvedData:
@@ -174,7 +231,8 @@ def resolve_data(cfg: RunConfig, seq_len: int, log=print) -> ResolvedData:
         if is_prepared(d.path):
             path = d.path
         else:
-            path = _prepare_cached([d.path], tokenizer_path, seq_len, cfg.eval.holdout_fraction, d.text_field, log)
+            path = _prepare_cached([d.path], tokenizer_path, seq_len, cfg.eval.holdout_fraction, d.text_field, log,
+                                   curate=_curation_for(cfg, d.curate))
         train.append(ResolvedDataset(d.name, path, d.proportion, _read_summary(path)))
     evals: list[tuple[ResolvedDataset, str]] = []
     if cfg.eval.data_path:

@@ -6,10 +6,11 @@ that closes them) are trained on; everything else is context.
 
 - ``instruction_finetune``: a prompt/response row is ``prompt + response + <eos>``, the prompt
   used exactly as written (put any instruction format in the data itself).
-- ``chat_completion`` (and every ``messages`` row): the chat template below. It is plain text,
-  so it works with any tokenizer without new special tokens, and its Jinja form is written into
-  the exported ``tokenizer_config.json`` so ``tokenizer.apply_chat_template`` produces the
-  same text in transformers/vLLM.
+- ``chat_completion`` (and every ``messages`` row): the tokenizer's own chat template when it
+  has one (``lmforge.data.chat``: Llama 3, Qwen, … instruct models keep their format), else the
+  plain template below. That one is plain text, so it works with any tokenizer without new
+  special tokens, and its Jinja form is written into the exported ``tokenizer_config.json`` so
+  ``tokenizer.apply_chat_template`` produces the same text in transformers/vLLM.
 
 Packing puts several examples into one ``context_length`` row; each token carries the index of
 its example (``doc_ids``) and the model's attention is block-diagonal causal over them, so an
@@ -79,8 +80,9 @@ def _open_lines(path: str):
             raise UserError(f"{path}: no such file (expected JSONL with prompt/response or messages rows)") from None
 
 
-def _segments(row, where: str, task: str) -> list[tuple[str, bool]]:
-    """Validate one row and turn it into (text, trained) segments."""
+def _segments(row, where: str, task: str, template=None) -> list[tuple[str, bool]]:
+    """Validate one row and turn it into (text, trained) segments (`Rendered` ones with a
+    tokenizer's chat template)."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected a JSON object with prompt/response or messages")
     if "messages" in row:
@@ -90,7 +92,7 @@ def _segments(row, where: str, task: str) -> list[tuple[str, bool]]:
         for j, m in enumerate(msgs):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise UserError(f"{where}: messages[{j}] needs 'role' and 'content'")
-            if m["role"] not in ROLES:
+            if not isinstance(m["role"], str) or (template is None and m["role"] not in ROLES):
                 raise UserError(f"{where}: messages[{j}].role {m['role']!r} is unknown; expected one of {', '.join(ROLES)}")
             if not isinstance(m["content"], str):
                 raise UserError(f"{where}: messages[{j}].content must be a string")
@@ -98,7 +100,7 @@ def _segments(row, where: str, task: str) -> list[tuple[str, bool]]:
                 raise UserError(f"{where}: messages[{j}] is an empty assistant response")
         if not any(m["role"] == "assistant" for m in msgs):
             raise UserError(f"{where}: field 'messages' has no assistant message to learn from")
-        return render_chat(msgs)
+        return template.segments(msgs, where) if template is not None else render_chat(msgs)
     missing = [k for k in ("prompt", "response") if k not in row]
     if missing:
         raise UserError(f"{where}: missing field {missing[0]!r} (each row needs prompt and response, or messages)")
@@ -109,12 +111,14 @@ def _segments(row, where: str, task: str) -> list[tuple[str, bool]]:
     if not response.strip():
         raise UserError(f"{where}: field 'response' is empty")
     if task == "chat_completion":
-        return render_chat([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}])
+        turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        return template.segments(turns, where) if template is not None else render_chat(turns)
     return [(prompt, False), (response, True)]
 
 
-def read_examples(paths: list[str], task: str) -> list[list[tuple[str, bool]]]:
-    """Every row of every file as template segments; the first bad row stops with file:line."""
+def read_examples(paths: list[str], task: str, template=None) -> list[list[tuple[str, bool]]]:
+    """Every row of every file as template segments; the first bad row stops with file:line.
+    `template`: the tokenizer's own chat template (`lmforge.data.chat`), or None for ours."""
     examples = []
     for path in paths:
         for name, i, line in _open_lines(path):
@@ -125,7 +129,7 @@ def read_examples(paths: list[str], task: str) -> list[list[tuple[str, bool]]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{where}: not valid JSON ({e.msg})") from None
-            examples.append(_segments(row, where, task))
+            examples.append(_segments(row, where, task, template))
     if not examples:
         raise UserError(f"{', '.join(paths)}: no examples (expected JSONL rows with prompt/response or messages)")
     return examples
@@ -134,7 +138,12 @@ def read_examples(paths: list[str], task: str) -> list[list[tuple[str, bool]]]:
 # --------------------------------------------------------------------------- tokenize and pack
 
 def tokenize_example(segments: list[tuple[str, bool]], tokenizer) -> tuple[list[int], list[bool]]:
-    """Token ids and, per token, whether it is trained on. Each trained segment ends with eos."""
+    """Token ids and, per token, whether it is trained on. Each trained segment ends with eos
+    (a tokenizer's own chat template writes its own end-of-turn tokens instead)."""
+    from lmforge.data.chat import Rendered, tokenize_rendered
+
+    if isinstance(segments, Rendered):
+        return tokenize_rendered(segments, tokenizer)
     ids: list[int] = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     trained: list[bool] = [False] * len(ids)
     for text, is_target in segments:
@@ -204,8 +213,9 @@ def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int
     return PackedRows(tokens, flags, docs, examples=len(examples) - dropped, truncated=truncated, dropped=dropped)
 
 
-def load_rows(paths: list[str], tokenizer, seq_len: int, *, task: str, packing: bool, seed: int) -> PackedRows:
-    examples = [tokenize_example(s, tokenizer) for s in read_examples(paths, task)]
+def load_rows(paths: list[str], tokenizer, seq_len: int, *, task: str, packing: bool, seed: int,
+              template=None) -> PackedRows:
+    examples = [tokenize_example(s, tokenizer) for s in read_examples(paths, task, template)]
     return pack(examples, seq_len, tokenizer.pad_id, packing=packing, seed=seed)
 
 
@@ -219,8 +229,9 @@ class SFTStream:
     """
 
     def __init__(self, rows: PackedRows, *, micro_batch_size: int, global_batch_size: int, rank: int,
-                 world_size: int, seed: int):
+                 world_size: int, seed: int, pin_memory: bool = False):
         self.rows, self.mb, self.gbs = rows, micro_batch_size, global_batch_size
+        self.pin_memory = pin_memory  # CUDA: page-locked batches, so host→device copies overlap compute
         self.rank, self.world, self.seed = rank, world_size, seed
         self.accum = global_batch_size // (micro_batch_size * world_size)
         self.micro = 0  # micro-batches this rank has yielded
@@ -242,7 +253,8 @@ class SFTStream:
         while True:
             idx = self._indices(self.micro)
             self.micro += 1
-            yield self.rows.batch(idx)
+            batch = self.rows.batch(idx)
+            yield batch.pin_memory() if self.pin_memory else batch
 
     @property
     def epoch(self) -> int:
@@ -262,6 +274,12 @@ class SFTStream:
 
     def close(self) -> None:
         pass
+
+    def phase(self) -> str | None:
+        return None  # fine-tuning rows have no curriculum
+
+    def metrics(self) -> dict:
+        return {}
 
 
 def eval_batches(rows: PackedRows, micro_batch: int, rank: int, world_size: int, max_batches: int):
@@ -284,7 +302,8 @@ class SFTData:
 
     def train_stream(self, layout: StreamLayout) -> SFTStream:
         return SFTStream(self.rows, micro_batch_size=layout.micro_batch, global_batch_size=layout.global_batch,
-                         rank=layout.rank, world_size=layout.world_size, seed=layout.seed)
+                         rank=layout.rank, world_size=layout.world_size, seed=layout.seed,
+                         pin_memory=layout.pin_memory)
 
     def eval_sets(self, layout: StreamLayout, max_batches: int) -> list[EvalSet]:
         if self.eval_rows is None:

@@ -19,6 +19,13 @@ batch are unchanged; otherwise the partial global batch is replayed from its sta
 fingerprint of the data (seed, dataset names, sizes, proportions). Loading it jumps straight
 to that sample: nothing is replayed or re-read.
 
+Curriculum. With ``phases`` the global sample axis is cut into consecutive phases at given
+global samples (whole global batches: the trainer puts them on optimizer-step boundaries). Each
+phase has its own mix over the same datasets and its own order, built exactly as above with the
+seed extended by the phase number (phase 0 keeps the plain seed, so a one-phase curriculum is the
+plain mix); sample ``s`` of phase ``k`` is position ``s - start_k`` of that order. Everything stays
+a pure function of (seed, sizes, phases), so resume stays O(1) and rank-count independent.
+
 Workers. With ``num_workers > 0`` a DataLoader runs the same generator in worker processes:
 worker ``k`` builds micro-batches ``k, k+n, k+2n, ...`` and the DataLoader hands them out
 round-robin, so the batch sequence is identical to ``num_workers=0``. Consumption is counted in
@@ -30,6 +37,8 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import signal
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -43,6 +52,7 @@ from lmforge.data.batch import Batch
 from lmforge.data.mds import INDEX, MDSReader, read_index
 from lmforge.errors import UserError
 from lmforge.home import cache_dir as lmforge_cache
+from lmforge.process import die_with_parent
 
 STATE_VERSION = 1
 
@@ -121,10 +131,11 @@ def open_dataset(path: str, split: str = "train", cache_dir: str | None = None) 
 class _Order:
     """Maps global sample index -> (dataset, sample) following the module docstring."""
 
-    def __init__(self, sizes: list[int], counts: list[int], seed: int):
+    def __init__(self, sizes: list[int], counts: list[int], seed: int, phase: int = 0):
         self.sizes = sizes
         self.counts = counts
         self.seed = seed
+        self._key = [seed] if phase == 0 else [seed, 0x9A5E, phase]  # phase 0: the plain mix's order
         self.epoch_len = sum(counts)
         self._epoch = -1
         self._src: np.ndarray | None = None
@@ -136,7 +147,7 @@ class _Order:
             return
         k = len(self.sizes)
         id_dtype = np.uint8 if k < 256 else np.uint16
-        rng = np.random.default_rng([self.seed, epoch, 0x5EED])
+        rng = np.random.default_rng([*self._key, epoch, 0x5EED])
         src = np.repeat(np.arange(k, dtype=id_dtype), self.counts)
         rng.shuffle(src)
         # ordinal[p] = how many earlier positions of the epoch come from the same dataset.
@@ -149,7 +160,7 @@ class _Order:
         for i, (n, c) in enumerate(zip(self.sizes, self.counts)):
             cycles = -(-c // n) if c else 0
             chain = [
-                np.random.default_rng([self.seed, epoch, i, cyc]).permutation(n).astype(idx_dtype)
+                np.random.default_rng([*self._key, epoch, i, cyc]).permutation(n).astype(idx_dtype)
                 for cyc in range(cycles)
             ]
             perms.append(np.concatenate(chain)[:c] if chain else np.empty(0, idx_dtype))
@@ -174,6 +185,34 @@ class _Order:
         return ds, idx
 
 
+class _PhasedOrder:
+    """A curriculum: consecutive phases of the global sample axis, each with its own ``_Order``."""
+
+    def __init__(self, orders: list[_Order], starts: list[int]):
+        self.orders = orders
+        self.starts = np.asarray(starts, np.int64)  # global sample where each phase begins; starts[0] = 0
+
+    def phase_of(self, sample: int) -> int:
+        return int(np.searchsorted(self.starts, sample, side="right") - 1)
+
+    def lookup(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ds = np.empty(len(samples), np.int64)
+        idx = np.empty(len(samples), np.int64)
+        phase = np.searchsorted(self.starts, samples, side="right") - 1
+        for k in np.unique(phase):
+            sel = phase == k
+            ds[sel], idx[sel] = self.orders[int(k)].lookup(samples[sel] - self.starts[k])
+        return ds, idx
+
+
+@dataclass
+class StreamPhase:
+    """One curriculum phase for ``TokenStream``: where it ends and its mix (name → proportion or None)."""
+
+    end_sample: int | None  # global sample where the next phase starts; None for the last phase
+    mix: dict[str, float | None]
+
+
 # ----------------------------------------------------------------------------- micro-batches
 
 
@@ -182,8 +221,9 @@ class _MicroBatches(IterableDataset):
 
     def __init__(self, readers: list[MDSReader], names: list[str], order: _Order, *, seq_len: int,
                  micro_batch_size: int, global_batch_size: int, rank: int, world_size: int,
-                 base: int, first: int):
+                 base: int, first: int, document_eos: int | None = None):
         self.readers = readers
+        self.document_eos = document_eos
         self.names = names
         self.order = order
         self.seq_len = seq_len
@@ -212,7 +252,7 @@ class _MicroBatches(IterableDataset):
                     f"shorter than seq_len {self.seq_len}"
                 )
             out[row] = tokens[: self.seq_len]
-        return Batch.from_tokens(torch.from_numpy(out))
+        return Batch.from_tokens(torch.from_numpy(out), eos_id=self.document_eos)
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
@@ -223,8 +263,13 @@ class _MicroBatches(IterableDataset):
             m += n
 
 
-def _worker_init(_worker_id: int) -> None:
+def _worker_init(parent: int, _worker_id: int) -> None:
     remote.keep_inherited_clients()
+    # A worker dies with its rank (even a SIGKILLed one) and leaves stop signals to it: SIGTERM /
+    # Ctrl-C reach the whole process group, and the rank stops its workers itself after checkpointing.
+    die_with_parent(parent)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # ----------------------------------------------------------------------------- the stream
@@ -254,6 +299,37 @@ def _normalize(datasets: list[DatasetSpec] | str | DatasetSpec) -> list[DatasetS
     return specs
 
 
+def _check_phases(phases: list[StreamPhase], names: list[str]) -> list[StreamPhase]:
+    phases = [p if isinstance(p, StreamPhase) else StreamPhase(**p) for p in phases]
+    prev = 0
+    for k, p in enumerate(phases):
+        unknown = sorted(set(p.mix) - set(names))
+        if unknown:
+            raise UserError(f"curriculum[{k}].mix: unknown dataset {', '.join(unknown)} (datasets: {', '.join(names)})")
+        last = k == len(phases) - 1
+        if last != (p.end_sample is None):
+            raise UserError(f"curriculum[{k}]: every phase but the last needs an end point (and the last has none)")
+        if not last and p.end_sample <= prev:
+            raise UserError(f"curriculum[{k}]: end points must increase (sample {p.end_sample} after {prev})")
+        prev = p.end_sample or prev
+    return phases
+
+
+def _counts(specs: list[DatasetSpec], sizes: list[int], mix: dict[str, float | None]) -> tuple[list[int], list[float]]:
+    """Samples per epoch of each dataset for one mix (datasets outside it get 0), and the proportions."""
+    inside = [sp.name in mix for sp in specs]
+    total = sum(n for n, i in zip(sizes, inside) if i)
+    given = [mix[sp.name] for sp, i in zip(specs, inside) if i]
+    if any(v is None for v in given):
+        props = [n / total if i else 0.0 for n, i in zip(sizes, inside)]
+        return [n if i else 0 for n, i in zip(sizes, inside)], props
+    z = sum(given)
+    if not z > 0:
+        raise UserError("train_data: proportions must not all be zero")
+    props = [mix[sp.name] / z if i else 0.0 for sp, i in zip(specs, inside)]
+    return [int(round(p * total)) for p in props], props
+
+
 class TokenStream:
     """Infinite iterable of `Batch` es (token ids ``[micro_batch_size, seq_len]``) for one
     data-parallel rank; a `BatchStream`."""
@@ -272,6 +348,8 @@ class TokenStream:
         cache_dir: str | None = None,
         split: str = "train",
         pin_memory: bool = False,
+        phases: list[StreamPhase] | None = None,
+        document_eos: int | None = None,
     ):
         for name, v, lo in (("seq_len", seq_len, 1), ("micro_batch_size", micro_batch_size, 1),
                             ("global_batch_size", global_batch_size, 1), ("world_size", world_size, 1),
@@ -289,6 +367,7 @@ class TokenStream:
         self.seq_len, self.micro_batch_size, self.global_batch_size = seq_len, micro_batch_size, global_batch_size
         self.rank, self.world_size, self.seed, self.num_workers = rank, world_size, seed, num_workers
         self.pin_memory = pin_memory  # CUDA: page-locked batches, so host→device copies overlap compute
+        self.document_eos = document_eos  # document masking: batches carry doc_ids split after this token
         self.readers = []
         for i, s in enumerate(self.specs):
             sub = None if cache_dir is None else str(Path(cache_dir) / f"{i}-{hashlib.sha256(s.path.encode()).hexdigest()[:12]}")
@@ -302,19 +381,28 @@ class TokenStream:
                 raise UserError(
                     f"dataset {s.name!r} ({s.path}): samples have {have} tokens, shorter than seq_len {seq_len}"
                 )
-        total = sum(self.sizes)
-        if self.specs[0].proportion is None:
-            self.proportions = [n / total for n in self.sizes]
-            counts = list(self.sizes)
+        if phases:
+            self.phases = _check_phases(phases, [sp.name for sp in self.specs])
+            mixes = [p.mix for p in self.phases]
         else:
-            z = sum(s.proportion for s in self.specs)
-            self.proportions = [s.proportion / z for s in self.specs]
-            counts = [int(round(p * total)) for p in self.proportions]
-        if sum(counts) == 0:
-            raise UserError("train_data: the mix selects no samples")
-        self.counts = counts
-        self._order = _Order(self.sizes, counts, seed)
-        self.samples_per_epoch = self._order.epoch_len
+            self.phases = None
+            mixes = [{sp.name: sp.proportion for sp in self.specs}]
+        orders, self.phase_proportions = [], []
+        for k, mix in enumerate(mixes):
+            counts, props = _counts(self.specs, self.sizes, mix)
+            if sum(counts) == 0:
+                raise UserError(f"train_data: the mix{f' of phase {k}' if self.phases else ''} selects no samples")
+            orders.append(_Order(self.sizes, counts, seed, phase=k))
+            self.phase_proportions.append(props)
+        self.proportions = self.phase_proportions[0]
+        self.counts = orders[0].counts
+        if self.phases:
+            starts = [0] + [p.end_sample for p in self.phases[:-1]]
+            self._order = _PhasedOrder(orders, starts)
+        else:
+            self._order = orders[0]
+        self._orders = orders
+        self.samples_per_epoch = orders[0].epoch_len
         self._base = 0  # global sample where this rank's micro-batch 0 begins (whole global batches)
         self._yielded = 0  # micro-batches handed out since _base
         self._loader_iter = None
@@ -333,16 +421,43 @@ class TokenStream:
 
     @property
     def epoch(self) -> int:
-        return self.samples_seen // self.samples_per_epoch
+        """Epoch of the current phase's order (of the whole stream without a curriculum)."""
+        k = self.current_phase()
+        start = 0 if k == 0 else self.phases[k - 1].end_sample
+        return (self.samples_seen - start) // self._orders[k].epoch_len
+
+    def current_phase(self) -> int:
+        """Index of the curriculum phase the next sample belongs to (0 without a curriculum)."""
+        return self._order.phase_of(self.samples_seen) if self.phases else 0
+
+    def metrics(self) -> dict:
+        """What the trainer logs about the data: the phase and its mix (curricula only)."""
+        if not self.phases:
+            return {}
+        k = self.current_phase()
+        return {"data/phase": k} | {f"data/mix/{sp.name}": round(p, 6)
+                                    for sp, p in zip(self.specs, self.phase_proportions[k])}
+
+    def phase(self) -> str | None:
+        """'phase 2/3: web 30%, hq 70%': the phase the next sample belongs to (None without a curriculum)."""
+        if not self.phases:
+            return None
+        k = self.current_phase()
+        mix = ", ".join(f"{sp.name} {p:.0%}" for sp, p in zip(self.specs, self.phase_proportions[k]) if p > 0)
+        return f"phase {k + 1}/{len(self.phases)}: {mix}"
 
     def fingerprint(self) -> dict:
-        return {
+        fp = {
             "seed": self.seed,
             "datasets": [
                 {"name": s.name, "samples": n, "proportion": round(p, 12)}
                 for s, n, p in zip(self.specs, self.sizes, self.proportions)
             ],
         }
+        if self.phases:
+            fp["phases"] = [{"end_sample": p.end_sample, "proportions": [round(x, 12) for x in props]}
+                            for p, props in zip(self.phases, self.phase_proportions)]
+        return fp
 
     def state_dict(self) -> dict:
         whole, part = divmod(self._yielded, self._accum)
@@ -372,6 +487,7 @@ class TokenStream:
             self.readers, [s.name for s in self.specs], self._order, seq_len=self.seq_len,
             micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
             rank=self.rank, world_size=self.world_size, base=self._base, first=self._yielded,
+            document_eos=self.document_eos,
         )
 
     def __iter__(self) -> Iterator[Batch]:
@@ -382,7 +498,7 @@ class TokenStream:
         else:
             loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                                 persistent_workers=False, prefetch_factor=4,
-                                worker_init_fn=_worker_init)
+                                worker_init_fn=partial(_worker_init, os.getpid()))
             gc.collect()  # finalize our own garbage here, not in the forked workers
             source = self._loader_iter = iter(loader)
         pin = self.pin_memory and self.num_workers == 0  # the DataLoader pins in its own thread otherwise

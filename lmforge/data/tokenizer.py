@@ -46,8 +46,10 @@ class Tokenizer:
             raise UserError(f"tokenizer {self.path or ''}: special token {token!r} is not in the vocabulary")
         return i
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens` the tokenizer's post-processor adds what
+        it adds to a document (e.g. BOS), exactly as ``transformers`` does for ``tokenizer(text)``."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch_fast skips offset tracking (tokenizers >= 0.21); same ids, less work.

@@ -1,9 +1,27 @@
 """Apply parallelism and compilation to a model, in one place and one order.
 
-Order (as in torchtitan): activation checkpointing → torch.compile (per block) → data
-parallel wrapping (DDP, or FSDP2 ``fully_shard`` per block then the root). Checkpointing
-wraps block forwards first so compile sees the recompute region; compiling per block keeps
+Order (as in torchtitan): expert parallelism → activation checkpointing → FP8 → torch.compile
+(per block, and the final norm + head + loss) → data parallel wrapping (DDP, or FSDP2
+``fully_shard`` per block then the root). Expert parallelism is model parallelism: it splits the
+expert weights first, so everything after sees the layout training runs with. Checkpointing wraps
+block forwards next so compile sees the recompute region; FP8 (torchao) swaps the linear layers
+next — after checkpointing and before compile, as torchao documents — so compile traces the FP8
+casts and FSDP shards (and all-gathers in FP8) the swapped weights; compiling per block keeps
 compile times short; FSDP's hooks then sit outside the compiled regions, at block boundaries.
+
+Expert parallelism (``compute.expert_parallel: N``, MoE models, fsdp/hsdp) splits the ranks of
+a shard group into groups of N consecutive ranks (one node's GPUs, on a cluster: the
+all-to-all stays on NVLink). Each rank of such a group holds E/N of each layer's experts — a
+DTensor sharded on the expert dimension over the ``ep`` mesh dimension — and tokens travel to
+their experts and back by all-to-all (`models.moe`). The device mesh is, outermost first::
+
+    (replicate,) shard_mod_ep, ep        — replicate only with hsdp (across nodes)
+
+Every parameter outside the experts is sharded (FSDP2) over ``shard`` = shard_mod_ep × ep,
+exactly as without expert parallelism; the expert weights are sharded further over
+``shard_mod_ep`` (and replicated over ``replicate``), their own FSDP unit inside each block.
+Each rank's expert gradient already sums the tokens of the N ranks it served, so that unit
+divides its reduced gradients by the whole data-parallel size, not by its own mesh's.
 
 Everything is applied to the module in place and never renames parameters, so checkpoints
 (DCP) and exports are the same whatever parallelism or compilation a run used.
@@ -17,6 +35,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -25,12 +44,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoint,
+                                   create_selective_checkpoint_contexts)
 
 from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.dist import DistInfo
+from lmforge.distributed.float8 import apply_float8
 from lmforge.errors import UserError
 
 SHARDED = ("fsdp", "hsdp")
@@ -54,12 +75,28 @@ def ac_plan(value, n_layers: int) -> tuple[str | None, list[int]]:
 
 
 def _selective_policy():
+    from lmforge.models import grouped_mm  # noqa: F401 - registers the lmforge:: ops
+
     aten = torch.ops.aten
-    # Expensive to recompute: keep their outputs. Norms, activations, RoPE: recompute.
-    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default,
+    # Expensive to recompute: keep their outputs (matmuls, the MoE experts' grouped GEMMs,
+    # attention, and the expert-parallel all-to-all, which recomputing would send again).
+    # The router's top-k too: a recompute must route exactly as the forward did (on a GPU a tie
+    # could flip, and the all-to-all's split sizes with it), as torchtitan does.
+    # Norms, activations, RoPE, the rest of routing: recompute.
+    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._grouped_mm.default,
+            torch.ops.lmforge.grouped_mm.default, aten.topk.default,
+            torch.ops._c10d_functional.all_to_all_single.default,
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default}
+    # Expert parallelism nests the experts' FSDP unit inside the block: on recompute FSDP opens one
+    # more profiler range there (it takes the iteration's root role again) than in forward, and
+    # SAC would look for that extra op in its cache. Profiler ranges compute nothing: skip them.
+    SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                            torch.ops.profiler._record_function_exit._RecordFunction})
+
+    # FlexAttention (packed documents on CUDA) is attention too: keep its output.
+    keep.add(torch._higher_order_ops.flex_attention)
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
@@ -91,10 +128,45 @@ def apply_activation_checkpointing(model: nn.Module, value=True) -> None:
         block.forward = _checkpointed(block.forward, selective=mode == "selective")
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block's forward (on the instance: names unchanged, FSDP hooks stay eager)."""
+def compile_enabled(value, device: torch.device) -> bool:
+    """compute.compile → on or off: ``auto`` compiles on CUDA (the CPU gains nothing on small
+    models and pays the compile time, see BENCHMARKS.md)."""
+    return device.type == "cuda" if value == "auto" else bool(value)
+
+
+def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
+    """Compile each block's forward, and the final norm + output head + loss (`head_loss`) as
+    one more unit (on the instance: names unchanged, FSDP hooks stay eager).
+
+    ``fullgraph``: a block must trace as one graph (an error otherwise, never a silent break).
+    Expert parallelism is the exception: its all-to-all needs the split sizes on the host. The
+    loss unit may break only around liger-kernel's fused loss, which runs eagerly.
+    """
     for block in model.blocks:
-        block.forward = torch.compile(block.forward, dynamic=False)
+        block.forward = torch.compile(block.forward, dynamic=False, fullgraph=fullgraph)
+    model.head_loss = torch.compile(model.head_loss, dynamic=False)
+
+
+def is_moe_layer(module: nn.Module) -> bool:
+    return hasattr(module, "ep_group") and hasattr(module, "experts")
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
+    """Split every MoE layer's experts over ``ep_mesh`` (see `shard_experts`)."""
+    for block in model.blocks:
+        if is_moe_layer(block.mlp):
+            shard_experts(block.mlp, ep_mesh)
+
+
+def shard_experts(moe: nn.Module, ep_mesh) -> None:
+    """Make an MoE layer's expert weights DTensors sharded on the expert dimension over
+    ``ep_mesh`` (E/N experts per rank) and give the layer the group its tokens are exchanged in.
+    Names and global shapes stay, so checkpoints load on any expert-parallel size."""
+    experts = moe.experts
+    for name, p in list(experts.named_parameters(recurse=False)):
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(p, ep_mesh, [Shard(0)]),
+                                                      requires_grad=p.requires_grad))
+    moe.ep_group = ep_mesh.get_group()
 
 
 # --------------------------------------------------------------------------- device mesh and FSDP2
@@ -106,37 +178,88 @@ def ensure_process_group(dist: DistInfo) -> None:
         td.init_process_group(backend, store=td.HashStore(), rank=0, world_size=1)
 
 
-def check_mesh(compute: ComputeConfig, world_size: int, local_world_size: int | None = None) -> tuple[int, int]:
-    """(replicate, shard) sizes for the run's data parallelism; raises UserError when they do not fit."""
+def check_mesh(compute: ComputeConfig, world_size: int, local_world_size: int | None = None, *,
+               n_experts: int = 0) -> tuple[int, int]:
+    """(replicate, shard) sizes for the run's data parallelism; raises UserError when they do not
+    fit, or when ``compute.expert_parallel`` does not fit them or the model's ``n_experts``."""
     if compute.data_parallel != "hsdp":
         if compute.shard_size is not None and compute.shard_size != world_size and compute.data_parallel == "fsdp":
             raise UserError(f"compute.shard_size: {compute.shard_size} is for data_parallel: hsdp; fsdp shards "
                             f"over all {world_size} ranks (set data_parallel: hsdp or remove shard_size)")
-        return 1, world_size
-    shard = compute.shard_size or local_world_size or world_size
-    if shard > world_size or world_size % shard:
-        raise UserError(f"compute.shard_size: {shard} does not divide the {world_size} ranks; expected a divisor "
-                        f"of {world_size} (ranks per shard group)")
-    return world_size // shard, shard
+        replicate, shard = 1, world_size
+    else:
+        shard = compute.shard_size or local_world_size or world_size
+        if shard > world_size or world_size % shard:
+            raise UserError(f"compute.shard_size: {shard} does not divide the {world_size} ranks; expected a "
+                            f"divisor of {world_size} (ranks per shard group)")
+        replicate = world_size // shard
+    _check_expert_parallel(compute, shard, n_experts)
+    return replicate, shard
 
 
-def build_mesh(compute: ComputeConfig, dist: DistInfo):
-    """1-D mesh (shard) for fsdp, 2-D (replicate, shard) for hsdp."""
+def _check_expert_parallel(compute: ComputeConfig, shard: int, n_experts: int) -> None:
+    ep = compute.expert_parallel
+    if ep == 1:
+        return
+    key = f"compute.expert_parallel: {ep}"
+    if not n_experts:
+        raise UserError(f"{key} needs a mixture-of-experts model (model.n_experts > 0); this model is dense "
+                        "(remove expert_parallel)")
+    if n_experts % ep:
+        raise UserError(f"{key} does not divide the model's {n_experts} experts (model.n_experts); expected a "
+                        f"divisor of {n_experts}")
+    if compute.data_parallel not in SHARDED:
+        raise UserError(f"{key} needs data_parallel: fsdp or hsdp (got {compute.data_parallel})")
+    if shard % ep:
+        what = "ranks of a shard group (compute.shard_size)" if compute.data_parallel == "hsdp" else "ranks"
+        raise UserError(f"{key} does not divide the {shard} {what}; expected a divisor of {shard}")
+
+
+@dataclass
+class Meshes:
+    """Where each kind of parameter is sharded (see the module docstring)."""
+
+    dense: object  # DeviceMesh: (shard,) for fsdp, (replicate, shard) for hsdp
+    experts: object | None = None  # DeviceMesh of the expert weights' FSDP: (replicate,) shard_mod_ep
+    ep: object | None = None  # 1-D DeviceMesh: the ranks one layer's experts are split over
+
+
+def build_meshes(compute: ComputeConfig, dist: DistInfo, n_experts: int = 0) -> Meshes:
     ensure_process_group(dist)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
-    replicate, shard = check_mesh(compute, dist.world_size, local)
-    if compute.data_parallel == "hsdp":
-        return init_device_mesh(dist.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(dist.device.type, (shard,), mesh_dim_names=("shard",))
+    replicate, shard = check_mesh(compute, dist.world_size, local, n_experts=n_experts)
+    names, sizes = (("replicate", "shard"), (replicate, shard)) if compute.data_parallel == "hsdp" \
+        else (("shard",), (shard,))
+    dense = init_device_mesh(dist.device.type, sizes, mesh_dim_names=names)
+    ep = compute.expert_parallel
+    if ep == 1:
+        return Meshes(dense)
+    # The same ranks, the shard dimension seen as (shard_mod_ep, ep): one mesh family, as FSDP
+    # requires of a DTensor parameter's mesh and its own.
+    full = dense._unflatten("shard", (shard // ep, ep), ("shard_mod_ep", "ep"))
+    return Meshes(dense, experts=full[names[:-1] + ("shard_mod_ep",)], ep=full["ep"])
 
 
-def apply_fsdp(model: nn.Module, mesh, *, bf16: bool, reshard_after_forward: bool) -> None:
-    """FSDP2 per transformer block, then the root (embeddings, final norm, head)."""
+def apply_fsdp(model: nn.Module, meshes: Meshes, *, bf16: bool, reshard_after_forward: bool) -> None:
+    """FSDP2 per transformer block (the experts first, as their own unit, under expert
+    parallelism), then the root (embeddings, final norm, head)."""
     # bf16 compute and communication of weights, fp32 gradient reduction and master weights.
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
+    mesh = meshes.dense
     for block in model.blocks:
+        experts = None
+        if meshes.experts is not None and is_moe_layer(block.mlp):
+            experts = fully_shard(block.mlp.experts, mesh=meshes.experts, mp_policy=mp,
+                                  reshard_after_forward=reshard_after_forward)
+            experts.set_gradient_divide_factor(float(mesh.size()))
+            if meshes.experts["shard_mod_ep"].size() > 1:
+                # gloo has no pre-multiplied sum: plain sums, then one division. (Not on a
+                # 1-rank shard group: there torch's FSDP would divide twice.)
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        if experts is not None:  # gather the experts while attention and routing run
+            block.set_modules_to_forward_prefetch([experts])
     # The root's weights are needed again right at the start of backward: keep them gathered.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     # FSDP gathers the root's weights around `forward` only; the model's other entry points
@@ -166,19 +289,28 @@ class TrainingForward(nn.Module):
         return self.model.training_loss(input_ids, targets, doc_ids=doc_ids)
 
 
-def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32") -> nn.Module:
-    """Apply, in this order, activation checkpointing → compile → data parallelism; returns the
-    module that runs one training forward (a `TrainingForward`, inside DDP when replicated).
+def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32",
+                fp8_recipe: str = "tensorwise") -> nn.Module:
+    """Apply, in this order, expert parallelism → activation checkpointing → FP8 (``precision``
+    "fp8") → compile → data parallelism; returns the module that runs one training forward (a
+    `TrainingForward`, inside DDP when replicated).
 
     With fsdp/hsdp, ``model`` may live on the meta device; call ``materialize`` afterwards.
     """
+    check_mesh(compute, dist.world_size, n_experts=model.cfg.n_experts)  # in-process callers too
+    sharded = compute.data_parallel in SHARDED
+    model.loss_kernel = compute.loss_kernel
+    meshes = build_meshes(compute, dist, model.cfg.n_experts) if sharded else None
+    if meshes is not None and meshes.ep is not None:
+        apply_expert_parallel(model, meshes.ep)
     if compute.activation_checkpointing:
         apply_activation_checkpointing(model, compute.activation_checkpointing)
-    if compute.compile:
-        apply_compile(model)
-    if compute.data_parallel in SHARDED:
-        apply_fsdp(model, build_mesh(compute, dist), bf16=precision == "bf16",
-                   reshard_after_forward=compute.reshard_after_forward)
+    if precision == "fp8":
+        apply_float8(model, fp8_recipe, fsdp=sharded)
+    if compile_enabled(compute.compile, dist.device):
+        apply_compile(model, fullgraph=compute.expert_parallel == 1)
+    if meshes is not None:
+        apply_fsdp(model, meshes, bf16=precision in ("bf16", "fp8"), reshard_after_forward=compute.reshard_after_forward)
         return TrainingForward(model)
     if dist.distributed and compute.data_parallel != "none":
         ids = [dist.device.index] if dist.device.type == "cuda" else None
@@ -225,9 +357,31 @@ def no_grad_sync(train_forward: nn.Module, skip: bool):
         yield
 
 
-def local_value(t) -> float:
-    """A (possibly DTensor) scalar as a float: FSDP's grad norm is a replicated DTensor."""
-    return float(t.full_tensor() if isinstance(t, DTensor) else t)
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a model whose gradients live on several device meshes
+    (expert parallelism: the experts' mesh and the rest's). The norm of each mesh's gradients is
+    taken there, the total combined, and every gradient scaled by the same factor."""
+    params = [p for p in parameters if p.grad is not None]
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    if len(by_mesh) <= 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.stack(norms).norm()
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+
+def device_value(t) -> torch.Tensor:
+    """A (possibly DTensor) scalar as a plain tensor on its device, without waiting for it (a
+    replicated DTensor's full tensor is its local one: no communication)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def unwrap(train_forward: nn.Module) -> nn.Module:

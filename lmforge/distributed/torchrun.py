@@ -4,15 +4,20 @@
 - CPU, ``compute.ranks: N``: N gloo ranks (for tests and users without GPUs);
 - several machines: ``compute.nodes``/``node_rank``/``rdzv_endpoint`` (or ``--nnodes``,
   ``--node-rank``, ``--rdzv-endpoint``) → torchrun's c10d rendezvous, one ``lmforge train`` per node;
-- ``max_retries`` → torchrun ``--max-restarts``: torchelastic restarts every worker after a
-  failure and they autoresume from the latest complete checkpoint.
+- restarts: torchelastic restarts every worker after a failure (``--max-restarts``: what is left
+  of ``max_retries``, see ``runs.supervisor``) and they autoresume from the latest complete checkpoint.
+
+The process that needs torchrun becomes it (``runs.job.launch`` execs the command built here):
+``python -m lmforge.distributed.torchrun`` is torchrun (``torch.distributed.run``), except that a
+stop — SIGTERM or SIGINT, which torchrun passes on to every rank — ends it with status 128 + the
+signal instead of a traceback.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
-import subprocess
 import sys
 import time
 
@@ -71,7 +76,7 @@ def check_world(cfg, nproc: int) -> None:
     """Mesh checks that need only sizes: fail before any process starts."""
     from lmforge.distributed.parallelize import check_mesh
 
-    check_mesh(cfg.compute, nproc * cfg.compute.nodes, nproc)
+    check_mesh(cfg.compute, nproc * cfg.compute.nodes, nproc, n_experts=cfg.model.n_experts)
     c = cfg.compute
     if c.nodes > 1:
         if not c.rdzv_endpoint:
@@ -82,10 +87,10 @@ def check_world(cfg, nproc: int) -> None:
         split_endpoint(c.rdzv_endpoint)
 
 
-def torchrun_command(cfg, nproc: int, argv: list[str]) -> list[str]:
+def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int) -> list[str]:
     c = cfg.compute
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--max-restarts={cfg.max_retries}"]
+    cmd = [sys.executable, "-m", "lmforge.distributed.torchrun", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}"]
     if c.nodes == 1:
         cmd.append("--standalone")
     else:  # (check_world has validated the endpoint and node rank)
@@ -106,9 +111,26 @@ def needs_launch(cfg) -> int | None:
     return nproc
 
 
-def launch(cfg, nproc: int, argv: list[str]) -> int:
-    """Run this same command under torchrun; returns its exit status."""
-    cmd = torchrun_command(cfg, nproc, argv)
-    if cfg.compute.nodes > 1 and cfg.compute.node_rank > 0:
-        wait_for_endpoint(cfg.compute.rdzv_endpoint, cfg.compute.rdzv_timeout_s)
-    return subprocess.call(cmd, env=os.environ | {"LMFORGE_LAUNCHED": "1"})
+def agent_main(argv: list[str]) -> int:
+    """torchrun, quiet when stopped (its ranks checkpoint and exit; then it does too)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
+
+
+def exit_now(code: int) -> None:
+    """End a launcher process whose work is done without the interpreter's teardown of torch
+    (about a second of CPU): a stop is over only when every process of the run has exited."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    exit_now(agent_main(sys.argv[1:]))

@@ -3,10 +3,10 @@
 `lmforge estimate`, `lmforge train --dry-run` and the trainer's MFU metric all use
 these functions, so a planned MFU and a logged MFU mean the same thing.
 
-MFU basis: `mfu_flops_per_token` = 6 · N_active (forward 2·N + backward 4·N per token,
-Kaplan/Chinchilla). The attention-score term 12·L·H·Dh·T (nanoGPT/PaLM) is reported
-next to it but not in the basis, which is the convention published planning figures
-use ("FLOPs = 6·N·D"); `flops_per_token(...)["total"]` is the PaLM-style figure.
+MFU basis (the standard one, used everywhere MFU appears): `mfu_flops_per_token` =
+6 · N_active (forward 2·N + backward 4·N per token, Kaplan/Chinchilla; active parameters for
+MoE) + 12·L·H·Dh·T for the attention scores (nanoGPT/PaLM). `flops_per_token` gives the
+two terms apart; "FLOPs = 6·N·D" planning figures are its "dense" term alone.
 """
 
 from __future__ import annotations
@@ -26,14 +26,18 @@ def block_counts(cfg: ModelConfig) -> dict[str, int]:
     """Parameters of one transformer block: attention, norms, feed-forward (all / active)."""
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
     attention = d * h * dh + 2 * d * kv * dh + h * dh * d  # q, k, v, o
-    norms = 2 * d + (2 * dh if cfg.qk_norm else 0)
+    if cfg.qkv_bias:
+        attention += (h + 2 * kv) * dh
+    if cfg.qk_norm != "none":
+        attention += 2 * dh if cfg.qk_norm == "head" else (h + kv) * dh
+    norms = 2 * d
     if cfg.is_moe:
         expert = 3 * d * cfg.expert_dim  # SwiGLU: gate, up, down
         router = d * cfg.n_experts
         ffn = router + cfg.n_experts * expert
         ffn_active = router + cfg.top_k * expert
     else:
-        ffn = ffn_active = (2 if cfg.mlp == "relu2" else 3) * d * cfg.ffn_dim  # relu2: up, down
+        ffn = ffn_active = 3 * d * cfg.ffn_dim
     return {"attention": attention, "norms": norms, "ffn": ffn, "ffn_active": ffn_active,
             "total": attention + norms + ffn, "active": attention + norms + ffn_active}
 
@@ -77,5 +81,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """The FLOPs per token MFU is measured against (estimate and trainer alike): 6·N_active."""
-    return flops_per_token(cfg, seq_len)["dense"]
+    """The FLOPs per token MFU is measured against (estimate, trainer and benchmarks alike):
+    6·N_active + 12·L·H·Dh·T."""
+    return flops_per_token(cfg, seq_len)["total"]

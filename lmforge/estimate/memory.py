@@ -14,7 +14,8 @@ Model states, in bytes per parameter, sharded evenly over the N GPUs:
 Unsharded working set: FSDP all-gathers one unit (a block, or the embedding, or the
 output head) at a time in bf16 and prefetches the next one, and each unit's bf16
 gradient exists before it is reduce-scattered: 2 units × (2 + 2) bytes × the largest
-unit's parameters.
+unit's parameters. With expert parallelism N a GPU gathers only its E/N experts of a
+block (model states stay sharded over all GPUs either way).
 
 Activations per sequence of T tokens (bf16, 2 bytes/element), counting the tensors
 autograd keeps for the backward pass, in the spirit of Korthikanti et al. 2022
@@ -32,8 +33,14 @@ stored), no dropout. Per layer and token, in elements (q = H·Dh, kv = KV·Dh):
 
 Without activation checkpointing all L layers are kept; with (per-block) checkpointing
 only each block's input (d) is kept, plus one block recomputed during its backward.
-Both add the final norm (2d) and the logits at 10 bytes per vocabulary entry (bf16
-logits 2, fp32 log-softmax 4, fp32 logit gradient 4).
+Both add the final norm (2d) and the loss's gradient with respect to its input (d): the
+loss (`models.loss`) works through the tokens in chunks and never keeps logits, so nothing
+per token scales with the vocabulary. What it does hold is per micro-batch, not per token
+(`loss_workspace_bytes`): the output head's fp32 gradient (4 bytes per head parameter, from
+forward to backward), a bf16 copy of the head weight and one chunk's bf16 gradient
+contribution (2 + 2), and one chunk of `LOSS_CHUNK_ELEMENTS` logits as fp32 logits, fp32
+probabilities, fp32 gradient and its bf16 copy (14 bytes each). liger-kernel's fused loss
+(CUDA) holds about the same.
 
 Usable memory is the GPU's memory less a 10% margin (allocator fragmentation) and
 1 GB (CUDA context, NCCL buffers).
@@ -49,7 +56,9 @@ from lmforge.estimate.flops import block_counts, vocab_of
 STATE_BYTES = {"bf16_params": 2, "fp32_master": 4, "fp32_grads": 4, "adam_m": 4, "adam_v": 4}
 BYTES_PER_PARAM = sum(STATE_BYTES.values())
 ACT_BYTES = 2  # bf16 activations
-LOGIT_BYTES = 10
+# Logits per chunk of the loss: the same number as models.loss.CHUNK_ELEMENTS (this module
+# stays free of torch so that `lmforge estimate` starts fast; tests/test_loss.py checks).
+LOSS_CHUNK_ELEMENTS = 2**25
 MARGIN = 0.10
 RESERVED_BYTES = 1e9
 # Beyond a few tens of sequences per micro-batch a GPU is saturated; suggesting more
@@ -76,13 +85,21 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, checkpointing: bool) -> flo
         kept = cfg.n_layers * d + layer
     else:
         kept = cfg.n_layers * layer
-    per_token = (kept + 2 * d) * ACT_BYTES + vocab_of(cfg) * LOGIT_BYTES
+    per_token = (kept + 3 * d) * ACT_BYTES  # + final norm input (2d) and the loss's input gradient (d)
     return float(per_token * seq_len)
 
 
-def largest_unit_params(cfg: ModelConfig) -> int:
-    """Parameters of the largest FSDP unit: a block, the embedding or the output head."""
-    return max(block_counts(cfg)["total"], vocab_of(cfg) * cfg.d_model)
+def loss_workspace_bytes(cfg: ModelConfig) -> float:
+    """Bytes the chunked loss holds per micro-batch, whatever its size (see the module docstring)."""
+    return float(vocab_of(cfg) * cfg.d_model * (4 + 2 + 2) + LOSS_CHUNK_ELEMENTS * (4 + 4 + 4 + 2))
+
+
+def largest_unit_params(cfg: ModelConfig, expert_parallel: int = 1) -> int:
+    """Parameters of the largest FSDP unit: a block (its E/N experts under expert parallelism N),
+    the embedding or the output head."""
+    block = block_counts(cfg)
+    experts = block["ffn"] - cfg.d_model * cfg.n_experts if cfg.is_moe else 0  # less the router
+    return max(block["total"] - experts + experts // expert_parallel, vocab_of(cfg) * cfg.d_model)
 
 
 def usable_bytes(gpu_memory: float) -> float:
@@ -105,6 +122,7 @@ def memory_plan(
     gpu_memory: float,
     micro_batch: int | None = None,
     activation_checkpointing: bool | None = None,
+    expert_parallel: int = 1,
 ) -> dict:
     """Per-GPU memory, fit check and micro-batch suggestion under full sharding.
 
@@ -125,27 +143,29 @@ def memory_plan(
     }
     if cfg is None:
         fits = states <= usable
-        out.update(gathered_bytes_per_gpu=None, activation_bytes_per_sample=None,
+        out.update(gathered_bytes_per_gpu=None, loss_workspace_bytes=None, activation_bytes_per_sample=None,
                    max_micro_batch=None, activation_checkpointing=activation_checkpointing,
                    micro_batch=micro_batch, suggested_micro_batch=None,
                    total_bytes_per_gpu=states, fits=fits,
                    min_gpus=math.ceil(states_total / usable) if usable > 0 else None)
         return out
 
-    gathered = 2 * 4 * largest_unit_params(cfg)
+    gathered = 2 * 4 * largest_unit_params(cfg, expert_parallel)
+    loss = loss_workspace_bytes(cfg)
     act = {"no_ac": activation_bytes(cfg, seq_len, False), "ac": activation_bytes(cfg, seq_len, True)}
-    free = usable - states - gathered
+    free = usable - states - gathered - loss
     max_mb = {k: _max_batch(free, v) for k, v in act.items()}
     if activation_checkpointing is None:
         activation_checkpointing = max_mb["no_ac"] < 1
     key = "ac" if activation_checkpointing else "no_ac"
     suggested = min(_pow2_floor(max_mb[key]), MAX_SUGGESTED_MICRO_BATCH) or None
     mb = micro_batch or suggested or 1
-    total = states + gathered + mb * act[key]
+    total = states + gathered + loss + mb * act[key]
     # GPUs needed for micro-batch 1 with checkpointing: shards shrink, the rest does not.
-    room = usable - gathered - act["ac"]
+    room = usable - gathered - loss - act["ac"]
     out.update(
         gathered_bytes_per_gpu=gathered,
+        loss_workspace_bytes=loss,
         activation_bytes_per_sample=act,
         max_micro_batch=max_mb,
         activation_checkpointing=activation_checkpointing,

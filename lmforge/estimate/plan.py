@@ -11,6 +11,7 @@ import io
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
+from lmforge.estimate.comm import moe_traffic
 from lmforge.estimate.flops import DEFAULT_VOCAB, flops_per_token, param_counts
 from lmforge.estimate.hardware import GPUSpec, get_gpu_type, peak_flops
 from lmforge.estimate.memory import memory_plan
@@ -41,6 +42,8 @@ def estimate_run(
     micro_batch: int | None = None,
     activation_checkpointing: bool | None = None,
     spec: GPUSpec | None = None,
+    expert_parallel: int = 1,
+    grad_accum: int = 1,
 ) -> dict:
     """Every planning number for training ``model`` on ``tokens`` tokens.
 
@@ -48,7 +51,9 @@ def estimate_run(
     ``active_params`` for MoE). ``tokens`` None = Chinchilla-optimal (20 × params).
     ``gpus`` per node × ``nodes`` devices of ``gpu_type`` (or an explicit ``spec``,
     e.g. from `detect_device_spec`). ``mfu`` in (0, 1]; ``price`` per GPU-hour.
-    ``seq_len`` defaults to the model's max_seq_len. Raises UserError on bad input.
+    ``seq_len`` defaults to the model's max_seq_len. ``expert_parallel`` (MoE): GPUs each
+    layer's experts are split over; ``grad_accum``: micro-batches per optimizer step (for the MoE
+    traffic per step). Raises UserError on bad input.
     """
     if not 0 < mfu <= 1:
         raise UserError(f"--mfu: expected a fraction in (0, 1], got {mfu}")
@@ -95,16 +100,25 @@ def estimate_run(
         tokens, tokens_source = chinchilla, f"Chinchilla-optimal ({CHINCHILLA_TOKENS_PER_PARAM} × parameters)"
 
     n = gpus * nodes
+    _check_expert_parallel(expert_parallel, cfg, n)
     peak = peak_flops(spec, precision)
     cluster_peak = peak * n
     training_flops = per_token["dense"] * tokens
     attention_flops = per_token["attention"] * tokens
-    seconds = training_flops / (mfu * cluster_peak)
-    seconds_attn = (training_flops + attention_flops) / (mfu * cluster_peak)
+    # MFU is on the standard basis (6·N_active + attention), as the trainer logs it.
+    seconds = (training_flops + attention_flops) / (mfu * cluster_peak)
     gpu_hours = seconds * n / 3600
 
-    memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes,
-                         micro_batch=micro_batch, activation_checkpointing=activation_checkpointing)
+    memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch,
+                         activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel)
+    moe = None
+    if cfg is not None and cfg.is_moe:
+        mb = memory["micro_batch"] or memory["suggested_micro_batch"] or 1
+        common = dict(tokens_per_microbatch=mb * seq_len, micro_batches=grad_accum, n_devices=n,
+                      full_recompute=bool(memory["activation_checkpointing"]))
+        moe = {"micro_batch": mb, "grad_accum": grad_accum,
+               "with_ep": moe_traffic(cfg, expert_parallel=expert_parallel, **common),
+               "without_ep": moe_traffic(cfg, expert_parallel=1, **common)}
     return {
         "model": {"name": name, "shape": cfg.model_dump(exclude_none=True) if cfg else None,
                   "vocab_size": cfg.vocab_size if cfg else None},
@@ -116,7 +130,7 @@ def estimate_run(
             "training": training_flops,
             "attention": attention_flops,
             "total": training_flops + attention_flops,
-            "mfu_basis": "6 × active parameters per token (attention term excluded)",
+            "mfu_basis": "6 × active parameters + 12·L·H·Dh·T attention per token (as logged in training)",
         },
         "cluster": {"gpu_type": spec.name, "description": spec.description, "gpus_per_node": gpus,
                     "nodes": nodes, "gpus": n, "precision": precision,
@@ -126,7 +140,6 @@ def estimate_run(
             "seconds": seconds,
             "hours": seconds / 3600,
             "days": seconds / DAY,
-            "days_incl_attention": seconds_attn / DAY,
             "days_at_100pct_mfu": seconds * mfu / DAY,
             "gpu_hours": gpu_hours,
             "tokens_per_second": tokens / seconds,
@@ -134,8 +147,22 @@ def estimate_run(
         },
         "cost": {"price_per_gpu_hour": price, "total": gpu_hours * price if price is not None else None},
         "memory": memory,
+        "moe_traffic": moe,
         "notes": notes,
     }
+
+
+def _check_expert_parallel(ep: int, cfg: ModelConfig | None, n_devices: int) -> None:
+    if ep == 1:
+        return
+    if ep < 1:
+        raise UserError(f"--expert-parallel: expected a number >= 1, got {ep}")
+    if cfg is None or not cfg.is_moe:
+        raise UserError(f"--expert-parallel: {ep} needs a mixture-of-experts model (--model with n_experts > 0)")
+    if cfg.n_experts % ep:
+        raise UserError(f"--expert-parallel: {ep} does not divide the model's {cfg.n_experts} experts")
+    if n_devices % ep:
+        raise UserError(f"--expert-parallel: {ep} does not divide the {n_devices} GPUs")
 
 
 def check_fits(plan: dict) -> None:
@@ -211,13 +238,13 @@ def format_plan(plan: dict) -> str:
         ("cluster", f"{c['gpus']} × {c['gpu_type']} ({c['nodes']} node(s)), {c['precision']} peak "
                     f"{c['peak_flops_per_gpu'] / 1e12:.4g} TFLOP/s per device"),
         ("time", f"{_duration(tm['seconds'])} at {tm['mfu']:.1%} MFU "
-                 f"({tm['days_at_100pct_mfu']:.2f} days at 100%; {tm['days_incl_attention']:.2f} days "
-                 f"counting attention); {tm['tokens_per_second']:.3g} tokens/s"),
+                 f"({tm['days_at_100pct_mfu']:.2f} days at 100%); {tm['tokens_per_second']:.3g} tokens/s"),
         ("GPU-hours", f"{tm['gpu_hours']:,.0f}"),
         ("cost", f"{plan['cost']['total']:,.0f} at {plan['cost']['price_per_gpu_hour']:g} per GPU-hour"
                  if plan["cost"]["total"] is not None else "— (give --price-per-gpu-hour)"),
         ("memory/GPU", f"model states {_bytes(m['states_bytes_per_gpu'])} "
                        f"(18 B/param over {m['devices']} GPUs), gathered {_bytes(m['gathered_bytes_per_gpu'])}, "
+                       f"loss {_bytes(m['loss_workspace_bytes'])}, "
                        f"usable {_bytes(m['usable_bytes'])} of {_bytes(m['gpu_memory_bytes'])}"),
     ]
     act = m["activation_bytes_per_sample"]
@@ -225,6 +252,22 @@ def format_plan(plan: dict) -> str:
         rows.append(("activations", f"{_bytes(act['no_ac'])} per sequence of {m['seq_len']} "
                                     f"({_bytes(act['ac'])} with activation checkpointing); max micro-batch "
                                     f"{m['max_micro_batch']['no_ac']} ({m['max_micro_batch']['ac']} with)"))
+    moe = plan.get("moe_traffic")
+    if moe is not None:
+        ep, no = moe["with_ep"], moe["without_ep"]
+        per = (f"per GPU and step ({moe['grad_accum']} micro-batch(es) of {moe['micro_batch']} × {m['seq_len']} "
+               "tokens)")
+        without = (f"expert all-gather {_bytes(no['expert_all_gather_bytes'])}, reduce-scatter "
+                   f"{_bytes(no['expert_reduce_scatter_bytes'])}")
+        if ep["expert_parallel"] > 1:
+            rows.append(("MoE traffic", f"expert parallel {ep['expert_parallel']}: all-to-all "
+                                        f"{_bytes(ep['all_to_all_bytes'])}, expert all-gather "
+                                        f"{_bytes(ep['expert_all_gather_bytes'])}, reduce-scatter "
+                                        f"{_bytes(ep['expert_reduce_scatter_bytes'])} {per}"))
+            rows.append(("", f"without expert parallelism: {without}"))
+        else:
+            rows.append(("MoE traffic", f"{without} {per}; --expert-parallel N trades them for an all-to-all "
+                                        "of the routed tokens"))
     verdict = "fits" if m["fits"] else "DOES NOT FIT"
     if m["suggested_micro_batch"]:
         verdict += (f"; suggested micro-batch {m['suggested_micro_batch']}"

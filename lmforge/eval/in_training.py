@@ -41,7 +41,7 @@ def load_icl(cfg: RunConfig):
     if not cfg.eval.icl_tasks:
         return None
     tasks = load_tasks(cfg.eval.icl_tasks, data_root=cfg.eval.data_root)
-    return tasks, (load_gauntlet(cfg.eval.gauntlet) if cfg.eval.gauntlet else None)
+    return tasks, (load_gauntlet(cfg.eval.gauntlet, tasks=tasks) if cfg.eval.gauntlet else None)
 
 
 def run_icl(model, tokenizer, icl, cfg: RunConfig, dist: DistInfo, sharded: bool, autocast) -> dict:

@@ -1,88 +1,154 @@
-"""Hugging Face interop: config and state-dict name mapping (Llama; Mixtral for MoE).
+"""Hugging Face interop: config and state-dict name mapping for the families in `families.py`
+(Llama 3.x, Mistral, Qwen2/2.5, Qwen3, OLMo 2 dense; Mixtral for MoE).
 
 Our layout was chosen so the mapping is a pure rename: RoPE uses HF's rotate-half pairing, so
 q/k rows need no permutation, and SwiGLU w1/w3/w2 are HF's gate/up/down projections. MoE expert
-weights are 3-D parameters here ([E, d, h] and [E, h, d]); they are split into the per-expert
-`block_sparse_moe.experts.{j}.w1/w2/w3` matrices of the published Mixtral checkpoint format,
-which transformers, vLLM and llama.cpp all read.
+weights are 3-D parameters here — ``w13 [E, d, 2h]`` (gate and up fused, gate first) and
+``w2 [E, h, d]`` —; they are split into the per-expert `block_sparse_moe.experts.{j}.w1/w2/w3`
+matrices of the published Mixtral checkpoint format, which transformers, vLLM and llama.cpp all
+read.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from lmforge.config.model import ModelConfig
+from lmforge.config.model import ModelConfig, RopeScaling
 from lmforge.errors import UserError
-
-SUPPORTED = ("llama", "mixtral")
-
+from lmforge.models.families import Family, family_for_hf, family_of
 
 def to_hf_config(cfg: ModelConfig, *, allow_clip_qkv: bool = False):
-    """A `transformers.LlamaConfig` (dense) or `MixtralConfig` (MoE) for this shape."""
-    from transformers import LlamaConfig, MixtralConfig
+    """The `transformers` config of this model's family (see `families.family_of`)."""
+    import transformers
 
     if cfg.vocab_size is None:
         raise UserError("model.vocab_size: must be set to export to Hugging Face format")
     if cfg.clip_qkv is not None and not allow_clip_qkv:
         raise UserError(
-            f"model.clip_qkv: {cfg.clip_qkv} has no Hugging Face Llama/Mixtral equivalent; the exported "
+            f"model.clip_qkv: {cfg.clip_qkv} has no Hugging Face equivalent; the exported "
             "model matches only while |q|,|k|,|v| stay under the clip (pass allow_clip_qkv=True to accept)")
-    for key, value, plain in (("qk_norm", cfg.qk_norm, False), ("mlp", cfg.mlp, "swiglu"),
-                              ("logit_softcap", cfg.logit_softcap, None)):
-        if value != plain:
-            raise UserError(f"model.{key}: {value} has no Hugging Face Llama/Mixtral equivalent; export needs "
-                            f"{key}: {plain}")
-    common = dict(
+    spec = family_of(cfg)
+    kwargs = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.dim_head,
         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
         tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std, hidden_act="silu",
-        attention_bias=False, bos_token_id=None, eos_token_id=None,  # the exporter sets them from the tokenizer
+        bos_token_id=None, eos_token_id=None,  # the exporter sets them from the tokenizer
     )
-    if cfg.is_moe:
-        hf = MixtralConfig(intermediate_size=cfg.expert_dim, num_local_experts=cfg.n_experts,
-                           num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.moe_aux_loss_coef,
-                           sliding_window=None, **common)
-        hf.architectures = ["MixtralForCausalLM"]
+    if cfg.rope_scaling is not None:
+        kwargs["rope_scaling"] = _hf_rope(cfg)
+    if spec.moe:
+        kwargs.update(intermediate_size=cfg.expert_dim, num_local_experts=cfg.n_experts,
+                      num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.moe_aux_loss_coef)
     else:
-        hf = LlamaConfig(intermediate_size=cfg.ffn_dim, mlp_bias=False, **common)
-        hf.architectures = ["LlamaForCausalLM"]
+        kwargs["intermediate_size"] = cfg.ffn_dim
+    if spec.name in ("llama", "qwen3", "olmo2"):
+        kwargs["attention_bias"] = False
+    if spec.name == "llama":
+        kwargs["mlp_bias"] = False
+    if spec.name in ("qwen2", "qwen3"):  # a window on every layer, or none
+        kwargs.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                      max_window_layers=0)
+    elif spec.sliding_window:
+        kwargs["sliding_window"] = cfg.sliding_window
+    hf = getattr(transformers, spec.config_class)(**kwargs)
+    hf.architectures = [spec.architecture]
     return hf
 
 
-def _rope_theta(hf_config) -> float:
+def _hf_rope(cfg: ModelConfig) -> dict:
+    s = cfg.rope_scaling
+    out = {"rope_type": s.type, "factor": s.factor}
+    if s.type == "llama3":
+        out.update(original_max_position_embeddings=s.original_max_seq_len, low_freq_factor=s.low_freq_factor,
+                   high_freq_factor=s.high_freq_factor)
+    elif s.type == "yarn":
+        # attention_factor written out: transformers versions differ in how they derive it.
+        out.update(original_max_position_embeddings=s.original_max_seq_len, beta_fast=s.beta_fast,
+                   beta_slow=s.beta_slow, truncate=s.truncate,
+                   attention_factor=s.attention_factor or (0.1 * math.log(s.factor) + 1 if s.factor > 1 else 1.0))
+    return out
+
+
+def _rope(hf_config) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_scaling` (4.x)."""
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise UserError(f"config.json: rope_type {kind!r} is not supported (only plain RoPE, 'default')")
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):  # per-layer-type form
+        raise UserError("config.json: per-layer RoPE parameters are not supported")
     theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    return float(theta if theta is not None else 10000.0)
+    theta = float(theta if theta is not None else 10000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
+        raise UserError("config.json: partial_rotary_factor < 1 is not supported (lmforge rotates whole heads)")
+    if kind == "default":
+        return theta, None
+    if kind not in ("linear", "llama3", "yarn"):
+        raise UserError(f"config.json: rope_type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+    original = rope.get("original_max_position_embeddings") or hf_config.max_position_embeddings
+    factor = rope.get("factor") or hf_config.max_position_embeddings / original
+    fields: dict[str, Any] = {"type": kind, "factor": float(factor)}
+    if kind == "llama3":
+        fields.update(original_max_seq_len=original, low_freq_factor=rope["low_freq_factor"],
+                      high_freq_factor=rope["high_freq_factor"])
+    elif kind == "yarn":
+        attention = rope.get("attention_factor")
+        mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        if attention is None and mscale and mscale_all and factor > 1:
+            attention = (0.1 * mscale * math.log(factor) + 1) / (0.1 * mscale_all * math.log(factor) + 1)
+        if attention is None:  # explicit, so an export writes back the same number
+            attention = 0.1 * math.log(factor) + 1 if factor > 1 else 1.0
+        fields.update(original_max_seq_len=original, beta_fast=rope.get("beta_fast") or 32.0,
+                      beta_slow=rope.get("beta_slow") or 1.0, attention_factor=attention,
+                      truncate=rope.get("truncate", True))
+    return theta, RopeScaling(**fields)
+
+
+def _sliding_window(hf_config, spec: Family) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    if spec.name in ("qwen2", "qwen3") and types is None:  # transformers < 4.53
+        window = window if getattr(hf_config, "use_sliding_window", False) else None
+        if window is not None and getattr(hf_config, "max_window_layers", 0) > 0:
+            types = ["mixed"]
+    if types is not None:
+        kinds = set(types)
+        if kinds == {"full_attention"}:
+            return None
+        if kinds != {"sliding_attention"}:
+            raise UserError("config.json: sliding-window attention on some layers only (layer_types / "
+                            "max_window_layers) is not supported; lmforge applies a window to all layers or none")
+    if window is not None and not spec.sliding_window:
+        raise UserError(f"config.json: sliding_window is not supported for {spec.name}")
+    return window
 
 
 def from_hf_config(hf_config) -> ModelConfig:
-    """Our ModelConfig for a Hugging Face Llama or Mixtral config."""
-    kind = getattr(hf_config, "model_type", None)
-    if kind not in SUPPORTED:
-        raise UserError(f"config.json: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
-    for attr in ("attention_bias", "mlp_bias"):
-        if getattr(hf_config, attr, False):
-            raise UserError(f"config.json: {attr}=true is not supported (lmforge models have no biases)")
+    """Our ModelConfig for a Hugging Face config of a supported family (see `families.py`)."""
+    spec = family_for_hf(hf_config)
+    if getattr(hf_config, "attention_bias", False) and spec.name != "qwen2":
+        raise UserError(f"config.json: attention_bias=true is not supported for {spec.name} "
+                        "(lmforge has q/k/v biases only, as in qwen2)")
+    if getattr(hf_config, "mlp_bias", False):
+        raise UserError("config.json: mlp_bias=true is not supported (lmforge MLPs have no biases)")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UserError(f"config.json: hidden_act {hf_config.hidden_act!r} is not supported (expected 'silu')")
     d, heads = hf_config.hidden_size, hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or d // heads
+    theta, scaling = _rope(hf_config)
     fields: dict[str, Any] = dict(
         d_model=d, n_layers=hf_config.num_hidden_layers, n_heads=heads,
         n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=None if head_dim * heads == d else head_dim,
         vocab_size=hf_config.vocab_size, max_seq_len=hf_config.max_position_embeddings,
-        rope_theta=_rope_theta(hf_config), norm_eps=hf_config.rms_norm_eps,
+        rope_theta=theta, rope_scaling=scaling, norm_eps=hf_config.rms_norm_eps,
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        init_std=getattr(hf_config, "initializer_range", 0.02),
+        init_std=getattr(hf_config, "initializer_range", 0.02), family=spec.name,
+        sliding_window=_sliding_window(hf_config, spec), **spec.features,
     )
-    if kind == "mixtral":
+    if spec.moe:
         ffn = hf_config.intermediate_size
         fields.update(n_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
                       expansion_ratio=ffn / d)
@@ -93,10 +159,9 @@ def from_hf_config(hf_config) -> ModelConfig:
     return ModelConfig(ffn_hidden=hf_config.intermediate_size, **fields)
 
 
-# (our name, HF name) for one block, dense parts; `{i}` is the layer.
+# (our name, HF name) for one block, dense parts; `{i}` is the layer. The norms' HF names
+# come from the family (OLMo 2's sit after the sublayers and are named for it).
 _BLOCK = [
-    ("blocks.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("blocks.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
     ("blocks.{i}.attn.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
     ("blocks.{i}.attn.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
     ("blocks.{i}.attn.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
@@ -111,11 +176,19 @@ _MOE_ROUTER = ("blocks.{i}.mlp.router.weight", "model.layers.{i}.block_sparse_mo
 _MOE_EXPERT = "model.layers.{i}.block_sparse_moe.experts.{j}.{w}.weight"
 
 
+_QKV_BIAS = [(f"blocks.{{i}}.attn.w{a}.bias", f"model.layers.{{i}}.self_attn.{a}_proj.bias") for a in "qkv"]
+_QK_NORM = [(f"blocks.{{i}}.attn.{a}_norm.weight", f"model.layers.{{i}}.self_attn.{a}_norm.weight") for a in "qk"]
+
+
 def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
     pairs = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
     if not cfg.tie_embeddings:
         pairs.append(("output.weight", "lm_head.weight"))
-    per_block = _BLOCK + ([_MOE_ROUTER] if cfg.is_moe else _MLP)
+    attn_norm, mlp_norm = family_of(cfg).norms
+    per_block = [("blocks.{i}.attn_norm.weight", f"model.layers.{{i}}.{attn_norm}.weight"),
+                 ("blocks.{i}.mlp_norm.weight", f"model.layers.{{i}}.{mlp_norm}.weight")] + _BLOCK
+    per_block += (_QKV_BIAS if cfg.qkv_bias else []) + (_QK_NORM if cfg.qk_norm != "none" else [])
+    per_block += [_MOE_ROUTER] if cfg.is_moe else _MLP
     for i in range(cfg.n_layers):
         pairs += [(ours.format(i=i), theirs.format(i=i)) for ours, theirs in per_block]
     return pairs
@@ -125,7 +198,8 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     """Rename our tensors to HF names (Mixtral per-expert matrices for MoE)."""
     out = {theirs: sd[ours] for ours, theirs in _pairs(cfg)}
     for i in range(cfg.n_layers if cfg.is_moe else 0):
-        w1, w3, w2 = (sd[f"blocks.{i}.mlp.experts.{n}"] for n in ("w1", "w3", "w2"))  # [E,d,h], [E,d,h], [E,h,d]
+        w13, w2 = sd[f"blocks.{i}.mlp.experts.w13"], sd[f"blocks.{i}.mlp.experts.w2"]  # [E,d,2h], [E,h,d]
+        w1, w3 = w13.chunk(2, dim=-1)
         for j in range(cfg.n_experts):
             # nn.Linear layout is [out, in]: ours are [in, out] per expert, so transpose.
             out[_MOE_EXPERT.format(i=i, j=j, w="w1")] = w1[j].t().contiguous()
@@ -146,14 +220,13 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     out = {ours: take(theirs) for ours, theirs in _pairs(cfg)}
     for i in range(cfg.n_layers if cfg.is_moe else 0):
         fused = f"model.layers.{i}.mlp.experts.gate_up_proj"
-        if fused in hf_sd:  # transformers >= 5 module layout: [E, 2h, d] and [E, d, h]
-            gate, up = hf_sd[fused].chunk(2, dim=1)
-            out[f"blocks.{i}.mlp.experts.w1"] = gate.transpose(1, 2).contiguous()
-            out[f"blocks.{i}.mlp.experts.w3"] = up.transpose(1, 2).contiguous()
+        if fused in hf_sd:  # transformers >= 5 module layout: [E, 2h, d] (gate rows first) and [E, d, h]
+            out[f"blocks.{i}.mlp.experts.w13"] = hf_sd[fused].transpose(1, 2).contiguous()
             down = take(f"model.layers.{i}.mlp.experts.down_proj")
             out[f"blocks.{i}.mlp.experts.w2"] = down.transpose(1, 2).contiguous()
             continue
-        for n in ("w1", "w3", "w2"):
-            mats = [take(_MOE_EXPERT.format(i=i, j=j, w=n)) for j in range(cfg.n_experts)]
-            out[f"blocks.{i}.mlp.experts.{n}"] = torch.stack([m.t() for m in mats]).contiguous()
+        w1, w3, w2 = ([take(_MOE_EXPERT.format(i=i, j=j, w=n)).t() for j in range(cfg.n_experts)]
+                      for n in ("w1", "w3", "w2"))
+        out[f"blocks.{i}.mlp.experts.w13"] = torch.cat([torch.stack(w1), torch.stack(w3)], dim=-1).contiguous()
+        out[f"blocks.{i}.mlp.experts.w2"] = torch.stack(w2).contiguous()
     return out

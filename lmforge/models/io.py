@@ -15,13 +15,15 @@ from torch import nn
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
+from lmforge.models.moe import fuse_legacy_experts
 from lmforge.models.transformer import Transformer, build_model
 
 CONFIG_FILE = "lmforge-model.json"
 WEIGHTS_FILE = "model.safetensors"
 # What a tokenizer folder may hold; copied so the saved folder is self-contained.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "generation_config.json", "lmforge-tokenizer.json")
+                   "merges.txt", "tokenizer.model", "generation_config.json", "lmforge-tokenizer.json",
+                   "chat_template.jinja")
 
 
 def _state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -42,14 +44,15 @@ def _copy_tokenizer(tokenizer_dir: str | Path | None, out: Path) -> None:
         shutil.copy2(src / f, out / f)
 
 
-def save_pretrained(model: Transformer, cfg: ModelConfig, out_dir: str | Path,
-                    tokenizer_dir: str | Path | None = None) -> Path:
-    """Write our layout (weights + config, and the tokenizer files if given) to `out_dir`."""
+def save_pretrained(model: Transformer | None, cfg: ModelConfig, out_dir: str | Path,
+                    tokenizer_dir: str | Path | None = None, *, weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write our layout (weights + config, and the tokenizer files if given) to `out_dir`.
+    `weights`: CPU tensors under our names to write instead of the model's (e.g. LoRA merged)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(_state_dict(model), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(_state_dict(model) if weights is None else weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")
     _copy_tokenizer(tokenizer_dir, out)
     return out
@@ -121,7 +124,7 @@ def load_pretrained(path: str | Path, device="cpu",
             raise UserError(f"{folder / CONFIG_FILE}: invalid model config ({e})".splitlines()[0]) from None
         if not (folder / WEIGHTS_FILE).is_file():
             raise UserError(f"{folder}: {WEIGHTS_FILE} is missing")
-        sd = _read_safetensors([folder / WEIGHTS_FILE])
+        sd = fuse_legacy_experts(_read_safetensors([folder / WEIGHTS_FILE]))
     elif (folder / "config.json").is_file():
         from transformers import AutoConfig
 

@@ -2,8 +2,24 @@
 
 Everything that trains or evaluates on next-token prediction (the trainer, held-out eval,
 fine-tuning eval) comes through here, through `Transformer.training_loss`. The head is applied
-inside the loss so that a chunked or fused linear + cross-entropy can replace the two steps
-without the callers noticing.
+inside the loss so that the [tokens, vocabulary] logits never exist whole:
+
+- **chunked** (every device; lmforge's own): the tokens are taken a chunk at a time, so that
+  at most `CHUNK_ELEMENTS` logits (fp32) exist at once. The gradient of a summed
+  cross-entropy does not depend on anything after it, so each chunk's gradients with respect
+  to the hidden states and the head weight are computed right there, in the forward pass
+  (softmax − one-hot, two matmuls), and the backward pass only scales them by the incoming
+  gradient. No recomputation and no saved logits: what backward keeps is one hidden-sized
+  gradient and one head-sized fp32 gradient. A plain cross-entropy at micro-batch 8 × 2048
+  with a 128k vocabulary keeps ≈ 35 GB of logits; this keeps 2 chunks' worth (≈ 0.3 GB).
+- **liger** (CUDA, with `pip install lmforge[gpu]`): liger-kernel's fused linear +
+  cross-entropy, the same idea with Triton kernels that compute the logit gradient in place.
+  It reads the number of targets on the host (one sync per micro-batch), so it runs outside
+  the compiled region.
+
+Both compute in the autocast dtype when autocast is on (as `F.linear` would) and return the
+summed loss in fp32; gradients come back in each input's own dtype (an fp32 master weight gets
+an fp32 head gradient).
 """
 
 from __future__ import annotations
@@ -11,9 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from lmforge.data.batch import IGNORE
+
+# fp32 logits per chunk: 32M (128 MiB), e.g. 1024 tokens of a 32k vocabulary or 256 of a 128k
+# one. Matmuls of that size keep a GPU busy; the estimate's memory model uses the same number.
+CHUNK_ELEMENTS = 2**25
+KERNELS = ("auto", "chunked", "liger")
 
 
 @dataclass
@@ -25,26 +45,101 @@ class LossOutput:
     moe: dict[str, torch.Tensor] = field(default_factory=dict)  # detached MoE statistics for logging
 
 
-def head_logits(hidden: torch.Tensor, head_weight: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
-    """``hidden @ head_weight.T``, smoothly capped to ±softcap when given (tanh, as Gemma 2)."""
-    logits = F.linear(hidden, head_weight)
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits.float() / softcap)
-    return logits
-
-
-def next_token_loss(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, *,
-                    softcap: float | None = None, with_z: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sum of cross-entropy (fp32) of the head's logits against ``targets`` (IGNORE skipped), and
-    with ``with_z`` the mean of log(Z)² over the same targets (PaLM's z-loss, before its weight).
+def next_token_loss(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
+                    kernel: str = "auto") -> torch.Tensor:
+    """Sum of cross-entropy (fp32) of ``hidden @ head_weight.T`` against ``targets`` (IGNORE skipped).
 
     hidden [B, T, d], head_weight [V, d], targets [B, T] already shifted (see `data.batch`).
+    ``kernel``: "chunked", "liger" (CUDA only), or "auto" (liger where it can run, else chunked).
     """
-    logits = head_logits(hidden, head_weight, softcap).flatten(0, 1).float()
-    flat = targets.flatten()
-    ce = F.cross_entropy(logits, flat, ignore_index=IGNORE, reduction="sum")
-    if not with_z:
-        return ce, None
-    keep = flat != IGNORE
-    lse = torch.logsumexp(logits[keep], dim=-1)
-    return ce, lse.square().sum() / keep.sum().clamp(min=1)
+    h, t = hidden.flatten(0, 1), targets.flatten()
+    dtype = compute_dtype(h, head_weight)
+    if _use_liger(kernel, h):
+        return _liger_loss(h, head_weight, t, dtype)
+    rows = max(1, CHUNK_ELEMENTS // head_weight.shape[0])
+    if torch.is_grad_enabled() and (h.requires_grad or head_weight.requires_grad):
+        return _ChunkedLinearCrossEntropy.apply(h, head_weight, t, rows, dtype)
+    return _chunked_loss(h, head_weight.to(dtype), t, rows, None)[0]
+
+
+def compute_dtype(h: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear(h, w) would compute in: autocast's when it is on, else the inputs'."""
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(h.dtype, w.dtype)
+
+
+def _chunked_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, rows: int, grads: tuple | None):
+    """Summed CE of h @ w.T, ``rows`` tokens at a time. ``grads`` = (grad_h or None, grad_w or
+    None): filled with the gradients of the sum (grad_w accumulated in fp32)."""
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, h.shape[0], rows):
+        hc, tc = h[start:start + rows], t[start:start + rows]
+        logits = (hc @ w.T).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        valid = tc != IGNORE
+        safe = torch.where(valid, tc, 0)[:, None]
+        picked = logits.gather(1, safe).squeeze(1)
+        total = total + torch.where(valid, lse - picked, 0.0).sum()
+        if grads is None:
+            continue
+        # d(sum CE)/d(logits) = softmax - one_hot, zero on ignored rows.
+        g = torch.exp(logits - lse[:, None])
+        g = g.scatter_add(1, safe, torch.full_like(picked, -1.0)[:, None])
+        g = (g * valid[:, None]).to(w.dtype)
+        grad_h, grad_w = grads
+        if grad_h is not None:
+            grad_h[start:start + rows] = g @ w
+        if grad_w is not None:
+            grad_w += (g.T @ hc).float()
+    return total, grads
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Chunked head + cross-entropy whose gradients are computed in forward (see the module
+    docstring); backward scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, h, w, t, rows: int, dtype: torch.dtype):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        hc, wc = h.to(dtype), w.to(dtype)
+        grads = (torch.empty_like(hc) if need_h else None,
+                 torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None)
+        total, (grad_h, grad_w) = _chunked_loss(hc, wc, t, rows, grads)
+        ctx.h_dtype, ctx.w_dtype = h.dtype, w.dtype
+        ctx.save_for_backward(grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        dh = None if grad_h is None else (grad_h * grad_out).to(ctx.h_dtype)
+        dw = None if grad_w is None else (grad_w * grad_out).to(ctx.w_dtype)
+        return dh, dw, None, None, None
+
+
+def liger_available() -> bool:
+    try:
+        import liger_kernel.ops.fused_linear_cross_entropy  # noqa: F401
+    except Exception:  # not installed, or no triton / GPU stack to import it with
+        return False
+    return True
+
+
+def _use_liger(kernel: str, h: torch.Tensor) -> bool:
+    if kernel == "chunked":
+        return False
+    if kernel == "liger":
+        if not h.is_cuda:
+            raise ValueError("the liger loss kernel runs on CUDA only")
+        return True
+    return h.is_cuda and liger_available()
+
+
+@torch.compiler.disable  # liger reads the target count on the host: keep it out of compiled graphs
+def _liger_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(h.to(dtype).contiguous(), w.to(dtype), t, ignore_index=IGNORE,
+                                            reduction="sum", accum_dtype=torch.float32).float()

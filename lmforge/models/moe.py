@@ -1,14 +1,25 @@
-"""Dropless mixture-of-experts feed-forward layer (DBRX/Mixtral style).
+"""Dropless mixture-of-experts feed-forward layer (DBRX/Mixtral style), with expert parallelism.
 
 Routing: a linear router gives logits over E experts; softmax (fp32), top-k, and the k weights
 renormalized to sum to 1 (the same math as HF Mixtral, so exported weights behave the same).
-Dropless: every (token, expert) slot is computed — there is no capacity factor. Slots are sorted
-by expert so each expert sees one contiguous slice, and the experts run as one grouped GEMM
-(`grouped_mm`) on GPU in bf16, or as a loop over the slices otherwise.
+Dropless: every (token, expert) slot is computed — there is no capacity factor, whatever the load.
 
-The layer is three steps kept apart on purpose — `dispatch` (permute tokens by expert),
-`GroupedExperts` (the compute), `combine` (un-permute and weight) — so expert parallelism can
-later put an all-to-all between them without touching the math.
+The layer is kept in three steps, with the expert-parallel exchange between them:
+
+1. `dispatch` sorts the N·k token slots by expert (each expert then sees one contiguous slice);
+2. with expert parallelism, `send_to_experts` moves each slice to the rank that owns its expert
+   (`all_to_all_single`), `GroupedExperts` computes, `return_from_experts` sends the rows back;
+   without it `GroupedExperts` computes locally;
+3. `combine` un-permutes and takes each token's weighted sum over its k slots.
+
+Compile-clean: routing, counting and sorting have static shapes (no `bincount`, no host sync),
+and the experts run as grouped GEMMs (`models.grouped_mm`, CPU and CUDA) on the unpadded sorted
+rows, so one MoE block is one graph. Only expert parallelism breaks it: `all_to_all_single` takes
+its split sizes as Python ints (one host sync) and the rows a rank receives vary, so the
+exchange and the experts' GEMMs on the received rows run eagerly between two compiled graphs.
+
+Experts are SwiGLU with the gate and up projections fused: ``w13 [E, d, 2h]`` (gate columns
+first, then up) — one grouped GEMM instead of two — and ``w2 [E, h, d]`` (down).
 
 Losses (returned as unweighted per-layer scalars; the model averages layers and applies the
 coefficients): Switch/DBRX load balancing E·Σ_i f_i·P_i (f_i = share of slots routed to expert
@@ -20,22 +31,32 @@ during training (Switch), leaving the expert inputs untouched.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as td
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.config.model import ModelConfig
+from lmforge.models import grouped_mm as gmm
 
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-# Grouped GEMM kernels want each group's rows to start at an aligned offset.
-ALIGN = 16
 
+# --------------------------------------------------------------------------- routing
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [N, E] -> (weights [N, k] renormalized, expert ids [N, k], probs [N, E] fp32)."""
     probs = logits.float().softmax(dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
     return weights / weights.sum(dim=-1, keepdim=True), experts, probs
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Slots routed to each expert, [E] int64. A scatter-add into a fixed-size vector: unlike
+    `bincount` its shape never depends on the data, so it traces into a compiled graph."""
+    flat = experts.reshape(-1)
+    return flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -49,75 +70,88 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
-def dispatch(x: torch.Tensor, experts: torch.Tensor, n_experts: int):
+def router_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the router distribution's entropy (nats): log E when undecided, → 0
+    when each token is sure of its experts. Logged per layer as a health signal."""
+    return -(probs * probs.clamp(min=1e-20).log()).sum(-1).mean()
+
+
+# --------------------------------------------------------------------------- dispatch / combine
+
+def dispatch(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the N·k token slots by expert.
 
-    Returns (x_sorted [N·k, d], expert id of each sorted row [N·k], counts [E], order [N·k])
-    where order[r] is the flat (token·k + slot) index that sorted row r came from.
+    Returns (x_sorted [N·k, d], order [N·k]) where order[r] is the flat (token·k + slot) index
+    that sorted row r came from. Stable: deterministic, token order kept within each expert.
     """
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # stable: deterministic, token order kept per expert
-    counts = torch.bincount(flat, minlength=n_experts)
-    return x[order // experts.shape[1]], flat[order], counts, order
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    return x[order // experts.shape[1]], order
 
 
 def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Inverse of `dispatch`: un-permute rows, then weighted sum over each token's k slots.
 
-    A gather plus a sum over k (rather than a scatter-add into tokens) keeps the result
-    deterministic on every device.
+    The inverse permutation is a scatter of positions (linear, no second sort). A gather plus a
+    sum over k (rather than a scatter-add into tokens) keeps the result deterministic everywhere.
     """
     n, k = weights.shape
-    y = y_sorted[torch.argsort(order)].view(n, k, -1)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    y = y_sorted[inverse].view(n, k, -1)
     return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
 
 
-class GroupedExperts(nn.Module):
-    """E SwiGLU experts with stacked weights: w1/w3 [E, d, h] (gate/up), w2 [E, h, d] (down)."""
+# --------------------------------------------------------------------------- expert parallelism
 
-    def __init__(self, n_experts: int, d_model: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
-        self.w3 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
-        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+@dataclass
+class Exchange:
+    """How rows travelled in `send_to_experts`, to send them back the same way."""
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor,
-                grouped: bool | None = None) -> torch.Tensor:
-        """x: rows sorted by expert; counts [E]. grouped=None picks grouped GEMM on CUDA bf16."""
-        if grouped is None:
-            grouped = _grouped_mm is not None and x.is_cuda and _compute_dtype(x) == torch.bfloat16
-        return self._grouped(x, expert_ids, counts) if grouped else self._loop(x, counts)
+    group: td.ProcessGroup
+    send_splits: list[int]  # rows this rank sent to each EP rank
+    recv_splits: list[int]  # rows this rank received from each EP rank
+    to_expert_major: torch.Tensor  # received (rank-major) row index of each expert-major row
 
-    # Data-dependent slice sizes would recompile a compiled block on every new routing; the
-    # loop is the CPU/fallback path anyway, so keep it out of the graph.
-    @torch.compiler.disable
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # unbind, not w[e]: its backward stacks the per-expert grads once, where indexing would
-        # allocate and accumulate a full [E, ...] gradient per expert.
-        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
-        out, start = [], 0
-        for e, n in enumerate(counts.tolist()):  # host sync: free on CPU
-            if n:
-                xs = x[start:start + n]
-                out.append((F.silu(xs @ w1[e]) * (xs @ w3[e])) @ w2[e])
-                start += n
-        return torch.cat(out) if out else x.new_zeros(0, self.w2.shape[-1])
 
-    def _grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # Place each expert's rows at an ALIGN-multiple offset in a padded buffer, with no host
-        # sync: the buffer size is a static upper bound (N + E·ALIGN), so this also compiles.
-        n_rows, n_experts = x.shape[0], counts.shape[0]
-        padded = (counts + ALIGN - 1) // ALIGN * ALIGN
-        pad_end = padded.cumsum(0)
-        starts = counts.cumsum(0) - counts
-        dest = (pad_end - padded)[expert_ids] + torch.arange(n_rows, device=x.device) - starts[expert_ids]
-        size = n_rows + n_experts * ALIGN
-        dtype = _compute_dtype(x)
-        buf = x.new_zeros(size, x.shape[1], dtype=dtype).index_copy(0, dest, x.to(dtype))
-        offs = pad_end.to(torch.int32)
-        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
-        h = F.silu(_grouped_mm(buf, w1, offs=offs)) * _grouped_mm(buf, w3, offs=offs)
-        return _grouped_mm(h, w2, offs=offs)[dest]
+def send_to_experts(x_sorted: torch.Tensor, counts: torch.Tensor, group: td.ProcessGroup
+                    ) -> tuple[torch.Tensor, torch.Tensor, Exchange]:
+    """Move the expert-sorted rows to the ranks owning their experts (E/N consecutive experts per
+    rank of the EP group) with `all_to_all_single`; any split is allowed, zero included (dropless).
+
+    Returns (rows for this rank's experts, sorted by local expert [R, d], local counts [E/N], the
+    `Exchange` to reverse it).
+    """
+    from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+    ep = td.get_world_size(group)
+    per_rank = counts.view(ep, -1)  # [EP, E/N]: slots for each rank's experts
+    # Each rank learns how many rows it gets for each of its experts from every rank: [EP, E/N].
+    received = all_to_all_single(per_rank.contiguous(), None, None, group).view(ep, -1)
+    # The one host sync: the collective takes its split sizes as Python ints.
+    send_splits = per_rank.sum(1).tolist()
+    recv_splits = received.sum(1).tolist()
+    x_recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)
+    # Rows arrive rank-major (from rank 0: its rows for my expert 0, 1, …; then from rank 1 …);
+    # the grouped GEMM wants them expert-major: a stable sort by local expert id.
+    n_local = received.shape[1]
+    local_ids = torch.arange(n_local, device=counts.device).repeat(ep)
+    row_expert = torch.repeat_interleave(local_ids, received.reshape(-1), output_size=x_recv.shape[0])
+    to_expert_major = torch.argsort(row_expert, stable=True)
+    return x_recv[to_expert_major], received.sum(0), Exchange(group, send_splits, recv_splits, to_expert_major)
+
+
+def return_from_experts(y_local: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """Inverse of `send_to_experts`: rows back to rank-major order, then home by the same splits."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    y_recv = torch.empty_like(y_local).index_copy(0, ex.to_expert_major, y_local)
+    return all_to_all_single_autograd(y_recv, ex.send_splits, ex.recv_splits, ex.group)
+
+
+# --------------------------------------------------------------------------- the experts
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: expert-parallel weights are DTensors sharded on the expert dim."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -126,8 +160,58 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights: w13 [E, d, 2h] (gate | up), w2 [E, h, d] (down).
+
+    Under expert parallelism the parameters are DTensors sharded on dim 0 and this module
+    computes the rank's own E/N experts; it never communicates.
+    """
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
+        """x [R, d]: rows sorted by expert, ``counts[e]`` of them for local expert e.
+
+        grouped=None: the grouped GEMM wherever it takes these shapes; False: the per-expert
+        loop (the reference, and the fallback where the grouped kernel is unavailable)."""
+        w13, w2 = _local(self.w13), _local(self.w2)
+        dtype = _compute_dtype(x)
+        x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+        if grouped is None:  # rows of x, w13, the SwiGLU output and w2: d, 2h, h, d
+            grouped = gmm.supported(x, x.shape[-1], w13.shape[-1], w2.shape[-2], w2.shape[-1])
+        if not grouped:
+            return _loop(x, counts, w13, w2)
+        # Unpadded: expert e's rows are offs[e-1]:offs[e], whatever their alignment.
+        offs = counts.cumsum(0).to(torch.int32)
+        gate, up = gmm.grouped_mm(x, w13, offs).chunk(2, dim=-1)
+        return gmm.grouped_mm(F.silu(gate) * up, w2, offs)
+
+
+@torch.compiler.disable  # data-dependent slice sizes: kept out of compiled graphs
+def _loop(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    # unbind, not w[e]: its backward stacks the per-expert grads once, where indexing would
+    # allocate and accumulate a full [E, ...] gradient per expert.
+    w13s, w2s = w13.unbind(0), w2.unbind(0)
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):  # host sync
+        if n:
+            gate, up = (x[start:start + n] @ w13s[e]).chunk(2, dim=-1)
+            out.append((F.silu(gate) * up) @ w2s[e])
+            start += n
+    return torch.cat(out) if out else x.new_zeros(0, w2.shape[-1])
+
+
+# --------------------------------------------------------------------------- the layer
+
 class MoE(nn.Module):
-    """Router + dropless dispatch + grouped experts + combine. forward -> (y, stats)."""
+    """Router + dispatch + (exchange) + grouped experts + (exchange back) + combine.
+
+    forward -> (y, stats). ``ep_group`` is set by `distributed.parallelize` for expert
+    parallelism; None computes every expert here.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -135,12 +219,12 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, cfg.expert_dim)
         self.grouped: bool | None = None  # None = auto; tests force either path
+        self.ep_group: td.ProcessGroup | None = None
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.router.weight, 0.0, std)
-        nn.init.normal_(self.experts.w1, 0.0, std)
-        nn.init.normal_(self.experts.w3, 0.0, std)
+        nn.init.normal_(self.experts.w13, 0.0, std)
         nn.init.normal_(self.experts.w2, 0.0, out_std)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -151,9 +235,29 @@ class MoE(nn.Module):
             router_in = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
         logits = self.router(router_in)
         weights, experts, probs = route(logits, self.top_k)
-        x_sorted, expert_ids, counts, order = dispatch(x, experts, self.n_experts)
-        y_sorted = self.experts(x_sorted, expert_ids, counts, self.grouped)
+        counts = expert_counts(experts, self.n_experts)
+        x_sorted, order = dispatch(x, experts)
+        if self.ep_group is None:
+            y_sorted = self.experts(x_sorted, counts, self.grouped)
+        else:
+            y_sorted = self._expert_parallel(x_sorted, counts)
         y = combine(y_sorted, order, weights)
         stats = {"lb_loss": load_balancing_loss(probs, counts), "z_loss": z_loss(logits),
-                 "tokens_per_expert": counts}
+                 "tokens_per_expert": counts, "router_entropy": router_entropy(probs.detach())}
         return y.view(shape), stats
+
+    # How many rows arrive is data: the exchange and the expert GEMMs on those rows stay out of
+    # compiled graphs (which keep static shapes); routing, dispatch and combine still compile.
+    @torch.compiler.disable
+    def _expert_parallel(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        x_local, local_counts, exchange = send_to_experts(x_sorted, counts, self.ep_group)
+        return return_from_experts(self.experts(x_local, local_counts, self.grouped), exchange)
+
+
+def fuse_legacy_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weights saved before gate and up were fused (``experts.w1`` and ``experts.w3``, [E, d, h]
+    each) → ``experts.w13`` [E, d, 2h]; other state dicts are returned unchanged."""
+    for name in [k for k in sd if k.endswith(".experts.w1")]:
+        prefix = name[: -len("w1")]
+        sd[prefix + "w13"] = torch.cat([sd.pop(name), sd.pop(prefix + "w3")], dim=-1)
+    return sd

@@ -12,14 +12,19 @@ Design choices, and why:
   same FLOPs; hidden size comes from `ModelConfig.ffn_dim`.
 - **Grouped-query attention** through `F.scaled_dot_product_attention` with `enable_gqa`,
   which dispatches to flash attention on GPU and never materializes repeated K/V.
+- **FlexAttention for masks that are not plain causal** (packed documents, sliding windows)
+  on CUDA: a dense [B, 1, T, T] boolean mask would force SDPA onto its O(T²)-memory math
+  kernel, so `attention_mask` builds a `BlockMask` instead and a compiled `flex_attention`
+  skips the blocks nothing attends to. The CPU keeps the boolean mask (torch has no
+  FlexAttention backward on the CPU), and so does decoding with a KV cache.
 - **clip_qkv.** Clamping q/k/v projections (DBRX) bounds attention logits and prevents the
   loss spikes seen in large runs; off unless the config sets it.
-- **Recipe options** (off by default unless bench/sweep.py showed they win): `qk_norm`
-  (RMSNorm of each head's q and k before RoPE, OLMo 2 / Qwen3), `mlp: relu2` (squared-ReLU MLP,
-  Primer / modded-nanogpt), `logit_softcap` (tanh capping of the output logits, Gemma 2) and
-  `z_loss` (PaLM's log(Z)² penalty, returned as an auxiliary loss so the logged loss stays the
-  cross-entropy).
-- **No biases.** They add parameters and state but nothing measurable in quality.
+- **No biases** by default: they add parameters and state but nothing measurable in quality.
+- **Options published families need** (`lmforge/models/families.py` maps each one): q/k/v
+  biases (Qwen2), RMSNorm on q and k per head (Qwen3) or over all heads (OLMo 2), norms on the
+  sublayer outputs instead of inputs (OLMo 2), long-context RoPE scaling (`rope.py`) and a
+  sliding attention window (Mistral). Each is a plain constructor option; `forward` has no
+  per-family branches.
 - **Tied embeddings** are implemented by reusing the embedding matrix in the head inside
   `forward` (no second Parameter). That keeps exactly one tensor after meta-device
   construction, `to_empty`, FSDP sharding and checkpoint load — attribute-level tying breaks
@@ -37,9 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.models.loss import LossOutput, head_logits, next_token_loss
+from lmforge.models.loss import LossOutput, next_token_loss
+from lmforge.models.rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -53,15 +61,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def rope_tables(dim_head: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_len, dim_head] in fp32, rotate-half layout (each half repeated)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim_head, 2, dtype=torch.int64, device=device).float() / dim_head)
-    pos = torch.arange(max_len, dtype=torch.float32, device=device)
-    freqs = torch.outer(pos, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -90,66 +89,70 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.dh = cfg.n_heads, cfg.kv_heads, cfg.dim_head
         self.clip = cfg.clip_qkv
-        self.q_norm = RMSNorm(self.dh, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.dh, cfg.norm_eps) if cfg.qk_norm else None
-        self.wq = nn.Linear(cfg.d_model, self.n_heads * self.dh, bias=False)
-        self.wk = nn.Linear(cfg.d_model, self.n_kv * self.dh, bias=False)
-        self.wv = nn.Linear(cfg.d_model, self.n_kv * self.dh, bias=False)
+        self.wq = nn.Linear(cfg.d_model, self.n_heads * self.dh, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv * self.dh, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv * self.dh, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.dh, cfg.d_model, bias=False)
+        # q/k norms: over each head's dims ("head", shared by the heads) or the whole projection ("full").
+        self.qk_norm = cfg.qk_norm
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm != "none":
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(self.dh if per_head else self.n_heads * self.dh, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.dh if per_head else self.n_kv * self.dh, cfg.norm_eps)
 
     def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
-                attn_mask: torch.Tensor | None = None):
+                attn_mask: torch.Tensor | BlockMask | None = None):
+        """attn_mask: None for plain causal attention, else a boolean mask or a FlexAttention
+        block mask (see `attention_mask`)."""
         B, T, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-        q = q.view(B, T, self.n_heads, self.dh).transpose(1, 2)
-        k = k.view(B, T, self.n_kv, self.dh).transpose(1, 2)
-        v = v.view(B, T, self.n_kv, self.dh).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.dh)
+        k = k.view(B, T, self.n_kv, self.dh)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.dh).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask, causal = None, True
-        if attn_mask is not None:  # packed examples: block-diagonal causal mask from doc ids
-            mask, causal = attn_mask, False
-        elif cache is not None:
+        if cache is not None:
             ck, cv = cache
             end = start_pos + T
             ck[:B, :, start_pos:end] = k
             cv[:B, :, start_pos:end] = v
             k, v = ck[:B, :, :end], cv[:B, :, :end]
-            if start_pos > 0:
-                # SDPA's is_causal aligns the mask top-left, which is wrong once queries start
-                # after cached keys: query i may see keys 0..start_pos+i.
-                causal = False
-                if T > 1:
-                    mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           enable_gqa=self.n_kv != self.n_heads)
+        if isinstance(attn_mask, BlockMask):
+            y = _flex(q)(q, k, v, block_mask=attn_mask, enable_gqa=self.n_kv != self.n_heads)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                               enable_gqa=self.n_kv != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dh))
 
 
 class MLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down. relu2: w2(relu(w1 x)²), no w3."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down."""
 
-    def __init__(self, d_model: int, hidden: int, kind: str = "swiglu"):
+    def __init__(self, d_model: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(d_model, hidden, bias=False)
-        self.w3 = nn.Linear(d_model, hidden, bias=False) if kind == "swiglu" else None
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
         self.w2 = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w3 is None:
-            return self.w2(F.relu(self.w1(x)).square())
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
-    """Pre-norm block. Returns (x, aux) so MoE statistics survive FSDP/checkpoint/compile
-    wrapping without side channels; aux is {} for dense blocks."""
+    """Pre-norm block (or post-norm: the norms applied to each sublayer's output before the
+    residual add, as in OLMo 2). Returns (x, aux) so MoE statistics survive FSDP/checkpoint/
+    compile wrapping without side channels; aux is {} for dense blocks."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.post_norm = cfg.norm_position == "post"
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -157,19 +160,28 @@ class Block(nn.Module):
             from lmforge.models.moe import MoE  # moe imports nothing from here at import time
             self.mlp: nn.Module = MoE(cfg)
         else:
-            self.mlp = MLP(cfg.d_model, cfg.ffn_dim, cfg.mlp)
+            self.mlp = MLP(cfg.d_model, cfg.ffn_dim)
 
     def forward(self, x, cos, sin, cache=None, start_pos: int = 0, attn_mask=None):
+        if self.post_norm:  # normalize what each sublayer writes into the residual stream
+            x = x + self.attn_norm(self.attn(x, cos, sin, cache, start_pos, attn_mask))
+            h, aux = _with_aux(self.mlp(x))
+            return x + self.mlp_norm(h), aux
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, attn_mask)
-        h = self.mlp(self.mlp_norm(x))
-        if isinstance(h, tuple):
-            h, aux = h
-        else:
-            aux = {}
+        h, aux = _with_aux(self.mlp(self.mlp_norm(x)))
         return x + h, aux
 
 
+def _with_aux(out) -> tuple[torch.Tensor, dict]:
+    """An MLP's output and its statistics: MoE layers return (h, aux), dense ones just h."""
+    return out if isinstance(out, tuple) else (out, {})
+
+
 class Transformer(nn.Module):
+    # How `head_loss` computes the loss (`models.loss.next_token_loss`'s kernel); set from
+    # compute.loss_kernel by `distributed.parallelize`.
+    loss_kernel: str = "auto"
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.vocab_size is None:
@@ -181,7 +193,7 @@ class Transformer(nn.Module):
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # Non-persistent: derived from the config, so not part of checkpoints.
         cos, sin = rope_tables(cfg.dim_head, cfg.max_seq_len, cfg.rope_theta,
-                               device=self.tok_embeddings.weight.device)
+                               device=self.tok_embeddings.weight.device, scaling=cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if cos.device.type != "meta":  # direct construction gets the documented init too
@@ -193,7 +205,7 @@ class Transformer(nn.Module):
 
     def init_rope(self) -> None:
         cos, sin = rope_tables(self.cfg.dim_head, self.cfg.max_seq_len, self.cfg.rope_theta,
-                               device=self.rope_cos.device)
+                               device=self.rope_cos.device, scaling=self.cfg.rope_scaling)
         self.rope_cos, self.rope_sin = cos, sin
 
     @torch.no_grad()
@@ -208,16 +220,17 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.attn_norm.weight.fill_(1.0)
             block.mlp_norm.weight.fill_(1.0)
-            if block.attn.q_norm is not None:
-                block.attn.q_norm.weight.fill_(1.0)
-                block.attn.k_norm.weight.fill_(1.0)
             for lin in (block.attn.wq, block.attn.wk, block.attn.wv):
                 nn.init.normal_(lin.weight, 0.0, std)
+                if lin.bias is not None:
+                    lin.bias.zero_()
+            for norm in (block.attn.q_norm, block.attn.k_norm):
+                if norm is not None:
+                    norm.weight.fill_(1.0)
             nn.init.normal_(block.attn.wo.weight, 0.0, out_std)
             if isinstance(block.mlp, MLP):
                 nn.init.normal_(block.mlp.w1.weight, 0.0, std)
-                if block.mlp.w3 is not None:
-                    nn.init.normal_(block.mlp.w3.weight, 0.0, std)
+                nn.init.normal_(block.mlp.w3.weight, 0.0, std)
                 nn.init.normal_(block.mlp.w2.weight, 0.0, out_std)
             else:
                 block.mlp.init_weights(std, out_std)
@@ -234,22 +247,23 @@ class Transformer(nn.Module):
         """Logits [B, T, V]. doc_ids [B, T] (packed rows): a token attends only to earlier tokens
         with the same id; without them attention is plain causal (SDPA's is_causal fast path)."""
         h, _ = self._hidden(input_ids, doc_ids)
-        return self.logits(h)
+        return F.linear(self.norm(h), self.output_weight)
 
     def training_loss(self, input_ids: torch.Tensor, targets: torch.Tensor, *,
                       doc_ids: torch.Tensor | None = None) -> LossOutput:
         """The training forward: summed next-token loss against shifted ``targets`` (see
         `data.batch.Batch`), plus the MoE auxiliary loss and routing statistics."""
         h, stats = self._hidden(input_ids, doc_ids)
-        cfg = self.cfg
-        ce, z = next_token_loss(self.norm(h), self.output_weight, targets, softcap=cfg.logit_softcap,
-                                with_z=cfg.z_loss > 0)
-        z_aux = cfg.z_loss * z if z is not None else None
+        ce = self.head_loss(h, targets)
         if not stats:
-            return LossOutput(ce, z_aux)
-        aux = _reduce_aux(stats, cfg)
-        moe_aux = aux.pop("aux_loss")
-        return LossOutput(ce, moe_aux if z_aux is None else moe_aux + z_aux, aux)
+            return LossOutput(ce)
+        aux = _reduce_aux(stats, self.cfg)
+        return LossOutput(ce, aux.pop("aux_loss"), aux)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, output head and summed cross-entropy of the last hidden states: one unit
+        that `distributed.parallelize` compiles (the logits never exist whole, see `models.loss`)."""
+        return next_token_loss(self.norm(h), self.output_weight, targets, kernel=self.loss_kernel)
 
     def decode(self, input_ids: torch.Tensor, kv_cache: KVCache, start_pos: int = 0) -> torch.Tensor:
         """Logits [B, T, V] of ``input_ids`` placed at ``start_pos``, reading and filling ``kv_cache``."""
@@ -259,13 +273,10 @@ class Transformer(nn.Module):
         cos = self.rope_cos[start_pos:start_pos + T]
         sin = self.rope_sin[start_pos:start_pos + T]
         h = self.tok_embeddings(input_ids)
+        mask = attention_mask(T, start_pos, None, self.cfg.sliding_window, input_ids.device)
         for i, block in enumerate(self.blocks):
-            h, _ = block(h, cos, sin, (kv_cache.k[i], kv_cache.v[i]), start_pos)
-        return self.logits(h)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Output logits of final hidden states (before the last norm), soft-capped when configured."""
-        return head_logits(self.norm(h), self.output_weight, self.cfg.logit_softcap)
+            h, _ = block(h, cos, sin, (kv_cache.k[i], kv_cache.v[i]), start_pos, mask)
+        return F.linear(self.norm(h), self.output_weight)
 
     def _hidden(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None):
         """Final hidden states (before the last norm) and the MoE statistics of each block."""
@@ -274,10 +285,7 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.tok_embeddings(input_ids)
-        mask = None
-        if doc_ids is not None:
-            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
-            mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]  # [B, 1, T, T]
+        mask = attention_mask(T, 0, doc_ids, self.cfg.sliding_window, input_ids.device, flex=input_ids.is_cuda)
         stats: list[dict[str, torch.Tensor]] = []
         for block in self.blocks:
             h, aux = block(h, cos, sin, attn_mask=mask)
@@ -286,18 +294,77 @@ class Transformer(nn.Module):
         return h, stats
 
 
+def attention_mask(T: int, start_pos: int, doc_ids: torch.Tensor | None, window: int | None,
+                   device, flex: bool = False) -> torch.Tensor | BlockMask | None:
+    """The mask shared by every layer, or None when plain causal attention is exact (SDPA's
+    is_causal fast path). Query i (absolute position start_pos + i) may see key j when
+    j <= start_pos + i, j is within `window` positions (itself included), and, for packed rows
+    (doc_ids [B, T]), j belongs to the same example.
+
+    Without cached keys (start_pos 0) and with ``flex``, the mask is a FlexAttention `BlockMask`
+    (`flex_mask`); otherwise a boolean tensor, [T, start_pos + T] or [B, 1, T, T]."""
+    end = start_pos + T
+    if doc_ids is None and start_pos == 0 and (window is None or end <= window):
+        return None
+    if flex and start_pos == 0:
+        return flex_mask(T, doc_ids, window, device)
+    # After cached keys (start_pos > 0) SDPA's top-left-aligned is_causal would be wrong, so
+    # the mask is explicit there too.
+    q = torch.arange(start_pos, end, device=device)[:, None]
+    k = torch.arange(end, device=device)[None, :]
+    mask = k <= q
+    if window is not None:
+        mask = mask & (q - k < window)
+    if doc_ids is not None:
+        mask = (mask & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]  # [B, 1, T, T]
+    return mask
+
+
+def flex_mask(T: int, doc_ids: torch.Tensor | None, window: int | None, device) -> BlockMask:
+    """`attention_mask`'s rule as a FlexAttention block mask over T queries and keys (one per row
+    of ``doc_ids``, shared by the heads). Blocks of 128×128 positions that no query may see
+    (other documents, beyond the window, the future) are skipped, never computed."""
+
+    def rule(b, h, q, k):
+        keep = k <= q
+        if window is not None:
+            keep = keep & (q - k < window)
+        if doc_ids is not None:
+            keep = keep & (doc_ids[b, q] == doc_ids[b, k])
+        return keep
+
+    rows = None if doc_ids is None else doc_ids.shape[0]
+    return create_block_mask(rule, rows, None, T, T, device=device)
+
+
+_compiled_flex = None
+
+
+def _flex(q: torch.Tensor):
+    """flex_attention, compiled on CUDA (inside a compiled block it is traced into the block's
+    graph; without compile its eager form would materialize the scores: a reference
+    implementation, which is what the CPU gets)."""
+    global _compiled_flex
+    if not q.is_cuda or torch.compiler.is_compiling():  # a compiled block traces flex_attention itself
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
 def _reduce_aux(stats: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Average MoE losses over layers (so the coefficients do not scale with depth), sum counts."""
+    """Average MoE losses over layers (so the coefficients do not scale with depth); keep the
+    routing statistics per layer (for expert-health metrics): counts [L, E], entropy [L]."""
     if not stats:
         return {}
     lb = torch.stack([s["lb_loss"] for s in stats]).mean()
     z = torch.stack([s["z_loss"] for s in stats]).mean()
-    counts = torch.stack([s["tokens_per_expert"] for s in stats]).sum(0)
     return {
         "aux_loss": cfg.moe_aux_loss_coef * lb + cfg.moe_z_loss_coef * z,
         "moe_lb_loss": lb.detach(),
         "moe_z_loss": z.detach(),
-        "moe_tokens_per_expert": counts.detach(),
+        "moe_tokens_per_expert": torch.stack([s["tokens_per_expert"] for s in stats]).detach(),
+        "moe_router_entropy": torch.stack([s["router_entropy"] for s in stats]).detach(),
     }
 
 

@@ -1,30 +1,82 @@
-"""One training job in this process: what a supervised child and each torchrun rank runs.
+"""One training job: what a supervised child, each torchrun rank, or an unsupervised run executes.
 
-It wires the operations around the core trainer — credentials, the process group, the
-trackers and the object-store mirror of a remote save folder — and runs it:
+A process whose launch plan (`runs.plan`) says "train" runs `run_job`: it wires the operations
+around the core trainer — the save folder's lock, credentials, the process group, the trackers
+and the object-store mirror of a remote save folder — and trains:
 
-    secrets → process group → setup (data, plan) → Trainer(callbacks=[trackers, store]) → fit
+    lock → secrets → process group → setup (data, plan) → Trainer(callbacks=[trackers, store]) → fit
 
-`lmforge train` and `lmforge finetune` (and so the SDK) all end up here.
+One whose plan says "launch" runs `launch`: it becomes torchrun (``exec``), whose ranks come
+back here with plan "train". `lmforge train` and `lmforge finetune` (and so the SDK) end up here.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 from lmforge import secrets
 from lmforge.config.identity import with_default_names
 from lmforge.config.schema import RunConfig
+from lmforge.data.remote import join as remote_join
 from lmforge.distributed.dist import destroy, init_distributed
+from lmforge.distributed.elastic import restart_count
+from lmforge.distributed.torchrun import torchrun_command, wait_for_endpoint
+from lmforge.errors import UserError
+from lmforge.process import die_with_parent
+from lmforge.runs.lock import SaveFolderLock
+from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.store import MirrorCallback, local_folder, open_store
+from lmforge.runs.supervisor import report_status
 from lmforge.tracking import TrackingCallback, mlflow_ui_command
 from lmforge.train.setup import setup_run
 from lmforge.train.trainer import Trainer, TrainResult
 
 
-def run_job(cfg: RunConfig, *, overwrite: bool = False, log=print) -> TrainResult:
-    """Train (pretraining, continued pretraining or fine-tuning, by ``cfg.task_type``) here."""
+def hold_lock(cfg: RunConfig, plan: LaunchPlan) -> SaveFolderLock | None:
+    """Claim (first process of an unsupervised run) or join (the supervisor claimed it) the lock."""
+    if plan.lock == "none":
+        return None
+    folder = local_folder(with_default_names(cfg).save_folder)
+    if plan.lock == "claim":
+        return SaveFolderLock.claim(folder, run_uid=plan.run_uid, name=with_default_names(cfg).name)
+    return SaveFolderLock.join(folder, plan.run_uid)
+
+
+def launch(cfg: RunConfig, plan: LaunchPlan, argv: list[str]) -> int:
+    """Role "launch": become torchrun for ``plan.nproc`` ranks per node (never returns on success).
+
+    exec keeps this process's pid, its death signal and the save folder's lock: torchrun holds
+    the lock, dies with the supervisor, and passes SIGTERM / SIGINT on to every rank."""
+    if plan.parent_pid:
+        die_with_parent(plan.parent_pid)
+    if cfg.compute.nodes > 1 and cfg.compute.node_rank > 0:
+        wait_for_endpoint(cfg.compute.rdzv_endpoint, cfg.compute.rdzv_timeout_s)
+    lock = hold_lock(cfg, plan)
+    rank = plan.child("train", lock="none" if lock is None else "join")
+    max_restarts = cfg.max_retries if plan.max_restarts is None else plan.max_restarts
+    cmd = torchrun_command(cfg, plan.nproc, with_plan(argv, rank), max_restarts=max_restarts)
+    if lock is not None:
+        lock.inheritable()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(cmd[0], cmd)
+    return 1  # not reached
+
+
+def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool = False, log=print) -> TrainResult:
+    """Role "train": train (pretraining, continued pretraining or fine-tuning, by ``cfg.task_type``) here."""
+    plan = plan or LaunchPlan("train", lock="none")
+    if plan.parent_pid:
+        die_with_parent(plan.parent_pid)  # a torchrun rank: die with torchrun
+    lock = hold_lock(cfg, plan)
+    if lock is not None and int(os.environ.get("RANK", "0")) == 0:
+        lock.keep_fresh()
+    report_status(plan, "started", attempt=restart_count())
     secrets.apply(cfg)  # credentials named by `secrets:` → this process's environment
     log = secrets.redacting(log)
     dist = init_distributed(cfg.compute.device)
+    store = None
     try:
         cfg = with_default_names(cfg)
         silent = lambda *_: None  # noqa: E731 - other ranks print nothing
@@ -38,7 +90,13 @@ def run_job(cfg: RunConfig, *, overwrite: bool = False, log=print) -> TrainResul
         trainer = Trainer(setup, dist, save_folder=local_folder(cfg.save_folder), callbacks=callbacks,
                           overwrite=overwrite, log=log)
         result = trainer.fit()
+    except UserError as e:
+        report_status(plan, "failed", error=str(e), exit_code=e.exit_code, attempt=restart_count())
+        raise
     finally:
-        destroy()
+        destroy()  # (the lock is held until this process exits: the kernel lets it go then)
+    if store is not None and result.final_dir:
+        result.final_dir = remote_join(cfg.save_folder, "final")  # the store's copy, not the staging one
     result.mlflow_ui = mlflow_ui_command(cfg.experiment_tracker)
+    report_status(plan, result.status, step=result.step, tokens=result.tokens, attempt=restart_count())
     return result

@@ -10,6 +10,7 @@ import json
 import os
 
 from lmforge.config.durations import parse_duration
+from lmforge.tracking.jsonl import read_metrics
 
 
 def metrics_path(save_folder: str) -> str:
@@ -45,14 +46,13 @@ class MetricsTail:
 
 
 def read_history(save_folder: str) -> list[dict]:
-    from lmforge.tracking.jsonl import read_metrics
-
     path = metrics_path(save_folder)
     return read_metrics(path) if os.path.exists(path) else []
 
 
 def summarize(record: dict, config: dict | None) -> dict:
-    """step, tokens, loss, tokens/s, MFU, progress (0..1) and ETA in seconds from one record."""
+    """step, tokens, loss, tokens/s, MFU, progress (0..1), ETA and training time in seconds from one
+    record; with a price also the cost so far and the estimated cost to finish."""
     if not record:
         return {}
     out = {"step": record.get("step"), "tokens": record.get("train/tokens"), "loss": record.get("train/loss"),
@@ -60,6 +60,13 @@ def summarize(record: dict, config: dict | None) -> dict:
            "time": record.get("time")}
     frac, eta = _progress(out, config or {})
     out["progress"], out["eta_s"] = frac, eta
+    out["elapsed_s"] = record.get("time/elapsed_s")
+    if record.get("cost/so_far") is not None:  # the run has a compute.price_per_gpu_hour
+        from lmforge.estimate.cost import cost_to_finish
+
+        out["cost"] = record["cost/so_far"]
+        out["cost_per_hour"] = record.get("cost/per_hour")
+        out["cost_to_finish"] = cost_to_finish(record.get("cost/per_hour"), eta)
     return out
 
 

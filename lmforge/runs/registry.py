@@ -6,32 +6,37 @@ the SDK), so it runs in WAL mode (readers never wait for a writer), every write 
 locked for longer, or is not a registry, is reported as one clear error and never recreated
 over (it may be the only record of someone's runs).
 
-Tables: ``runs`` (one row per run name), ``resumptions`` (one per start of the training
-process: the first start, automatic retries, restarts) and ``events`` (what happened, when).
+Tables: ``runs`` (one row per run: its unique name, its ``run_uid``, and its ``lifecycle``, every
+status it went through with the time), ``resumptions`` (one per start of the training
+process: the first start, automatic retries, torchelastic restarts, ``runs restart``) and
+``events`` (what happened, when).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import sqlite3
 import time
+import uuid
 from contextlib import contextmanager
 
 from lmforge.errors import UserError
 from lmforge.home import lmforge_home
+from lmforge.process import process_alive, this_host
 
 STATUSES = ("PENDING", "STARTING", "RUNNING", "TERMINATING", "COMPLETED", "FAILED", "STOPPED")
 ACTIVE = ("PENDING", "STARTING", "RUNNING", "TERMINATING")
 TERMINAL = ("COMPLETED", "FAILED", "STOPPED")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: run_uid and lifecycle
 # A supervisor on another host cannot be probed; without a heartbeat for this long it is lost.
 REMOTE_HEARTBEAT_TIMEOUT_S = 600
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     name TEXT PRIMARY KEY,
+    run_uid TEXT,
+    lifecycle TEXT,
     run_type TEXT NOT NULL,
     status TEXT NOT NULL,
     reason TEXT,
@@ -75,7 +80,7 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_by_run ON events (run_name, id);
 """
 
-_JSON_FIELDS = ("config", "identity", "command", "metrics")
+_JSON_FIELDS = ("config", "identity", "command", "metrics", "lifecycle")
 
 
 def registry_path() -> str:
@@ -84,45 +89,6 @@ def registry_path() -> str:
 
 def _timeout() -> float:
     return float(os.environ.get("LMFORGE_REGISTRY_TIMEOUT", "15"))
-
-
-# --------------------------------------------------------------------------- processes
-
-def this_host() -> str:
-    return socket.gethostname()
-
-
-def process_start(pid: int | None) -> str | None:
-    """An identifier of when ``pid`` started (Linux: jiffies since boot + boot id), or None if
-    no such live process. Stored next to a pid so that a reused pid is not taken for ours."""
-    if not pid:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        if os.path.isdir("/proc/self"):
-            return None
-        try:  # no procfs (macOS): existence is all we can check
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return "?"
-    if fields[0] in ("Z", "X"):  # exited, not yet reaped by its parent
-        return None
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{boot}:{fields[19]}"
-
-
-def process_alive(pid: int | None, start: str | None) -> bool:
-    now = process_start(pid)
-    return now is not None and (start in (None, "?") or now == "?" or now == start)
 
 
 # --------------------------------------------------------------------------- the registry
@@ -165,12 +131,27 @@ class Registry:
             raise UserError(f"run registry {self.path} was written by a newer lmforge (schema {version}); "
                             "upgrade lmforge or set LMFORGE_HOME to another folder")
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if version == 1 and "runs" in tables:
+            self._migrate_v1(con)
+            return
         if tables - {"sqlite_sequence"}:
             # Tables of something else: not ours to alter.
             raise UserError(f"{self.path} is an SQLite file but not an lmforge run registry (tables: "
                             f"{', '.join(sorted(tables))}); move it aside or set LMFORGE_HOME")
         con.execute("PRAGMA journal_mode=WAL")
         con.executescript(_SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};")
+
+    @staticmethod
+    def _migrate_v1(con) -> None:
+        """Schema 1 → 2: add run_uid and lifecycle; every old run gets an id (one transaction)."""
+        con.execute("BEGIN IMMEDIATE")
+        if con.execute("PRAGMA user_version").fetchone()[0] == 1:  # not done by another process meanwhile
+            con.execute("ALTER TABLE runs ADD COLUMN run_uid TEXT")
+            con.execute("ALTER TABLE runs ADD COLUMN lifecycle TEXT")
+            for (name,) in con.execute("SELECT name FROM runs").fetchall():
+                con.execute("UPDATE runs SET run_uid=? WHERE name=?", (uuid.uuid4().hex[:12], name))
+            con.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        con.execute("COMMIT")
 
     def _error(self, e: sqlite3.Error) -> UserError:
         msg = str(e)
@@ -185,11 +166,14 @@ class Registry:
     # --- reads
 
     def get(self, name: str, *, details: bool = True) -> dict | None:
+        """The run called ``name`` (or whose run_uid is ``name``)."""
         with self._connect() as con:
-            row = con.execute("SELECT * FROM runs WHERE name=?", (name,)).fetchone()
+            row = con.execute("SELECT * FROM runs WHERE name=?", (name,)).fetchone() or \
+                con.execute("SELECT * FROM runs WHERE run_uid=?", (name,)).fetchone()
             if row is None:
                 return None
             run = _row(row)
+            name = run["name"]
             if details:
                 run["resumptions"] = [dict(r) for r in con.execute(
                     "SELECT idx, started_at, ended_at, status, reason, exit_code, log_path FROM resumptions "
@@ -206,6 +190,12 @@ class Registry:
                 rows = con.execute("SELECT * FROM runs ORDER BY created_at")
             return [_row(r) for r in rows]
 
+    def saved_in(self, save_folder: str) -> list[dict]:
+        """The runs whose save folder is ``save_folder``."""
+        with self._connect() as con:
+            return [_row(r) for r in con.execute("SELECT * FROM runs WHERE save_folder=? ORDER BY created_at",
+                                                 (save_folder,))]
+
     def names(self) -> list[str]:
         with self._connect() as con:
             return [r[0] for r in con.execute("SELECT name FROM runs")]
@@ -215,9 +205,12 @@ class Registry:
     def put(self, name: str, fields: dict, *, event: tuple[str, str] | None = None) -> None:
         """Insert or update the row of ``name`` (JSON fields are encoded here)."""
         fields = {k: (json.dumps(v) if k in _JSON_FIELDS and v is not None else v) for k, v in fields.items()}
-        fields["updated_at"] = time.time()
+        now = fields["updated_at"] = time.time()
         with self._connect(write=True) as con:
-            exists = con.execute("SELECT 1 FROM runs WHERE name=?", (name,)).fetchone()
+            exists = con.execute("SELECT status, lifecycle FROM runs WHERE name=?", (name,)).fetchone()
+            if "status" in fields and (exists is None or exists["status"] != fields["status"]):
+                lifecycle = json.loads(exists["lifecycle"] or "[]") if exists else []
+                fields["lifecycle"] = json.dumps(lifecycle + [{"status": fields["status"], "time": now}])
             if exists:
                 sets = ", ".join(f"{k}=?" for k in fields)
                 con.execute(f"UPDATE runs SET {sets} WHERE name=?", (*fields.values(), name))
@@ -271,10 +264,11 @@ class Registry:
             return run
         now = time.time()
         with self._connect(write=True) as con:
+            lifecycle = json.dumps((run.get("lifecycle") or []) + [{"status": "FAILED", "time": now}])
             cur = con.execute(
-                "UPDATE runs SET status='FAILED', reason='lost', completed_at=?, updated_at=? WHERE name=? AND "
-                f"status IN ({','.join('?' * len(ACTIVE))}) AND supervisor_pid IS ?",
-                (now, now, run["name"], *ACTIVE, run["supervisor_pid"]))
+                "UPDATE runs SET status='FAILED', reason='lost', completed_at=?, updated_at=?, lifecycle=? WHERE "
+                f"name=? AND status IN ({','.join('?' * len(ACTIVE))}) AND supervisor_pid IS ?",
+                (now, now, lifecycle, run["name"], *ACTIVE, run["supervisor_pid"]))
             if cur.rowcount:
                 con.execute("UPDATE resumptions SET status='FAILED', reason='lost', ended_at=? WHERE run_name=? "
                             "AND ended_at IS NULL", (now, run["name"]))

@@ -2,7 +2,10 @@
 
 `lmforge runs ...` uses the same functions, so the CLI and the SDK behave the same way.
 A `Run` is a snapshot of its registry entry; `refresh()` reads it again (and notices a run
-whose supervisor vanished: FAILED, reason "lost").
+whose supervisor vanished: FAILED, reason "lost"). ``run_uid`` identifies a run for good (a name
+can pass to a new run once the old one's save folder is gone); ``lifecycle`` is every status the
+run went through, with its time; ``resumptions`` are its attempts (the first start, each restart
+by the supervisor or by torchrun, ``restart()``), each with its status and reason.
 """
 
 from __future__ import annotations
@@ -18,13 +21,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
+from lmforge.config.identity import default_name
+from lmforge.config.load import build_config, read_yaml
 from lmforge.errors import UserError
-from lmforge.runs.registry import ACTIVE, STATUSES, TERMINAL, Registry, process_alive, this_host
+from lmforge.home import lmforge_home
+from lmforge.process import process_alive, this_host
+from lmforge.runs.lock import probe
+from lmforge.runs.plan import LaunchPlan, with_plan
+from lmforge.runs.progress import read_history
+from lmforge.runs.registry import ACTIVE, STATUSES, TERMINAL, Registry
 
 
 @dataclass
 class Run:
     name: str
+    run_uid: str | None
     run_type: str
     status: str
     reason: str | None
@@ -44,18 +57,21 @@ class Run:
     ranks: int | None
     max_retries: int | None
     latest_metrics: dict = field(default_factory=dict)
+    lifecycle: list[dict] = field(default_factory=list)  # [{"status": ..., "time": ...}], oldest first
     resumptions: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
 
     @classmethod
     def _from_row(cls, row: dict) -> "Run":
-        return cls(name=row["name"], run_type=row["run_type"], status=row["status"], reason=row["reason"],
+        return cls(name=row["name"], run_uid=row.get("run_uid"), run_type=row["run_type"], status=row["status"],
+                   reason=row["reason"],
                    created_at=row["created_at"], started_at=row["started_at"], updated_at=row["updated_at"],
                    completed_at=row["completed_at"], model=row["model"], config=row["config"] or {},
                    save_folder=row["save_folder"], log_dir=row["log_dir"], command=row["command"] or [],
                    cwd=row["cwd"], host=row["host"], supervisor_pid=row["supervisor_pid"],
                    child_pid=row["child_pid"], ranks=row["ranks"], max_retries=row["max_retries"],
-                   latest_metrics=row["metrics"] or {}, resumptions=row.get("resumptions", []),
+                   latest_metrics=row["metrics"] or {}, lifecycle=row.get("lifecycle") or [],
+                   resumptions=row.get("resumptions", []),
                    events=row.get("events", []))
 
     @property
@@ -67,7 +83,7 @@ class Run:
         return os.path.join(self.save_folder, "checkpoints")
 
     def refresh(self) -> "Run":
-        fresh = get_run(self.name)
+        fresh = get_run(self.run_uid or self.name)
         self.__dict__.update(fresh.__dict__)
         return self
 
@@ -106,8 +122,10 @@ class Run:
         return (reg.get(self.name, details=False) or {}).get("supervisor_start")
 
     def restart(self) -> "Run":
-        """A new resumption that continues from the latest checkpoint, supervised in the background."""
-        from lmforge.runs.start import spawn_supervisor, wait_registered
+        """A new resumption that continues from the latest checkpoint, supervised in the background.
+        Refused while any process of the run (or of another run in its save folder) is alive."""
+        from lmforge.runs.start import spawn_supervisor, wait_registered  # torch (through the trainer)
+        from lmforge.runs.store import local_folder  # (same: lazy, `import lmforge` stays free of torch)
 
         self.refresh()
         if not self.is_terminal:
@@ -115,8 +133,10 @@ class Run:
                             f"(`lmforge runs stop {self.name}`)")
         if not self.command:
             raise UserError(f"run {self.name} has no recorded command to restart")
-        proc = spawn_supervisor(self.command, cwd=self.cwd or os.getcwd(), log_dir=self.log_dir, restart=True)
-        wait_registered(Registry(), self.name, proc, self.log_dir)
+        probe(local_folder(self.save_folder))
+        plan = LaunchPlan("supervise", run_uid=self.run_uid, detached=True, reason="restart", parent_pid=os.getpid())
+        proc = spawn_supervisor(with_plan(self.command, plan), cwd=self.cwd or os.getcwd(), log_dir=self.log_dir)
+        wait_registered(Registry(), self.run_uid, proc, self.log_dir)
         return self.refresh()
 
     def delete(self, force: bool = False, purge: bool = False) -> None:
@@ -155,11 +175,9 @@ class Run:
 
     def metrics(self):
         """The metrics.jsonl history: a pandas DataFrame if pandas is installed, else a list of dicts."""
-        from lmforge.runs.progress import read_history
-
         rows = read_history(self.save_folder) if "://" not in self.save_folder else []
         try:
-            import pandas as pd
+            import pandas as pd  # optional, and heavy: only when asked for
         except ImportError:
             return rows
         return pd.DataFrame(rows)
@@ -175,6 +193,7 @@ class Run:
 # --------------------------------------------------------------------------- SDK functions
 
 def get_run(name: str) -> Run:
+    """The run called ``name`` (or whose ``run_uid`` is ``name``)."""
     reg = Registry()
     row = reg.get(name)
     if row is None:
@@ -216,34 +235,25 @@ def finetune(config_path_or_dict: str | os.PathLike | dict | None = None, **over
 
 def _start(command: str, config_path_or_dict, overrides: dict) -> Run:
     """Validate in-process (bad input raises here), write the config, `lmforge <command> --detach`."""
-    from lmforge.home import lmforge_home
-    from lmforge.config.identity import default_name
-
     if config_path_or_dict is None:
         raw: dict = {}
     elif isinstance(config_path_or_dict, dict):
         raw = copy.deepcopy(config_path_or_dict)
     else:
-        from lmforge.config.load import read_yaml
-
         path = os.fspath(config_path_or_dict)
         raw = read_yaml(path)
         raw.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     for key, value in overrides.items():
         _merge(raw, key.replace("__", ".").split("."), value)
     if command == "finetune":
-        from lmforge.train.locate import fill_from_weights
+        from lmforge.train.locate import fill_from_weights  # torch, only for fine-tuning
 
         raw.setdefault("task_type", "instruction_finetune")
         raw = fill_from_weights(raw)
-    from lmforge.config.load import build_config
-
     cfg = build_config(raw, source=f"{'pretrain' if command == 'train' else 'finetune'}()")
     raw["name"] = default_name(cfg)
     folder = os.path.join(lmforge_home(), "sdk-configs")
     os.makedirs(folder, exist_ok=True)
-    import yaml
-
     cfg_file = os.path.join(folder, f"{raw['name']}.yaml")
     with open(cfg_file, "w") as f:
         yaml.safe_dump(raw, f, sort_keys=False)
@@ -253,7 +263,7 @@ def _start(command: str, config_path_or_dict, overrides: dict) -> Run:
         errors = [ln[len("error: "):] for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
         raise UserError(errors[-1] if errors else f"lmforge {command} --detach failed ({proc.returncode}): "
                         f"{proc.stderr.strip()[-500:]}")
-    return get_run(raw["name"])
+    return get_run(proc.stdout.split()[0])  # the name it got (unique: maybe with a suffix)
 
 
 def _merge(node: dict, keys: list[str], value: Any) -> None:

@@ -24,6 +24,7 @@ import sys
 
 import yaml
 
+from lmforge.config.load import read_yaml
 from lmforge.errors import UserError
 
 STAGE_KEYS = {"name", "config", "command"}
@@ -31,8 +32,6 @@ COMMANDS = ("train", "finetune")
 
 
 def load_pipeline(path: str) -> dict:
-    from lmforge.config.load import read_yaml
-
     spec = read_yaml(path)
     if not isinstance(spec.get("stages"), list) or not spec["stages"]:
         raise UserError(f"{path}: `stages` must be a non-empty list of {{name, config}}")
@@ -69,7 +68,7 @@ def load_pipeline(path: str) -> dict:
 
 
 def is_completed(save_folder: str) -> bool:
-    from lmforge.models.io import CONFIG_FILE
+    from lmforge.models.io import CONFIG_FILE  # torch (lazy: `lmforge --help` stays free of it)
 
     return os.path.isfile(os.path.join(save_folder, "final", CONFIG_FILE))
 

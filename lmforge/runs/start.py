@@ -1,35 +1,62 @@
-"""Start a run from `lmforge train`: register it, then supervise it here or in the background.
+"""Start a run from `lmforge train`: name it, claim its save folder, register it, supervise it.
 
-``lmforge train -f X`` registers the run (or a new resumption of the run already registered
-under that name and save folder) and supervises the trainer in the foreground.
-``--detach`` starts the same command as a supervisor in its own session, with its output in
-``<save_folder>/logs/supervisor.log``, waits until it has registered the run (so a bad
-config or a name collision is still reported here), prints the name and returns.
+**Names** are unique in the registry, as in the managed product: a name taken by another run
+gets a short suffix (``pretrain`` → ``pretrain-3fa2``), except when the same command runs again
+on the same save folder — that continues the run (a new resumption, same ``run_uid``). A run
+whose local save folder is gone no longer holds its name. The save folder a config leaves to
+its default (``runs/<name>``) follows the name asked for, so re-running the same command keeps
+finding the same folder, suffix or not.
+
+``lmforge train -f X`` then claims the save folder's lock (`runs.lock`: refused while a process
+of an earlier run of that folder is alive), registers the run and supervises the trainer in the
+foreground. ``--detach`` checks the same things, starts the supervisor in its own session (output
+in ``<logs>/supervisor.log``), waits until it has registered the run (so a bad config or a busy
+folder is still reported here), prints the name and returns.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import secrets
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
+from functools import partial
 
 from lmforge.config.identity import default_name, run_identity
+from lmforge.data.remote import is_remote
+from lmforge.distributed.torchrun import exit_now
 from lmforge.errors import UserError
-from lmforge.runs.registry import ACTIVE, Registry, process_start, this_host
+from lmforge.home import lmforge_home
+from lmforge.process import process_start, this_host
+from lmforge.runs.lock import SaveFolderLock, probe
+from lmforge.runs.plan import LaunchPlan, new_run_uid, with_plan
+from lmforge.runs.registry import ACTIVE, Registry
+from lmforge.runs.store import local_folder, upload_logs
+from lmforge.runs.supervisor import Supervisor
+from lmforge.train.checkpoint import RUN_FILE
 
 
-def should_supervise() -> bool:
-    """No supervisor inside torchrun ranks, inside a supervised child, or when turned off."""
-    return not any(os.environ.get(k) for k in ("WORLD_SIZE", "LMFORGE_SUPERVISED_CHILD", "LMFORGE_NO_SUPERVISOR"))
+@dataclass
+class RunSlot:
+    """Where a starting run goes: its registry name, folders and id, and the entry it continues."""
+
+    name: str
+    save_folder: str
+    log_dir: str
+    run_uid: str
+    existing: dict | None = None  # the registry entry of this same run (a new resumption), if any
+    replaces: dict | None = None  # an entry of that name whose save folder is gone (dropped)
 
 
 def run_paths(cfg, name: str) -> tuple[str, str]:
-    """(save folder, log folder). Logs of a run saved to an object store stay local."""
+    """(save folder, log folder). Logs of a run saved to an object store are kept locally (and
+    uploaded to ``<save_folder>/logs`` after each resumption)."""
     save = cfg.save_folder or os.path.join("runs", name)
-    if "://" in save:
-        from lmforge.home import lmforge_home
-
+    if is_remote(save):
         return save, os.path.join(lmforge_home(), "runs", name, "logs")
     save = os.path.abspath(save)
     return save, os.path.join(save, "logs")
@@ -55,7 +82,7 @@ def child_argv(args, name: str, save_folder: str, *, first: bool) -> list[str]:
         argv += ["-f", os.path.abspath(args.file)]
     for flag, attr in (("--model", "model"), ("--weights", "weights"), ("--training-duration", "training_duration"),
                        ("--nnodes", "nnodes"), ("--node-rank", "node_rank"), ("--rdzv-endpoint", "rdzv_endpoint"),
-                       ("--max-restarts", "max_restarts")):
+                       ("--max-retries", "max_retries"), ("--price-per-gpu-hour", "price_per_gpu_hour")):
         if getattr(args, attr, None) is not None:
             argv += [flag, str(getattr(args, attr))]
     for path in args.train_data or []:
@@ -72,118 +99,155 @@ def child_argv(args, name: str, save_folder: str, *, first: bool) -> list[str]:
     return argv
 
 
-def check_collision(reg: Registry, name: str, ident: dict) -> dict | None:
-    """The existing registry entry of ``name`` (after lost detection), or an error when that
-    name belongs to a run that is active, or to another run (other save folder/model/data)."""
-    existing = reg.get(name, details=False)
-    if existing is None:
+# --------------------------------------------------------------------------- names
+
+def _is_variant(name: str, requested: str) -> bool:
+    return name == requested or re.fullmatch(re.escape(requested) + r"-[0-9a-f]{4}", name) is not None
+
+
+def _name_in_folder(save_folder: str) -> str | None:
+    """The run name recorded in a (local or staging) save folder's run.json, if any."""
+    try:
+        with open(os.path.join(local_folder(save_folder), RUN_FILE)) as f:
+            return (json.load(f).get("identity") or {}).get("name")
+    except (OSError, ValueError, AttributeError):
         return None
-    existing = reg.mark_lost_if_dead(existing)
-    old = existing.get("identity") or {}
-    differs = [k for k in ("save_folder", "model", "train_data") if old.get(k) != ident.get(k)]
-    if existing["status"] in ACTIVE:
-        if not differs:
-            raise UserError(f"run {name!r} is already {existing['status']} (supervisor pid "
-                            f"{existing['supervisor_pid']} on {existing['host']}); follow it with `lmforge runs logs "
-                            f"{name} --follow` or stop it with `lmforge runs stop {name}`")
-        what = "; ".join(_difference(k, old.get(k), ident.get(k)) for k in differs)
-        raise UserError(f"run name {name!r} is taken by an active run that differs ({what}); "
-                        "choose another --name or stop that run first")
-    return existing
 
 
-def _difference(key: str, a, b) -> str:
-    if key == "save_folder":
-        return f"save_folder {a} vs {b}"
-    if key == "model" and isinstance(a, dict) and isinstance(b, dict):
-        keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-        return "model " + ", ".join(f"{k} {a.get(k)} vs {b.get(k)}" for k in keys[:4])
-    return f"{key} differs"
+def _folder_gone(save_folder: str | None) -> bool:
+    return bool(save_folder) and not is_remote(save_folder) and not os.path.isdir(save_folder)
 
 
-def register(reg: Registry, cfg, args, *, name: str, save_folder: str, log_dir: str) -> None:
-    """Claim the run for this process (the supervisor): a new entry or a new resumption."""
-    ident = identity(cfg, name, save_folder)
-    existing = check_collision(reg, name, ident)
+def resolve_run(reg: Registry, cfg, run_uid: str | None = None) -> RunSlot:
+    """The name, folders and id of the run `cfg` starts (see the module docstring for the rules)."""
+    requested = default_name(cfg)
+    save, logs = run_paths(cfg, requested)
+    # 1. This folder already holds a run of that name (maybe suffixed): the same run continues.
+    for row in reg.saved_in(save):
+        if _is_variant(row["name"], requested):
+            row = reg.mark_lost_if_dead(row)
+            return RunSlot(row["name"], save, row["log_dir"] or logs, row["run_uid"] or new_run_uid(), existing=row)
+    in_folder = _name_in_folder(save)
+    name = in_folder if in_folder and _is_variant(in_folder, requested) else requested
+    if name != requested:
+        logs = run_paths(cfg, name)[1]
+    # 2. The name is free, or its run's save folder is gone: take it.
+    row = reg.get(name, details=False)
+    row = reg.mark_lost_if_dead(row) if row else None
+    uid = run_uid or new_run_uid()
+    if row is None:
+        return RunSlot(name, save, logs, uid)
+    if row["status"] not in ACTIVE and _folder_gone(row["save_folder"]):
+        return RunSlot(name, save, logs, uid, replaces=row)
+    # 3. The name belongs to another run: a unique variant (the save folder stays as given).
+    while reg.get(name, details=False) is not None:
+        name = f"{requested}-{secrets.token_hex(2)}"
+    return RunSlot(name, save, run_paths(cfg, name)[1] if is_remote(save) else logs, uid)
+
+
+def check_not_active(slot: RunSlot) -> None:
+    run = slot.existing
+    if run and run["status"] in ACTIVE:
+        raise UserError(f"run {slot.name!r} is already {run['status']} (supervisor pid {run['supervisor_pid']} "
+                        f"on {run['host']}); follow it with `lmforge runs logs {slot.name} --follow` or stop it "
+                        f"with `lmforge runs stop {slot.name}`")
+
+
+def register(reg: Registry, cfg, args, slot: RunSlot, plan: LaunchPlan) -> None:
+    """Record the run for this process (the supervisor): a new entry or a new resumption."""
     compute = cfg.compute
     fields = {
+        "run_uid": slot.run_uid,
         "run_type": "finetune" if cfg.task_type in ("instruction_finetune", "chat_completion") else "pretrain",
         "status": "STARTING", "reason": None, "started_at": time.time(),
         "completed_at": None, "model": model_label(cfg), "config": cfg.model_dump(mode="json"),
-        "identity": ident, "save_folder": save_folder, "log_dir": log_dir,
-        "command": child_argv(args, name, save_folder, first=False), "cwd": os.getcwd(), "host": this_host(),
-        "supervisor_pid": os.getpid(), "supervisor_start": process_start(os.getpid()), "child_pid": None,
+        "identity": identity(cfg, slot.name, slot.save_folder), "save_folder": slot.save_folder,
+        "log_dir": slot.log_dir, "command": child_argv(args, slot.name, slot.save_folder, first=False),
+        "cwd": os.getcwd(), "host": this_host(), "supervisor_pid": os.getpid(),
+        "supervisor_start": process_start(os.getpid()), "child_pid": None,
         "ranks": compute.ranks or (compute.gpus * compute.nodes if isinstance(compute.gpus, int) else None),
         "max_retries": cfg.max_retries,
     }
-    how = "restart" if os.environ.get("LMFORGE_RESTART") else "train"
-    if existing is None:
-        reg.put(name, fields | {"metrics": None}, event=("created", f"registered by `lmforge {how}`"))
-    elif existing.get("identity", {}).get("save_folder") == save_folder:
-        reg.put(name, fields, event=("resumed", f"started again by `lmforge {how}` (was {existing['status']}"
-                                     + (f": {existing['reason']})" if existing["reason"] else ")")))
+    how = plan.reason
+    if slot.replaces:
+        reg.replace(slot.name, fields | {"metrics": None}, event=(
+            "created", f"registered by `lmforge {how}` (an earlier run of this name, saved in "
+                       f"{slot.replaces['save_folder']}, has no save folder any more)"))
+    elif slot.existing is None:
+        reg.put(slot.name, fields | {"metrics": None}, event=("created", f"registered by `lmforge {how}`"))
     else:
-        # A name is one run: never silently re-point it at another save folder.
-        raise UserError(f"run name {name!r} is already used by the run saved in {existing.get('save_folder')} "
-                        f"({existing['status']}); choose another --name, or forget that run with "
-                        f"`lmforge runs delete {name}`")
+        old = slot.existing
+        reg.put(slot.name, fields, event=("resumed", f"started again by `lmforge {how}` (was {old['status']}"
+                                          + (f": {old['reason']})" if old["reason"] else ")")))
 
 
-def start(cfg, args) -> int:
-    """`lmforge train` outside torchrun: register the run and supervise it (here, or detached)."""
-    name = default_name(cfg)
-    save_folder, log_dir = run_paths(cfg, name)
-    if args.detach and not os.environ.get("LMFORGE_DETACHED"):
-        return detach(cfg, args, name, save_folder, log_dir)
-    from lmforge.runs.supervisor import Supervisor
+# --------------------------------------------------------------------------- starting
 
+def start(cfg, args, plan: LaunchPlan) -> int:
+    """Role "supervise": register the run and supervise it here; role "detach": in the background."""
     reg = Registry()
-    register(reg, cfg, args, name=name, save_folder=save_folder, log_dir=log_dir)
-    sup = Supervisor(reg, name, argv=child_argv(args, name, save_folder, first=True),
-                     retry_argv=child_argv(args, name, save_folder, first=False), cwd=os.getcwd(),
-                     save_folder=save_folder, log_dir=log_dir, max_retries=cfg.max_retries,
-                     config=cfg.model_dump(mode="json"), echo=not os.environ.get("LMFORGE_DETACHED"))
-    return sup.run()
+    slot = resolve_run(reg, cfg, run_uid=plan.run_uid)
+    check_not_active(slot)
+    if plan.role == "detach":
+        return detach(reg, args, slot, plan)
+    local = local_folder(slot.save_folder)
+    lock = SaveFolderLock.claim(local, run_uid=slot.run_uid, name=slot.name)
+    try:
+        register(reg, cfg, args, slot, plan)
+        after = None
+        if is_remote(slot.save_folder):
+            store = cfg.object_store
+            after = partial(upload_logs, slot.save_folder, slot.log_dir, retries=store.upload_retries,
+                            backoff=store.upload_backoff_s)
+        sup = Supervisor(reg, slot.name, plan=replace(plan, run_uid=slot.run_uid), lock=lock,
+                         argv=child_argv(args, slot.name, slot.save_folder, first=True),
+                         retry_argv=child_argv(args, slot.name, slot.save_folder, first=False), cwd=os.getcwd(),
+                         save_folder=slot.save_folder, local_folder=local, log_dir=slot.log_dir,
+                         max_retries=cfg.max_retries, config=cfg.model_dump(mode="json"),
+                         echo=not plan.detached, after_resumption=after)
+        rc = sup.run()
+    finally:
+        lock.release()
+    exit_now(rc)  # everything is recorded and closed: skip the interpreter's teardown of torch
+    return rc
 
 
-def detach(cfg, args, name: str, save_folder: str, log_dir: str) -> int:
-    reg = Registry()
-    check_collision(reg, name, identity(cfg, name, save_folder))  # fail here, not in a log file
-    proc = spawn_supervisor(child_argv(args, name, save_folder, first=True), cwd=os.getcwd(), log_dir=log_dir)
-    wait_registered(reg, name, proc, log_dir)
-    print(name)
+def detach(reg: Registry, args, slot: RunSlot, plan: LaunchPlan) -> int:
+    probe(local_folder(slot.save_folder))  # a busy folder is reported here, not in a log file
+    sup = LaunchPlan("supervise", run_uid=slot.run_uid, nproc=plan.nproc, detached=True, parent_pid=os.getpid())
+    proc = spawn_supervisor(with_plan(child_argv(args, slot.name, slot.save_folder, first=True), sup),
+                            cwd=os.getcwd(), log_dir=slot.log_dir)
+    wait_registered(reg, slot.run_uid, proc, slot.log_dir)
+    print(slot.name)
     if sys.stdout.isatty():
-        print(f"  follow: lmforge runs logs {name} --follow\n  status: lmforge runs describe {name}\n"
-              f"  stop:   lmforge runs stop {name}")
+        print(f"  follow: lmforge runs logs {slot.name} --follow\n  status: lmforge runs describe {slot.name}\n"
+              f"  stop:   lmforge runs stop {slot.name}")
     return 0
 
 
-def spawn_supervisor(argv: list[str], *, cwd: str, log_dir: str, restart: bool = False) -> subprocess.Popen:
-    """The supervisor in its own session (no terminal, survives this process and its group)."""
+def spawn_supervisor(argv: list[str], *, cwd: str, log_dir: str) -> subprocess.Popen:
+    """The supervisor in its own session (no terminal, survives this process and its group).
+    ``argv`` carries its launch plan (role "supervise", detached)."""
     os.makedirs(log_dir, exist_ok=True)
-    env = os.environ | {"LMFORGE_DETACHED": "1"}
-    if restart:
-        env["LMFORGE_RESTART"] = "1"
     with open(os.path.join(log_dir, "supervisor.log"), "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "lmforge", *argv], cwd=cwd, env=env,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen([sys.executable, "-m", "lmforge", *argv], cwd=cwd, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_registered(reg: Registry, name: str, proc: subprocess.Popen, log_dir: str, timeout: float = 120) -> None:
+def wait_registered(reg: Registry, run_uid: str, proc: subprocess.Popen, log_dir: str, timeout: float = 120) -> None:
     """Until the detached supervisor has claimed the run, or report why it could not."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        run = reg.get(name, details=False)
-        if run and run["supervisor_pid"] == proc.pid:
+        run = reg.get(run_uid, details=False)
+        if run and run["supervisor_pid"] == proc.pid and run["run_uid"] == run_uid:
             return
         rc = proc.poll()
         if rc is not None and rc != 0:
             raise UserError(_last_error(os.path.join(log_dir, "supervisor.log"))
-                            or f"the background supervisor of run {name!r} exited with code {rc}; "
+                            or f"the background supervisor of run {run_uid} exited with code {rc}; "
                             f"see {log_dir}/supervisor.log")
         time.sleep(0.1)
-    raise UserError(f"the background supervisor of run {name!r} did not start within {timeout:.0f}s; "
+    raise UserError(f"the background supervisor of run {run_uid} did not start within {timeout:.0f}s; "
                     f"see {log_dir}/supervisor.log")
 
 

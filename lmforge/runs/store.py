@@ -128,7 +128,7 @@ class RunStore:
         """Every remote checkpoint folder, oldest first; ``manifest`` None when it has no marker."""
         root = self._p("checkpoints")
         self.fs.invalidate_cache(root)
-        if not self._exists(root):
+        if not self._call(f"{self.uri}: looking for checkpoints", lambda: self._exists(root)):
             return []
         out = []
         for entry in self._call(f"{self.uri}: listing checkpoints", lambda: self.fs.ls(root, detail=False)):
@@ -138,10 +138,11 @@ class RunStore:
                 continue
             manifest = None
             marker = f"{root}/{name}/{MARKER}"
-            if self._exists(marker):
+            if self._call(f"{self.uri}: reading {name}/{MARKER}", lambda: self._exists(marker)):
                 try:
-                    manifest = json.loads(self.fs.cat_file(marker))
-                except (ValueError, OSError):
+                    manifest = json.loads(self._call(f"{self.uri}: reading {name}/{MARKER}",
+                                                     lambda: self.fs.cat_file(marker)))
+                except ValueError:
                     manifest = None
             out.append(RemoteCheckpoint(int(m.group(1)), f"{root}/{name}", manifest))
         return sorted(out, key=lambda c: c.step)
@@ -185,17 +186,17 @@ class RunStore:
 
     def _top_level_remote_files(self) -> list[str]:
         out = []
-        for info in self.fs.ls(self.root, detail=True):
+        for info in self._call(f"{self.uri}: listing", lambda: self.fs.ls(self.root, detail=True)):
             if info.get("type") == "file":
                 out.append(info["name"].rstrip("/").rsplit("/", 1)[-1])
         return out
 
     def clear(self) -> None:
-        """--overwrite: remove the store's checkpoints, export and run files (markers first)."""
+        """--overwrite: remove the store's checkpoints, export, logs and run files (markers first)."""
         for c in self.remote_checkpoints():
             self._delete_checkpoint(c.path)
-        for rel in ("final",):
-            if self._exists(self._p(rel)):
+        for rel in ("final", "logs"):
+            if self._call(f"{self.uri}/{rel}: looking", lambda: self._exists(self._p(rel))):
                 self._call(f"{self.uri}/{rel}: deleting", lambda: self.fs.rm(self._p(rel), recursive=True))
         for rel in self._top_level_remote_files():
             self._call(f"{self.uri}/{rel}: deleting", lambda: self.fs.rm_file(self._p(rel)))
@@ -203,7 +204,7 @@ class RunStore:
     def _delete_checkpoint(self, path: str) -> None:
         # The marker goes first: a half-deleted checkpoint must never look complete.
         marker = f"{path}/{MARKER}"
-        if self._exists(marker):
+        if self._call(f"looking for {marker}", lambda: self._exists(marker)):
             self._call(f"deleting {marker}", lambda: self.fs.rm_file(marker))
         self._call(f"deleting {path}", lambda: self.fs.rm(path, recursive=True))
 
@@ -271,7 +272,9 @@ class RunStore:
 
     def _upload_folder(self, local_dir: str, dest: str, label: str, step: int | None = None) -> None:
         marker = f"{dest}/{MARKER}"
-        if self._exists(marker):  # re-uploading (same step saved again): incomplete until the new marker
+        # Re-uploading (the same step saved again): incomplete until the new marker. The check goes
+        # through the retries too: a store that is down must not let an old marker stand.
+        if self._call(f"{self.uri}/{label}: looking for an old marker", lambda: self._exists(marker)):
             self._call(f"{self.uri}/{label}: deleting the old marker", lambda: self.fs.rm_file(marker))
         files = {}
         for dirpath, _, names in os.walk(local_dir):
@@ -342,6 +345,23 @@ class RunStore:
             self._cv.notify_all()
         if wait and self._thread is not None:
             self._thread.join()
+
+
+def upload_logs(uri: str, log_dir: str, *, retries: int = 5, backoff: float = 0.5) -> str | None:
+    """Copy a remote run's log files (kept locally by the supervisor) to ``<uri>/logs/``.
+
+    Called after each resumption, so the store has every attempt's output, crashes included.
+    Returns what went wrong (the logs then stay only in ``log_dir``), or None."""
+    if not os.path.isdir(log_dir):
+        return None
+    for name in sorted(os.listdir(log_dir)):
+        if name.endswith(".log"):
+            try:
+                remote.upload_file(os.path.join(log_dir, name), remote.join(uri, "logs", name),
+                                   retries=retries, backoff=backoff)
+            except UserError as e:
+                return redact(f"could not upload the logs to {uri}/logs ({e}); they are in {log_dir}")
+    return None
 
 
 class MirrorCallback(Callback):

@@ -1,69 +1,76 @@
-"""The supervisor: starts the trainer as a child process, watches it, retries it.
+"""The supervisor: starts the trainer as a child process, watches it, restarts it.
 
-``lmforge train`` (foreground or ``--detach``) runs this; the child is the same
-``python -m lmforge train ...`` command with ``LMFORGE_SUPERVISED_CHILD=1`` ("just train").
-The supervisor
+``lmforge train`` (foreground or ``--detach``) runs this; the child is the same command with a
+launch plan (``runs.plan``) saying "train" (one process) or "launch" (it becomes torchrun, whose
+ranks train). The supervisor
 
-- copies the child's stdout/stderr to its own (foreground) and to
-  ``<logs>/resumption-<N>.log``;
-- forwards SIGTERM/SIGINT to the child, whose trainer then checkpoints at the next step and
-  exits with status "stopped";
-- reads the child's final status from a small JSON file (``LMFORGE_STATUS_FILE``), which also
-  works under torchrun where exit codes of ranks are folded into torchrun's own;
-- after an abnormal exit (non-zero code, a signal) records the failure and starts a new
-  resumption that autoresumes from the latest checkpoint, up to ``max_retries`` times. Bad
-  input (exit 2) and divergence (exit 3) fail at once: a retry would fail the same way;
+- copies the child's output to its own (foreground) and to ``<logs>/resumption-<N>.log``;
+- forwards SIGTERM/SIGINT to the child: the trainer, or torchrun, which passes the signal to
+  every rank; each rank checkpoints at the same step and exits. The run is STOPPED once every
+  process of it has exited (none holds the save folder's lock any more, `runs.lock`);
+- reads how training ended from a small JSON status file that rank 0 writes (torchrun folds
+  the ranks' exit codes into its own). Rank 0 also writes it when it starts, with torchelastic's
+  attempt number: that is how a restart done by torchrun is seen here;
+- counts restarts once, whoever does them: ``max_retries`` is the total. torchrun gets
+  ``--max-restarts`` = what is left; each restart, by torchrun or by the supervisor after an
+  abnormal exit, is a new resumption with its reason. Bad input (exit 2) and divergence
+  (exit 3) are never retried (the supervisor ends torchrun rather than let it restart them);
+  a hang (`train.watchdog`, exit 4) is;
 - keeps the registry's status, heartbeat and latest metrics current.
 
-The child is killed by the kernel if the supervisor dies (``PR_SET_PDEATHSIG``), so a
-``kill -9`` of ``lmforge train`` never leaves a trainer running on its own.
+The child dies with the supervisor (``PR_SET_PDEATHSIG``), each rank with torchrun, each data
+worker with its rank: a ``kill -9`` of the supervisor takes the whole run down.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import re
 import signal
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections import deque
 
+from lmforge.process import child_dies_with_me
+from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.progress import MetricsTail, metrics_path, summarize
 from lmforge.runs.registry import Registry
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
+EXIT_HUNG = 4  # train.watchdog.EXIT_HUNG
 HEARTBEAT_S = 5.0  # registry updated_at while the run is alive
 METRICS_S = 1.0  # at most this often, new latest metrics are written to the registry
+EXITED_WAIT_S = 60.0  # after the child exits, how long the run's other processes may take to go
 
 
-def report_status(status: str, **info) -> None:
-    """Called in the child (rank 0) with its final status; no-op when not supervised."""
-    path = os.environ.get("LMFORGE_STATUS_FILE")
-    if not path or int(os.environ.get("RANK", "0")) != 0:
+def report_status(plan: LaunchPlan | None, status: str, **info) -> None:
+    """Rank 0 tells the supervisor how training went (no-op when not supervised).
+
+    ``started`` (with torchelastic's ``attempt``) at the start of each attempt; the final status
+    at the end. A failure that must not be retried is never overwritten by a later start."""
+    if plan is None or not plan.status_file or int(os.environ.get("RANK", "0")) != 0:
         return
-    tmp = path + ".tmp"
+    if status == "started" and read_status(plan.status_file).get("status") == "failed":
+        return
+    tmp = plan.status_file + ".tmp"
     with open(tmp, "w") as f:
         json.dump({"status": status} | info, f)
-    os.replace(tmp, path)
+    os.replace(tmp, plan.status_file)
 
 
-def _pdeathsig_preexec(parent: int):
-    """Runs in the child between fork and exec: die with SIGKILL when the supervisor dies."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def preexec():
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the supervisor died before prctl took effect
-            os._exit(1)
-
-    return preexec
+def read_status(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def describe_exit(rc: int) -> str:
@@ -75,30 +82,73 @@ def describe_exit(rc: int) -> str:
     return f"exit code {rc}"
 
 
+# torchrun's line for a failed worker: "… failed (exitcode: -9) local_rank: 1 (pid: 123) of binary: …",
+# and its final summary: "  rank      : 1 (local_rank: 1)" … "  exitcode  : -9 (pid: 123)".
+_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+_WORKER_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_WORKER_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+HANG_MARK = "lmforge: hang detected"
+
+
+def failure_reason(rc: int, tail: list[str]) -> str:
+    """What went wrong, from the output's last lines: a detected hang, the failed rank, or the exit."""
+    hang = next((ln for ln in reversed(tail) if HANG_MARK in ln), None)
+    if hang:
+        return hang[hang.index(HANG_MARK) + len("lmforge: "):].split(";")[0]
+    rank = code = None
+    for ln in tail:
+        if m := _WORKER_FAILED.search(ln):
+            code, rank = int(m.group(1)), m.group(2)
+        elif m := _WORKER_RANK.match(ln):
+            rank = m.group(1)
+        elif (m := _WORKER_EXIT.match(ln)) and rank is not None:
+            code = int(m.group(1))
+    if rank is not None and code is not None:
+        return f"rank {rank} {describe_exit(code)}"
+    return describe_exit(rc)
+
+
 class Supervisor:
-    def __init__(self, registry: Registry, name: str, *, argv: list[str], retry_argv: list[str], cwd: str,
-                 save_folder: str, log_dir: str, max_retries: int, config: dict, echo: bool):
-        self.reg, self.name = registry, name
+    def __init__(self, registry: Registry, name: str, *, plan: LaunchPlan, lock, argv: list[str],
+                 retry_argv: list[str], cwd: str, save_folder: str, local_folder: str, log_dir: str,
+                 max_retries: int, config: dict, echo: bool, after_resumption=None):
+        self.reg, self.name, self.plan, self.lock = registry, name, plan, lock
         self.argv, self.retry_argv, self.cwd = argv, retry_argv, cwd
-        self.save_folder, self.log_dir = save_folder, log_dir
+        self.save_folder, self.local_folder, self.log_dir = save_folder, local_folder, log_dir
         self.max_retries, self.config, self.echo = max_retries, config, echo
+        self.after_resumption = after_resumption  # e.g. upload the logs to the store; returns a warning or None
         self.proc: subprocess.Popen | None = None
         self.stop_signal: int | None = None  # first stop signal received
         self.force = False
+        self.restarts = 0  # by torchrun or by us: together at most max_retries
         self._stop_recorded = False
+        self._fatal_seen = False
+        self.idx = -1  # the current resumption
+        self._log = None
+        self._log_lock = threading.Lock()
 
     # --- signals: forwarded to the child, recorded in the registry by the main loop
 
     def _on_signal(self, signum, frame):
         if signum == signal.SIGUSR1:  # `lmforge runs stop --force`
             self.force = True
-            if self.proc and self.proc.poll() is None:
-                _killpg(self.proc.pid, signal.SIGKILL)
+            self._kill_child(signal.SIGKILL)
             return
         if self.stop_signal is None:
             self.stop_signal = signum
+        self._kill_child(signal.SIGTERM if signum == signal.SIGHUP else signum)
+
+    def _kill_child(self, sig: int) -> None:
+        """The child is the trainer or torchrun, which forwards SIGTERM/SIGINT to every rank.
+        SIGKILL goes to its whole process group (its data workers too); ranks die with torchrun."""
         if self.proc and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
+            try:
+                if sig == signal.SIGKILL:
+                    os.killpg(self.proc.pid, sig)
+                else:
+                    os.kill(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def run(self) -> int:
         handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
@@ -110,42 +160,52 @@ class Supervisor:
                 signal.signal(s, h)
 
     def _loop(self) -> int:
-        retries = 0
         argv = self.argv
         while True:
             if self.stop_signal is not None or self.force:
                 self._finish("STOPPED", "stopped before the training process started")
                 return 0
-            idx, log_path = self.reg.start_resumption(self.name, self.log_dir)
-            rc, status, tail = self._run_child(idx, argv, log_path)
+            self.idx, log_path = self.reg.start_resumption(self.name, self.log_dir)
+            rc, status, tail = self._run_child(argv, log_path)
             state, reason, retry = self._classify(rc, status, tail)
+            idx, log_path = self.idx, self._log_path()
             self.reg.set_resumption(self.name, idx, status="FAILED" if retry else state, reason=reason,
                                     exit_code=rc, ended_at=time.time())
+            trouble = self.after_resumption() if self.after_resumption is not None else None
+            if trouble:  # recorded for `runs describe`, not printed over the run's own last line
+                self.reg.event(self.name, "warning", trouble)
             last = "\n".join(tail[-20:])
             if not retry:
                 self.reg.event(self.name, "end", f"resumption {idx}: {state.lower()}" + (f" ({reason})" if reason else ""))
                 self._finish(state, reason)
+                if state == "FAILED" and self.plan.nproc and status.get("error"):
+                    sys.stderr.write(f"error: {status['error']}\n")  # last, after torchrun's own lines
                 if state == "FAILED":
-                    return rc if rc > 0 else 1
+                    return status.get("exit_code") or (rc if rc > 0 else 1)
                 return 130 if self.stop_signal == signal.SIGINT and rc == 130 else 0
             self.reg.event(self.name, "failure", f"resumption {idx}: {reason}; last log lines:\n{last}")
-            if retries >= self.max_retries:
-                why = f"{reason} (gave up after {retries} retr{'y' if retries == 1 else 'ies'}; max_retries={self.max_retries})"
+            if self.restarts >= self.max_retries:
+                n = self.restarts
+                why = f"{reason} (gave up after {n} restart{'' if n == 1 else 's'}; max_retries={self.max_retries})"
                 self._finish("FAILED", why)
                 _note(f"run {self.name} failed: {why}; log: {log_path}")
                 return rc if rc > 0 else 1
-            retries += 1
+            self.restarts += 1
             argv = self.retry_argv
-            _note(f"run {self.name}: the training process {reason}; retry {retries} of {self.max_retries} "
+            _note(f"run {self.name}: the training process {reason}; restart {self.restarts} of {self.max_retries} "
                   "from the latest checkpoint")
-            self.reg.event(self.name, "retry", f"retry {retries} of {self.max_retries} from the latest checkpoint")
-            time.sleep(min(2.0 * retries, 10.0) if os.environ.get("LMFORGE_RETRY_DELAY") is None
+            self.reg.event(self.name, "retry", f"restart {self.restarts} of {self.max_retries} (by the supervisor) "
+                           "from the latest checkpoint")
+            time.sleep(min(2.0 * self.restarts, 10.0) if os.environ.get("LMFORGE_RETRY_DELAY") is None
                        else float(os.environ["LMFORGE_RETRY_DELAY"]))
+
+    def _log_path(self) -> str:
+        return os.path.join(self.log_dir, f"resumption-{self.idx}.log")
 
     def _classify(self, rc: int, status: dict, tail: list[str]) -> tuple[str, str | None, bool]:
         """(final state, reason, retry?) for one finished child."""
         s = status.get("status")
-        if s == "completed" or (rc == 0 and not s and self.stop_signal is None):
+        if s == "completed" or (rc == 0 and s in (None, "started") and self.stop_signal is None):
             return "COMPLETED", None, False
         if s == "stopped":
             return "STOPPED", f"stopped at step {status.get('step')} with a checkpoint", False
@@ -158,70 +218,70 @@ class Supervisor:
             err = status.get("error") or next((ln[len("error: "):] for ln in reversed(tail)
                                                if ln.startswith("error: ")), describe_exit(rc))
             return "FAILED", err, False
-        return "FAILED", describe_exit(rc), True
+        return "FAILED", failure_reason(rc, tail), True
 
     def _finish(self, state: str, reason: str | None) -> None:
         self.reg.put(self.name, {"status": state, "reason": reason, "completed_at": time.time(), "child_pid": None})
 
-    # --- one resumption
+    # --- one resumption (and the torchrun restarts inside it)
 
-    def _run_child(self, idx: int, argv: list[str], log_path: str) -> tuple[int, dict, list[str]]:
+    def _run_child(self, argv: list[str], log_path: str) -> tuple[int, dict, list[str]]:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        status_file = os.path.join(self.log_dir, f"resumption-{idx}.status.json")
+        status_file = os.path.join(self.log_dir, f"resumption-{self.idx}.status.json")
         if os.path.exists(status_file):
             os.remove(status_file)
-        env = {k: v for k, v in os.environ.items() if k != "LMFORGE_DETACHED"}
-        env |= {"LMFORGE_SUPERVISED_CHILD": "1", "LMFORGE_STATUS_FILE": status_file,
-                "LMFORGE_RESUMPTION": str(idx), "PYTHONUNBUFFERED": "1"}
-        tail: deque[str] = deque(maxlen=50)
-        log = open(log_path, "ab")
-        lock = threading.Lock()
+        nproc = self.plan.nproc
+        child = self.plan.child("launch" if nproc else "train", lock="join", status_file=status_file,
+                                max_restarts=self.max_retries - self.restarts if nproc else None, detached=False)
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        tail: deque[str] = deque(maxlen=300)  # room for every rank's stacks after a hang
+        self._log = open(log_path, "ab")
         use_pty = self.echo and sys.stdout.isatty() and sys.platform.startswith("linux")
         if use_pty:  # keep the live progress bar: the child sees a terminal
-            import pty
-
             master, slave = pty.openpty()
             _copy_winsize(sys.stdout.fileno(), slave)
             outs = {"stdout": slave, "stderr": slave}
         else:
             outs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmforge", *argv], cwd=self.cwd, env=env,
-                                     stdin=subprocess.DEVNULL, process_group=0,
-                                     preexec_fn=_pdeathsig_preexec(os.getpid()), **outs)
+        # Its own process group (Ctrl-C in the terminal reaches only us; we forward it), and the
+        # kernel kills it when we die.
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmforge", *with_plan(argv, child)], cwd=self.cwd,
+                                     env=env, stdin=subprocess.DEVNULL, process_group=0,
+                                     preexec_fn=child_dies_with_me(), **outs)
         if self.stop_signal is not None:  # a signal that arrived while we were starting it
-            os.kill(self.proc.pid, self.stop_signal)
+            self._kill_child(self.stop_signal)
         if use_pty:
             os.close(slave)
             streams = [(master, sys.stdout)]
         else:
             streams = [(self.proc.stdout.fileno(), sys.stdout), (self.proc.stderr.fileno(), sys.stderr)]
-        threads = [threading.Thread(target=_tee, args=(fd, out if self.echo else None, log, lock, tail), daemon=True)
+        threads = [threading.Thread(target=self._tee, args=(fd, out if self.echo else None, tail), daemon=True)
                    for fd, out in streams]
         for t in threads:
             t.start()
         self.reg.put(self.name, {"status": "STARTING", "child_pid": self.proc.pid},
-                     event=("start", f"resumption {idx} started (pid {self.proc.pid}); log: {log_path}"))
-        self._watch(idx)
+                     event=("start", f"resumption {self.idx} started (pid {self.proc.pid}); log: {log_path}"))
+        self._watch(status_file, tail)
+        # Every process of the run (ranks, their data workers) gone before anything is recorded:
+        # they hold the save folder's lock until they exit.
+        if not self.lock.wait_alone(EXITED_WAIT_S):
+            self.reg.event(self.name, "warning", f"some processes of the run still hold {self.lock.path} "
+                           f"{EXITED_WAIT_S:.0f}s after the training process exited")
         for t in threads:
             t.join(timeout=10)
         if use_pty:
             os.close(master)
-        log.close()
-        rc = self.proc.returncode
-        status = {}
-        try:
-            with open(status_file) as f:
-                status = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            pass
-        return rc, status, list(tail)
+        with self._log_lock:
+            self._log.close()
+        return self.proc.returncode, read_status(status_file), list(tail)
 
-    def _watch(self, idx: int) -> None:
-        """Wait for the child; meanwhile record stop requests, heartbeat and latest metrics."""
-        metrics = MetricsTail(metrics_path(self.save_folder))
+    def _watch(self, status_file: str, tail: deque) -> None:
+        """Wait for the child; meanwhile record stop requests, torchrun restarts, heartbeat and metrics."""
+        metrics = MetricsTail(metrics_path(self.local_folder))
         metrics.poll()  # records from earlier resumptions are not this one's progress
         metrics.latest = {}
         running = False
+        attempt = 0
         last_beat = 0.0
         last_written = None
         while True:
@@ -231,6 +291,17 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             fields = {}
+            status = read_status(status_file)
+            if status.get("status") == "failed" and self.plan.nproc and not self._fatal_seen:
+                # Bad input or divergence on a rank: torchrun would restart it; end it instead.
+                self._fatal_seen = True
+                self._kill_child(signal.SIGTERM)
+            if status.get("attempt", 0) > attempt:
+                self._torchrun_restarted(status["attempt"] - attempt, list(tail))
+                tail.clear()  # what follows is the new attempt's output
+                attempt, running = status["attempt"], False
+                metrics.latest, fields["status"] = {}, "STARTING"
+                self.reg.set_resumption(self.name, self.idx, status="STARTING")
             if (self.stop_signal is not None or self.force) and not self._stop_recorded:
                 self._stop_recorded = True
                 fields["status"] = "TERMINATING"
@@ -239,58 +310,70 @@ class Supervisor:
             if latest and not running and not self._stop_recorded:
                 running = True
                 fields["status"] = "RUNNING"
-                self.reg.set_resumption(self.name, idx, status="RUNNING")
+                self.reg.set_resumption(self.name, self.idx, status="RUNNING")
             now = time.time()
             fresh = latest and latest is not last_written and now - last_beat >= METRICS_S
             if fields or fresh or now - last_beat >= HEARTBEAT_S:
+                if now - last_beat >= HEARTBEAT_S:
+                    self.lock.refresh()
                 last_beat, last_written = now, latest
                 if latest:
                     fields["metrics"] = summarize(latest, self.config)
                 self.reg.put(self.name, fields)
+        status = read_status(status_file)
+        if status.get("attempt", 0) > attempt:  # restarted, then ended before we looked
+            self._torchrun_restarted(status["attempt"] - attempt, list(tail))
         latest = metrics.poll()
         if latest:
             self.reg.put(self.name, {"metrics": summarize(latest, self.config)})
 
+    def _torchrun_restarted(self, count: int, tail: list[str]) -> None:
+        """torchrun restarted the ranks (``count`` times since we last looked): each restart ends
+        the current resumption as a failure and starts a new one, with its own log file."""
+        reason = failure_reason(1, tail)
+        for _ in range(count):
+            self.restarts += 1
+            self.reg.set_resumption(self.name, self.idx, status="FAILED", reason=reason, ended_at=time.time())
+            self.reg.event(self.name, "failure", f"resumption {self.idx}: {reason}; last log lines:\n"
+                           + "\n".join(tail[-20:]))
+            self.idx, log_path = self.reg.start_resumption(self.name, self.log_dir)
+            self.reg.event(self.name, "retry", f"restart {self.restarts} of {self.max_retries} (by torchrun) from "
+                           f"the latest checkpoint; log: {log_path}")
+            with self._log_lock:  # the output from here on belongs to the new resumption
+                self._log.close()
+                self._log = open(log_path, "ab")
+            reason = "failed while starting"
+        _note(f"run {self.name}: torchrun restarted the ranks ({self.restarts} of {self.max_retries} restarts used)")
 
-def _tee(fd: int, out, log, lock: threading.Lock, tail: deque) -> None:
-    partial = b""
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:  # a pty's master reads EIO once the child side is closed
-            break
-        if not chunk:
-            break
-        with lock:
-            log.write(chunk)
-            log.flush()
-        if out is not None:
+    def _tee(self, fd: int, out, tail: deque) -> None:
+        partial = b""
+        while True:
             try:
-                out.buffer.write(chunk)
-                out.flush()
-            except (OSError, ValueError):
-                pass
-        lines = (partial + chunk).split(b"\n")
-        partial = lines.pop()
-        tail.extend(ln.decode(errors="replace").rstrip("\r") for ln in lines)
-    if partial:
-        tail.append(partial.decode(errors="replace"))
+                chunk = os.read(fd, 65536)
+            except OSError:  # a pty's master reads EIO once the child side is closed
+                break
+            if not chunk:
+                break
+            with self._log_lock:
+                self._log.write(chunk)
+                self._log.flush()
+            if out is not None:
+                try:
+                    out.buffer.write(chunk)
+                    out.flush()
+                except (OSError, ValueError):
+                    pass
+            lines = (partial + chunk).split(b"\n")
+            partial = lines.pop()
+            tail.extend(ln.decode(errors="replace").rstrip("\r") for ln in lines)
+        if partial:
+            tail.append(partial.decode(errors="replace"))
 
 
 def _copy_winsize(src: int, dst: int) -> None:
     try:
-        import fcntl
-        import termios
-
         fcntl.ioctl(dst, termios.TIOCSWINSZ, fcntl.ioctl(src, termios.TIOCGWINSZ, b"\0" * 8))
     except OSError:
-        pass
-
-
-def _killpg(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
         pass
 
 

@@ -1,7 +1,7 @@
-"""Experiment tracking: console, metrics.jsonl, MLflow and W&B behind one small interface.
+"""Experiment tracking: console, metrics.jsonl, report.html, MLflow and W&B behind one small interface.
 
-The trainer builds the trackers once per run with :func:`build_trackers` and
-calls ``log_params`` / ``log_metrics`` / ``log_text`` / ``finish`` on the
+:class:`TrackingCallback` builds the trackers once per run with :func:`build_trackers` and
+calls ``log_params`` / ``log_metrics`` / ``log_text`` / ``log_model`` / ``finish`` on the
 result. Backend run ids are kept in ``run_dir/trackers.json`` so a resumed run
 continues the same MLflow and W&B runs.
 """
@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TextIO
 
 from lmforge.config.tracking import TrackerConfig
+from lmforge.errors import UserError
+from lmforge.estimate.cost import live_cost
 from lmforge.train.callbacks import Callback, RunInfo
 from lmforge.tracking.base import Tracker, Trackers, flatten_params, warn_disabled
 from lmforge.tracking.console import ConsoleTracker
@@ -70,6 +72,13 @@ def build_trackers(cfg: TrackerConfig, *, run_name: str, run_dir: str,
             trackers.append(JsonlTracker(directory, resume=resume))
         except OSError as exc:
             warn_disabled("jsonl", exc)
+        if cfg.report:  # reads what the JSONL tracker wrote, so it comes right after it
+            try:
+                from lmforge.tracking.report import ReportTracker
+
+                trackers.append(ReportTracker(directory, run_name, resume=resume))
+            except Exception as exc:  # noqa: BLE001 - a report never stops a run
+                warn_disabled("report", exc)
 
     new_state: dict = {}
     if cfg.mlflow is not None:
@@ -86,6 +95,8 @@ def build_trackers(cfg: TrackerConfig, *, run_name: str, run_dir: str,
             new_state["mlflow"] = {"tracking_uri": tracker.tracking_uri,
                                    "experiment_id": tracker.experiment_id,
                                    "run_id": tracker.run_id}
+        except UserError:  # a model_registry_path the registry refuses: bad input, before training
+            raise
         except Exception as exc:  # noqa: BLE001 - tracking never stops a run
             warn_disabled("mlflow", exc)
     if cfg.wandb is not None:
@@ -110,24 +121,36 @@ class TrackingCallback(Callback):
     """The trainer's metrics and texts, fanned out to the trackers the config asks for.
 
     The trackers start with the training (`on_start`), so a resumed training continues the
-    MLflow / W&B runs recorded in the save folder.
+    MLflow / W&B runs recorded in the save folder. With ``compute.price_per_gpu_hour`` every
+    training record that carries the trainer's ``time/elapsed_s`` also gets ``cost/so_far`` and
+    ``cost/per_hour`` here, so that every back-end (and `runs describe`, the report) shows the
+    same numbers while the trainer knows nothing of prices. A completed run's export goes to the
+    model registries (`log_model`) before the trackers close.
     """
 
     def __init__(self, cfg: TrackerConfig, stream: TextIO | None = None):
         self.cfg, self.stream = cfg, stream
         self.trackers = Trackers([])
+        self.price: float | None = None
+        self.devices = 1
 
     def on_start(self, info: RunInfo) -> None:
+        self.price = (info.config.get("compute") or {}).get("price_per_gpu_hour")
+        self.devices = int(info.plan.get("world_size") or 1)
         self.trackers = build_trackers(self.cfg, run_name=info.name, run_dir=info.save_folder, resume=info.resumed,
                                        total_steps=info.total_steps, total_tokens=info.total_tokens,
                                        stream=self.stream)
         self.trackers.log_params(info.config | {"plan": info.plan})
 
     def on_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.price is not None and "time/elapsed_s" in metrics:
+            metrics = metrics | live_cost(metrics["time/elapsed_s"], self.devices, self.price)
         self.trackers.log_metrics(metrics, step)
 
     def on_text(self, key: str, text: str, step: int) -> None:
         self.trackers.log_text(key, text, step)
 
     def on_end(self, status: str, final_dir: str | None) -> None:
+        if status == "completed" and final_dir:
+            self.trackers.log_model(final_dir)  # model registries (MLflow, W&B); a failure there is only a warning
         self.trackers.finish(status)

@@ -25,6 +25,13 @@ class Tracker:
     def log_text(self, key: str, text: str, step: int) -> None:
         """Record a text, e.g. the generations of an eval."""
 
+    def log_model(self, final_dir: str) -> None:
+        """Record the exported final model (weights + tokenizer folder), once, at the end of a run.
+
+        A back-end that registers models must not raise: the run has already finished well,
+        so a failure here is its own warning line, never the end of the tracker or the run.
+        """
+
     def finish(self, status: str = "completed") -> None:
         """Close the tracker; status is one of completed | failed | stopped."""
 
@@ -58,7 +65,7 @@ def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     msg = text[0] if text else ""
     if len(msg) > 300:
@@ -68,7 +75,7 @@ def _one_line(exc: BaseException) -> str:
 
 def warn_disabled(name: str, exc: BaseException, stream: TextIO | None = None) -> None:
     """The single warning line printed when a tracker is switched off."""
-    print(f"warning: {name} tracking disabled ({_one_line(exc)})",
+    print(f"warning: {name} tracking disabled ({one_line(exc)})",
           file=stream or sys.stderr, flush=True)
 
 
@@ -114,6 +121,9 @@ class Trackers(Tracker):
 
     def log_text(self, key: str, text: str, step: int) -> None:
         self._call("log_text", key, text, step)
+
+    def log_model(self, final_dir: str) -> None:
+        self._call("log_model", final_dir)
 
     def finish(self, status: str = "completed") -> None:
         if status not in FINISH_STATUSES:

@@ -36,8 +36,11 @@ def default_log_every(total_steps: int | None) -> int:
     return max(1, min(100, total_steps // 20))
 
 
-def train_summary(m: dict[str, float], total_tokens: int | None = None) -> list[str]:
-    """The "tokens | loss | lr | ..." fields shown for a training step (only those present)."""
+def train_summary(m: dict[str, float], total_tokens: int | None = None, eta_s: float | None = None) -> list[str]:
+    """The "tokens | loss | lr | ..." fields shown for a training step (only those present).
+
+    With a price (``compute.price_per_gpu_hour``) the cost so far, and with an ETA the
+    estimated cost of the rest at the current burn rate."""
     parts = []
     if "train/tokens" in m:
         tok = f"tok {human(m['train/tokens'])}"
@@ -56,6 +59,11 @@ def train_summary(m: dict[str, float], total_tokens: int | None = None) -> list[
         parts.append(f"MFU {100 * m['throughput/mfu']:.1f}%")
     if "memory/max_allocated_gb" in m:
         parts.append(f"mem {m['memory/max_allocated_gb']:.1f}GB")
+    if "cost/so_far" in m:
+        from lmforge.estimate.cost import cost_to_finish, format_cost
+
+        rest = cost_to_finish(m.get("cost/per_hour"), eta_s)
+        parts.append(f"cost {format_cost(m['cost/so_far'])}" + (f" (+{format_cost(rest)} to finish)" if rest else ""))
     return parts
 
 
@@ -102,14 +110,16 @@ class ConsoleTracker(Tracker):
         else:
             print(line, file=self.stream, flush=True)
 
-    def _eta(self, step: int) -> float | None:
+    def _eta(self, step: int, now: float | None = None) -> float | None:
+        """Seconds to the last step at the pace since the first logged step. ``now`` is the
+        trainer's ``time/elapsed_s`` when it logs one (the same clock as the cost), else the wall clock."""
         if self._first is None or not self.total_steps:
             return None
         t0, s0 = self._first
         done = step - s0
         if done <= 0:
             return None
-        return (time.monotonic() - t0) / done * (self.total_steps - step)
+        return ((time.monotonic() if now is None else now) - t0) / done * (self.total_steps - step)
 
     # -- live mode ------------------------------------------------------------------
     def _start_bar(self, step: int, tokens: float) -> None:
@@ -140,20 +150,22 @@ class ConsoleTracker(Tracker):
         m = scalar_metrics(metrics)
         step = int(step)
         is_train = any(k.startswith(("train/", "throughput/")) for k in m)
+        clock = m.get("time/elapsed_s")
         if is_train and self._first is None:
-            self._first = (time.monotonic(), step)
+            self._first = (time.monotonic() if clock is None else clock, step)
         if self.tty and is_train:
             tokens = m.get("train/tokens", 0.0)
             if self._progress is None:
                 self._start_bar(step, tokens)
             self._progress.update(self._task, completed=step if self.total_steps else tokens,
-                                  stats=" | ".join(train_summary(m, self.total_tokens)))
+                                  stats=" | ".join(train_summary(m, self.total_tokens, self._eta(step, clock))))
         elif is_train and (step % self.log_every == 0 or step == self.total_steps
                            or step == self._first[1]):
             head = f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"
-            parts = [head, *train_summary(m, self.total_tokens)]
+            eta = self._eta(step, clock)
+            parts = [head, *train_summary(m, self.total_tokens, eta)]
             if self.total_steps:
-                parts.append(f"ETA {format_eta(self._eta(step))}")
+                parts.append(f"ETA {format_eta(eta)}")
             self._println(" | ".join(parts))
         evals = eval_summary(m)
         if evals:

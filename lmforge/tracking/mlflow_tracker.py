@@ -12,13 +12,16 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from lmforge.home import lmforge_home
 from lmforge.config.tracking import MLflowConfig, TrackerConfig
-from lmforge.tracking.base import Tracker, flatten_params, scalar_metrics
+from lmforge.errors import UserError
+from lmforge.tracking.base import Tracker, flatten_params, one_line, scalar_metrics
 
 DEFAULT_EXPERIMENT = "lmforge"
 # MLflow limits (mlflow.utils.validation); copied so the module imports without mlflow.
@@ -95,10 +98,38 @@ class MlflowTracker(Tracker):
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment_name = cfg.experiment_path or DEFAULT_EXPERIMENT
         self.experiment_id = self._experiment(experiment_name, store_dir)
+        self.registry_name = cfg.model_registry_path
+        if self.registry_name:
+            self._check_registry()
         self.run_id = self._continue(run_id) if run_id else None
         if self.run_id is None:
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
             self.run_id = run.info.run_id
+
+    def _check_registry(self) -> None:
+        """Create the registered model now, so a name the registry refuses stops the run before
+        it trains (bad input) rather than after (a warning)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(self.registry_name)
+            return
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                self._refuse(e)
+                raise
+        try:
+            self.client.create_registered_model(self.registry_name, description="models trained with lmforge")
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":  # another run registered it meanwhile
+                self._refuse(e)
+                raise
+
+    def _refuse(self, e) -> None:
+        if e.error_code == "INVALID_PARAMETER_VALUE":
+            first = (str(e.message).strip().splitlines() or [""])[0]
+            raise UserError(f"experiment_tracker.mlflow.model_registry_path {self.registry_name!r}: the MLflow "
+                            f"registry at {self.tracking_uri} rejects it ({first})") from None
 
     def _experiment(self, name: str, store_dir: Path | None) -> str:
         exp = self.client.get_experiment_by_name(name)
@@ -147,6 +178,26 @@ class MlflowTracker(Tracker):
 
     def log_text(self, key: str, text: str, step: int) -> None:
         self.client.log_text(self.run_id, text, f"{metric_key(key)}/step_{int(step):06d}.txt")
+
+    def log_model(self, final_dir: str) -> None:
+        """Register the final model as a new version of ``model_registry_path`` (if set).
+
+        The run has already finished well: a failure is one warning line, and the tracker goes on
+        (``finish`` still marks the run)."""
+        if not self.registry_name:
+            return
+        try:
+            with warnings.catch_warnings():  # MLflow's advice on defining a PythonModel, for notebook users
+                warnings.simplefilter("ignore")
+                from lmforge.tracking.mlflow_model import register_model
+
+            version = register_model(self.client, self.run_id, final_dir, self.registry_name)
+        except Exception as exc:  # noqa: BLE001 - never fail a finished run over its registration
+            print(f"warning: MLflow model registry: could not register {final_dir} as {self.registry_name!r} "
+                  f"({one_line(exc)}); the run itself is complete", file=sys.stderr, flush=True)
+            return
+        print(f"MLflow model registry: {self.registry_name} version {version} "
+              f"(mlflow.pyfunc.load_model('models:/{self.registry_name}/{version}'))", flush=True)
 
     def finish(self, status: str = "completed") -> None:
         self.client.set_terminated(self.run_id, status=STATUS.get(status, "FINISHED"))

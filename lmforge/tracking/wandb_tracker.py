@@ -7,10 +7,12 @@ service process so nothing outlives the run.
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import sys
 
 from lmforge.config.tracking import WandbConfig
-from lmforge.tracking.base import Tracker, flatten_params, scalar_metrics
+from lmforge.tracking.base import Tracker, flatten_params, one_line, scalar_metrics
 
 MODES = ("online", "offline", "disabled")
 EXIT_CODE = {"completed": 0, "failed": 1, "stopped": 1}
@@ -74,6 +76,21 @@ class WandbTracker(Tracker):
         rows = self._tables.setdefault(key, [])
         rows.append([int(step), text])
         self.run.log({key: wandb.Table(columns=["step", "text"], data=list(rows))}, step=int(step))
+
+    def log_model(self, final_dir: str) -> None:
+        """The final export (weights + tokenizer) as a W&B ``model`` artifact of this run; a failure
+        is a warning, the run is complete."""
+        import wandb
+
+        try:
+            name = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{self.run.name or self.run_id}-model")
+            artifact = wandb.Artifact(name, type="model", description="lmforge final model (lmforge-model.json, "
+                                      "safetensors, tokenizer)", metadata={"format": "lmforge", "folder": final_dir})
+            artifact.add_dir(final_dir)
+            self.run.log_artifact(artifact, aliases=["latest", "final"])
+        except Exception as exc:  # noqa: BLE001 - never fail a finished run over its upload
+            print(f"warning: W&B: could not log the final model {final_dir} as an artifact ({one_line(exc)})",
+                  file=sys.stderr, flush=True)
 
     def finish(self, status: str = "completed") -> None:
         import wandb

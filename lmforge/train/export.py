@@ -1,7 +1,8 @@
 """Export any checkpoint (see `locate`) to a Hugging Face folder or to our own layout.
 
-HF: ``config.json`` (LlamaForCausalLM for dense models, MixtralForCausalLM for MoE — our
-experts are Mixtral's top-k softmax experts, so the layout is exact), ``model.safetensors`` or
+HF: ``config.json`` (the model's family, see ``families.py``: LlamaForCausalLM, Qwen2ForCausalLM, …
+for dense models, MixtralForCausalLM for MoE — our experts are Mixtral's top-k softmax experts,
+so the layout is exact), ``model.safetensors`` or
 shards ``model-0000i-of-0000n.safetensors`` + index when larger than ``max_shard_size``, the
 tokenizer files (with the chat template of a fine-tuned model), ``generation_config.json``.
 The folder is written next to ``out`` and renamed into place when complete.
@@ -21,7 +22,8 @@ from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 from lmforge.models.hf import to_hf_config, to_hf_state_dict
 from lmforge.models.io import _copy_tokenizer, _state_dict, save_pretrained
-from lmforge.train.locate import check_tokenizer_fits, load_model
+from lmforge.train.checkpoint import read_state
+from lmforge.train.locate import check_tokenizer_fits, load_model, locate, lora_config_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,6 +35,8 @@ def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None 
         raise UserError(f"--out {out}: already exists and is not empty; choose another folder or pass --overwrite")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if fmt == "peft":
+        return _export_adapter(checkpoint, out_path)
     model, cfg, loc = load_model(checkpoint, dtype=DTYPES[dtype])
     tok_dir = tokenizer or loc.tokenizer_dir
     tok = None
@@ -51,7 +55,7 @@ def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None 
             if tok_dir:
                 _copy_tokenizer(tok_dir, tmp)
         else:
-            raise UserError(f"--format {fmt!r}: expected hf or lmforge")
+            raise UserError(f"--format {fmt!r}: expected hf, lmforge or peft")
         if tok is not None and not tok_dir:
             tok.save(str(tmp))
         if out_path.exists():
@@ -60,6 +64,32 @@ def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_path
+
+
+def _export_adapter(checkpoint: str, out: Path) -> Path:
+    """A LoRA run's adapter as a PEFT folder: copied from its final/adapter, or read from a
+    checkpoint (the adapters are kept apart from the frozen base there)."""
+    from lmforge.models.lora import adapter_tensors, base_model_reference, write_peft_adapter
+
+    loc = locate(checkpoint)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if loc.kind == "lmforge" and os.path.isfile(os.path.join(loc.path, "adapter", "adapter_config.json")):
+            shutil.copytree(os.path.join(loc.path, "adapter"), tmp)
+        elif loc.kind == "dcp" and (lora := lora_config_of(loc.path)) is not None:
+            model, _, _ = load_model(loc.path, merge_lora=False)
+            base = (read_state(loc.path).get("config") or {}).get("custom_weights_path")
+            write_peft_adapter(adapter_tensors(model), lora, tmp, base_model_reference(base))
+        else:
+            raise UserError(f"checkpoint {checkpoint}: holds no LoRA adapter (--format peft needs a run trained "
+                            "with lora:)")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def _save_hf(model, cfg, out: Path, tok, *, allow_clip_qkv: bool, max_shard_size: str) -> None:
@@ -77,6 +107,7 @@ def _save_hf(model, cfg, out: Path, tok, *, allow_clip_qkv: bool, max_shard_size
     except ValueError as e:
         raise UserError(f"--max-shard-size {max_shard_size!r}: {e}") from None
     if eos is not None:
-        # Sampling defaults for `model.generate` and vLLM match `lmforge generate`'s.
-        GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=tok.pad_id, do_sample=True,
-                         temperature=1.0, top_k=50, top_p=0.95).save_pretrained(str(out))
+        # Greedy by default: evaluators (LLM Foundry, lm-eval) and vLLM call `generate` without
+        # sampling arguments and would otherwise score random samples. Sampling is opt-in there.
+        GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=tok.pad_id,
+                         do_sample=False).save_pretrained(str(out))

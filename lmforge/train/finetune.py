@@ -6,7 +6,10 @@ ids that keep packed examples apart) and the plan; the `Trainer` then runs uncha
 checkpoints, resume, trackers and final export. Defaults that differ from pretraining:
 
 - learning rate: one tenth of the size-based pretraining default (e.g. 1.2e-5 for 7B), the
-  usual SFT range; warmup, schedule and AdamW settings as in pretraining;
+  usual SFT range — with `lora:` the pretraining default itself (adapters take ~10× the full
+  fine-tuning rate); warmup, schedule and AdamW settings as in pretraining;
+- chat rows: the tokenizer's own chat template when it has one (`data.chat`), else lmforge's
+  plain one; the template used is the one exported with the final tokenizer;
 - generation at each evaluation: max_new_tokens 100, temperature 1, top_k 50, top_p 0.95;
 - `model` and `tokenizer` are taken from `custom_weights_path` when left out
   (`train.locate.fill_from_weights`).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from lmforge.config.model import padded_vocab
 from lmforge.config.schema import RunConfig, TokenizerSpec
+from lmforge.data.chat import load_chat_template
 from lmforge.data.sft import ASSISTANT_HEADER, CHAT_TEMPLATE, SFTData, chat_prompt, load_rows
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.distributed.dist import DistInfo
@@ -35,7 +39,7 @@ SFT_SAMPLING = {"max_new_tokens": 100, "temperature": 1.0, "top_k": 50, "top_p":
 def finetune_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
     """Tokenizer, packed rows and plan for a fine-tuning run (``cfg`` has its names filled)."""
     if not isinstance(cfg.tokenizer, str):
-        what = "a tokenizer to train" if isinstance(cfg.tokenizer, TokenizerSpec) else "none"
+        what = "a tokenizer to train or extend" if isinstance(cfg.tokenizer, TokenizerSpec) else "none"
         raise UserError(f"tokenizer: fine-tuning needs the base model's tokenizer folder (got {what}); "
                         "set tokenizer: PATH, or custom_weights_path to a model folder that holds one")
     tokenizer = load_tokenizer(cfg.tokenizer)
@@ -44,25 +48,29 @@ def finetune_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
     else:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
             update={"vocab_size": padded_vocab(tokenizer.vocab_size)})})
+    template = load_chat_template(tokenizer.path)  # the tokenizer's own, else None → ours
     updates = {k: v for k, v in SFT_SAMPLING.items() if k not in cfg.eval.model_fields_set}
     if cfg.task_type == "chat_completion":
-        updates["prompts"] = [p if ASSISTANT_HEADER in p else chat_prompt(p) for p in cfg.eval.prompts]
+        updates["prompts"] = [template.generation_prompt(p, tokenizer) if template else
+                              p if ASSISTANT_HEADER in p else chat_prompt(p) for p in cfg.eval.prompts]
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update=updates)})
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     if seq_len > cfg.model.max_seq_len:  # as in pretraining: RoPE tables are derived, not stored
         cfg.model.max_seq_len = seq_len
     rows = load_rows([d.path for d in cfg.train_data], tokenizer, seq_len, task=cfg.task_type,
-                     packing=cfg.sft.packing, seed=cfg.parameters.seed)
+                     packing=cfg.sft.packing, seed=cfg.parameters.seed, template=template)
     eval_rows = None
     if cfg.eval.data_path:
         eval_rows = load_rows([cfg.eval.data_path], tokenizer, seq_len, task=cfg.task_type,
-                              packing=cfg.sft.packing, seed=cfg.parameters.seed)
+                              packing=cfg.sft.packing, seed=cfg.parameters.seed, template=template)
+    log(f"chat template: {'the tokenizer’s own' if template else 'lmforge’s plain one (the tokenizer has none)'}")
     log(f"data: {rows.examples} examples in {len(rows)} rows of {seq_len} tokens"
         f"{' (packed)' if cfg.sft.packing else ''}"
         + (f"; {rows.truncated} cut at the context length" if rows.truncated else "")
         + (f"; {rows.dropped} dropped (no response token fits)" if rows.dropped else ""))
     plan = make_plan(cfg, world_size=dist.world_size, device=dist.device, samples_per_epoch=len(rows),
                      data_seq_len=seq_len)
-    if cfg.parameters.learning_rate is None:
+    if cfg.parameters.learning_rate is None and cfg.lora is None:  # LoRA keeps the pretraining default (~10×)
         plan.learning_rate = float(f"{plan.learning_rate * SFT_LR_FACTOR:.3g}")
-    return RunSetup(resolved_config(cfg, plan), plan, SFTData(tokenizer.path, rows, eval_rows), tokenizer)
+    data = SFTData(tokenizer.path, rows, eval_rows, chat_template=template.text if template else CHAT_TEMPLATE)
+    return RunSetup(resolved_config(cfg, plan), plan, data, tokenizer)

@@ -7,8 +7,8 @@
 - a ``final/`` folder, or any folder in our layout (``lmforge-model.json`` + safetensors);
 - a DCP step folder (``checkpoints/step_N``): the model is built from the resolved config
   stored in its ``lmforge-state.json`` and only the weights are read (no optimizer);
-- a Hugging Face Llama/Mixtral folder (``config.json`` + safetensors), optionally written
-  ``hf:/path`` to say so explicitly.
+- a Hugging Face folder of a supported family (``config.json`` + safetensors, see
+  ``models/families.py``), optionally written ``hf:/path`` to say so explicitly.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 from lmforge.config.model import ModelConfig
+from lmforge.config.schema import LoRAConfig
 from lmforge.errors import UserError
+from lmforge.models import lora
 from lmforge.models.io import CONFIG_FILE, load_pretrained
 from lmforge.models.transformer import build_model
 from lmforge.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_state
@@ -94,18 +96,33 @@ def _dcp_model_config(folder: str) -> ModelConfig:
     return ModelConfig(**model)
 
 
-def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32):
-    """(model, ModelConfig, Located) for any supported checkpoint."""
+def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, *, merge_lora: bool = True):
+    """(model, ModelConfig, Located) for any supported checkpoint.
+
+    A checkpoint of a LoRA run comes back with its adapters merged into the weights (or, with
+    merge_lora=False, still as adapters, e.g. to save them for PEFT)."""
     loc = locate(path)
     if loc.kind in ("lmforge", "hf"):
         model, cfg = load_pretrained(loc.path, device=device, dtype=dtype)
         return model, cfg, loc
     cfg = _dcp_model_config(loc.path)
     model = build_model(cfg, device=device, init=False)
+    lora.apply_lora(model, lora_config_of(loc.path))
     rng = torch.get_rng_state()
     load_checkpoint(loc.path, model, None, rank=0)
     torch.set_rng_state(rng)  # loading restores the run's RNG; a reader should not inherit it
+    if merge_lora:
+        lora.merge_lora(model)
     return model.to(dtype), cfg, loc
+
+
+def lora_config_of(path: str) -> LoRAConfig | None:
+    """The `lora:` settings a checkpoint was trained with (None if it was not a LoRA run)."""
+    loc = locate(path)
+    if loc.kind != "dcp":
+        return None
+    adapters = (read_state(loc.path).get("config") or {}).get("lora")
+    return LoRAConfig(**adapters) if adapters else None
 
 
 def check_tokenizer_fits(tokenizer, cfg: ModelConfig, what: str) -> None:

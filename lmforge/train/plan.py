@@ -15,7 +15,8 @@ import torch
 from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, bf16_supported, micro_batch_for,
                                      default_batch_tokens, default_learning_rate)
 from lmforge.config.durations import Duration, parse_duration
-from lmforge.config.schema import RunConfig
+from lmforge.config.schema import RunConfig, phase_end
+from lmforge.distributed.float8 import check_fp8_supported
 from lmforge.errors import UserError
 from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
 from lmforge.estimate.hardware import detect_device_spec, peak_flops
@@ -37,11 +38,13 @@ class TrainPlan:
     eval_interval: int
     save_interval: int
     icl_interval: int | None
-    precision: str  # "bf16" | "fp32"
+    precision: str  # "bf16" | "fp32" | "fp8"
     params: dict
-    flops_per_token: float
+    flops_per_token: float  # the MFU basis: 6·N_active + 12·L·H·Dh·T (estimate.flops.mfu_flops_per_token)
     schedule: Schedule  # the LR shape, in the run's own unit (steps, or seconds of training)
     step_time_s: float  # expected seconds per optimizer step: measured on this machine, else estimated
+    phase_steps: list[int] | None = None  # curriculum: the optimizer step at which each phase but the last ends
+    model_flops_per_token: float = 0.0  # 6·N_active alone ("model FLOPs" of planning figures)
 
     @property
     def tokens_per_step(self) -> int:
@@ -99,6 +102,8 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
         precision = p.precision
         if precision == "bf16" and not bf16_supported(device) and device.type != "cpu":
             raise UserError(f"parameters.precision: bf16 is not supported on {device}")
+        if precision == "fp8":
+            check_fp8_supported(device)  # one clear line, never a silent fallback
     fpt = mfu_flops_per_token(model, ctx)
 
     # Global batch in samples (rounded so that every rank gets the same share).
@@ -158,12 +163,15 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
     save_every = interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)))
     icl_every = interval(cfg.eval.icl_interval, "eval.icl_interval", 0) or None
 
+    phase_steps = curriculum_steps(cfg, total, gbs=gbs, ctx=ctx) if cfg.curriculum else None
+
     return TrainPlan(
         context_length=ctx, global_batch=gbs, micro_batch=micro, grad_accum=grad_accum,
         world_size=world_size, total_steps=total, time_limit_s=time_limit, warmup_steps=warmup,
         learning_rate=p.learning_rate or default_learning_rate(counts["non_embedding"]),
         eval_interval=eval_every, save_interval=save_every, icl_interval=icl_every,
         precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
+        phase_steps=phase_steps, model_flops_per_token=flops_per_token(model, ctx)["dense"],
     )
 
 
@@ -205,7 +213,7 @@ def step_seconds(cfg: RunConfig, ctx: int, gbs: int, micro: int, world_size: int
                                        optimizer=cfg.parameters.optimizer, device=device)
     if measured:
         return tokens / measured, tokens / measured
-    peak = peak_flops(detect_device_spec(device), "bf16" if precision == "bf16" else "fp32")
+    peak = peak_flops(detect_device_spec(device), "fp32" if precision == "fp32" else "bf16")
     flops = tokens * flops_per_token(cfg.model, ctx)["total"]
     return flops / (0.5 * peak), flops / peak
 
@@ -229,6 +237,33 @@ def make_schedule(cfg: RunConfig, total_steps: int | None, time_limit_s: float |
         warmup = min(warmup, total)
     return Schedule(kind=p.schedule, unit=unit, total=total, warmup=warmup, warmup_unit=warmup_unit,
                     decay_fraction=p.decay_fraction, min_ratio=p.min_lr_ratio)
+
+
+def curriculum_steps(cfg: RunConfig, total: int | None, *, gbs: int, ctx: int) -> list[int]:
+    """Each phase's end as an optimizer step (phases change only between steps); the last phase is open."""
+    ends, prev = [], 0
+    for i, phase in enumerate(cfg.curriculum[:-1] if cfg.curriculum[-1].until is None else cfg.curriculum):
+        unit, value = phase_end(phase.until)
+        where = f"train_data[{i}].until"
+        if unit == "frac":
+            if total is None:
+                raise UserError(f"{where}: a fraction of the run needs a run length in tokens, steps, samples "
+                                f"or epochs, not wall-clock time ({cfg.training_duration})")
+            step = round(value * total)
+        else:
+            step = _steps(Duration(value, unit), where, gbs=gbs, ctx=ctx, samples_per_epoch=None)
+        if step <= prev:
+            raise UserError(f"{where}: {phase.until!r} is step {step}, not after the previous phase's end "
+                            f"(step {prev}); end points must increase")
+        if total is not None and step > total:
+            raise UserError(f"{where}: {phase.until!r} is step {step}, past the end of the run ({total} steps)")
+        ends.append(step)
+        prev = step
+    if cfg.curriculum[-1].until is not None and total is not None and ends and ends[-1] < total:
+        raise UserError(f"train_data[{len(ends) - 1}].until: the last phase ends at step {ends[-1]}, before the "
+                        f"run does ({total} steps); leave out its `until` or end it at 100%")
+    # The last phase always runs on (past the planned end too, e.g. for wall-clock runs).
+    return ends[:-1] if cfg.curriculum[-1].until is not None else ends
 
 
 def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 from lmforge.config.identity import with_default_names
 from lmforge.config.model import padded_vocab
-from lmforge.config.schema import RunConfig
+from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.data.resolve import resolve_data
 from lmforge.data.sft import SFT_TASKS
-from lmforge.data.stream import open_dataset
+from lmforge.data.stream import StreamPhase, open_dataset
 from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.vocab_extension import grown_vocab
 from lmforge.distributed.dist import DistInfo, barrier, broadcast_object
 from lmforge.errors import UserError
 from lmforge.train.auto_model import resolve_auto
 from lmforge.train.finetune import finetune_setup
-from lmforge.train.plan import make_plan, resolved_config
+from lmforge.train.locate import locate
+from lmforge.train.plan import TrainPlan, make_plan, resolved_config
 from lmforge.train.trainer import RunSetup
 
 
@@ -57,9 +59,24 @@ def _on_main(fn, dist: DistInfo):
     return result
 
 
+def with_extension_base(cfg: RunConfig) -> RunConfig:
+    """`tokenizer: {extend: …}` without a `base`: the tokenizer stored with custom_weights_path."""
+    spec = cfg.tokenizer
+    if not (isinstance(spec, TokenizerSpec) and spec.extend is not None and spec.extend.base is None):
+        return cfg
+    base = locate(cfg.custom_weights_path).tokenizer_dir
+    if base is None:
+        raise UserError(f"tokenizer.extend: {cfg.custom_weights_path} holds no tokenizer.json; "
+                        "set tokenizer.extend.base to the tokenizer folder to extend")
+    extend = spec.extend.model_copy(update={"base": base})
+    return cfg.model_copy(update={"tokenizer": spec.model_copy(update={"extend": extend})})
+
+
+
 def pretrain_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
     """Resolve `model: auto` (rank 0 chooses, the others take its choice), the data (rank 0 prepares
     it first; the others then hit the cache) and every default."""
+    cfg = with_extension_base(cfg)
     cfg = _on_main(lambda: resolve_auto(cfg, dist.device, log=log), dist)
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     if not dist.is_main:
@@ -68,7 +85,7 @@ def pretrain_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
     if dist.is_main:
         barrier()
     tokenizer = load_tokenizer(data.tokenizer_path)
-    cfg = with_vocab(cfg, tokenizer.vocab_size)
+    cfg = with_vocab(grown_vocab(cfg, tokenizer.vocab_size), tokenizer.vocab_size)  # grown: tokenizer.extend
     lengths = [d.seq_len for d in data.train]
     data_seq_len = min(lengths) if all(lengths) else min(open_dataset(d.path).sample_length(0) for d in data.train)
     if cfg.parameters.context_length and cfg.parameters.context_length > cfg.model.max_seq_len:
@@ -78,4 +95,13 @@ def pretrain_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
         samples = sum(len(open_dataset(d.path)) for d in data.train)
     plan = make_plan(cfg, world_size=dist.world_size, device=dist.device, samples_per_epoch=samples,
                      data_seq_len=data_seq_len)
+    if cfg.curriculum:
+        data.phases = stream_phases(cfg, plan)
     return RunSetup(resolved_config(cfg, plan), plan, data, tokenizer)
+
+
+def stream_phases(cfg: RunConfig, plan: TrainPlan) -> list[StreamPhase]:
+    """The curriculum on the stream's global sample axis: each phase ends on the optimizer step
+    the plan chose (whole global batches, so a step never mixes two phases); the last runs on."""
+    ends = [step * plan.global_batch for step in plan.phase_steps] + [None]
+    return [StreamPhase(end, phase.mix) for end, phase in zip(ends, cfg.curriculum)]

@@ -45,7 +45,7 @@ def _cpu_model() -> str:
 
 
 def _key(cfg: ModelConfig, context_length: int, micro_batch: int, precision: str, optimizer: str, device) -> str:
-    shape = cfg.model_dump(mode="json", exclude={"preset", "max_seq_len", "init_std", "z_loss"})
+    shape = cfg.model_dump(mode="json", exclude={"preset", "max_seq_len", "init_std"})
     obj = {"machine": machine_key(device), "shape": shape, "ctx": context_length, "micro": micro_batch,
            "precision": precision, "optimizer": optimizer}
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]

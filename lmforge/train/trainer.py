@@ -6,12 +6,15 @@ Read it top to bottom:
   the model (seeded, sharded or replicated), the optimizer and the data stream, and loads the
   latest checkpoint;
 - `train_step` is one optimizer step: forward and backward over the micro-batches of one global
-  batch, gradient clipping, the update. A test or a profiler can call it alone;
+  batch, gradient clipping, the update. It never waits for the device: its loss and gradient
+  norm stay device tensors, read (with the non-finite check) only at log steps and before a
+  checkpoint. A test or a profiler can call it alone;
 - `evaluate` is held-out loss / perplexity / bits per byte and generations from the eval prompts;
 - `save` / `load` write and read checkpoints through state objects that carry their own
   ``state_dict()``: model and optimizer (DCP), data stream, counters (`TrainState`), RNG;
 - `fit` is the loop: steps, logging, periodic evaluation and checkpoints, a graceful stop on
-  SIGTERM / Ctrl-C, and at the end a final evaluation, checkpoint and export.
+  SIGTERM / Ctrl-C, a hang watchdog fed after every step (`train.watchdog`), and at the end a
+  final evaluation, checkpoint and export.
 
 The trainer knows nothing of trackers, object stores or the run registry: they hook in through
 `train.callbacks`. What it needs is set up by `train.setup.setup_run` (a `RunSetup`).
@@ -33,27 +36,38 @@ import torch
 from lmforge.config.identity import run_identity
 from lmforge.config.schema import RunConfig
 from lmforge.data.batch import Batch, StreamLayout, TrainingData
+from lmforge.data.vocab_extension import read_extension
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
-from lmforge.distributed.parallelize import (SHARDED, full_state_dict, is_sharded, local_value, materialize,
-                                              no_grad_sync, parallelize)
+from lmforge.distributed.float8 import after_optimizer_step
+from lmforge.distributed.parallelize import (SHARDED, clip_grad_norm, compile_enabled, device_value, full_state_dict,
+                                             is_sharded, materialize, no_grad_sync, parallelize)
 from lmforge.errors import UserError
 from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.eval.in_training import generations, load_icl, run_icl
 from lmforge.models import build_model, save_pretrained
 from lmforge.models.io import write_chat_template
+from lmforge.models.lora import apply_lora, save_final as save_lora_final
+from lmforge.models.resize import extend_embeddings
 from lmforge.models.transformer import Transformer
 from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.callbacks import Callback, Callbacks, RunInfo
+from lmforge.train.expert_health import ExpertHealth
 from lmforge.train.locate import load_model
 from lmforge.train.optim import blended_lr, build_optimizer
 from lmforge.train.plan import TrainPlan
+from lmforge.train.watchdog import HangWatchdog
 
 
 class TrainingDiverged(UserError):
     exit_code = 3
+
+
+# Across ranks, a stop asked on one (SIGTERM, Ctrl-C) is agreed on by an all-reduce, which waits
+# for the device: done at log steps, and at least every this many steps.
+STOP_CHECK_STEPS = 10
 
 
 @dataclass
@@ -91,8 +105,10 @@ class TrainState:
 
 @dataclass
 class StepOutput:
-    loss: float  # mean next-token loss of the step, all ranks
-    grad_norm: float  # before clipping
+    # Device scalars, so that a step never waits for the device: reading one (float(), .item())
+    # waits for the step to finish. `Trainer._read` reads a log window's at once.
+    loss: torch.Tensor  # mean next-token loss of the step, all ranks (fp32)
+    grad_norm: torch.Tensor  # before clipping
     lr: float
     moe: dict = field(default_factory=dict)  # MoE routing statistics of the last micro-batch
 
@@ -123,9 +139,11 @@ class Trainer:
         self.log = log if dist.is_main else _silent
         self.state = TrainState()
         self.sharded = self.cfg.compute.data_parallel in SHARDED
+        # fp8: torchao's linear layers run their matmuls in FP8; everything else in bf16.
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) \
-            if self.plan.precision == "bf16" else nullcontext
+            if self.plan.precision in ("bf16", "fp8") else nullcontext
         self.icl = load_icl(self.cfg)  # bad task files fail before any training
+        self.expert_health = ExpertHealth() if self.cfg.model.is_moe else None
 
         resume_from = self._claim_save_folder(overwrite)
         self.model, self.train_forward = self._build_model(from_weights=not resume_from)
@@ -137,7 +155,8 @@ class Trainer:
         self.layout = StreamLayout(
             seq_len=self.plan.context_length, micro_batch=self.plan.micro_batch,
             global_batch=self.plan.global_batch, rank=dist.rank, world_size=dist.world_size, seed=p.seed,
-            num_workers=self.cfg.compute.num_workers, pin_memory=self.device.type == "cuda")
+            num_workers=self.cfg.compute.num_workers, pin_memory=self.device.type == "cuda",
+            document_eos=self.tokenizer.eos_id if p.document_masking and self.data.kind == "pretrain" else None)
         self.stream = self.data.train_stream(self.layout)
         self.eval_sets = self.data.eval_sets(self.layout, self.cfg.eval.max_batches)
         self.resumed = bool(resume_from)
@@ -145,9 +164,12 @@ class Trainer:
             self.load(resume_from)
         restarted_from_elastic(self.save_folder, resume_from, self.state.step, dist, self.log)
         self.saver = ckpt.PendingSave() if self.cfg.compute.async_checkpoint else None
+        # MFU of fp8 runs is against the bf16 peak too (as torchtitan counts it): the same scale
+        # as bf16 runs, so an FP8 speed-up shows as a higher MFU.
         self.peak_flops = peak_flops(detect_device_spec(self.device),
-                                     "bf16" if self.plan.precision == "bf16" else "fp32")
+                                     "fp32" if self.plan.precision == "fp32" else "bf16")
         self._stop_asked = False
+        self.watchdog = HangWatchdog(self.cfg.compute.hang_timeout, rank=dist.rank)
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
         self._elapsed0 = 0.0
 
@@ -177,12 +199,14 @@ class Trainer:
             model = build_model(cfg.model, device="cpu" if self.sharded else self.device)
             if cfg.custom_weights_path and from_weights:
                 self._load_custom_weights(model)
+            apply_lora(model, cfg.lora, log=self.log)  # frozen base + adapters; no-op without `lora:`
+        options = dict(precision=self.plan.precision, fp8_recipe=cfg.parameters.fp8_recipe)
         if not self.sharded:
-            return model, parallelize(model, cfg.compute, self.dist, precision=self.plan.precision)
+            return model, parallelize(model, cfg.compute, self.dist, **options)
         full = model.state_dict() if model is not None else None
         with torch.device("meta"):
-            model = Transformer(cfg.model)
-        train_forward = parallelize(model, cfg.compute, self.dist, precision=self.plan.precision)
+            model = apply_lora(Transformer(cfg.model), cfg.lora)  # the same modules as rank 0's
+        train_forward = parallelize(model, cfg.compute, self.dist, **options)
         materialize(model, self.device, full)
         return model, train_forward
 
@@ -190,6 +214,9 @@ class Trainer:
         path = self.cfg.custom_weights_path
         source, _, _ = load_model(path, device=model.output_weight.device)
         theirs, ours = source.state_dict(), model.state_dict()
+        extension = read_extension(self.data.tokenizer_path)  # tokenizer.extend: new rows from their pieces
+        if extension:
+            theirs = extend_embeddings(theirs, extension, self.cfg.model.vocab_size)
         if theirs.keys() != ours.keys() or any(v.shape != ours[k].shape for k, v in theirs.items()):
             raise UserError(f"custom_weights_path: {path} holds a different model shape than `model` in the "
                             "config (leave `model` out to take the weights' own)")
@@ -215,7 +242,9 @@ class Trainer:
         The loss is the mean over every trained-on target of the global batch: each micro-batch's
         summed cross-entropy is divided by the step's target count (all ranks' mean under data
         parallelism, which averages gradients). Gradients are synchronized on the last
-        micro-batch only. A non-finite loss or gradient stops the run before the update.
+        micro-batch only. Nothing here waits for the device: the returned loss and gradient
+        norm are device tensors; a non-finite one is caught when they are read (`_read`: at
+        the next log step or checkpoint, which it then never reaches).
         """
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:
@@ -233,32 +262,47 @@ class Trainer:
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss / len(batches)
                     moe = out.moe
+                    self.expert_health.add(out.moe)
                 loss.backward()
             ce_total += out.ce_sum.detach()
         clip = self.cfg.parameters.grad_clip or float("inf")
         # FSDP: a replicated DTensor holding the norm over all shards.
-        grad_norm = local_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        loss_val = all_reduce_sum(ce_total).item() / (norm * self.dist.world_size)
-        if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingDiverged(
-                f"loss became {loss_val} at step {self.state.step + 1} (grad norm {grad_norm:.3g}); stopped without "
-                f"saving. Last good checkpoint: {ckpt.latest_checkpoint(self.save_folder) or 'none'}. "
-                "Try a lower parameters.learning_rate")
+        grad_norm = device_value(clip_grad_norm(self.model.parameters(), clip))
+        loss = all_reduce_sum(ce_total) / (norm * self.dist.world_size)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.lr, self.state.schedule = lr, self._schedule_signature
+        after_optimizer_step(self.model)  # FP8 under FSDP: next step's weight scales, in one all-reduce
         self.state.step += 1
         self.state.tokens += self.plan.tokens_per_step
-        return StepOutput(loss=loss_val, grad_norm=grad_norm, lr=lr, moe=moe)
+        if self.expert_health is not None:
+            self.expert_health.step()
+        return StepOutput(loss=loss.detach(), grad_norm=grad_norm.detach(), lr=lr, moe=moe)
 
-    def _target_norm(self, batches: Sequence[Batch]) -> float:
-        """Targets per rank in this step. Pretraining rows all have the same count; fine-tuning
-        rows differ, so their count is summed over ranks (then each rank divides by the mean)."""
+    def _target_norm(self, batches: Sequence[Batch]) -> torch.Tensor | float:
+        """Targets per rank in this step, counted on the host copies of the batches (no device
+        wait). Pretraining rows all have the same count; fine-tuning rows differ, so their count
+        is summed over ranks (a device tensor; each rank divides by the mean)."""
         count = torch.stack([b.num_targets() for b in batches]).sum()
         if self.data.kind != "pretrain" and self.dist.distributed:
-            count = all_reduce_sum(count.to(self.device)) / self.dist.world_size
+            return (all_reduce_sum(count.to(self.device, torch.float32)) / self.dist.world_size).clamp(min=1.0)
         return max(1.0, float(count))
+
+    def _read(self, window: list[StepOutput]) -> list[tuple[float, float]]:
+        """The (loss, grad norm) of each step of ``window`` on the host, in one device wait; the
+        window is emptied. Raises TrainingDiverged (nothing saved) at the first non-finite one."""
+        if not window:
+            return []
+        values = torch.stack([torch.stack([o.loss.float(), o.grad_norm.float()]) for o in window]).tolist()
+        first_step = self.state.step - len(window) + 1
+        window.clear()
+        for i, (loss, grad_norm) in enumerate(values):
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise TrainingDiverged(
+                    f"loss became {loss} at step {first_step + i} (grad norm {grad_norm:.3g}); stopped without "
+                    f"saving. Last good checkpoint: {ckpt.latest_checkpoint(self.save_folder) or 'none'}. "
+                    "Try a lower parameters.learning_rate")
+        return values
 
     # ------------------------------------------------------------------ evaluation
 
@@ -281,7 +325,8 @@ class Trainer:
         gens = []
         if self.dist.is_main or self.sharded:  # FSDP: every rank takes part in each forward
             with self.autocast() if self.sharded else nullcontext():
-                gens = generations(self.model, self.tokenizer, self.cfg, compiled=self.cfg.compute.compile)
+                gens = generations(self.model, self.tokenizer, self.cfg,
+                                   compiled=compile_enabled(self.cfg.compute.compile, self.device))
             gens = gens if self.dist.is_main else []
         for i, text in enumerate(gens):
             self.callbacks.on_text(f"generation_{i}", text, self.state.step)
@@ -290,7 +335,11 @@ class Trainer:
         return metrics | {"_generations": gens}
 
     def evaluate_icl(self) -> dict:
-        metrics = run_icl(self.model, self.tokenizer, self.icl, self.cfg, self.dist, self.sharded, self.autocast)
+        # ICL examples come in every length: compiled blocks (specialized to the training shape)
+        # would recompile for each, so they run eagerly here.
+        compiled = compile_enabled(self.cfg.compute.compile, self.device)
+        with torch.compiler.set_stance("force_eager") if compiled else nullcontext():
+            metrics = run_icl(self.model, self.tokenizer, self.icl, self.cfg, self.dist, self.sharded, self.autocast)
         if metrics:
             self.callbacks.on_metrics(metrics, self.state.step)
         return metrics
@@ -330,12 +379,15 @@ class Trainer:
             full = full_state_dict(model)
             if not self.dist.is_main:
                 return None
-            model = build_model(self.cfg.model, device="cpu", init=False)
+            model = apply_lora(build_model(self.cfg.model, device="cpu", init=False), self.cfg.lora)
             model.load_state_dict(full)
         elif not self.dist.is_main:
             return None
         final_dir = os.path.join(self.save_folder, "final")
-        save_pretrained(model, self.cfg.model, final_dir, tokenizer_dir=self.data.tokenizer_path)
+        if self.cfg.lora:  # final/ = the merged model, final/adapter = the PEFT adapter
+            save_lora_final(model, self.cfg, final_dir, self.data.tokenizer_path)
+        else:
+            save_pretrained(model, self.cfg.model, final_dir, tokenizer_dir=self.data.tokenizer_path)
         if self.data.chat_template:
             write_chat_template(final_dir, self.data.chat_template)
         return final_dir
@@ -350,7 +402,10 @@ class Trainer:
         try:
             # The stop handler stays through the final evaluation and export: those finish.
             with self._graceful_stop():
-                status = self._loop()
+                try:
+                    status = self._loop()
+                finally:
+                    self.watchdog.close()  # the end of the run is not timed
                 last_eval = self._finish() if status == "completed" else {}
                 if self.saver is not None:
                     self.saver.wait()  # the last checkpoint is complete before the run reports success
@@ -381,24 +436,52 @@ class Trainer:
         self._start_clock()
         meter = _Meter(state.tokens)
         self.train_forward.train()
+        phase = None
+        window: list[StepOutput] = []  # steps whose loss and grad norm are still on the device
         while not self._done():
+            if self.stream.phase() not in (None, phase):  # a curriculum phase begins (or the run resumes in one)
+                phase = self.stream.phase()
+                self.log(f"data: {phase} from step {state.step}")
             out = self.train_step([next(batches) for _ in range(plan.grad_accum)])
+            window.append(out)
             if self.saver is not None:
                 self.saver.poll()  # rank 0 completes a background checkpoint as soon as it is written
-            meter.watch_spike(out.loss, state.step, past_warmup=state.step > plan.warmup_steps, log=self.log)
             done = self._done()
-            if state.step % self.cfg.log_interval == 0 or state.step == 1 or done:
-                self.callbacks.on_metrics(self._step_metrics(out, meter.tokens_per_s(state.tokens)), state.step)
-            stop = any_rank(self._stop_asked, self.device)  # a stop asked on any rank stops all
+            log_now = state.step % self.cfg.log_interval == 0 or state.step == 1 or done
+            stop = self._stop_requested()
+            save_now = (state.step % plan.save_interval == 0 and not done) or stop
+            if log_now or save_now:  # the only points that wait for the device
+                first = state.step - len(window) + 1
+                values = self._read(window)  # raises on a non-finite loss: never saved
+                for i, (loss, _) in enumerate(values):
+                    meter.watch_spike(loss, first + i, past_warmup=first + i > plan.warmup_steps, log=self.log)
+                if log_now:
+                    loss, grad_norm = values[-1]
+                    read = StepOutput(loss=loss, grad_norm=grad_norm, lr=out.lr, moe=out.moe)
+                    self.callbacks.on_metrics(self._step_metrics(read, meter.tokens_per_s(state.tokens)), state.step)
             if state.step % plan.eval_interval == 0 and not done:
-                self.evaluate()
+                with self.watchdog.paused():
+                    self.evaluate()
             if plan.icl_interval and state.step % plan.icl_interval == 0 and not done:
-                self.evaluate_icl()
-            if (state.step % plan.save_interval == 0 and not done) or stop:
-                self.save()
+                with self.watchdog.paused():
+                    self.evaluate_icl()
+            if save_now:
+                with self.watchdog.paused():
+                    self.save()
+            self.watchdog.beat(state.step)
             if stop:
                 return "stopped"
         return "completed"
+
+    def _stop_requested(self) -> bool:
+        """Whether to stop after this step. One process: its own flag, every step. Several ranks:
+        a stop asked on any rank stops all, agreed on by an all-reduce at log steps and at least
+        every STOP_CHECK_STEPS steps (the same steps on every rank)."""
+        if not self.dist.distributed:
+            return self._stop_asked
+        if self.state.step % min(self.cfg.log_interval, STOP_CHECK_STEPS):
+            return False
+        return any_rank(self._stop_asked, self.device)
 
     def _step_metrics(self, out: StepOutput, tokens_per_s: float) -> dict:
         world = self.dist.world_size
@@ -406,14 +489,18 @@ class Trainer:
                    "train/tokens": self.state.tokens, "train/epoch": self.stream.epoch,
                    "throughput/tokens_per_s": tokens_per_s,
                    "throughput/tokens_per_s_per_device": tokens_per_s / world,
-                   "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops)}
+                   # the standard basis (6·N_active + 12·L·H·Dh·T), and 6·N_active alone
+                   "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops),
+                   "throughput/mfu_6n": mfu(tokens_per_s, self.plan.model_flops_per_token, world, self.peak_flops),
+                   "time/elapsed_s": self._elapsed()}  # training wall time over all attempts (ETA, cost)
+        metrics |= self.stream.metrics()  # e.g. the curriculum phase and its mix (of the next step)
         if self.device.type == "cuda":
             metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if out.moe:
-            counts = out.moe["moe_tokens_per_expert"].float()
             metrics["train/moe_lb_loss"] = float(out.moe["moe_lb_loss"])
             metrics["train/moe_z_loss"] = float(out.moe["moe_z_loss"])
-            metrics["train/moe_max_expert_share"] = float(counts.max() / counts.sum().clamp(min=1))
+        if self.expert_health is not None:  # per-layer routing over the log window (all ranks)
+            metrics |= self.expert_health.report(self.log)
         return metrics
 
     def _done(self) -> bool:

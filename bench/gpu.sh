@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GPU speed of dense models on one CUDA machine, in one table (see bench/gpu.py for what each
+# row is). Three parts, each under 10 minutes, so that each fits one device call:
+#
+#   bash scripts/gpu-wheels.sh        # here, once: the wheels the GPU machine lacks → .whl/
+#   bash bench/gpu.sh 1               # on the GPU machine (carry .whl and .bench): the GPU tests, SDPA
+#                                     # probe, llama-1b eager vs compiled at vocab 32k and 128k
+#   bash bench/gpu.sh 2               # FP8 tensorwise/rowwise vs bf16, llama-1b and llama-3b
+#   bash bench/gpu.sh 3               # `lmforge train` 60 steps vs the bench loop; FSDP2 on one rank vs none
+#   bash bench/gpu.sh 4               # MoE: the GPU MoE tests and bench/moe.py's moe-9b-shaped stack vs its dense twin
+#   bash bench/gpu.sh all             # everything in one go (no time budget)
+#   bash bench/gpu.sh only NAME,...   # chosen configs (`python bench/gpu.py list`)
+#
+# Rows accumulate in .bench/gpu.jsonl (a copy goes to $OUT); each call prints the table of
+# everything in it. Bring the file back between calls (it is git-ignored: carry `.bench`).
+# Needs the machine's Python with torch/triton; lmforge runs from this checkout (PYTHONPATH),
+# its missing dependencies from .whl/ installed with --target (no network needed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  site=/tmp/lmforge-site
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+  export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+export LMFORGE_COMMIT=${LMFORGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .bench/COMMIT 2>/dev/null || echo unknown)}
+mkdir -p .bench
+"$PY" -c "import torch; print('#', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
+"$PY" -m lmforge --version >/dev/null  # lmforge and its dependencies import
+
+gpu_tests() {
+  # Correct first: the CUDA paths CI cannot run — liger and chunked loss vs plain cross-entropy,
+  # compiled FlexAttention vs the dense mask, FP8 steps, no host sync between log steps.
+  timeout "${TEST_TIMEOUT:-200}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_loss.py \
+    tests/test_attention.py tests/test_fp8.py tests/test_trainer.py 2>&1 | tail -15 || echo "# GPU tests: exit $?"
+}
+moe() {
+  # [moe-scale] the grouped GEMM on CUDA against the loop, then the moe-9b-shaped stack (bf16, compiled, 8 × 2048).
+  timeout 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_moe.py 2>&1 | tail -8 || echo "# MoE GPU tests: exit $?"
+  timeout "${MOE_TIMEOUT:-360}" "$PY" bench/moe.py --device cuda 2>&1 | tee -a "${OUT:-.bench}/moe.txt" || echo "# bench/moe.py: exit $?"
+}
+start=$SECONDS
+case "$what" in
+  1) gpu_tests; "$PY" bench/gpu.py part 1 --budget "$(( ${BUDGET:-560} - (SECONDS - start) ))" ;;
+  2|3) "$PY" bench/gpu.py part "$what" --budget "${BUDGET:-540}" ;;
+  4) moe ;;
+  all) gpu_tests; for p in 1 2 3; do "$PY" bench/gpu.py part "$p" --budget 100000; done; moe ;;
+  only) "$PY" bench/gpu.py only "$2" --budget "${BUDGET:-540}" ;;
+  table) "$PY" bench/gpu.py table ;;
+  *) echo "usage: bash bench/gpu.sh 1|2|3|4|all|only NAME,...|table" >&2; exit 2 ;;
+esac

@@ -1,0 +1,245 @@
+"""`lmforge data stats`: what a corpus (raw text) or a prepared dataset holds.
+
+Documents, bytes, tokens and bytes per token, the document-length distribution (in tokens when
+a tokenizer is known, else in bytes), the exact- and near-duplicate rates (the share of
+documents that `data dedup` would remove), and the language mix (fastText lid.176 on up to
+``LANGUAGE_SAMPLE`` documents, an even spread over the corpus). A prepared dataset is read back
+from its MDS shards and cut into documents at its EOS tokens; its documents are decoded with the
+dataset's own tokenizer for the duplicate and language statistics.
+"""
+
+from __future__ import annotations
+
+import base64
+from html import escape
+import io
+import os
+
+import numpy as np
+
+from lmforge.errors import UserError
+
+LANGUAGE_SAMPLE = 2000
+BINS = 30
+
+
+def _raw_documents(inputs: list[str], text_field: str, max_docs: int | None):
+    from lmforge.data.sources import SourceStats, list_files, no_documents_message, read_source
+
+    stats = SourceStats()
+    docs = []
+    for src in list_files(inputs, stats):
+        for text in read_source(src, text_field, stats):
+            docs.append(text)
+            if max_docs and len(docs) >= max_docs:
+                return docs
+    if not docs:
+        raise UserError(no_documents_message(inputs, stats))
+    return docs
+
+
+def _prepared_documents(path: str, max_docs: int | None):
+    """(document texts, token lengths, tokenizer path) of a prepared dataset's train split."""
+    import tempfile
+
+    from lmforge.data.mds import MDSReader
+    from lmforge.data.prepare import read_summary
+    from lmforge.data.tokenizer import load_tokenizer
+
+    summary = read_summary(path)
+    tok_info = summary.get("tokenizer") or {}
+    eos = tok_info.get("eos_id")
+    if "://" in path:
+        raise UserError(f"{path}: `data stats` reads local prepared datasets (download it first)")
+    with tempfile.TemporaryDirectory() as cache:
+        reader = MDSReader(os.path.join(path, "train"), cache_dir=cache)
+        flat = np.concatenate([reader.get_tokens(i) for i in range(len(reader))]).astype(np.int64)
+    ends = np.flatnonzero(flat == eos) + 1
+    starts = np.concatenate([[0], ends[:-1]])
+    if max_docs:
+        starts, ends = starts[:max_docs], ends[:max_docs]
+    lengths = (ends - starts).astype(np.int64)
+    tok = load_tokenizer(tok_info["path"]) if tok_info.get("path") and os.path.exists(tok_info["path"]) else None
+    texts = [tok.decode(flat[a:b - 1].tolist()) for a, b in zip(starts, ends)] if tok else None
+    return summary, texts, lengths, tok_info.get("path")
+
+
+def _histogram(values: np.ndarray) -> dict:
+    v = np.asarray(values, np.float64)
+    lo, hi = max(1.0, v.min()), max(2.0, v.max())
+    edges = np.unique(np.geomspace(lo, hi + 1, BINS + 1).round())  # log bins: lengths span decades
+    counts, edges = np.histogram(v, bins=edges)
+    return {"edges": edges.tolist(), "counts": counts.tolist()}
+
+
+def _duplicates(texts: list[str]) -> dict:
+    from lmforge.config.curation import DedupConfig
+    from lmforge.data.curate.dedup import Deduplicator, signatures
+
+    out = {}
+    cfg = DedupConfig(near=False)
+    keys, _ = signatures(texts, cfg)
+    d = Deduplicator(cfg)
+    out["exact_rate"] = round(sum(d.check(i, k, None)[0] is not None for i, k in enumerate(keys)) / len(texts), 6)
+    try:
+        cfg = DedupConfig()
+        keys, sigs = signatures(texts, cfg)
+        d = Deduplicator(cfg)
+        out["near_rate"] = round(sum(d.check(i, k, s)[0] is not None
+                                     for i, (k, s) in enumerate(zip(keys, sigs))) / len(texts), 6)
+        out["near_threshold"] = cfg.threshold
+    except UserError:  # datasketch not installed: exact only
+        out["near_rate"] = None
+    return out
+
+
+def _languages(texts: list[str]) -> tuple[dict, int]:
+    try:
+        from lmforge.data.curate.language import LanguageID
+
+        lid = LanguageID()
+    except UserError:
+        return {}, 0
+    step = max(1, len(texts) // LANGUAGE_SAMPLE)
+    sample = texts[::step][:LANGUAGE_SAMPLE]
+    counts: dict[str, int] = {}
+    for t in sample:
+        lang, _ = lid.best(t)
+        counts[lang] = counts.get(lang, 0) + 1
+    mix = {k: round(v / len(sample), 4) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+    return mix, len(sample)
+
+
+def corpus_stats(sources: list[str] | str, *, tokenizer: str | None = None, text_field: str = "text",
+                 max_docs: int | None = None) -> dict:
+    from lmforge.data.resolve import is_prepared
+
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    if max_docs is not None and max_docs < 1:
+        raise UserError(f"--max-docs {max_docs}: expected a positive integer")
+    out: dict = {"source": sources}
+    if len(sources) == 1 and is_prepared(sources[0]) and os.path.isdir(os.path.join(sources[0], "train")):
+        summary, texts, lengths, tok_path = _prepared_documents(sources[0], max_docs)
+        train = (summary.get("splits") or {}).get("train") or {}
+        out |= {"kind": "prepared", "tokenizer": tok_path, "documents": int(len(lengths)),
+                "tokens": int(lengths.sum()), "bytes": train.get("bytes"), "bytes_per_token": train.get("bytes_per_token"),
+                "length_unit": "tokens"}
+        if summary.get("curation"):
+            out["curation"] = summary["curation"]
+    else:
+        texts = _raw_documents(sources, text_field, max_docs)
+        nbytes = np.array([len(t.encode("utf-8", "replace")) for t in texts], np.int64)
+        out |= {"kind": "raw", "documents": len(texts), "bytes": int(nbytes.sum())}
+        if tokenizer:
+            from lmforge.data.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(tokenizer)
+            lengths = np.array([len(e.ids) + 1 for e in tok.backend.encode_batch(texts)], np.int64)  # + EOS
+            out |= {"tokenizer": tokenizer, "tokens": int(lengths.sum()),
+                    "bytes_per_token": round(out["bytes"] / int(lengths.sum()), 6), "length_unit": "tokens"}
+        else:
+            lengths = nbytes
+            out |= {"tokens": None, "bytes_per_token": None, "length_unit": "bytes"}
+    q = np.percentile(lengths, [50, 90, 99]) if len(lengths) else [0, 0, 0]
+    out["doc_length"] = {"mean": round(float(lengths.mean()), 2), "p50": float(q[0]), "p90": float(q[1]),
+                         "p99": float(q[2]), "max": int(lengths.max()), "histogram": _histogram(lengths)}
+    if texts:
+        out["duplicates"] = _duplicates(texts)
+        out["languages"], out["language_sample"] = _languages(texts)
+    return out
+
+
+def print_stats(s: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title=f"{s['kind']} corpus {' '.join(s['source'])}", title_justify="left", show_header=False)
+    t.add_column("what", no_wrap=True)
+    t.add_column("value", justify="right")
+
+    def fmt(v):
+        return "-" if v is None else f"{v:,}" if isinstance(v, int) else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    for k in ("documents", "bytes", "tokens", "bytes_per_token"):
+        t.add_row(k.replace("_", " "), fmt(s.get(k)))
+    d = s["doc_length"]
+    unit = s["length_unit"]
+    t.add_row(f"doc length ({unit}) mean / p50 / p90 / p99 / max",
+              f"{d['mean']:,.0f} / {d['p50']:,.0f} / {d['p90']:,.0f} / {d['p99']:,.0f} / {d['max']:,}")
+    dup = s.get("duplicates") or {}
+    t.add_row("exact-duplicate rate", "-" if dup.get("exact_rate") is None else f"{dup['exact_rate']:.2%}")
+    t.add_row(f"exact-or-near duplicate rate (Jaccard ≥ {dup.get('near_threshold', '-')})",
+              "-" if dup.get("near_rate") is None else f"{dup['near_rate']:.2%}")
+    if s.get("languages"):
+        top = list(s["languages"].items())[:6]
+        t.add_row(f"languages ({s['language_sample']:,} docs)", ", ".join(f"{k} {v:.0%}" for k, v in top))
+    console.print(t)
+    h = d["histogram"]
+    peak = max(h["counts"]) or 1
+    console.print(f"document length histogram ({unit}, log bins):", highlight=False)
+    for lo, hi, c in zip(h["edges"][:-1], h["edges"][1:], h["counts"]):
+        if c:
+            console.print(f"  {lo:>9,.0f} – {hi:<9,.0f} {'█' * max(1, round(30 * c / peak))} {c:,}", highlight=False)
+    if s.get("plot"):
+        console.print(f"plots: {s['plot']}", highlight=False)
+
+
+def _figure(s: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    h = s["doc_length"]["histogram"]
+    ax = axes[0]
+    ax.bar(h["edges"][:-1], h["counts"], width=np.diff(h["edges"]), align="edge", edgecolor="white")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"document length ({s['length_unit']})")
+    ax.set_ylabel("documents")
+    ax.set_title(f"{s['documents']:,} documents")
+    ax = axes[1]
+    dup = s.get("duplicates") or {}
+    names = ["exact", "exact or near"]
+    vals = [dup.get("exact_rate") or 0, dup.get("near_rate") or 0]
+    ax.bar(names, [100 * v for v in vals], color=["#4c72b0", "#dd8452"])
+    ax.set_ylabel("% of documents")
+    ax.set_title("duplicate rate")
+    ax = axes[2]
+    langs = list((s.get("languages") or {}).items())[:10]
+    if langs:
+        ax.barh([k for k, _ in langs][::-1], [100 * v for _, v in langs][::-1], color="#55a868")
+        ax.set_xlabel(f"% of {s['language_sample']:,} sampled documents")
+    ax.set_title("language mix")
+    fig.suptitle(f"{s['kind']} corpus {' '.join(s['source'])}")
+    fig.tight_layout()
+    return fig
+
+
+def write_plots(s: dict, path: str) -> str:
+    """The plots as a PNG, or an HTML page with the PNG and the numbers (one self-contained file)."""
+    import json
+
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".png", ".html"):
+        raise UserError(f"--plot {path}: expected a .png or .html file name")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig = _figure(s)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    if ext == ".png":
+        with open(path, "wb") as f:
+            f.write(buf.getvalue())
+        return path
+    img = base64.b64encode(buf.getvalue()).decode()
+    shown = {k: v for k, v in s.items() if k not in ("plot",)}
+    html = (f"<!doctype html><meta charset='utf-8'><title>lmforge data stats</title>"
+            f"<h2>{s['kind']} corpus {' '.join(s['source'])}</h2><img src='data:image/png;base64,{img}'>"
+            f"<pre>{escape(json.dumps(shown, indent=2))}</pre>")
+    with open(path, "w") as f:
+        f.write(html)
+    return path

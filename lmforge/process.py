@@ -1,0 +1,104 @@
+"""Process lifetime: who is alive, and dying together with the process that started us.
+
+Every process a run starts asks the kernel to kill it when its parent dies
+(``PR_SET_PDEATHSIG``): the supervisor's child, each torchrun rank, DataLoader workers and the
+tokenizing workers of data preparation. A ``kill -9`` anywhere in the tree then takes everything
+below it down, so nothing keeps writing into a save folder that a new run may already own.
+The core (``data``, ``train``) and the operations (``runs``) both use this module; it imports
+nothing of lmforge.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import signal
+import socket
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when its parent exits (Linux; no-op elsewhere).
+
+    The death signal follows the parent *thread* that forked us, so call this in processes
+    forked from a main thread. ``expected_parent``: when the parent already died before the
+    call (we were re-parented), exit now instead of living on as an orphan. Safe between fork
+    and exec (a ``preexec_fn``) once `_libc` was called in the parent: it then imports nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    _libc().prctl(_PR_SET_PDEATHSIG, int(sig))
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def child_dies_with_me():
+    """A ``preexec_fn`` for `subprocess.Popen`: the child gets SIGKILL when this process dies."""
+    if sys.platform.startswith("linux"):
+        _libc()  # loaded here, in the parent: nothing may be imported between fork and exec
+    parent = os.getpid()
+    return lambda: die_with_parent(parent)
+
+
+def process_start(pid: int | None) -> str | None:
+    """An identifier of when ``pid`` started (Linux: jiffies since boot + boot id), or None if
+    no such live process. Stored next to a pid so that a reused pid is not taken for ours."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        if os.path.isdir("/proc/self"):
+            return None
+        try:  # no procfs (macOS): existence is all we can check
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped by its parent
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{boot}:{fields[19]}"
+
+
+def process_alive(pid: int | None, start: str | None) -> bool:
+    now = process_start(pid)
+    return now is not None and (start in (None, "?") or now == "?" or now == start)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (Linux /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(0), []):
+            out.append(c)
+            todo.append(c)
+    return out

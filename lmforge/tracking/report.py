@@ -1,0 +1,133 @@
+"""The report back-end: keeps ``<save_folder>/report.html`` current while a run trains.
+
+It rewrites the report whenever eval (or ICL/gauntlet) metrics arrive and once more at the
+end, from the files the other back-ends write (it comes after the JSONL tracker, so the
+records of this eval are already on disk). It also leaves in the folder what only the
+training process knows, so that a report made later from the folder alone is complete:
+
+- ``plan.json``: what ``lmforge estimate`` says for this run (model, tokens, devices, price),
+  recorded when the run starts — the "plan" the report holds against what happened;
+- ``events.jsonl``: ``started`` / ``resumed`` / ``finished`` (with the status), next to the
+  elastic restarts the trainer already records there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from lmforge.tracking.base import Tracker
+
+PLAN_FILE = "plan.json"
+EVENTS_FILE = "events.jsonl"
+REPORT_FILE = "report.html"
+# Metric families whose arrival means "an eval happened": time to refresh the report.
+_EVAL_PREFIXES = ("eval/", "eval", "icl/", "gauntlet/")
+
+
+class ReportTracker(Tracker):
+    name = "report"
+
+    def __init__(self, run_dir: str | os.PathLike, run_name: str, resume: bool = False) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_name = run_name
+        self.path = self.run_dir / REPORT_FILE
+        events = self.run_dir / EVENTS_FILE
+        if not resume and events.exists():
+            _start_events_anew(events, self.run_dir / "run.json")
+        self._event({"event": "resumed" if resume else "started"})
+
+    def _event(self, record: dict) -> None:
+        import time
+
+        with open(self.run_dir / EVENTS_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": round(time.time(), 3)} | record) + "\n")
+
+    def log_params(self, params: dict) -> None:
+        plan = run_plan(params)
+        tmp = self.run_dir / (PLAN_FILE + ".tmp")
+        tmp.write_text(json.dumps(plan, indent=1, default=str) + "\n")
+        os.replace(tmp, self.run_dir / PLAN_FILE)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if any(k.startswith(_EVAL_PREFIXES) for k in metrics):
+            self.write()
+
+    def finish(self, status: str = "completed") -> None:
+        self._event({"event": "finished", "status": status})
+        self.write(status.upper())
+
+    def write(self, status: str = "RUNNING") -> None:
+        from lmforge.errors import UserError
+        from lmforge.report.html import write_report
+        from lmforge.report.load import load_run
+
+        try:
+            run = load_run(str(self.run_dir), name=self.run_name, status=status)
+        except UserError:  # nothing logged yet (a run that failed before its first step): no page
+            return
+        write_report([run], str(self.path))
+
+
+def _start_events_anew(events: Path, run_file: Path) -> None:
+    """A fresh run in a reused folder: drop the old run's events, but keep what this start
+    already recorded (an elastic restart is written after run.json, before the trackers)."""
+    try:
+        since = run_file.stat().st_mtime
+    except OSError:
+        since = float("inf")
+    kept = []
+    for line in events.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("time", 0) >= since:
+                kept.append(line)
+        except (json.JSONDecodeError, AttributeError):
+            continue
+    events.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+
+
+def run_plan(params: dict) -> dict:
+    """plan.json: the trainer's plan (steps, tokens, devices) and what `lmforge estimate`
+    makes of it on this machine's device at its default MFU."""
+    from lmforge.config.model import ModelConfig
+    from lmforge.estimate.plan import estimate_run
+
+    plan = params.get("plan") or {}
+    p = params.get("parameters") or {}
+    compute = params.get("compute") or {}
+    devices = int(plan.get("world_size") or 1)
+    total_steps = plan.get("total_steps")
+    ctx, gbs = p.get("context_length"), p.get("global_batch_size")
+    tokens_per_step = ctx * gbs if isinstance(ctx, int) and isinstance(gbs, int) else None
+    total_tokens = total_steps * tokens_per_step if total_steps and tokens_per_step else None
+    spec = _device_spec(compute.get("device", "auto"))
+    price = compute.get("price_per_gpu_hour")
+    precision = p.get("precision") if p.get("precision") in ("bf16", "fp32") else "fp32"
+    out = {"device": spec.name, "device_description": spec.description, "devices": devices,
+           "precision": precision, "total_steps": total_steps, "total_tokens": total_tokens,
+           "tokens_per_step": tokens_per_step, "params_total": plan.get("params_total"),
+           "params_active": plan.get("params_active"), "price_per_gpu_hour": price,
+           "training_duration": params.get("training_duration"), "estimate": None}
+    if total_tokens:  # a wall-clock duration has no token count to estimate from
+        try:
+            est = estimate_run(ModelConfig.model_validate(params["model"]), tokens=total_tokens, gpus=devices,
+                               spec=spec, price=price, seq_len=ctx, precision=precision)
+        except Exception as exc:  # noqa: BLE001 - the report then shows what happened without a plan
+            out["estimate_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            out["estimate"] = {"mfu": est["time"]["mfu"], "seconds": est["time"]["seconds"],
+                               "tokens_per_second": est["time"]["tokens_per_second"],
+                               "flops": est["flops"]["total"], "cost": est["cost"]["total"]}
+    return out
+
+
+def _device_spec(kind: str):
+    """The spec of the device rank 0 trains on (the trainer has already picked and set it)."""
+    import torch
+
+    from lmforge.estimate.hardware import detect_device_spec
+
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        return detect_device_spec(torch.device("cuda", torch.cuda.current_device()))
+    return detect_device_spec("cpu")

@@ -1,0 +1,47 @@
+"""Tiny random Hugging Face models of each supported family, built from the config classes
+(no download), with every norm and bias randomized so a wrong mapping shows in the logits."""
+
+from __future__ import annotations
+
+import torch
+
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+
+# family → (transformers config class, extra config fields). Each case turns on what makes the
+# family differ: llama3 RoPE scaling, a sliding window shorter than the test sequence, q/k/v
+# biases, per-head q/k norms with YaRN scaling, OLMo 2's post-norms and full q/k norms.
+CASES = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "mistral": ("MistralConfig", dict(sliding_window=8, head_dim=24)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16})),
+    "olmo2": ("Olmo2Config", dict(rope_theta=5e5)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+}
+
+
+def hf_config(family: str, vocab_size: int = 101):
+    import transformers
+
+    name, extra = CASES[family]
+    return getattr(transformers, name)(vocab_size=vocab_size, **SHAPE, **extra)
+
+
+def hf_model(family: str, vocab_size: int = 101, seed: int = 0):
+    import transformers
+
+    config = hf_config(family, vocab_size)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    return model

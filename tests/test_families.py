@@ -1,0 +1,148 @@
+"""Every supported Hugging Face family: import, logits parity with transformers (fp32, CPU,
+max abs diff ≤ 1e-4), export back to the same architecture, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from family_models import CASES, hf_config, hf_model
+from lmforge.config.model import ModelConfig
+from lmforge.errors import UserError
+from lmforge.estimate.flops import param_counts
+from lmforge.models import build_model, generate, load_pretrained, num_params, save_hf
+from lmforge.models.hf import from_hf_config, from_hf_state_dict, to_hf_config
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4
+# 40 tokens: longer than the sliding windows (8) and the RoPE-scaling cases' original context (16).
+IDS = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1))
+# The option that makes each case differ from a plain Llama: dropping it must change the logits.
+FEATURE = {"llama": "rope_scaling", "mistral": "sliding_window", "qwen2": "qkv_bias", "qwen3": "qk_norm",
+           "olmo2": "norm_position", "mixtral": "sliding_window"}
+
+
+def ours_from(hf, cfg: ModelConfig):
+    model = build_model(cfg, init=False).eval()
+    model.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
+    return model
+
+
+def max_diff(a, b) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_import_export_parity(family, tmp_path):
+    hf = hf_model(family)
+    cfg = from_hf_config(hf.config)
+    assert cfg.family == family
+    model = ours_from(hf, cfg)
+    assert param_counts(cfg)["total"] == num_params(model)  # the estimator counts the new parameters
+    with torch.no_grad():
+        expected = hf(IDS).logits
+        assert max_diff(model(IDS), expected) <= TOL
+        # the family's feature is load-bearing here: without it the logits are different
+        plain = {"rope_scaling": None, "sliding_window": None, "qkv_bias": False, "qk_norm": "none",
+                 "norm_position": "pre"}[FEATURE[family]]
+        reduced = cfg.model_copy(update={FEATURE[family]: plain, "family": None})
+        sd = {k: v for k, v in model.state_dict().items() if ".bias" not in k or reduced.qkv_bias}
+        if reduced.qk_norm == "none":
+            sd = {k: v for k, v in sd.items() if "q_norm" not in k and "k_norm" not in k}
+        other = build_model(reduced, init=False).eval()
+        other.load_state_dict(sd)
+        assert max_diff(other(IDS), expected) > 1e-3
+
+    # export: the same architecture, loaded by transformers, same logits
+    save_hf(model, cfg, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert type(back).__name__ == type(hf).__name__
+    with torch.no_grad():
+        assert max_diff(back(IDS).logits, expected) <= TOL
+    # and our loader reads the exported folder into the same config
+    again, cfg2 = load_pretrained(tmp_path / "out")
+    assert cfg2.model_dump(exclude={"preset"}) == cfg.model_dump(exclude={"preset"})
+
+
+def test_sliding_window_generation_matches_transformers():
+    """Cached decoding past the window: our KV cache + band mask vs transformers' generate."""
+    hf = hf_model("mistral")
+    model = ours_from(hf, from_hf_config(hf.config))
+    prompt = IDS[:1, :12]
+    with torch.no_grad():
+        want = hf.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                           attention_mask=torch.ones_like(prompt))[0, 12:].tolist()
+    assert generate(model, prompt[0].tolist(), 10, temperature=0) == want
+
+
+def test_families_from_our_own_features():
+    """A model trained from scratch with a family's features exports as that family."""
+    from lmforge.models.families import family_of
+
+    base = dict(d_model=64, n_layers=2, n_heads=4, vocab_size=101)
+    assert family_of(ModelConfig(**base)).name == "llama"
+    assert family_of(ModelConfig(**base, qk_norm="head")).name == "qwen3"
+    assert family_of(ModelConfig(**base, qkv_bias=True)).name == "qwen2"
+    assert family_of(ModelConfig(**base, qk_norm="full", norm_position="post")).name == "olmo2"
+    assert family_of(ModelConfig(**base, sliding_window=128)).name == "mistral"
+    with pytest.raises(UserError, match="no Hugging Face family"):
+        family_of(ModelConfig(**base, qkv_bias=True, qk_norm="head"))
+    with pytest.raises(UserError, match="model.family llama"):
+        to_hf_config(ModelConfig(**base, family="llama", qkv_bias=True))
+
+
+@pytest.mark.parametrize("family,change,needle", [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ("llama", {"attention_bias": True}, "attention_bias=true is not supported for llama"),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type 'dynamic'"),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
+               "layer_types": ["full_attention", "sliding_attention"]}, "some layers only"),
+])
+def test_unsupported_options_are_one_line(family, change, needle):
+    config = hf_config(family)
+    for k, v in change.items():
+        setattr(config, k, v)
+    with pytest.raises(UserError, match=needle) as e:
+        from_hf_config(config)
+    assert "\n" not in str(e.value)
+
+
+def test_unsupported_family_names_the_supported_ones():
+    with pytest.raises(UserError, match="model_type 'gemma2' is not supported; supported: llama, mistral, qwen2, "
+                                        "qwen3, olmo2, mixtral"):
+        from_hf_config(transformers.Gemma2Config())
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_continued_pretraining_from_each_family(family, tmp_path, tiny_data):
+    """hf:/path import → a few steps of continued pretraining (in-process) → export back to the
+    same architecture, which transformers loads with the same logits as our final model."""
+    import shutil
+
+    from conftest import tiny_run_config
+    from lmforge.train.export import export
+    from lmforge.train.locate import load_model
+    from train_helpers import train_in_process
+
+    hf = hf_model(family, vocab_size=512)
+    hf.save_pretrained(tmp_path / "hf")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tiny_data.tokenizer / f, tmp_path / "hf" / f)
+    raw = tiny_run_config(tiny_data, tmp_path / "cpt", training_duration="2ba", save_interval="2ba",
+                          custom_weights_path=f"hf:{tmp_path / 'hf'}", task_type="continued_pretrain",
+                          **{"eval.prompts": [], "eval.interval": "2ba"})
+    del raw["model"], raw["tokenizer"]  # both from the weights folder
+    result = train_in_process(raw)
+    trained, cfg, _ = load_model(result.final_dir)
+    assert cfg.family == family
+    assert not torch.equal(trained.tok_embeddings.weight, from_hf_state_dict(hf.state_dict(), cfg)[
+        "tok_embeddings.weight"])  # it trained
+    export(result.final_dir, str(tmp_path / "out"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert type(back).__name__ == type(hf).__name__
+    x = IDS * 5 % 512
+    with torch.no_grad():
+        assert max_diff(back(x).logits, trained.eval()(x)) <= TOL

@@ -1,0 +1,201 @@
+"""The HTML report, `lmforge runs compare` and live cost, from real tiny runs; the page is opened
+in a real headless Chromium (skipped, with the reason, where none is installed)."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+
+import pytest
+
+from browser import Browser, browser_setup_note, find_chromium
+from conftest import RUN_PRICE as PRICE
+from train_helpers import assert_one_line_error, cli, metrics
+
+
+@pytest.fixture(scope="module")
+def runs(finished_runs):
+    """The save folders of the session's two finished runs (conftest: lr 3e-3 and 1e-3, priced)."""
+    return [r.folder for r in finished_runs]
+
+
+@pytest.fixture(scope="module")
+def both_page(runs, tmp_path_factory):
+    """`lmforge report` of both runs, one page."""
+    out = tmp_path_factory.mktemp("report-page") / "both.html"
+    proc = cli("report", *runs, "--out", out)
+    assert proc.returncode == 0 and "2 run(s)" in proc.stdout, proc
+    return out
+
+
+def test_each_run_leaves_its_report_plan_events_and_cost(runs):
+    folder = runs[0]
+    page = (folder / "report.html").read_text()
+    assert "report-fast" in page and "COMPLETED" in page
+    assert "<summary>step 8</summary>" in page and "<summary>step 4</summary>" in page  # generations of both evals
+    plan = json.loads((folder / "plan.json").read_text())
+    assert plan["total_steps"] == 8 and plan["total_tokens"] == 8 * 8 * 64 and plan["devices"] == 1
+    assert plan["device"] == "cpu" and plan["price_per_gpu_hour"] == PRICE
+    assert plan["estimate"]["mfu"] == 0.4 and plan["estimate"]["seconds"] > 0
+    assert plan["estimate"]["cost"] == pytest.approx(PRICE * plan["estimate"]["seconds"] / 3600)
+    events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("status")) for e in events] == [("started", None), ("finished", "completed")]
+    # Live cost: every logged step carries the training time and what it cost at the price.
+    train_rows = [r for r in metrics(folder) if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 9))
+    elapsed = [r["time/elapsed_s"] for r in train_rows]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0
+    for r in train_rows:
+        assert r["cost/per_hour"] == PRICE  # one device
+        assert r["cost/so_far"] == pytest.approx(PRICE * r["time/elapsed_s"] / 3600, rel=1e-9)
+
+
+def test_report_is_refreshed_at_each_eval_and_at_the_end(runs, tmp_path):
+    from lmforge.config.tracking import TrackerConfig
+    from lmforge.tracking import build_trackers
+
+    run_file = json.loads((runs[0] / "run.json").read_text())
+    t = build_trackers(TrackerConfig(mlflow=None, console=False), run_name="live", run_dir=str(tmp_path))
+    assert [x.name for x in t] == ["jsonl", "report"]
+    t.log_params(run_file["config"] | {"plan": {"world_size": 1, "total_steps": 4}})
+    report = tmp_path / "report.html"
+    for step in (1, 2):
+        t.log_metrics({"train/loss": 6.0 - step, "train/tokens": 512 * step, "time/elapsed_s": step}, step)
+    assert not report.exists()  # training steps alone do not rewrite the page
+    t.log_text("generation_0", "def first_sample(", 2)
+    t.log_metrics({"eval/loss": 5.5, "eval/bits_per_byte": 3.0}, 2)
+    first = report.read_text()
+    assert "def first_sample(" in first and "RUNNING" in first
+    t.log_text("generation_0", "def second_sample(", 4)
+    t.log_metrics({"eval/loss": 5.0, "eval/bits_per_byte": 2.9}, 4)
+    second = report.read_text()
+    assert "def second_sample(" in second and second != first
+    t.finish("stopped")
+    final = report.read_text()
+    assert "STOPPED" in final
+    assert json.loads((tmp_path / "plan.json").read_text())["total_tokens"] == 4 * 8 * 64
+
+
+def test_report_of_two_runs_overlays_them_and_lists_config_differences(runs, both_page):
+    from lmforge.report import load_run
+    from lmforge.report.compare import config_differences
+    from lmforge.report.html import CHARTS, metric_chart
+
+    page = both_page.read_text()
+    # Self-contained: plotly.js is inline (in the head) and nothing in the page refers to the network.
+    head, body = page.split("</head>", 1)
+    assert head.count("<script") == 1 and "<script type='text/javascript'>" in head and len(head) > 3e6
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", body)
+    assert "Plotly.newPlot" in body and len(page) < 8e6
+    meta = json.loads(re.search(r"name='lmforge-report' content=\"([^\"]+)\"", page).group(1).replace("&quot;", '"'))
+    assert meta["runs"] == ["report-fast", "report-slow"] and meta["charts"] >= 7
+
+    fast, slow = load_run(str(runs[0])), load_run(str(runs[1]))
+    title, ytitle, pick, scale = CHARTS[0]
+    fig = metric_chart([fast, slow], title, ytitle, pick, scale)
+    assert [tr["name"] for tr in fig["data"]] == ["report-fast", "report-slow"]
+    for trace, folder in zip(fig["data"], runs):
+        losses = {r["step"]: r["train/loss"] for r in metrics(folder) if "train/loss" in r}
+        assert trace["x"] == sorted(losses) and trace["y"] == [losses[s] for s in sorted(losses)]
+    # The runs differ in their learning rate, and the second also logs to W&B (conftest).
+    assert dict(config_differences([fast, slow])) == {
+        "parameters.learning_rate": [3e-3, 1e-3], "experiment_tracker.wandb.project": [None, "lmforge-test"],
+        "experiment_tracker.wandb.mode": [None, "offline"]}
+    assert "parameters.learning_rate" in page
+
+
+def test_runs_compare_prints_metric_and_config_differences(runs):
+    proc = cli("runs", "compare", *runs)
+    assert proc.returncode == 0, proc
+    out = proc.stdout
+    fast = [r for r in metrics(runs[0]) if "train/loss" in r][-1]
+    slow = [r for r in metrics(runs[1]) if "train/loss" in r][-1]
+    row = next(ln for ln in out.splitlines() if ln.strip().startswith("train loss (last)"))
+    assert f"{fast['train/loss']:.4g}" in row and f"{slow['train/loss']:.4g}" in row
+    diff = next(ln for ln in out.splitlines() if "parameters.learning_rate" in ln)
+    assert "0.003" in diff and "0.001" in diff
+    assert re.search(r"^\s*cost so far\s", out, re.M)
+
+
+def test_bad_input_is_one_line(runs, tmp_path):
+    assert_one_line_error(cli("report", "no-such-run"), "'no-such-run'", "neither a run")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_one_line_error(cli("report", empty), str(empty), "no metrics.jsonl")
+    assert_one_line_error(cli("runs", "compare", runs[0], "no-such-run"), "no-such-run")
+    assert_one_line_error(cli("report", runs[0], "--out", tmp_path), "--out", "is a folder")
+    assert list(tmp_path.iterdir()) == [empty]  # nothing written
+
+
+def test_progress_line_shows_cost_so_far_and_to_finish():
+    from lmforge.tracking import ConsoleTracker
+
+    out = io.StringIO()
+    c = ConsoleTracker(total_steps=10, stream=out, log_every=5)
+    for step in range(1, 11):
+        c.log_metrics({"train/loss": 3.0, "time/elapsed_s": 36.0 * step, "cost/per_hour": 10.0,
+                       "cost/so_far": 0.1 * step}, step)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("step ")]
+    assert "cost 0.10 |" in lines[0]  # no ETA yet at the first step: no estimate either
+    assert re.search(r"cost 0\.50 \(\+\d\.\d\d to finish\)", lines[1]), lines[1]
+    assert "cost 1.00" in lines[-1] and "to finish" not in lines[-1]
+
+
+def test_cost_is_derived_for_all_devices_before_the_trackers(tmp_path):
+    """The trainer logs only its training time; TrackingCallback prices it for every device of the run."""
+    from lmforge.config.tracking import TrackerConfig
+    from lmforge.tracking import TrackingCallback
+    from lmforge.train.callbacks import RunInfo
+
+    cb = TrackingCallback(TrackerConfig(mlflow=None, console=False, report=False))
+    cb.on_start(RunInfo(name="priced", save_folder=str(tmp_path), resumed=False,
+                        config={"compute": {"price_per_gpu_hour": 3.0}}, plan={"world_size": 4},
+                        total_steps=2, total_tokens=None))
+    cb.on_metrics({"train/loss": 2.0, "time/elapsed_s": 1800.0}, 1)
+    cb.on_metrics({"eval/loss": 2.5}, 1)  # no training time: nothing to price
+    cb.on_end("stopped", None)
+    (train, evaluation) = metrics(tmp_path)
+    assert train["cost/per_hour"] == 12.0 and train["cost/so_far"] == 6.0
+    assert not any(k.startswith("cost/") for k in evaluation)
+
+
+def test_describe_summary_has_cost_to_finish(runs):
+    from lmforge.runs.progress import summarize
+
+    config = json.loads((runs[0] / "run.json").read_text())["config"]
+    mid = next(r for r in metrics(runs[0]) if r.get("step") == 4 and "train/loss" in r)
+    s = summarize(mid, config)
+    assert s["cost"] == mid["cost/so_far"] and s["eta_s"] > 0
+    assert math.isclose(s["cost_to_finish"], PRICE * s["eta_s"] / 3600)
+
+
+def test_report_renders_in_headless_chromium(both_page, tmp_path):
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("Chromium is not installed (scripts/test.sh installs Debian's `chromium` when it runs as "
+                    f"root with apt-get; or set LMFORGE_CHROMIUM) {browser_setup_note()}".strip())
+    Image = pytest.importorskip("PIL.Image")
+    charts = json.loads(re.search(r"name='lmforge-report' content=\"([^\"]+)\"",
+                                  both_page.read_text()).group(1).replace("&quot;", '"'))["charts"]
+    with Browser(chromium) as b:
+        b.open(both_page.as_uri())
+        plots = b.evaluate("document.querySelectorAll('.js-plotly-plot').length")
+        drawn = b.evaluate("Array.from(document.querySelectorAll('.js-plotly-plot'))"
+                           ".filter(d => d.querySelector('.main-svg .scatterlayer .trace')).length")
+        lines = b.evaluate("document.querySelectorAll('.js-plotly-plot .scatterlayer path.js-line').length")
+        generations = b.evaluate("document.querySelectorAll('details pre').length")
+        png = b.screenshot()
+        problems = b.problems()
+    (tmp_path / "report.png").write_bytes(png)  # for a human to look at when this fails
+    assert problems == []
+    assert plots == drawn == charts + 1  # every metric chart and the timeline drew their traces
+    assert lines >= 2 * charts  # both runs on every chart
+    assert generations >= 2
+    img = Image.open(io.BytesIO(png)).convert("RGB")
+    assert img.width >= 1000 and img.height > 2000  # the full page, not an empty viewport
+    small = img.resize((img.width // 4, img.height // 4))
+    pixels = list(small.get_flattened_data() if hasattr(small, "get_flattened_data") else small.getdata())
+    not_white = sum(1 for p in pixels if sum(p) < 720) / len(pixels)
+    assert not_white > 0.03 and len(set(pixels)) > 200, (not_white, len(set(pixels)))
