@@ -67,9 +67,10 @@ def cached_tokens_per_s(cfg: ModelConfig, context_length: int, micro_batch: int,
     except (OSError, ValueError, KeyError):
         return None
     then = record.get("load_avg")
-    if str(device).startswith("cpu") and then is not None and hasattr(os, "getloadavg"):
+    now = _load_avg()
+    if str(device).startswith("cpu") and then is not None and now is not None:
         cores = os.cpu_count() or 1
-        if then > cores and then > os.getloadavg()[0] + 1:
+        if then > cores and then > now + 1:
             return None
     return tps
 
@@ -128,7 +129,7 @@ def measure_tokens_per_s(cfg: ModelConfig, context_length: int, micro_batch: int
     tps = micro_batch * context_length / seconds
     if use_cache:
         record = {"tokens_per_s": tps, "step_s": seconds, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                  "load_avg": _load_avg(),
                   "machine": machine_key(device), "ctx": context_length, "micro_batch": micro_batch}
         path = _path(_key(cfg, context_length, micro_batch, precision, optimizer, device))
         tmp = f"{path}.tmp-{os.getpid()}"
@@ -136,3 +137,11 @@ def measure_tokens_per_s(cfg: ModelConfig, context_length: int, micro_batch: int
             json.dump(record, f)
         os.replace(tmp, path)
     return tps
+
+
+def _load_avg() -> float | None:
+    """The 1-minute load average, where the OS has one (not on Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
