@@ -72,14 +72,15 @@ def test_bad_icl_task_file_fails_before_training(tmp_path, tiny_data):
 
 @pytest.mark.slow
 def test_quickstart_runs_end_to_end_shortened(tmp_path):
-    """The real quickstart config (built-in corpus, tokenizer training, preparation, llama-tiny),
+    """The real quickstart config (built-in corpus, tokenizer training, preparation, model: auto),
     with fewer steps. A second run reuses the cached tokenizer and data."""
     args = ["train", "-f", REPO / "examples" / "quickstart.yaml", "--training-duration", "3ba",
             "--save-folder", tmp_path / "qs", "--set", "eval.interval=3ba", "--set", "eval.max_batches=1",
             "--set", "eval.max_new_tokens=8"]
     proc = lmforge(*args, timeout=600, check=True)
     out = proc.stdout
-    assert "tokenizer: training a 8192-token BPE" in out and "data: preparing builtin:python-stdlib" in out
+    assert out.startswith("model: auto → 4×128") or "\nmodel: auto → 4×128" in out  # 3 steps: the smallest
+    assert "tokenizer: training a 1024-token BPE" in out and "data: preparing builtin:python-stdlib" in out
     assert "eval/bits_per_byte" in out and "final model:" in out and "mlflow ui --backend-store-uri" in out
     assert out.count("--- sample ---") == 3 and "def fibonacci(n):" in out
     args[args.index("--save-folder") + 1] = tmp_path / "qs2"

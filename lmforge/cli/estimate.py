@@ -52,20 +52,74 @@ def _load_model(value: str):
     return cfg, (int(seq) if isinstance(seq, int) else None)
 
 
+def _auto(args, tokens: float | None):
+    """`--model auto`: the shape for a budget of --tokens, --flops or --time (see estimate.auto).
+    A --time budget on `--gpu-type cpu` times candidates on this machine; on a GPU type it
+    assumes --mfu of that GPU's peak on every GPU."""
+    from lmforge.config.durations import parse_duration
+    from lmforge.config.defaults import default_batch_tokens
+    from lmforge.estimate.auto import Budget, candidates, choose
+    from lmforge.estimate.flops import flops_per_token, param_counts
+    from lmforge.estimate.hardware import get_gpu_type, peak_flops
+
+    if tokens is not None:
+        budget = Budget("tok", tokens)
+    elif args.flops is not None:
+        budget = Budget("flop", parse_count(args.flops, "--flops"))
+    elif args.time is not None:
+        try:
+            d = parse_duration(args.time, "--time")
+        except ValueError as e:
+            raise UserError(f"--time: {e}") from None
+        if d.unit != "s":
+            raise UserError(f"--time: expected a wall-clock duration such as 70s, 5min or 2h, got {args.time!r}")
+        budget = Budget("s", d.value)
+    else:
+        raise UserError("--model auto: give a budget to size the model for: --tokens, --flops or --time")
+    cands = candidates(args.vocab_size, None, args.seq_len,
+                       lambda m, ctx: default_batch_tokens(param_counts(m)["non_embedding"]))
+    spec = get_gpu_type(args.gpu_type)
+    precision = args.precision if args.gpu_type != "cpu" else "fp32"
+    sustained = args.mfu * peak_flops(spec, precision) * (1 if args.gpu_type == "cpu" else args.gpus * args.nodes)
+    measure = None
+    if budget.kind == "s":
+        if args.gpu_type == "cpu":
+            from lmforge.config.defaults import micro_batch_for
+            from lmforge.train.throughput import measure_tokens_per_s
+
+            def measure(c):
+                micro = micro_batch_for(max(1, c.batch_tokens // c.context_length), 8)
+                return measure_tokens_per_s(c.model, c.context_length, micro)
+        else:
+            def measure(c):
+                return sustained / flops_per_token(c.model, c.context_length)["total"]
+    note = "measured here" if args.gpu_type == "cpu" else f"{args.mfu:.0%} MFU on {args.gpus * args.nodes} × {spec.name}"
+    best, reason = choose(budget, cands, tokens_per_s=measure, flops_per_s_guess=sustained, rate_note=note)
+    print(reason)
+    return best.model, best.tokens, best.context_length
+
+
 def run(args) -> int:
     if (args.model is None) == (args.params is None):
         raise UserError("estimate: give exactly one of --model PRESET_OR_YAML or --params COUNT")
     if args.tokens is not None and args.chinchilla:
         raise UserError("estimate: give --tokens or --chinchilla, not both")
+    budgets = [x for x in (args.flops, args.time) if x is not None]
+    if budgets and (args.model != "auto" or args.tokens is not None or len(budgets) > 1):
+        raise UserError("estimate: --flops and --time size a model: use one of them, with --model auto "
+                        "(and without --tokens)")
     seq_len = args.seq_len
-    if args.model is not None:
+    tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
+    if args.model == "auto":
+        model, tokens, seq_len = _auto(args, tokens)
+    elif args.model is not None:
         model, yaml_seq = _load_model(args.model)
         seq_len = seq_len or yaml_seq
     else:
         model = parse_count(args.params, "--params")
     plan = estimate_run(
         model,
-        tokens=parse_count(args.tokens, "--tokens") if args.tokens is not None else None,
+        tokens=tokens,
         gpus=args.gpus,
         nodes=args.nodes,
         gpu_type=args.gpu_type,
@@ -91,10 +145,14 @@ def register(subparsers) -> None:
         "given cluster, memory per GPU under full sharding, and for MoE models the expert traffic "
         "per GPU with and without expert parallelism.",
     )
-    p.add_argument("--model", metavar="PRESET_OR_YAML", help="preset name or a run YAML (its model: key)")
+    p.add_argument("--model", metavar="PRESET_OR_YAML", help="preset name, a run YAML (its model: key), or auto "
+                   "(the shape for the budget given by --tokens, --flops or --time)")
     p.add_argument("--params", metavar="COUNT", help="nominal parameter count instead of a shape, e.g. 7B")
     p.add_argument("--active-params", metavar="COUNT", help="nominal active parameters (MoE), with --params")
     p.add_argument("--tokens", metavar="COUNT", help="training tokens, e.g. 200B; unset = Chinchilla, 20 × params")
+    p.add_argument("--flops", metavar="COUNT", help="--model auto: a budget of training FLOPs, e.g. 1e18")
+    p.add_argument("--time", metavar="DURATION", help="--model auto: a wall-clock budget, e.g. 70s or 5min "
+                   "(--gpu-type cpu: timed on this machine)")
     p.add_argument("--chinchilla", action="store_true", help="use the compute-optimal 20 tokens per parameter")
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     p.add_argument("--nodes", type=int, default=1, help="nodes")

@@ -193,16 +193,18 @@ def dry_run(cfg, args) -> int:
     import torch  # (lazy, like the two below: `lmforge --help` stays free of torch)
 
     from lmforge.distributed.dist import pick_device
+    from lmforge.train.auto_model import resolve_auto
     from lmforge.train.plan import make_plan, resolved_config
 
     cfg = with_default_names(cfg)
+    device = pick_device(cfg.compute.device, 0)
+    cfg = resolve_auto(cfg, device, log=print)
     if cfg.model.vocab_size is None:
         vocab = cfg.tokenizer.train.vocab_size if isinstance(cfg.tokenizer, TokenizerSpec) and cfg.tokenizer.train else None
         if isinstance(cfg.tokenizer, str) and os.path.exists(cfg.tokenizer):
             vocab = load_tokenizer(cfg.tokenizer).vocab_size
         if vocab:
             cfg.model.vocab_size = padded_vocab(vocab)
-    device = pick_device(cfg.compute.device, 0)
     world = cfg.compute.ranks or 1
     if device.type == "cuda":
         world = (torch.cuda.device_count() if cfg.compute.gpus == "auto" else cfg.compute.gpus) * cfg.compute.nodes

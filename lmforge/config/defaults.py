@@ -2,10 +2,10 @@
 
 | default | rule | where it comes from |
 |---|---|---|
-| learning_rate | log-linear in non-embedding params between the anchors below | MPT/LLM Foundry recipes (125M 6e-4, 350M 3e-4, 760M 2.5e-4, 1B 2e-4, 3B 1.6e-4, 7B 1.2e-4, 13B 1e-4, 30B 1e-4, 70B 8e-5, as published by MosaicML and Meta); tiny CPU models take larger steps |
-| global batch | tokens per step by size (≤30M: 8K; ≤200M: 0.5M; ≤2B: 1M; ≤20B: 2M; else 4M), converted to samples | MPT recipes (256–512 × 2048) and Llama 2 (4M tokens) |
-| warmup | 5% of the optimizer steps, at least 1, at most 2000 | common practice (torchtitan, nanoGPT use fixed ~2k for long runs) |
-| schedule | warmup + cosine to 10% of the peak | Chinchilla / Llama recipes |
+| learning_rate | log-linear in non-embedding params between the anchors below | MPT/LLM Foundry recipes (125M 6e-4, 350M 3e-4, 760M 2.5e-4, 1B 2e-4, 3B 1.6e-4, 7B 1.2e-4, 13B 1e-4, 30B 1e-4, 70B 8e-5, as published by MosaicML and Meta); ≤5M 2e-3 from bench/sweep.py |
+| global batch | tokens per step by size (≤30M: 8K; ≤200M: 0.5M; ≤2B: 1M; ≤20B: 2M; else 4M), at most run tokens / 250 (a power of two) for a run of known length, converted to samples | MPT recipes (256–512 × 2048) and Llama 2 (4M tokens); the short-run cap from bench/sweep.py |
+| warmup | 5% of the run in its own unit (steps, or seconds of a wall-clock run), at most 2000 steps | common practice (torchtitan, nanoGPT use fixed ~2k for long runs) |
+| schedule | wsd: warmup, constant, linear decay to 0 over the last 20% | MiniCPM (Hu et al. 2024), Hägele et al. 2024; bench/sweep.py (beat cosine at 60 s) |
 | AdamW | β (0.9, 0.95), ε 1e-8, weight decay 0.1 on matrices only | GPT-3, Llama |
 | grad clip | 1.0 | GPT-3, Llama |
 | precision | bf16 autocast if the device supports bf16 matmuls natively, else fp32 | |
@@ -38,12 +38,29 @@ def default_learning_rate(non_embedding_params: float) -> float:
     raise AssertionError("unreachable")
 
 
-def default_batch_tokens(non_embedding_params: float) -> int:
-    return next(tokens for bound, tokens in BATCH_TOKENS if non_embedding_params <= bound)
+# A short run learns more from a few hundred small steps than from a few large ones: for a run of
+# known length the default batch is at most the largest power of two that still gives it
+# MIN_STEPS steps (and at least MIN_BATCH_TOKENS). bench/sweep.py at a 60 s budget (≈0.6–0.7M
+# tokens, 1M-parameter model): 2,048 tokens/step (≈300–370 steps) beat 1,024 on the built-in
+# corpus by 0.09 bits per byte and lost on tinyshakespeare by 0.05 (better on average); the old
+# quickstart (480K tokens) learned more with 118 steps than with 59.
+MIN_STEPS = 250
+MIN_BATCH_TOKENS = 1024
 
 
-def default_warmup_steps(total_steps: int) -> int:
-    return int(min(2000, max(1, round(0.05 * total_steps))))
+def default_batch_tokens(non_embedding_params: float, run_tokens: float | None = None) -> int:
+    """Tokens per optimizer step: by model size, made smaller for a short run (``run_tokens``)."""
+    tokens = next(t for bound, t in BATCH_TOKENS if non_embedding_params <= bound)
+    if run_tokens:
+        cap = 2 ** int(math.log2(max(1.0, run_tokens / MIN_STEPS)))
+        tokens = min(tokens, max(MIN_BATCH_TOKENS, cap))
+    return tokens
+
+
+# The default warmup: this share of the run, in the run's own unit (steps, or seconds of a
+# wall-clock budget), and never more than MAX_WARMUP_STEPS steps' worth.
+WARMUP_FRACTION = 0.05
+MAX_WARMUP_STEPS = 2000
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -60,3 +77,16 @@ def bf16_supported(device: torch.device) -> bool:
 def micro_batch_for(per_rank: int, cap: int = 8) -> int:
     """The largest divisor of the per-rank batch that is at most `cap` (8 on CPU; memory-based on GPUs)."""
     return max(d for d in range(1, min(per_rank, cap) + 1) if per_rank % d == 0)
+
+
+def auto_vocab(d_model: int, data_bytes: float | None = None) -> int:
+    """The BPE vocabulary to train when `tokenizer.train.vocab_size` is auto (see VOCAB in the table)."""
+    v = 1024 if d_model <= 192 else 4096 if d_model <= 512 else 32768
+    if data_bytes:
+        v = min(v, max(512, 2 ** int(math.log2(data_bytes / 256))))
+    return v
+
+
+def estimated_bytes_per_token(vocab: int) -> float:
+    """Typical bytes per token of a byte-level BPE of this size on English text or code."""
+    return 2.3 + 0.35 * max(0.0, math.log2(vocab / 1024))

@@ -1,7 +1,8 @@
 """Durations with units: ``200B tok``, ``2_000_000tok``, ``500ba``, ``2ep``, ``10000sp``, ``30min``.
 
 Units: ``tok`` (tokens), ``ba`` (optimizer steps), ``sp`` (samples), ``ep`` (epochs of the
-training data), and wall-clock ``s`` / ``min`` / ``h`` (stored in seconds). Counts accept ``_``
+training data), ``flop`` (training FLOPs on the standard 6·N_active-per-token basis, e.g.
+``3e15flop``), and wall-clock ``s`` / ``min`` / ``h`` (stored in seconds). Counts accept ``_``
 separators and ``K/M/B/T`` suffixes (10^3 … 10^12).
 """
 
@@ -10,18 +11,21 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-UNITS = {"tok": "tok", "ba": "ba", "sp": "sp", "ep": "ep", "s": "s", "min": "s", "h": "s"}
+UNITS = {"tok": "tok", "ba": "ba", "sp": "sp", "ep": "ep", "s": "s", "min": "s", "h": "s", "flop": "flop",
+         "flops": "flop"}
 _SECONDS = {"s": 1, "min": 60, "h": 3600}
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
-_PATTERN = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]+)?(?:e[0-9]+)?)\s*([a-z][a-z ]*?)\s*$", re.I)
+_PATTERN = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]+)?(?:e\+?[0-9]+)?)\s*([a-z][a-z ]*?)\s*$", re.I)
 
 
 @dataclass(frozen=True)
 class Duration:
-    value: float  # tokens, steps, samples, epochs or seconds
-    unit: str  # tok | ba | sp | ep | s
+    value: float  # tokens, steps, samples, epochs, FLOPs or seconds
+    unit: str  # tok | ba | sp | ep | flop | s
 
     def __str__(self) -> str:
+        if self.unit == "flop":
+            return f"{self.value:.4g}flop"
         v = int(self.value) if float(self.value).is_integer() else self.value
         return f"{v}{self.unit}"
 
@@ -46,7 +50,7 @@ def parse_duration(text: str | int | float | Duration, what: str = "duration") -
     elif rest[0] in _SUFFIX and rest[1:].strip() in UNITS:
         suffix, unit = rest[0], rest[1:].strip()
     else:
-        raise ValueError(f"unknown unit {rest!r} in {text!r}; expected one of tok, ba, sp, ep, s, min, h "
+        raise ValueError(f"unknown unit {rest!r} in {text!r}; expected one of tok, ba, sp, ep, flop, s, min, h "
                          "(optionally after K/M/B/T, e.g. '200B tok')")
     value = float(number) * _SUFFIX[suffix]
     if unit in _SECONDS:

@@ -16,7 +16,8 @@ from lmforge.config.schema import RunConfig
 
 def default_name(cfg: RunConfig) -> str:
     """The config's `name`, else the model preset and the start time."""
-    return cfg.name or f"{cfg.model.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    label = "auto" if cfg.model == "auto" else cfg.model.preset or "custom"
+    return cfg.name or f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def with_default_names(cfg: RunConfig) -> RunConfig:
@@ -28,5 +29,6 @@ def with_default_names(cfg: RunConfig) -> RunConfig:
 def run_identity(cfg: RunConfig) -> dict:
     """Name, model shape and training data. The vocabulary is left out: it is only known once
     the tokenizer is resolved, and a tokenizer change shows up in the data already."""
-    return {"name": cfg.name, "model": cfg.model.model_dump(mode="json", exclude={"vocab_size"}),
+    model = "auto" if cfg.model == "auto" else cfg.model.model_dump(mode="json", exclude={"vocab_size"})
+    return {"name": cfg.name, "model": model,
             "train_data": [d.model_dump(mode="json") for d in cfg.train_data]}

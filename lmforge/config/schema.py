@@ -90,7 +90,16 @@ def phase_end(text: str) -> tuple[str, float]:
 
 
 class TokenizerTrain(_Strict):
-    vocab_size: int = Field(8192, ge=64, description="vocabulary size of the BPE to train")
+    vocab_size: int | Literal["auto"] = Field(
+        "auto", description="vocabulary size of the BPE to train; auto: from the model width and the data size "
+        "(chosen with the shape under model: auto)")
+
+    @field_validator("vocab_size")
+    @classmethod
+    def _vocab(cls, v):
+        if isinstance(v, int) and v < 64:
+            raise ValueError("must be at least 64 or 'auto'")
+        return v
     bos: bool = Field(False, description="also add a beginning-of-text token")
 
 
@@ -135,12 +144,22 @@ class Parameters(_Strict):
     learning_rate: float | None = Field(None, gt=0, description="peak LR; default from model size")
     context_length: int | None = Field(None, gt=1, description="tokens per sample; default: model max_seq_len")
     global_batch_size: int | str | None = Field(
-        None, description="samples per optimizer step across all ranks, or tokens ('1M tok'); default from model size")
+        None, description="samples per optimizer step across all ranks, or tokens ('1M tok'); default from model size, smaller "
+        "for a short run (at least 250 steps)")
     micro_batch_size: int | Literal["auto"] = Field("auto", description="samples per forward pass per rank")
-    warmup: DurationField | None = Field(None, description="LR warmup, e.g. '100ba' or '10M tok'; default from run length")
-    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay after warmup")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final LR as a fraction of the peak (cosine/linear)")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (matrices only)")
+    # [recipe] schedule and optimizer (lmforge/train/optim.py; defaults from bench/sweep.py)
+    warmup: DurationField | None = Field(
+        None, description="LR warmup, e.g. '100ba', '10M tok' or '5s'; default: 5% of the run in its own unit "
+        "(seconds for a wall-clock run)")
+    schedule: Literal["wsd", "cosine", "linear", "constant"] = Field(
+        "wsd", description="LR shape after warmup: wsd (stable, then decay over the last decay_fraction), "
+        "cosine, linear, constant")
+    decay_fraction: float = Field(0.2, gt=0, lt=1, description="wsd: share of the run spent decaying the LR")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final LR as a fraction of the peak (wsd/cosine/linear)")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw, or muon for the blocks' matrices (AdamW for embeddings, head, norms)")
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (matrices only)")
+    # [/recipe]
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null to turn off")
@@ -262,7 +281,9 @@ class SFTOptions(_Strict):
 
 class RunConfig(_Strict):
     name: str | None = Field(None, description="run name; default: the config file's name, else model + timestamp")
-    model: ModelConfig = Field(..., description="preset name, {preset: ..., overrides}, or a full shape")
+    model: ModelConfig | Literal["auto"] = Field(
+        ..., description="preset name, {preset: ..., overrides}, a full shape, or auto (the shape expected to "
+        "reach the lowest loss for training_duration on this machine)")
     tokenizer: str | TokenizerSpec | None = Field(
         None, description="tokenizer folder, {train: {vocab_size: N}} to train one, or {extend: {vocab_size: N}} to grow "
         "the custom_weights_path model's; default: the one the data was prepared with")
@@ -301,7 +322,7 @@ class RunConfig(_Strict):
     @field_validator("model", mode="before")
     @classmethod
     def _model(cls, v):
-        return resolve_model(v)
+        return "auto" if v == "auto" else resolve_model(v)
 
     @model_validator(mode="before")
     @classmethod

@@ -76,7 +76,8 @@ def check_world(cfg, nproc: int) -> None:
     """Mesh checks that need only sizes: fail before any process starts."""
     from lmforge.distributed.parallelize import check_mesh
 
-    check_mesh(cfg.compute, nproc * cfg.compute.nodes, nproc, n_experts=cfg.model.n_experts)
+    n_experts = 0 if cfg.model == "auto" else cfg.model.n_experts  # model: auto chooses a dense shape
+    check_mesh(cfg.compute, nproc * cfg.compute.nodes, nproc, n_experts=n_experts)
     c = cfg.compute
     if c.nodes > 1:
         if not c.rdzv_endpoint:

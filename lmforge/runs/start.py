@@ -69,6 +69,8 @@ def identity(cfg, name: str, save_folder: str) -> dict:
 
 def model_label(cfg) -> str:
     m = cfg.model
+    if m == "auto":
+        return "auto"
     return m.preset or f"custom {m.n_layers}×{m.d_model}" + (f" moe{m.n_experts}" if m.n_experts else "")
 
 

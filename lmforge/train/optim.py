@@ -1,49 +1,183 @@
-"""AdamW with weight decay on matrices only, and the learning-rate schedule."""
+"""The optimizer (AdamW, or Muon for the hidden matrices) and the learning-rate schedule.
+
+The schedule is measured in the run's own unit: optimizer steps for step/token/epoch budgets,
+seconds of training for wall-clock budgets (so warmup and decay are fractions of the elapsed
+time, not of a guessed step count).
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 import torch
 
+SCHEDULES = ("wsd", "cosine", "linear", "constant")
 
-def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
-                    betas: tuple[float, float], eps: float, device_type: str) -> torch.optim.AdamW:
-    """Decay 2-D+ weights (matmuls, embeddings); never norms or other vectors.
 
-    The fused kernel is used where the installed torch has it for the device (CUDA, and CPU
-    in recent releases); it is numerically the same update, just one kernel.
+class Optimizers(list):
+    """Several optimizers stepped as one (Muon for hidden matrices + AdamW for the rest).
+
+    A list, so `torch.distributed.checkpoint`'s state-dict helpers take it as they are (they
+    accept one optimizer or an iterable of them); `param_groups`, `step` and `zero_grad` act on all.
     """
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def _adamw(groups: list[dict], *, lr: float, betas, eps: float, device_type: str) -> torch.optim.AdamW:
     kwargs = dict(lr=lr, betas=betas, eps=eps)
-    try:
+    try:  # the fused kernel: numerically the same update, one kernel (CUDA, and CPU in recent torch)
         return torch.optim.AdamW(groups, fused=device_type in ("cuda", "cpu"), **kwargs)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, foreach=device_type == "cuda", **kwargs)
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float,
-              progress: float | None = None) -> float:
-    """Multiplier of the peak LR for optimizer step ``step`` (0-based).
+class Muon(torch.optim.Optimizer):
+    """Muon for 2-D matrices: SGD momentum (Nesterov), each update orthogonalized by five
+    Newton–Schulz iterations, scaled by 0.2·√max(rows, cols) so its RMS matches AdamW's and the
+    same LR and decoupled weight decay serve both (Jordan et al. 2024; Liu et al. 2025,
+    "Muon is scalable for LLM training").
 
-    Linear warmup over ``warmup_steps``, then ``cosine`` or ``linear`` decay to ``min_ratio`` at
-    ``total_steps`` (or ``constant``). ``progress`` overrides the decay position (wall-clock runs).
+    The same update as `torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`, except that the
+    iterations run in bf16 only where bf16 matmuls are native (GPUs): torch's version always
+    casts to bf16, which on a CPU without bf16 units is ~5× slower than the whole training step.
     """
-    if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    if progress is None:
-        span = max(1, total_steps - warmup_steps)
-        progress = (step - warmup_steps) / span
-    progress = min(max(progress, 0.0), 1.0)
-    if schedule == "linear":
-        return 1.0 - (1.0 - min_ratio) * progress
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    NS = (3.4445, -4.7750, 2.0315)  # quintic coefficients of Jordan et al.
+
+    def __init__(self, params, lr: float, weight_decay: float = 0.0, momentum: float = 0.95, ns_steps: int = 5):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps))
+
+    @staticmethod
+    def orthogonalize(g: torch.Tensor, steps: int) -> torch.Tensor:
+        a, b, c = Muon.NS
+        x = g.bfloat16() if g.is_cuda else g.float()
+        tall = x.size(0) > x.size(1)
+        if tall:
+            x = x.T
+        x = x / x.norm().clamp(min=1e-7)
+        for _ in range(steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        return (x.T if tall else x).to(g.dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].get("momentum_buffer")
+                if buf is None:
+                    buf = self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                buf.lerp_(p.grad, 1 - mom)
+                update = self.orthogonalize(p.grad.lerp(buf, mom), group["ns_steps"])
+                p.mul_(1 - lr * wd)
+                p.add_(update, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
+
+
+def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
+                    eps: float, device_type: str, kind: str = "adamw") -> Optimizers:
+    """AdamW: decay 2-D+ weights (matmuls, embeddings), never norms or other vectors.
+
+    ``muon``: the transformer blocks' matrices go to `Muon` (orthogonalized momentum, as in
+    modded-nanogpt) with the AdamW-matched scale, so one peak LR and weight decay serve both;
+    embeddings, the output head and every vector stay on AdamW.
+    """
+    hidden = set()
+    if kind == "muon":
+        blocks = getattr(model, "blocks", None) or []
+        hidden = {id(p) for p in blocks.parameters() if p.requires_grad and p.dim() == 2}
+    decay, no_decay, muon = [], [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in hidden:
+            muon.append(p)
+        else:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    adamw = _adamw([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                   lr=lr, betas=betas, eps=eps, device_type=device_type)
+    if not muon:
+        return Optimizers([adamw])
+    return Optimizers([Muon(muon, lr=lr, weight_decay=weight_decay), adamw])
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The LR multiplier (of the peak) over a run.
+
+    ``unit`` is ``"steps"`` (step/token/sample/epoch budgets) or ``"s"`` (wall-clock budgets):
+    ``total`` and the decay are in it. The warmup has its own unit (a wall-clock run may still
+    warm up over '100ba'). Shapes after the warmup:
+
+    - ``wsd``: warmup–stable–decay; the peak until the last ``decay_fraction`` of the run, then
+      linear to ``min_ratio`` (Hu et al. 2024, MiniCPM; Hägele et al. 2024);
+    - ``cosine`` / ``linear``: from the end of the warmup to ``min_ratio`` at the end;
+    - ``constant``: the peak.
+    """
+
+    kind: str
+    unit: str  # "steps" | "s"
+    total: float
+    warmup: float
+    warmup_unit: str  # "steps" | "s"
+    decay_fraction: float = 0.2
+    min_ratio: float = 0.0
+
+    def factor(self, step: int, elapsed_s: float, step_s: float) -> float:
+        """Multiplier for the optimizer step that starts after ``step`` steps and ``elapsed_s``
+        seconds of training; ``step_s`` is the expected duration of one step (wall-clock warmup
+        ramps to where this step will end, so the first step does not get a zero LR)."""
+        start = float(step) if self.unit == "steps" else elapsed_s
+        warm = 1.0
+        if self.warmup > 0:
+            end = step + 1 if self.warmup_unit == "steps" else elapsed_s + step_s
+            warm = min(1.0, end / self.warmup)
+        return warm * self.decay(start)
+
+    def decay(self, position: float) -> float:
+        """The post-warmup shape at ``position`` (in ``unit``) of the run."""
+        if self.kind == "constant" or self.total <= 0:
+            return 1.0
+        progress = min(max(position / self.total, 0.0), 1.0)
+        lo = self.min_ratio
+        if self.kind == "wsd":
+            start = 1.0 - self.decay_fraction
+            return 1.0 if progress <= start else 1.0 - (1.0 - lo) * (progress - start) / self.decay_fraction
+        begin = self.warmup / self.total if self.warmup_unit == self.unit else 0.0
+        x = min(max((progress - begin) / max(1e-12, 1.0 - begin), 0.0), 1.0)
+        if self.kind == "linear":
+            return 1.0 - (1.0 - lo) * x
+        return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * x))
+
+    def position(self, step: int, elapsed_s: float) -> float:
+        return float(step) if self.unit == "steps" else elapsed_s
+
+    def signature(self, peak_lr: float) -> dict:
+        """What a checkpoint records to notice a changed schedule on resume."""
+        return asdict(self) | {"peak_lr": peak_lr}
+
+
+def blended_lr(lr: float, blend: dict | None, schedule: Schedule, step: int, elapsed_s: float,
+               ramp: float) -> float:
+    """After a resume under a different schedule (a longer training_duration, another LR): move
+    linearly from the LR the checkpoint last used to the new schedule's over ``ramp`` (in the
+    schedule's unit), instead of jumping to it."""
+    if not blend:
+        return lr
+    since = schedule.position(step, elapsed_s) - schedule.position(blend["step"], blend["elapsed_s"])
+    t = min(1.0, max(0.0, since / ramp)) if ramp > 0 else 1.0
+    return blend["lr"] + (lr - blend["lr"]) * t

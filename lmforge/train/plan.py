@@ -12,14 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-from lmforge.config.defaults import (bf16_supported, micro_batch_for, default_batch_tokens,
-                                     default_learning_rate, default_warmup_steps)
+from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, bf16_supported, micro_batch_for,
+                                     default_batch_tokens, default_learning_rate)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.schema import RunConfig, phase_end
 from lmforge.distributed.float8 import check_fp8_supported
 from lmforge.errors import UserError
 from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
+from lmforge.estimate.hardware import detect_device_spec, peak_flops
 from lmforge.estimate.memory import memory_plan
+from lmforge.train.optim import Schedule
 
 
 @dataclass
@@ -31,7 +33,7 @@ class TrainPlan:
     world_size: int
     total_steps: int | None  # None: wall-clock bounded
     time_limit_s: float | None
-    warmup_steps: int
+    warmup_steps: int  # the warmup in steps (estimated from step_time_s when it is given in seconds)
     learning_rate: float
     eval_interval: int
     save_interval: int
@@ -39,6 +41,8 @@ class TrainPlan:
     precision: str  # "bf16" | "fp32" | "fp8"
     params: dict
     flops_per_token: float  # the MFU basis: 6·N_active + 12·L·H·Dh·T (estimate.flops.mfu_flops_per_token)
+    schedule: Schedule  # the LR shape, in the run's own unit (steps, or seconds of training)
+    step_time_s: float  # expected seconds per optimizer step: measured on this machine, else estimated
     phase_steps: list[int] | None = None  # curriculum: the optimizer step at which each phase but the last ends
     model_flops_per_token: float = 0.0  # 6·N_active alone ("model FLOPs" of planning figures)
 
@@ -51,12 +55,15 @@ class TrainPlan:
         return None if self.total_steps is None else self.total_steps * self.tokens_per_step
 
 
-def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int | None) -> int | None:
+def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int | None,
+           flops_per_token: float = 0.0) -> int | None:
     """A duration in optimizer steps (None for wall-clock durations)."""
     if d.unit == "ba":
         return max(1, math.ceil(d.value))
     if d.unit == "tok":
         return max(1, math.ceil(d.value / (gbs * ctx)))
+    if d.unit == "flop":
+        return max(1, math.ceil(d.value / (flops_per_token * gbs * ctx)))
     if d.unit == "sp":
         return max(1, math.ceil(d.value / gbs))
     if d.unit == "ep":
@@ -89,9 +96,21 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
         raise UserError(f"parameters.context_length ({ctx}) is longer than the training data's samples "
                         f"({data_seq_len} tokens); prepare the data with --seq-len {ctx} or lower the context")
 
+    if p.precision == "auto":
+        precision = "bf16" if bf16_supported(device) else "fp32"
+    else:
+        precision = p.precision
+        if precision == "bf16" and not bf16_supported(device) and device.type != "cpu":
+            raise UserError(f"parameters.precision: bf16 is not supported on {device}")
+        if precision == "fp8":
+            check_fp8_supported(device)  # one clear line, never a silent fallback
+    fpt = mfu_flops_per_token(model, ctx)
+
     # Global batch in samples (rounded so that every rank gets the same share).
     if p.global_batch_size is None:
-        gbs = max(1, round(default_batch_tokens(counts["non_embedding"]) / ctx))
+        run_tokens = _run_tokens(cfg, ctx, samples_per_epoch, fpt,
+                                 lambda: _tokens_per_s(cfg, ctx, world_size, precision, device))
+        gbs = max(1, round(default_batch_tokens(counts["non_embedding"], run_tokens) / ctx))
     elif isinstance(p.global_batch_size, str):
         d = parse_duration(p.global_batch_size)
         gbs = max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
@@ -113,44 +132,111 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
                         f"× ranks ({world_size}) = {micro * world_size}")
     grad_accum = gbs // (micro * world_size)
 
-    total = _steps(cfg.training_duration, "training_duration", gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch)
+    total = _steps(cfg.training_duration, "training_duration", gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch,
+                   flops_per_token=fpt)
     time_limit = cfg.training_duration.value if cfg.training_duration.unit == "s" else None
+
+    if p.optimizer == "muon" and cfg.compute.data_parallel in ("fsdp", "hsdp"):
+        raise UserError("parameters.optimizer: muon needs whole matrices; use compute.data_parallel ddp or none "
+                        "(not fsdp/hsdp)")
+
+    step_s, fastest_s = step_seconds(cfg, ctx, gbs, micro, world_size, precision, device)
+    if time_limit is not None and fastest_s >= time_limit:
+        raise UserError(f"training_duration: {cfg.training_duration} is shorter than one optimizer step of this model "
+                        f"and batch here (≈{fastest_s:.3g}s); expected a longer duration or a smaller batch/model")
 
     def interval(d: Duration | None, what: str, default: int) -> int:
         if d is None:
             return default
-        steps = _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch)
+        steps = _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch, flops_per_token=fpt)
         if steps is None:
             raise UserError(f"{what}: use steps or tokens ('100ba', '1M tok'), not wall-clock time")
         return steps
 
-    nominal = total or 1000  # wall-clock runs: intervals as if ~1000 steps
-    warmup = interval(p.warmup, "parameters.warmup", default_warmup_steps(nominal))
-    if total is not None:
-        warmup = min(warmup, total)
+    # Wall-clock runs: intervals from the expected number of steps.
+    nominal = total or max(1, int(time_limit / step_s))
+    schedule = make_schedule(cfg, total, time_limit, step_s,
+                             lambda d: _steps(d, "parameters.warmup", gbs=gbs, ctx=ctx,
+                                              samples_per_epoch=samples_per_epoch, flops_per_token=fpt))
+    warmup = int(schedule.warmup if schedule.warmup_unit == "steps" else math.ceil(schedule.warmup / step_s))
     eval_every = interval(cfg.eval.interval, "eval.interval", max(1, nominal // 10))
     save_every = interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)))
     icl_every = interval(cfg.eval.icl_interval, "eval.icl_interval", 0) or None
 
     phase_steps = curriculum_steps(cfg, total, gbs=gbs, ctx=ctx) if cfg.curriculum else None
 
-    if p.precision == "auto":
-        precision = "bf16" if bf16_supported(device) else "fp32"
-    else:
-        precision = p.precision
-        if precision == "bf16" and not bf16_supported(device) and device.type != "cpu":
-            raise UserError(f"parameters.precision: bf16 is not supported on {device}")
-        if precision == "fp8":
-            check_fp8_supported(device)  # one clear line, never a silent fallback
-
     return TrainPlan(
         context_length=ctx, global_batch=gbs, micro_batch=micro, grad_accum=grad_accum,
         world_size=world_size, total_steps=total, time_limit_s=time_limit, warmup_steps=warmup,
         learning_rate=p.learning_rate or default_learning_rate(counts["non_embedding"]),
         eval_interval=eval_every, save_interval=save_every, icl_interval=icl_every,
-        precision=precision, params=counts, flops_per_token=mfu_flops_per_token(model, ctx),
+        precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
         phase_steps=phase_steps, model_flops_per_token=flops_per_token(model, ctx)["dense"],
     )
+
+
+def _run_tokens(cfg: RunConfig, ctx: int, samples_per_epoch: int | None, fpt: float, rate) -> float | None:
+    """The run's length in tokens where it is known before the batch (None for a step count):
+    what the default batch is sized for. ``rate()``: expected tokens/s (wall-clock budgets)."""
+    d = cfg.training_duration
+    if d.unit == "tok":
+        return d.value
+    if d.unit == "sp":
+        return d.value * ctx
+    if d.unit == "ep":
+        return d.value * samples_per_epoch * ctx if samples_per_epoch else None
+    if d.unit == "flop":
+        return d.value / fpt
+    if d.unit == "s":
+        return d.value * rate()
+    return None
+
+
+def _tokens_per_s(cfg: RunConfig, ctx: int, world_size: int, precision: str, device: torch.device) -> float:
+    """Expected training tokens/s of all ranks (see step_seconds), at the CPU micro-batch size."""
+    micro = micro_batch_for(max(1, default_batch_tokens(param_counts(cfg.model)["non_embedding"]) // ctx))
+    step_s, _ = step_seconds(cfg, ctx, micro * world_size, micro, world_size, precision, device)
+    return micro * ctx * world_size / step_s
+
+
+def step_seconds(cfg: RunConfig, ctx: int, gbs: int, micro: int, world_size: int, precision: str,
+                 device: torch.device) -> tuple[float, float]:
+    """(expected, fastest possible) seconds per optimizer step. Expected: this machine's cached
+    measurement of the shape (`train.throughput`), else the FLOPs at half the device's peak;
+    fastest: the measurement, else the FLOPs at the full peak (a lower bound)."""
+    from lmforge.train.throughput import cached_tokens_per_s
+
+    tokens = gbs * ctx / world_size  # per device
+    measured = None
+    if cfg.model.vocab_size:
+        measured = cached_tokens_per_s(cfg.model, ctx, micro, precision=precision,
+                                       optimizer=cfg.parameters.optimizer, device=device)
+    if measured:
+        return tokens / measured, tokens / measured
+    peak = peak_flops(detect_device_spec(device), "fp32" if precision == "fp32" else "bf16")
+    flops = tokens * flops_per_token(cfg.model, ctx)["total"]
+    return flops / (0.5 * peak), flops / peak
+
+
+def make_schedule(cfg: RunConfig, total_steps: int | None, time_limit_s: float | None, step_s: float,
+                  to_steps) -> Schedule:
+    """The LR schedule in the run's unit. The default warmup is WARMUP_FRACTION of the run
+    (at most MAX_WARMUP_STEPS steps' worth); a given warmup keeps its own unit."""
+    p = cfg.parameters
+    unit, total = ("steps", float(total_steps)) if total_steps is not None else ("s", float(time_limit_s))
+    if p.warmup is None:
+        cap = MAX_WARMUP_STEPS * (1.0 if unit == "steps" else step_s)
+        warmup = min(cap, WARMUP_FRACTION * total)
+        warmup = float(max(1, round(warmup))) if unit == "steps" else warmup
+        warmup_unit = unit
+    elif p.warmup.unit == "s":
+        warmup, warmup_unit = p.warmup.value, "s"
+    else:
+        warmup, warmup_unit = float(to_steps(p.warmup)), "steps"
+    if warmup_unit == unit:
+        warmup = min(warmup, total)
+    return Schedule(kind=p.schedule, unit=unit, total=total, warmup=warmup, warmup_unit=warmup_unit,
+                    decay_fraction=p.decay_fraction, min_ratio=p.min_lr_ratio)
 
 
 def curriculum_steps(cfg: RunConfig, total: int | None, *, gbs: int, ctx: int) -> list[int]:
@@ -186,9 +272,15 @@ def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
     data["parameters"].update(
         learning_rate=plan.learning_rate, context_length=plan.context_length,
         global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
-        warmup=f"{plan.warmup_steps}ba", precision=plan.precision)
+        warmup=_warmup_text(plan.schedule), precision=plan.precision)
     data["eval"]["interval"] = f"{plan.eval_interval}ba"
     if plan.icl_interval:
         data["eval"]["icl_interval"] = f"{plan.icl_interval}ba"
     data["save_interval"] = f"{plan.save_interval}ba"
     return RunConfig.model_validate(data)
+
+
+def _warmup_text(schedule: Schedule) -> str:
+    if schedule.warmup_unit == "steps":
+        return f"{int(schedule.warmup)}ba"
+    return f"{schedule.warmup:.4g}s"

@@ -16,8 +16,9 @@ from lmforge.data.sft import SFT_TASKS
 from lmforge.data.stream import StreamPhase, open_dataset
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.data.vocab_extension import grown_vocab
-from lmforge.distributed.dist import DistInfo, barrier
+from lmforge.distributed.dist import DistInfo, barrier, broadcast_object
 from lmforge.errors import UserError
+from lmforge.train.auto_model import resolve_auto
 from lmforge.train.finetune import finetune_setup
 from lmforge.train.locate import locate
 from lmforge.train.plan import TrainPlan, make_plan, resolved_config
@@ -27,6 +28,9 @@ from lmforge.train.trainer import RunSetup
 def setup_run(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
     cfg = with_default_names(cfg)
     if cfg.task_type in SFT_TASKS:
+        if cfg.model == "auto":
+            raise UserError("model: auto sizes a model to pretrain; fine-tuning takes the shape of "
+                            "custom_weights_path (leave `model` out)")
         return finetune_setup(cfg, dist, log)
     return pretrain_setup(cfg, dist, log)
 
@@ -39,6 +43,20 @@ def with_vocab(cfg: RunConfig, tokenizer_vocab: int) -> RunConfig:
     elif v < tokenizer_vocab:
         raise UserError(f"model.vocab_size ({v}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})")
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": v})})
+
+
+def _on_main(fn, dist: DistInfo):
+    """``fn()`` on rank 0 (it may measure this machine), its result or its UserError on every rank."""
+    result = error = None
+    if dist.is_main:
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+    result, error = broadcast_object((result, error))
+    if error:
+        raise UserError(error)
+    return result
 
 
 def with_extension_base(cfg: RunConfig) -> RunConfig:
@@ -54,9 +72,12 @@ def with_extension_base(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"tokenizer": spec.model_copy(update={"extend": extend})})
 
 
+
 def pretrain_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
-    """Resolve the data (rank 0 prepares it first; the others then hit the cache) and every default."""
+    """Resolve `model: auto` (rank 0 chooses, the others take its choice), the data (rank 0 prepares
+    it first; the others then hit the cache) and every default."""
     cfg = with_extension_base(cfg)
+    cfg = _on_main(lambda: resolve_auto(cfg, dist.device, log=log), dist)
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     if not dist.is_main:
         barrier()

@@ -56,7 +56,7 @@ from lmforge.train import checkpoint as ckpt
 from lmforge.train.callbacks import Callback, Callbacks, RunInfo
 from lmforge.train.expert_health import ExpertHealth
 from lmforge.train.locate import load_model
-from lmforge.train.optim import build_optimizer, lr_factor
+from lmforge.train.optim import blended_lr, build_optimizer
 from lmforge.train.plan import TrainPlan
 from lmforge.train.watchdog import HangWatchdog
 
@@ -88,13 +88,19 @@ class TrainState:
     step: int = 0  # optimizer steps taken
     tokens: int = 0  # tokens trained on, all ranks
     elapsed_s: float = 0.0  # training wall time, summed over resumptions
+    lr: float | None = None  # the LR of the last step
+    schedule: dict | None = None  # the schedule that LR came from (`Schedule.signature`)
+    lr_blend: dict | None = None  # after a resume under another schedule: where the LR blends from
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s}
+        return {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s, "lr": self.lr,
+                "schedule": self.schedule, "lr_blend": self.lr_blend}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.elapsed_s = float(state.get("elapsed_s", 0.0))
+        self.lr, self.schedule = state.get("lr"), state.get("schedule")
+        self.lr_blend = state.get("lr_blend")
 
 
 @dataclass
@@ -143,7 +149,9 @@ class Trainer:
         self.model, self.train_forward = self._build_model(from_weights=not resume_from)
         p = self.cfg.parameters
         self.optimizer = build_optimizer(self.model, lr=self.plan.learning_rate, weight_decay=p.weight_decay,
-                                         betas=tuple(p.betas), eps=p.eps, device_type=self.device.type)
+                                         betas=tuple(p.betas), eps=p.eps, device_type=self.device.type,
+                                         kind=p.optimizer)
+        self._schedule_signature = self.plan.schedule.signature(self.plan.learning_rate)
         self.layout = StreamLayout(
             seq_len=self.plan.context_length, micro_batch=self.plan.micro_batch,
             global_batch=self.plan.global_batch, rank=dist.rank, world_size=dist.world_size, seed=p.seed,
@@ -218,12 +226,15 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def learning_rate(self) -> float:
-        """The LR of the next step: warmup, then the schedule (by steps, or by elapsed time)."""
-        plan, p = self.plan, self.cfg.parameters
-        progress = None if plan.time_limit_s is None else self._elapsed() / plan.time_limit_s
-        return plan.learning_rate * lr_factor(self.state.step, warmup_steps=plan.warmup_steps,
-                                              total_steps=plan.total_steps or 0, schedule=p.schedule,
-                                              min_ratio=p.min_lr_ratio, progress=progress)
+        """The LR of the next step: the plan's schedule in the run's own unit (steps, or seconds of
+        training), blended in from the checkpoint's LR after a resume under another schedule."""
+        plan, state = self.plan, self.state
+        elapsed = self._elapsed()
+        step_s = elapsed / state.step if state.step and elapsed > 0 else plan.step_time_s
+        lr = plan.learning_rate * plan.schedule.factor(state.step, elapsed, step_s)
+        ramp = plan.schedule.warmup if plan.schedule.warmup_unit == plan.schedule.unit else 0.0
+        ramp = max(ramp, 0.02 * plan.schedule.total)
+        return blended_lr(lr, state.lr_blend, plan.schedule, state.step, elapsed, ramp)
 
     def train_step(self, batches: Sequence[Batch]) -> StepOutput:
         """One optimizer step over this rank's micro-batches of one global batch.
@@ -260,6 +271,7 @@ class Trainer:
         loss = all_reduce_sum(ce_total) / (norm * self.dist.world_size)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.state.lr, self.state.schedule = lr, self._schedule_signature
         after_optimizer_step(self.model)  # FP8 under FSDP: next step's weight scales, in one all-reduce
         self.state.step += 1
         self.state.tokens += self.plan.tokens_per_step
@@ -350,6 +362,11 @@ class Trainer:
         self.stream.load_state_dict(state["data"])
         self.state.load_state_dict(state)
         self.log(f"resume: continuing from {path} (step {self.state.step}, {self.state.tokens:,} tokens)")
+        if self.state.lr is not None and self.state.schedule not in (None, self._schedule_signature):
+            # Another duration or LR than the checkpoint's: no jump, blend in from where it was.
+            self.state.lr_blend = {"lr": self.state.lr, "step": self.state.step, "elapsed_s": self.state.elapsed_s}
+            self.log(f"resume: the LR schedule changed (training_duration, LR or schedule); the LR moves "
+                     f"linearly from {self.state.lr:.3g} to the new schedule's over one warmup (≥ 2% of the run)")
         if state.get("world_size", self.dist.world_size) != self.dist.world_size:
             self.log(f"resume: checkpoint written by {state['world_size']} rank(s), resharded onto "
                      f"{self.dist.world_size}")
@@ -536,8 +553,19 @@ class Trainer:
                  f"({plan.params['active'] / 1e6:.1f}M active), {total}")
         self.log(f"  batch {plan.global_batch} × {plan.context_length} tokens = micro-batch {plan.micro_batch} × "
                  f"{plan.grad_accum} accumulation × {self.dist.world_size} rank(s); lr {plan.learning_rate:.3g}, "
-                 f"warmup {plan.warmup_steps}, {cfg.parameters.schedule}; {plan.precision} on {self.device}")
+                 f"warmup {_span(plan.schedule.warmup, plan.schedule.warmup_unit)}, {_schedule_text(plan.schedule)}; "
+                 f"{cfg.parameters.optimizer}; {plan.precision} on {self.device}")
         self.log(f"  checkpoints and metrics: {cfg.save_folder}")
+
+
+def _span(value: float, unit: str) -> str:
+    return f"{int(value)} steps" if unit == "steps" else f"{value:.3g}s"
+
+
+def _schedule_text(s) -> str:
+    if s.kind == "wsd":
+        return f"wsd (decay over the last {s.decay_fraction:.0%} to {s.min_ratio:g}× peak)"
+    return s.kind if s.kind == "constant" else f"{s.kind} to {s.min_ratio:g}× peak"
 
 
 class _Meter:
