@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from lmforge.config.load import load_yaml_text, read_text_file
 from lmforge.errors import UserError
 
 WEIGHTINGS = ("EQUAL", "SAMPLE_SZ", "LOG_SAMPLE_SZ")
@@ -63,10 +63,7 @@ def load_gauntlet(path: str | Path) -> Gauntlet:
     path = DEFAULT_GAUNTLET if str(path) == "default" else Path(path).expanduser()
     if not path.is_file():
         raise UserError(f"gauntlet file {path} not found")
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML ({str(e).strip().splitlines()[0]})") from None
+    doc = load_yaml_text(read_text_file(str(path), "gauntlet file"), str(path))
     if isinstance(doc, dict) and "eval_gauntlet" in doc:
         doc = doc["eval_gauntlet"]
     return parse_gauntlet(doc, str(path))

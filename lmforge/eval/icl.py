@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-import yaml
 
+from lmforge.config.load import load_yaml_text, read_text_file
 from lmforge.errors import UserError
 
 LANGUAGE_MODELING = "language_modeling"
@@ -98,10 +98,7 @@ def load_tasks(path_or_list: str | Path | list | dict, data_root: str | Path | N
         where = str(path)
         if not path.is_file():
             raise UserError(f"tasks file {path} not found")
-        try:
-            doc = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise UserError(f"{path}: not valid YAML ({_first_line(e)})") from None
+        doc = load_yaml_text(read_text_file(str(path), "tasks file"), str(path))
         base_dir = path.parent
     else:
         doc, where, base_dir = path_or_list, "eval.icl_tasks", Path.cwd()

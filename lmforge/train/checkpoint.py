@@ -6,7 +6,8 @@ Layout of ``save_folder``::
     checkpoints/step_00000100/    one complete checkpoint
         .metadata, __*_*.distcp   model + optimizer (torch.distributed.checkpoint)
         rng_rank{R}.pt            per-rank RNG states
-        lmforge-state.json        step, tokens, data-stream state, resolved config (written last)
+        lmforge-state.json        step, tokens, data-stream state, resolved config, and the size and
+                                  sha256 of every other file (written last; verified on load)
     final/                        model.safetensors + lmforge-model.json + tokenizer (the export)
 
 Every rank writes into ``checkpoints/.step_00000100.tmp``; after a barrier rank 0 writes
@@ -16,6 +17,7 @@ folder, which is never picked up as the latest checkpoint and is removed by the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -159,6 +161,7 @@ def _finish(*args) -> str:
 def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, keep: int, on_complete) -> str:
     """Rank 0 writes the state file last and renames (the checkpoint becomes visible); other ranks: no-op."""
     if rank == 0:
+        state = state | {"files": file_digests(tmp)}
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(state, f, indent=1)
             f.flush()
@@ -173,6 +176,76 @@ def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, ke
     return final
 
 
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_digests(folder: str, skip: tuple[str, ...] = (STATE_FILE,)) -> dict[str, dict]:
+    """name → {bytes, sha256} of every file directly in ``folder`` (what a checkpoint or export holds)."""
+    return {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
+                   "sha256": sha256_file(os.path.join(folder, name))}
+            for name in sorted(os.listdir(folder))
+            if name not in skip and os.path.isfile(os.path.join(folder, name))}
+
+
+class CorruptCheckpoint(UserError):
+    """A checkpoint whose files are not what was written (a digest or size differs, or one is unreadable)."""
+
+
+def verify_files(folder: str, digests: dict, what: str) -> None:
+    """Every file of ``digests`` that is present has its recorded size and sha256; the first that
+    does not is named. (A file missing on this node of a run without a shared file system is left
+    to the loader, which reports it.)"""
+    for name, want in sorted(digests.items()):
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            continue
+        size = os.path.getsize(path)
+        if size != want.get("bytes", size):
+            raise CorruptCheckpoint(f"{what} {folder}: {name} has {size} bytes, {want['bytes']} were written "
+                                    "(truncated or damaged)")
+        if "sha256" in want and sha256_file(path) != want["sha256"]:
+            raise CorruptCheckpoint(f"{what} {folder}: {name} does not match its sha256 recorded when it was "
+                                    "written (damaged)")
+
+
+def verify_checkpoint(path: str) -> dict:
+    """The state of a checkpoint whose files are intact; CorruptCheckpoint (naming the file) if not.
+    Checkpoints written before digests were recorded are taken as they are."""
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt ({STATE_FILE}: {e})") from None
+    verify_files(path, state.get("files") or {}, "checkpoint")
+    return state
+
+
+def intact_checkpoint(save_folder: str, log=print) -> str | None:
+    """The newest complete checkpoint whose files are intact. A corrupt newer one is skipped with a
+    warning line (it stays on disk for inspection); if none is intact, the newest one's error."""
+    found = list_checkpoints(save_folder)
+    first_error = None
+    for _, path in reversed(found):
+        try:
+            verify_checkpoint(path)
+        except CorruptCheckpoint as e:
+            first_error = first_error or e
+            log(f"warning: {e}; trying the previous checkpoint")
+            continue
+        if first_error is not None:
+            log(f"warning: resuming from {path}, the newest intact checkpoint")
+        return path
+    if first_error is not None:
+        raise UserError(f"{first_error}; no intact checkpoint is left: --no-autoresume starts fresh "
+                        "(keeping them aside)")
+    return None
+
+
 def read_state(path: str) -> dict:
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
@@ -185,7 +258,7 @@ def read_state(path: str) -> dict:
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     *, rank: int) -> dict:
     """Load weights, optimizer and this rank's RNG states; returns the JSON state."""
-    state = read_state(path)
+    state = verify_checkpoint(path)
     model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer else (get_state_dict(model, [])[0], None)
     to_load = {"model": model_sd} | ({"optim": optim_sd} if optimizer else {})
     try:

@@ -108,6 +108,19 @@ class TrainResult:
     mlflow_ui: str | None = None  # filled in by the operations layer when MLflow tracks the run
 
 
+def check_same_batch(state: dict, cfg, path: str) -> None:
+    """A resumed run keeps its global batch and context length: the data position, the step count
+    and a token-based duration are all measured in them."""
+    old = (state.get("config") or {}).get("parameters") or {}
+    new = cfg.parameters
+    for key in ("global_batch_size", "context_length"):
+        was, now = old.get(key), getattr(new, key)
+        if was is not None and now is not None and str(was) != str(now):
+            raise UserError(f"parameters.{key} is {now}, but the checkpoint {path} was trained with {was}; a run "
+                            f"resumes with the batch it started with: set it back to {was}, or start a new run "
+                            "(--no-autoresume, or another --save-folder)")
+
+
 def _silent(*_args, **_kwargs) -> None:
     pass
 
@@ -161,7 +174,9 @@ class Trainer:
             self.callbacks.resume_decided(self.save_folder, can_resume and self.cfg.autoresume, overwrite)
             ckpt.write_run_file(self.save_folder, identity, redact_config(self.cfg.model_dump(mode="json")))
         barrier()
-        latest = ckpt.latest_checkpoint(self.save_folder) if self.cfg.autoresume else None
+        latest = None
+        if self.cfg.autoresume and self.dist.is_main:  # rank 0 checks the digests; every rank loads its pick
+            latest = ckpt.intact_checkpoint(self.save_folder, self.log)
         return broadcast_object(latest)
 
     def _build_model(self, from_weights: bool) -> tuple[Transformer, torch.nn.Module]:
@@ -307,6 +322,7 @@ class Trainer:
 
     def load(self, path: str) -> None:
         """Model, optimizer and this rank's RNG from ``path``; then counters and data position."""
+        check_same_batch(ckpt.read_state(path), self.cfg, path)
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, rank=self.dist.rank)
         self.stream.load_state_dict(state["data"])
         self.state.load_state_dict(state)
