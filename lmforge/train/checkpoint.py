@@ -17,7 +17,6 @@ folder, which is never picked up as the latest checkpoint and is removed by the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -33,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from lmforge.checksums import DamagedFile, file_digests, verify_files
 from lmforge.distributed.dist import barrier
 from lmforge.errors import UserError
 
@@ -161,7 +161,7 @@ def _finish(*args) -> str:
 def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, keep: int, on_complete) -> str:
     """Rank 0 writes the state file last and renames (the checkpoint becomes visible); other ranks: no-op."""
     if rank == 0:
-        state = state | {"files": file_digests(tmp)}
+        state = state | {"files": file_digests(tmp, skip=(STATE_FILE,))}
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(state, f, indent=1)
             f.flush()
@@ -176,41 +176,8 @@ def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, ke
     return final
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def file_digests(folder: str, skip: tuple[str, ...] = (STATE_FILE,)) -> dict[str, dict]:
-    """name → {bytes, sha256} of every file directly in ``folder`` (what a checkpoint or export holds)."""
-    return {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
-                   "sha256": sha256_file(os.path.join(folder, name))}
-            for name in sorted(os.listdir(folder))
-            if name not in skip and os.path.isfile(os.path.join(folder, name))}
-
-
 class CorruptCheckpoint(UserError):
-    """A checkpoint whose files are not what was written (a digest or size differs, or one is unreadable)."""
-
-
-def verify_files(folder: str, digests: dict, what: str) -> None:
-    """Every file of ``digests`` that is present has its recorded size and sha256; the first that
-    does not is named. (A file missing on this node of a run without a shared file system is left
-    to the loader, which reports it.)"""
-    for name, want in sorted(digests.items()):
-        path = os.path.join(folder, name)
-        if not os.path.exists(path):
-            continue
-        size = os.path.getsize(path)
-        if size != want.get("bytes", size):
-            raise CorruptCheckpoint(f"{what} {folder}: {name} has {size} bytes, {want['bytes']} were written "
-                                    "(truncated or damaged)")
-        if "sha256" in want and sha256_file(path) != want["sha256"]:
-            raise CorruptCheckpoint(f"{what} {folder}: {name} does not match its sha256 recorded when it was "
-                                    "written (damaged)")
+    """A checkpoint that cannot be used as written (its state file or a digest is wrong)."""
 
 
 def verify_checkpoint(path: str) -> dict:
@@ -221,7 +188,10 @@ def verify_checkpoint(path: str) -> dict:
             state = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt ({STATE_FILE}: {e})") from None
-    verify_files(path, state.get("files") or {}, "checkpoint")
+    try:
+        verify_files(path, state.get("files") or {}, "checkpoint")
+    except DamagedFile as e:
+        raise CorruptCheckpoint(str(e)) from None
     return state
 
 
@@ -311,6 +281,9 @@ def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, auto
         for name in ("metrics.jsonl", "trackers.json", RUN_FILE):
             if os.path.exists(os.path.join(save_folder, name)):
                 os.remove(os.path.join(save_folder, name))
+        return False
+    if not same and not list_checkpoints(save_folder) and not os.path.isdir(os.path.join(save_folder, "final")):
+        # An earlier start that failed before its first checkpoint: nothing of it to protect.
         return False
     if not same:
         what = existing.get("identity", {}).get("name") or "another run"

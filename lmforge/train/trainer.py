@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from lmforge.checksums import write_export_digests
 from lmforge.config.identity import run_identity
 from lmforge.config.schema import RunConfig
 from lmforge.data.batch import Batch, StreamLayout, TrainingData
@@ -350,6 +351,7 @@ class Trainer:
             save_pretrained(model, self.cfg.model, final_dir, tokenizer_dir=self.data.tokenizer_path)
         if self.data.chat_template:
             write_chat_template(final_dir, self.data.chat_template)
+        write_export_digests(final_dir)  # last: what load_pretrained checks the weights against
         return final_dir
 
     # ------------------------------------------------------------------ the loop
