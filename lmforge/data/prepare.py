@@ -427,10 +427,10 @@ def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: flo
     splits = {name: p.finish() for name, p in packers.items()}
     seconds = time.perf_counter() - start
     frac_flag, seq_flag = flags
-    if splits["train"]["samples"] == 0:
-        raise UserError(f"{seq_flag} {seq_len}: larger than the data (the train split has only "
-                        f"{splits['train']['tokens']} tokens, not one full sample of {seq_len})")
-    if "val" in splits and splits["val"]["samples"] == 0:
+    if sum(s["samples"] for s in splits.values()) == 0:
+        raise UserError(f"{seq_flag} {seq_len}: larger than the data (it has only "
+                        f"{sum(s['tokens'] for s in splits.values())} tokens, not one full sample of {seq_len})")
+    if "val" in splits and 0 in (splits["val"]["samples"], splits["train"]["samples"]):
         splits = _tail_holdout(stage, splits, eval_fraction, seq_len, dtype, compression, flags)
     return {
         "dtype": dtype,
@@ -453,38 +453,43 @@ def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: flo
 
 def _tail_holdout(stage: str, splits: dict, eval_fraction: float, seq_len: int, dtype: str,
                   compression: str | None, flags: tuple[str, str]) -> dict:
-    """Few documents: the val split becomes the last ``eval_fraction`` of the train samples."""
+    """Few documents: one split got every full sample (the per-document draw put every document on
+    one side): the val split becomes the last ``eval_fraction`` of those samples, train the rest."""
     from lmforge.data.mds import MDSReader, MDSWriter
 
     frac_flag, seq_flag = flags
-    train = splits["train"]
-    n = train["samples"]
+    source, other = ("train", "val") if splits["train"]["samples"] else ("val", "train")
+    whole = splits[source]
+    n = whole["samples"]
     if n < 2:
         raise UserError(f"{frac_flag} {eval_fraction}: the data makes only {n} sample of {seq_len} tokens, "
                         f"nothing is left to hold out; set {frac_flag} 0 (or lower {seq_flag}, or add data)")
     k = min(n - 1, max(1, round(eval_fraction * n)))
-    train_dir, val_dir = os.path.join(stage, "train"), os.path.join(stage, "val")
-    new_train = os.path.join(stage, "train.split")
-    reader = MDSReader(train_dir, cache_dir=os.path.join(stage, "cache"))
+    src_dir = os.path.join(stage, f"{source}.whole")
+    os.replace(os.path.join(stage, source), src_dir)
+    shutil.rmtree(os.path.join(stage, other))
+    reader = MDSReader(src_dir, cache_dir=os.path.join(stage, "cache"))
     try:
-        shutil.rmtree(val_dir)
-        for out, lo, hi in ((new_train, 0, n - k), (val_dir, n - k, n)):
-            with MDSWriter(out, {"tokens": f"ndarray:{dtype}"}, compression=compression) as w:
+        for split, lo, hi in (("train", 0, n - k), ("val", n - k, n)):
+            with MDSWriter(os.path.join(stage, split), {"tokens": f"ndarray:{dtype}"}, compression=compression) as w:
                 for i in range(lo, hi):
                     w.write({"tokens": reader.get_tokens(i)})
     finally:
         reader.close()
-    shutil.rmtree(train_dir)
+    shutil.rmtree(src_dir)
     shutil.rmtree(os.path.join(stage, "cache"), ignore_errors=True)
-    os.replace(new_train, train_dir)
-    bpt = train["bytes_per_token"]
+    bpt = whole["bytes_per_token"]
     held = k * seq_len
-    val = {"documents": splits["val"]["documents"], "tokens": held, "bytes": round(held * bpt) if bpt else 0, "bytes_per_token": bpt,
-           "samples": k, "shards": len(os.listdir(val_dir)) - 1, "dropped_tokens": splits["val"]["tokens"],
-           "held_out": f"tail: the last {k} of {n} samples"}
-    train = train | {"tokens": train["tokens"] - held, "bytes": train["bytes"] - val["bytes"], "samples": n - k,
-                     "shards": len(os.listdir(train_dir)) - 1,
-                     }
+    held_bytes = round(held * bpt) if bpt else 0
+    shards = {s: len(os.listdir(os.path.join(stage, s))) - 1 for s in SPLITS}  # less index.json
+    # Documents stay counted where the per-document draw put them; the other split's few tokens
+    # (less than one sample) are dropped with its remainder.
+    val = splits["val"] | {"tokens": held, "bytes": held_bytes, "bytes_per_token": bpt, "samples": k,
+                           "shards": shards["val"], "held_out": f"tail: the last {k} of {n} samples"}
+    train = splits["train"] | {"tokens": whole["tokens"] - held, "bytes": whole["bytes"] - held_bytes,
+                               "bytes_per_token": bpt, "samples": n - k, "shards": shards["train"]}
+    val["dropped_tokens"] = splits[other]["tokens"] + (whole["dropped_tokens"] if source == "val" else 0)
+    train["dropped_tokens"] = whole["dropped_tokens"] if source == "train" else 0
     return {"train": train, "val": val}
 
 

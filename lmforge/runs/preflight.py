@@ -121,8 +121,8 @@ def check_vocab(cfg: RunConfig) -> None:
             continue
         vocab = data_tok.get("vocab_size")
         if isinstance(vocab, int) and vocab > model_vocab:
-            whose = f"the tokenizer {cfg.tokenizer} ({tok_vocab} tokens)" if tok_vocab else \
-                f"model.vocab_size ({model_vocab})"
+            whose = f"model.vocab_size ({model_vocab})" if cfg.model.vocab_size else \
+                f"the tokenizer {cfg.tokenizer} ({tok_vocab} tokens)"
             raise UserError(f"train_data {d.path}: prepared with a tokenizer of {vocab} tokens, more than {whose} "
                             f"covers; use the tokenizer the data was prepared with ({data_tok.get('path')}) or "
                             "prepare the data again with this one")

@@ -17,6 +17,7 @@ folder, which is never picked up as the latest checkpoint and is removed by the 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -114,7 +115,10 @@ class PendingSave:
     def _complete_inflight(self) -> str:
         future, args = self._inflight
         self._inflight = None
-        future.result()  # raises the write's error, if any
+        try:
+            future.result()  # raises the write's error, if any
+        except (Exception, CheckpointException) as e:
+            raise _write_error(e, args[1]) from None
         return _complete(*args)
 
 
@@ -139,15 +143,44 @@ def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimiz
         os.makedirs(tmp)
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    try:
+        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    except (OSError, RuntimeError) as e:
+        raise _write_error(e, tmp) from None
     finish_args = (save_folder, tmp, final, state, rank, keep, on_complete)
     if pending is not None:
         # Returns once the state is staged (copied to CPU memory); the write continues in a thread.
         pending.start(dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
                                      process_group=pending.group), finish_args)
         return final
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    except (Exception, CheckpointException) as e:
+        raise _write_error(e, tmp) from None
     return _finish(*finish_args)
+
+
+FULL_BYTES = 1 << 20  # a write that failed with less free space than this ran out of it
+
+
+def _write_error(e: BaseException, folder: str) -> BaseException:
+    """The OSError behind a failed checkpoint write (a full disk, a read-only folder), else ``e``.
+    DCP wraps every rank's error in a CheckpointException (a BaseException, with a traceback text),
+    and torch.save's zip writer reports a full disk as a RuntimeError ("unexpected pos"): the
+    folder's free space tells that case apart."""
+    cause = e
+    if isinstance(e, CheckpointException) and e.failures:
+        cause = next(iter(e.failures.values()))
+        cause = cause[0] if isinstance(cause, tuple) else cause
+    if isinstance(cause, OSError):
+        return cause
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return e
+    if st.f_bavail * st.f_frsize < FULL_BYTES:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), folder)
+    return e
 
 
 def _finish(*args) -> str:
