@@ -226,6 +226,9 @@ def forget_if_rejected(reg: Registry, slot: RunSlot, plan: LaunchPlan) -> None:
     if run.get("metrics") or list_checkpoints(local_folder(slot.save_folder)):
         return  # it trained: a failure later on (a full disk) is part of the run's record
     reg.delete(slot.name)
+
+
+def detach(reg: Registry, args, slot: RunSlot, plan: LaunchPlan) -> int:
     probe(local_folder(slot.save_folder))  # a busy folder is reported here, not in a log file
     sup = LaunchPlan("supervise", run_uid=slot.run_uid, nproc=plan.nproc, detached=True, parent_pid=os.getpid())
     proc = spawn_supervisor(with_plan(child_argv(args, slot.name, slot.save_folder, first=True), sup),
