@@ -387,6 +387,18 @@ def test_tail_holdout_when_documents_are_few(world, tmp_path):
     assert list(last_train) == ids[(k - 1) * 64: k * 64] and list(first_val) == ids[k * 64: (k + 1) * 64]
 
 
+def test_short_jsonl_documents_get_a_held_out_split(world, tmp_path):
+    """400 short documents: 1% of them make less than one sample, so the tail is held out."""
+    from lmforge.data.prepare import prepare
+
+    rows = "".join(json.dumps({"text": f"def f{i}(x): return x + {i}"}) + "\n" for i in range(400))
+    (tmp_path / "docs.jsonl").write_text(rows)
+    s = prepare([str(tmp_path / "docs.jsonl")], str(world.data.tokenizer), str(tmp_path / "o"), 64,
+                eval_fraction=0.01)
+    assert s["splits"]["val"]["samples"] >= 1 and s["splits"]["val"]["held_out"].startswith("tail")
+    assert s["documents"] == 400
+
+
 def world_tokens(world, text: str) -> list[int]:
     from lmforge.data.tokenizer import load_tokenizer
 

@@ -13,9 +13,9 @@ into the next sample); the final partial sample of each split is dropped and cou
 Split: a document goes to ``val`` when blake2b(its UTF-8 bytes), read as a number in [0, 1),
 is below ``eval_fraction`` -- a pure function of its content, so re-runs and added files never
 move a document between splits. A corpus of few documents (one ``.txt`` file is one document)
-may leave that split without one full sample: then the val split is instead the last
-``eval_fraction`` of the train samples (at least one), a held-out tail cut by tokens, and the
-few tokens of the documents drawn for val are dropped (counted in val's ``dropped_tokens``).
+may leave one split without a full sample: then the val split is instead the last
+``eval_fraction`` of the packed samples (at least one, never all), a held-out tail cut by tokens,
+and the other split's few tokens are dropped (counted in val's ``dropped_tokens``).
 
 Parallelism: the parent reads documents in input order and cuts them into chunks; ``workers``
 processes tokenize chunks; the parent consumes the results in submission order and does all
