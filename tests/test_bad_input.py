@@ -1,6 +1,6 @@
 """Bad input, table-driven: every case is one command line with the files it needs, the exit code
 it must end with, words its one `error:` line must hold, and files that must stay byte-identical.
-On the code before issue 22 the same 71 cases gave 22 tracebacks (``was_traceback``), 12 inputs
+On the code before issue 22 the same 73 cases gave 23 tracebacks (``was_traceback``), 13 inputs
 accepted without a word and 8 misleading lines.
 
 The commands run in this process through `lmforge.cli.main.main` (no interpreter start-up); the
@@ -269,6 +269,13 @@ CASES = [
     Case("export-bad-dtype", ["export", "--checkpoint", "{final}", "--out", "{dir}/hf", "--dtype", "int3"], ["--dtype"]),
     Case("eval-truncated", ["eval", "--checkpoint", "{dir}/final", "--tasks", "{tasks}"],
          ["model.safetensors", "truncated"], files={"final": damaged_final("truncated")}, was_traceback=True),
+    Case("eval-run-folder-damaged", ["eval", "--checkpoint", "{dir}/run", "--tasks", "{tasks}"],
+         ["model.safetensors", "truncated"], files={"run": run_copy, "x": lambda w, d: _truncate(
+             d / "run" / "final" / "model.safetensors")}, was_traceback=True),
+    Case("generate-checkpoint-bit-flip", ["generate", "--checkpoint", "{dir}/run/checkpoints/step_00000004",
+                                          "--prompt", "x"], ["step_00000004", "distcp", "sha256"],
+         files={"run": run_copy, "x": lambda w, d: [
+             _flip(f) for f in (d / "run" / "checkpoints" / "step_00000004").glob("*.distcp")]}),
     Case("eval-tasks-binary", ["eval", "--checkpoint", "{final}", "--tasks", "{dir}/t.yaml"], ["tasks file", "binary"],
          files={"t.yaml": BINARY}, was_traceback=True),
     Case("eval-tasks-not-utf8", ["eval", "--checkpoint", "{final}", "--tasks", "{dir}/t.yaml"], ["not UTF-8"],
@@ -313,6 +320,10 @@ CASES = [
              _flip(f) for f in sorted((d / "run" / "checkpoints").glob("*/*.distcp"))]},
          keep=["{dir}/run/final"]),
 ]
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:1000])
 
 
 def _flip(path: Path) -> None:
