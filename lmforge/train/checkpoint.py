@@ -25,6 +25,7 @@ import re
 import shutil
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -92,13 +93,22 @@ class PendingSave:
 
     def __init__(self):
         """Collective when distributed: every rank creates it at the same point."""
-        self._inflight = None  # (future, completion arguments)
+        self._inflight = None  # (future of the write and rank 0's file digests, completion arguments)
+        # Rank 0 hashes the written files (the state file's digests) here too, after the write:
+        # reading a large checkpoint back takes seconds the training loop need not wait for.
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmforge-digests")
         # The background write coordinates ranks (plans, metadata) while the training thread
         # runs its own collectives: it gets a separate gloo group so the two never interleave.
         self.group = td.new_group(backend="gloo") if td.is_available() and td.is_initialized() else None
 
     def start(self, future, complete_args: tuple) -> None:
-        self._inflight = (future, complete_args)
+        tmp, rank = complete_args[1], complete_args[4]
+
+        def written():
+            future.result()  # raises the write's error, if any
+            return file_digests(tmp, skip=(STATE_FILE,)) if rank == 0 else None
+
+        self._inflight = (self._hasher.submit(written), complete_args)
 
     def poll(self) -> str | None:
         """Complete the in-flight checkpoint if its write finished (never blocks, not collective)."""
@@ -116,10 +126,10 @@ class PendingSave:
         future, args = self._inflight
         self._inflight = None
         try:
-            future.result()  # raises the write's error, if any
+            digests = future.result()
         except (Exception, CheckpointException) as e:
             raise _write_error(e, args[1]) from None
-        return _complete(*args)
+        return _complete(*args, digests=digests)
 
 
 def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -191,10 +201,11 @@ def _finish(*args) -> str:
     return final
 
 
-def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, keep: int, on_complete) -> str:
+def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, keep: int, on_complete,
+              digests: dict | None = None) -> str:
     """Rank 0 writes the state file last and renames (the checkpoint becomes visible); other ranks: no-op."""
     if rank == 0:
-        state = state | {"files": file_digests(tmp, skip=(STATE_FILE,))}
+        state = state | {"files": digests if digests is not None else file_digests(tmp, skip=(STATE_FILE,))}
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(state, f, indent=1)
             f.flush()
