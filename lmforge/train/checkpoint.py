@@ -304,11 +304,14 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
 RUN_FILE = "run.json"
 
 
-def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, autoresume: bool) -> bool:
+def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, autoresume: bool,
+                      all_local: bool = True) -> bool:
     """Returns True when the folder already holds this run's checkpoints (resume is possible).
 
     ``identity`` is `config.identity.run_identity`. A folder that holds a different run is refused
-    unless ``overwrite``, in which case its checkpoints are removed (never silently mixed).
+    unless ``overwrite``, in which case its checkpoints are removed (never silently mixed). A
+    folder whose other run never completed a checkpoint (a start that failed) is taken over —
+    when ``all_local``: a remote run's checkpoints are in the store, not in its staging folder.
     """
     path = os.path.join(save_folder, RUN_FILE)
     if not os.path.exists(path):
@@ -326,7 +329,8 @@ def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, auto
             if os.path.exists(os.path.join(save_folder, name)):
                 os.remove(os.path.join(save_folder, name))
         return False
-    if not same and not list_checkpoints(save_folder) and not os.path.isdir(os.path.join(save_folder, "final")):
+    if not same and all_local and not list_checkpoints(save_folder) \
+            and not os.path.isdir(os.path.join(save_folder, "final")):
         # An earlier start that failed before its first checkpoint: nothing of it to protect.
         return False
     if not same:

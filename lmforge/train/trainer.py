@@ -35,6 +35,7 @@ from lmforge.checksums import write_export_digests
 from lmforge.config.identity import run_identity
 from lmforge.config.schema import RunConfig
 from lmforge.data.batch import Batch, StreamLayout, TrainingData
+from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
@@ -171,7 +172,8 @@ class Trainer:
         if self.dist.is_main:
             self.callbacks.before_resume(self.save_folder)
             can_resume = ckpt.check_save_folder(self.save_folder, identity, overwrite=overwrite,
-                                                autoresume=self.cfg.autoresume)
+                                                autoresume=self.cfg.autoresume,
+                                                all_local=not is_remote(self.cfg.save_folder))
             self.callbacks.resume_decided(self.save_folder, can_resume and self.cfg.autoresume, overwrite)
             ckpt.write_run_file(self.save_folder, identity, redact_config(self.cfg.model_dump(mode="json")))
         barrier()
