@@ -463,8 +463,13 @@ def small_disk(tmp_path):
     """A real, nearly full file system: a 512 KiB tmpfs (needs the right to mount; skipped without)."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+                                 capture_output=True).returncode == 0
+    except OSError:
+        mounted = False
+    if not mounted:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount)")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -489,20 +494,38 @@ def test_read_only_save_folder_is_refused_before_the_run(world, small_disk):
 # --------------------------------------------------------------------------- real processes: the supervisor
 
 
-def test_supervisor_does_not_retry_or_register_bad_input(world, tmp_path, small_disk):
-    """A config refused before work starts never becomes a run; one that fails in the trainer on a
-    user's error (a full disk) is recorded with its reason and not retried."""
+def test_rejected_config_is_not_registered(world, tmp_path):
+    """A config refused before work starts never becomes a run (the supervised path: no --no-supervisor)."""
     from lmforge.runs.registry import Registry
 
     big = write_config(tmp_path / "big.yaml", world.config(model=BIG_MODEL, save_folder=str(tmp_path / "big")))
     before = {r["name"] for r in Registry().list()}
     assert_one_line_error(cli("train", "-f", big), "does not fit")  # (refused before the supervisor starts)
     assert {r["name"] for r in Registry().list()} == before
+    assert not (tmp_path / "big").exists()
+
+
+def test_supervisor_does_not_retry_a_full_disk(world, small_disk):
+    """A run that fails in the trainer on a user's error (a full disk) is recorded with its reason
+    and not retried; the supervisor's own log writer survives the full disk."""
+    from lmforge.runs.registry import Registry
 
     cfg = world.config(save_folder=str(small_disk / "run"), name="bad-input-full", max_retries=2)
-    proc = lmforge("train", "-f", write_config(tmp_path / "full.yaml", cfg))
+    proc = lmforge("train", "-f", write_config(small_disk.parent / "full.yaml", cfg))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "restart" not in proc.stderr
     run = Registry().get("bad-input-full")
     assert run["status"] == "FAILED" and "ENOSPC" in run["reason"], run["reason"]
     assert len(run["resumptions"]) == 1
+
+
+def test_run_rejected_by_its_trainer_is_not_kept(world, tmp_path):
+    """Bad data is found by the trainer process (after the run was registered): one line, exit 2,
+    no retry, and no FAILED entry left behind in `runs list`."""
+    from lmforge.runs.registry import Registry
+
+    (tmp_path / "blob.txt").write_bytes(BINARY)
+    cfg = world.config(save_folder=str(tmp_path / "run"), name="bad-input-blob", train_data=str(tmp_path / "blob.txt"))
+    proc = lmforge("train", "-f", write_config(tmp_path / "blob.yaml", cfg))
+    assert_one_line_error(proc, "blob.txt", "binary")
+    assert Registry().get("bad-input-blob") is None
