@@ -32,7 +32,7 @@ def preflight(cfg: RunConfig, command: str) -> None:
         check_weights(cfg.custom_weights_path)
     check_vocab(cfg)
     check_memory(cfg)
-    check_save_folder(cfg)  # last: it creates the folder
+    check_save_folder(cfg)
 
 
 def check_task(cfg: RunConfig, command: str) -> None:
@@ -52,12 +52,18 @@ def check_save_folder(cfg: RunConfig) -> None:
         return
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise UserError(f"save_folder {folder}: exists and is not a folder; choose another --save-folder")
+    # Nothing is created: a test file in the folder, or in its nearest existing parent, is
+    # written and removed at once.
+    probe_dir = os.path.abspath(folder)
+    while not os.path.exists(probe_dir):
+        probe_dir = os.path.dirname(probe_dir)
+    if not os.path.isdir(probe_dir):
+        raise UserError(f"save_folder {folder}: {probe_dir} is a file, not a folder; choose another --save-folder")
     try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".lmforge-write-test-"):
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".lmforge-write-test-"):
             pass
     except OSError as e:
-        err = environment_error(e, where=folder)
+        err = environment_error(OSError(e.errno, e.strerror, f"save_folder {folder}"))
         if err is None:
             raise UserError(f"save_folder {folder}: cannot be written ({e.strerror or e})") from None
         raise err from None
@@ -142,6 +148,8 @@ def check_memory(cfg: RunConfig) -> None:
     lora = cfg.lora is not None
     per_param = 4 if lora else STATE_BYTES_PER_PARAM  # LoRA: frozen fp32 weights (+ small adapters)
     compute = cfg.compute
+    if compute.device == "cuda" and not torch.cuda.is_available():
+        return  # reported where the device is picked
     cuda = compute.device == "cuda" or (compute.device == "auto" and torch.cuda.is_available())
     sharded = compute.data_parallel in ("fsdp", "hsdp")
     if cuda:
