@@ -10,3 +10,27 @@ class UserError(Exception):
     """Bad input: config, data, paths, checkpoints or CLI arguments."""
 
     exit_code = 2
+
+
+# Errors of the machine around a run, not of lmforge: a full disk, a read-only or forbidden
+# folder. Retrying cannot help, so they end a run as bad input does (one line, exit 2).
+_ENVIRONMENT_ERRNOS = {"ENOSPC": "free some space or choose another folder",
+                       "EDQUOT": "the disk quota is used up; free some space or choose another folder",
+                       "EROFS": "the file system is read-only; choose another folder",
+                       "EACCES": "check the folder's permissions or choose another folder",
+                       "EPERM": "check the folder's permissions or choose another folder",
+                       "EFBIG": "the file system's file size limit is reached"}
+
+
+def environment_error(e: BaseException, where: str | None = None) -> UserError | None:
+    """A UserError naming the path and the errno for a full disk / read-only / forbidden path,
+    else None. ``where`` names the path when the OSError carries none (a failed write())."""
+    import errno as errno_names
+
+    if not isinstance(e, OSError) or e.errno is None:
+        return None
+    name = errno_names.errorcode.get(e.errno, "")
+    if name not in _ENVIRONMENT_ERRNOS:
+        return None
+    path = e.filename or where or "?"
+    return UserError(f"{path}: {e.strerror or name} ({name}); {_ENVIRONMENT_ERRNOS[name]}")

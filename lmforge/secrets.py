@@ -15,6 +15,7 @@ import re
 import time
 import uuid
 
+from lmforge.config.load import read_text_file
 from lmforge.errors import UserError
 
 MASK = "***"
@@ -40,11 +41,7 @@ _SECRET_VARS = {"AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
 def _read_file(path: str) -> dict[str, str]:
     """A YAML/JSON mapping, or ``KEY=VALUE`` lines (dotenv / ~/.aws/credentials style)."""
     path = os.path.expanduser(path)
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise UserError(f"secrets.file: cannot read {path} ({e.strerror or e})") from None
+    text = read_text_file(path, "secrets.file")
     data: dict = {}
     try:
         import yaml

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from lmforge.errors import UserError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -34,3 +37,17 @@ def add_command(subparsers, name: str, help: str, description: str | None = None
         description=description or help,
         formatter_class=HelpFormatter,
     )
+
+
+def check_output_folder(path: str, flag: str, overwrite: bool) -> bool:
+    """A folder a command writes must be new or empty, unless ``--overwrite`` (then it is replaced).
+    Returns whether it exists (and is to be replaced)."""
+    if not os.path.exists(path):
+        return False
+    if not os.path.isdir(path):
+        raise UserError(f"{flag} {path}: exists and is not a folder; choose another {flag}")
+    if os.listdir(path) and not overwrite:
+        shown = ", ".join(sorted(os.listdir(path))[:3])
+        raise UserError(f"{flag} {path}: folder is not empty (holds {shown}); choose another {flag} or pass "
+                        "--overwrite to replace it")
+    return True

@@ -32,7 +32,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="DEST", help="output folder or object-store URI")
     p.add_argument("--seq-len", type=int, required=True, metavar="N", help="tokens per sample")
     p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
-                   help="fraction of documents held out in DEST/val (chosen by a hash of their content)")
+                   help="fraction of documents held out in DEST/val (chosen by a hash of their content); "
+                   "too few documents for one val sample: that fraction of the samples, from the end")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="tokenizer processes")
     p.add_argument("--compression", default="zstd", help="shard compression: zstd, zstd:LEVEL or none")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")

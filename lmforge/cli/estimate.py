@@ -6,10 +6,10 @@ import json
 import re
 from pathlib import Path
 
-import yaml
 from pydantic import ValidationError
 
 from lmforge.cli.common import add_command
+from lmforge.config.load import load_yaml_text, read_text_file
 from lmforge.config.model import PRESETS, resolve_model
 from lmforge.errors import UserError
 from lmforge.estimate.hardware import gpu_type_names
@@ -35,10 +35,7 @@ def _load_model(value: str):
     path = Path(value)
     if not path.is_file():
         raise UserError(f"--model: no such file {value!r} (expected a preset name or a run YAML)")
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"{value}: not valid YAML ({str(e).splitlines()[0]})") from None
+    doc = load_yaml_text(read_text_file(value, "--model"), value)
     if not isinstance(doc, dict) or "model" not in doc:
         raise UserError(f"{value}: expected a run config with a `model:` key")
     try:

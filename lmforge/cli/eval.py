@@ -86,6 +86,8 @@ def _load_checkpoint(path: str, device):
     from lmforge.train.locate import check_tokenizer_fits, load_model, locate  # torch (lazy: `lmforge --help`)
 
     loc = locate(path)
+    # The weights first: a damaged model folder is reported as that, not as a missing tokenizer.
+    model, cfg, _ = load_model(path, device=device)
     # The tokenizer is saved next to the weights (save_pretrained copies it), or in tokenizer/.
     candidates = [d for d in (loc.tokenizer_dir, os.path.join(loc.path, "tokenizer")) if d]
     tok_dir = next((d for d in candidates if os.path.isfile(os.path.join(d, "tokenizer.json"))), None)
@@ -93,7 +95,6 @@ def _load_checkpoint(path: str, device):
         raise UserError(f"--checkpoint {path}: no tokenizer (tokenizer.json) stored with the model; "
                         "save the model together with its tokenizer")
     tokenizer = load_tokenizer(tok_dir)
-    model, cfg, _ = load_model(path, device=device)
     check_tokenizer_fits(tokenizer, cfg, f"--checkpoint {path}")
     return model, tokenizer
 

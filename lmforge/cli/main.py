@@ -14,7 +14,7 @@ import sys
 
 from lmforge import __version__
 from lmforge.cli.common import HelpFormatter, OneLineParser
-from lmforge.errors import UserError
+from lmforge.errors import UserError, environment_error
 
 # Command modules, in the order they appear in `lmforge --help`. A module that does not
 # exist yet is skipped, so the CLI stays usable while features are added.
@@ -71,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         # `lmforge ... | head` closing the pipe is not an error.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:
+        err = environment_error(e)  # a full disk, a read-only or forbidden folder: one line, no traceback
+        if err is None:
+            raise
+        sys.stderr.write(f"error: {err}\n")
+        return err.exit_code
 
 
 if __name__ == "__main__":

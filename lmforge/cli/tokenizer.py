@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 
-from lmforge.cli.common import OneLineParser, add_command
+from lmforge.cli.common import OneLineParser, add_command, check_output_folder
 from lmforge.data.tokenizer import train_tokenizer
 
 
@@ -21,6 +23,7 @@ def register(subparsers) -> None:
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
     p.add_argument("--bos", action="store_true", help="add a <|bos|> token, prepended to every encoded text")
     p.add_argument("--min-frequency", type=int, default=2, help="minimum pair count for a merge")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     p.set_defaults(func=_train)
     group.set_defaults(func=lambda args: (group.print_help(), 2)[1])
 
@@ -28,8 +31,20 @@ def register(subparsers) -> None:
 def _train(args) -> int:
 
     start = time.perf_counter()
-    tok = train_tokenizer(args.input, args.vocab_size, args.out, text_field=args.text_field, add_bos=args.bos,
-                          min_frequency=args.min_frequency)
+    out = os.path.abspath(args.out)
+    existed = check_output_folder(out, "--out", args.overwrite)
+    # Trained into a sibling folder, then moved into place: a failed run leaves --out as it was,
+    # and --overwrite leaves no file of the old folder behind (e.g. a model's weights).
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tok = train_tokenizer(args.input, args.vocab_size, tmp, text_field=args.text_field, add_bos=args.bos,
+                              min_frequency=args.min_frequency)
+        if existed:
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"tokenizer: {tok.vocab_size} tokens (eos {tok.eos_id}, pad {tok.pad_id}"
           f"{f', bos {tok.bos_id}' if tok.bos_id is not None else ''}) -> {args.out} "
           f"in {time.perf_counter() - start:.1f}s")

@@ -129,7 +129,11 @@ def _run(args) -> int:
     # registered or started (and before torch is imported: a wrong key fails in seconds).
     if started_by_user(args) and not args.skip_credentials_check:
         secrets.check_credentials(cfg, log=print)
-    plan = launch_plan(args, cfg)
+    plan = launch_plan(args, cfg)  # (checks the device mesh)
+    if started_by_user(args):  # a config that cannot work is refused before it becomes a run
+        from lmforge.runs.preflight import preflight  # torch (lazy, as below)
+
+        preflight(with_default_names(cfg), args.command)
     if plan.role in ("detach", "supervise"):
         from lmforge.runs.start import start  # torch, as runs.job below (lazy: `lmforge --help` stays light)
 

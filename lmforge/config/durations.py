@@ -8,6 +8,7 @@ separators and ``K/M/B/T`` suffixes (10^3 … 10^12).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ UNITS = {"tok": "tok", "ba": "ba", "sp": "sp", "ep": "ep", "s": "s", "min": "s",
          "flops": "flop"}
 _SECONDS = {"s": 1, "min": 60, "h": 3600}
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+# Far beyond any real run (10^18 tokens, steps, samples, epochs or seconds), small enough that
+# step and token counts stay exact integers: a larger value is a typo, not a plan.
+MAX_VALUE = 1e18
 _PATTERN = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]+)?(?:e\+?[0-9]+)?)\s*([a-z][a-z ]*?)\s*$", re.I)
 
 
@@ -57,4 +61,6 @@ def parse_duration(text: str | int | float | Duration, what: str = "duration") -
         value *= _SECONDS[unit]
     if value <= 0:
         raise ValueError(f"{what} must be positive, got {text!r}")
+    if not math.isfinite(value) or value > MAX_VALUE:
+        raise ValueError(f"{what} {text!r} is too large (at most {MAX_VALUE:.0e} {UNITS[unit]})")
     return Duration(value=value, unit=UNITS[unit])

@@ -14,16 +14,58 @@ from lmforge.config.schema import RunConfig
 from lmforge.errors import UserError
 
 
-def read_yaml(path: str) -> dict:
-    if not os.path.exists(path):
-        raise UserError(f"config file not found: {path}")
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML lets the last one win
+    silently, which hides the first value from whoever reads the file)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (lines {first} and {key_node.start_mark.line + 1}); "
+                    "keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_text(text: str, where: str):
+    """YAML text → data, every problem (syntax, a duplicate key) as one UserError naming ``where``."""
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise UserError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+        at = f" line {mark.line + 1}" if mark else ""
+        raise UserError(f"{where}:{at} is not valid YAML ({getattr(e, 'problem', e)})") from None
+
+
+def read_text_file(path: str, what: str) -> str:
+    """A UTF-8 text file's content, or one UserError saying why it cannot be read."""
+    if os.path.isdir(path):
+        raise UserError(f"{what} {path} is a folder; expected a file")
+    if not os.path.exists(path):
+        raise UserError(f"{what} not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot read ({e.strerror or e})") from None
+    if b"\0" in raw[:8192]:
+        raise UserError(f"{what} {path} is a binary file; expected UTF-8 text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UserError(f"{what} {path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}); "
+                        "save it as UTF-8") from None
+
+
+def read_yaml(path: str) -> dict:
+    data = load_yaml_text(read_text_file(path, "config file"), path)
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -124,7 +124,8 @@ class TokenizerSpec(_Strict):
 class EvalConfig(_Strict):
     data_path: str | None = Field(None, description="held-out data; default: the val split of the training data")
     holdout_fraction: float = Field(
-        0.01, ge=0, lt=1, description="share of raw-text documents held out for eval when lmforge prepares the data")
+        0.01, ge=0, lt=1, description="share of raw-text documents held out for eval when lmforge prepares the data; "
+        "too few documents for one held-out sample (one .txt file): that share of the packed tokens, from the end")
     interval: DurationField | None = Field(None, description="how often to evaluate, e.g. '500ba' or '1M tok'; default: ~10 evals per run")
     max_batches: int = Field(20, gt=0, description="held-out micro-batches per evaluation")
     prompts: list[str] = Field(default_factory=list, description="prompts to generate from at each evaluation")

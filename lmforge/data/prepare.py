@@ -12,7 +12,10 @@ into the next sample); the final partial sample of each split is dropped and cou
 
 Split: a document goes to ``val`` when blake2b(its UTF-8 bytes), read as a number in [0, 1),
 is below ``eval_fraction`` -- a pure function of its content, so re-runs and added files never
-move a document between splits.
+move a document between splits. A corpus of few documents (one ``.txt`` file is one document)
+may leave one split without a full sample: then the val split is instead the last
+``eval_fraction`` of the packed samples (at least one, never all), a held-out tail cut by tokens,
+and the other split's few tokens are dropped (counted in val's ``dropped_tokens``).
 
 Parallelism: the parent reads documents in input order and cuts them into chunks; ``workers``
 processes tokenize chunks; the parent consumes the results in submission order and does all
@@ -295,12 +298,15 @@ def _check_args(seq_len, eval_fraction, workers, compression) -> str | None:
 def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_len: int, *,
             eval_fraction: float = 0.0, workers: int = 1, compression: str | None = "zstd",
             text_field: str = "text", overwrite: bool = False, progress: bool | None = None,
-            log: Callable[[str], None] | None = None, curate=None, removed_out: str | None = None) -> dict:
+            log: Callable[[str], None] | None = None, curate=None, removed_out: str | None = None,
+            flags: tuple[str, str] = ("--eval-fraction", "--seq-len")) -> dict:
     """Tokenize and pack ``inputs`` into the prepared dataset ``out``; returns its marker/summary.
 
     ``curate`` (a ``CurateConfig`` or its mapping) deduplicates, filters and decontaminates the
     documents first; the summary's ``curation`` counts every removal by reason, and
-    ``removed_out`` receives a sample of removed documents per reason. A re-run with the same
+    ``removed_out`` receives a sample of removed documents per reason. ``flags`` name the
+    eval fraction and the sequence length in error messages as the caller's user sets them
+    (``data prepare``'s flags, or a run config's keys). A re-run with the same
     inputs, arguments (curation included) and tokenizer returns the existing summary with
     ``already_prepared: True`` and writes nothing.
     """
@@ -365,7 +371,7 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
 
             curator = Curator(curate, index)
         summary = _build(sources, tok, stage, seq_len, eval_fraction, workers, compression, text_field, stats,
-                         inputs, progress, curator)
+                         inputs, progress, curator, flags)
         marker |= summary
         marker["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         with open(os.path.join(stage, MARKER), "w") as f:
@@ -381,7 +387,7 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
 
 def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: float, workers: int,
            compression: str | None, text_field: str, stats: SourceStats, inputs: list[str],
-           progress: bool | None, curator=None) -> dict:
+           progress: bool | None, curator=None, flags: tuple[str, str] = ("--eval-fraction", "--seq-len")) -> dict:
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     packers = {"train": _Packer(os.path.join(stage, "train"), seq_len, dtype, compression)}
     if eval_fraction > 0:
@@ -420,12 +426,12 @@ def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: flo
                         "the filters that removed them")
     splits = {name: p.finish() for name, p in packers.items()}
     seconds = time.perf_counter() - start
-    if splits["train"]["samples"] == 0:
-        raise UserError(f"--seq-len {seq_len}: larger than the data (the train split has only "
-                        f"{splits['train']['tokens']} tokens, not one full sample)")
-    if "val" in splits and splits["val"]["samples"] == 0:
-        raise UserError(f"--eval-fraction {eval_fraction}: the val split got {splits['val']['tokens']} tokens, "
-                        f"less than one --seq-len {seq_len} sample; raise --eval-fraction or lower --seq-len")
+    frac_flag, seq_flag = flags
+    if sum(s["samples"] for s in splits.values()) == 0:
+        raise UserError(f"{seq_flag} {seq_len}: larger than the data (it has only "
+                        f"{sum(s['tokens'] for s in splits.values())} tokens, not one full sample of {seq_len})")
+    if "val" in splits and 0 in (splits["val"]["samples"], splits["train"]["samples"]):
+        splits = _tail_holdout(stage, splits, eval_fraction, seq_len, dtype, compression, flags)
     return {
         "dtype": dtype,
         "documents": sum(s["documents"] for s in splits.values()),
@@ -443,6 +449,48 @@ def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: flo
         "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
         "workers": workers,
     } | ({"curation": curation} if curation is not None else {})
+
+
+def _tail_holdout(stage: str, splits: dict, eval_fraction: float, seq_len: int, dtype: str,
+                  compression: str | None, flags: tuple[str, str]) -> dict:
+    """Few documents: one split got every full sample (the per-document draw put every document on
+    one side): the val split becomes the last ``eval_fraction`` of those samples, train the rest."""
+    from lmforge.data.mds import MDSReader, MDSWriter
+
+    frac_flag, seq_flag = flags
+    source, other = ("train", "val") if splits["train"]["samples"] else ("val", "train")
+    whole = splits[source]
+    n = whole["samples"]
+    if n < 2:
+        raise UserError(f"{frac_flag} {eval_fraction}: the data makes only {n} sample of {seq_len} tokens, "
+                        f"nothing is left to hold out; set {frac_flag} 0 (or lower {seq_flag}, or add data)")
+    k = min(n - 1, max(1, round(eval_fraction * n)))
+    src_dir = os.path.join(stage, f"{source}.whole")
+    os.replace(os.path.join(stage, source), src_dir)
+    shutil.rmtree(os.path.join(stage, other))
+    reader = MDSReader(src_dir, cache_dir=os.path.join(stage, "cache"))
+    try:
+        for split, lo, hi in (("train", 0, n - k), ("val", n - k, n)):
+            with MDSWriter(os.path.join(stage, split), {"tokens": f"ndarray:{dtype}"}, compression=compression) as w:
+                for i in range(lo, hi):
+                    w.write({"tokens": reader.get_tokens(i)})
+    finally:
+        reader.close()
+    shutil.rmtree(src_dir)
+    shutil.rmtree(os.path.join(stage, "cache"), ignore_errors=True)
+    bpt = whole["bytes_per_token"]
+    held = k * seq_len
+    held_bytes = round(held * bpt) if bpt else 0
+    shards = {s: len(os.listdir(os.path.join(stage, s))) - 1 for s in SPLITS}  # less index.json
+    # Documents stay counted where the per-document draw put them; the other split's few tokens
+    # (less than one sample) are dropped with its remainder.
+    val = splits["val"] | {"tokens": held, "bytes": held_bytes, "bytes_per_token": bpt, "samples": k,
+                           "shards": shards["val"], "held_out": f"tail: the last {k} of {n} samples"}
+    train = splits["train"] | {"tokens": whole["tokens"] - held, "bytes": whole["bytes"] - held_bytes,
+                               "bytes_per_token": bpt, "samples": n - k, "shards": shards["train"]}
+    val["dropped_tokens"] = splits[other]["tokens"] + (whole["dropped_tokens"] if source == "val" else 0)
+    train["dropped_tokens"] = whole["dropped_tokens"] if source == "train" else 0
+    return {"train": train, "val": val}
 
 
 def _publish(stage: str, out: str, out_exists: bool) -> None:

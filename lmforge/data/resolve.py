@@ -204,7 +204,7 @@ def _prepare_cached(inputs: list[str], tokenizer_path: str, seq_len: int, eval_f
     # under the same path, which changes the decontamination index) is rebuilt.
     summary = prepare(inputs, tokenizer_path, out, seq_len, eval_fraction=eval_fraction,
                       workers=min(4, os.cpu_count() or 1), text_field=text_field, progress=None, curate=curate,
-                      overwrite=True)
+                      overwrite=True, flags=("eval.holdout_fraction", "parameters.context_length"))
     if curate is not None and not summary.get("already_prepared"):
         c = summary["curation"]
         log(f"data: curation kept {c['documents_kept']:,} of {c['documents_in']:,} documents"

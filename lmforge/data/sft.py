@@ -21,6 +21,7 @@ relative positions, so an example's logits are the same wherever it sits in a ro
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -62,9 +63,17 @@ def chat_prompt(user_text: str) -> str:
 
 # --------------------------------------------------------------------------- reading rows
 
+TASK_DATA = ("instruction_finetune / chat_completion read JSONL files of prompt/response or messages rows "
+             "(`lmforge train` pretrains on raw text or prepared data)")
+
+
 def _open_lines(path: str):
     import fsspec
 
+    if os.path.isdir(path):
+        prepared = " (a prepared pretraining dataset: fine-tune on it with task_type continued_pretrain)" \
+            if os.path.exists(os.path.join(path, "lmforge-dataset.json")) else ""
+        raise UserError(f"{path} is a folder{prepared}; {TASK_DATA}")
     try:
         files = fsspec.open_files(path, "rt", compression="infer", encoding="utf-8")
     except (OSError, ValueError) as e:
@@ -78,6 +87,10 @@ def _open_lines(path: str):
                     yield f.path, i, line
         except FileNotFoundError:
             raise UserError(f"{path}: no such file (expected JSONL with prompt/response or messages rows)") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{f.path}: not UTF-8 text; {TASK_DATA}") from None
+        except (IsADirectoryError, NotADirectoryError) as e:
+            raise UserError(f"{f.path}: {e.strerror}; {TASK_DATA}") from None
 
 
 def _segments(row, where: str, task: str, template=None) -> list[tuple[str, bool]]:

@@ -267,6 +267,10 @@ def _read_text_file(src: Source, compression: str | None, stats: SourceStats | N
         if stats is not None:
             stats.skip_input(src.uri, "empty file")
         return
+    if b"\0" in raw[:8192]:  # text has no NUL bytes (UTF-16 text has, and is not UTF-8 either)
+        if stats is not None:
+            stats.skip_input(src.uri, "a binary file (NUL bytes), not UTF-8 text")
+        return
     yield decode_utf8(raw, src.uri, stats)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from lmforge.config.load import read_text_file
 from lmforge.errors import UserError
 
 
@@ -41,10 +42,11 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping
 
 def load_yaml(path: Path, what: str) -> Any:
     """Parse a YAML file (mappings become LinedDict); UserError when missing or malformed."""
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{what} file {path} not found")
+    text = read_text_file(str(path), f"{what} file")  # a folder, binary or unreadable file: one line
     try:
-        return yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)  # noqa: S506 (a SafeLoader)
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f":line {mark.line + 1}" if mark is not None else ""

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lmforge.checksums import verify_export
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
 from lmforge.models.moe import fuse_legacy_experts
@@ -89,11 +90,17 @@ def save_hf(model: Transformer, cfg: ModelConfig, out_dir: str | Path, tokenizer
 
 
 def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
+        try:
+            sd.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"{f}: not a readable safetensors file ({why[:200]}); it may be truncated or "
+                            "damaged — copy or export it again") from None
     return sd
 
 
@@ -117,6 +124,7 @@ def load_pretrained(path: str | Path, device="cpu",
     folder = Path(path)
     if not folder.is_dir():
         raise UserError(f"{folder}: not a folder with model weights")
+    verify_export(str(folder))  # digests recorded at export (lmforge folders): a damaged file is named
     if (folder / CONFIG_FILE).is_file():
         try:
             cfg = ModelConfig(**json.loads((folder / CONFIG_FILE).read_text()))

@@ -22,7 +22,7 @@ from lmforge.data.remote import join as remote_join
 from lmforge.distributed.dist import destroy, init_distributed
 from lmforge.distributed.elastic import restart_count
 from lmforge.distributed.torchrun import torchrun_command, wait_for_endpoint
-from lmforge.errors import UserError
+from lmforge.errors import UserError, environment_error
 from lmforge.process import die_with_parent
 from lmforge.runs.lock import SaveFolderLock
 from lmforge.runs.plan import LaunchPlan, with_plan
@@ -90,9 +90,16 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
         trainer = Trainer(setup, dist, save_folder=local_folder(cfg.save_folder), callbacks=callbacks,
                           overwrite=overwrite, log=log)
         result = trainer.fit()
-    except UserError as e:
-        report_status(plan, "failed", error=str(e), exit_code=e.exit_code, attempt=restart_count())
-        raise
+    except (UserError, OSError) as e:
+        # A full disk or a read-only / forbidden save folder is the user's to fix, like bad input:
+        # reported as one line and never retried.
+        err = e if isinstance(e, UserError) else environment_error(e, where=f"save_folder {cfg.save_folder}")
+        if err is None:
+            raise
+        report_status(plan, "failed", error=str(err), exit_code=err.exit_code, attempt=restart_count())
+        if err is e:
+            raise
+        raise err from None
     finally:
         destroy()  # (the lock is held until this process exits: the kernel lets it go then)
     if store is not None and result.final_dir:

@@ -36,8 +36,8 @@ from lmforge.runs.lock import SaveFolderLock, probe
 from lmforge.runs.plan import LaunchPlan, new_run_uid, with_plan
 from lmforge.runs.registry import ACTIVE, Registry
 from lmforge.runs.store import local_folder, upload_logs
-from lmforge.runs.supervisor import Supervisor
-from lmforge.train.checkpoint import RUN_FILE
+from lmforge.runs.supervisor import EXIT_USER_ERROR, Supervisor
+from lmforge.train.checkpoint import RUN_FILE, list_checkpoints
 
 
 @dataclass
@@ -206,10 +206,28 @@ def start(cfg, args, plan: LaunchPlan) -> int:
                          max_retries=cfg.max_retries, config=cfg.model_dump(mode="json"),
                          echo=not plan.detached, after_resumption=after)
         rc = sup.run()
+        forget_if_rejected(reg, slot, plan)
     finally:
         lock.release()
     exit_now(rc)  # everything is recorded and closed: skip the interpreter's teardown of torch
     return rc
+
+
+def forget_if_rejected(reg: Registry, slot: RunSlot, plan: LaunchPlan) -> None:
+    """A new run whose only attempt ended on bad input (exit 2) before its first training step was
+    never a run: its entry goes (the user has just seen its one error line; a detached run keeps
+    the entry, where `runs describe` shows the reason)."""
+    if plan.detached or slot.existing is not None or slot.replaces is not None:
+        return
+    run = reg.get(slot.name)
+    if not run or run["run_uid"] != slot.run_uid or run["status"] != "FAILED":
+        return
+    attempts = run.get("resumptions") or []
+    if len(attempts) != 1 or attempts[0].get("exit_code") != EXIT_USER_ERROR:
+        return
+    if run.get("metrics") or list_checkpoints(local_folder(slot.save_folder)):
+        return  # it trained: a failure later on (a full disk) is part of the run's record
+    reg.delete(slot.name)
 
 
 def detach(reg: Registry, args, slot: RunSlot, plan: LaunchPlan) -> int:

@@ -37,6 +37,7 @@ import threading
 import time
 from collections import deque
 
+from lmforge.errors import environment_error
 from lmforge.process import child_dies_with_me
 from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.progress import MetricsTail, metrics_path, summarize
@@ -60,9 +61,12 @@ def report_status(plan: LaunchPlan | None, status: str, **info) -> None:
     if status == "started" and read_status(plan.status_file).get("status") == "failed":
         return
     tmp = plan.status_file + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"status": status} | info, f)
-    os.replace(tmp, plan.status_file)
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"status": status} | info, f)
+        os.replace(tmp, plan.status_file)
+    except OSError:  # a full disk: the supervisor reads the exit code and the "error:" line instead
+        pass
 
 
 def read_status(path: str) -> dict:
@@ -126,6 +130,7 @@ class Supervisor:
         self.idx = -1  # the current resumption
         self._log = None
         self._log_lock = threading.Lock()
+        self._log_error: OSError | None = None  # the log file could not be written (e.g. disk full)
 
     # --- signals: forwarded to the child, recorded in the registry by the main loop
 
@@ -166,7 +171,15 @@ class Supervisor:
                 self._finish("STOPPED", "stopped before the training process started")
                 return 0
             self.idx, log_path = self.reg.start_resumption(self.name, self.log_dir)
-            rc, status, tail = self._run_child(argv, log_path)
+            try:
+                rc, status, tail = self._run_child(argv, log_path)
+            except OSError as e:  # the log folder cannot be written (full, read-only): not retried
+                err = environment_error(e, where=self.log_dir)
+                if err is None:
+                    raise
+                self.reg.set_resumption(self.name, self.idx, status="FAILED", reason=str(err), ended_at=time.time())
+                self._finish("FAILED", str(err))
+                raise err from None
             state, reason, retry = self._classify(rc, status, tail)
             idx, log_path = self.idx, self._log_path()
             self.reg.set_resumption(self.name, idx, status="FAILED" if retry else state, reason=reason,
@@ -272,7 +285,10 @@ class Supervisor:
         if use_pty:
             os.close(master)
         with self._log_lock:
-            self._log.close()
+            try:
+                self._log.close()
+            except OSError:  # its buffer could not be written: the error is recorded above
+                pass
         return self.proc.returncode, read_status(status_file), list(tail)
 
     def _watch(self, status_file: str, tail: deque) -> None:
@@ -355,8 +371,14 @@ class Supervisor:
             if not chunk:
                 break
             with self._log_lock:
-                self._log.write(chunk)
-                self._log.flush()
+                if self._log_error is None:
+                    try:
+                        self._log.write(chunk)
+                        self._log.flush()
+                    except OSError as e:  # a full disk must not hide the trainer's own error line
+                        self._log_error = e
+                        self.reg.event(self.name, "warning", f"writing the log stopped: "
+                                       f"{environment_error(e, where=self._log.name) or e}")
             if out is not None:
                 try:
                     out.buffer.write(chunk)

@@ -6,7 +6,8 @@ Layout of ``save_folder``::
     checkpoints/step_00000100/    one complete checkpoint
         .metadata, __*_*.distcp   model + optimizer (torch.distributed.checkpoint)
         rng_rank{R}.pt            per-rank RNG states
-        lmforge-state.json        step, tokens, data-stream state, resolved config (written last)
+        lmforge-state.json        step, tokens, data-stream state, resolved config, and the size and
+                                  sha256 of every other file (written last; verified on load)
     final/                        model.safetensors + lmforge-model.json + tokenizer (the export)
 
 Every rank writes into ``checkpoints/.step_00000100.tmp``; after a barrier rank 0 writes
@@ -16,6 +17,7 @@ folder, which is never picked up as the latest checkpoint and is removed by the 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -23,6 +25,7 @@ import re
 import shutil
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -31,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from lmforge.checksums import DamagedFile, file_digests, verify_files
 from lmforge.distributed.dist import barrier
 from lmforge.errors import UserError
 
@@ -89,13 +93,22 @@ class PendingSave:
 
     def __init__(self):
         """Collective when distributed: every rank creates it at the same point."""
-        self._inflight = None  # (future, completion arguments)
+        self._inflight = None  # (future of the write and rank 0's file digests, completion arguments)
+        # Rank 0 hashes the written files (the state file's digests) here too, after the write:
+        # reading a large checkpoint back takes seconds the training loop need not wait for.
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmforge-digests")
         # The background write coordinates ranks (plans, metadata) while the training thread
         # runs its own collectives: it gets a separate gloo group so the two never interleave.
         self.group = td.new_group(backend="gloo") if td.is_available() and td.is_initialized() else None
 
     def start(self, future, complete_args: tuple) -> None:
-        self._inflight = (future, complete_args)
+        tmp, rank = complete_args[1], complete_args[4]
+
+        def written():
+            future.result()  # raises the write's error, if any
+            return file_digests(tmp, skip=(STATE_FILE,)) if rank == 0 else None
+
+        self._inflight = (self._hasher.submit(written), complete_args)
 
     def poll(self) -> str | None:
         """Complete the in-flight checkpoint if its write finished (never blocks, not collective)."""
@@ -112,8 +125,11 @@ class PendingSave:
     def _complete_inflight(self) -> str:
         future, args = self._inflight
         self._inflight = None
-        future.result()  # raises the write's error, if any
-        return _complete(*args)
+        try:
+            digests = future.result()
+        except (Exception, CheckpointException) as e:
+            raise _write_error(e, args[1]) from None
+        return _complete(*args, digests=digests)
 
 
 def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -137,15 +153,44 @@ def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimiz
         os.makedirs(tmp)
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    try:
+        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    except (OSError, RuntimeError) as e:
+        raise _write_error(e, tmp) from None
     finish_args = (save_folder, tmp, final, state, rank, keep, on_complete)
     if pending is not None:
         # Returns once the state is staged (copied to CPU memory); the write continues in a thread.
         pending.start(dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
                                      process_group=pending.group), finish_args)
         return final
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    except (Exception, CheckpointException) as e:
+        raise _write_error(e, tmp) from None
     return _finish(*finish_args)
+
+
+FULL_BYTES = 1 << 20  # a write that failed with less free space than this ran out of it
+
+
+def _write_error(e: BaseException, folder: str) -> BaseException:
+    """The OSError behind a failed checkpoint write (a full disk, a read-only folder), else ``e``.
+    DCP wraps every rank's error in a CheckpointException (a BaseException, with a traceback text),
+    and torch.save's zip writer reports a full disk as a RuntimeError ("unexpected pos"): the
+    folder's free space tells that case apart."""
+    cause = e
+    if isinstance(e, CheckpointException) and e.failures:
+        cause = next(iter(e.failures.values()))
+        cause = cause[0] if isinstance(cause, tuple) else cause
+    if isinstance(cause, OSError):
+        return cause
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return e
+    if st.f_bavail * st.f_frsize < FULL_BYTES:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), folder)
+    return e
 
 
 def _finish(*args) -> str:
@@ -156,9 +201,11 @@ def _finish(*args) -> str:
     return final
 
 
-def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, keep: int, on_complete) -> str:
+def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, keep: int, on_complete,
+              digests: dict | None = None) -> str:
     """Rank 0 writes the state file last and renames (the checkpoint becomes visible); other ranks: no-op."""
     if rank == 0:
+        state = state | {"files": digests if digests is not None else file_digests(tmp, skip=(STATE_FILE,))}
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(state, f, indent=1)
             f.flush()
@@ -173,6 +220,46 @@ def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, ke
     return final
 
 
+class CorruptCheckpoint(UserError):
+    """A checkpoint that cannot be used as written (its state file or a digest is wrong)."""
+
+
+def verify_checkpoint(path: str) -> dict:
+    """The state of a checkpoint whose files are intact; CorruptCheckpoint (naming the file) if not.
+    Checkpoints written before digests were recorded are taken as they are."""
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt ({STATE_FILE}: {e})") from None
+    try:
+        verify_files(path, state.get("files") or {}, "checkpoint")
+    except DamagedFile as e:
+        raise CorruptCheckpoint(str(e)) from None
+    return state
+
+
+def intact_checkpoint(save_folder: str, log=print) -> str | None:
+    """The newest complete checkpoint whose files are intact. A corrupt newer one is skipped with a
+    warning line (it stays on disk for inspection); if none is intact, the newest one's error."""
+    found = list_checkpoints(save_folder)
+    first_error = None
+    for _, path in reversed(found):
+        try:
+            verify_checkpoint(path)
+        except CorruptCheckpoint as e:
+            first_error = first_error or e
+            log(f"warning: {e}; trying the previous checkpoint")
+            continue
+        if first_error is not None:
+            log(f"warning: resuming from {path}, the newest intact checkpoint")
+        return path
+    if first_error is not None:
+        raise UserError(f"{first_error}; no intact checkpoint is left: --no-autoresume starts fresh "
+                        "(keeping them aside)")
+    return None
+
+
 def read_state(path: str) -> dict:
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
@@ -185,7 +272,7 @@ def read_state(path: str) -> dict:
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     *, rank: int) -> dict:
     """Load weights, optimizer and this rank's RNG states; returns the JSON state."""
-    state = read_state(path)
+    state = verify_checkpoint(path)
     model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer else (get_state_dict(model, [])[0], None)
     to_load = {"model": model_sd} | ({"optim": optim_sd} if optimizer else {})
     try:
@@ -217,11 +304,14 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
 RUN_FILE = "run.json"
 
 
-def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, autoresume: bool) -> bool:
+def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, autoresume: bool,
+                      all_local: bool = True) -> bool:
     """Returns True when the folder already holds this run's checkpoints (resume is possible).
 
     ``identity`` is `config.identity.run_identity`. A folder that holds a different run is refused
-    unless ``overwrite``, in which case its checkpoints are removed (never silently mixed).
+    unless ``overwrite``, in which case its checkpoints are removed (never silently mixed). A
+    folder whose other run never completed a checkpoint (a start that failed) is taken over —
+    when ``all_local``: a remote run's checkpoints are in the store, not in its staging folder.
     """
     path = os.path.join(save_folder, RUN_FILE)
     if not os.path.exists(path):
@@ -238,6 +328,10 @@ def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, auto
         for name in ("metrics.jsonl", "trackers.json", RUN_FILE):
             if os.path.exists(os.path.join(save_folder, name)):
                 os.remove(os.path.join(save_folder, name))
+        return False
+    if not same and all_local and not list_checkpoints(save_folder) \
+            and not os.path.isdir(os.path.join(save_folder, "final")):
+        # An earlier start that failed before its first checkpoint: nothing of it to protect.
         return False
     if not same:
         what = existing.get("identity", {}).get("name") or "another run"

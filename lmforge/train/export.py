@@ -22,6 +22,7 @@ from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 from lmforge.models.hf import to_hf_config, to_hf_state_dict
 from lmforge.models.io import _copy_tokenizer, _state_dict, save_pretrained
+from lmforge.checksums import write_export_digests
 from lmforge.train.checkpoint import read_state
 from lmforge.train.locate import check_tokenizer_fits, load_model, locate, lora_config_of
 
@@ -58,6 +59,7 @@ def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None 
             raise UserError(f"--format {fmt!r}: expected hf, lmforge or peft")
         if tok is not None and not tok_dir:
             tok.save(str(tmp))
+        write_export_digests(str(tmp))
         if out_path.exists():
             shutil.rmtree(out_path)
         os.replace(tmp, out_path)

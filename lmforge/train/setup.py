@@ -59,6 +59,21 @@ def _on_main(fn, dist: DistInfo):
     return result
 
 
+def check_data_vocab(cfg: RunConfig, datasets, tokenizer, log=print) -> None:
+    """A prepared dataset's token ids must fit the model's vocabulary (else: an index error mid-step);
+    one prepared with another tokenizer than the run's is named in a warning."""
+    for d in datasets:
+        tok = (d.summary or {}).get("tokenizer") or {}
+        vocab = tok.get("vocab_size")
+        if tok.get("fingerprint") and tokenizer.fingerprint and tok["fingerprint"] != tokenizer.fingerprint:
+            log(f"warning: train_data {d.path} was prepared with another tokenizer ({tok.get('path')}) than "
+                f"this run's ({tokenizer.path}); its token ids may mean other text")
+        if vocab and vocab > cfg.model.vocab_size:
+            raise UserError(f"train_data {d.path}: prepared with a tokenizer of {vocab} tokens, more than the model's "
+                            f"vocabulary ({cfg.model.vocab_size}); use that tokenizer (tokenizer: {tok.get('path')}) "
+                            "or prepare the data again with this one")
+
+
 def with_extension_base(cfg: RunConfig) -> RunConfig:
     """`tokenizer: {extend: …}` without a `base`: the tokenizer stored with custom_weights_path."""
     spec = cfg.tokenizer
@@ -86,9 +101,12 @@ def pretrain_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
         barrier()
     tokenizer = load_tokenizer(data.tokenizer_path)
     cfg = with_vocab(grown_vocab(cfg, tokenizer.vocab_size), tokenizer.vocab_size)  # grown: tokenizer.extend
+    check_data_vocab(cfg, data.train, tokenizer, log)
     lengths = [d.seq_len for d in data.train]
     data_seq_len = min(lengths) if all(lengths) else min(open_dataset(d.path).sample_length(0) for d in data.train)
     if cfg.parameters.context_length and cfg.parameters.context_length > cfg.model.max_seq_len:
+        log(f"warning: parameters.context_length {cfg.parameters.context_length} is longer than model.max_seq_len "
+            f"{cfg.model.max_seq_len}; the model is built for {cfg.parameters.context_length} tokens")
         cfg.model.max_seq_len = cfg.parameters.context_length  # RoPE tables are derived, not stored
     samples = None
     if cfg.training_duration.unit == "ep":

@@ -33,9 +33,11 @@ from typing import Sequence
 
 import torch
 
+from lmforge.checksums import write_export_digests
 from lmforge.config.identity import run_identity
 from lmforge.config.schema import RunConfig
 from lmforge.data.batch import Batch, StreamLayout, TrainingData
+from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
@@ -125,6 +127,19 @@ class TrainResult:
     mlflow_ui: str | None = None  # filled in by the operations layer when MLflow tracks the run
 
 
+def check_same_batch(state: dict, cfg, path: str) -> None:
+    """A resumed run keeps its global batch and context length: the data position, the step count
+    and a token-based duration are all measured in them."""
+    old = (state.get("config") or {}).get("parameters") or {}
+    new = cfg.parameters
+    for key in ("global_batch_size", "context_length"):
+        was, now = old.get(key), getattr(new, key)
+        if was is not None and now is not None and str(was) != str(now):
+            raise UserError(f"parameters.{key} is {now}, but the checkpoint {path} was trained with {was}; a run "
+                            f"resumes with the batch it started with: set it back to {was}, or start a new run "
+                            "(--no-autoresume, or another --save-folder)")
+
+
 def _silent(*_args, **_kwargs) -> None:
     pass
 
@@ -181,11 +196,14 @@ class Trainer:
         if self.dist.is_main:
             self.callbacks.before_resume(self.save_folder)
             can_resume = ckpt.check_save_folder(self.save_folder, identity, overwrite=overwrite,
-                                                autoresume=self.cfg.autoresume)
+                                                autoresume=self.cfg.autoresume,
+                                                all_local=not is_remote(self.cfg.save_folder))
             self.callbacks.resume_decided(self.save_folder, can_resume and self.cfg.autoresume, overwrite)
             ckpt.write_run_file(self.save_folder, identity, redact_config(self.cfg.model_dump(mode="json")))
         barrier()
-        latest = ckpt.latest_checkpoint(self.save_folder) if self.cfg.autoresume else None
+        latest = None
+        if self.cfg.autoresume and self.dist.is_main:  # rank 0 checks the digests; every rank loads its pick
+            latest = ckpt.intact_checkpoint(self.save_folder, self.log)
         return broadcast_object(latest)
 
     def _build_model(self, from_weights: bool) -> tuple[Transformer, torch.nn.Module]:
@@ -358,6 +376,7 @@ class Trainer:
 
     def load(self, path: str) -> None:
         """Model, optimizer and this rank's RNG from ``path``; then counters and data position."""
+        check_same_batch(ckpt.read_state(path), self.cfg, path)
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, rank=self.dist.rank)
         self.stream.load_state_dict(state["data"])
         self.state.load_state_dict(state)
@@ -390,6 +409,7 @@ class Trainer:
             save_pretrained(model, self.cfg.model, final_dir, tokenizer_dir=self.data.tokenizer_path)
         if self.data.chat_template:
             write_chat_template(final_dir, self.data.chat_template)
+        write_export_digests(final_dir)  # last: what load_pretrained checks the weights against
         return final_dir
 
     # ------------------------------------------------------------------ the loop

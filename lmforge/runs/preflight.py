@@ -1,0 +1,177 @@
+"""Checks of a run config that need no data and no model: done in the process the user started,
+before the run is registered or anything is written, so that a config that cannot work is
+refused in a second with one line — not registered, started, crashed late and retried.
+
+- the command fits the task: `finetune` reads JSONL, not a prepared pretraining dataset;
+- the save folder can be a folder and can be written;
+- `custom_weights_path` is a readable model (its recorded digests hold, its safetensors headers parse);
+- the tokenizer covers the ids of prepared training data;
+- the model's weights, gradients and optimizer states fit in the target device's memory (the
+  bound `lmforge estimate` computes; activations come on top, so only a sure failure is refused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from lmforge.config.model import padded_vocab
+from lmforge.config.schema import RunConfig
+from lmforge.data.remote import is_remote
+from lmforge.errors import UserError, environment_error
+
+SFT_TASKS = ("instruction_finetune", "chat_completion")
+STATE_BYTES_PER_PARAM = 16  # fp32 weights + fp32 gradients + AdamW m and v (fp32)
+DATASET_MARKER = "lmforge-dataset.json"
+
+
+def preflight(cfg: RunConfig, command: str) -> None:
+    check_task(cfg, command)
+    if cfg.custom_weights_path:
+        check_weights(cfg.custom_weights_path)
+    check_vocab(cfg)
+    check_memory(cfg)
+    check_save_folder(cfg)
+
+
+def check_task(cfg: RunConfig, command: str) -> None:
+    if cfg.task_type not in SFT_TASKS:
+        return
+    for d in cfg.train_data:
+        if not is_remote(d.path) and os.path.isfile(os.path.join(d.path, DATASET_MARKER)):
+            verb = "`lmforge finetune`" if command == "finetune" else f"task_type {cfg.task_type}"
+            raise UserError(f"train_data {d.path}: a prepared pretraining dataset, but {verb} reads JSONL "
+                            "prompt/response or messages rows; use `lmforge train` (or task_type "
+                            "continued_pretrain) to train on it")
+
+
+def check_save_folder(cfg: RunConfig) -> None:
+    folder = cfg.save_folder
+    if not folder or is_remote(folder):
+        return
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"save_folder {folder}: exists and is not a folder; choose another --save-folder")
+    # Nothing is created: a test file in the folder, or in its nearest existing parent, is
+    # written and removed at once.
+    probe_dir = os.path.abspath(folder)
+    while not os.path.exists(probe_dir):
+        probe_dir = os.path.dirname(probe_dir)
+    if not os.path.isdir(probe_dir):
+        raise UserError(f"save_folder {folder}: {probe_dir} is a file, not a folder; choose another --save-folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".lmforge-write-test-"):
+            pass
+    except OSError as e:
+        err = environment_error(OSError(e.errno, e.strerror, f"save_folder {folder}"))
+        if err is None:
+            raise UserError(f"save_folder {folder}: cannot be written ({e.strerror or e})") from None
+        raise err from None
+
+
+def check_weights(path: str) -> None:
+    """What `load_model` would refuse, found from headers and digests (no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    from lmforge.checksums import verify_export
+    from lmforge.train.locate import locate  # torch (lazy, as the caller's other imports)
+
+    loc = locate(path)
+    if loc.kind == "dcp":
+        from lmforge.train.checkpoint import verify_checkpoint
+
+        verify_checkpoint(loc.path)
+        return
+    verify_export(loc.path)
+    for name in sorted(os.listdir(loc.path)):
+        if name.endswith(".safetensors"):
+            f = os.path.join(loc.path, name)
+            try:
+                with safe_open(f, framework="pt") as st:
+                    st.keys()
+            except (SafetensorError, OSError) as e:
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise UserError(f"custom_weights_path: {f} is not a readable safetensors file ({why[:200]}); "
+                                "it may be truncated or damaged") from None
+
+
+def _tokenizer_vocab(cfg: RunConfig) -> int | None:
+    tok = cfg.tokenizer
+    if not isinstance(tok, str) or is_remote(tok):
+        return None
+    path = tok if tok.endswith(".json") else os.path.join(tok, "tokenizer.json")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        vocab = doc["model"]["vocab"]
+        ids = list(vocab.values()) + [t["id"] for t in doc.get("added_tokens") or []]
+        return max(ids) + 1
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # not a local tokenizer.json (a hub name, or read later with its own error)
+
+
+def check_vocab(cfg: RunConfig) -> None:
+    """Prepared data whose tokenizer has more ids than this run's model vocabulary."""
+    tok_vocab = _tokenizer_vocab(cfg)
+    model_vocab = cfg.model.vocab_size or (padded_vocab(tok_vocab) if tok_vocab else None)
+    if model_vocab is None:
+        return
+    for d in cfg.train_data:
+        marker = os.path.join(d.path, DATASET_MARKER)
+        if is_remote(d.path) or not os.path.isfile(marker):
+            continue
+        try:
+            with open(marker) as f:
+                data_tok = json.load(f).get("tokenizer") or {}
+        except (OSError, ValueError):
+            continue
+        vocab = data_tok.get("vocab_size")
+        if isinstance(vocab, int) and vocab > model_vocab:
+            whose = f"model.vocab_size ({model_vocab})" if cfg.model.vocab_size else \
+                f"the tokenizer {cfg.tokenizer} ({tok_vocab} tokens)"
+            raise UserError(f"train_data {d.path}: prepared with a tokenizer of {vocab} tokens, more than {whose} "
+                            f"covers; use the tokenizer the data was prepared with ({data_tok.get('path')}) or "
+                            "prepare the data again with this one")
+
+
+def check_memory(cfg: RunConfig) -> None:
+    import torch
+
+    from lmforge.estimate.flops import param_counts
+
+    model = cfg.model
+    vocab = model.vocab_size or _tokenizer_vocab(cfg) or 0
+    try:
+        params = param_counts(model.model_copy(update={"vocab_size": max(1, vocab)}))["total"]
+    except (ValueError, TypeError, ZeroDivisionError):
+        return
+    lora = cfg.lora is not None
+    per_param = 4 if lora else STATE_BYTES_PER_PARAM  # LoRA: frozen fp32 weights (+ small adapters)
+    compute = cfg.compute
+    if compute.device == "cuda" and not torch.cuda.is_available():
+        return  # reported where the device is picked
+    cuda = compute.device == "cuda" or (compute.device == "auto" and torch.cuda.is_available())
+    sharded = compute.data_parallel in ("fsdp", "hsdp")
+    if cuda:
+        gpus = torch.cuda.device_count() if compute.gpus == "auto" else compute.gpus
+        if not gpus:
+            return  # reported where the device is picked
+        devices = max(1, gpus) * compute.nodes
+        need = params * per_param / (devices if sharded else 1)
+        have = torch.cuda.get_device_properties(0).total_memory
+        where = f"one GPU ({torch.cuda.get_device_name(0)}, {_gb(have)})"
+    else:
+        ranks = compute.ranks or 1
+        need = params * per_param * (1 if sharded else ranks)  # every CPU rank shares this machine's memory
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        where = f"this machine's memory ({_gb(have)})"
+    if need > have:
+        how = "frozen weights (lora)" if lora else "weights, gradients and AdamW states"
+        raise UserError(f"model does not fit: {params:,.0f} parameters need {_gb(need)} for {how} alone, more "
+                        f"than {where}; use a smaller model"
+                        + ("" if sharded or not cuda else ", or shard it over more GPUs (compute.data_parallel: fsdp)")
+                        + " (`lmforge train --dry-run` shows the full estimate)")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"

@@ -1,0 +1,531 @@
+"""Bad input, table-driven: every case is one command line with the files it needs, the exit code
+it must end with, words its one `error:` line must hold, and files that must stay byte-identical.
+On the code before issue 22 the same 73 cases gave 23 tracebacks (``was_traceback``), 13 inputs
+accepted without a word and 8 misleading lines.
+
+The commands run in this process through `lmforge.cli.main.main` (no interpreter start-up); the
+few things only a real process shows (the supervisor not retrying, the registry's record) are the
+subprocess tests at the end. Everything uses the session's tiny corpus and a 4-step tiny model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import SHARED, tiny_run_config
+from train_helpers import assert_one_line_error, cli, lmforge, write_config
+
+SHAKESPEARE = SHARED / "corpora" / "tinyshakespeare.txt"
+
+
+@dataclass
+class Case:
+    id: str
+    argv: list[str]  # {name} placeholders: see World.values, plus {dir} (this case's folder)
+    words: list[str] = field(default_factory=list)  # all in the one error line
+    files: dict = field(default_factory=dict)  # name in {dir} → str, bytes, a dict (YAML) or callable(world, dir)
+    keep: list[str] = field(default_factory=list)  # paths (with placeholders) that must not change
+    code: int = 2
+    was_traceback: bool = False  # on the landed main, this input ended in a traceback (issue 22)
+
+
+class World:
+    """What the cases point at: the tiny corpus, its tokenizer and prepared data, a config, a run."""
+
+    def __init__(self, root: Path, data):
+        self.root, self.data = root, data
+        run = root / "run"
+        self.cfg = tiny_run_config(data, run, training_duration="4ba", save_interval="2ba",
+                                   **{"parameters.global_batch_size": 4, "eval.interval": "4ba",
+                                      "eval.max_batches": 1, "eval.prompts": []})
+        self.cfg["name"] = "bad-input-run"
+        self.cfg_path = write_config(root / "run.yaml", self.cfg)
+        cli("train", "-f", self.cfg_path, "--no-supervisor", check=True)
+        self.run = run
+        (root / "lm.jsonl").write_text("".join(json.dumps({"context": f"def f{i}(", "continuation": "x):"}) + "\n"
+                                               for i in range(4)))
+        self.tasks = root / "tasks.yaml"
+        self.tasks.write_text(yaml.safe_dump({"icl_tasks": [
+            {"label": "lm", "dataset_uri": str(root / "lm.jsonl"), "num_fewshot": [0],
+             "icl_task_type": "language_modeling"}]}))
+        self.values = {"cfg": str(self.cfg_path), "run": str(run), "final": str(run / "final"),
+                       "data": str(data.dataset), "tok": str(data.tokenizer), "raw": str(data.raw),
+                       "tasks": str(self.tasks)}
+
+    def config(self, **changes) -> dict:
+        cfg = json.loads(json.dumps(self.cfg))
+        for key, value in changes.items():
+            node = cfg
+            *parents, last = key.split(".")
+            for k in parents:
+                node = node.setdefault(k, {})
+            node[last] = value
+        return cfg
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_data) -> World:
+    return World(tmp_path_factory.mktemp("bad-input"), tiny_data)
+
+
+# --------------------------------------------------------------------------- file makers
+
+
+def damaged_final(how: str):
+    """A copy of the run's final/ with its weights truncated, bit-flipped or with a broken header."""
+    def make(world: World, d: Path) -> None:
+        out = d / "final"
+        shutil.copytree(world.run / "final", out)
+        f = out / "model.safetensors"
+        b = bytearray(f.read_bytes())
+        if how == "truncated":
+            b = b[: len(b) // 2]
+        elif how == "header":
+            b[20:60] = bytes(40)
+        else:  # one bit of one weight
+            b[-100] ^= 0x10
+        f.write_bytes(bytes(b))
+        if how == "no-digests":
+            (out / "lmforge-checksums.json").unlink(missing_ok=True)
+            f.write_bytes(bytes(b[: len(b) // 2]))
+    return make
+
+
+def run_copy(world: World, d: Path) -> None:
+    shutil.copytree(world.run, d / "run", ignore=shutil.ignore_patterns("*.lock", "logs"))
+
+
+def config(name: str, **changes):
+    def make(world: World, d: Path) -> None:
+        write_config(d / name, world.config(**({"save_folder": str(d / "run")} | changes)))
+    return make
+
+
+def resumed_config(**changes):
+    """A copy of the trained run, and its config with ``changes`` pointing at the copy."""
+    def make(world: World, d: Path) -> None:
+        run_copy(world, d)
+        write_config(d / "resume.yaml", world.config(save_folder=str(d / "run"), training_duration="6ba", **changes))
+    return make
+
+
+def text_of(name: str, text: str):
+    return lambda world, d: (d / name).write_text(text)
+
+
+def yaml_with(extra: str):
+    return lambda world, d: (d / "c.yaml").write_text(world.cfg_path.read_text() + extra)
+
+
+def tokenizer_of(vocab: int):
+    def make(world: World, d: Path) -> None:
+        from lmforge.data.tokenizer import train_tokenizer
+
+        train_tokenizer([str(world.data.raw / "textwrap.py.txt")], vocab, str(d / "small-tok"))
+    return make
+
+
+def nonempty(name: str):
+    def make(world: World, d: Path) -> None:
+        (d / name).mkdir()
+        (d / name / "notes.txt").write_text("mine\n")
+    return make
+
+
+BINARY = bytes(range(256)) * 4
+LATIN1 = "name: café\n".encode("latin-1")
+BIG_MODEL = {"d_model": 65536, "n_layers": 256, "n_heads": 512, "vocab_size": 65536, "max_seq_len": 64}
+
+# --------------------------------------------------------------------------- the table
+
+CASES = [
+    # --- the run config: reading it
+    Case("config-not-utf8", ["train", "-f", "{dir}/c.yaml", "--dry-run"], ["c.yaml", "not UTF-8", "line 1"],
+         files={"c.yaml": LATIN1}, keep=["{dir}/c.yaml"], was_traceback=True),
+    Case("config-binary", ["train", "-f", "{dir}/c.yaml", "--dry-run"], ["c.yaml", "binary"],
+         files={"c.yaml": BINARY}, was_traceback=True),
+    Case("config-is-a-folder", ["train", "-f", "{dir}", "--dry-run"], ["is a folder", "expected a file"],
+         was_traceback=True),
+    Case("config-missing", ["train", "-f", "{dir}/none.yaml", "--dry-run"], ["config file not found", "none.yaml"]),
+    Case("config-bad-yaml", ["train", "-f", "{dir}/c.yaml", "--dry-run"], ["c.yaml", "line", "YAML"],
+         files={"c.yaml": "model: [unclosed\n"}),
+    Case("config-list", ["train", "-f", "{dir}/c.yaml", "--dry-run"], ["mapping", "list"], files={"c.yaml": "- a\n"}),
+    Case("config-duplicate-key", ["train", "-f", "{dir}/c.yaml", "--dry-run"],
+         ["training_duration", "twice", "lines"], files={"c.yaml": yaml_with("training_duration: 9ba\n")}),
+    Case("config-duplicate-nested-key", ["train", "-f", "{dir}/c.yaml", "--dry-run"], ["learning_rate", "twice"],
+         files={"c.yaml": lambda w, d: (d / "c.yaml").write_text(
+             w.cfg_path.read_text().replace("  learning_rate:", "  learning_rate: 0.1\n  learning_rate:"))}),
+    Case("config-unknown-key", ["train", "-f", "{dir}/c.yaml", "--dry-run"], ["training_duraton", "did you mean"],
+         files={"c.yaml": yaml_with("training_duraton: 9ba\n")}),
+    # --- durations and values
+    Case("duration-overflow", ["train", "-f", "{cfg}", "--training-duration", "1e999ba", "--dry-run"],
+         ["training_duration", "too large"], was_traceback=True),
+    Case("duration-huge-tokens", ["train", "-f", "{cfg}", "--training-duration", "1e30tok", "--dry-run"],
+         ["training_duration", "too large"]),
+    Case("duration-zero", ["train", "-f", "{cfg}", "--training-duration", "0ba", "--dry-run"], ["positive"]),
+    Case("duration-no-unit", ["train", "-f", "{cfg}", "--set", "training_duration=500", "--dry-run"], ["no unit"]),
+    Case("duration-bad-unit", ["train", "-f", "{cfg}", "--training-duration", "5parsecs", "--dry-run"],
+         ["unknown unit"]),
+    Case("set-without-equals", ["train", "-f", "{cfg}", "--set", "parameters.learning_rate", "--dry-run"],
+         ["KEY.PATH=VALUE"]),
+    Case("holdout-fraction-1", ["train", "-f", "{cfg}", "--set", "eval.holdout_fraction=1.5", "--dry-run"],
+         ["eval.holdout_fraction"]),
+    Case("negative-lr", ["train", "-f", "{cfg}", "--set", "parameters.learning_rate=-1", "--dry-run"],
+         ["parameters.learning_rate"]),
+    Case("micro-batch-zero", ["train", "-f", "{cfg}", "--set", "parameters.micro_batch_size=0", "--dry-run"],
+         ["micro_batch_size"]),
+    Case("bad-device", ["train", "-f", "{cfg}", "--set", "compute.device=tpu", "--dry-run"], ["compute.device"]),
+    Case("hang-timeout-tiny", ["train", "-f", "{cfg}", "--set", "compute.hang_timeout=1", "--dry-run"],
+         ["hang_timeout", "floor"]),
+    Case("plan-by-hand", ["train", "-f", "{cfg}", "--plan", "{{nope"], ["--plan", "not a launch plan"]),
+    Case("no-config", ["train", "--model", "llama-tiny"], ["-f FILE"]),
+    # --- secrets
+    Case("secrets-binary", ["train", "-f", "{cfg}", "--set", "secrets.file={dir}/creds", "--dry-run"],
+         ["secrets.file", "binary"], files={"creds": BINARY}, keep=["{dir}/creds"], was_traceback=True),
+    Case("secrets-not-utf8", ["train", "-f", "{cfg}", "--set", "secrets.file={dir}/creds", "--dry-run"],
+         ["secrets.file", "not UTF-8"], files={"creds": b"AWS_SECRET_ACCESS_KEY=caf\xe9\n"}, was_traceback=True),
+    Case("secrets-missing", ["train", "-f", "{cfg}", "--set", "secrets.file={dir}/none.env", "--dry-run"],
+         ["secrets.file", "none.env"]),
+    Case("secrets-unknown-key", ["train", "-f", "{cfg}", "--set", "secrets.file={dir}/creds", "--dry-run"],
+         ["unknown key", "PASSWORD"], files={"creds": "PASSWORD=hunter2\n"}),
+    # --- refused before a run starts (preflight): nothing registered, nothing written
+    Case("save-folder-is-a-file", ["train", "-f", "{cfg}", "--save-folder", "{dir}/f", "--no-supervisor"],
+         ["save_folder", "not a folder"], files={"f": "precious\n"}, keep=["{dir}/f"]),
+    Case("finetune-a-pretraining-config", ["finetune", "-f", "{cfg}", "--save-folder", "{dir}/ft", "--no-supervisor"],
+         ["prepared pretraining dataset", "lmforge train", "continued_pretrain"], was_traceback=True),
+    Case("sft-data-is-a-folder", ["finetune", "-f", "{cfg}", "--train-data", "{raw}", "--save-folder", "{dir}/ft",
+                                  "--no-supervisor"], ["is a folder", "JSONL"], was_traceback=True),
+    Case("tokenizer-smaller-than-data", ["train", "-f", "{cfg}", "--set", "tokenizer={dir}/small-tok",
+                                         "--save-folder", "{dir}/r", "--no-supervisor"],
+         ["prepared with a tokenizer of 512 tokens", "small-tok"], files={"small-tok": tokenizer_of(300)},
+         was_traceback=True),
+    Case("vocab-smaller-than-data", ["train", "-f", "{cfg}", "--set", "model.vocab_size=64", "--save-folder",
+                                     "{dir}/r", "--no-supervisor"], ["512 tokens", "model.vocab_size (64)"]),
+    Case("model-does-not-fit", ["train", "-f", "{dir}/big.yaml", "--no-supervisor"],
+         ["does not fit", "GB", "dry-run"], files={"big.yaml": config("big.yaml", model=BIG_MODEL)},
+         was_traceback=True),
+    Case("weights-truncated", ["train", "-f", "{cfg}", "--weights", "{dir}/final", "--save-folder", "{dir}/r",
+                               "--no-supervisor"], ["model.safetensors", "truncated"],
+         files={"final": damaged_final("truncated")}, was_traceback=True),
+    Case("weights-bit-flip", ["train", "-f", "{cfg}", "--weights", "{dir}/final", "--save-folder", "{dir}/r",
+                              "--no-supervisor"], ["model.safetensors", "sha256"],
+         files={"final": damaged_final("flip")}),
+    Case("weights-truncated-no-digests", ["train", "-f", "{cfg}", "--weights", "{dir}/final", "--save-folder",
+                                          "{dir}/r", "--no-supervisor"], ["model.safetensors", "safetensors"],
+         files={"final": damaged_final("no-digests")}, was_traceback=True),
+    Case("weights-missing", ["train", "-f", "{cfg}", "--weights", "{dir}/none", "--save-folder", "{dir}/r",
+                             "--no-supervisor"], ["none", "no such folder"]),
+    # --- data
+    Case("train-data-binary", ["train", "-f", "{cfg}", "--train-data", "{dir}/blob.txt", "--save-folder", "{dir}/r",
+                               "--no-supervisor"], ["blob.txt", "no usable documents", "binary"], files={"blob.txt": BINARY}),
+    Case("train-data-missing", ["train", "-f", "{cfg}", "--train-data", "{dir}/none.txt", "--save-folder", "{dir}/r",
+                                "--no-supervisor"], ["none.txt"]),
+    Case("train-data-one-short-doc", ["train", "-f", "{cfg}", "--train-data", "{dir}/short.txt", "--save-folder",
+                                      "{dir}/r", "--no-supervisor"],
+         ["parameters.context_length", "larger than the data"], files={"short.txt": "just a few words\n"}),
+    Case("prepare-eval-fraction", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{tok}", "--out", "{dir}/o",
+                                   "--seq-len", "64", "--eval-fraction", "1.5"], ["--eval-fraction", "[0, 1)"]),
+    Case("prepare-seq-len-zero", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{tok}", "--out", "{dir}/o",
+                                  "--seq-len", "0"], ["--seq-len"]),
+    Case("prepare-nothing-to-hold-out", ["data", "prepare", "--input", "{dir}/one.txt", "--tokenizer", "{tok}",
+                                         "--out", "{dir}/o", "--seq-len", "64", "--eval-fraction", "0.5"],
+         ["--eval-fraction 0.5", "only 1 sample", "--eval-fraction 0"], files={"one.txt": "word " * 30}),
+    Case("prepare-binary-input", ["data", "prepare", "--input", "{dir}/blob.txt", "--tokenizer", "{tok}", "--out",
+                                  "{dir}/o", "--seq-len", "64", "--eval-fraction", "0.1"],
+         ["blob.txt", "binary", "no usable documents"], files={"blob.txt": BINARY}),
+    Case("prepare-out-not-empty", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{tok}", "--out", "{dir}/o",
+                                   "--seq-len", "64"], ["--out", "not empty", "--overwrite"],
+         files={"o": nonempty("o")}, keep=["{dir}/o"]),
+    Case("prepare-tokenizer-missing", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{dir}/none",
+                                       "--out", "{dir}/o", "--seq-len", "64"], ["none"]),
+    # --- generate / export / eval on damaged weights
+    Case("generate-truncated", ["generate", "--checkpoint", "{dir}/final", "--prompt", "x"],
+         ["model.safetensors", "truncated"], files={"final": damaged_final("truncated")}, was_traceback=True),
+    Case("generate-header", ["generate", "--checkpoint", "{dir}/final", "--prompt", "x"],
+         ["model.safetensors", "sha256"], files={"final": damaged_final("header")}, was_traceback=True),
+    Case("generate-bit-flip", ["generate", "--checkpoint", "{dir}/final", "--prompt", "x"],
+         ["model.safetensors", "sha256"], files={"final": damaged_final("flip")}),
+    Case("generate-truncated-no-digests", ["generate", "--checkpoint", "{dir}/final", "--prompt", "x"],
+         ["model.safetensors", "not a readable safetensors"], files={"final": damaged_final("no-digests")},
+         was_traceback=True),
+    Case("generate-missing", ["generate", "--checkpoint", "{dir}/none", "--prompt", "x"], ["no such folder"]),
+    Case("generate-empty-folder", ["generate", "--checkpoint", "{dir}/e", "--prompt", "x"], ["holds no model"],
+         files={"e": lambda w, d: (d / "e").mkdir()}),
+    Case("export-truncated", ["export", "--checkpoint", "{dir}/final", "--out", "{dir}/hf"],
+         ["model.safetensors", "truncated"], files={"final": damaged_final("truncated")}, was_traceback=True),
+    Case("export-bit-flip", ["export", "--checkpoint", "{dir}/final", "--out", "{dir}/hf"],
+         ["model.safetensors", "sha256"], files={"final": damaged_final("flip")}),
+    Case("export-out-not-empty", ["export", "--checkpoint", "{final}", "--out", "{dir}/hf"], ["not empty", "--overwrite"],
+         files={"hf": nonempty("hf")}, keep=["{dir}/hf"]),
+    Case("export-bad-dtype", ["export", "--checkpoint", "{final}", "--out", "{dir}/hf", "--dtype", "int3"], ["--dtype"]),
+    Case("eval-truncated", ["eval", "--checkpoint", "{dir}/final", "--tasks", "{tasks}"],
+         ["model.safetensors", "truncated"], files={"final": damaged_final("truncated")}, was_traceback=True),
+    Case("eval-run-folder-damaged", ["eval", "--checkpoint", "{dir}/run", "--tasks", "{tasks}"],
+         ["model.safetensors", "truncated"], files={"run": run_copy, "x": lambda w, d: _truncate(
+             d / "run" / "final" / "model.safetensors")}, was_traceback=True),
+    Case("generate-checkpoint-bit-flip", ["generate", "--checkpoint", "{dir}/run/checkpoints/step_00000004",
+                                          "--prompt", "x"], ["step_00000004", "distcp", "sha256"],
+         files={"run": run_copy, "x": lambda w, d: [
+             _flip(f) for f in (d / "run" / "checkpoints" / "step_00000004").glob("*.distcp")]}),
+    Case("eval-tasks-binary", ["eval", "--checkpoint", "{final}", "--tasks", "{dir}/t.yaml"], ["tasks file", "binary"],
+         files={"t.yaml": BINARY}, was_traceback=True),
+    Case("eval-tasks-not-utf8", ["eval", "--checkpoint", "{final}", "--tasks", "{dir}/t.yaml"], ["not UTF-8"],
+         files={"t.yaml": LATIN1}, was_traceback=True),
+    Case("eval-tasks-duplicate-key", ["eval", "--checkpoint", "{final}", "--tasks", "{dir}/t.yaml"], ["twice"],
+         files={"t.yaml": "icl_tasks: []\nicl_tasks: []\n"}),
+    Case("eval-gauntlet-binary", ["eval", "--checkpoint", "{final}", "--tasks", "{tasks}", "--gauntlet", "{dir}/g.yaml"],
+         ["gauntlet file", "binary"], files={"g.yaml": BINARY}, was_traceback=True),
+    Case("eval-batch-size-zero", ["eval", "--checkpoint", "{final}", "--tasks", "{tasks}", "--batch-size", "0"],
+         ["--batch-size"]),
+    # --- output folders
+    Case("tokenizer-out-not-empty", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "300", "--out", "{dir}/t"],
+         ["--out", "not empty", "--overwrite"], files={"t": nonempty("t")}, keep=["{dir}/t"]),
+    Case("tokenizer-out-is-a-model", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "300", "--out",
+                                      "{dir}/run/final"], ["not empty", "model.safetensors"],
+         files={"run": run_copy}, keep=["{dir}/run/final"]),
+    Case("tokenizer-out-is-a-file", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "300", "--out",
+                                     "{dir}/t"], ["not a folder"], files={"t": "x\n"}, keep=["{dir}/t"], was_traceback=True),
+    Case("tokenizer-vocab-tiny", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "10", "--out", "{dir}/t"],
+         ["--vocab-size", "too small"]),
+    Case("estimate-model-binary", ["estimate", "--model", "{dir}/m.yaml"], ["binary"], files={"m.yaml": BINARY},
+         was_traceback=True),
+    Case("estimate-model-duplicate-key", ["estimate", "--model", "{dir}/m.yaml"], ["twice"],
+         files={"m.yaml": "model: llama-tiny\nmodel: llama-tiny\n"}),
+    # --- resuming
+    Case("resume-changed-global-batch", ["train", "-f", "{dir}/resume.yaml", "--no-supervisor"],
+         ["global_batch_size is 8", "trained with 4"],
+         files={"resume.yaml": resumed_config(**{"parameters.global_batch_size": 8})},
+         keep=["{dir}/run/checkpoints", "{dir}/run/final"]),
+    Case("resume-changed-context", ["train", "-f", "{dir}/resume.yaml", "--no-supervisor"],
+         ["context_length is 32", "trained with 64"],
+         files={"resume.yaml": resumed_config(**{"parameters.context_length": 32})},
+         keep=["{dir}/run/checkpoints", "{dir}/run/final"]),
+    Case("resume-every-checkpoint-corrupt", ["train", "-f", "{dir}/resume.yaml", "--no-supervisor"],
+         ["lmforge-state.json", "no intact checkpoint", "--no-autoresume"],
+         files={"resume.yaml": resumed_config(), "x": lambda w, d: [
+             (p / "lmforge-state.json").write_text("{") for p in (d / "run" / "checkpoints").iterdir()]},
+         keep=["{dir}/run/final"]),
+    Case("resume-shard-bit-flip-only-checkpoint", ["train", "-f", "{dir}/resume.yaml", "--no-supervisor"],
+         ["distcp", "sha256"],
+         files={"resume.yaml": resumed_config(save_num_checkpoints_to_keep=1), "x": lambda w, d: [
+             _flip(f) for f in sorted((d / "run" / "checkpoints").glob("*/*.distcp"))]},
+         keep=["{dir}/run/final"]),
+]
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:1000])
+
+
+def _flip(path: Path) -> None:
+    b = bytearray(path.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    path.write_bytes(bytes(b))
+
+
+def _digest(path: Path) -> dict:
+    if path.is_file():
+        return {"": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _fill(text: str, values: dict) -> str:
+    for k, v in values.items():
+        text = text.replace("{" + k + "}", v)
+    return text.replace("{{", "{")
+
+
+def test_table_size():
+    assert len(CASES) >= 60 and len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_bad_input(case: Case, world: World, tmp_path):
+    values = world.values | {"dir": str(tmp_path)}
+    for name, content in case.files.items():
+        if callable(content):
+            content(world, tmp_path)
+        elif isinstance(content, bytes):
+            (tmp_path / name).write_bytes(content)
+        else:
+            (tmp_path / name).write_text(content)
+    kept = {p: _digest(Path(_fill(p, values))) for p in case.keep + ["{cfg}", "{final}"]}
+    proc = cli(*[_fill(a, values) for a in case.argv])
+    assert_one_line_error(proc, *case.words, code=case.code)
+    for p, before in kept.items():
+        assert _digest(Path(_fill(p, values))) == before, f"{p} changed"
+
+
+# --------------------------------------------------------------------------- what is no longer refused
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="shared corpus not present")
+def test_one_txt_file_trains_with_defaults(world, tmp_path):
+    """One .txt file is one document: the held-out split is its tail, cut by tokens."""
+    cfg = world.config(train_data=str(SHAKESPEARE), tokenizer={"train": {"vocab_size": 300}},
+                       save_folder=str(tmp_path / "run"), training_duration="2ba", name="shakespeare")
+    cfg["eval"].pop("interval")
+    proc = cli("train", "-f", write_config(tmp_path / "c.yaml", cfg), "--no-supervisor", "--json", check=True)
+    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert result["status"] == "completed" and result["eval"]["eval/loss"] > 0
+
+
+def test_tail_holdout_when_documents_are_few(world, tmp_path):
+    from lmforge.data.mds import MDSReader
+    from lmforge.data.prepare import prepare
+
+    text = (world.data.raw / "argparse.py.txt").read_text()
+    (tmp_path / "one.txt").write_text(text)
+    s = prepare([str(tmp_path / "one.txt")], str(world.data.tokenizer), str(tmp_path / "o"), 64, eval_fraction=0.05)
+    train, val = s["splits"]["train"], s["splits"]["val"]
+    n = train["samples"] + val["samples"]
+    assert val["samples"] == round(0.05 * n) and val["held_out"].startswith("tail")
+    # The tail: val's samples are the stream's last ones, after every train sample.
+    last_train = MDSReader(str(tmp_path / "o" / "train")).get_tokens(train["samples"] - 1)
+    first_val = MDSReader(str(tmp_path / "o" / "val")).get_tokens(0)
+    ids = world_tokens(world, text)
+    k = train["samples"]
+    assert list(last_train) == ids[(k - 1) * 64: k * 64] and list(first_val) == ids[k * 64: (k + 1) * 64]
+
+
+def test_short_jsonl_documents_get_a_held_out_split(world, tmp_path):
+    """400 short documents: 1% of them make less than one sample, so the tail is held out."""
+    from lmforge.data.prepare import prepare
+
+    rows = "".join(json.dumps({"text": f"def f{i}(x): return x + {i}"}) + "\n" for i in range(400))
+    (tmp_path / "docs.jsonl").write_text(rows)
+    s = prepare([str(tmp_path / "docs.jsonl")], str(world.data.tokenizer), str(tmp_path / "o"), 64,
+                eval_fraction=0.01)
+    assert s["splits"]["val"]["samples"] >= 1 and s["splits"]["val"]["held_out"].startswith("tail")
+    assert s["documents"] == 400
+
+
+def world_tokens(world, text: str) -> list[int]:
+    from lmforge.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(world.data.tokenizer))
+    return list(tok.encode(text)) + [tok.eos_id]
+
+
+def test_corrupt_latest_checkpoint_falls_back(world, tmp_path):
+    """A damaged newest checkpoint: a warning line, and the run resumes from the previous one."""
+    run_copy(world, tmp_path)
+    ckpts = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert len(ckpts) == 2
+    _flip(sorted(ckpts[-1].glob("*.distcp"))[0])
+    cfg = write_config(tmp_path / "c.yaml", world.config(save_folder=str(tmp_path / "run"), training_duration="6ba"))
+    proc = cli("train", "-f", cfg, "--no-supervisor", check=True)
+    assert "warning: checkpoint" in proc.stdout and "sha256" in proc.stdout
+    assert f"resume: continuing from {ckpts[0]} (step 2" in proc.stdout
+    assert "completed after 6 steps" in proc.stdout
+
+
+def test_failed_first_start_does_not_block_a_fixed_config(world, tmp_path):
+    """A start that failed before its first checkpoint leaves a run.json; the fixed config may go on."""
+    save = tmp_path / "run"
+    bad = world.config(save_folder=str(save), custom_weights_path=str(world.run / "final"))
+    bad["model"]["d_model"] = 32  # not the weights' shape: found after the folder is claimed
+    # (a process of its own: an in-process run holds its save folder's lock until the process exits)
+    assert_one_line_error(lmforge("train", "-f", write_config(tmp_path / "bad.yaml", bad), "--no-supervisor"),
+                          "different model shape")
+    assert (save / "run.json").is_file()
+    good = write_config(tmp_path / "good.yaml", world.config(save_folder=str(save), training_duration="2ba",
+                                                            save_interval="2ba"))
+    assert "completed after 2 steps" in cli("train", "-f", good, "--no-supervisor", check=True).stdout
+
+
+def test_explicit_max_seq_len_below_context_length_warns(world, tmp_path):
+    cfg = world.config(save_folder=str(tmp_path / "run"), training_duration="1ba", save_interval="1ba")
+    cfg["model"]["max_seq_len"] = 32
+    proc = cli("train", "-f", write_config(tmp_path / "c.yaml", cfg), "--no-supervisor", check=True)
+    assert "warning: parameters.context_length 64 is longer than model.max_seq_len 32" in proc.stdout
+
+
+def test_tokenizer_overwrite_replaces_the_whole_folder(world, tmp_path):
+    nonempty("t")(world, tmp_path)
+    cli("tokenizer", "train", "--input", world.data.raw, "--vocab-size", "300", "--out", tmp_path / "t",
+        "--overwrite", check=True)
+    assert not (tmp_path / "t" / "notes.txt").exists() and (tmp_path / "t" / "tokenizer.json").is_file()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real, nearly full file system: a 512 KiB tmpfs (needs the right to mount; skipped without)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+                                 capture_output=True).returncode == 0
+    except OSError:
+        mounted = False
+    if not mounted:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_is_one_line_naming_path_and_errno(world, small_disk):
+    """The first checkpoint does not fit on the disk: one line naming the file and ENOSPC."""
+    cfg = write_config(small_disk.parent / "c.yaml", world.config(save_folder=str(small_disk / "run")))
+    proc = cli("train", "-f", cfg, "--no-supervisor")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # Trackers that lose their file say so in a warning line each; the run ends with one error line.
+    assert all(ln.startswith("warning: ") for ln in lines[:-1]), lines
+    assert lines[-1].startswith("error: ") and "ENOSPC" in lines[-1] and str(small_disk / "run") in lines[-1]
+
+
+def test_read_only_save_folder_is_refused_before_the_run(world, small_disk):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    cfg = write_config(small_disk.parent / "c.yaml", world.config(save_folder=str(small_disk / "run")))
+    assert_one_line_error(cli("train", "-f", cfg, "--no-supervisor"), "EROFS", str(small_disk / "run"))
+
+
+# --------------------------------------------------------------------------- real processes: the supervisor
+
+
+def test_rejected_config_is_not_registered(world, tmp_path):
+    """A config refused before work starts never becomes a run (the supervised path: no --no-supervisor)."""
+    from lmforge.runs.registry import Registry
+
+    big = write_config(tmp_path / "big.yaml", world.config(model=BIG_MODEL, save_folder=str(tmp_path / "big")))
+    before = {r["name"] for r in Registry().list()}
+    assert_one_line_error(cli("train", "-f", big), "does not fit")  # (refused before the supervisor starts)
+    assert {r["name"] for r in Registry().list()} == before
+    assert not (tmp_path / "big").exists()
+
+
+def test_supervisor_does_not_retry_a_full_disk(world, small_disk):
+    """A run that fails in the trainer on a user's error (a full disk) is recorded with its reason
+    and not retried; the supervisor's own log writer survives the full disk."""
+    from lmforge.runs.registry import Registry
+
+    cfg = world.config(save_folder=str(small_disk / "run"), name="bad-input-full", max_retries=2)
+    proc = lmforge("train", "-f", write_config(small_disk.parent / "full.yaml", cfg))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "restart" not in proc.stderr
+    run = Registry().get("bad-input-full")
+    assert run["status"] == "FAILED" and "ENOSPC" in run["reason"], run["reason"]
+    assert len(run["resumptions"]) == 1
+
+
+def test_run_rejected_by_its_trainer_is_not_kept(world, tmp_path):
+    """Bad data is found by the trainer process (after the run was registered): one line, exit 2,
+    no retry, and no FAILED entry left behind in `runs list`."""
+    from lmforge.runs.registry import Registry
+
+    (tmp_path / "blob.txt").write_bytes(BINARY)
+    cfg = world.config(save_folder=str(tmp_path / "run"), name="bad-input-blob", train_data=str(tmp_path / "blob.txt"))
+    proc = lmforge("train", "-f", write_config(tmp_path / "blob.yaml", cfg))
+    assert_one_line_error(proc, "blob.txt", "binary")
+    assert Registry().get("bad-input-blob") is None
