@@ -32,6 +32,11 @@ def _mapping(loader: _Loader, node: yaml.MappingNode) -> LinedDict:
     out.line = node.start_mark.line + 1
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if key in out.key_lines:  # YAML would keep the last silently
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (lines {out.key_lines[key]} and {line}); keep one",
+                key_node.start_mark)
         out[key] = loader.construct_object(value_node, deep=True)
         out.key_lines[key] = key_node.start_mark.line + 1
     return out
