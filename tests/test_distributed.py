@@ -18,6 +18,8 @@ import torch
 from conftest import tiny_run_config
 from train_helpers import REPO, assert_one_line_error, env, final_weights, lmforge, train_losses, write_config
 
+from lmforge.process import descendants
+
 
 def run(tmp_path, tiny_data, name, **overrides):
     folder = tmp_path / name
@@ -156,26 +158,8 @@ def test_two_nodes_on_one_machine_train_together(tmp_path, tiny_data, single_ref
     assert_same_losses(train_losses(single_ref), train_losses(folder), range(1, 7))
 
 
-def _descendants(pid: int) -> list[int]:
-    children = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _worker_with_rank(pid: int, rank: int) -> int | None:
-    for d in _descendants(pid):
+    for d in descendants(pid):
         try:
             with open(f"/proc/{d}/environ", "rb") as f:
                 envs = f.read().split(b"\0")
