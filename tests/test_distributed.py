@@ -204,7 +204,10 @@ def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, 
     assert [(r["status"], r["reason"]) for r in record.resumptions] == [
         ("FAILED", "rank 1 killed by SIGKILL"), ("COMPLETED", None)]
     assert "restart 1 of 1 (by torchrun)" in next(e["message"] for e in record.events if e["type"] == "retry")
-    assert "elastic: workers restarted" in record.logs(1) and "elastic: workers restarted" not in record.logs(0)
+    # The supervisor splits the log where it sees the restart (it polls every 0.5 s), so the
+    # restarted rank's first line may still land at the end of resumption 0's log.
+    assert (record.logs(0) + record.logs(1)).count("elastic: workers restarted") == 1
+    assert "completed after 6 steps" in record.logs(1) and "completed after" not in record.logs(0)
 
 
 @pytest.mark.parametrize("sets,needles", [

@@ -30,8 +30,9 @@ def preflight(cfg: RunConfig, command: str) -> None:
     check_task(cfg, command)
     if cfg.custom_weights_path:
         check_weights(cfg.custom_weights_path)
-    check_vocab(cfg)
-    check_memory(cfg)
+    if cfg.model != "auto":  # model: auto chooses its shape (and vocabulary) later, to fit the budget
+        check_vocab(cfg)
+        check_memory(cfg)
     check_save_folder(cfg)
 
 

@@ -32,7 +32,7 @@ def resolve_auto(cfg: RunConfig, device: torch.device, log=print) -> RunConfig:
                             "leave `model` out (the weights' own shape is used)")
         return _auto_model(cfg, device, log)
     spec = cfg.tokenizer
-    if isinstance(spec, TokenizerSpec) and spec.train.vocab_size == "auto":
+    if isinstance(spec, TokenizerSpec) and spec.train is not None and spec.train.vocab_size == "auto":
         vocab = auto_vocab(cfg.model.d_model, raw_data_bytes(cfg))
         cfg = _with_vocab(cfg, vocab)
     return cfg
@@ -117,7 +117,7 @@ def _auto_model(cfg: RunConfig, device: torch.device, log) -> RunConfig:
     budget = Budget.from_duration(cfg.training_duration, data_tokens=data_tokens)
     vocab = None
     if isinstance(cfg.tokenizer, TokenizerSpec):
-        if cfg.tokenizer.train.vocab_size != "auto":
+        if cfg.tokenizer.train is not None and cfg.tokenizer.train.vocab_size != "auto":
             vocab = int(cfg.tokenizer.train.vocab_size)
     elif isinstance(cfg.tokenizer, str) and os.path.exists(os.path.join(cfg.tokenizer, "tokenizer.json")):
         from lmforge.data.tokenizer import load_tokenizer
