@@ -207,8 +207,15 @@ def test_the_old_marker_check_rides_out_an_outage(own_server, tmp_path, monkeypa
         monkeypatch.setenv(k, v)
     fsspec.get_filesystem_class("s3").clear_instance_cache()
     logs: list[str] = []
+    retried = threading.Event()
+
+    def log(line: str) -> None:
+        logs.append(line)
+        if "retrying" in line:
+            retried.set()
+
     store = RunStore(f"s3://{server.bucket}/runs/remark", str(tmp_path / "stage"), keep=2, retries=8,
-                     backoff=0.25, log=logs.append)
+                     backoff=0.25, log=log)
     snap = tmp_path / "snap"
     snap.mkdir()
     (snap / "shard.bin").write_bytes(b"1" * 10)
@@ -216,8 +223,14 @@ def test_the_old_marker_check_rides_out_an_outage(own_server, tmp_path, monkeypa
     store._upload_folder(str(snap), dest, "checkpoints/step_00000001", 1)
     (snap / "shard.bin").write_bytes(b"2" * 20)  # the same step, saved again
     server.stop()
-    restart = threading.Thread(target=lambda: own_server.append(
-        S3Server.start(tmp_path / "own-s3", ports=server.ports)))
+
+    def restart_after_a_retry():
+        # The store comes back only once lmforge's own retry has seen it down (the S3 client's
+        # internal retries would otherwise hide a short outage); the timeout keeps a failure finite.
+        retried.wait(timeout=120)
+        own_server.append(S3Server.start(tmp_path / "own-s3", ports=server.ports))
+
+    restart = threading.Thread(target=restart_after_a_retry)
     restart.start()
     store._upload_folder(str(snap), dest, "checkpoints/step_00000001", 1)
     restart.join()
