@@ -20,7 +20,7 @@ import platform
 import tempfile
 import time
 
-from lmforge.data.prepare import _chunks, prepare
+from lmforge.data.prepare import chunk_documents, prepare
 from lmforge.data.sources import iter_documents
 from lmforge.data.tokenizer import train_tokenizer
 
@@ -42,7 +42,7 @@ def main() -> None:
 
         docs = list(iter_documents(inputs))
         t = time.perf_counter()
-        tokens = sum(len(e.ids) + 1 for c in _chunks(docs) for e in tok.backend.encode_batch_fast(c))
+        tokens = sum(len(e.ids) + 1 for c in chunk_documents(docs) for e in tok.backend.encode_batch_fast(c))
         bare = tokens / (time.perf_counter() - t)
 
         rows = []
@@ -88,7 +88,7 @@ def curation_table(args) -> None:
             docs = list(iter_documents(inputs))
             mb = sum(len(d.encode()) for d in docs) / 1e6
             t = time.perf_counter()
-            for c in _chunks(docs):
+            for c in chunk_documents(docs):
                 tok.backend.encode_batch_fast(c)
             bare = mb / (time.perf_counter() - t)
             out = []

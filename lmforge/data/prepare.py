@@ -91,7 +91,8 @@ def split_value(raw: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 
-def _chunks(docs: Iterable[str], max_chars: int | None = None) -> Iterator[list[str]]:
+def chunk_documents(docs: Iterable[str], max_chars: int | None = None) -> Iterator[list[str]]:
+    """Documents in lists of about ``max_chars`` characters (at most CHUNK_DOCS): the unit a worker encodes."""
     max_chars = max_chars or CHUNK_CHARS
     batch: list[str] = []
     size = 0
@@ -111,7 +112,7 @@ def _encoded_chunks(docs: Iterable[str], tok: Tokenizer, eval_fraction: float, w
     after the curation steps when ``curator`` is given (lmforge.data.curate)."""
     from lmforge.data.curate.pipeline import run
 
-    chunks = _chunks(docs, CHUNK_CHARS if workers <= 1 else CHUNK_CHARS_POOL)
+    chunks = chunk_documents(docs, CHUNK_CHARS if workers <= 1 else CHUNK_CHARS_POOL)
     yield from run(chunks, curator, workers=workers, encoder=(_Encoder, (tok.to_json(), tok.eos_id, eval_fraction)))
 
 

@@ -20,24 +20,11 @@ from lmforge.data.sources import SourceStats, list_files, no_documents_message, 
 from lmforge.errors import UserError
 
 MARKER = "curation.json"
-CHUNK_CHARS = 1 << 18
-
-
-def _chunks(docs, max_chars: int = CHUNK_CHARS, max_docs: int = 2048):
-    batch, size = [], 0
-    for t in docs:
-        batch.append(t)
-        size += len(t)
-        if size >= max_chars or len(batch) >= max_docs:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
 
 
 def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int = 1, text_field: str = "text",
                     overwrite: bool = False, removed_out: str | None = None) -> dict:
-    from lmforge.data.prepare import input_fingerprint
+    from lmforge.data.prepare import CHUNK_CHARS_POOL, chunk_documents, input_fingerprint
 
     inputs = [inputs] if isinstance(inputs, str) else [str(i) for i in inputs]
     if not isinstance(workers, int) or workers < 1:
@@ -80,7 +67,7 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
 
         kept = 0
         with open(os.path.join(stage, "documents.jsonl"), "w") as f:
-            for _, texts in run(_chunks(documents()), curator, workers=workers):
+            for _, texts in run(chunk_documents(documents(), CHUNK_CHARS_POOL), curator, workers=workers):
                 for t in texts:
                     f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
                 kept += len(texts)
