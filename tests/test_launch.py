@@ -21,10 +21,11 @@ from lmforge.config.load import build_config
 from lmforge.errors import UserError
 from lmforge.runs.lock import REMOTE_STALE_S, SaveFolderLock, lock_path, probe, read_holder
 from lmforge.runs.plan import LaunchPlan, launch_plan, started_by_user, with_plan
-from lmforge.runs.registry import Registry
+from lmforge.process import this_host
+from lmforge.runs.registry import TORCHRUN_RESTART, Registry, status_file
 from lmforge.runs.start import check_not_active, register, resolve_run
 from lmforge.runs.supervisor import failure_reason, read_status, report_status
-from lmforge.train.watchdog import HangWatchdog
+from lmforge.train.watchdog import HangWatchdog, stack_lines
 
 
 def cfg_for(tiny_data, folder, **overrides):
@@ -180,6 +181,27 @@ def test_watchdog_default_is_a_multiple_of_the_median_step_with_a_floor():
     dog.close()
 
 
+def test_a_hang_dump_names_the_rank_on_every_line_and_shows_where_each_thread_waits():
+    """Two ranks dump into one log at once: every line carries its rank, and a blocked thread's
+    stack ends in the function it waits in."""
+    release = threading.Event()
+
+    def stuck_in_here():
+        release.wait()
+
+    t = threading.Thread(target=stuck_in_here, name="stuck")
+    t.start()
+    try:
+        lines = stack_lines(7)
+    finally:
+        release.set()
+        t.join()
+    assert lines and all(ln.startswith("[rank 7] ") and ln.endswith("\n") and ln.count("\n") == 1 for ln in lines)
+    stuck = lines.index("[rank 7] Thread stuck (most recent call last):\n")
+    assert any("in stuck_in_here" in ln for ln in lines[stuck:])
+    assert any("Thread MainThread" in ln for ln in lines)
+
+
 # --------------------------------------------------------------------------- names, ids, lifecycle
 
 def test_names_are_unique_and_the_same_command_continues_its_run(tiny_data, tmp_path):
@@ -220,6 +242,36 @@ def test_registry_keeps_the_lifecycle_and_finds_runs_by_uid(tmp_path):
     assert row["name"] == "r" and [s["status"] for s in row["lifecycle"]] == ["STARTING", "RUNNING", "COMPLETED"]
     times = [s["time"] for s in row["lifecycle"]]
     assert times == sorted(times)
+
+
+def test_restarts_a_lost_supervisor_never_saw_become_resumptions(tmp_path):
+    """The supervisor was SIGKILLed after torchrun restarted the ranks twice but before it looked
+    at the status file: whoever finds the run lost records those restarts from that file."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    reg = Registry(str(tmp_path / "runs.db"))
+    logs = str(tmp_path / "logs")
+    os.makedirs(logs)
+    reg.put("r", {"run_type": "pretrain", "status": "RUNNING", "host": this_host(), "supervisor_pid": gone.pid,
+                  "log_dir": logs})
+    for _ in range(2):  # the first start, then a supervisor retry, both recorded
+        idx, _ = reg.start_resumption("r", logs)
+    reg.set_resumption("r", 0, status="FAILED", reason="killed by SIGKILL", ended_at=time.time())
+    with open(status_file(logs, 0), "w") as f:  # the old training process's file: not the open one's
+        json.dump({"status": "started", "attempt": 0}, f)
+    with open(status_file(logs, 1), "w") as f:
+        json.dump({"status": "started", "attempt": 2}, f)
+    row = reg.mark_lost_if_dead(reg.get("r"))
+    assert row["status"] == "FAILED" and row["reason"] == "lost"
+    got = [(r["idx"], r["status"], r["reason"]) for r in row["resumptions"]]
+    assert got == [(0, "FAILED", "killed by SIGKILL"), (1, "FAILED", TORCHRUN_RESTART), (2, "FAILED", TORCHRUN_RESTART),
+                   (3, "FAILED", "lost")]
+    assert row["resumptions"][3]["log_path"] == row["resumptions"][1]["log_path"]  # they wrote to one log
+    # nothing to add when the supervisor had seen them all (or no status file was written yet)
+    reg.put("q", {"run_type": "pretrain", "status": "RUNNING", "host": this_host(), "supervisor_pid": gone.pid,
+                  "log_dir": str(tmp_path / "none")})
+    reg.start_resumption("q", str(tmp_path / "none"))
+    assert [r["reason"] for r in reg.mark_lost_if_dead(reg.get("q"))["resumptions"]] == ["lost"]
 
 
 def test_a_registry_of_the_previous_schema_is_upgraded_in_place(tmp_path):

@@ -31,6 +31,13 @@ TERMINAL = ("COMPLETED", "FAILED", "STOPPED")
 SCHEMA_VERSION = 2  # 2: run_uid and lifecycle
 # A supervisor on another host cannot be probed; without a heartbeat for this long it is lost.
 REMOTE_HEARTBEAT_TIMEOUT_S = 600
+TORCHRUN_RESTART = "a rank failed; torchrun restarted the ranks"
+
+
+def status_file(log_dir: str, idx: int) -> str:
+    """Where rank 0 of the training process started for resumption ``idx`` reports to the
+    supervisor (its torchelastic attempt, how training ended); it stays for the later restarts."""
+    return os.path.join(log_dir, f"resumption-{idx}.status.json")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -270,12 +277,47 @@ class Registry:
                 f"name=? AND status IN ({','.join('?' * len(ACTIVE))}) AND supervisor_pid IS ?",
                 (now, now, lifecycle, run["name"], *ACTIVE, run["supervisor_pid"]))
             if cur.rowcount:
+                _record_unseen_restarts(con, run)
                 con.execute("UPDATE resumptions SET status='FAILED', reason='lost', ended_at=? WHERE run_name=? "
                             "AND ended_at IS NULL", (now, run["name"]))
                 _add_event(con, run["name"], "lost", f"supervisor process {run['supervisor_pid']} on "
                            f"{run['host']} is gone (killed, or the machine restarted) without recording an end")
         fresh = self.get(run["name"], details="resumptions" in run)
         return fresh or run
+
+
+def _record_unseen_restarts(con, run: dict) -> None:
+    """Restarts torchrun made that the lost supervisor had not seen yet become resumptions too.
+
+    The supervisor learns of a restart from the attempt number in the status file (it polls);
+    killed between a restart and its next look, it never records it. The status file is still
+    there: the newest one at or before the open resumption tells how many attempts its training
+    process made, and each one the registry lacks is added (all write to the open one's log)."""
+    row = con.execute("SELECT idx, log_path FROM resumptions WHERE run_name=? AND ended_at IS NULL "
+                      "ORDER BY idx DESC LIMIT 1", (run["name"],)).fetchone()
+    if row is None or not run.get("log_dir"):
+        return
+    last, log_path = row
+    for first in range(last, -1, -1):
+        path = status_file(run["log_dir"], first)
+        try:
+            with open(path) as f:
+                attempt = int(json.load(f).get("attempt") or 0)
+            started = os.path.getmtime(path)  # written as the newest attempt started
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, TypeError, AttributeError):
+            return
+        break
+    else:
+        return
+    for idx in range(last, last + attempt - (last - first)):
+        con.execute("UPDATE resumptions SET status='FAILED', reason=?, ended_at=? WHERE run_name=? AND idx=?",
+                    (TORCHRUN_RESTART, started, run["name"], idx))
+        con.execute("INSERT INTO resumptions (run_name, idx, started_at, status, log_path) VALUES (?,?,?,?,?)",
+                    (run["name"], idx + 1, started, "STARTING", log_path))
+        _add_event(con, run["name"], "retry", f"resumption {idx}: {TORCHRUN_RESTART} (recorded after the "
+                   "supervisor was lost; its output is in the same log)")
 
 
 def supervisor_gone(run: dict) -> bool:

@@ -42,6 +42,7 @@ from lmforge.process import child_dies_with_me
 from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.progress import MetricsTail, metrics_path, summarize
 from lmforge.runs.registry import Registry
+from lmforge.runs.registry import status_file as registry_status_file
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
@@ -240,7 +241,7 @@ class Supervisor:
 
     def _run_child(self, argv: list[str], log_path: str) -> tuple[int, dict, list[str]]:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        status_file = os.path.join(self.log_dir, f"resumption-{self.idx}.status.json")
+        status_file = registry_status_file(self.log_dir, self.idx)
         if os.path.exists(status_file):
             os.remove(status_file)
         nproc = self.plan.nproc

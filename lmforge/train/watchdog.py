@@ -4,8 +4,10 @@ A run can hang without failing: a collective waiting for a rank that is stuck (a
 wedged GPU or network, a data read that never returns) blocks every rank forever. Each rank
 runs a small thread that the training loop feeds after every step (`beat`). When no step
 completes for ``compute.hang_timeout`` seconds, the thread writes one line naming the rank and
-the Python stacks of every thread (``faulthandler``) to stderr — the run's log — and ends the
-process with `EXIT_HUNG`. Every rank's loop stops at the same collective, so every rank's
+the Python stacks of every thread to stderr — the run's log — and ends the process with
+`EXIT_HUNG`. Every rank shares one log, and every rank dumps at about the same moment, so each
+stack line is written whole by one `write` (a pipe keeps writes up to PIPE_BUF together) and
+starts with ``[rank R]``: lines of two ranks may alternate, but never mix. Every rank's loop stops at the same collective, so every rank's
 watchdog fires within moments of the others and each dumps its own stacks. The supervisor (or
 torchrun) then restarts the run from its latest checkpoint, as a failure that counts against
 ``max_retries``.
@@ -21,12 +23,12 @@ completes step STEP — the only way to show a real hang end to end. Nothing els
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import statistics
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from contextlib import contextmanager
 
@@ -37,15 +39,26 @@ GRACE_S = 2.0  # after dumping, before exiting: the other ranks' watchdogs dump 
 TEST_HOOK = "LMFORGE_TEST_HANG"
 
 
+def stack_lines(rank: int) -> list[str]:
+    """Every thread's Python stack, one line each, prefixed with the rank."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    lines = []
+    for ident, frame in sys._current_frames().items():
+        lines.append(f"Thread {names.get(ident, ident)} (most recent call last):")
+        for entry in traceback.format_stack(frame):
+            lines.extend(entry.rstrip("\n").splitlines())
+    return [f"[rank {rank}] {ln}\n" for ln in lines]
+
+
 def dump_and_exit(rank: int, silent_s: float, timeout_s: float) -> None:
     """What a hang does by default: one line, every thread's stack, then exit for a restart."""
-    err = sys.__stderr__
-    err.write(f"lmforge: hang detected on rank {rank}: no training step completed for {silent_s:.0f}s "
-              f"(compute.hang_timeout {timeout_s:.0f}s); Python stacks of its threads follow; exiting so that "
-              "the run restarts from its latest checkpoint\n")
-    err.flush()
-    faulthandler.dump_traceback(file=err, all_threads=True)
-    err.flush()
+    fd = sys.__stderr__.fileno()
+    sys.__stderr__.flush()
+    head = (f"lmforge: hang detected on rank {rank}: no training step completed for {silent_s:.0f}s "
+            f"(compute.hang_timeout {timeout_s:.0f}s); Python stacks of its threads follow; exiting so that "
+            "the run restarts from its latest checkpoint\n")
+    for line in [head, *stack_lines(rank)]:
+        os.write(fd, line.encode(errors="replace")[:4000])  # whole, even when another rank writes too
     time.sleep(GRACE_S)
     os._exit(EXIT_HUNG)
 
