@@ -9,4 +9,7 @@ LMFORGE_EXTRAS=test bash scripts/setup.sh
 export LMFORGE_BROWSER_SETUP="$(mktemp -d "${TMPDIR:-/tmp}/lmforge-browser.XXXXXX")"
 { bash scripts/install-browser.sh >"$LMFORGE_BROWSER_SETUP/log" 2>&1; touch "$LMFORGE_BROWSER_SETUP/done"; } &
 . .venv/bin/activate
-exec python -m pytest "$@"
+# Two test processes (pytest-xdist), work-stealing: most end-to-end tests wait on their
+# subprocesses and servers rather than use a core, so two halve the wall time on 2 cores
+# (BENCHMARKS.md). LMFORGE_TEST_WORKERS=0 runs everything in one process.
+exec python -m pytest -n "${LMFORGE_TEST_WORKERS:-2}" --dist worksteal "$@"

@@ -11,7 +11,7 @@ from conftest import tiny_run_config
 from lmforge.config.durations import parse_duration
 from lmforge.config.load import build_config, load_config
 from lmforge.errors import UserError
-from train_helpers import assert_one_line_error, lmforge, write_config
+from train_helpers import assert_one_line_error, cli, lmforge, write_config
 
 
 @pytest.mark.parametrize("text,value,unit", [
@@ -88,14 +88,14 @@ def test_dry_run_prints_resolved_config_and_plan(tmp_path):
     cfg = write_config(tmp_path / "big.yaml", {"model": "llama-1b", "train_data": "s3://bucket/data",
                                                 "tokenizer": {"train": {"vocab_size": 32000}},
                                                 "training_duration": "20B tok"})
-    proc = lmforge("train", "-f", cfg, "--dry-run", "--json", check=True)
+    proc = cli("train", "-f", cfg, "--dry-run", "--json", check=True)  # in this process: no start-up
     out = json.loads(proc.stdout)
     params = out["config"]["parameters"]
     assert params["learning_rate"] == pytest.approx(2.2e-4, rel=0.05)
     assert params["context_length"] == 2048 and params["global_batch_size"] == 512
     assert out["config"]["name"] == "big" and out["config"]["model"]["vocab_size"] == 32000
     assert out["plan"]["flops"]["training"] == pytest.approx(6 * out["plan"]["params"]["active"] * 20e9, rel=0.01)
-    text = lmforge("train", "-f", cfg, "--dry-run", check=True).stdout
+    text = cli("train", "-f", cfg, "--dry-run", check=True).stdout
     assert yaml.safe_load(text.split("---")[0])["parameters"]["global_batch_size"] == 512
     assert "steps:" in text
 
@@ -108,6 +108,12 @@ def good(tmp_path, tiny_data):
 
 
 def _cli(tmp_path, cfg, *extra):
+    """`lmforge train` on a config refused before any process starts, in this process (no start-up)."""
+    return cli("train", "-f", write_config(tmp_path / "bad.yaml", cfg), *extra)
+
+
+def _run(tmp_path, cfg, *extra):
+    """`lmforge train` on a config its training process refuses: a real process tree."""
     return lmforge("train", "-f", write_config(tmp_path / "bad.yaml", cfg), *extra)
 
 
@@ -130,16 +136,16 @@ def test_cli_unknown_duration_unit(tmp_path, good):
 
 def test_cli_batch_not_divisible(tmp_path, good):
     good["parameters"].update(global_batch_size=10, micro_batch_size=4)
-    assert_one_line_error(_cli(tmp_path, good), "global_batch_size (10)", "micro_batch_size (4)")
+    assert_one_line_error(_run(tmp_path, good), "global_batch_size (10)", "micro_batch_size (4)")
 
 
 def test_cli_context_longer_than_data(tmp_path, good):
     good["parameters"]["context_length"] = 128  # the tiny dataset has 64-token samples
-    assert_one_line_error(_cli(tmp_path, good), "context_length (128)", "64")
+    assert_one_line_error(_run(tmp_path, good), "context_length (128)", "64")
 
 
 def test_cli_missing_train_data(tmp_path, good):
-    assert_one_line_error(_cli(tmp_path, good | {"train_data": str(tmp_path / "nope")}), "nope")
+    assert_one_line_error(_run(tmp_path, good | {"train_data": str(tmp_path / "nope")}), "nope")
 
 
 def test_cli_bad_set_and_missing_file(tmp_path, good):
@@ -153,7 +159,7 @@ def test_cli_save_folder_of_another_run_is_refused(tmp_path, good):
     run_json = (tmp_path / "run" / "run.json").read_bytes()
     weights = (tmp_path / "run" / "final" / "model.safetensors").read_bytes()
     other = good | {"name": "someone-else"}
-    assert_one_line_error(_cli(tmp_path, other), "holds checkpoints of a different run", "--overwrite")
+    assert_one_line_error(_run(tmp_path, other), "holds checkpoints of a different run", "--overwrite")
     assert (tmp_path / "run" / "run.json").read_bytes() == run_json
     assert (tmp_path / "run" / "final" / "model.safetensors").read_bytes() == weights
     # --overwrite replaces it

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from conftest import tiny_run_config
-from train_helpers import assert_one_line_error, lmforge, metrics, train_losses, write_config
+from train_helpers import assert_one_line_error, cli, lmforge, metrics, train_losses, write_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -196,9 +196,9 @@ def test_bad_weights_and_tokenizer(base, tmp_path, tiny_data):
     train_tokenizer([str(tiny_data.raw)], 1024, str(big))
     assert_one_line_error(lmforge("finetune", "-f", sft_config(tmp_path, base / "final", tokenizer=str(big))),
                           "1024 tokens", "vocabulary has 512")
-    assert_one_line_error(lmforge("generate", "--checkpoint", base, "--tokenizer", big, "--prompt", "x"),
+    assert_one_line_error(cli("generate", "--checkpoint", base, "--tokenizer", big, "--prompt", "x"),
                           "1024 tokens")
-    assert_one_line_error(lmforge("generate", "--checkpoint", tmp_path / "nope", "--prompt", "x"),
+    assert_one_line_error(cli("generate", "--checkpoint", tmp_path / "nope", "--prompt", "x"),
                           "no such folder")
 
 
@@ -206,7 +206,7 @@ def test_export_refuses_to_overwrite(base, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert_one_line_error(lmforge("export", "--checkpoint", base, "--out", out), "not empty", "--overwrite")
+    assert_one_line_error(cli("export", "--checkpoint", base, "--out", out), "not empty", "--overwrite")
     assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
 
 

@@ -240,17 +240,32 @@ def test_the_old_marker_check_rides_out_an_outage(own_server, tmp_path, monkeypa
     assert fs.cat_file(f"{dest}/shard.bin") == b"2" * 20
 
 
-def test_credentials_check(s3_env, tmp_path, tiny_data):
+def _check(monkeypatch, *args, **env_vars):
+    """`lmforge train ARGS` in this process with these AWS_* variables: the credentials check runs
+    before any process starts. fsspec caches clients by their arguments, so start from none."""
+    import fsspec
+
+    for k, v in env_vars.items():
+        monkeypatch.setenv(k, v)
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
+    try:
+        return cli("train", *args)
+    finally:
+        fsspec.get_filesystem_class("s3").clear_instance_cache()
+
+
+def test_credentials_check(s3_env, tmp_path, tiny_data, monkeypatch):
     uri = f"s3://{s3_env.bucket}/runs/check"
     cfg = write_config(tmp_path / "c.yaml", tiny_run_config(tiny_data, uri))
-    ok = lmforge("train", "-f", cfg, "--check-credentials", check=True)
+    ok = _check(monkeypatch, "-f", cfg, "--check-credentials")
+    assert ok.returncode == 0, ok.stderr
     assert f"write {uri}: ok" in ok.stdout and "credentials: ok" in ok.stdout
     _s3fs(s3_env).invalidate_cache()
     assert not _s3fs(s3_env).glob(f"{s3_env.bucket}/runs/check/.lmforge-write-check-*")  # probe deleted
 
     # wrong keys: fails at the check (before the trainer starts), naming the bucket, without showing the key
-    bad = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", str(cfg)], capture_output=True, text=True,
-                         env=env(AWS_SECRET_ACCESS_KEY="wrong-secret-value"), cwd=REPO, timeout=60)
+    with monkeypatch.context() as m:
+        bad = _check(m, "-f", cfg, AWS_SECRET_ACCESS_KEY="wrong-secret-value")
     assert_one_line_error(bad, f"cannot write to {uri}", f"bucket {s3_env.bucket!r}", "access denied")
     assert "wrong-secret-value" not in bad.stdout + bad.stderr
     # skipping the check: the trainer's first access to the store fails just as clearly
@@ -266,22 +281,22 @@ def test_credentials_check(s3_env, tmp_path, tiny_data):
     data_uri = f"s3://{s3_env.bucket}/datasets/ro"
     remote.upload_dir(str(tiny_data.dataset), data_uri)
     ro = write_config(tmp_path / "ro.yaml", tiny_run_config(tiny_data, uri, train_data=data_uri))
-    denied = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", str(ro), "--check-credentials"],
-                            capture_output=True, text=True, cwd=REPO, timeout=60,
-                            env=env(AWS_ACCESS_KEY_ID=READ_KEY, AWS_SECRET_ACCESS_KEY=READ_SECRET))
+    with monkeypatch.context() as m:
+        denied = _check(m, "-f", ro, "--check-credentials", AWS_ACCESS_KEY_ID=READ_KEY,
+                        AWS_SECRET_ACCESS_KEY=READ_SECRET)
     assert f"read  {data_uri}: ok" in denied.stdout
     assert_one_line_error(denied, f"cannot write to {uri}", f"bucket {s3_env.bucket!r}", "access denied")
 
     # a missing bucket; remote data that is not there; an unknown scheme
     nob = write_config(tmp_path / "nob.yaml", tiny_run_config(tiny_data, "s3://no-such-bucket-zz/runs/x"))
-    assert_one_line_error(lmforge("train", "-f", nob, "--check-credentials"), "no-such-bucket-zz",
+    assert_one_line_error(_check(monkeypatch, "-f", nob, "--check-credentials"), "no-such-bucket-zz",
                           "bucket does not exist")
     nodata = write_config(tmp_path / "nodata.yaml", tiny_run_config(
         tiny_data, tmp_path / "x", train_data=f"s3://{s3_env.bucket}/no/such/data"))
-    assert_one_line_error(lmforge("train", "-f", nodata, "--check-credentials"),
+    assert_one_line_error(_check(monkeypatch, "-f", nodata, "--check-credentials"),
                           f"s3://{s3_env.bucket}/no/such/data not found")
     scheme = write_config(tmp_path / "scheme.yaml", tiny_run_config(tiny_data, "foo://bucket/x"))
-    assert_one_line_error(lmforge("train", "-f", scheme, "--check-credentials"), "foo://bucket/x",
+    assert_one_line_error(_check(monkeypatch, "-f", scheme, "--check-credentials"), "foo://bucket/x",
                           "cannot open this kind of URI")
 
 
