@@ -12,7 +12,9 @@ the whole run down and the same command is run again, which resumes. After each 
   and one shard per rank;
 
 and at the end: the final weights equal the reference bit for bit, and the registry holds one
-resumption per kill (restarts counted once, whoever restarted).
+resumption per kill (restarts counted once, whoever restarted), except for a kill that lands
+after training ended (the final weights written: the supervisor was finishing up), which is
+counted apart.
 
     python bench/faults.py --kills 20 --stops 5           # 1 and 2 ranks, 10 kills each; 5 timed stops
     python bench/faults.py --kills 2 --ranks 1 --json     # what the CI test runs
@@ -167,7 +169,7 @@ def faults(ranks: int, kills: int, steps: int, work: Path, data: Path, tok: Path
 
     sup = start()
     seen: dict[int, str | None] = {}  # every process of the run seen so far → its start identity
-    orphans = inside_write = done = 0
+    orphans = inside_write = done = after_end = 0
     half = set()
     for i in range(kills):
         kind, point = VICTIMS[i % 2], POINTS[(i + i // 2) % 2]  # each victim at each kind of point
@@ -188,8 +190,10 @@ def faults(ranks: int, kills: int, steps: int, work: Path, data: Path, tok: Path
         doomed = [victim, *descendants(victim)] if kind == "trainer" else tree
         for pid in tree:
             seen.setdefault(pid, process_start(pid))
+        ended = (folder / "final" / "model.safetensors").exists()  # training is over: nothing to restart
         os.kill(victim, signal.SIGKILL)
         inside_write += bool((before & writes(folder)) - old)
+        after_end += ended
         try:
             wait_for(lambda: not any(process_alive(p, seen.get(p)) for p in doomed), 30, "the killed processes")
         except RuntimeError:
@@ -206,7 +210,8 @@ def faults(ranks: int, kills: int, steps: int, work: Path, data: Path, tok: Path
     equal = a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
     desc = run("runs", "describe", name, "--json")
     resumptions = [{"status": r["status"], "reason": r["reason"]} for r in json.loads(desc.stdout)["resumptions"]]
-    return {"ranks": ranks, "kills": done, "inside_checkpoint_write": inside_write, "exit": rc,
+    return {"ranks": ranks, "kills": done, "inside_checkpoint_write": inside_write, "after_the_end": after_end,
+            "exit": rc,
             "restarts_recorded": len(resumptions) - 1, "bitwise_equal": equal, "orphans": orphans,
             "half_written_visible": len(half), "wall_s": round(wall, 1), "resumptions": resumptions}
 
@@ -267,11 +272,12 @@ def main() -> None:
         print(json.dumps({"seed": seed, "results": results, "stop": stops}, indent=1))
         return
     print(f"seed {seed}")
-    print("| ranks | SIGKILLs | in a checkpoint write | restarts recorded | final weights | orphans | "
-          "half-written visible | wall (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ranks | SIGKILLs | in a checkpoint write | after training ended | restarts recorded | final weights | "
+          "orphans | half-written visible | wall (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['ranks']} | {r['kills']} | {r['inside_checkpoint_write']} | {r['restarts_recorded']} | "
+        print(f"| {r['ranks']} | {r['kills']} | {r['inside_checkpoint_write']} | {r['after_the_end']} | "
+              f"{r['restarts_recorded']} | "
               f"{'bitwise equal' if r['bitwise_equal'] else 'DIFFERENT'} | {r['orphans']} | "
               f"{r['half_written_visible']} | {r['wall_s']} |")
     if stops:
