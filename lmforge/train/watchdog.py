@@ -7,8 +7,9 @@ completes for ``compute.hang_timeout`` seconds, the thread writes one line namin
 the Python stacks of every thread to stderr — the run's log — and ends the process with
 `EXIT_HUNG`. Every rank shares one log, and every rank dumps at about the same moment, so each
 stack line is written whole by one `write` (a pipe keeps writes up to PIPE_BUF together) and
-starts with ``[rank R]``: lines of two ranks may alternate, but never mix. Every rank's loop stops at the same collective, so every rank's
-watchdog fires within moments of the others and each dumps its own stacks. The supervisor (or
+starts with ``[rank R]``: lines of two ranks may alternate, but never mix. Every rank's loop
+stops at the same collective, so every rank's watchdog fires within moments of the others and
+each dumps its own stacks. The supervisor (or
 torchrun) then restarts the run from its latest checkpoint, as a failure that counts against
 ``max_retries``.
 
