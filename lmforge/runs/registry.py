@@ -39,6 +39,16 @@ def status_file(log_dir: str, idx: int) -> str:
     supervisor (its torchelastic attempt, how training ended); it stays for the later restarts."""
     return os.path.join(log_dir, f"resumption-{idx}.status.json")
 
+
+def read_status(path: str) -> dict:
+    """A status file's contents; {} when it is missing or half-written."""
+    try:
+        with open(path) as f:
+            status = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     name TEXT PRIMARY KEY,
@@ -298,18 +308,14 @@ def _record_unseen_restarts(con, run: dict) -> None:
     if row is None or not run.get("log_dir"):
         return
     last, log_path = row
-    for first in range(last, -1, -1):
-        path = status_file(run["log_dir"], first)
-        try:
-            with open(path) as f:
-                attempt = int(json.load(f).get("attempt") or 0)
-            started = os.path.getmtime(path)  # written as the newest attempt started
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError, TypeError, AttributeError):
-            return
-        break
-    else:
+    first = next((i for i in range(last, -1, -1) if os.path.exists(status_file(run["log_dir"], i))), None)
+    if first is None:
+        return
+    path = status_file(run["log_dir"], first)
+    try:
+        attempt = int(read_status(path).get("attempt") or 0)
+        started = os.path.getmtime(path)  # written as the newest attempt started
+    except (OSError, ValueError, TypeError):
         return
     for idx in range(last, last + attempt - (last - first)):
         con.execute("UPDATE resumptions SET status='FAILED', reason=?, ended_at=? WHERE run_name=? AND idx=?",

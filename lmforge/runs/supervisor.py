@@ -41,8 +41,8 @@ from lmforge.errors import environment_error
 from lmforge.process import child_dies_with_me
 from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.progress import MetricsTail, metrics_path, summarize
-from lmforge.runs.registry import Registry
-from lmforge.runs.registry import status_file as registry_status_file
+from lmforge.runs.registry import Registry, read_status
+from lmforge.runs.registry import status_file as status_path
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
@@ -68,14 +68,6 @@ def report_status(plan: LaunchPlan | None, status: str, **info) -> None:
         os.replace(tmp, plan.status_file)
     except OSError:  # a full disk: the supervisor reads the exit code and the "error:" line instead
         pass
-
-
-def read_status(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
 
 
 def describe_exit(rc: int) -> str:
@@ -241,7 +233,7 @@ class Supervisor:
 
     def _run_child(self, argv: list[str], log_path: str) -> tuple[int, dict, list[str]]:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        status_file = registry_status_file(self.log_dir, self.idx)
+        status_file = status_path(self.log_dir, self.idx)
         if os.path.exists(status_file):
             os.remove(status_file)
         nproc = self.plan.nproc
