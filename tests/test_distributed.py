@@ -175,9 +175,12 @@ def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, 
     restarts both, they resume from the latest complete checkpoint and finish; the restart is
     logged, recorded in events.jsonl and in the registry as a resumption; the losses equal the
     uninterrupted single process's."""
-    cfg, folder = run(tmp_path, tiny_data, "victim", **COMMON, **{"compute.ranks": 2, "max_retries": 1})
+    # Checkpoints written in the foreground and rank 1 held after step 4 of the first attempt: step 3
+    # is the latest checkpoint when the kill lands, whatever the machine's load.
+    cfg, folder = run(tmp_path, tiny_data, "victim", **COMMON, **{"compute.ranks": 2, "max_retries": 1,
+                                                                   "compute.async_checkpoint": False})
     proc = subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+                            stderr=subprocess.PIPE, text=True, env=env(LMFORGE_TEST_HANG="1:4:0"), cwd=REPO)
     deadline = time.time() + 180
     victim = None
     while victim is None:  # find rank 1's process first, so that the kill itself is immediate

@@ -181,9 +181,11 @@ def test_unreachable_mlflow_degrades_to_warning(tmp_path, home, monkeypatch, cap
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     cfg = TrackerConfig(mlflow=MLflowConfig(tracking_uri="http://127.0.0.1:9"), console=False, report=False)
     assert mlflow_ui_command(cfg) is None
+    import mlflow  # noqa: F401 - imported before the clock starts: a cold import takes seconds on a busy machine
+
     start = time.monotonic()
     t = build_trackers(cfg, run_name="r", run_dir=str(tmp_path / "run"))
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # no retry loop: MLflow's default retries would take minutes
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: mlflow tracking disabled (")
     assert [x.name for x in t] == ["jsonl"]

@@ -311,10 +311,8 @@ class Supervisor:
                 attempt, running = status["attempt"], False
                 metrics.latest, fields["status"] = {}, "STARTING"
                 self.reg.set_resumption(self.name, self.idx, status="STARTING")
-            if (self.stop_signal is not None or self.force) and not self._stop_recorded:
-                self._stop_recorded = True
+            if self._record_stop():
                 fields["status"] = "TERMINATING"
-                self.reg.event(self.name, "stop", "stop requested: checkpointing at the next step")
             latest = metrics.poll()
             if latest and not running and not self._stop_recorded:
                 running = True
@@ -332,9 +330,19 @@ class Supervisor:
         status = read_status(status_file)
         if status.get("attempt", 0) > attempt:  # restarted, then ended before we looked
             self._torchrun_restarted(status["attempt"] - attempt, list(tail))
+        if self._record_stop():  # a stop the trainer obeyed within the same half second
+            self.reg.put(self.name, {"status": "TERMINATING"})
         latest = metrics.poll()
         if latest:
             self.reg.put(self.name, {"metrics": summarize(latest, self.config)})
+
+    def _record_stop(self) -> bool:
+        """Record a requested stop once (an event); True the first time."""
+        if (self.stop_signal is None and not self.force) or self._stop_recorded:
+            return False
+        self._stop_recorded = True
+        self.reg.event(self.name, "stop", "stop requested: checkpointing at the next step")
+        return True
 
     def _torchrun_restarted(self, count: int, tail: list[str]) -> None:
         """torchrun restarted the ranks (``count`` times since we last looked): each restart ends

@@ -18,8 +18,10 @@ of this attempt, at least `DEFAULT_FLOOR_S`. The clock starts at the first compl
 first one compiles and warms up) and stops during evaluation and checkpoint writes, which are
 not steps (the process group's collective timeout still bounds those).
 
-Test hook: ``LMFORGE_TEST_HANG=RANK:STEP`` makes rank RANK sleep for good right after it
-completes step STEP — the only way to show a real hang end to end. Nothing else reads it.
+Test hook: ``LMFORGE_TEST_HANG=RANK:STEP[:ATTEMPT]`` makes rank RANK sleep for good right after
+it completes step STEP (in torchrun attempt ATTEMPT only, when given) — the only way to show a
+real hang end to end, and how tests hold a run at a known step before killing it. Nothing else
+reads it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import time
 import traceback
 from collections import deque
 from contextlib import contextmanager
+
+from lmforge.distributed.elastic import restart_count
 
 EXIT_HUNG = 4
 STEP_MULTIPLE = 20
@@ -139,5 +143,7 @@ def _test_hang(rank: int) -> int | None:
     spec = os.environ.get(TEST_HOOK)
     if not spec:
         return None
-    r, _, step = spec.partition(":")
-    return int(step) if int(r) == rank else None
+    r, step, *attempt = spec.split(":")
+    if int(r) != rank or (attempt and int(attempt[0]) != restart_count()):
+        return None
+    return int(step)
