@@ -13,7 +13,10 @@ token meets the same parameters. MFU is on active parameters on the standard bas
 dense bf16 peak (fp32 peak on the CPU, `estimate.hardware.cpu_spec`).
 
 Rounds alternate MoE and dense and keep each one's best, so load from other processes on a
-shared machine hits both alike; tokens per CPU-second of this process are printed too.
+shared machine hits both alike; tokens per CPU-second of this process are printed too, and the
+median over rounds of each round's MoE/dense ratio (the steadiest figure on a noisy machine) —
+for whole steps, and for forward + backward alone (the layers' own work: the optimizer and
+gradient clipping walk every parameter, and the MoE has several times the dense twin's).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -50,8 +54,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench(cfg: ModelConfig, args, device: torch.device) -> tuple[float, float]:
-    """-> (tokens per wall second, tokens per CPU second of this process)."""
+def bench(cfg: ModelConfig, args, device: torch.device) -> tuple[float, float, float]:
+    """-> (tokens per wall second of whole steps, per CPU second of this process, per wall second
+    of forward + backward alone: the model's work, without the optimizer over every parameter)."""
     torch.manual_seed(0)
     model = build_model(cfg, device=device)
     one = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
@@ -61,26 +66,30 @@ def bench(cfg: ModelConfig, args, device: torch.device) -> tuple[float, float]:
     batch = Batch.from_tokens(torch.randint(0, cfg.vocab_size, (args.batch, args.seq))).to(device)
     n_targets = int(batch.num_targets())
 
-    def step():
+    def step() -> float:
+        """One step; -> seconds spent in forward + backward."""
+        t = time.perf_counter()
         with autocast():
             out = train_forward(batch.input_ids, batch.targets)
         loss = out.ce_sum / n_targets
         if out.aux_loss is not None:
             loss = loss + out.aux_loss
         loss.backward()
+        sync(device)
+        model_s = time.perf_counter() - t
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return model_s
 
     for _ in range(args.warmup):  # allocations, kernel selection, compilation
         step()
     sync(device)
     t, cpu = time.perf_counter(), time.process_time()
-    for _ in range(args.iters):
-        step()
+    model_s = sum(step() for _ in range(args.iters))
     sync(device)
     tokens = args.batch * args.seq * args.iters
-    return tokens / (time.perf_counter() - t), tokens / (time.process_time() - cpu)
+    return tokens / (time.perf_counter() - t), tokens / (time.process_time() - cpu), tokens / model_s
 
 
 def main() -> None:
@@ -114,20 +123,26 @@ def main() -> None:
     print(f"# {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, micro-batch {args.batch} × seq "
           f"{args.seq}, {args.iters} iters, {'bf16 autocast' if gpu else 'fp32'}"
           f"{', compiled' if args.compile else ''}")
-    print(f"{'model':<8} {'layers':>6} {'active params':>14} {'tokens/s':>10} {'tokens/cpu-s':>13} {'MFU':>7}")
+    print(f"{'model':<8} {'layers':>6} {'active params':>14} {'all params':>11} {'tokens/s':>10} "
+          f"{'tokens/cpu-s':>13} {'MFU':>7} {'fwd+bwd tokens/s':>17}")
     models = {"moe": moe, "dense": dense_twin(moe)}
-    best: dict[str, tuple[float, float]] = {}
-    for _ in range(args.rounds):
-        for label, cfg in models.items():
-            best[label] = max(best.get(label, (0.0, 0.0)), bench(cfg, args, device))
+    best: dict[str, tuple[float, float, float]] = {}
+    ratios: dict[str, list[float]] = {"whole steps": [], "forward + backward": []}
+    for _ in range(args.rounds):  # moe / dense within a round: the two ran back to back under the same load
+        this = {label: bench(cfg, args, device) for label, cfg in models.items()}
+        ratios["whole steps"].append(this["moe"][0] / this["dense"][0])
+        ratios["forward + backward"].append(this["moe"][2] / this["dense"][2])
+        for label in models:
+            best[label] = tuple(max(a, b) for a, b in zip(best.get(label, (0.0, 0.0, 0.0)), this[label]))
     for label, cfg in models.items():
-        tps, tpcpu = best[label]
+        tps, tpcpu, model_tps = best[label]
         mfu = tps * mfu_flops_per_token(cfg, args.seq) / peak
-        print(f"{label:<8} {cfg.n_layers:>6} {param_counts(cfg)['active'] / 1e6:>13.1f}M {tps:>10.0f} {tpcpu:>13.0f} "
-              f"{100 * mfu:>6.1f}%")
-    print(f"moe / dense tokens/s: {best['moe'][0] / best['dense'][0]:.2f}× (per CPU-second "
-          f"{best['moe'][1] / best['dense'][1]:.2f}×)")
-
+        counts = param_counts(cfg)
+        print(f"{label:<8} {cfg.n_layers:>6} {counts['active'] / 1e6:>13.1f}M {counts['total'] / 1e6:>10.1f}M "
+              f"{tps:>10.0f} {tpcpu:>13.0f} {100 * mfu:>6.1f}% {model_tps:>17.0f}")
+    for what, r in ratios.items():
+        print(f"moe / dense tokens/s, {what}: median of {len(r)} rounds {statistics.median(r):.2f}× "
+              f"(range {min(r):.2f}–{max(r):.2f})")
 
 if __name__ == "__main__":
     main()

@@ -72,6 +72,14 @@ def test_no_token_dropped_when_all_route_to_one_expert(grouped):
     expected = swiglu(x, layer.experts, 3)  # every token fully computed
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     assert stats["lb_loss"].item() == pytest.approx(4.0, rel=1e-3)  # the maximum, E
+    # Unused experts get zero gradients, not None (sharded weights need one on every rank).
+    y.sum().backward()
+    for w in (layer.experts.w13.grad, layer.experts.w2.grad):
+        assert w is not None and not w[:3].any() and w[3].any()
+    # ... also when no expert here got a row (an expert-parallel rank whose experts all went unused)
+    layer.experts.zero_grad(set_to_none=True)
+    layer.experts(x.new_zeros(0, 32), torch.zeros(4, dtype=torch.long), grouped).sum().backward()
+    assert not layer.experts.w13.grad.any() and not layer.experts.w2.grad.any()
 
 
 def test_aux_loss_minimal_at_uniform_and_grows_with_imbalance():

@@ -57,7 +57,9 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     x, w, offs = ctx.saved_tensors
-    grad = grad.contiguous()
+    # An empty gradient counts as contiguous whatever its strides (a broadcast one has all-zero
+    # strides, which the kernel refuses): give it real ones.
+    grad = grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
     return _op(grad, w.transpose(-2, -1), offs), _weight_grad(x, grad, offs), None
 
 

@@ -78,25 +78,52 @@ def router_entropy(probs: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- dispatch / combine
 
-def dispatch(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class _GatherRows(torch.autograd.Function):
+    """``x[index]``, where every row of x is taken the same number of times; ``back`` lists, row
+    by row of x, the output rows taken from it. Backward gathers by ``back`` (and sums each row's
+    copies), where plain indexing would scatter-add (``index_put`` with accumulate: serial on the
+    CPU, atomics on CUDA). Same values, deterministic."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, index: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+        return x[index]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+        ctx.rows = inputs[0].shape[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (back,) = ctx.saved_tensors
+        grad_x = grad[back]
+        if back.numel() != ctx.rows:  # each row was taken k times: add its k gradients
+            grad_x = grad_x.view(ctx.rows, -1, grad.shape[-1]).sum(1)
+        return grad_x, None, None
+
+
+def dispatch(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the N·k token slots by expert.
 
-    Returns (x_sorted [N·k, d], order [N·k]) where order[r] is the flat (token·k + slot) index
-    that sorted row r came from. Stable: deterministic, token order kept within each expert.
+    Returns (x_sorted [N·k, d], order [N·k], inverse [N·k]) where order[r] is the flat
+    (token·k + slot) index that sorted row r came from and ``inverse`` undoes it. Stable:
+    deterministic, token order kept within each expert. The inverse permutation is a scatter of
+    positions (linear, no second sort).
     """
     order = torch.argsort(experts.reshape(-1), stable=True)
-    return x[order // experts.shape[1]], order
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return _GatherRows.apply(x, order // experts.shape[1], inverse), order, inverse
 
 
-def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine(y_sorted: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor
+            ) -> torch.Tensor:
     """Inverse of `dispatch`: un-permute rows, then weighted sum over each token's k slots.
 
-    The inverse permutation is a scatter of positions (linear, no second sort). A gather plus a
-    sum over k (rather than a scatter-add into tokens) keeps the result deterministic everywhere.
+    A gather plus a sum over k (rather than a scatter-add into tokens) keeps the result
+    deterministic everywhere.
     """
     n, k = weights.shape
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    y = y_sorted[inverse].view(n, k, -1)
+    y = _GatherRows.apply(y_sorted, inverse, order).view(n, k, -1)
     return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
 
 
@@ -194,14 +221,15 @@ class GroupedExperts(nn.Module):
 def _loop(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     # unbind, not w[e]: its backward stacks the per-expert grads once, where indexing would
     # allocate and accumulate a full [E, ...] gradient per expert.
-    w13s, w2s = w13.unbind(0), w2.unbind(0)
-    out, start = [], 0
-    for e, n in enumerate(counts.tolist()):  # host sync
-        if n:
-            gate, up = (x[start:start + n] @ w13s[e]).chunk(2, dim=-1)
-            out.append((F.silu(gate) * up) @ w2s[e])
-            start += n
-    return torch.cat(out) if out else x.new_zeros(0, w2.shape[-1])
+    # Likewise split, not x[start:start + n]: a slice's backward zero-fills a gradient of all of x
+    # per expert, where split's concatenates the pieces once.
+    # An expert with no rows still runs (a [0, d] GEMM): its gradient is then zeros, not None, which
+    # sharded weights need (under expert parallelism one rank's experts may all go unused).
+    out = []
+    for xe, w13e, w2e in zip(x.split(counts.tolist()), w13.unbind(0), w2.unbind(0)):  # host sync
+        gate, up = (xe @ w13e).chunk(2, dim=-1)
+        out.append((F.silu(gate) * up) @ w2e)
+    return torch.cat(out)
 
 
 # --------------------------------------------------------------------------- the layer
@@ -236,12 +264,12 @@ class MoE(nn.Module):
         logits = self.router(router_in)
         weights, experts, probs = route(logits, self.top_k)
         counts = expert_counts(experts, self.n_experts)
-        x_sorted, order = dispatch(x, experts)
+        x_sorted, order, inverse = dispatch(x, experts)
         if self.ep_group is None:
             y_sorted = self.experts(x_sorted, counts, self.grouped)
         else:
             y_sorted = self._expert_parallel(x_sorted, counts)
-        y = combine(y_sorted, order, weights)
+        y = combine(y_sorted, order, inverse, weights)
         stats = {"lb_loss": load_balancing_loss(probs, counts), "z_loss": z_loss(logits),
                  "tokens_per_expert": counts, "router_entropy": router_entropy(probs.detach())}
         return y.view(shape), stats
