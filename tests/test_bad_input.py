@@ -294,6 +294,16 @@ CASES = [
          files={"run": run_copy}, keep=["{dir}/run/final"]),
     Case("tokenizer-out-is-a-file", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "300", "--out",
                                      "{dir}/t"], ["not a folder"], files={"t": "x\n"}, keep=["{dir}/t"], was_traceback=True),
+    # output files replace what the same command wrote before, never another file (a config, a script)
+    Case("report-out-is-a-config", ["report", "{run}", "--out", "{dir}/run.yaml"], ["--out", "not written by",
+                                                                               "--overwrite"],
+         files={"run.yaml": "name: mine\n"}, keep=["{dir}/run.yaml"]),
+    Case("launch-output-is-the-config", ["launch", "slurm", "-f", "{dir}/job.yaml", "--nodes", "1",
+                                         "--gpus-per-node", "1", "-o", "{dir}/job.yaml"],
+         ["-o", "not written by", "--overwrite"], files={"job.yaml": config("job.yaml")}, keep=["{dir}/job.yaml"]),
+    Case("stats-plot-over-a-file", ["data", "stats", "{raw}", "--plot", "{dir}/notes.png"],
+         ["--plot", "not written by", "--overwrite"], files={"notes.png": b"\x89PNG not ours"},
+         keep=["{dir}/notes.png"]),
     Case("tokenizer-vocab-tiny", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "10", "--out", "{dir}/t"],
          ["--vocab-size", "too small"]),
     Case("estimate-model-binary", ["estimate", "--model", "{dir}/m.yaml"], ["binary"], files={"m.yaml": BINARY},
@@ -364,6 +374,25 @@ def test_bad_input(case: Case, world: World, tmp_path):
     assert_one_line_error(proc, *case.words, code=case.code)
     for p, before in kept.items():
         assert _digest(Path(_fill(p, values))) == before, f"{p} changed"
+
+
+def test_output_files_replace_their_own_kind(world, tmp_path):
+    """The refusals above end with the remedy: a file the same command wrote is replaced without
+    asking (re-running a report is routine), any other file with --overwrite."""
+    job = write_config(tmp_path / "job.yaml", world.config(save_folder=str(tmp_path / "run")))
+    for argv, out in ((["report", world.run, "--out"], tmp_path / "r.html"),
+                      (["launch", "k8s", "-f", job, "--nodes", "2", "--gpus-per-node", "1", "--image", "x", "-o"],
+                       tmp_path / "job-k8s.yaml"),
+                      (["launch", "slurm", "-f", job, "--nodes", "2", "--gpus-per-node", "1", "-o"],
+                       tmp_path / "job.sbatch"),
+                      (["data", "stats", world.values["raw"], "--plot"], tmp_path / "stats.png")):
+        out.write_text("someone else's\n")
+        assert_one_line_error(cli(*argv, out), "not written by", "--overwrite")
+        assert out.read_text() == "someone else's\n"
+        cli(*argv, out, "--overwrite", check=True)
+        written = out.read_bytes()
+        cli(*argv, out, check=True)  # its own earlier output: replaced without --overwrite
+        assert out.read_bytes() != b"someone else's\n" and len(out.read_bytes()) > 0 and written[:4] == out.read_bytes()[:4]
 
 
 # --------------------------------------------------------------------------- what is no longer refused

@@ -39,6 +39,21 @@ def add_command(subparsers, name: str, help: str, description: str | None = None
     )
 
 
+def check_output_file(path: str, flag: str, overwrite: bool, mark: str) -> None:
+    """A file a command writes may replace one the same command wrote before (``mark`` found in
+    its first bytes) — regenerating a report is routine — but nothing else unless ``--overwrite``:
+    a mistyped output name must not eat a config or a script."""
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path}: is a folder; give a file name")
+    if overwrite or not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        head = f.read(8192)
+    if mark.encode() not in head:
+        raise UserError(f"{flag} {path}: the file exists and was not written by this command; choose another "
+                        f"{flag} or pass --overwrite to replace it")
+
+
 def check_output_folder(path: str, flag: str, overwrite: bool) -> bool:
     """A folder a command writes must be new or empty, unless ``--overwrite`` (then it is replaced).
     Returns whether it exists (and is to be replaced)."""

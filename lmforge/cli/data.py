@@ -10,7 +10,7 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-from lmforge.cli.common import OneLineParser, add_command
+from lmforge.cli.common import OneLineParser, add_command, check_output_file
 from lmforge.data import remote
 from lmforge.data.mds import MDSReader
 from lmforge.data.prepare import prepare, read_summary
@@ -65,7 +65,9 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", metavar="TOK", help="count tokens of raw text with this tokenizer")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
     p.add_argument("--max-docs", type=int, default=None, metavar="N", help="read at most N documents")
-    p.add_argument("--plot", metavar="FILE", help="write the plots to FILE.png or FILE.html")
+    p.add_argument("--plot", metavar="FILE",
+                   help="write the plots to FILE.png or FILE.html (replaces earlier plots there, nothing else)")
+    p.add_argument("--overwrite", action="store_true", help="replace the --plot FILE even if lmforge did not write it")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
     p.set_defaults(func=_stats)
 
@@ -234,8 +236,10 @@ def _dedup(args) -> int:
 
 
 def _stats(args) -> int:
-    from lmforge.data.curate.stats import corpus_stats, print_stats, write_plots
+    from lmforge.data.curate.stats import MARK, corpus_stats, print_stats, write_plots
 
+    if args.plot:  # before reading the corpus: a refusal costs nothing
+        check_output_file(args.plot, "--plot", args.overwrite, MARK)
     stats = corpus_stats(args.source, tokenizer=args.tokenizer, text_field=args.text_field, max_docs=args.max_docs)
     if args.plot:
         stats["plot"] = write_plots(stats, args.plot)

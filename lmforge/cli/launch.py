@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from lmforge.cli.common import OneLineParser, add_command
+from lmforge.cli.common import OneLineParser, add_command, check_output_file
 from lmforge.config.load import load_config
-from lmforge.distributed.cluster import k8s_name, pytorchjob_manifest, sbatch_script
+from lmforge.distributed.cluster import K8S_MARK, SLURM_MARK, k8s_name, pytorchjob_manifest, sbatch_script
 from lmforge.errors import UserError
 
 
@@ -23,7 +23,9 @@ def register(subparsers) -> None:
         p.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="GPUs (ranks) per node")
         p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                        help="config override passed on to `lmforge train` (repeatable)")
-        p.add_argument("-o", "--output", metavar="FILE", help="where to write the job file")
+        p.add_argument("-o", "--output", metavar="FILE",
+                       help="where to write the job file (replaces an earlier job file there, nothing else)")
+        p.add_argument("--overwrite", action="store_true", help="replace FILE even if lmforge did not write it")
 
     p = add_command(sub, "slurm", "write an sbatch script (srun + torchrun rendezvous)")
     common(p)
@@ -64,6 +66,7 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
 def run_slurm(args) -> int:
     cfg, name = _checked(args)
     out = args.output or f"{name}.sbatch"
+    check_output_file(out, "-o", args.overwrite, SLURM_MARK)
     _write(out, sbatch_script(name=name, config_path=os.path.abspath(args.file), nodes=args.nodes,
                               gpus_per_node=args.gpus_per_node, python=sys.executable, partition=args.partition,
                               time=args.time, sets=args.set), 0o755)
@@ -75,6 +78,7 @@ def run_slurm(args) -> int:
 def run_k8s(args) -> int:
     cfg, name = _checked(args)
     out = args.output or f"{k8s_name(name)}-pytorchjob.yaml"
+    check_output_file(out, "-o", args.overwrite, K8S_MARK)
     with open(args.file) as f:
         config_text = f.read()
     _write(out, pytorchjob_manifest(name=name, config_text=config_text, nodes=args.nodes,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmforge.cli.common import add_command
+from lmforge.cli.common import add_command, check_output_file
 
 
 def register(sub) -> None:
@@ -14,7 +14,9 @@ def register(sub) -> None:
                     "the resolved config; several runs share the axes and get a table of config differences. It "
                     "needs no network to open. Every run also keeps its own up-to-date <save_folder>/report.html.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run name or save folder")
-    p.add_argument("--out", "-o", default="report.html", metavar="FILE", help="where to write the page")
+    p.add_argument("--out", "-o", default="report.html", metavar="FILE",
+                   help="where to write the page (replaces an earlier report there, nothing else)")
+    p.add_argument("--overwrite", action="store_true", help="replace FILE even if it is not an lmforge report")
     p.set_defaults(func=run)
 
 
@@ -23,9 +25,11 @@ def run(args) -> int:
 
     from lmforge.errors import UserError
     from lmforge.report import write_report
+    from lmforge.report.html import MARK
 
     if os.path.isdir(args.out):
         raise UserError(f"--out {args.out}: is a folder; give a file name such as {os.path.join(args.out, 'report.html')}")
+    check_output_file(args.out, "--out", args.overwrite, MARK)
     out = write_report(args.runs, args.out)
     print(f"report: {os.path.abspath(out)} ({os.path.getsize(out) / 1e6:.1f} MB, {len(args.runs)} run(s))")
     return 0

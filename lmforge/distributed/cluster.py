@@ -14,6 +14,10 @@ import yaml
 
 RDZV_PORT = 29500
 
+# The first comment of each job file: `lmforge launch` replaces such a file, nothing else.
+SLURM_MARK = "# Written by `lmforge launch slurm`"
+K8S_MARK = "# Written by `lmforge launch k8s`"
+
 
 def _train_args(config_path: str, gpus_per_node: int, nodes: int, sets: list[str]) -> list[str]:
     args = ["train", "-f", config_path, "--nnodes", str(nodes), "--set", f"compute.gpus={gpus_per_node}"]
@@ -39,7 +43,7 @@ def sbatch_script(*, name: str, config_path: str, nodes: int, gpus_per_node: int
     train = " ".join(shlex.quote(a) for a in [python, "-m", "lmforge", *_train_args(config_path, gpus_per_node,
                                                                                        nodes, list(sets))])
     lines += [
-        "# Written by `lmforge launch slurm`. Submit with: sbatch <this file>",
+        f"{SLURM_MARK}. Submit with: sbatch <this file>",
         "set -euo pipefail",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f'export LMFORGE_RDZV_ENDPOINT="$head_node:{port}"',
@@ -89,4 +93,5 @@ def pytorchjob_manifest(*, name: str, config_text: str, nodes: int, gpus_per_nod
         specs["Worker"] = replica(nodes - 1)
     job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": meta,
            "spec": {"pytorchReplicaSpecs": specs}}
-    return yaml.safe_dump_all([config_map, job], sort_keys=False)
+    return f"{K8S_MARK}. Apply with: kubectl apply -f <this file>\n" + yaml.safe_dump_all([config_map, job],
+                                                                                      sort_keys=False)

@@ -21,6 +21,8 @@ MAX_POINTS = 4000  # per curve; longer series are thinned evenly (the last point
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 DASHES = ["solid", "dash", "dot", "dashdot", "longdash"]
 
+MARK = "<meta name='lmforge-report'"  # in every page's head: `lmforge report` may replace such a file
+
 
 def _keys_matching(pred: Callable[[str], bool]) -> Callable[[RunData], list[str]]:
     return lambda run: sorted(k for k in run.keys() if pred(k))
@@ -279,7 +281,7 @@ def render(runs: list[RunData]) -> str:
                  "<h2>Resolved config</h2>", *[config_html(r) for r in runs]]
     meta = html.escape(json.dumps({"runs": [r.name for r in runs], "charts": len(charts)}))
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<meta name='lmforge-report' content=\"{meta}\">"
+            f"{MARK} content=\"{meta}\">"
             f"<title>lmforge report: {html.escape(names)}</title><style>{CSS}</style>"
             f"<script type='text/javascript'>{plotly.offline.get_plotlyjs()}</script></head>"
             f"<body>{''.join(sections)}</body></html>\n")

@@ -20,6 +20,7 @@ import numpy as np
 from lmforge.errors import UserError
 
 LANGUAGE_SAMPLE = 2000
+MARK = "lmforge data stats"  # in every plot file (PNG metadata, HTML title): `--plot` may replace such a file
 BINS = 30
 
 
@@ -227,7 +228,7 @@ def write_plots(s: dict, path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig = _figure(s)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": MARK})
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -237,7 +238,7 @@ def write_plots(s: dict, path: str) -> str:
         return path
     img = base64.b64encode(buf.getvalue()).decode()
     shown = {k: v for k, v in s.items() if k not in ("plot",)}
-    html = (f"<!doctype html><meta charset='utf-8'><title>lmforge data stats</title>"
+    html = (f"<!doctype html><meta charset='utf-8'><title>{MARK}</title>"
             f"<h2>{s['kind']} corpus {' '.join(s['source'])}</h2><img src='data:image/png;base64,{img}'>"
             f"<pre>{escape(json.dumps(shown, indent=2))}</pre>")
     with open(path, "w") as f:
