@@ -22,6 +22,8 @@ from lmforge.estimate import (
     param_counts,
     peak_flops,
 )
+from lmforge.config.schema import LORA_TARGETS, LoRAConfig
+from lmforge.estimate.flops import lora_adapter_params
 from lmforge.estimate.hardware import _match_cuda_name, cpu_spec
 from lmforge.estimate.memory import BYTES_PER_PARAM
 
@@ -94,6 +96,22 @@ def test_flops_hand_computed_moe_tied():
     # active: 2 of 4 experts, no input embedding, but the (tied) output head matmul counts
     assert counts["active"] == (3072 + 64 + 128 + 2 * 3072) + 32 + 1600
     assert counts["embedding"] == 1600
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], list(LORA_TARGETS)])
+def test_lora_flops_count_the_adapters_of_the_real_module_and_no_base_weight_gradients(targets):
+    """A frozen base forms no weight gradients: 4·N_active + 6·N_adapters (+ attention), with the
+    adapter count equal to the trainable parameters `apply_lora` really adds."""
+    from lmforge.models import build_model
+    from lmforge.models.lora import apply_lora, trainable_counts
+
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=100)
+    lora = LoRAConfig(rank=3, targets=targets)
+    adapters = trainable_counts(apply_lora(build_model(cfg, device="meta", init=False), lora))[0]
+    assert lora_adapter_params(cfg, 3, targets) == adapters > 0
+    f, full = flops_per_token(cfg, 32, lora), flops_per_token(cfg, 32)
+    assert f["dense"] == 4 * param_counts(cfg)["active"] + 6 * adapters
+    assert f["attention"] == full["attention"] and f["total"] < full["total"]
 
 
 def test_mfu_formula():

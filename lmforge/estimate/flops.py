@@ -7,6 +7,10 @@ MFU basis (the standard one, used everywhere MFU appears): `mfu_flops_per_token`
 6 · N_active (forward 2·N + backward 4·N per token, Kaplan/Chinchilla; active parameters for
 MoE) + 12·L·H·Dh·T for the attention scores (nanoGPT/PaLM). `flops_per_token` gives the
 two terms apart; "FLOPs = 6·N·D" planning figures are its "dense" term alone.
+
+LoRA (a frozen base with low-rank adapters): the base still runs forward (2·N) and passes
+gradients back through every layer (2·N), but forms no weight gradients of its own, so its dense
+term is 4·N_active + 6·N_adapters — 6·N would overstate the work, and the MFU, by about 1.5×.
 """
 
 from __future__ import annotations
@@ -73,14 +77,24 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 12.0 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
-    """Training (forward + backward) FLOPs per token: dense 6·N_active, attention, total."""
-    dense = 6.0 * param_counts(cfg)["active"]
+def lora_adapter_params(cfg: ModelConfig, rank: int, targets: list[str]) -> int:
+    """Parameters of rank-``rank`` adapters (A: in × r, B: r × out) on ``targets`` of every block."""
+    d, q, kv, ffn = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head, cfg.ffn_dim
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+              "gate_proj": (d, ffn), "up_proj": (d, ffn), "down_proj": (ffn, d)}
+    return cfg.n_layers * sum(rank * sum(shapes[t]) for t in targets)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, lora=None) -> dict[str, float]:
+    """Training (forward + backward) FLOPs per token: dense 6·N_active (4·N_active + 6·N_adapters
+    with ``lora``, a `LoRAConfig`), attention, total."""
+    active = param_counts(cfg)["active"]
+    dense = 6.0 * active if lora is None else 4.0 * active + 6.0 * lora_adapter_params(cfg, lora.rank, lora.targets)
     attention = attention_flops_per_token(cfg, seq_len)
     return {"dense": dense, "attention": attention, "total": dense + attention}
 
 
-def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def mfu_flops_per_token(cfg: ModelConfig, seq_len: int, lora=None) -> float:
     """The FLOPs per token MFU is measured against (estimate, trainer and benchmarks alike):
-    6·N_active + 12·L·H·Dh·T."""
-    return flops_per_token(cfg, seq_len)["total"]
+    6·N_active + 12·L·H·Dh·T (LoRA: 4·N_active + 6·N_adapters + 12·L·H·Dh·T)."""
+    return flops_per_token(cfg, seq_len, lora)["total"]

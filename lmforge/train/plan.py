@@ -44,7 +44,7 @@ class TrainPlan:
     schedule: Schedule  # the LR shape, in the run's own unit (steps, or seconds of training)
     step_time_s: float  # expected seconds per optimizer step: measured on this machine, else estimated
     phase_steps: list[int] | None = None  # curriculum: the optimizer step at which each phase but the last ends
-    model_flops_per_token: float = 0.0  # 6·N_active alone ("model FLOPs" of planning figures)
+    model_flops_per_token: float = 0.0  # the dense term alone: 6·N_active (LoRA: 4·N_active + 6·N_adapters)
 
     @property
     def tokens_per_step(self) -> int:
@@ -104,7 +104,7 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
             raise UserError(f"parameters.precision: bf16 is not supported on {device}")
         if precision == "fp8":
             check_fp8_supported(device)  # one clear line, never a silent fallback
-    fpt = mfu_flops_per_token(model, ctx)
+    fpt = mfu_flops_per_token(model, ctx, cfg.lora)
 
     # Global batch in samples (rounded so that every rank gets the same share).
     if p.global_batch_size is None:
@@ -171,7 +171,7 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
         learning_rate=p.learning_rate or default_learning_rate(counts["non_embedding"]),
         eval_interval=eval_every, save_interval=save_every, icl_interval=icl_every,
         precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
-        phase_steps=phase_steps, model_flops_per_token=flops_per_token(model, ctx)["dense"],
+        phase_steps=phase_steps, model_flops_per_token=flops_per_token(model, ctx, cfg.lora)["dense"],
     )
 
 
