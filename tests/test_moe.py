@@ -279,6 +279,8 @@ def test_selective_checkpointing_keeps_grouped_gemm_outputs():
     def run(mode):
         torch.manual_seed(0)
         model = build_model(moe_cfg())
+        for block in model.blocks:
+            block.mlp.grouped = True  # eager on the CPU the experts would loop (plain GEMMs) by default
         parallelize(model, ComputeConfig(activation_checkpointing=mode, data_parallel="none"), one)
         out = model.training_loss(ids, ids.roll(-1, 1))
         with CountGroupedGemms() as counter:
