@@ -26,10 +26,29 @@ def vocab_of(cfg: ModelConfig) -> int:
     return cfg.vocab_size or DEFAULT_VOCAB
 
 
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _weights(shapes: dict[str, tuple[int, int]], names: tuple[str, ...]) -> int:
+    return sum(shapes[n][0] * shapes[n][1] for n in names)
+
+
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each weight matrix of a block, by its Hugging Face / PEFT name: the attention
+    projections, and the SwiGLU ones of a dense model (an MoE's experts are counted apart)."""
+    d, q, kv = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d)}
+    if not cfg.is_moe:
+        shapes |= {"gate_proj": (d, cfg.ffn_dim), "up_proj": (d, cfg.ffn_dim), "down_proj": (cfg.ffn_dim, d)}
+    return shapes
+
+
 def block_counts(cfg: ModelConfig) -> dict[str, int]:
     """Parameters of one transformer block: attention, norms, feed-forward (all / active)."""
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
-    attention = d * h * dh + 2 * d * kv * dh + h * dh * d  # q, k, v, o
+    shapes = projection_shapes(cfg)
+    attention = _weights(shapes, ATTENTION_PROJECTIONS)
     if cfg.qkv_bias:
         attention += (h + 2 * kv) * dh
     if cfg.qk_norm != "none":
@@ -41,7 +60,7 @@ def block_counts(cfg: ModelConfig) -> dict[str, int]:
         ffn = router + cfg.n_experts * expert
         ffn_active = router + cfg.top_k * expert
     else:
-        ffn = ffn_active = 3 * d * cfg.ffn_dim
+        ffn = ffn_active = _weights(shapes, MLP_PROJECTIONS)
     return {"attention": attention, "norms": norms, "ffn": ffn, "ffn_active": ffn_active,
             "total": attention + norms + ffn, "active": attention + norms + ffn_active}
 
@@ -79,9 +98,7 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def lora_adapter_params(cfg: ModelConfig, rank: int, targets: list[str]) -> int:
     """Parameters of rank-``rank`` adapters (A: in × r, B: r × out) on ``targets`` of every block."""
-    d, q, kv, ffn = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head, cfg.ffn_dim
-    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-              "gate_proj": (d, ffn), "up_proj": (d, ffn), "down_proj": (ffn, d)}
+    shapes = projection_shapes(cfg)
     return cfg.n_layers * sum(rank * sum(shapes[t]) for t in targets)
 
 
