@@ -82,22 +82,47 @@ def router_entropy(probs: torch.Tensor) -> torch.Tensor:
 def dispatch(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the N·k token slots by expert.
 
-    Returns (x_sorted [N·k, d], order [N·k]) where order[r] is the flat (token·k + slot) index
-    that sorted row r came from. Stable: deterministic, token order kept within each expert.
+    Returns (x_sorted [N·k, d], inverse [N·k]): sorted row r is flat slot (token·k + slot)
+    order[r], and inverse[order[r]] = r — what `combine` needs to put rows back. Stable:
+    deterministic, token order kept within each expert.
     """
     order = torch.argsort(experts.reshape(-1), stable=True)
-    return x[order // experts.shape[1]], order
+    # The inverse permutation is a scatter of positions (linear, no second sort).
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return _SlotRows.apply(x, order, inverse, experts.shape[1]), inverse
 
 
-def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+class _SlotRows(torch.autograd.Function):
+    """x [N, d] -> x[order // k], its rows for the N·k slots in sorted order.
+
+    Autograd's own backward for that gather is an accumulating scatter of N·k rows into N, which
+    on the CPU runs serially — and with two threads several times slower than with one (2.6 ms
+    against 0.36 ms for 2048 × 256 fp32). Since `order` is a permutation of the slots, the
+    gradient is instead a gather by the inverse permutation and a sum over each token's k slots:
+    parallel, and deterministic on every device, compiled or not (no atomic adds)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        per_slot = grad.index_select(0, inverse)  # [N·k, d] in (token, slot) order
+        return per_slot.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+def combine(y_sorted: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Inverse of `dispatch`: un-permute rows, then weighted sum over each token's k slots.
 
-    The inverse permutation is a scatter of positions (linear, no second sort). A gather plus a
-    sum over k (rather than a scatter-add into tokens) keeps the result deterministic everywhere.
+    A gather plus a sum over k (rather than a scatter-add into tokens) keeps the result
+    deterministic everywhere; `index_select`'s backward scatters into distinct rows (a
+    permutation), so it has no collisions either.
     """
     n, k = weights.shape
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    y = y_sorted[inverse].view(n, k, -1)
+    y = y_sorted.index_select(0, inverse).view(n, k, -1)
     return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
 
 
@@ -243,12 +268,12 @@ class MoE(nn.Module):
         logits = self.router(router_in)
         weights, experts, probs = route(logits, self.top_k)
         counts = expert_counts(experts, self.n_experts)
-        x_sorted, order = dispatch(x, experts)
+        x_sorted, inverse = dispatch(x, experts)
         if self.ep_group is None:
             y_sorted = self.experts(x_sorted, counts, self.grouped)
         else:
             y_sorted = self._expert_parallel(x_sorted, counts)
-        y = combine(y_sorted, order, weights)
+        y = combine(y_sorted, inverse, weights)
         stats = {"lb_loss": load_balancing_loss(probs, counts), "z_loss": z_loss(logits),
                  "tokens_per_expert": counts, "router_entropy": router_entropy(probs.detach())}
         return y.view(shape), stats
