@@ -12,8 +12,8 @@ token meets the same parameters. MFU is on active parameters on the standard bas
 (`lmforge.estimate.flops.mfu_flops_per_token`: 6·N_active + 12·L·H·Dh·T) against the device's
 dense bf16 peak (fp32 peak on the CPU, `estimate.hardware.cpu_spec`).
 
-Rounds alternate MoE and dense and keep each one's best, so load from other processes on a
-shared machine hits both alike; tokens per CPU-second of this process are printed too, and the
+Both models are built and warmed up once; rounds then alternate MoE and dense and keep each one's
+best, so load from other processes on a shared machine hits both alike; tokens per CPU-second of this process are printed too, and the
 median over rounds of each round's MoE/dense ratio (the steadiest figure on a noisy machine) —
 for whole steps, and for forward + backward alone (the layers' own work: the optimizer and
 gradient clipping walk every parameter, and the MoE has several times the dense twin's).
@@ -54,9 +54,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench(cfg: ModelConfig, args, device: torch.device) -> tuple[float, float, float]:
-    """-> (tokens per wall second of whole steps, per CPU second of this process, per wall second
-    of forward + backward alone: the model's work, without the optimizer over every parameter)."""
+def make_step(cfg: ModelConfig, args, device: torch.device):
+    """A model and its optimizer, warmed up; -> step(): one training step, returning the seconds
+    spent in forward + backward (the model's work, without the optimizer over every parameter)."""
     torch.manual_seed(0)
     model = build_model(cfg, device=device)
     one = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
@@ -67,7 +67,6 @@ def bench(cfg: ModelConfig, args, device: torch.device) -> tuple[float, float, f
     n_targets = int(batch.num_targets())
 
     def step() -> float:
-        """One step; -> seconds spent in forward + backward."""
         t = time.perf_counter()
         with autocast():
             out = train_forward(batch.input_ids, batch.targets)
@@ -85,6 +84,13 @@ def bench(cfg: ModelConfig, args, device: torch.device) -> tuple[float, float, f
     for _ in range(args.warmup):  # allocations, kernel selection, compilation
         step()
     sync(device)
+    return step
+
+
+def timed(step, args, device: torch.device) -> tuple[float, float, float]:
+    """`args.iters` steps -> (tokens per wall second of whole steps, per CPU second of this
+    process, per wall second of forward + backward alone)."""
+    sync(device)
     t, cpu = time.perf_counter(), time.process_time()
     model_s = sum(step() for _ in range(args.iters))
     sync(device)
@@ -99,14 +105,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="micro-batch (cpu 4, cuda 8)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (cpu 256, cuda 2048)")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (cpu 5, cuda 20)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (cpu 1, cuda 3)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (cpu 2, cuda 3)")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds (cpu 8, cuda 2)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compile every block (default: on for cuda, off for cpu)")
     args = ap.parse_args()
     gpu = args.device == "cuda"
-    defaults = dict(batch=8, seq=2048, iters=20, warmup=3, compile=True) if gpu else \
-        dict(batch=4, seq=256, iters=5, warmup=1, compile=False)
+    defaults = dict(batch=8, seq=2048, iters=20, warmup=3, compile=True, rounds=2) if gpu else \
+        dict(batch=4, seq=256, iters=5, warmup=2, compile=False, rounds=8)
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -128,8 +134,9 @@ def main() -> None:
     models = {"moe": moe, "dense": dense_twin(moe)}
     best: dict[str, tuple[float, float, float]] = {}
     ratios: dict[str, list[float]] = {"whole steps": [], "forward + backward": []}
+    steps = {label: make_step(cfg, args, device) for label, cfg in models.items()}
     for _ in range(args.rounds):  # moe / dense within a round: the two ran back to back under the same load
-        this = {label: bench(cfg, args, device) for label, cfg in models.items()}
+        this = {label: timed(step, args, device) for label, step in steps.items()}
         ratios["whole steps"].append(this["moe"][0] / this["dense"][0])
         ratios["forward + backward"].append(this["moe"][2] / this["dense"][2])
         for label in models:
