@@ -48,6 +48,23 @@ def test_train_step_updates_the_model_and_lowers_the_loss(tiny_data, tmp_path):
     assert all(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
 
+def test_bf16_autocast_on_the_cpu_keeps_fp32_master_weights_and_learns(tiny_data, tmp_path):
+    """precision bf16 (what auto picks on a CPU with AMX; the other tests pin fp32): matmuls in
+    bf16, weights, gradients and optimizer state in fp32, and the loss goes down."""
+    trainer = make_trainer(tiny_data, tmp_path / "run", **{"parameters.warmup": "1ba", "parameters.precision": "bf16"})
+    assert trainer.plan.precision == "bf16"
+    seen = set()
+    hook = trainer.model.blocks[0].attn.wq.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
+    batches = next_batches(trainer, iter(trainer.stream))
+    losses = [trainer.train_step(batches).loss for _ in range(8)]
+    hook.remove()
+    assert seen == {torch.bfloat16}
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    moments = [v for opt in trainer.optimizer for st in opt.state.values() for k, v in st.items() if k != "step"]
+    assert moments and all(v.dtype == torch.float32 for v in moments)
+
+
 def test_grad_accumulation_equals_the_full_batch(tiny_data, tmp_path):
     """Micro-batch 2 × 4 accumulation steps == micro-batch 8 × 1 (the same global batch of 8)."""
     results = []

@@ -8,7 +8,7 @@
 | schedule | wsd: warmup, constant, linear decay to 0 over the last 20% | MiniCPM (Hu et al. 2024), Hägele et al. 2024; bench/sweep.py (beat cosine at 60 s) |
 | AdamW | β (0.9, 0.95), ε 1e-8, weight decay 0.1 on matrices only | GPT-3, Llama |
 | grad clip | 1.0 | GPT-3, Llama |
-| precision | bf16 autocast if the device supports bf16 matmuls natively, else fp32 | |
+| precision | bf16 autocast if the device runs bf16 matmuls fast (CUDA with bf16; CPUs with AMX), else fp32 | |
 | tokens | compute-optimal ≈ 20 × params (shown by `--dry-run` / `estimate`) | Chinchilla (Hoffmann et al. 2022) |
 """
 
@@ -68,9 +68,10 @@ def bf16_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        # AVX512-BF16 / AMX: torch reports an AVX512 capability; oneDNN then has bf16 kernels.
-        cap = torch.backends.cpu.get_cpu_capability()
-        return "AVX512" in cap and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        # AMX tiles only. With AVX512-BF16 alone oneDNN has bf16 kernels too, but a training step
+        # under bf16 autocast ran 1.5× slower than in fp32 (BENCHMARKS.md, 2026-11-23 session 6).
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        return amx is not None and amx() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return False
 
 
