@@ -50,7 +50,7 @@ def test_train_step_updates_the_model_and_lowers_the_loss(tiny_data, tmp_path):
 
 def test_bf16_autocast_on_the_cpu_keeps_fp32_master_weights_and_learns(tiny_data, tmp_path):
     """precision bf16 (what auto picks on a CPU with AMX; the other tests pin fp32): matmuls in
-    bf16, weights, gradients and optimizer state in fp32, and the loss goes down."""
+    bf16, weights and optimizer moments in fp32, and the loss goes down."""
     trainer = make_trainer(tiny_data, tmp_path / "run", **{"parameters.warmup": "1ba", "parameters.precision": "bf16"})
     assert trainer.plan.precision == "bf16"
     seen = set()

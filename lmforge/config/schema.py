@@ -165,8 +165,9 @@ class Parameters(_Strict):
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null to turn off")
     precision: Literal["auto", "bf16", "fp32", "fp8"] = Field(
-        "auto", description="bf16 autocast where the hardware runs it fast (GPUs with bf16, CPUs with AMX), else fp32; fp8: FP8 matmuls in the "
-        "linear layers (torchao, lmforge[gpu]; GPUs of compute capability 8.9+), bf16 elsewhere")
+        "auto", description="bf16 autocast where the hardware runs it fast (GPUs with bf16, CPUs with AMX), else "
+        "fp32; fp8: FP8 matmuls in the linear layers (torchao, lmforge[gpu]; GPUs of compute capability 8.9+), "
+        "bf16 elsewhere")
     fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
         "tensorwise", description="precision fp8: one scale per tensor (fastest; FP8 all-gather under FSDP) or "
         "per row (more accurate)")
