@@ -34,6 +34,7 @@ class Case:
     words: list[str] = field(default_factory=list)  # all in the one error line
     files: dict = field(default_factory=dict)  # name in {dir} → str, bytes, a dict (YAML) or callable(world, dir)
     keep: list[str] = field(default_factory=list)  # paths (with placeholders) that must not change
+    absent: list[str] = field(default_factory=list)  # paths that must not exist afterwards (a run's save folder)
     code: int = 2
     was_traceback: bool = False  # on the landed main, this input ended in a traceback (issue 22)
 
@@ -228,7 +229,21 @@ CASES = [
     Case("train-data-binary", ["train", "-f", "{cfg}", "--train-data", "{dir}/blob.txt", "--save-folder", "{dir}/r",
                                "--no-supervisor"], ["blob.txt", "no usable documents", "binary"], files={"blob.txt": BINARY}),
     Case("train-data-missing", ["train", "-f", "{cfg}", "--train-data", "{dir}/none.txt", "--save-folder", "{dir}/r",
-                                "--no-supervisor"], ["none.txt"]),
+                                "--no-supervisor"], ["train_data", "none.txt", "no such file or folder"],
+         absent=["{dir}/r"]),
+    Case("train-data-glob-matches-nothing", ["train", "-f", "{cfg}", "--train-data", "{dir}/*.txt", "--save-folder",
+                                             "{dir}/r", "--no-supervisor"], ["train_data", "matches no files"],
+         absent=["{dir}/r"]),
+    Case("batch-not-whole-micro-batches", ["train", "-f", "{cfg}", "--set", "parameters.global_batch_size=6",
+                                           "--save-folder", "{dir}/r", "--no-supervisor"],
+         ["global_batch_size (6)", "micro_batch_size (4)"], absent=["{dir}/r"]),
+    Case("batch-not-divisible-by-ranks", ["train", "-f", "{cfg}", "--set", "parameters.global_batch_size=6", "--set",
+                                          "parameters.micro_batch_size=auto", "--set", "compute.ranks=4",
+                                          "--save-folder", "{dir}/r"],
+         ["global_batch_size (6)", "number of ranks (4)"], absent=["{dir}/r"]),
+    Case("context-longer-than-prepared-data", ["train", "-f", "{cfg}", "--set", "parameters.context_length=128",
+                                               "--save-folder", "{dir}/r", "--no-supervisor"],
+         ["context_length (128)", "samples (64 tokens)", "--seq-len 128"], absent=["{dir}/r"]),
     Case("train-data-one-short-doc", ["train", "-f", "{cfg}", "--train-data", "{dir}/short.txt", "--save-folder",
                                       "{dir}/r", "--no-supervisor"],
          ["parameters.context_length", "larger than the data"], files={"short.txt": "just a few words\n"}),
@@ -374,6 +389,8 @@ def test_bad_input(case: Case, world: World, tmp_path):
     assert_one_line_error(proc, *case.words, code=case.code)
     for p, before in kept.items():
         assert _digest(Path(_fill(p, values))) == before, f"{p} changed"
+    for p in case.absent:
+        assert not Path(_fill(p, values)).exists(), f"{p} was written"
 
 
 def test_output_files_replace_their_own_kind(world, tmp_path):

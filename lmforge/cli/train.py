@@ -133,7 +133,8 @@ def _run(args) -> int:
     if started_by_user(args):  # a config that cannot work is refused before it becomes a run
         from lmforge.runs.preflight import preflight  # torch (lazy, as below)
 
-        preflight(with_default_names(cfg), args.command)
+        world = int(os.environ.get("WORLD_SIZE", 0)) or (plan.nproc or 1) * cfg.compute.nodes  # torchrun by hand: its own
+        preflight(with_default_names(cfg), args.command, world_size=world)
     if plan.role in ("detach", "supervise"):
         from lmforge.runs.start import start  # torch, as runs.job below (lazy: `lmforge --help` stays light)
 

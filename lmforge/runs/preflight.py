@@ -3,6 +3,9 @@ before the run is registered or anything is written, so that a config that canno
 refused in a second with one line — not registered, started, crashed late and retried.
 
 - the command fits the task: `finetune` reads JSONL, not a prepared pretraining dataset;
+- local training data exists;
+- an explicit global batch splits over the ranks (and into explicit micro-batches), and an
+  explicit context fits in prepared data's samples — the plan's own checks, on what is known here;
 - the save folder can be a folder and can be written;
 - `custom_weights_path` is a readable model (its recorded digests hold, its safetensors headers parse);
 - the tokenizer covers the ids of prepared training data;
@@ -12,13 +15,14 @@ refused in a second with one line — not registered, started, crashed late and 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import tempfile
 
 from lmforge.config.model import padded_vocab
 from lmforge.config.schema import RunConfig
-from lmforge.data.remote import is_remote
+from lmforge.data.remote import is_remote, local_path
 from lmforge.errors import UserError, environment_error
 
 SFT_TASKS = ("instruction_finetune", "chat_completion")
@@ -26,8 +30,12 @@ STATE_BYTES_PER_PARAM = 16  # fp32 weights + fp32 gradients + AdamW m and v (fp3
 DATASET_MARKER = "lmforge-dataset.json"
 
 
-def preflight(cfg: RunConfig, command: str) -> None:
+def preflight(cfg: RunConfig, command: str, world_size: int = 1) -> None:
+    """``world_size``: the ranks the run will have (every node's)."""
     check_task(cfg, command)
+    check_train_data(cfg)
+    check_batch(cfg, world_size)
+    check_context_fits(cfg)
     if cfg.custom_weights_path:
         check_weights(cfg.custom_weights_path)
     if cfg.model != "auto":  # model: auto chooses its shape (and vocabulary) later, to fit the budget
@@ -45,6 +53,54 @@ def check_task(cfg: RunConfig, command: str) -> None:
             raise UserError(f"train_data {d.path}: a prepared pretraining dataset, but {verb} reads JSONL "
                             "prompt/response or messages rows; use `lmforge train` (or task_type "
                             "continued_pretrain) to train on it")
+
+
+def check_train_data(cfg: RunConfig) -> None:
+    """Local paths (not object stores, ``builtin:`` or ``hf://``) exist; a glob matches a file."""
+    for d in cfg.train_data:
+        path = str(d.path)
+        if "://" in path and not path.startswith("file://") or path.startswith("builtin:"):
+            continue
+        path = os.path.expanduser(local_path(path))
+        if any(c in path for c in "*?["):
+            if not any(os.path.isfile(m) for m in glob.iglob(path, recursive=True)):
+                raise UserError(f"train_data {d.path}: the pattern matches no files")
+        elif not os.path.exists(path):
+            raise UserError(f"train_data {d.path}: no such file or folder")
+
+
+def check_batch(cfg: RunConfig, world_size: int) -> None:
+    """`train.plan`'s split check where the config fixes the global batch in samples (a batch in
+    tokens, or none, is sized by the plan to fit)."""
+    from lmforge.train.plan import check_batch_split  # torch (lazy, as the caller's other imports)
+
+    p = cfg.parameters
+    if isinstance(p.global_batch_size, int):
+        micro = None if p.micro_batch_size == "auto" else int(p.micro_batch_size)
+        check_batch_split(p.global_batch_size, micro, world_size)
+
+
+def check_context_fits(cfg: RunConfig) -> None:
+    """An explicit context against the samples of local prepared datasets (raw text is prepared
+    at the run's context, so it always fits)."""
+    from lmforge.train.plan import check_context
+
+    ctx = cfg.parameters.context_length
+    if not ctx:
+        return
+    lengths = []
+    for d in cfg.train_data:
+        marker = os.path.join(str(d.path), DATASET_MARKER)
+        if is_remote(str(d.path)) or not os.path.isfile(marker):
+            continue
+        try:
+            with open(marker) as f:
+                seq_len = (json.load(f).get("args") or {}).get("seq_len")
+        except (OSError, ValueError, AttributeError):
+            continue  # read later, with its own error
+        if isinstance(seq_len, int):
+            lengths.append(seq_len)
+    check_context(ctx, min(lengths) if lengths else None)
 
 
 def check_save_folder(cfg: RunConfig) -> None:

@@ -84,6 +84,25 @@ def _gpu_micro_batch(cfg: RunConfig, ctx: int, world_size: int, device: torch.de
     return plan["suggested_micro_batch"] or 1
 
 
+def check_context(ctx: int, data_seq_len: int | None) -> None:
+    """The context fits in the prepared training samples (None: not known here)."""
+    if data_seq_len is not None and ctx > data_seq_len:
+        raise UserError(f"parameters.context_length ({ctx}) is longer than the training data's samples "
+                        f"({data_seq_len} tokens); prepare the data with --seq-len {ctx} or lower the context")
+
+
+def check_batch_split(gbs: int, micro: int | None, world_size: int) -> None:
+    """The global batch (samples) splits evenly over the ranks and, ``micro`` given, into whole
+    micro-batches on each."""
+    if micro is None:
+        if gbs % world_size:
+            raise UserError(f"parameters.global_batch_size ({gbs}) must be divisible by the number of ranks "
+                            f"({world_size})")
+    elif gbs % (micro * world_size):
+        raise UserError(f"parameters.global_batch_size ({gbs}) must be divisible by micro_batch_size ({micro}) "
+                        f"× ranks ({world_size}) = {micro * world_size}")
+
+
 def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
               samples_per_epoch: int | None, data_seq_len: int | None,
               micro_batch_hint: int | None = None) -> TrainPlan:
@@ -92,9 +111,7 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
     model = cfg.model
     counts = param_counts(model)
     ctx = p.context_length or (min(model.max_seq_len, data_seq_len) if data_seq_len else model.max_seq_len)
-    if data_seq_len is not None and ctx > data_seq_len:
-        raise UserError(f"parameters.context_length ({ctx}) is longer than the training data's samples "
-                        f"({data_seq_len} tokens); prepare the data with --seq-len {ctx} or lower the context")
+    check_context(ctx, data_seq_len)
 
     if p.precision == "auto":
         precision = "bf16" if bf16_supported(device) else "fp32"
@@ -120,16 +137,12 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
         gbs = world_size * max(1, math.ceil(gbs / world_size))
 
     if p.micro_batch_size == "auto":
-        per_rank = gbs // world_size if gbs % world_size == 0 else None
-        if per_rank is None:
-            raise UserError(f"parameters.global_batch_size ({gbs}) must be divisible by the number of ranks ({world_size})")
+        check_batch_split(gbs, None, world_size)
         cap = 8 if device.type == "cpu" else (micro_batch_hint or _gpu_micro_batch(cfg, ctx, world_size, device))
-        micro = micro_batch_for(per_rank, cap)
+        micro = micro_batch_for(gbs // world_size, cap)
     else:
         micro = int(p.micro_batch_size)
-    if gbs % (micro * world_size):
-        raise UserError(f"parameters.global_batch_size ({gbs}) must be divisible by micro_batch_size ({micro}) "
-                        f"× ranks ({world_size}) = {micro * world_size}")
+    check_batch_split(gbs, micro, world_size)
     grad_accum = gbs // (micro * world_size)
 
     total = _steps(cfg.training_duration, "training_duration", gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch,
