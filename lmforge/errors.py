@@ -12,6 +12,11 @@ class UserError(Exception):
     exit_code = 2
 
 
+class PeerUserError(UserError):
+    """Rank 0's bad-input error, raised on the other ranks too so that none waits for it: rank 0
+    prints the one line, the others exit with its code without repeating it."""
+
+
 # Errors of the machine around a run, not of lmforge: a full disk, a read-only or forbidden
 # folder. Retrying cannot help, so they end a run as bad input does (one line, exit 2).
 _ENVIRONMENT_ERRNOS = {"ENOSPC": "free some space or choose another folder",

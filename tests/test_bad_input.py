@@ -575,3 +575,18 @@ def test_run_rejected_by_its_trainer_is_not_kept(world, tmp_path):
     proc = lmforge("train", "-f", write_config(tmp_path / "blob.yaml", cfg))
     assert_one_line_error(proc, "blob.txt", "binary")
     assert Registry().get("bad-input-blob") is None
+
+
+def test_bad_data_on_two_ranks_is_one_line(world, tmp_path):
+    """With compute.ranks: 2, rank 0 finds the bad data while rank 1 waits for it: rank 1 stops
+    with rank 0's error instead of losing its peer (a traceback), only rank 0 prints it, and
+    torchrun's lines about stopping its workers are not shown — one line, exit 2, no retry."""
+    (tmp_path / "blob.txt").write_bytes(BINARY)
+    cfg = world.config(save_folder=str(tmp_path / "run"), name="bad-input-blob-2", train_data=str(tmp_path / "blob.txt"),
+                       **{"compute.ranks": 2, "parameters.micro_batch_size": 2})
+    proc = lmforge("train", "-f", write_config(tmp_path / "blob2.yaml", cfg))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "blob.txt" in errors[0] and "binary" in errors[0], out[-3000:]
+    assert "Traceback" not in out and "signal" not in out and "OMP_NUM_THREADS" not in out, out[-3000:]

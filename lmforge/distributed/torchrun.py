@@ -112,11 +112,23 @@ def needs_launch(cfg) -> int | None:
     return nproc
 
 
+class _QuietShutdown(logging.Filter):
+    """Drops torchrun's warnings that it is stopping its workers ("Received 15 death signal",
+    "Sending process … closing signal SIGTERM"): a stop, or the rank's own one-line error, has
+    already said why; its other warnings (restarts, failures) pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return "death signal" not in msg and "closing signal" not in msg
+
+
 def agent_main(argv: list[str]) -> int:
     """torchrun, quiet when stopped (its ranks checkpoint and exit; then it does too)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main
 
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(_QuietShutdown())
     try:
         main(argv)
     except SignalException as e:

@@ -56,6 +56,8 @@ def launch(cfg: RunConfig, plan: LaunchPlan, argv: list[str]) -> int:
     rank = plan.child("train", lock="none" if lock is None else "join")
     max_restarts = cfg.max_retries if plan.max_restarts is None else plan.max_restarts
     cmd = torchrun_command(cfg, plan.nproc, with_plan(argv, rank), max_restarts=max_restarts)
+    if plan.nproc > 1:  # torchrun's own default for several ranks per node, set here without its 4-line banner
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     if lock is not None:
         lock.inheritable()
     sys.stdout.flush()

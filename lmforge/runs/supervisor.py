@@ -184,8 +184,9 @@ class Supervisor:
             if not retry:
                 self.reg.event(self.name, "end", f"resumption {idx}: {state.lower()}" + (f" ({reason})" if reason else ""))
                 self._finish(state, reason)
-                if state == "FAILED" and self.plan.nproc and status.get("error"):
-                    sys.stderr.write(f"error: {status['error']}\n")  # last, after torchrun's own lines
+                line = f"error: {status.get('error')}"
+                if state == "FAILED" and self.plan.nproc and status.get("error") and line not in tail[-3:]:
+                    sys.stderr.write(line + "\n")  # last, after torchrun's own lines (if rank 0's is not)
                 if state == "FAILED":
                     return status.get("exit_code") or (rc if rc > 0 else 1)
                 return 130 if self.stop_signal == signal.SIGINT and rc == 130 else 0

@@ -17,7 +17,7 @@ from lmforge.data.stream import StreamPhase, open_dataset
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.data.vocab_extension import grown_vocab
 from lmforge.distributed.dist import DistInfo, barrier, broadcast_object
-from lmforge.errors import UserError
+from lmforge.errors import PeerUserError, UserError
 from lmforge.train.auto_model import resolve_auto
 from lmforge.train.finetune import finetune_setup
 from lmforge.train.locate import locate
@@ -52,10 +52,12 @@ def _on_main(fn, dist: DistInfo):
         try:
             result = fn()
         except UserError as e:
-            error = str(e)
-    result, error = broadcast_object((result, error))
-    if error:
-        raise UserError(error)
+            error = e
+    result, message = broadcast_object((result, None if error is None else str(error)))
+    if error is not None:
+        raise error
+    if message:
+        raise PeerUserError(message)
     return result
 
 
@@ -94,11 +96,17 @@ def pretrain_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
     cfg = with_extension_base(cfg)
     cfg = _on_main(lambda: resolve_auto(cfg, dist.device, log=log), dist)
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
-    if not dist.is_main:
-        barrier()
-    data = resolve_data(cfg, seq_len, log=log if dist.is_main else (lambda *_: None))
-    if dist.is_main:
-        barrier()
+    # Rank 0 prepares the data first and the others then hit its cache. Its UserError (bad data)
+    # reaches every rank: none is left waiting for a peer that has gone (a traceback, not one line).
+    data = None
+
+    def prepare_first() -> None:
+        nonlocal data
+        data = resolve_data(cfg, seq_len, log=log)
+
+    _on_main(prepare_first, dist)
+    if data is None:
+        data = resolve_data(cfg, seq_len, log=lambda *_: None)
     tokenizer = load_tokenizer(data.tokenizer_path)
     cfg = with_vocab(grown_vocab(cfg, tokenizer.vocab_size), tokenizer.vocab_size)  # grown: tokenizer.extend
     check_data_vocab(cfg, data.train, tokenizer, log)
