@@ -16,7 +16,7 @@ from lmforge.data.sft import SFT_TASKS
 from lmforge.data.stream import StreamPhase, open_dataset
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.data.vocab_extension import grown_vocab
-from lmforge.distributed.dist import DistInfo, barrier, broadcast_object
+from lmforge.distributed.dist import DistInfo, broadcast_object
 from lmforge.errors import PeerUserError, UserError
 from lmforge.train.auto_model import resolve_auto
 from lmforge.train.finetune import finetune_setup
