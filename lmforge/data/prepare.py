@@ -188,6 +188,11 @@ def _identity(marker: dict) -> dict:
     }
 
 
+def summary_seq_len(summary: dict) -> int | None:
+    """The sample length (tokens) a prepared dataset was packed at, from its marker/summary."""
+    return (summary.get("args") or {}).get("seq_len")
+
+
 def read_summary(path: str) -> dict:
     """The marker/summary of a prepared dataset (local folder or object-store URI)."""
     uri = remote.join(path, MARKER)

@@ -21,7 +21,7 @@ from lmforge.config.curation import CurateConfig
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.data import remote
 from lmforge.data.batch import Batch, EvalSet, StreamLayout
-from lmforge.data.prepare import MARKER
+from lmforge.data.prepare import MARKER, summary_seq_len
 from lmforge.data.stream import DatasetSpec, StreamPhase, TokenStream
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
@@ -39,7 +39,7 @@ class ResolvedDataset:
 
     @property
     def seq_len(self) -> int | None:
-        return (self.summary.get("args") or {}).get("seq_len")
+        return summary_seq_len(self.summary)
 
     def split_stats(self, split: str) -> dict:
         return (self.summary.get("splits") or {}).get(split) or {}

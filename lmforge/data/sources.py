@@ -29,7 +29,7 @@ JSON_EXTS = (".jsonl", ".json")
 PARQUET_EXTS = (".parquet",)
 KNOWN_EXTS = TEXT_EXTS + JSON_EXTS + PARQUET_EXTS
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
-_GLOB_CHARS = set("*?[")
+GLOB_CHARS = set("*?[")
 _EXAMPLES = 5  # how many skipped-line examples the summary keeps
 
 
@@ -104,7 +104,7 @@ def _is_hidden(path: str) -> bool:
 def _expand_local(inp: str, stats: SourceStats | None) -> list[Source]:
     path = inp[len("file://") :] if inp.startswith("file://") else inp
     path = os.path.expanduser(path)
-    if any(c in path for c in _GLOB_CHARS):
+    if any(c in path for c in GLOB_CHARS):
         matches = sorted(globlib.glob(path, recursive=True))
         files = [m for m in matches if os.path.isfile(m)]
         if not files:
@@ -146,7 +146,7 @@ def _expand_remote(inp: str, stats: SourceStats | None) -> list[Source]:
 
     fs, path = fs_and_path(inp)
     try:
-        if any(c in path for c in _GLOB_CHARS):
+        if any(c in path for c in GLOB_CHARS):
             found = fs.glob(path, detail=True)
             files = sorted((p, info.get("size")) for p, info in found.items() if info.get("type") != "directory")
             if not files:
@@ -164,6 +164,11 @@ def _expand_remote(inp: str, stats: SourceStats | None) -> list[Source]:
     except (OSError, PermissionError) as e:
         raise UserError(f"input {inp}: cannot list it ({type(e).__name__}: {_one_line(e)})") from None
     raise UserError(f"input {inp}: no such file or folder")
+
+
+def is_local_input(inp: str) -> bool:
+    """A path, glob or ``file://`` URI (not ``builtin:``, ``hf://`` or an object store)."""
+    return not inp.startswith(("builtin:", "hf://")) and ("://" not in inp or inp.startswith("file://"))
 
 
 def list_files(inputs: list[str] | str, stats: SourceStats | None = None) -> list[Source]:
@@ -192,10 +197,10 @@ def list_files(inputs: list[str] | str, stats: SourceStats | None = None) -> lis
         elif inp.startswith("hf://"):
             parse_hf_uri(inp)  # validate early
             out.append(Source(inp))
-        elif "://" in inp and not inp.startswith("file://"):
-            out.extend(_expand_remote(inp, stats))
-        else:
+        elif is_local_input(inp):
             out.extend(_expand_local(inp, stats))
+        else:
+            out.extend(_expand_remote(inp, stats))
     return out
 
 

@@ -27,7 +27,7 @@ from lmforge.errors import UserError, environment_error
 
 SFT_TASKS = ("instruction_finetune", "chat_completion")
 STATE_BYTES_PER_PARAM = 16  # fp32 weights + fp32 gradients + AdamW m and v (fp32)
-DATASET_MARKER = "lmforge-dataset.json"
+DATASET_MARKER = "lmforge-dataset.json"  # = data.prepare.MARKER, imported (with numpy) only where a marker is read
 
 
 def preflight(cfg: RunConfig, command: str, world_size: int = 1) -> None:
@@ -56,13 +56,14 @@ def check_task(cfg: RunConfig, command: str) -> None:
 
 
 def check_train_data(cfg: RunConfig) -> None:
-    """Local paths (not object stores, ``builtin:`` or ``hf://``) exist; a glob matches a file."""
+    """Local inputs (`data.sources.is_local_input`) exist; a glob matches a file."""
+    from lmforge.data.sources import GLOB_CHARS, is_local_input
+
     for d in cfg.train_data:
-        path = str(d.path)
-        if "://" in path and not path.startswith("file://") or path.startswith("builtin:"):
+        if not is_local_input(d.path):
             continue
-        path = os.path.expanduser(local_path(path))
-        if any(c in path for c in "*?["):
+        path = os.path.expanduser(local_path(d.path))
+        if any(c in path for c in GLOB_CHARS):
             if not any(os.path.isfile(m) for m in glob.iglob(path, recursive=True)):
                 raise UserError(f"train_data {d.path}: the pattern matches no files")
         elif not os.path.exists(path):
@@ -83,24 +84,30 @@ def check_batch(cfg: RunConfig, world_size: int) -> None:
 def check_context_fits(cfg: RunConfig) -> None:
     """An explicit context against the samples of local prepared datasets (raw text is prepared
     at the run's context, so it always fits)."""
+    from lmforge.data.prepare import summary_seq_len
     from lmforge.train.plan import check_context
 
     ctx = cfg.parameters.context_length
     if not ctx:
         return
-    lengths = []
+    lengths = [n for _, summary in _prepared(cfg) if isinstance(n := summary_seq_len(summary), int)]
+    check_context(ctx, min(lengths) if lengths else None)
+
+
+def _prepared(cfg: RunConfig) -> list[tuple[str, dict]]:
+    """(path, marker) of each local prepared dataset in train_data; a marker that cannot be read
+    is left to the run, which reports it."""
+    from lmforge.data.prepare import read_summary
+
+    out = []
     for d in cfg.train_data:
-        marker = os.path.join(str(d.path), DATASET_MARKER)
-        if is_remote(str(d.path)) or not os.path.isfile(marker):
+        if is_remote(d.path) or not os.path.isfile(os.path.join(d.path, DATASET_MARKER)):
             continue
         try:
-            with open(marker) as f:
-                seq_len = (json.load(f).get("args") or {}).get("seq_len")
-        except (OSError, ValueError, AttributeError):
-            continue  # read later, with its own error
-        if isinstance(seq_len, int):
-            lengths.append(seq_len)
-    check_context(ctx, min(lengths) if lengths else None)
+            out.append((d.path, read_summary(d.path)))
+        except UserError:
+            continue
+    return out
 
 
 def check_save_folder(cfg: RunConfig) -> None:
@@ -173,20 +180,13 @@ def check_vocab(cfg: RunConfig) -> None:
     model_vocab = cfg.model.vocab_size or (padded_vocab(tok_vocab) if tok_vocab else None)
     if model_vocab is None:
         return
-    for d in cfg.train_data:
-        marker = os.path.join(d.path, DATASET_MARKER)
-        if is_remote(d.path) or not os.path.isfile(marker):
-            continue
-        try:
-            with open(marker) as f:
-                data_tok = json.load(f).get("tokenizer") or {}
-        except (OSError, ValueError):
-            continue
+    for path, summary in _prepared(cfg):
+        data_tok = summary.get("tokenizer") or {}
         vocab = data_tok.get("vocab_size")
         if isinstance(vocab, int) and vocab > model_vocab:
             whose = f"model.vocab_size ({model_vocab})" if cfg.model.vocab_size else \
                 f"the tokenizer {cfg.tokenizer} ({tok_vocab} tokens)"
-            raise UserError(f"train_data {d.path}: prepared with a tokenizer of {vocab} tokens, more than {whose} "
+            raise UserError(f"train_data {path}: prepared with a tokenizer of {vocab} tokens, more than {whose} "
                             f"covers; use the tokenizer the data was prepared with ({data_tok.get('path')}) or "
                             "prepare the data again with this one")
 
