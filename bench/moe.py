@@ -37,6 +37,7 @@ from lmforge.config.model import ModelConfig, get_preset, resolve_model  # noqa:
 from lmforge.config.schema import ComputeConfig  # noqa: E402
 from lmforge.data.batch import Batch  # noqa: E402
 from lmforge.distributed.dist import DistInfo  # noqa: E402
+from lmforge.distributed.host_memory import keep_freed_memory  # noqa: E402
 from lmforge.distributed.parallelize import parallelize  # noqa: E402
 from lmforge.estimate.flops import mfu_flops_per_token, param_counts  # noqa: E402
 from lmforge.estimate.hardware import detect_device_spec, peak_flops  # noqa: E402
@@ -109,7 +110,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds (cpu 8, cuda 2)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compile every block (default: on for cuda, off for cpu)")
+    ap.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="CPU: malloc keeps freed memory, as `lmforge train` sets it (distributed.host_memory)")
     args = ap.parse_args()
+    if args.keep_freed_memory:
+        keep_freed_memory()
     gpu = args.device == "cuda"
     defaults = dict(batch=8, seq=2048, iters=20, warmup=3, compile=True, rounds=2) if gpu else \
         dict(batch=4, seq=256, iters=5, warmup=2, compile=False, rounds=8)

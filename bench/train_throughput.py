@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from lmforge.config.model import get_preset  # noqa: E402
 from lmforge.data.batch import Batch  # noqa: E402
+from lmforge.distributed.host_memory import keep_freed_memory  # noqa: E402
 from lmforge.distributed.parallelize import apply_compile  # noqa: E402
 from lmforge.estimate.flops import mfu_flops_per_token, param_counts  # noqa: E402
 from lmforge.estimate.hardware import detect_device_spec, peak_flops  # noqa: E402
@@ -90,7 +91,11 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--modes", default="eager:fp32,compile:fp32,eager:bf16,compile:bf16",
                    help="comma-separated eager|compile:fp32|bf16")
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="CPU: malloc keeps freed memory, as `lmforge train` sets it (distributed.host_memory)")
     args = p.parse_args()
+    if args.keep_freed_memory:
+        keep_freed_memory()
     device = torch.device(args.device)
     cfg = get_preset(args.preset).model_copy(update={"vocab_size": args.vocab})
     counts = param_counts(cfg)

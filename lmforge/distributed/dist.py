@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as td
 
+from lmforge.distributed.host_memory import keep_freed_memory
 from lmforge.errors import UserError
 
 
@@ -47,6 +48,8 @@ def init_distributed(device_kind: str = "auto", timeout_s: int = 600) -> DistInf
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_kind, local_rank)
+    if device.type == "cpu":
+        keep_freed_memory()  # a CPU step reallocates the same tensors every step (see host_memory)
     if world > 1 and not td.is_initialized():
         # GPUs: NCCL for the model, gloo beside it for CPU-side collectives (async checkpoints).
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
