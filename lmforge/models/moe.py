@@ -33,6 +33,7 @@ during training (Switch), leaving the expert inputs untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as td
@@ -79,17 +80,31 @@ def router_entropy(probs: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- dispatch / combine
 
-def dispatch(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the N·k token slots by expert.
+class Slots(NamedTuple):
+    """Where `dispatch` put the N·k token slots (flat slot = token·k + j) when it sorted them by expert."""
 
-    Returns (x_sorted [N·k, d], inverse [N·k]): sorted row r is flat slot (token·k + slot)
-    order[r], and inverse[order[r]] = r — what `combine` needs to put rows back. Stable:
-    deterministic, token order kept within each expert.
+    order: torch.Tensor  # [N·k]: sorted row r holds flat slot order[r]
+    inverse: torch.Tensor  # [N·k]: flat slot s is sorted row inverse[s]
+
+
+def dispatch(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, Slots]:
+    """Sort the N·k token slots by expert: -> (x_sorted [N·k, d], where the slots went).
+
+    Stable: deterministic, token order kept within each expert.
     """
     order = torch.argsort(experts.reshape(-1), stable=True)
     # The inverse permutation is a scatter of positions (linear, no second sort).
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return _SlotRows.apply(x, order, inverse, experts.shape[1]), inverse
+    return _SlotRows.apply(x, order, inverse, experts.shape[1]), Slots(order, inverse)
+
+
+def _sum_slots(per_slot: torch.Tensor) -> torch.Tensor:
+    """[N, k, d] -> [N, d]. Adding the k slices: on the CPU `sum(dim=1)`'s reduction over the
+    short middle dimension is ~3× slower (1,024 × 2 × 256 fp32: 182 against 65 µs)."""
+    out = per_slot[:, 0] + per_slot[:, 1] if per_slot.shape[1] > 1 else per_slot[:, 0].clone()
+    for j in range(2, per_slot.shape[1]):
+        out += per_slot[:, j]
+    return out
 
 
 class _SlotRows(torch.autograd.Function):
@@ -111,19 +126,44 @@ class _SlotRows(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
         per_slot = grad.index_select(0, inverse)  # [N·k, d] in (token, slot) order
-        return per_slot.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+        return _sum_slots(per_slot.view(-1, ctx.k, grad.shape[-1])), None, None, None
 
 
-def combine(y_sorted: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Inverse of `dispatch`: un-permute rows, then weighted sum over each token's k slots.
+def combine(y_sorted: torch.Tensor, slots: Slots, weights: torch.Tensor) -> torch.Tensor:
+    """Inverse of `dispatch`: un-permute rows, then each token's weighted sum over its k slots."""
+    return _Combine.apply(y_sorted, slots.order, slots.inverse, weights)
+
+
+class _Combine(torch.autograd.Function):
+    """y [N, d] = Σ_j weights[:, j] · y_sorted[inverse[token·k + j]].
 
     A gather plus a sum over k (rather than a scatter-add into tokens) keeps the result
-    deterministic everywhere; `index_select`'s backward scatters into distinct rows (a
-    permutation), so it has no collisions either.
-    """
-    n, k = weights.shape
-    y = y_sorted.index_select(0, inverse).view(n, k, -1)
-    return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
+    deterministic everywhere, and so does the backward: a gather by `order`. Written by hand
+    because autograd's version of the same math does three passes more over the N·k rows on the
+    CPU (a zero-filled gradient and a scatter for the gather, a broadcast multiply, a slow sum).
+    With `_sum_slots` in the dispatch's backward, one moe-tiny layer's routing, dispatch and
+    combine (1,024 tokens, forward and backward, 2 threads) went 3.9 → 3.3 ms."""
+
+    @staticmethod
+    def forward(ctx, y_sorted: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        n, k = weights.shape
+        w = weights.to(y_sorted.dtype)
+        per_slot = y_sorted.index_select(0, inverse).view(n, k, -1)
+        out = per_slot[:, 0] * w[:, :1]
+        for j in range(1, k):
+            out.addcmul_(per_slot[:, j], w[:, j:j + 1])
+        ctx.save_for_backward(per_slot, order, w)
+        ctx.weights_dtype = weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        per_slot, order, w = ctx.saved_tensors
+        n, k, d = per_slot.shape
+        grad_w = (per_slot * grad.unsqueeze(1)).sum(-1).to(ctx.weights_dtype)
+        grad_y = (grad.unsqueeze(1) * w.unsqueeze(-1)).view(n * k, d).index_select(0, order)
+        return grad_y, None, None, grad_w
 
 
 # --------------------------------------------------------------------------- expert parallelism
@@ -223,17 +263,57 @@ class GroupedExperts(nn.Module):
 
 @torch.compiler.disable  # data-dependent slice sizes: kept out of compiled graphs
 def _loop(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    # unbind, not w[e]: its backward stacks the per-expert grads once, where indexing would
-    # allocate and accumulate a full [E, ...] gradient per expert.
-    # Likewise split, not x[start:start + n]: a slice's backward zero-fills a gradient of all of x
-    # per expert, where split's concatenates the pieces once.
-    # An expert with no rows still runs (a [0, d] GEMM): its gradient is then zeros, not None, which
-    # sharded weights need (under expert parallelism one rank's experts may all go unused).
-    out = []
-    for xe, w13e, w2e in zip(x.split(counts.tolist()), w13.unbind(0), w2.unbind(0)):  # host sync
-        gate, up = (xe @ w13e).chunk(2, dim=-1)
-        out.append((F.silu(gate) * up) @ w2e)
-    return torch.cat(out)
+    return _ExpertLoop.apply(x, counts, w13, w2)
+
+
+class _ExpertLoop(torch.autograd.Function):
+    """The experts as a loop of plain per-expert GEMMs, with a hand-written backward.
+
+    Autograd's own backward of the loop glues the pieces together with a copy at every seam:
+    each expert's gate|up gradient (the backward of `chunk`), the rows' gradient (of `split`),
+    and the stacked weight gradients (of `unbind`), 12 concatenations per layer. Here the backward
+    writes each expert's weight gradients and input rows in place (`out=`), and keeps each
+    expert's temporaries small (they stay in cache; one buffer for all experts was slower).
+    The forward's GEMMs are plain `mm`s, which selective activation checkpointing keeps.
+    An expert with no rows still gets a (zero) gradient: sharded weights need one on every rank.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        sizes = counts.tolist()  # host sync
+        hidden = w2.shape[1]
+        outs, saved = [], []
+        for xe, w13e, w2e in zip(x.split(sizes), w13.unbind(0), w2.unbind(0)):
+            h13 = xe @ w13e  # [n, 2h]: gate | up
+            act = F.silu(h13[:, :hidden])
+            h = act * h13[:, hidden:]
+            outs.append(h @ w2e)
+            saved += [h13, act, h]
+        ctx.sizes = sizes
+        ctx.save_for_backward(x, w13, w2, *saved)
+        return torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w13, w2, *saved = ctx.saved_tensors
+        hidden = w2.shape[1]
+        grad = grad.contiguous()
+        gx, gw13, gw2 = torch.empty_like(x), torch.empty_like(w13), torch.empty_like(w2)
+        start = 0
+        for e, n in enumerate(ctx.sizes):
+            h13, act, h = saved[3 * e: 3 * e + 3]
+            rows = slice(start, start + n)
+            ge = grad[rows]
+            torch.mm(h.t(), ge, out=gw2[e])
+            gh = ge @ w2[e].t()
+            g13 = torch.empty_like(h13)  # gate | up gradients, written in place
+            torch.mul(gh, act, out=g13[:, hidden:])
+            torch.ops.aten.silu_backward.grad_input(gh.mul_(h13[:, hidden:]), h13[:, :hidden],
+                                                    grad_input=g13[:, :hidden])
+            torch.mm(x[rows].t(), g13, out=gw13[e])
+            torch.mm(g13, w13[e].t(), out=gx[rows])
+            start += n
+        return gx, None, gw13, gw2
 
 
 # --------------------------------------------------------------------------- the layer
@@ -268,12 +348,12 @@ class MoE(nn.Module):
         logits = self.router(router_in)
         weights, experts, probs = route(logits, self.top_k)
         counts = expert_counts(experts, self.n_experts)
-        x_sorted, inverse = dispatch(x, experts)
+        x_sorted, slots = dispatch(x, experts)
         if self.ep_group is None:
             y_sorted = self.experts(x_sorted, counts, self.grouped)
         else:
             y_sorted = self._expert_parallel(x_sorted, counts)
-        y = combine(y_sorted, inverse, weights)
+        y = combine(y_sorted, slots, weights)
         stats = {"lb_loss": load_balancing_loss(probs, counts), "z_loss": z_loss(logits),
                  "tokens_per_expert": counts, "router_entropy": router_entropy(probs.detach())}
         return y.view(shape), stats
