@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
 import signal
 import socket
@@ -85,6 +86,15 @@ def process_alive(pid: int | None, start: str | None) -> bool:
     return now is not None and (start in (None, "?") or now == "?" or now == start)
 
 
+def process_exited(pid: int) -> bool:
+    """``pid`` has ended: it is gone, or a zombie that its parent has not reaped yet (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (Linux /proc), children first."""
     children: dict[int, list[int]] = {}
@@ -102,3 +112,14 @@ def descendants(pid: int) -> list[int]:
             out.append(c)
             todo.append(c)
     return out
+
+
+def read_status(path: str) -> dict:
+    """A status file's contents (what rank 0 reports about a training attempt, see
+    `runs.supervisor.report_status`); {} when it is missing or half-written."""
+    try:
+        with open(path) as f:
+            status = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}

@@ -577,14 +577,17 @@ def test_run_rejected_by_its_trainer_is_not_kept(world, tmp_path):
     assert Registry().get("bad-input-blob") is None
 
 
-def test_bad_data_on_two_ranks_is_one_line(world, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--no-supervisor"]], ids=["supervised", "no-supervisor"])
+def test_bad_data_on_two_ranks_is_one_line(world, tmp_path, flags):
     """With compute.ranks: 2, rank 0 finds the bad data while rank 1 waits for it: rank 1 stops
     with rank 0's error instead of losing its peer (a traceback), only rank 0 prints it, and
-    torchrun's lines about stopping its workers are not shown — one line, exit 2, no retry."""
+    torchrun's lines about stopping its workers are not shown — one line, exit 2, no retry.
+    Without a supervisor, the torchrun wrapper stops the restarts (else: 3 more attempts, then
+    torchrun's ChildFailedError traceback and exit 1)."""
     (tmp_path / "blob.txt").write_bytes(BINARY)
     cfg = world.config(save_folder=str(tmp_path / "run"), name="bad-input-blob-2", train_data=str(tmp_path / "blob.txt"),
                        **{"compute.ranks": 2, "parameters.micro_batch_size": 2})
-    proc = lmforge("train", "-f", write_config(tmp_path / "blob2.yaml", cfg))
+    proc = lmforge("train", "-f", write_config(tmp_path / "blob2.yaml", cfg), *flags)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]

@@ -21,8 +21,8 @@ from lmforge.config.load import build_config
 from lmforge.errors import UserError
 from lmforge.runs.lock import REMOTE_STALE_S, SaveFolderLock, lock_path, probe, read_holder
 from lmforge.runs.plan import LaunchPlan, launch_plan, started_by_user, with_plan
-from lmforge.process import this_host
-from lmforge.runs.registry import TORCHRUN_RESTART, Registry, read_status, status_file
+from lmforge.process import read_status, this_host
+from lmforge.runs.registry import TORCHRUN_RESTART, Registry, status_file
 from lmforge.runs.start import check_not_active, register, resolve_run
 from lmforge.runs.supervisor import failure_reason, report_status
 from lmforge.train.watchdog import HangWatchdog, stack_lines

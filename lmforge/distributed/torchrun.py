@@ -10,18 +10,26 @@
 The process that needs torchrun becomes it (``runs.job.launch`` execs the command built here):
 ``python -m lmforge.distributed.torchrun`` is torchrun (``torch.distributed.run``), except that a
 stop — SIGTERM or SIGINT, which torchrun passes on to every rank — ends it with status 128 + the
-signal instead of a traceback.
+signal instead of a traceback, and that, given ``--status-file`` (a run without a supervisor), it
+ends the ranks at a failure that rank 0 reported there as not to be retried (bad input), with the
+rank's own exit status, where torchrun would restart them (the supervisor does the same for its runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 
 from lmforge.errors import UserError
+from lmforge.process import process_exited, read_status
+
+STATUS_FLAG = "--status-file"
 
 
 def resolve_device_kind(kind: str) -> str:
@@ -88,10 +96,15 @@ def check_world(cfg, nproc: int) -> None:
         split_endpoint(c.rdzv_endpoint)
 
 
-def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int) -> list[str]:
+def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int, status_file: str | None = None
+                     ) -> list[str]:
+    """The torchrun command for ``nproc`` ranks of ``argv``; ``status_file``: where rank 0 reports (a
+    run without a supervisor: the wrapper watches it, and removes it at the end)."""
     c = cfg.compute
-    cmd = [sys.executable, "-m", "lmforge.distributed.torchrun", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}"]
+    cmd = [sys.executable, "-m", "lmforge.distributed.torchrun"]
+    if status_file:
+        cmd.append(f"{STATUS_FLAG}={status_file}")
+    cmd += [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
     if c.nodes == 1:
         cmd.append("--standalone")
     else:  # (check_world has validated the endpoint and node rank)
@@ -115,24 +128,69 @@ def needs_launch(cfg) -> int | None:
 class _QuietShutdown(logging.Filter):
     """Drops torchrun's warnings that it is stopping its workers ("Received 15 death signal",
     "Sending process … closing signal SIGTERM"): a stop, or the rank's own one-line error, has
-    already said why; its other warnings (restarts, failures) pass."""
+    already said why; its other warnings (restarts, failures) pass — but not its error line about
+    a rank that failed (its exit code) when that rank reported a final failure (``status_file``),
+    whose own line says what was wrong."""
+
+    def __init__(self, status_file: str | None = None):
+        super().__init__()
+        self.status_file = status_file
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        return "death signal" not in msg and "closing signal" not in msg
+        if "death signal" in msg or "closing signal" in msg:
+            return False
+        return not (self.status_file and "failed (exitcode" in msg
+                    and read_status(self.status_file).get("status") == "failed")
+
+
+class _StopAtFinalFailure:
+    """Watches rank 0's status file: at a failure it reported as final (status "failed": bad
+    input, or a run that diverged), stop torchrun — a SIGTERM to this process, which torchrun
+    turns into stopping its ranks — before ``--max-restarts`` repeats the same failure and
+    torchrun ends in a ChildFailedError traceback. ``exit_code`` is the rank's. Rank 0 reports
+    before it prints its error line and exits: the stop waits for that process to end, so that
+    the line is not cut off."""
+
+    def __init__(self, path: str, poll_s: float = 0.1, exit_wait_s: float = 30.0):
+        self.path, self.poll_s, self.exit_wait_s, self.exit_code = path, poll_s, exit_wait_s, None
+        threading.Thread(target=self._watch, name="lmforge-status", daemon=True).start()
+
+    def _watch(self) -> None:
+        while (status := read_status(self.path)).get("status") != "failed":
+            time.sleep(self.poll_s)
+        deadline = time.monotonic() + self.exit_wait_s
+        while status.get("pid") and not process_exited(status["pid"]) and time.monotonic() < deadline:
+            time.sleep(self.poll_s)
+        self.exit_code = int(status.get("exit_code") or 1)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def agent_main(argv: list[str]) -> int:
     """torchrun, quiet when stopped (its ranks checkpoint and exit; then it does too)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
+    status_file = argv.pop(0).split("=", 1)[1] if argv and argv[0].startswith(STATUS_FLAG + "=") else None
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
-        logging.getLogger(name).addFilter(_QuietShutdown())
+        logging.getLogger(name).addFilter(_QuietShutdown(status_file))
+    watcher = _StopAtFinalFailure(status_file) if status_file else None
     try:
         main(argv)
     except SignalException as e:
+        if watcher is not None and watcher.exit_code is not None:
+            return watcher.exit_code  # rank 0 has printed why
         return 128 + int(e.sigval)
+    except ChildFailedError:  # no restart left (max_retries: 0) before the watcher saw the report
+        final = read_status(status_file) if status_file else {}
+        if final.get("status") != "failed":
+            raise
+        return int(final.get("exit_code") or 1)
+    finally:
+        if status_file:
+            with contextlib.suppress(OSError):
+                os.remove(status_file)
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 from lmforge import secrets
 from lmforge.config.identity import with_default_names
@@ -53,9 +54,13 @@ def launch(cfg: RunConfig, plan: LaunchPlan, argv: list[str]) -> int:
     if cfg.compute.nodes > 1 and cfg.compute.node_rank > 0:
         wait_for_endpoint(cfg.compute.rdzv_endpoint, cfg.compute.rdzv_timeout_s)
     lock = hold_lock(cfg, plan)
-    rank = plan.child("train", lock="none" if lock is None else "join")
+    watch = None
+    if not plan.supervised:  # no supervisor to stop torchrun's restarts at bad input: its wrapper does
+        fd, watch = tempfile.mkstemp(prefix="lmforge-status-", suffix=".json")
+        os.close(fd)
+    rank = plan.child("train", lock="none" if lock is None else "join", status_file=plan.status_file or watch)
     max_restarts = cfg.max_retries if plan.max_restarts is None else plan.max_restarts
-    cmd = torchrun_command(cfg, plan.nproc, with_plan(argv, rank), max_restarts=max_restarts)
+    cmd = torchrun_command(cfg, plan.nproc, with_plan(argv, rank), max_restarts=max_restarts, status_file=watch)
     if plan.nproc > 1:  # torchrun's own default for several ranks per node, set here without its 4-line banner
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if lock is not None:
@@ -98,7 +103,7 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
         err = e if isinstance(e, UserError) else environment_error(e, where=f"save_folder {cfg.save_folder}")
         if err is None:
             raise
-        report_status(plan, "failed", error=str(err), exit_code=err.exit_code, attempt=restart_count())
+        report_status(plan, "failed", error=str(err), exit_code=err.exit_code, attempt=restart_count(), pid=os.getpid())
         if err is e:
             raise
         raise err from None

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 from lmforge.errors import UserError
 from lmforge.home import lmforge_home
-from lmforge.process import process_alive, this_host
+from lmforge.process import process_alive, read_status, this_host
 
 STATUSES = ("PENDING", "STARTING", "RUNNING", "TERMINATING", "COMPLETED", "FAILED", "STOPPED")
 ACTIVE = ("PENDING", "STARTING", "RUNNING", "TERMINATING")
@@ -39,15 +39,6 @@ def status_file(log_dir: str, idx: int) -> str:
     supervisor (its torchelastic attempt, how training ended); it stays for the later restarts."""
     return os.path.join(log_dir, f"resumption-{idx}.status.json")
 
-
-def read_status(path: str) -> dict:
-    """A status file's contents; {} when it is missing or half-written."""
-    try:
-        with open(path) as f:
-            status = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return status if isinstance(status, dict) else {}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (

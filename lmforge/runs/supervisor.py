@@ -38,10 +38,10 @@ import time
 from collections import deque
 
 from lmforge.errors import environment_error
-from lmforge.process import child_dies_with_me
+from lmforge.process import child_dies_with_me, read_status
 from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.progress import MetricsTail, metrics_path, summarize
-from lmforge.runs.registry import Registry, read_status
+from lmforge.runs.registry import Registry
 from lmforge.runs.registry import status_file as status_path
 
 EXIT_USER_ERROR = 2
