@@ -1,4 +1,5 @@
-"""Process lifetime: who is alive, and dying together with the process that started us.
+"""Process lifetime: who is alive, dying together with the process that started us, and what
+a training attempt reported about how it ended (its status file).
 
 Every process a run starts asks the kernel to kill it when its parent dies
 (``PR_SET_PDEATHSIG``): the supervisor's child, each torchrun rank, DataLoader workers and the

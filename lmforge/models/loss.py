@@ -79,8 +79,8 @@ def _chunked_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, rows: int, 
         valid = tc != IGNORE
         safe = torch.where(valid, tc, 0)[:, None]
         # One log-softmax, then its exp in place for the gradient: the [rows, vocab] chunk is
-        # the big tensor here, and each pass over it counts (on the CPU, where memory bandwidth
-        # is the limit, logsumexp + subtract + exp + scatter + mask made it 1/3 of a step).
+        # the big tensor here, and each pass over it counts (on the CPU, dropping four of them —
+        # logsumexp's, a subtract, an out-of-place scatter, a mask — made the head 12–16% faster).
         logp = torch.log_softmax((hc @ w.T).float(), dim=-1)
         total = total - torch.where(valid, logp.gather(1, safe).squeeze(1), 0.0).sum()
         if grads is None:
