@@ -87,15 +87,6 @@ def process_alive(pid: int | None, start: str | None) -> bool:
     return now is not None and (start in (None, "?") or now == "?" or now == start)
 
 
-def process_exited(pid: int) -> bool:
-    """``pid`` has ended: it is gone, or a zombie that its parent has not reaped yet (Linux /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (Linux /proc), children first."""
     children: dict[int, list[int]] = {}

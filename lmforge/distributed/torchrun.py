@@ -27,7 +27,7 @@ import threading
 import time
 
 from lmforge.errors import UserError
-from lmforge.process import process_exited, read_status
+from lmforge.process import process_alive, read_status
 
 STATUS_FLAG = "--status-file"
 
@@ -160,7 +160,7 @@ class _StopAtFinalFailure:
         while (status := read_status(self.path)).get("status") != "failed":
             time.sleep(self.poll_s)
         deadline = time.monotonic() + self.exit_wait_s
-        while status.get("pid") and not process_exited(status["pid"]) and time.monotonic() < deadline:
+        while process_alive(status.get("pid"), None) and time.monotonic() < deadline:  # (a zombie is not)
             time.sleep(self.poll_s)
         self.exit_code = int(status.get("exit_code") or 1)
         os.kill(os.getpid(), signal.SIGTERM)
