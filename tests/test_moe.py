@@ -90,14 +90,37 @@ def test_aux_loss_minimal_at_uniform_and_grows_with_imbalance():
     for skew in [0.0, 0.5, 1.0, 2.0, 4.0]:
         logits = torch.zeros(n, e)
         logits[:, 0] = skew  # expert 0 increasingly preferred
-        _, experts, probs = route(logits + 0.01 * torch.randn(n, e), 1)
-        losses.append(load_balancing_loss(probs, torch.bincount(experts.flatten(), minlength=e)).item())
+        routing = route(logits + 0.01 * torch.randn(n, e), 1)
+        losses.append(load_balancing_loss(routing.probs, torch.bincount(routing.experts.flatten(), minlength=e)).item())
     assert all(a < b for a, b in zip(losses, losses[1:])), losses
     # near-uniform routing sits at the minimum (1, up to chance correlation of f and P)
     assert losses[0] == pytest.approx(1.0, abs=1e-3) and losses[-1] > 3.0
     # balanced assignment with peaked-but-balanced probabilities is also at the minimum
     probs = torch.eye(e).repeat(n // e, 1)
     assert load_balancing_loss(probs, probs.sum(0)).item() == pytest.approx(1.0)
+
+
+def test_router_losses_and_entropy_equal_their_textbook_forms():
+    """route() writes the softmax out and shares its normalizer: the z-loss, the load-balancing
+    loss, the entropy and their gradients match the plain formulas, even for large logits."""
+    layer = make_layer()
+    x = torch.randn(5, 9, 32)
+    with torch.no_grad():
+        layer.router.weight.mul_(40)  # logits in the hundreds: a naive exp would overflow
+    y, stats = layer(x)
+    logits = layer.router(x.reshape(-1, 32))
+    probs = logits.softmax(-1)
+    counts = torch.bincount(probs.topk(layer.top_k)[1].flatten(), minlength=layer.n_experts)
+    ref = {"z_loss": torch.logsumexp(logits, -1).pow(2).mean(),
+           "lb_loss": layer.n_experts * (counts / counts.sum() * probs.mean(0)).sum(),
+           "router_entropy": -(probs * logits.log_softmax(-1)).sum(-1).mean()}
+    for name, value in ref.items():
+        torch.testing.assert_close(stats[name], value, rtol=1e-5, atol=1e-5)
+        if name != "router_entropy":
+            got = torch.autograd.grad(stats[name], layer.router.weight, retain_graph=True)[0]
+            torch.testing.assert_close(got, torch.autograd.grad(value, layer.router.weight, retain_graph=True)[0],
+                                       rtol=1e-4, atol=1e-5)
+    assert torch.isfinite(y).all()
 
 
 def test_jitter_only_in_training_and_aux_reported():
