@@ -146,7 +146,7 @@ class Parameters(_Strict):
     context_length: int | None = Field(None, gt=1, description="tokens per sample; default: model max_seq_len")
     global_batch_size: int | str | None = Field(
         None, description="samples per optimizer step across all ranks, or tokens ('1M tok'); default from model size, smaller "
-        "for a short run (at least 250 steps)")
+        "for a short run (at least 1000 steps)")
     micro_batch_size: int | Literal["auto"] = Field("auto", description="samples per forward pass per rank")
     # [recipe] schedule and optimizer (lmforge/train/optim.py; defaults from bench/sweep.py)
     warmup: DurationField | None = Field(

@@ -78,7 +78,8 @@ def cached_tokens_per_s(cfg: ModelConfig, context_length: int, micro_batch: int,
 def measure_tokens_per_s(cfg: ModelConfig, context_length: int, micro_batch: int, *, precision: str = "fp32",
                          optimizer: str = "adamw", device="cpu", steps: int = 3, warmup: int = 1,
                          use_cache: bool = True, clock=time.perf_counter) -> float:
-    """Training tokens/s of one process on ``device`` (cached per machine and shape).
+    """Training tokens/s of one process on ``device``: the fastest of ``steps`` timed steps after
+    ``warmup`` untimed ones (cached per machine and shape).
 
     ``clock`` is wall time; bench/sweep.py passes `time.process_time` (CPU time of a one-thread
     process) to compare shapes on a busy shared machine without using the cache."""
@@ -121,11 +122,16 @@ def measure_tokens_per_s(cfg: ModelConfig, context_length: int, micro_batch: int
     for _ in range(warmup):
         step()
     sync()
-    t0 = clock()
+    # The fastest step, not the mean: a moment of competition (another process, the supervisor
+    # or the trackers starting beside a run's first seconds) slows some steps, never speeds one
+    # up. With the mean of 3, the quickstart once timed its shape at 5.0K tokens/s and then
+    # trained it at 11–13K (BENCHMARKS.md, session 7).
+    seconds = float("inf")
     for _ in range(steps):
+        t0 = clock()
         step()
-    sync()
-    seconds = (clock() - t0) / steps
+        sync()
+        seconds = min(seconds, clock() - t0)
     tps = micro_batch * context_length / seconds
     if use_cache:
         record = {"tokens_per_s": tps, "step_s": seconds, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
