@@ -160,6 +160,8 @@ def test_cli_save_folder_of_another_run_is_refused(tmp_path, good):
     weights = (tmp_path / "run" / "final" / "model.safetensors").read_bytes()
     other = good | {"name": "someone-else"}
     assert_one_line_error(_run(tmp_path, other), "holds checkpoints of a different run", "--overwrite")
+    # refused by preflight, before the run is registered or any process starts
+    assert "no run named 'someone-else'" in lmforge("runs", "describe", "someone-else").stderr
     assert (tmp_path / "run" / "run.json").read_bytes() == run_json
     assert (tmp_path / "run" / "final" / "model.safetensors").read_bytes() == weights
     # --overwrite replaces it

@@ -134,7 +134,7 @@ def _run(args) -> int:
         from lmforge.runs.preflight import preflight  # torch (lazy, as below)
 
         world = int(os.environ.get("WORLD_SIZE", 0)) or (plan.nproc or 1) * cfg.compute.nodes  # torchrun by hand: its own
-        preflight(with_default_names(cfg), args.command, world_size=world)
+        preflight(with_default_names(cfg), args.command, world_size=world, overwrite=args.overwrite)
     if plan.role in ("detach", "supervise"):
         from lmforge.runs.start import start  # torch, as runs.job below (lazy: `lmforge --help` stays light)
 

@@ -30,8 +30,8 @@ STATE_BYTES_PER_PARAM = 16  # fp32 weights + fp32 gradients + AdamW m and v (fp3
 DATASET_MARKER = "lmforge-dataset.json"  # = data.prepare.MARKER, imported (with numpy) only where a marker is read
 
 
-def preflight(cfg: RunConfig, command: str, world_size: int = 1) -> None:
-    """``world_size``: the ranks the run will have (every node's)."""
+def preflight(cfg: RunConfig, command: str, world_size: int = 1, overwrite: bool = False) -> None:
+    """``world_size``: the ranks the run will have (every node's); ``overwrite``: --overwrite."""
     check_task(cfg, command)
     check_train_data(cfg)
     check_batch(cfg, world_size)
@@ -42,6 +42,8 @@ def preflight(cfg: RunConfig, command: str, world_size: int = 1) -> None:
         check_vocab(cfg)
         check_memory(cfg)
     check_save_folder(cfg)
+    if not overwrite:
+        check_not_another_run(cfg)
 
 
 def check_task(cfg: RunConfig, command: str) -> None:
@@ -131,6 +133,25 @@ def check_save_folder(cfg: RunConfig) -> None:
         if err is None:
             raise UserError(f"save_folder {folder}: cannot be written ({e.strerror or e})") from None
         raise err from None
+
+
+def check_not_another_run(cfg: RunConfig) -> None:
+    """A local save folder holding another run's checkpoints is refused now, before a tokenizer is
+    trained, data prepared or a process started. Here only a run of another name is known to be
+    another run: the trainer compares the whole identity (`train.checkpoint.check_save_folder`)
+    once the name is registered and the model resolved (`model: auto`), and refuses the rest."""
+    folder = cfg.save_folder
+    if not folder or is_remote(folder) or not os.path.isdir(folder):
+        return
+    from lmforge.config.identity import is_variant
+    from lmforge.train.checkpoint import different_run_error, holds_saved_run, read_run_file
+
+    existing = read_run_file(folder)
+    if existing is None or not holds_saved_run(folder):
+        return  # nothing of a run here (or a start that failed before its first checkpoint)
+    name = (existing.get("identity") or {}).get("name")
+    if not name or not is_variant(name, cfg.name):
+        raise different_run_error(folder, existing)
 
 
 def check_weights(path: str) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from functools import partial
 
-from lmforge.config.identity import default_name, run_identity
+from lmforge.config.identity import default_name, is_variant, run_identity
 from lmforge.data.remote import is_remote
 from lmforge.distributed.torchrun import exit_now
 from lmforge.errors import UserError
@@ -101,10 +100,6 @@ def child_argv(args, name: str, save_folder: str, *, first: bool) -> list[str]:
 
 # --------------------------------------------------------------------------- names
 
-def _is_variant(name: str, requested: str) -> bool:
-    return name == requested or re.fullmatch(re.escape(requested) + r"-[0-9a-f]{4}", name) is not None
-
-
 def _name_in_folder(save_folder: str) -> str | None:
     """The run name recorded in a (local or staging) save folder's run.json, if any."""
     try:
@@ -124,11 +119,11 @@ def resolve_run(reg: Registry, cfg, run_uid: str | None = None) -> RunSlot:
     save, logs = run_paths(cfg, requested)
     # 1. This folder already holds a run of that name (maybe suffixed): the same run continues.
     for row in reg.saved_in(save):
-        if _is_variant(row["name"], requested):
+        if is_variant(row["name"], requested):
             row = reg.mark_lost_if_dead(row)
             return RunSlot(row["name"], save, row["log_dir"] or logs, row["run_uid"] or new_run_uid(), existing=row)
     in_folder = _name_in_folder(save)
-    name = in_folder if in_folder and _is_variant(in_folder, requested) else requested
+    name = in_folder if in_folder and is_variant(in_folder, requested) else requested
     if name != requested:
         logs = run_paths(cfg, name)[1]
     # 2. The name is free, or its run's save folder is gone: take it.

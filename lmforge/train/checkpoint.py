@@ -313,14 +313,9 @@ def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, auto
     folder whose other run never completed a checkpoint (a start that failed) is taken over —
     when ``all_local``: a remote run's checkpoints are in the store, not in its staging folder.
     """
-    path = os.path.join(save_folder, RUN_FILE)
-    if not os.path.exists(path):
+    existing = read_run_file(save_folder)
+    if existing is None:
         return False
-    try:
-        with open(path) as f:
-            existing = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        existing = {}
     same = existing.get("identity") == identity
     if overwrite:
         shutil.rmtree(checkpoints_dir(save_folder), ignore_errors=True)
@@ -329,14 +324,11 @@ def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, auto
             if os.path.exists(os.path.join(save_folder, name)):
                 os.remove(os.path.join(save_folder, name))
         return False
-    if not same and all_local and not list_checkpoints(save_folder) \
-            and not os.path.isdir(os.path.join(save_folder, "final")):
+    if not same and all_local and not holds_saved_run(save_folder):
         # An earlier start that failed before its first checkpoint: nothing of it to protect.
         return False
     if not same:
-        what = existing.get("identity", {}).get("name") or "another run"
-        raise UserError(f"save_folder {save_folder} holds checkpoints of a different run ({what!r}: other "
-                        "name, model or data); choose another --save-folder or pass --overwrite to replace it")
+        raise different_run_error(save_folder, existing)
     if not autoresume and os.path.isdir(checkpoints_dir(save_folder)):
         # Start fresh without destroying anything: the old checkpoints are moved aside.
         aside = f"{checkpoints_dir(save_folder)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -344,6 +336,30 @@ def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, auto
         print(f"autoresume is off: moved the existing checkpoints to {aside}")
         return False
     return True
+
+
+def read_run_file(save_folder: str) -> dict | None:
+    """The folder's run.json ({"identity", "config"}; {} when unreadable), None when it has none."""
+    path = os.path.join(save_folder, RUN_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            existing = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return existing if isinstance(existing, dict) else {}
+
+
+def holds_saved_run(save_folder: str) -> bool:
+    """Whether a local save folder holds anything of a run to protect: a checkpoint or a final model."""
+    return bool(list_checkpoints(save_folder)) or os.path.isdir(os.path.join(save_folder, "final"))
+
+
+def different_run_error(save_folder: str, existing: dict) -> UserError:
+    what = (existing.get("identity") or {}).get("name") or "another run"
+    return UserError(f"save_folder {save_folder} holds checkpoints of a different run ({what!r}: other "
+                     "name, model or data); choose another --save-folder or pass --overwrite to replace it")
 
 
 def write_run_file(save_folder: str, identity: dict, resolved: dict) -> None:
