@@ -106,6 +106,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def speaks_for_node() -> bool:
+    """Whether this process speaks for its machine: the first torchrun rank of each node
+    (LOCAL_RANK 0), or a process started without torchrun. It reports to the node's status file
+    and prints rank 0's bad-input error there: with several nodes, rank 0 may be on another one,
+    and this node's supervisor and user must learn it too (else: retries, then a rendezvous timeout)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
 def read_status(path: str) -> dict:
     """A status file's contents (what rank 0 reports about a training attempt, see
     `runs.supervisor.report_status`); {} when it is missing or half-written."""

@@ -593,3 +593,31 @@ def test_bad_data_on_two_ranks_is_one_line(world, tmp_path, flags):
     errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and "blob.txt" in errors[0] and "binary" in errors[0], out[-3000:]
     assert "Traceback" not in out and "signal" not in out and "OMP_NUM_THREADS" not in out, out[-3000:]
+
+
+def test_bad_data_on_two_nodes_is_one_line_on_each(world, tmp_path):
+    """Two nodes (two `lmforge train --node-rank` on this machine, one rank each): rank 0 finds the
+    bad data, and each node — wherever rank 0 landed — prints its one line and exits 2 at once.
+    Before, the node without rank 0 retried, waited out a rendezvous timeout each time and ended
+    in a traceback, and the node hosting no rendezvous store printed its lost connection."""
+    import socket
+    import sys
+
+    from train_helpers import REPO, env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "blob.txt").write_bytes(BINARY)
+    cfg = world.config(save_folder=str(tmp_path / "run"), name="bad-input-blob-nodes", train_data=str(tmp_path / "blob.txt"),
+                       **{"parameters.micro_batch_size": 2, "compute.data_parallel": "hsdp", "compute.nodes": 2,
+                          "compute.rdzv_endpoint": f"127.0.0.1:{port}", "compute.rdzv_timeout_s": 60})
+    path = write_config(tmp_path / "nodes.yaml", cfg)
+    procs = [subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(path), "--node-rank", str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+             for r in (0, 1)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+        assert p.returncode == 2 and len(errors) == 1 and "binary" in errors[0], (out[-2000:], err[-3000:])
+        assert err.strip() == errors[0], err[-3000:]  # nothing else: no traceback, no torchrun warning

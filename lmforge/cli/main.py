@@ -15,6 +15,7 @@ import sys
 from lmforge import __version__
 from lmforge.cli.common import HelpFormatter, OneLineParser
 from lmforge.errors import PeerUserError, UserError, environment_error
+from lmforge.process import speaks_for_node
 
 # Command modules, in the order they appear in `lmforge --help`. A module that does not
 # exist yet is skipped, so the CLI stays usable while features are added.
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as e:
-        if not isinstance(e, PeerUserError):  # (rank 0 prints that one)
+        if not isinstance(e, PeerUserError) or speaks_for_node():  # rank 0's error: once per node
             sys.stderr.write(f"error: {e}\n")
         return e.exit_code
     except KeyboardInterrupt:

@@ -11,8 +11,8 @@ The process that needs torchrun becomes it (``runs.job.launch`` execs the comman
 ``python -m lmforge.distributed.torchrun`` is torchrun (``torch.distributed.run``), except that a
 stop — SIGTERM or SIGINT, which torchrun passes on to every rank — ends it with status 128 + the
 signal instead of a traceback, and that, given ``--status-file`` (a run without a supervisor), it
-ends the ranks at a failure that rank 0 reported there as not to be retried (bad input), with the
-rank's own exit status, where torchrun would restart them (the supervisor does the same for its runs).
+ends the ranks at a failure that this node's first rank reported there as not to be retried (bad
+input), with the rank's own exit status, where torchrun would restart them (the supervisor does the same for its runs).
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def check_world(cfg, nproc: int) -> None:
 
 def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int, status_file: str | None = None
                      ) -> list[str]:
-    """The torchrun command for ``nproc`` ranks of ``argv``; ``status_file``: where rank 0 reports (a
-    run without a supervisor: the wrapper watches it, and removes it at the end)."""
+    """The torchrun command for ``nproc`` ranks of ``argv``; ``status_file``: where this node's first
+    rank reports (`process.speaks_for_node`; the wrapper watches it, and removes it at the end)."""
     c = cfg.compute
     cmd = [sys.executable, "-m", "lmforge.distributed.torchrun"]
     if status_file:
@@ -108,7 +108,9 @@ def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int, sta
     if c.nodes == 1:
         cmd.append("--standalone")
     else:  # (check_world has validated the endpoint and node rank)
-        cmd += [f"--nnodes={c.nodes}", f"--node-rank={c.node_rank}", "--rdzv-backend=c10d",
+        # No --node-rank: the c10d rendezvous ignores it (with a warning on every start) and
+        # numbers the nodes as they join, so rank 0 may be on any node.
+        cmd += [f"--nnodes={c.nodes}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={c.rdzv_endpoint}", f"--rdzv-id={cfg.name or 'lmforge'}",
                 f"--rdzv-conf=join_timeout={c.rdzv_timeout_s}"]
     return cmd + ["-m", "lmforge", *argv]
@@ -145,10 +147,10 @@ class _QuietShutdown(logging.Filter):
 
 
 class _StopAtFinalFailure:
-    """Watches rank 0's status file: at a failure it reported as final (status "failed": bad
-    input, or a run that diverged), stop torchrun — a SIGTERM to this process, which torchrun
-    turns into stopping its ranks — before ``--max-restarts`` repeats the same failure and
-    torchrun ends in a ChildFailedError traceback. ``exit_code`` is the rank's. Rank 0 reports
+    """Watches the status file of this node's first rank: at a failure it reported as final
+    (status "failed": bad input, or a run that diverged), stop torchrun — a SIGTERM to this
+    process, which torchrun turns into stopping its ranks — before ``--max-restarts`` repeats the
+    same failure and torchrun ends in a ChildFailedError traceback. ``exit_code`` is the rank's. The rank reports
     before it prints its error line and exits: the stop waits for that process to end, so that
     the line is not cut off."""
 
@@ -159,6 +161,10 @@ class _StopAtFinalFailure:
     def _watch(self) -> None:
         while (status := read_status(self.path)).get("status") != "failed":
             time.sleep(self.poll_s)
+        # From here on torchrun only stops, and what it says is noise: with several nodes, a
+        # node that stopped first takes the rendezvous store with it, and the others' torchrun
+        # prints the lost connection (C++ warnings, a traceback). The ranks keep their own stderr.
+        _silence_stderr()
         deadline = time.monotonic() + self.exit_wait_s
         while process_alive(status.get("pid"), None) and time.monotonic() < deadline:  # (a zombie is not)
             time.sleep(self.poll_s)
@@ -166,10 +172,16 @@ class _StopAtFinalFailure:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _silence_stderr() -> None:
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
 def agent_main(argv: list[str]) -> int:
     """torchrun, quiet when stopped (its ranks checkpoint and exit; then it does too)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
     status_file = argv.pop(0).split("=", 1)[1] if argv and argv[0].startswith(STATUS_FLAG + "=") else None
@@ -182,7 +194,8 @@ def agent_main(argv: list[str]) -> int:
         if watcher is not None and watcher.exit_code is not None:
             return watcher.exit_code  # rank 0 has printed why
         return 128 + int(e.sigval)
-    except ChildFailedError:  # no restart left (max_retries: 0) before the watcher saw the report
+    except Exception:  # noqa: BLE001 - e.g. ChildFailedError: no restart left (max_retries: 0) before
+        # the watcher saw the report; or the rendezvous lost: another node, stopped first, hosted it
         final = read_status(status_file) if status_file else {}
         if final.get("status") != "failed":
             raise

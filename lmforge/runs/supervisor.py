@@ -38,7 +38,7 @@ import time
 from collections import deque
 
 from lmforge.errors import environment_error
-from lmforge.process import child_dies_with_me, read_status
+from lmforge.process import child_dies_with_me, read_status, speaks_for_node
 from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.progress import MetricsTail, metrics_path, summarize
 from lmforge.runs.registry import Registry
@@ -53,11 +53,12 @@ EXITED_WAIT_S = 60.0  # after the child exits, how long the run's other processe
 
 
 def report_status(plan: LaunchPlan | None, status: str, **info) -> None:
-    """Rank 0 tells the supervisor how training went (no-op when not supervised).
+    """The first rank of each node tells the node's supervisor how training went (no-op when not
+    supervised; `process.speaks_for_node`).
 
     ``started`` (with torchelastic's ``attempt``) at the start of each attempt; the final status
     at the end. A failure that must not be retried is never overwritten by a later start."""
-    if plan is None or not plan.status_file or int(os.environ.get("RANK", "0")) != 0:
+    if plan is None or not plan.status_file or not speaks_for_node():
         return
     if status == "started" and read_status(plan.status_file).get("status") == "failed":
         return
