@@ -109,7 +109,7 @@ def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int, sta
         cmd.append("--standalone")
     else:  # (check_world has validated the endpoint and node rank)
         # No --node-rank: the c10d rendezvous ignores it (with a warning on every start) and
-        # numbers the nodes as they join, so rank 0 may be on any node.
+        # orders the nodes itself (by host name), so rank 0 may be on any node.
         cmd += [f"--nnodes={c.nodes}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={c.rdzv_endpoint}", f"--rdzv-id={cfg.name or 'lmforge'}",
                 f"--rdzv-conf=join_timeout={c.rdzv_timeout_s}"]
