@@ -115,7 +115,7 @@ def speaks_for_node() -> bool:
 
 
 def read_status(path: str) -> dict:
-    """A status file's contents (what rank 0 reports about a training attempt, see
+    """A status file's contents (what a node's first rank reports about a training attempt, see
     `runs.supervisor.report_status`); {} when it is missing or half-written."""
     try:
         with open(path) as f:

@@ -16,7 +16,6 @@ folder is still reported here), prints the name and returns.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
@@ -36,7 +35,7 @@ from lmforge.runs.plan import LaunchPlan, new_run_uid, with_plan
 from lmforge.runs.registry import ACTIVE, Registry
 from lmforge.runs.store import local_folder, upload_logs
 from lmforge.runs.supervisor import EXIT_USER_ERROR, Supervisor
-from lmforge.train.checkpoint import RUN_FILE, list_checkpoints
+from lmforge.train.checkpoint import list_checkpoints, read_run_file
 
 
 @dataclass
@@ -102,11 +101,8 @@ def child_argv(args, name: str, save_folder: str, *, first: bool) -> list[str]:
 
 def _name_in_folder(save_folder: str) -> str | None:
     """The run name recorded in a (local or staging) save folder's run.json, if any."""
-    try:
-        with open(os.path.join(local_folder(save_folder), RUN_FILE)) as f:
-            return (json.load(f).get("identity") or {}).get("name")
-    except (OSError, ValueError, AttributeError):
-        return None
+    name = ((read_run_file(local_folder(save_folder)) or {}).get("identity") or {}).get("name")
+    return name if isinstance(name, str) else None
 
 
 def _folder_gone(save_folder: str | None) -> bool:
