@@ -600,14 +600,11 @@ def test_bad_data_on_two_nodes_is_one_line_on_each(world, tmp_path):
     bad data, and each node — wherever rank 0 landed — prints its one line and exits 2 at once.
     Before, the node without rank 0 retried, waited out a rendezvous timeout each time and ended
     in a traceback, and the node hosting no rendezvous store printed its lost connection."""
-    import socket
     import sys
 
-    from train_helpers import REPO, env
+    from train_helpers import REPO, env, free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     (tmp_path / "blob.txt").write_bytes(BINARY)
     cfg = world.config(save_folder=str(tmp_path / "run"), name="bad-input-blob-nodes", train_data=str(tmp_path / "blob.txt"),
                        **{"parameters.micro_batch_size": 2, "compute.data_parallel": "hsdp", "compute.nodes": 2,

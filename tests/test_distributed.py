@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,8 @@ import pytest
 import torch
 
 from conftest import tiny_run_config
-from train_helpers import REPO, assert_one_line_error, env, final_weights, lmforge, train_losses, write_config
+from train_helpers import (REPO, assert_one_line_error, env, final_weights, free_port, lmforge, train_losses,
+                           write_config)
 
 from lmforge.process import descendants
 
@@ -26,12 +26,6 @@ def run(tmp_path, tiny_data, name, **overrides):
     base = {"eval.prompts": [], "eval.interval": "100ba"}
     cfg = write_config(tmp_path / f"{name}.yaml", tiny_run_config(tiny_data, folder, **(base | overrides)))
     return cfg, folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # One reference for the multi-rank runs below: a single process, same global batch (8), 6 steps.
