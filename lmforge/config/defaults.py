@@ -3,7 +3,7 @@
 | default | rule | where it comes from |
 |---|---|---|
 | learning_rate | log-linear in non-embedding params between the anchors below | MPT/LLM Foundry recipes (125M 6e-4, 350M 3e-4, 760M 2.5e-4, 1B 2e-4, 3B 1.6e-4, 7B 1.2e-4, 13B 1e-4, 30B 1e-4, 70B 8e-5, as published by MosaicML and Meta); ≤5M 2e-3 from bench/sweep.py |
-| global batch | tokens per step by size (≤30M: 8K; ≤200M: 0.5M; ≤2B: 1M; ≤20B: 2M; else 4M), at most run tokens / 1000 (a power of two, at least 2,048) for a run of known length, converted to samples | MPT recipes (256–512 × 2048) and Llama 2 (4M tokens); the short-run cap from bench/sweep.py |
+| global batch | tokens per step by size (≤30M: 8K; ≤200M: 0.5M; ≤2B: 1M; ≤20B: 2M; else 4M), at most run tokens / 1000 (a power of two, at least 2,048) for a run of known length, converted to samples | MPT recipes (256–512 × 2048) and Llama 2 (4M tokens); the short-run cap from quickstart runs and bench/sweep.py (BENCHMARKS.md) |
 | warmup | 5% of the run in its own unit (steps, or seconds of a wall-clock run), at most 2000 steps | common practice (torchtitan, nanoGPT use fixed ~2k for long runs) |
 | schedule | wsd: warmup, constant, linear decay to 0 over the last 20% | MiniCPM (Hu et al. 2024), Hägele et al. 2024; bench/sweep.py (beat cosine at 60 s) |
 | AdamW | β (0.9, 0.95), ε 1e-8, weight decay 0.1 on matrices only | GPT-3, Llama |

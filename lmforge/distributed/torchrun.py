@@ -12,7 +12,8 @@ The process that needs torchrun becomes it (``runs.job.launch`` execs the comman
 stop — SIGTERM or SIGINT, which torchrun passes on to every rank — ends it with status 128 + the
 signal instead of a traceback, and that, given ``--status-file`` (a run without a supervisor), it
 ends the ranks at a failure that this node's first rank reported there as not to be retried (bad
-input), with the rank's own exit status, where torchrun would restart them (the supervisor does the same for its runs).
+input), with the rank's own exit status, where torchrun would restart them (the supervisor does
+the same for its runs).
 """
 
 from __future__ import annotations
@@ -150,9 +151,9 @@ class _StopAtFinalFailure:
     """Watches the status file of this node's first rank: at a failure it reported as final
     (status "failed": bad input, or a run that diverged), stop torchrun — a SIGTERM to this
     process, which torchrun turns into stopping its ranks — before ``--max-restarts`` repeats the
-    same failure and torchrun ends in a ChildFailedError traceback. ``exit_code`` is the rank's. The rank reports
-    before it prints its error line and exits: the stop waits for that process to end, so that
-    the line is not cut off."""
+    same failure and torchrun ends in a ChildFailedError traceback. ``exit_code`` is the rank's.
+    The rank reports before it prints its error line and exits: the stop waits for that process
+    to end, so that the line is not cut off."""
 
     def __init__(self, path: str, poll_s: float = 0.1, exit_wait_s: float = 30.0):
         self.path, self.poll_s, self.exit_wait_s, self.exit_code = path, poll_s, exit_wait_s, None
@@ -192,7 +193,7 @@ def agent_main(argv: list[str]) -> int:
         main(argv)
     except SignalException as e:
         if watcher is not None and watcher.exit_code is not None:
-            return watcher.exit_code  # rank 0 has printed why
+            return watcher.exit_code  # the rank has printed why
         return 128 + int(e.sigval)
     except Exception:  # noqa: BLE001 - e.g. ChildFailedError: no restart left (max_retries: 0) before
         # the watcher saw the report; or the rendezvous lost: another node, stopped first, hosted it
