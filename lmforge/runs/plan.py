@@ -45,7 +45,8 @@ class LaunchPlan:
     lock: str = "claim"  # the save folder's lock: claim it (first process), join the run's, or none (other nodes)
     nproc: int | None = None  # ranks per node: None = train in one process, N = start torchrun with N
     max_restarts: int | None = None  # launch: torchrun --max-restarts (what is left of max_retries)
-    status_file: str | None = None  # supervised: where rank 0 reports how training ended
+    status_file: str | None = None  # where each node's first rank reports how training ended: to the
+    # supervisor, or (a rank of an unsupervised run) to the torchrun wrapper; a launcher's is its supervisor's
     parent_pid: int | None = None  # who started this process (it dies with it)
     detached: bool = False  # supervise: in the background (no terminal; output in supervisor.log)
     reason: str = "train"  # supervise: train | restart — what the registry records as the cause
@@ -72,6 +73,7 @@ class LaunchPlan:
 
     @property
     def supervised(self) -> bool:
+        """For a launcher (before it hands its ranks a status file of their own)."""
         return self.status_file is not None
 
 

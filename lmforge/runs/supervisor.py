@@ -53,8 +53,9 @@ EXITED_WAIT_S = 60.0  # after the child exits, how long the run's other processe
 
 
 def report_status(plan: LaunchPlan | None, status: str, **info) -> None:
-    """The first rank of each node tells the node's supervisor how training went (no-op when not
-    supervised; `process.speaks_for_node`).
+    """The first rank of each node (`process.speaks_for_node`) tells whoever watches the plan's
+    status file how training went: the supervisor, or the torchrun wrapper of an unsupervised run
+    (no-op without a status file).
 
     ``started`` (with torchelastic's ``attempt``) at the start of each attempt; the final status
     at the end. A failure that must not be retried is never overwritten by a later start."""
