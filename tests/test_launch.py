@@ -316,3 +316,21 @@ def test_status_file_and_failure_reasons(tmp_path):
     assert failure_reason(4, hang) == ("hang detected on rank 1: no training step completed for 5s "
                                        "(compute.hang_timeout 5s)")
     assert failure_reason(-9, []) == "killed by SIGKILL"
+
+
+def test_torchrun_wrapper_returns_the_ranks_code_when_torchrun_gives_up_first(tmp_path):
+    """The torchrun wrapper of an unsupervised run with no restart left: the rank reported a final
+    failure and exited 3, and torchrun ends in its own ChildFailedError before the wrapper's
+    watcher stops it (here: the reported process is still alive, so the watcher waits). The
+    wrapper returns the rank's code, quietly (torchrun's traceback and exit 1 otherwise)."""
+    status = tmp_path / "status.json"
+    script = tmp_path / "rank.py"
+    script.write_text("import json, sys\n"
+                      f"json.dump({{'status': 'failed', 'exit_code': 3, 'pid': {os.getpid()}}}, open({str(status)!r}, 'w'))\n"
+                      "sys.exit(3)\n")
+    proc = subprocess.run([sys.executable, "-m", "lmforge.distributed.torchrun", f"--status-file={status}",
+                           "--nproc-per-node=1", "--max-restarts=0", "--standalone", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
+    assert not status.exists()  # the wrapper removes its status file
