@@ -10,7 +10,8 @@ SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 
 # family → (transformers config class, extra config fields). Each case turns on what makes the
 # family differ: llama3 RoPE scaling, a sliding window shorter than the test sequence, q/k/v
-# biases, per-head q/k norms with YaRN scaling, OLMo 2's post-norms and full q/k norms.
+# biases, per-head q/k norms with YaRN scaling, OLMo 2's post-norms and full q/k norms, Gemma's
+# GeGLU, scaled embeddings, offset norm weights and head size apart from the hidden size.
 CASES = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
@@ -20,6 +21,7 @@ CASES = {
     "qwen3": ("Qwen3Config", dict(head_dim=16, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16})),
     "olmo2": ("Olmo2Config", dict(rope_theta=5e5)),
+    "gemma": ("GemmaConfig", dict(head_dim=24, tie_word_embeddings=True)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
 }
 

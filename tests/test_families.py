@@ -20,7 +20,7 @@ TOL = 1e-4
 IDS = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1))
 # The option that makes each case differ from a plain Llama: dropping it must change the logits.
 FEATURE = {"llama": "rope_scaling", "mistral": "sliding_window", "qwen2": "qkv_bias", "qwen3": "qk_norm",
-           "olmo2": "norm_position", "mixtral": "sliding_window"}
+           "olmo2": "norm_position", "gemma": "scale_embeddings", "mixtral": "sliding_window"}
 
 
 def ours_from(hf, cfg: ModelConfig):
@@ -45,7 +45,7 @@ def test_import_export_parity(family, tmp_path):
         assert max_diff(model(IDS), expected) <= TOL
         # the family's feature is load-bearing here: without it the logits are different
         plain = {"rope_scaling": None, "sliding_window": None, "qkv_bias": False, "qk_norm": "none",
-                 "norm_position": "pre"}[FEATURE[family]]
+                 "norm_position": "pre", "scale_embeddings": False}[FEATURE[family]]
         reduced = cfg.model_copy(update={FEATURE[family]: plain, "family": None})
         sd = {k: v for k, v in model.state_dict().items() if ".bias" not in k or reduced.qkv_bias}
         if reduced.qk_norm == "none":
@@ -86,6 +86,11 @@ def test_families_from_our_own_features():
     assert family_of(ModelConfig(**base, qkv_bias=True)).name == "qwen2"
     assert family_of(ModelConfig(**base, qk_norm="full", norm_position="post")).name == "olmo2"
     assert family_of(ModelConfig(**base, sliding_window=128)).name == "mistral"
+    assert family_of(ModelConfig(**base, mlp_activation="gelu_tanh", scale_embeddings=True)).name == "gemma"
+    with pytest.raises(UserError, match="no Hugging Face family"):  # Gemma has both, or neither is plain
+        family_of(ModelConfig(**base, mlp_activation="gelu_tanh"))
+    with pytest.raises(ValueError, match="the experts are SwiGLU"):
+        ModelConfig(**base, n_experts=4, top_k=2, mlp_activation="gelu_tanh")
     with pytest.raises(UserError, match="no Hugging Face family"):
         family_of(ModelConfig(**base, qkv_bias=True, qk_norm="head"))
     with pytest.raises(UserError, match="model.family llama"):
@@ -94,6 +99,7 @@ def test_families_from_our_own_features():
 
 @pytest.mark.parametrize("family,change,needle", [
     ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ("gemma", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for gemma .expected 'gelu_pytorch_tanh'"),
     ("llama", {"attention_bias": True}, "attention_bias=true is not supported for llama"),
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type 'dynamic'"),
     ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
@@ -112,7 +118,7 @@ def test_unsupported_options_are_one_line(family, change, needle):
 
 def test_unsupported_family_names_the_supported_ones():
     with pytest.raises(UserError, match="model_type 'gemma2' is not supported; supported: llama, mistral, qwen2, "
-                                        "qwen3, olmo2, mixtral"):
+                                        "qwen3, olmo2, gemma, mixtral"):
         from_hf_config(transformers.Gemma2Config())
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from lmforge.errors import UserError
 
 # Hugging Face architectures lmforge imports and exports; their specs: lmforge/models/families.py.
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "mixtral"]
 FAMILIES: tuple[str, ...] = get_args(Family)
 
 
@@ -86,6 +86,10 @@ class ModelConfig(BaseModel):
         "none", description="RMSNorm on q and k before RoPE: per head (Qwen3) or over all heads (OLMo 2)")
     norm_position: Literal["pre", "post"] = Field(
         "pre", description="pre: normalize each sublayer's input; post: its output, before the residual add (OLMo 2)")
+    mlp_activation: Literal["silu", "gelu_tanh"] = Field(
+        "silu", description="the gate's activation in dense blocks: silu (SwiGLU) or the tanh-approximated GELU "
+        "(GeGLU, Gemma)")
+    scale_embeddings: bool = Field(False, description="multiply the input embeddings by √d_model (Gemma)")
     rope_scaling: RopeScaling | None = Field(None, description="long-context RoPE scaling (llama3, linear, yarn)")
     sliding_window: int | None = Field(
         None, gt=0, description="each token attends to at most this many tokens, itself included (Mistral)")
@@ -108,6 +112,9 @@ class ModelConfig(BaseModel):
             raise ValueError("family mixtral needs n_experts > 0 (a dense model is llama, mistral, qwen2, ...)")
         if self.family not in (None, "mixtral") and self.n_experts:
             raise ValueError(f"family {self.family} is dense; mixture-of-experts models export as mixtral")
+        if self.n_experts and self.mlp_activation != "silu":
+            raise ValueError(f"mlp_activation {self.mlp_activation} is for dense blocks; "
+                             "the experts are SwiGLU (silu)")
         if self.n_experts and not (0 < self.top_k <= self.n_experts):
             raise ValueError(f"top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
         return self

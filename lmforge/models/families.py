@@ -13,6 +13,7 @@ else in lmforge branches on a family.
 | qwen2   | q/k/v biases                                | sliding_window (all layers), rope_scaling |
 | qwen3   | q/k RMSNorm per head                        | sliding_window (all layers), rope_scaling |
 | olmo2   | q/k RMSNorm over all heads, norms after each sublayer | rope_scaling       |
+| gemma   | GeGLU (tanh GELU), embeddings × √d_model, norm weights stored as offsets from 1 | rope_scaling |
 | mixtral | mixture of experts (top-k softmax SwiGLU)  | sliding_window, rope_scaling |
 
 Anything else a config.json asks for (another architecture, biases elsewhere, another
@@ -37,10 +38,14 @@ class Family:
     norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")  # HF names of attn_norm, mlp_norm
     sliding_window: bool = False  # may its config set a (whole-model) sliding attention window
     moe: bool = False
+    # Norm weights stored as offsets from 1 (Gemma's norms multiply by 1 + weight): ours hold
+    # the factor itself, so import adds 1 and export subtracts it (the same math in fp32).
+    norm_offset: bool = False
 
 
 # The block features a family fixes; everything not listed is the plain-Llama value.
-PLAIN = {"qkv_bias": False, "qk_norm": "none", "norm_position": "pre"}
+PLAIN = {"qkv_bias": False, "qk_norm": "none", "norm_position": "pre", "mlp_activation": "silu",
+         "scale_embeddings": False}
 
 LLAMA = Family("llama", "LlamaConfig", "LlamaForCausalLM")
 MISTRAL = Family("mistral", "MistralConfig", "MistralForCausalLM", sliding_window=True)
@@ -48,9 +53,11 @@ QWEN2 = Family("qwen2", "Qwen2Config", "Qwen2ForCausalLM", {"qkv_bias": True}, s
 QWEN3 = Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {"qk_norm": "head"}, sliding_window=True)
 OLMO2 = Family("olmo2", "Olmo2Config", "Olmo2ForCausalLM", {"qk_norm": "full", "norm_position": "post"},
                norms=("post_attention_layernorm", "post_feedforward_layernorm"))
+GEMMA = Family("gemma", "GemmaConfig", "GemmaForCausalLM", {"mlp_activation": "gelu_tanh", "scale_embeddings": True},
+               norm_offset=True)
 MIXTRAL = Family("mixtral", "MixtralConfig", "MixtralForCausalLM", sliding_window=True, moe=True)
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, MIXTRAL)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, GEMMA, MIXTRAL)}
 
 
 def features_of(cfg: ModelConfig) -> dict:
@@ -71,7 +78,7 @@ def family_of(cfg: ModelConfig) -> Family:
             have = {k: v for k, v in features_of(cfg).items() if v != PLAIN[k]}
             if cfg.sliding_window is not None:
                 have["sliding_window"] = cfg.sliding_window
-            want = spec.features or "none of qkv_bias, qk_norm, post norms"
+            want = spec.features or "none of qkv_bias, qk_norm, post norms, a GELU gate, scaled embeddings"
             raise UserError(f"model.family {spec.name}: the model's features {have or 'plain'} do not match "
                             f"{spec.name}'s ({want}{', sliding_window' if spec.sliding_window else ''})")
         return spec

@@ -1,8 +1,9 @@
 """Hugging Face interop: config and state-dict name mapping for the families in `families.py`
-(Llama 3.x, Mistral, Qwen2/2.5, Qwen3, OLMo 2 dense; Mixtral for MoE).
+(Llama 3.x, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Gemma dense; Mixtral for MoE).
 
 Our layout was chosen so the mapping is a pure rename: RoPE uses HF's rotate-half pairing, so
-q/k rows need no permutation, and SwiGLU w1/w3/w2 are HF's gate/up/down projections. MoE expert
+q/k rows need no permutation, and SwiGLU w1/w3/w2 are HF's gate/up/down projections (the one
+exception: Gemma stores norm weights as offsets from 1, see `Family.norm_offset`). MoE expert
 weights are 3-D parameters here — ``w13 [E, d, 2h]`` (gate and up fused, gate first) and
 ``w2 [E, h, d]`` —; they are split into the per-expert `block_sparse_moe.experts.{j}.w1/w2/w3`
 matrices of the published Mixtral checkpoint format, which transformers, vLLM and llama.cpp all
@@ -35,7 +36,8 @@ def to_hf_config(cfg: ModelConfig, *, allow_clip_qkv: bool = False):
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.dim_head,
         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std, hidden_act="silu",
+        tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std,
+        hidden_act=_HF_ACT[cfg.mlp_activation],
         bos_token_id=None, eos_token_id=None,  # the exporter sets them from the tokenizer
     )
     if cfg.rope_scaling is not None:
@@ -45,7 +47,7 @@ def to_hf_config(cfg: ModelConfig, *, allow_clip_qkv: bool = False):
                       num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.moe_aux_loss_coef)
     else:
         kwargs["intermediate_size"] = cfg.ffn_dim
-    if spec.name in ("llama", "qwen3", "olmo2"):
+    if spec.name in ("llama", "qwen3", "olmo2", "gemma"):
         kwargs["attention_bias"] = False
     if spec.name == "llama":
         kwargs["mlp_bias"] = False
@@ -57,6 +59,9 @@ def to_hf_config(cfg: ModelConfig, *, allow_clip_qkv: bool = False):
     hf = getattr(transformers, spec.config_class)(**kwargs)
     hf.architectures = [spec.architecture]
     return hf
+
+
+_HF_ACT = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # mlp_activation -> config.json's hidden_act
 
 
 def _hf_rope(cfg: ModelConfig) -> dict:
@@ -133,8 +138,10 @@ def from_hf_config(hf_config) -> ModelConfig:
                         "(lmforge has q/k/v biases only, as in qwen2)")
     if getattr(hf_config, "mlp_bias", False):
         raise UserError("config.json: mlp_bias=true is not supported (lmforge MLPs have no biases)")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise UserError(f"config.json: hidden_act {hf_config.hidden_act!r} is not supported (expected 'silu')")
+    act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+    want = _HF_ACT[spec.features.get("mlp_activation", "silu")]
+    if act != want:
+        raise UserError(f"config.json: hidden_act {act!r} is not supported for {spec.name} (expected {want!r})")
     d, heads = hf_config.hidden_size, hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or d // heads
     theta, scaling = _rope(hf_config)
@@ -194,9 +201,14 @@ def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
     return pairs
 
 
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")  # the final norm, the blocks' norms, q/k norms
+
+
 def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Rename our tensors to HF names (Mixtral per-expert matrices for MoE)."""
-    out = {theirs: sd[ours] for ours, theirs in _pairs(cfg)}
+    offset = family_of(cfg).norm_offset
+    out = {theirs: sd[ours] - 1 if offset and _is_norm(ours) else sd[ours] for ours, theirs in _pairs(cfg)}
     for i in range(cfg.n_layers if cfg.is_moe else 0):
         w13, w2 = sd[f"blocks.{i}.mlp.experts.w13"], sd[f"blocks.{i}.mlp.experts.w2"]  # [E,d,2h], [E,h,d]
         w1, w3 = w13.chunk(2, dim=-1)
@@ -217,7 +229,9 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
             raise UserError(f"weights: tensor {name!r} missing from the Hugging Face checkpoint")
         return hf_sd[name]
 
-    out = {ours: take(theirs) for ours, theirs in _pairs(cfg)}
+    offset = family_of(cfg).norm_offset  # 1 + a bf16 offset: in fp32, as Gemma's norms compute it
+    out = {ours: take(theirs).float() + 1 if offset and _is_norm(ours) else take(theirs)
+           for ours, theirs in _pairs(cfg)}
     for i in range(cfg.n_layers if cfg.is_moe else 0):
         fused = f"model.layers.{i}.mlp.experts.gate_up_proj"
         if fused in hf_sd:  # transformers >= 5 module layout: [E, 2h, d] (gate rows first) and [E, d, h]

@@ -22,9 +22,9 @@ Design choices, and why:
 - **No biases** by default: they add parameters and state but nothing measurable in quality.
 - **Options published families need** (`lmforge/models/families.py` maps each one): q/k/v
   biases (Qwen2), RMSNorm on q and k per head (Qwen3) or over all heads (OLMo 2), norms on the
-  sublayer outputs instead of inputs (OLMo 2), long-context RoPE scaling (`rope.py`) and a
-  sliding attention window (Mistral). Each is a plain constructor option; `forward` has no
-  per-family branches.
+  sublayer outputs instead of inputs (OLMo 2), a GELU-gated MLP and input embeddings scaled by
+  √d_model (Gemma), long-context RoPE scaling (`rope.py`) and a sliding attention window
+  (Mistral). Each is a plain constructor option; `forward` has no per-family branches.
 - **Tied embeddings** are implemented by reusing the embedding matrix in the head inside
   `forward` (no second Parameter). That keeps exactly one tensor after meta-device
   construction, `to_empty`, FSDP sharding and checkpoint load — attribute-level tying breaks
@@ -133,16 +133,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down."""
+    """Gated feed-forward w2(act(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down. act: silu (SwiGLU),
+    or GELU with the tanh approximation (GeGLU, as Gemma)."""
 
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, activation: str = "silu"):
         super().__init__()
         self.w1 = nn.Linear(d_model, hidden, bias=False)
         self.w3 = nn.Linear(d_model, hidden, bias=False)
         self.w2 = nn.Linear(hidden, d_model, bias=False)
+        self.gelu = activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = self.w1(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w2(gate * self.w3(x))
 
 
 class Block(nn.Module):
@@ -160,7 +164,7 @@ class Block(nn.Module):
             from lmforge.models.moe import MoE  # moe imports nothing from here at import time
             self.mlp: nn.Module = MoE(cfg)
         else:
-            self.mlp = MLP(cfg.d_model, cfg.ffn_dim)
+            self.mlp = MLP(cfg.d_model, cfg.ffn_dim, cfg.mlp_activation)
 
     def forward(self, x, cos, sin, cache=None, start_pos: int = 0, attn_mask=None):
         if self.post_norm:  # normalize what each sublayer writes into the residual stream
@@ -272,11 +276,17 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence end {start_pos + T} exceeds max_seq_len/cache length {kv_cache.max_len}")
         cos = self.rope_cos[start_pos:start_pos + T]
         sin = self.rope_sin[start_pos:start_pos + T]
-        h = self.tok_embeddings(input_ids)
+        h = self.embed(input_ids)
         mask = attention_mask(T, start_pos, None, self.cfg.sliding_window, input_ids.device)
         for i, block in enumerate(self.blocks):
             h, _ = block(h, cos, sin, (kv_cache.k[i], kv_cache.v[i]), start_pos, mask)
         return F.linear(self.norm(h), self.output_weight)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings: scaled by √d_model in Gemma's models, whose tied embedding matrix
+        is also the output head (so the scale cannot live in the weights)."""
+        h = self.tok_embeddings(input_ids)
+        return h * math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else h
 
     def _hidden(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None):
         """Final hidden states (before the last norm) and the MoE statistics of each block."""
@@ -284,7 +294,7 @@ class Transformer(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        h = self.tok_embeddings(input_ids)
+        h = self.embed(input_ids)
         mask = attention_mask(T, 0, doc_ids, self.cfg.sliding_window, input_ids.device, flex=input_ids.is_cuda)
         stats: list[dict[str, torch.Tensor]] = []
         for block in self.blocks:
