@@ -11,7 +11,8 @@ SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 # family → (transformers config class, extra config fields). Each case turns on what makes the
 # family differ: llama3 RoPE scaling, a sliding window shorter than the test sequence, q/k/v
 # biases, per-head q/k norms with YaRN scaling, OLMo 2's post-norms and full q/k norms, Gemma's
-# GeGLU, scaled embeddings, offset norm weights and head size apart from the hidden size.
+# GeGLU, scaled embeddings, offset norm weights and head size apart from the hidden size; Gemma 3's
+# four norms per block and windowed layers around a global one, each kind with its own RoPE.
 CASES = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
@@ -22,6 +23,11 @@ CASES = {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16})),
     "olmo2": ("Olmo2Config", dict(rope_theta=5e5)),
     "gemma": ("GemmaConfig", dict(head_dim=24, tie_word_embeddings=True)),
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, tie_word_embeddings=True, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
 }
 
@@ -30,7 +36,7 @@ def hf_config(family: str, vocab_size: int = 101):
     import transformers
 
     name, extra = CASES[family]
-    return getattr(transformers, name)(vocab_size=vocab_size, **SHAPE, **extra)
+    return getattr(transformers, name)(vocab_size=vocab_size, **(SHAPE | extra))
 
 
 def hf_model(family: str, vocab_size: int = 101, seed: int = 0):

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from lmforge.errors import UserError
 
 # Hugging Face architectures lmforge imports and exports; their specs: lmforge/models/families.py.
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "mixtral"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma3_text", "mixtral"]
 FAMILIES: tuple[str, ...] = get_args(Family)
 
 
@@ -84,8 +84,9 @@ class ModelConfig(BaseModel):
     qkv_bias: bool = Field(False, description="biases on the q/k/v projections (Qwen2)")
     qk_norm: Literal["none", "head", "full"] = Field(
         "none", description="RMSNorm on q and k before RoPE: per head (Qwen3) or over all heads (OLMo 2)")
-    norm_position: Literal["pre", "post"] = Field(
-        "pre", description="pre: normalize each sublayer's input; post: its output, before the residual add (OLMo 2)")
+    norm_position: Literal["pre", "post", "sandwich"] = Field(
+        "pre", description="pre: normalize each sublayer's input; post: its output, before the residual add "
+        "(OLMo 2); sandwich: both (Gemma 3)")
     mlp_activation: Literal["silu", "gelu_tanh"] = Field(
         "silu", description="the gate's activation in dense blocks: silu (SwiGLU) or the tanh-approximated GELU "
         "(GeGLU, Gemma)")
@@ -93,6 +94,12 @@ class ModelConfig(BaseModel):
     rope_scaling: RopeScaling | None = Field(None, description="long-context RoPE scaling (llama3, linear, yarn)")
     sliding_window: int | None = Field(
         None, gt=0, description="each token attends to at most this many tokens, itself included (Mistral)")
+    sliding_window_pattern: int | None = Field(
+        None, gt=1, description="with sliding_window: every N-th layer (the N-th, 2N-th, …) attends to the whole "
+        "context and the others within the window (Gemma 3: 6); default: every layer within the window")
+    rope_theta_local: float | None = Field(
+        None, gt=0, description="with sliding_window_pattern: the RoPE base of the windowed layers, without "
+        "rope_scaling (Gemma 3: 10000); default: as the others")
     # Mixture of experts (n_experts == 0 means a dense model).
     n_experts: int = Field(0, ge=0, description="experts per MoE layer; 0 = dense")
     top_k: int = Field(0, ge=0, description="experts each token is routed to")
@@ -112,12 +119,22 @@ class ModelConfig(BaseModel):
             raise ValueError("family mixtral needs n_experts > 0 (a dense model is llama, mistral, qwen2, ...)")
         if self.family not in (None, "mixtral") and self.n_experts:
             raise ValueError(f"family {self.family} is dense; mixture-of-experts models export as mixtral")
+        if self.sliding_window_pattern is not None and self.sliding_window is None:
+            raise ValueError("sliding_window_pattern needs a sliding_window")
+        if self.rope_theta_local is not None and self.sliding_window_pattern is None:
+            raise ValueError("rope_theta_local needs a sliding_window_pattern (windowed and global layers)")
         if self.n_experts and self.mlp_activation != "silu":
             raise ValueError(f"mlp_activation {self.mlp_activation} is for dense blocks; "
                              "the experts are SwiGLU (silu)")
         if self.n_experts and not (0 < self.top_k <= self.n_experts):
             raise ValueError(f"top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
         return self
+
+    def is_local(self, layer: int) -> bool:
+        """Does this layer (0-based) attend within the sliding window (else: the whole context)?"""
+        if self.sliding_window is None:
+            return False
+        return self.sliding_window_pattern is None or (layer + 1) % self.sliding_window_pattern != 0
 
     # Derived sizes: one place, used by the model, the estimator and the exporter.
     @property

@@ -53,7 +53,7 @@ def block_counts(cfg: ModelConfig) -> dict[str, int]:
         attention += (h + 2 * kv) * dh
     if cfg.qk_norm != "none":
         attention += 2 * dh if cfg.qk_norm == "head" else (h + kv) * dh
-    norms = 2 * d
+    norms = (4 if cfg.norm_position == "sandwich" else 2) * d
     if cfg.is_moe:
         expert = 3 * d * cfg.expert_dim  # SwiGLU: gate, up, down
         router = d * cfg.n_experts
@@ -68,7 +68,7 @@ def block_counts(cfg: ModelConfig) -> dict[str, int]:
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Exact parameter counts: total, active (per token), embedding, non_embedding.
 
-    Layout: embedding V·d; per block q/k/v/o, two RMSNorm weights, SwiGLU MLP (dense)
+    Layout: embedding V·d; per block q/k/v/o, two RMSNorm weights (four: sandwich), SwiGLU MLP (dense)
     or router + experts (MoE); final norm d; output head V·d unless tied. "active"
     counts top_k of the experts and excludes the input embedding (a lookup, no
     FLOPs) but includes the output head matmul, tied or not. "embedding" is the

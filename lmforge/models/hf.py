@@ -54,6 +54,8 @@ def to_hf_config(cfg: ModelConfig, *, allow_clip_qkv: bool = False):
     if spec.name in ("qwen2", "qwen3"):  # a window on every layer, or none
         kwargs.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                       max_window_layers=0)
+    elif spec.window_pattern:
+        kwargs.update(_gemma3_fields(cfg, kwargs))
     elif spec.sliding_window:
         kwargs["sliding_window"] = cfg.sliding_window
     hf = getattr(transformers, spec.config_class)(**kwargs)
@@ -62,6 +64,18 @@ def to_hf_config(cfg: ModelConfig, *, allow_clip_qkv: bool = False):
 
 
 _HF_ACT = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # mlp_activation -> config.json's hidden_act
+
+
+def _gemma3_fields(cfg: ModelConfig, kwargs: dict) -> dict:
+    """Gemma 3's per-layer attention: each layer's type, and a RoPE per type (windowed layers:
+    rope_theta_local, unscaled); its activation field; the query scale 1/√head_dim."""
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta} | kwargs.pop("rope_scaling", {})
+    local = full if cfg.rope_theta_local is None else {"rope_type": "default", "rope_theta": cfg.rope_theta_local}
+    kwargs.pop("rope_theta")
+    return dict(hidden_activation=kwargs.pop("hidden_act"), query_pre_attn_scalar=cfg.dim_head,
+                sliding_window=cfg.sliding_window or cfg.max_seq_len,
+                layer_types=["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)],
+                rope_parameters={"full_attention": full, "sliding_attention": local})
 
 
 def _hf_rope(cfg: ModelConfig) -> dict:
@@ -78,9 +92,11 @@ def _hf_rope(cfg: ModelConfig) -> dict:
     return out
 
 
-def _rope(hf_config) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_scaling` (4.x)."""
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+def _rope(hf_config, rope: dict | None = None) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_scaling` (4.x); or from
+    ``rope``, one layer type's entry of per-type `rope_parameters` (Gemma 3)."""
+    if rope is None:
+        rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     if "full_attention" in rope and isinstance(rope["full_attention"], dict):  # per-layer-type form
         raise UserError("config.json: per-layer RoPE parameters are not supported")
     theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
@@ -109,6 +125,39 @@ def _rope(hf_config) -> tuple[float, RopeScaling | None]:
                       beta_slow=rope.get("beta_slow") or 1.0, attention_factor=attention,
                       truncate=rope.get("truncate", True))
     return theta, RopeScaling(**fields)
+
+
+def _window_pattern(hf_config) -> dict[str, Any]:
+    """Gemma 3's layer types -> sliding_window, sliding_window_pattern (every N-th layer global),
+    rope_theta / rope_scaling (of the global layers) and rope_theta_local (of the windowed ones)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(hf_config, key, None) is not None:
+            raise UserError(f"config.json: {key} is not supported (lmforge has no logit soft-capping)")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise UserError("config.json: use_bidirectional_attention=true is not supported (lmforge is causal)")
+    head_dim = hf_config.head_dim or hf_config.hidden_size // hf_config.num_attention_heads
+    if hf_config.query_pre_attn_scalar != head_dim:
+        raise UserError(f"config.json: query_pre_attn_scalar {hf_config.query_pre_attn_scalar} is not supported "
+                        f"(lmforge scales queries by 1/√head_dim, {head_dim})")
+    types = list(hf_config.layer_types)
+    local = [t == "sliding_attention" for t in types]
+    per_type = hf_config.rope_parameters
+    rope = per_type["full_attention" if not all(local) else "sliding_attention"]
+    theta, scaling = _rope(hf_config, rope)
+    fields: dict[str, Any] = dict(rope_theta=theta, rope_scaling=scaling, sliding_window=None)
+    if not any(local):
+        return fields
+    fields["sliding_window"] = hf_config.sliding_window
+    if all(local):
+        return fields
+    n = local.index(False) + 1  # the first global layer
+    if local != [(i + 1) % n != 0 for i in range(len(types))]:
+        raise UserError(f"config.json: layer_types {types} are not one global layer in every N "
+                        "(lmforge supports a regular pattern)")
+    local_theta, local_scaling = _rope(hf_config, per_type["sliding_attention"])
+    if local_scaling is not None:
+        raise UserError("config.json: rope scaling on the sliding-window layers is not supported")
+    return fields | dict(sliding_window_pattern=n, rope_theta_local=local_theta)
 
 
 def _sliding_window(hf_config, spec: Family) -> int | None:
@@ -144,16 +193,18 @@ def from_hf_config(hf_config) -> ModelConfig:
         raise UserError(f"config.json: hidden_act {act!r} is not supported for {spec.name} (expected {want!r})")
     d, heads = hf_config.hidden_size, hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or d // heads
-    theta, scaling = _rope(hf_config)
+    if spec.window_pattern:
+        attention = _window_pattern(hf_config)
+    else:
+        theta, scaling = _rope(hf_config)
+        attention = dict(rope_theta=theta, rope_scaling=scaling, sliding_window=_sliding_window(hf_config, spec))
     fields: dict[str, Any] = dict(
         d_model=d, n_layers=hf_config.num_hidden_layers, n_heads=heads,
         n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=None if head_dim * heads == d else head_dim,
         vocab_size=hf_config.vocab_size, max_seq_len=hf_config.max_position_embeddings,
-        rope_theta=theta, rope_scaling=scaling, norm_eps=hf_config.rms_norm_eps,
-        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        init_std=getattr(hf_config, "initializer_range", 0.02), family=spec.name,
-        sliding_window=_sliding_window(hf_config, spec), **spec.features,
+        norm_eps=hf_config.rms_norm_eps, tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        init_std=getattr(hf_config, "initializer_range", 0.02), family=spec.name, **attention, **spec.features,
     )
     if spec.moe:
         ffn = hf_config.intermediate_size
@@ -191,9 +242,10 @@ def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
     pairs = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
     if not cfg.tie_embeddings:
         pairs.append(("output.weight", "lm_head.weight"))
-    attn_norm, mlp_norm = family_of(cfg).norms
-    per_block = [("blocks.{i}.attn_norm.weight", f"model.layers.{{i}}.{attn_norm}.weight"),
-                 ("blocks.{i}.mlp_norm.weight", f"model.layers.{{i}}.{mlp_norm}.weight")] + _BLOCK
+    spec = family_of(cfg)
+    norms = zip(("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"), spec.norms + spec.out_norms)
+    per_block = [(f"blocks.{{i}}.{ours}.weight", f"model.layers.{{i}}.{theirs}.weight") for ours, theirs in norms]
+    per_block += _BLOCK
     per_block += (_QKV_BIAS if cfg.qkv_bias else []) + (_QK_NORM if cfg.qk_norm != "none" else [])
     per_block += [_MOE_ROUTER] if cfg.is_moe else _MLP
     for i in range(cfg.n_layers):

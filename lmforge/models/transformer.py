@@ -22,9 +22,11 @@ Design choices, and why:
 - **No biases** by default: they add parameters and state but nothing measurable in quality.
 - **Options published families need** (`lmforge/models/families.py` maps each one): q/k/v
   biases (Qwen2), RMSNorm on q and k per head (Qwen3) or over all heads (OLMo 2), norms on the
-  sublayer outputs instead of inputs (OLMo 2), a GELU-gated MLP and input embeddings scaled by
-  √d_model (Gemma), long-context RoPE scaling (`rope.py`) and a sliding attention window
-  (Mistral). Each is a plain constructor option; `forward` has no per-family branches.
+  sublayer outputs instead of inputs (OLMo 2) or on both (Gemma 3), a GELU-gated MLP and input
+  embeddings scaled by √d_model (Gemma), long-context RoPE scaling (`rope.py`), a sliding
+  attention window (Mistral) and one global layer in every N windowed ones, each kind with its
+  own RoPE base (Gemma 3). Each is a plain constructor option; `forward` has no per-family
+  branches.
 - **Tied embeddings** are implemented by reusing the embedding matrix in the head inside
   `forward` (no second Parameter). That keeps exactly one tensor after meta-device
   construction, `to_empty`, FSDP sharding and checkpoint load — attribute-level tying breaks
@@ -150,9 +152,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block (or post-norm: the norms applied to each sublayer's output before the
-    residual add, as in OLMo 2). Returns (x, aux) so MoE statistics survive FSDP/checkpoint/
-    compile wrapping without side channels; aux is {} for dense blocks."""
+    """Pre-norm block; or post-norm (the norms applied to each sublayer's output before the
+    residual add, as in OLMo 2); or sandwich (both, as in Gemma 3: attn_norm and mlp_norm on
+    the inputs, attn_out_norm and mlp_out_norm on the outputs). Returns (x, aux) so MoE
+    statistics survive FSDP/checkpoint/compile wrapping without side channels; aux is {} for
+    dense blocks."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -165,15 +169,20 @@ class Block(nn.Module):
             self.mlp: nn.Module = MoE(cfg)
         else:
             self.mlp = MLP(cfg.d_model, cfg.ffn_dim, cfg.mlp_activation)
+        self.attn_out_norm = self.mlp_out_norm = None
+        if cfg.norm_position == "sandwich":
+            self.attn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.mlp_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def forward(self, x, cos, sin, cache=None, start_pos: int = 0, attn_mask=None):
         if self.post_norm:  # normalize what each sublayer writes into the residual stream
             x = x + self.attn_norm(self.attn(x, cos, sin, cache, start_pos, attn_mask))
             h, aux = _with_aux(self.mlp(x))
             return x + self.mlp_norm(h), aux
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, attn_mask)
+        h = self.attn(self.attn_norm(x), cos, sin, cache, start_pos, attn_mask)
+        x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
         h, aux = _with_aux(self.mlp(self.mlp_norm(x)))
-        return x + h, aux
+        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h)), aux
 
 
 def _with_aux(out) -> tuple[torch.Tensor, dict]:
@@ -200,6 +209,10 @@ class Transformer(nn.Module):
                                device=self.tok_embeddings.weight.device, scaling=cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.rope_theta_local is not None:  # the windowed layers' own base (Gemma 3), unscaled
+            cos, sin = rope_tables(cfg.dim_head, cfg.max_seq_len, cfg.rope_theta_local, device=cos.device)
+            self.register_buffer("rope_cos_local", cos, persistent=False)
+            self.register_buffer("rope_sin_local", sin, persistent=False)
         if cos.device.type != "meta":  # direct construction gets the documented init too
             self.init_weights()
 
@@ -208,9 +221,12 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def init_rope(self) -> None:
-        cos, sin = rope_tables(self.cfg.dim_head, self.cfg.max_seq_len, self.cfg.rope_theta,
-                               device=self.rope_cos.device, scaling=self.cfg.rope_scaling)
-        self.rope_cos, self.rope_sin = cos, sin
+        cfg, device = self.cfg, self.rope_cos.device
+        self.rope_cos, self.rope_sin = rope_tables(cfg.dim_head, cfg.max_seq_len, cfg.rope_theta, device=device,
+                                                   scaling=cfg.rope_scaling)
+        if cfg.rope_theta_local is not None:
+            self.rope_cos_local, self.rope_sin_local = rope_tables(cfg.dim_head, cfg.max_seq_len,
+                                                                   cfg.rope_theta_local, device=device)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -222,8 +238,9 @@ class Transformer(nn.Module):
             nn.init.normal_(self.output.weight, 0.0, std)
         self.norm.weight.fill_(1.0)
         for block in self.blocks:
-            block.attn_norm.weight.fill_(1.0)
-            block.mlp_norm.weight.fill_(1.0)
+            for norm in (block.attn_norm, block.mlp_norm, block.attn_out_norm, block.mlp_out_norm):
+                if norm is not None:
+                    norm.weight.fill_(1.0)
             for lin in (block.attn.wq, block.attn.wk, block.attn.wv):
                 nn.init.normal_(lin.weight, 0.0, std)
                 if lin.bias is not None:
@@ -274,11 +291,9 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if start_pos + T > min(kv_cache.max_len, self.cfg.max_seq_len):
             raise ValueError(f"sequence end {start_pos + T} exceeds max_seq_len/cache length {kv_cache.max_len}")
-        cos = self.rope_cos[start_pos:start_pos + T]
-        sin = self.rope_sin[start_pos:start_pos + T]
         h = self.embed(input_ids)
-        mask = attention_mask(T, start_pos, None, self.cfg.sliding_window, input_ids.device)
-        for i, block in enumerate(self.blocks):
+        layers = self._attention_inputs(T, start_pos, None, input_ids.device)
+        for i, (block, (cos, sin, mask)) in enumerate(zip(self.blocks, layers)):
             h, _ = block(h, cos, sin, (kv_cache.k[i], kv_cache.v[i]), start_pos, mask)
         return F.linear(self.norm(h), self.output_weight)
 
@@ -293,15 +308,28 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.embed(input_ids)
-        mask = attention_mask(T, 0, doc_ids, self.cfg.sliding_window, input_ids.device, flex=input_ids.is_cuda)
+        layers = self._attention_inputs(T, 0, doc_ids, input_ids.device, flex=input_ids.is_cuda)
         stats: list[dict[str, torch.Tensor]] = []
-        for block in self.blocks:
+        for block, (cos, sin, mask) in zip(self.blocks, layers):
             h, aux = block(h, cos, sin, attn_mask=mask)
             if aux:
                 stats.append(aux)
         return h, stats
+
+    def _attention_inputs(self, T: int, start_pos: int, doc_ids: torch.Tensor | None, device, flex: bool = False):
+        """(cos, sin, mask) of each layer for positions start_pos … start_pos + T − 1, each kind
+        built once: layers within the sliding window get its mask (and, with rope_theta_local,
+        their own RoPE tables); the others attend to the whole context."""
+        cfg, span = self.cfg, slice(start_pos, start_pos + T)
+        kinds = [cfg.is_local(i) for i in range(cfg.n_layers)]
+        inputs = {}
+        for local in set(kinds):
+            own_rope = local and cfg.rope_theta_local is not None
+            cos, sin = (self.rope_cos_local, self.rope_sin_local) if own_rope else (self.rope_cos, self.rope_sin)
+            window = cfg.sliding_window if local else None
+            inputs[local] = (cos[span], sin[span], attention_mask(T, start_pos, doc_ids, window, device, flex))
+        return [inputs[local] for local in kinds]
 
 
 def attention_mask(T: int, start_pos: int, doc_ids: torch.Tensor | None, window: int | None,
