@@ -11,8 +11,10 @@ SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 # family → (transformers config class, extra config fields). Each case turns on what makes the
 # family differ: llama3 RoPE scaling, a sliding window shorter than the test sequence, q/k/v
 # biases, per-head q/k norms with YaRN scaling, OLMo 2's post-norms and full q/k norms, Gemma's
-# GeGLU, scaled embeddings, offset norm weights and head size apart from the hidden size; Gemma 3's
-# four norms per block and windowed layers around a global one, each kind with its own RoPE.
+# GeGLU, scaled embeddings, offset norm weights and head size apart from the hidden size; Gemma 2's
+# soft-caps small enough to bend these scores and logits, its query scale and its alternating
+# windowed and global layers; Gemma 3's four norms per block and windowed layers around a global
+# one, each kind with its own RoPE.
 CASES = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
@@ -23,6 +25,9 @@ CASES = {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16})),
     "olmo2": ("Olmo2Config", dict(rope_theta=5e5)),
     "gemma": ("GemmaConfig", dict(head_dim=24, tie_word_embeddings=True)),
+    "gemma2": ("Gemma2Config", dict(
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=20, tie_word_embeddings=True, sliding_window=8,
+        attn_logit_softcapping=0.5, final_logit_softcapping=0.2)),
     "gemma3_text": ("Gemma3TextConfig", dict(
         num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, tie_word_embeddings=True, sliding_window=8,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_parameters={

@@ -20,7 +20,8 @@ TOL = 1e-4
 IDS = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1))
 # The option that makes each case differ from a plain Llama: dropping it must change the logits.
 FEATURE = {"llama": "rope_scaling", "mistral": "sliding_window", "qwen2": "qkv_bias", "qwen3": "qk_norm",
-           "olmo2": "norm_position", "gemma": "scale_embeddings", "gemma3_text": "norm_position",
+           "olmo2": "norm_position", "gemma": "scale_embeddings", "gemma2": "logit_softcap",
+           "gemma3_text": "norm_position",
            "mixtral": "sliding_window"}
 
 
@@ -46,7 +47,7 @@ def test_import_export_parity(family, tmp_path):
         assert max_diff(model(IDS), expected) <= TOL
         # the family's feature is load-bearing here: without it the logits are different
         plain = {"rope_scaling": None, "sliding_window": None, "qkv_bias": False, "qk_norm": "none",
-                 "norm_position": "pre", "scale_embeddings": False}[FEATURE[family]]
+                 "norm_position": "pre", "scale_embeddings": False, "logit_softcap": None}[FEATURE[family]]
         reduced = cfg.model_copy(update={FEATURE[family]: plain, "family": None})
         other = build_model(reduced, init=False).eval()
         other.load_state_dict({k: v for k, v in model.state_dict().items() if k in other.state_dict()})
@@ -63,10 +64,11 @@ def test_import_export_parity(family, tmp_path):
     assert cfg2.model_dump(exclude={"preset"}) == cfg.model_dump(exclude={"preset"})
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text"])
 def test_sliding_window_generation_matches_transformers(family):
-    """Cached decoding past the window: our KV cache + band mask vs transformers' generate (Gemma 3:
-    windowed layers and a global one, each with its own RoPE)."""
+    """Cached decoding past the window: our KV cache + band mask vs transformers' generate (Gemma 2:
+    soft-capped attention on alternating windowed and global layers; Gemma 3: windowed layers and
+    a global one, each with its own RoPE)."""
     hf = hf_model(family)
     model = ours_from(hf, from_hf_config(hf.config))
     prompt = IDS[:1, :12]
@@ -106,8 +108,7 @@ def test_families_from_our_own_features():
 @pytest.mark.parametrize("family,change,needle", [
     ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ("gemma", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for gemma .expected 'gelu_pytorch_tanh'"),
-    ("gemma3_text", {"query_pre_attn_scalar": 20}, "query_pre_attn_scalar 20 is not supported"),
-    ("gemma3_text", {"final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
+    ("gemma3_text", {"final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported for gemma3_text"),
     ("gemma3_text", {"layer_types": ["sliding_attention", "full_attention", "full_attention"]}, "regular pattern"),
     ("llama", {"attention_bias": True}, "attention_bias=true is not supported for llama"),
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type 'dynamic'"),
@@ -125,10 +126,28 @@ def test_unsupported_options_are_one_line(family, change, needle):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_configs_of_transformers_4_read_the_same(family):
+    """Before transformers 4.53 (lmforge allows 4.45) Gemma configs had no `layer_types`, and Gemma 3
+    kept its windowed layers' RoPE base in `rope_local_base_freq`: the same model either way."""
+    from types import SimpleNamespace
+
+    new = hf_config(family)
+    old = {k: v for k, v in new.to_dict().items() if k not in ("layer_types", "rope_parameters")}
+    rope = new.rope_parameters
+    if family == "gemma3_text":  # every 3rd layer global; linear ×2 on those, 1e4 on the others
+        old |= dict(sliding_window_pattern=3, rope_theta=rope["full_attention"]["rope_theta"],
+                    rope_scaling={"rope_type": "linear", "factor": 2.0},
+                    rope_local_base_freq=rope["sliding_attention"]["rope_theta"])
+    else:
+        old |= dict(rope_theta=rope["rope_theta"], rope_scaling=None)
+    assert from_hf_config(SimpleNamespace(**old)) == from_hf_config(new)
+
+
 def test_unsupported_family_names_the_supported_ones():
-    with pytest.raises(UserError, match="model_type 'gemma2' is not supported; supported: llama, mistral, qwen2, "
-                                        "qwen3, olmo2, gemma, gemma3_text, mixtral"):
-        from_hf_config(transformers.Gemma2Config())
+    with pytest.raises(UserError, match="model_type 'phi3' is not supported; supported: llama, mistral, qwen2, "
+                                        "qwen3, olmo2, gemma, gemma2, gemma3_text, mixtral"):
+        from_hf_config(transformers.Phi3Config())
 
 
 @pytest.mark.parametrize("family", list(CASES))

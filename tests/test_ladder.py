@@ -189,7 +189,7 @@ def test_bad_weights_and_tokenizer(base, tmp_path, tiny_data):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}))
     assert_one_line_error(lmforge("finetune", "-f", sft_config(tmp_path, f"hf:{gpt2}")),
-                          "gpt2", "supported: llama, mistral, qwen2, qwen3, olmo2, mixtral")
+                          "gpt2", "supported: llama, mistral, qwen2, qwen3, olmo2, gemma, gemma2, gemma3_text, mixtral")
     from lmforge.data.tokenizer import train_tokenizer
 
     big = tmp_path / "tok1024"

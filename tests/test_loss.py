@@ -25,15 +25,21 @@ def _inputs(B=3, T=20, d=16, V=37, seed=0, device="cpu"):
     return h, w, t.to(device)
 
 
-def _plain(h, w, t):
-    return F.cross_entropy(F.linear(h, w).flatten(0, 1).float(), t.flatten(), ignore_index=IGNORE, reduction="sum")
+def _plain(h, w, t, softcap=None):
+    logits = F.linear(h, w).flatten(0, 1).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, t.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-@pytest.mark.parametrize("rows_per_chunk", [1, 7, 60, 1000])  # many chunks, a ragged last one, one chunk
-def test_chunked_loss_and_gradients_equal_plain_cross_entropy(monkeypatch, rows_per_chunk):
+# many chunks, a ragged last one, one chunk; and a logit soft-cap (Gemma 2) small enough to bend these logits
+@pytest.mark.parametrize("rows_per_chunk,softcap", [(1, None), (7, None), (60, None), (1000, None), (7, 1.5)])
+def test_chunked_loss_and_gradients_equal_plain_cross_entropy(monkeypatch, rows_per_chunk, softcap):
     h, w, t = _inputs()
     monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", rows_per_chunk * w.shape[0])
-    ours, ref = next_token_loss(h, w, t, kernel="chunked"), _plain(h, w, t)
+    ours, ref = next_token_loss(h, w, t, kernel="chunked", softcap=softcap), _plain(h, w, t, softcap)
+    if softcap is not None:
+        assert abs(ref.item() - _plain(h, w, t).item()) > 1.0  # the cap changes this loss
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-4)
     scale = 0.37  # backward scales the gradients computed in forward by the incoming gradient

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from lmforge.errors import UserError
 
 # Hugging Face architectures lmforge imports and exports; their specs: lmforge/models/families.py.
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma3_text", "mixtral"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text", "mixtral"]
 FAMILIES: tuple[str, ...] = get_args(Family)
 
 
@@ -100,6 +100,14 @@ class ModelConfig(BaseModel):
     rope_theta_local: float | None = Field(
         None, gt=0, description="with sliding_window_pattern: the RoPE base of the windowed layers, without "
         "rope_scaling (Gemma 3: 10000); default: as the others")
+    attn_scale_dim: int | None = Field(
+        None, gt=0, description="attention scores are scaled by 1/√attn_scale_dim; default head_dim "
+        "(Gemma 2 27B: 144)")
+    attn_softcap: float | None = Field(
+        None, gt=0, description="attention scores become cap·tanh(score/cap) before the softmax (Gemma 2: 50); "
+        "attention then runs as plain matmuls (no fused kernel takes it)")
+    logit_softcap: float | None = Field(
+        None, gt=0, description="output logits become cap·tanh(logit/cap) (Gemma 2: 30)")
     # Mixture of experts (n_experts == 0 means a dense model).
     n_experts: int = Field(0, ge=0, description="experts per MoE layer; 0 = dense")
     top_k: int = Field(0, ge=0, description="experts each token is routed to")

@@ -14,7 +14,8 @@ else in lmforge branches on a family.
 | qwen3   | q/k RMSNorm per head                        | sliding_window (all layers), rope_scaling |
 | olmo2   | q/k RMSNorm over all heads, norms after each sublayer | rope_scaling       |
 | gemma   | GeGLU (tanh GELU), embeddings × √d_model, norm weights stored as offsets from 1 | rope_scaling |
-| gemma3_text | as gemma; q/k RMSNorm per head; norms before and after each sublayer | window pattern, rope_scaling |
+| gemma2  | as gemma; norms before and after each sublayer | window pattern, soft-caps, query scale |
+| gemma3_text | as gemma2, q/k RMSNorm per head, no soft-caps | window pattern with own RoPE, query scale |
 | mixtral | mixture of experts (top-k softmax SwiGLU)  | sliding_window, rope_scaling |
 
 Anything else a config.json asks for (another architecture, biases elsewhere, another
@@ -39,8 +40,12 @@ class Family:
     norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")  # HF names of attn_norm, mlp_norm
     out_norms: tuple[str, str] = ()  # sandwich norms: HF names of attn_out_norm, mlp_out_norm
     sliding_window: bool = False  # may its config set a (whole-model) sliding attention window
-    # ... or one on most layers, every N-th layer global (sliding_window_pattern, rope_theta_local)
+    # ... or one on most layers, every N-th layer global (sliding_window_pattern), the windowed layers
+    # with their own RoPE base (rope_theta_local) where local_rope
     window_pattern: bool = False
+    local_rope: bool = False
+    query_scale: bool = False  # may its queries be scaled by 1/√x, x not head_dim (attn_scale_dim)
+    softcaps: bool = False  # may its attention scores and logits be soft-capped
     moe: bool = False
     # Norm weights stored as offsets from 1 (Gemma's norms multiply by 1 + weight): ours hold
     # the factor itself, so import adds 1 and export subtracts it (the same math in fp32).
@@ -59,14 +64,23 @@ OLMO2 = Family("olmo2", "Olmo2Config", "Olmo2ForCausalLM", {"qk_norm": "full", "
                norms=("post_attention_layernorm", "post_feedforward_layernorm"))
 GEMMA = Family("gemma", "GemmaConfig", "GemmaForCausalLM", {"mlp_activation": "gelu_tanh", "scale_embeddings": True},
                norm_offset=True)
+SANDWICH = dict(norms=("input_layernorm", "pre_feedforward_layernorm"),
+                out_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
+GEMMA2 = Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM", GEMMA.features | {"norm_position": "sandwich"},
+                **SANDWICH, sliding_window=True, window_pattern=True, query_scale=True, softcaps=True,
+                norm_offset=True)
 GEMMA3 = Family("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM",
-                GEMMA.features | {"qk_norm": "head", "norm_position": "sandwich"},
-                norms=("input_layernorm", "pre_feedforward_layernorm"),
-                out_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
-                sliding_window=True, window_pattern=True, norm_offset=True)
+                GEMMA.features | {"qk_norm": "head", "norm_position": "sandwich"}, **SANDWICH,
+                sliding_window=True, window_pattern=True, local_rope=True, query_scale=True, norm_offset=True)
 MIXTRAL = Family("mixtral", "MixtralConfig", "MixtralForCausalLM", sliding_window=True, moe=True)
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, GEMMA, GEMMA3, MIXTRAL)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, GEMMA, GEMMA2, GEMMA3,
+                                                    MIXTRAL)}
+
+
+# Options only some families may set (None elsewhere), named in the refusals.
+OPTIONAL = ("sliding_window", "sliding_window_pattern", "rope_theta_local", "attn_scale_dim", "attn_softcap",
+            "logit_softcap")
 
 
 def features_of(cfg: ModelConfig) -> dict:
@@ -76,7 +90,10 @@ def features_of(cfg: ModelConfig) -> dict:
 def _fits(spec: Family, cfg: ModelConfig) -> bool:
     return (features_of(cfg) == PLAIN | spec.features and spec.moe == cfg.is_moe
             and (spec.sliding_window or cfg.sliding_window is None)
-            and (spec.window_pattern or cfg.sliding_window_pattern is None))
+            and (spec.window_pattern or cfg.sliding_window_pattern is None)
+            and (spec.local_rope or cfg.rope_theta_local is None)
+            and (spec.query_scale or cfg.attn_scale_dim is None)
+            and (spec.softcaps or cfg.attn_softcap is None and cfg.logit_softcap is None))
 
 
 def family_of(cfg: ModelConfig) -> Family:
@@ -86,7 +103,7 @@ def family_of(cfg: ModelConfig) -> Family:
         spec = FAMILIES[cfg.family]
         if not _fits(spec, cfg):
             have = {k: v for k, v in features_of(cfg).items() if v != PLAIN[k]}
-            for key in ("sliding_window", "sliding_window_pattern"):
+            for key in OPTIONAL:
                 if getattr(cfg, key) is not None:
                     have[key] = getattr(cfg, key)
             want = spec.features or "none of qkv_bias, qk_norm, post norms, a GELU gate, scaled embeddings"
@@ -96,11 +113,9 @@ def family_of(cfg: ModelConfig) -> Family:
     for spec in FAMILIES.values():
         if _fits(spec, cfg):
             return spec
-    window = f"sliding_window={cfg.sliding_window}"
-    if cfg.sliding_window_pattern is not None:
-        window += f", sliding_window_pattern={cfg.sliding_window_pattern}"
+    options = "".join(f", {k}={getattr(cfg, k)}" for k in OPTIONAL if getattr(cfg, k) is not None)
     raise UserError(f"model: no Hugging Face family has this combination of features "
-                    f"({features_of(cfg)}, {window}); see lmforge/models/families.py")
+                    f"({features_of(cfg)}{options}); see lmforge/models/families.py")
 
 
 def family_for_hf(hf_config) -> Family:

@@ -55,7 +55,7 @@ def to_hf_config(cfg: ModelConfig, *, allow_clip_qkv: bool = False):
         kwargs.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                       max_window_layers=0)
     elif spec.window_pattern:
-        kwargs.update(_gemma3_fields(cfg, kwargs))
+        kwargs.update(_gemma_fields(cfg, spec, kwargs))
     elif spec.sliding_window:
         kwargs["sliding_window"] = cfg.sliding_window
     hf = getattr(transformers, spec.config_class)(**kwargs)
@@ -66,16 +66,22 @@ def to_hf_config(cfg: ModelConfig, *, allow_clip_qkv: bool = False):
 _HF_ACT = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # mlp_activation -> config.json's hidden_act
 
 
-def _gemma3_fields(cfg: ModelConfig, kwargs: dict) -> dict:
-    """Gemma 3's per-layer attention: each layer's type, and a RoPE per type (windowed layers:
-    rope_theta_local, unscaled); its activation field; the query scale 1/√head_dim."""
-    full = {"rope_type": "default", "rope_theta": cfg.rope_theta} | kwargs.pop("rope_scaling", {})
-    local = full if cfg.rope_theta_local is None else {"rope_type": "default", "rope_theta": cfg.rope_theta_local}
-    kwargs.pop("rope_theta")
-    return dict(hidden_activation=kwargs.pop("hidden_act"), query_pre_attn_scalar=cfg.dim_head,
-                sliding_window=cfg.sliding_window or cfg.max_seq_len,
-                layer_types=["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)],
-                rope_parameters={"full_attention": full, "sliding_attention": local})
+def _gemma_fields(cfg: ModelConfig, spec: Family, kwargs: dict) -> dict:
+    """Gemma 2 and 3's fields: each layer's type (windowed or global), the query scale, the
+    soft-caps (Gemma 2), and Gemma 3's RoPE per layer type (windowed layers: rope_theta_local,
+    unscaled). Their configs name the activation `hidden_activation`."""
+    fields = dict(hidden_activation=kwargs.pop("hidden_act"),
+                  query_pre_attn_scalar=cfg.attn_scale_dim or cfg.dim_head,
+                  sliding_window=cfg.sliding_window or cfg.max_seq_len,
+                  layer_types=["sliding_attention" if cfg.is_local(i) else "full_attention"
+                               for i in range(cfg.n_layers)])
+    if spec.softcaps:
+        fields.update(attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.logit_softcap)
+    if spec.local_rope:
+        full = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")} | kwargs.pop("rope_scaling", {})
+        local = full if cfg.rope_theta_local is None else {"rope_type": "default", "rope_theta": cfg.rope_theta_local}
+        fields["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    return fields
 
 
 def _hf_rope(cfg: ModelConfig) -> dict:
@@ -127,37 +133,47 @@ def _rope(hf_config, rope: dict | None = None) -> tuple[float, RopeScaling | Non
     return theta, RopeScaling(**fields)
 
 
-def _window_pattern(hf_config) -> dict[str, Any]:
-    """Gemma 3's layer types -> sliding_window, sliding_window_pattern (every N-th layer global),
-    rope_theta / rope_scaling (of the global layers) and rope_theta_local (of the windowed ones)."""
+def _window_pattern(hf_config, spec: Family) -> dict[str, Any]:
+    """Gemma 2 and 3's attention -> sliding_window and sliding_window_pattern (every N-th layer
+    global), the RoPE (Gemma 3: rope_theta / rope_scaling of the global layers, rope_theta_local
+    of the windowed ones), attn_scale_dim, and the soft-caps."""
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(hf_config, key, None) is not None:
-            raise UserError(f"config.json: {key} is not supported (lmforge has no logit soft-capping)")
+        if getattr(hf_config, key, None) is not None and not spec.softcaps:
+            raise UserError(f"config.json: {key} is not supported for {spec.name}")
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise UserError("config.json: use_bidirectional_attention=true is not supported (lmforge is causal)")
     head_dim = hf_config.head_dim or hf_config.hidden_size // hf_config.num_attention_heads
-    if hf_config.query_pre_attn_scalar != head_dim:
-        raise UserError(f"config.json: query_pre_attn_scalar {hf_config.query_pre_attn_scalar} is not supported "
-                        f"(lmforge scales queries by 1/√head_dim, {head_dim})")
-    types = list(hf_config.layer_types)
+    scale_dim = hf_config.query_pre_attn_scalar
+    fields: dict[str, Any] = dict(attn_scale_dim=None if scale_dim == head_dim else int(scale_dim),
+                                  attn_softcap=getattr(hf_config, "attn_logit_softcapping", None),
+                                  logit_softcap=getattr(hf_config, "final_logit_softcapping", None))
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:  # transformers < 4.53: every N-th layer global (Gemma 2: every other one)
+        n = getattr(hf_config, "sliding_window_pattern", None) or 2
+        types = ["full_attention" if (i + 1) % n == 0 else "sliding_attention"
+                 for i in range(hf_config.num_hidden_layers)]
+    types = list(types)
     local = [t == "sliding_attention" for t in types]
-    per_type = hf_config.rope_parameters
-    rope = per_type["full_attention" if not all(local) else "sliding_attention"]
-    theta, scaling = _rope(hf_config, rope)
-    fields: dict[str, Any] = dict(rope_theta=theta, rope_scaling=scaling, sliding_window=None)
-    if not any(local):
-        return fields
-    fields["sliding_window"] = hf_config.sliding_window
-    if all(local):
+    per_type = getattr(hf_config, "rope_parameters", None) if spec.local_rope else None
+    if spec.local_rope and "full_attention" not in (per_type or {}):  # transformers 4: the windowed layers'
+        per_type = {"full_attention": None,  # base apart, the global ones' in the usual fields
+                    "sliding_attention": {"rope_theta": getattr(hf_config, "rope_local_base_freq", None) or 1e4}}
+    rope = None if per_type is None else per_type["full_attention" if not all(local) else "sliding_attention"]
+    fields["rope_theta"], fields["rope_scaling"] = _rope(hf_config, rope)
+    fields["sliding_window"] = hf_config.sliding_window if any(local) else None
+    if not any(local) or all(local):
         return fields
     n = local.index(False) + 1  # the first global layer
     if local != [(i + 1) % n != 0 for i in range(len(types))]:
         raise UserError(f"config.json: layer_types {types} are not one global layer in every N "
                         "(lmforge supports a regular pattern)")
-    local_theta, local_scaling = _rope(hf_config, per_type["sliding_attention"])
-    if local_scaling is not None:
-        raise UserError("config.json: rope scaling on the sliding-window layers is not supported")
-    return fields | dict(sliding_window_pattern=n, rope_theta_local=local_theta)
+    fields["sliding_window_pattern"] = n
+    if per_type is not None:
+        local_theta, local_scaling = _rope(hf_config, per_type["sliding_attention"])
+        if local_scaling is not None:
+            raise UserError("config.json: rope scaling on the sliding-window layers is not supported")
+        fields["rope_theta_local"] = local_theta
+    return fields
 
 
 def _sliding_window(hf_config, spec: Family) -> int | None:
@@ -194,7 +210,7 @@ def from_hf_config(hf_config) -> ModelConfig:
     d, heads = hf_config.hidden_size, hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or d // heads
     if spec.window_pattern:
-        attention = _window_pattern(hf_config)
+        attention = _window_pattern(hf_config, spec)
     else:
         theta, scaling = _rope(hf_config)
         attention = dict(rope_theta=theta, rope_scaling=scaling, sliding_window=_sliding_window(hf_config, spec))

@@ -25,8 +25,8 @@ Design choices, and why:
   sublayer outputs instead of inputs (OLMo 2) or on both (Gemma 3), a GELU-gated MLP and input
   embeddings scaled by √d_model (Gemma), long-context RoPE scaling (`rope.py`), a sliding
   attention window (Mistral) and one global layer in every N windowed ones, each kind with its
-  own RoPE base (Gemma 3). Each is a plain constructor option; `forward` has no per-family
-  branches.
+  own RoPE base (Gemma 3), soft-capped attention scores and logits and another query scale
+  (Gemma 2). Each is a plain constructor option; `forward` has no per-family branches.
 - **Tied embeddings** are implemented by reusing the embedding matrix in the head inside
   `forward` (no second Parameter). That keeps exactly one tensor after meta-device
   construction, `to_empty`, FSDP sharding and checkpoint load — attribute-level tying breaks
@@ -91,6 +91,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.dh = cfg.n_heads, cfg.kv_heads, cfg.dim_head
         self.clip = cfg.clip_qkv
+        self.scale = None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5  # None: 1/√head_dim
+        self.softcap = cfg.attn_softcap
         self.wq = nn.Linear(cfg.d_model, self.n_heads * self.dh, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, self.n_kv * self.dh, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, self.n_kv * self.dh, bias=cfg.qkv_bias)
@@ -126,12 +128,29 @@ class Attention(nn.Module):
             ck[:B, :, start_pos:end] = k
             cv[:B, :, start_pos:end] = v
             k, v = ck[:B, :, :end], cv[:B, :, :end]
-        if isinstance(attn_mask, BlockMask):
-            y = _flex(q)(q, k, v, block_mask=attn_mask, enable_gqa=self.n_kv != self.n_heads)
+        if self.softcap is not None:
+            y = softcapped_attention(q, k, v, attn_mask, self.softcap, self.scale or self.dh ** -0.5)
+        elif isinstance(attn_mask, BlockMask):
+            y = _flex(q)(q, k, v, block_mask=attn_mask, scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                               enable_gqa=self.n_kv != self.n_heads)
+                                               scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dh))
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         cap: float, scale: float) -> torch.Tensor:
+    """Attention whose scores become cap·tanh(score/cap) before the softmax (Gemma 2), written out
+    as matmuls: SDPA takes no score modifier. q [B, H, T, Dh], k and v [B, KV, S, Dh]; ``mask``
+    a boolean [T, S] or [B, 1, T, S] (`attention_mask`), None for plain causal attention."""
+    if mask is None:
+        T, S = q.shape[-2], k.shape[-2]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    groups = q.shape[1] // k.shape[1]  # grouped-query attention: each K/V head serves `groups` query heads
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.tanh((q @ k.transpose(-2, -1)) * (scale / cap)) * cap
+    probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
+    return probs.to(q.dtype) @ v
 
 
 class MLP(nn.Module):
@@ -268,7 +287,12 @@ class Transformer(nn.Module):
         """Logits [B, T, V]. doc_ids [B, T] (packed rows): a token attends only to earlier tokens
         with the same id; without them attention is plain causal (SDPA's is_causal fast path)."""
         h, _ = self._hidden(input_ids, doc_ids)
-        return F.linear(self.norm(h), self.output_weight)
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(self.norm(h), self.output_weight)
+        cap = self.cfg.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def training_loss(self, input_ids: torch.Tensor, targets: torch.Tensor, *,
                       doc_ids: torch.Tensor | None = None) -> LossOutput:
@@ -284,7 +308,8 @@ class Transformer(nn.Module):
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output head and summed cross-entropy of the last hidden states: one unit
         that `distributed.parallelize` compiles (the logits never exist whole, see `models.loss`)."""
-        return next_token_loss(self.norm(h), self.output_weight, targets, kernel=self.loss_kernel)
+        return next_token_loss(self.norm(h), self.output_weight, targets, kernel=self.loss_kernel,
+                               softcap=self.cfg.logit_softcap)
 
     def decode(self, input_ids: torch.Tensor, kv_cache: KVCache, start_pos: int = 0) -> torch.Tensor:
         """Logits [B, T, V] of ``input_ids`` placed at ``start_pos``, reading and filling ``kv_cache``."""
@@ -295,7 +320,7 @@ class Transformer(nn.Module):
         layers = self._attention_inputs(T, start_pos, None, input_ids.device)
         for i, (block, (cos, sin, mask)) in enumerate(zip(self.blocks, layers)):
             h, _ = block(h, cos, sin, (kv_cache.k[i], kv_cache.v[i]), start_pos, mask)
-        return F.linear(self.norm(h), self.output_weight)
+        return self._logits(h)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings: scaled by √d_model in Gemma's models, whose tied embedding matrix
@@ -328,7 +353,8 @@ class Transformer(nn.Module):
             own_rope = local and cfg.rope_theta_local is not None
             cos, sin = (self.rope_cos_local, self.rope_sin_local) if own_rope else (self.rope_cos, self.rope_sin)
             window = cfg.sliding_window if local else None
-            inputs[local] = (cos[span], sin[span], attention_mask(T, start_pos, doc_ids, window, device, flex))
+            flex_ok = flex and cfg.attn_softcap is None  # softcapped attention takes a boolean mask
+            inputs[local] = (cos[span], sin[span], attention_mask(T, start_pos, doc_ids, window, device, flex_ok))
         return [inputs[local] for local in kinds]
 
 
