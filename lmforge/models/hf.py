@@ -143,7 +143,7 @@ def _window_pattern(hf_config, spec: Family) -> dict[str, Any]:
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise UserError("config.json: use_bidirectional_attention=true is not supported (lmforge is causal)")
     head_dim = hf_config.head_dim or hf_config.hidden_size // hf_config.num_attention_heads
-    scale_dim = hf_config.query_pre_attn_scalar
+    scale_dim = getattr(hf_config, "query_pre_attn_scalar", None) or head_dim
     fields: dict[str, Any] = dict(attn_scale_dim=None if scale_dim == head_dim else int(scale_dim),
                                   attn_softcap=getattr(hf_config, "attn_logit_softcapping", None),
                                   logit_softcap=getattr(hf_config, "final_logit_softcapping", None))

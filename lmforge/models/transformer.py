@@ -360,8 +360,8 @@ class Transformer(nn.Module):
 
 def attention_mask(T: int, start_pos: int, doc_ids: torch.Tensor | None, window: int | None,
                    device, flex: bool = False) -> torch.Tensor | BlockMask | None:
-    """The mask shared by every layer, or None when plain causal attention is exact (SDPA's
-    is_causal fast path). Query i (absolute position start_pos + i) may see key j when
+    """The mask shared by the layers of one kind (within ``window``, or not), or None when plain
+    causal attention is exact (SDPA's is_causal fast path). Query i (absolute position start_pos + i) may see key j when
     j <= start_pos + i, j is within `window` positions (itself included), and, for packed rows
     (doc_ids [B, T]), j belongs to the same example.
 
