@@ -21,8 +21,7 @@ Activations per sequence of T tokens (bf16, 2 bytes/element), counting the tenso
 autograd keeps for the backward pass, in the spirit of Korthikanti et al. 2022
 ("Reducing Activation Recomputation in Large Transformer Models") but for this
 architecture — RMSNorm, SwiGLU, GQA, flash/SDPA attention (no T×T score matrix is
-stored, except for soft-capped attention: 4·H·T more per token), no dropout. Per layer and
-token, in elements (q = H·Dh, kv = KV·Dh):
+stored), no dropout. Per layer and token, in elements (q = H·Dh, kv = KV·Dh):
 
 - attention: residual input d, normed input d, rotated q, k and v, output q
   → 2d + 2q + 2kv;
@@ -81,10 +80,6 @@ def layer_activation_elements(cfg: ModelConfig) -> int:
 def activation_bytes(cfg: ModelConfig, seq_len: int, checkpointing: bool) -> float:
     """Activation bytes of one sequence (micro-batch of 1) of ``seq_len`` tokens."""
     layer = layer_activation_elements(cfg)
-    if cfg.attn_softcap is not None:
-        # Soft-capped attention (Gemma 2) runs unfused and keeps its scores: tanh's output, the
-        # fp32 softmax (2 elements' bytes) and the probabilities for the product with v: 4·H·T.
-        layer += 4 * cfg.n_heads * seq_len
     d = cfg.d_model
     if checkpointing:
         kept = cfg.n_layers * d + layer
