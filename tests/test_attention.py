@@ -137,3 +137,51 @@ def test_compiled_flex_attention_on_cuda_matches_the_dense_mask():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     for a, p in zip(flex_grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("window,doc_ids", [(None, None), (16, DOCS)])
+def test_soft_capped_flex_attention_equals_the_written_out_one(monkeypatch, window, doc_ids):
+    """Gemma 2's soft-capped attention: FlexAttention with the cap as its score_mod and a block
+    mask, even for plain causal attention (what CUDA runs, fused), against the matmuls the CPU
+    runs with the boolean mask; forward and backward (torch's reference FlexAttention on the CPU,
+    as above). A small cap, so that it bends these scores."""
+    from lmforge.models.transformer import flex_mask
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+    torch.manual_seed(0)
+    model = Transformer(CFG.model_copy(update={"sliding_window": window, "attn_softcap": 0.3, "attn_scale_dim": 20}))
+    ids = torch.randint(0, CFG.vocab_size, (3, 64))
+    out = {}
+    for name, mask in (("dense", attention_mask(64, 0, doc_ids, window, "cpu")),
+                       ("flex", flex_mask(64, doc_ids, window, "cpu"))):
+        model.zero_grad()
+        h = _blocks(model, ids, mask)
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        out[name] = (h.detach(), [p.grad.clone() for p in model.blocks.parameters()])
+    torch.testing.assert_close(out["flex"][0], out["dense"][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(out["flex"][1], out["dense"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    uncapped = Transformer(CFG.model_copy(update={"sliding_window": window, "attn_scale_dim": 20}))
+    uncapped.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (_blocks(uncapped, ids, attention_mask(64, 0, doc_ids, window, "cpu"))[0]
+                - out["dense"][0]).abs().max() > 1e-3  # the cap matters here
+
+
+@pytest.mark.gpu
+def test_soft_capped_attention_on_cuda_takes_flex_and_matches_the_matmuls():
+    """On a GPU `training_loss` runs soft-capped attention through compiled FlexAttention (its
+    score_mod), fused; the reference runs the same blocks through the written-out matmuls."""
+    torch.manual_seed(0)
+    model = Transformer(CFG.model_copy(update={"sliding_window": 24, "attn_softcap": 5.0})).cuda()
+    ids = torch.randint(0, CFG.vocab_size, (3, 64), device="cuda")
+    targets = ids.roll(-1, 1)
+    got = model.training_loss(ids, targets).ce_sum
+    got.backward()
+    flex_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    want = model.head_loss(_blocks(model, ids, attention_mask(64, 0, None, 24, "cuda")), targets)
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    for a, p in zip(flex_grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-3, atol=1e-4)

@@ -105,7 +105,7 @@ class ModelConfig(BaseModel):
         "(Gemma 2 27B: 144)")
     attn_softcap: float | None = Field(
         None, gt=0, description="attention scores become cap·tanh(score/cap) before the softmax (Gemma 2: 50); "
-        "attention then runs as plain matmuls (no fused kernel takes it)")
+        "on CUDA through FlexAttention, elsewhere as plain matmuls")
     logit_softcap: float | None = Field(
         None, gt=0, description="output logits become cap·tanh(logit/cap) (Gemma 2: 30)")
     # Mixture of experts (n_experts == 0 means a dense model).

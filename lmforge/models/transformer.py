@@ -38,6 +38,7 @@ Design choices, and why:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -128,10 +129,12 @@ class Attention(nn.Module):
             ck[:B, :, start_pos:end] = k
             cv[:B, :, start_pos:end] = v
             k, v = ck[:B, :, :end], cv[:B, :, :end]
-        if self.softcap is not None:
+        if isinstance(attn_mask, BlockMask):
+            score_mod = None if self.softcap is None else _softcap_mod(self.softcap)
+            y = _flex(q)(q, k, v, score_mod=score_mod, block_mask=attn_mask, scale=self.scale,
+                         enable_gqa=self.n_kv != self.n_heads)
+        elif self.softcap is not None:
             y = softcapped_attention(q, k, v, attn_mask, self.softcap, self.scale or self.dh ** -0.5)
-        elif isinstance(attn_mask, BlockMask):
-            y = _flex(q)(q, k, v, block_mask=attn_mask, scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
                                                scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
@@ -141,8 +144,10 @@ class Attention(nn.Module):
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                          cap: float, scale: float) -> torch.Tensor:
     """Attention whose scores become cap·tanh(score/cap) before the softmax (Gemma 2), written out
-    as matmuls: SDPA takes no score modifier. q [B, H, T, Dh], k and v [B, KV, S, Dh]; ``mask``
-    a boolean [T, S] or [B, 1, T, S] (`attention_mask`), None for plain causal attention."""
+    as matmuls (SDPA takes no score modifier): the CPU, and cached decoding. Training on CUDA
+    runs FlexAttention with the same cap as its `score_mod` (`_softcap_mod`), fused.
+    q [B, H, T, Dh], k and v [B, KV, S, Dh]; ``mask`` a boolean [T, S] or [B, 1, T, S]
+    (`attention_mask`), None for plain causal attention."""
     if mask is None:
         T, S = q.shape[-2], k.shape[-2]
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
@@ -151,6 +156,13 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     scores = torch.tanh((q @ k.transpose(-2, -1)) * (scale / cap)) * cap
     probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
     return probs.to(q.dtype) @ v
+
+
+@functools.cache  # one function per cap: compiled FlexAttention is reused, not traced again per call
+def _softcap_mod(cap: float):
+    def softcap(score, batch, head, q_idx, k_idx):
+        return torch.tanh(score / cap) * cap
+    return softcap
 
 
 class MLP(nn.Module):
@@ -353,8 +365,11 @@ class Transformer(nn.Module):
             own_rope = local and cfg.rope_theta_local is not None
             cos, sin = (self.rope_cos_local, self.rope_sin_local) if own_rope else (self.rope_cos, self.rope_sin)
             window = cfg.sliding_window if local else None
-            flex_ok = flex and cfg.attn_softcap is None  # softcapped attention takes a boolean mask
-            inputs[local] = (cos[span], sin[span], attention_mask(T, start_pos, doc_ids, window, device, flex_ok))
+            if flex and start_pos == 0 and cfg.attn_softcap is not None:  # plain causal too: the cap
+                mask = flex_mask(T, doc_ids, window, device)  # is FlexAttention's score_mod
+            else:
+                mask = attention_mask(T, start_pos, doc_ids, window, device, flex)
+            inputs[local] = (cos[span], sin[span], mask)
         return [inputs[local] for local in kinds]
 
 
