@@ -209,6 +209,8 @@ CASES = [
                                          "--save-folder", "{dir}/r", "--no-supervisor"],
          ["prepared with a tokenizer of 512 tokens", "small-tok"], files={"small-tok": tokenizer_of(300)},
          was_traceback=True),
+    Case("model-family-mismatch", ["train", "-f", "{cfg}", "--set", "model.family=gemma2", "--save-folder", "{dir}/r",
+                                   "--no-supervisor"], ["model.family gemma2", "do not match"], absent=["{dir}/r"]),
     Case("vocab-smaller-than-data", ["train", "-f", "{cfg}", "--set", "model.vocab_size=64", "--save-folder",
                                      "{dir}/r", "--no-supervisor"], ["512 tokens", "model.vocab_size (64)"]),
     Case("model-does-not-fit", ["train", "-f", "{dir}/big.yaml", "--no-supervisor"],

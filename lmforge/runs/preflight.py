@@ -41,6 +41,7 @@ def preflight(cfg: RunConfig, command: str, world_size: int = 1, overwrite: bool
     if cfg.model != "auto":  # model: auto chooses its shape (and vocabulary) later, to fit the budget
         check_vocab(cfg)
         check_memory(cfg)
+        check_family(cfg)
     check_save_folder(cfg)
     if not overwrite:
         check_not_another_run(cfg)
@@ -210,6 +211,15 @@ def check_vocab(cfg: RunConfig) -> None:
             raise UserError(f"train_data {path}: prepared with a tokenizer of {vocab} tokens, more than {whose} "
                             f"covers; use the tokenizer the data was prepared with ({data_tok.get('path')}) or "
                             "prepare the data again with this one")
+
+
+def check_family(cfg: RunConfig) -> None:
+    """A pinned model.family must fit the model's features: else the refusal would come only at
+    export, after the training."""
+    if getattr(cfg.model, "family", None) is not None:
+        from lmforge.models.families import family_of
+
+        family_of(cfg.model)
 
 
 def check_memory(cfg: RunConfig) -> None:
