@@ -25,6 +25,21 @@ def _blocks(model, ids, mask):
     return h
 
 
+def _assert_same_blocks(model, ids, dense, flex) -> torch.Tensor:
+    """The blocks' outputs and parameter gradients with the boolean mask and with the block mask
+    agree; -> the outputs."""
+    out = {}
+    for name, mask in (("dense", dense), ("flex", flex)):
+        model.zero_grad()
+        h = _blocks(model, ids, mask)
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        out[name] = (h.detach(), [p.grad.clone() for p in model.blocks.parameters()])
+    torch.testing.assert_close(out["flex"][0], out["dense"][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(out["flex"][1], out["dense"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    return out["dense"][0]
+
+
 @pytest.mark.parametrize("window,doc_ids", [(None, DOCS), (16, None), (16, DOCS)])
 def test_flex_block_mask_equals_the_dense_mask_outputs_and_gradients(monkeypatch, window, doc_ids):
     """The blocks through `flex_attention` with our `BlockMask` (what CUDA runs) and through SDPA
@@ -38,15 +53,7 @@ def test_flex_block_mask_equals_the_dense_mask_outputs_and_gradients(monkeypatch
     dense = attention_mask(64, 0, doc_ids, window, "cpu")
     flex = attention_mask(64, 0, doc_ids, window, "cpu", flex=True)
     assert isinstance(dense, torch.Tensor) and isinstance(flex, flex_module.BlockMask)
-    out = {}
-    for name, mask in (("dense", dense), ("flex", flex)):
-        model.zero_grad()
-        h = _blocks(model, ids, mask)
-        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
-        out[name] = (h.detach(), [p.grad.clone() for p in model.blocks.parameters()])
-    torch.testing.assert_close(out["flex"][0], out["dense"][0], rtol=1e-5, atol=1e-5)
-    for a, b in zip(out["flex"][1], out["dense"][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    _assert_same_blocks(model, ids, dense, flex)
 
 
 def test_block_mask_skips_what_no_query_sees():
@@ -149,23 +156,15 @@ def test_soft_capped_flex_attention_equals_the_written_out_one(monkeypatch, wind
 
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
     torch.manual_seed(0)
-    model = Transformer(CFG.model_copy(update={"sliding_window": window, "attn_softcap": 0.3, "attn_scale_dim": 20}))
+    shape = {"sliding_window": window, "attn_scale_dim": 20, "init_std": 0.1}  # scores of about one
+    model = Transformer(CFG.model_copy(update=shape | {"attn_softcap": 1.0}))
     ids = torch.randint(0, CFG.vocab_size, (3, 64))
-    out = {}
-    for name, mask in (("dense", attention_mask(64, 0, doc_ids, window, "cpu")),
-                       ("flex", flex_mask(64, doc_ids, window, "cpu"))):
-        model.zero_grad()
-        h = _blocks(model, ids, mask)
-        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
-        out[name] = (h.detach(), [p.grad.clone() for p in model.blocks.parameters()])
-    torch.testing.assert_close(out["flex"][0], out["dense"][0], rtol=1e-5, atol=1e-5)
-    for a, b in zip(out["flex"][1], out["dense"][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    uncapped = Transformer(CFG.model_copy(update={"sliding_window": window, "attn_scale_dim": 20}))
+    dense = attention_mask(64, 0, doc_ids, window, "cpu")
+    h = _assert_same_blocks(model, ids, dense, flex_mask(64, doc_ids, window, "cpu"))
+    uncapped = Transformer(CFG.model_copy(update=shape))
     uncapped.load_state_dict(model.state_dict())
     with torch.no_grad():
-        assert (_blocks(uncapped, ids, attention_mask(64, 0, doc_ids, window, "cpu"))[0]
-                - out["dense"][0]).abs().max() > 1e-3  # the cap matters here
+        assert (_blocks(uncapped, ids, dense) - h).abs().max() > 1e-3  # the cap matters here
 
 
 @pytest.mark.gpu
@@ -173,7 +172,7 @@ def test_soft_capped_attention_on_cuda_takes_flex_and_matches_the_matmuls():
     """On a GPU `training_loss` runs soft-capped attention through compiled FlexAttention (its
     score_mod), fused; the reference runs the same blocks through the written-out matmuls."""
     torch.manual_seed(0)
-    model = Transformer(CFG.model_copy(update={"sliding_window": 24, "attn_softcap": 5.0})).cuda()
+    model = Transformer(CFG.model_copy(update={"sliding_window": 24, "attn_softcap": 1.0, "init_std": 0.1})).cuda()
     ids = torch.randint(0, CFG.vocab_size, (3, 64), device="cuda")
     targets = ids.roll(-1, 1)
     got = model.training_loss(ids, targets).ce_sum
