@@ -180,3 +180,35 @@ def test_continued_pretraining_from_each_family(family, tmp_path, tiny_data):
     x = IDS * 5 % 512
     with torch.no_grad():
         assert max_diff(back(x).logits, trained.eval()(x)) <= TOL
+
+
+# Published Gemma shapes (their config.json values; no weights) and their sizes in billions.
+PUBLISHED_GEMMA = [
+    ("GemmaConfig", dict(vocab_size=256000, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                         num_attention_heads=8, num_key_value_heads=1, head_dim=256), 2.51),  # Gemma 2B
+    ("Gemma2Config", dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                          num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                          sliding_window=4096), 9.24),  # Gemma 2 9B
+    ("Gemma2Config", dict(vocab_size=256000, hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
+                          num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=144,
+                          sliding_window=4096), 27.23),  # Gemma 2 27B: queries scaled by 1/√144
+    ("Gemma3TextConfig", dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                              sliding_window=512, rope_parameters={
+                                  "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     1.00),  # Gemma 3 1B
+]
+
+
+@pytest.mark.parametrize("config_class,fields,billions", PUBLISHED_GEMMA)
+def test_published_gemma_shapes_read_at_their_size(config_class, fields, billions):
+    """The published Gemma configs read into the shapes of their published sizes (the estimator's
+    count, which the parity test ties to the built model), with their windows and soft-caps."""
+    cfg = from_hf_config(getattr(transformers, config_class)(**fields))
+    assert param_counts(cfg)["total"] / 1e9 == pytest.approx(billions, abs=0.01)
+    if config_class == "Gemma2Config":
+        assert (cfg.sliding_window_pattern, cfg.attn_softcap, cfg.logit_softcap) == (2, 50.0, 30.0)
+        assert cfg.attn_scale_dim == (144 if cfg.d_model == 4608 else None)
+    if config_class == "Gemma3TextConfig":
+        assert (cfg.sliding_window_pattern, cfg.rope_theta, cfg.rope_theta_local) == (6, 1e6, 1e4)
