@@ -86,7 +86,7 @@ class ModelConfig(BaseModel):
         "none", description="RMSNorm on q and k before RoPE: per head (Qwen3) or over all heads (OLMo 2)")
     norm_position: Literal["pre", "post", "sandwich"] = Field(
         "pre", description="pre: normalize each sublayer's input; post: its output, before the residual add "
-        "(OLMo 2); sandwich: both (Gemma 3)")
+        "(OLMo 2); sandwich: both (Gemma 2 and 3)")
     mlp_activation: Literal["silu", "gelu_tanh"] = Field(
         "silu", description="the gate's activation in dense blocks: silu (SwiGLU) or the tanh-approximated GELU "
         "(GeGLU, Gemma)")
@@ -96,7 +96,7 @@ class ModelConfig(BaseModel):
         None, gt=0, description="each token attends to at most this many tokens, itself included (Mistral)")
     sliding_window_pattern: int | None = Field(
         None, gt=1, description="with sliding_window: every N-th layer (the N-th, 2N-th, …) attends to the whole "
-        "context and the others within the window (Gemma 3: 6); default: every layer within the window")
+        "context and the others within the window (Gemma 2: 2, Gemma 3: 6); default: every layer within the window")
     rope_theta_local: float | None = Field(
         None, gt=0, description="with sliding_window_pattern: the RoPE base of the windowed layers, without "
         "rope_scaling (Gemma 3: 10000); default: as the others")

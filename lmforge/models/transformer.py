@@ -22,7 +22,7 @@ Design choices, and why:
 - **No biases** by default: they add parameters and state but nothing measurable in quality.
 - **Options published families need** (`lmforge/models/families.py` maps each one): q/k/v
   biases (Qwen2), RMSNorm on q and k per head (Qwen3) or over all heads (OLMo 2), norms on the
-  sublayer outputs instead of inputs (OLMo 2) or on both (Gemma 3), a GELU-gated MLP and input
+  sublayer outputs instead of inputs (OLMo 2) or on both (Gemma 2, 3), a GELU-gated MLP and input
   embeddings scaled by √d_model (Gemma), long-context RoPE scaling (`rope.py`), a sliding
   attention window (Mistral) and one global layer in every N windowed ones, each kind with its
   own RoPE base (Gemma 3), soft-capped attention scores and logits and another query scale
@@ -184,7 +184,7 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm block; or post-norm (the norms applied to each sublayer's output before the
-    residual add, as in OLMo 2); or sandwich (both, as in Gemma 3: attn_norm and mlp_norm on
+    residual add, as in OLMo 2); or sandwich (both, as in Gemma 2 and 3: attn_norm and mlp_norm on
     the inputs, attn_out_norm and mlp_out_norm on the outputs). Returns (x, aux) so MoE
     statistics survive FSDP/checkpoint/compile wrapping without side channels; aux is {} for
     dense blocks."""

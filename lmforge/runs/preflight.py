@@ -20,7 +20,7 @@ import json
 import os
 import tempfile
 
-from lmforge.config.model import padded_vocab
+from lmforge.config.model import ModelConfig, padded_vocab
 from lmforge.config.schema import RunConfig
 from lmforge.data.remote import is_remote, local_path
 from lmforge.errors import UserError, environment_error
@@ -216,7 +216,7 @@ def check_vocab(cfg: RunConfig) -> None:
 def check_family(cfg: RunConfig) -> None:
     """A pinned model.family must fit the model's features: else the refusal would come only at
     export, after the training."""
-    if getattr(cfg.model, "family", None) is not None:
+    if isinstance(cfg.model, ModelConfig) and cfg.model.family is not None:
         from lmforge.models.families import family_of
 
         family_of(cfg.model)
