@@ -108,6 +108,7 @@ def test_families_from_our_own_features():
 @pytest.mark.parametrize("family,change,needle", [
     ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ("gemma", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for gemma .expected 'gelu_pytorch_tanh'"),
+    ("gemma3_text", {"sliding_window": None}, "config.json: sliding_window_pattern needs a sliding_window"),
     ("gemma3_text", {"final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported for gemma3_text"),
     ("gemma3_text", {"layer_types": ["sliding_attention", "full_attention", "full_attention"]}, "regular pattern"),
     ("llama", {"attention_bias": True}, "attention_bias=true is not supported for llama"),

@@ -133,7 +133,7 @@ def _rope(hf_config, rope: dict | None = None) -> tuple[float, RopeScaling | Non
     return theta, RopeScaling(**fields)
 
 
-def _window_pattern(hf_config, spec: Family) -> dict[str, Any]:
+def _window_pattern(hf_config, spec: Family, head_dim: int) -> dict[str, Any]:
     """Gemma 2 and 3's attention -> sliding_window and sliding_window_pattern (every N-th layer
     global), the RoPE (Gemma 3: rope_theta / rope_scaling of the global layers, rope_theta_local
     of the windowed ones), attn_scale_dim, and the soft-caps."""
@@ -142,7 +142,6 @@ def _window_pattern(hf_config, spec: Family) -> dict[str, Any]:
             raise UserError(f"config.json: {key} is not supported for {spec.name}")
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise UserError("config.json: use_bidirectional_attention=true is not supported (lmforge is causal)")
-    head_dim = hf_config.head_dim or hf_config.hidden_size // hf_config.num_attention_heads
     scale_dim = getattr(hf_config, "query_pre_attn_scalar", None) or head_dim
     fields: dict[str, Any] = dict(attn_scale_dim=None if scale_dim == head_dim else int(scale_dim),
                                   attn_softcap=getattr(hf_config, "attn_logit_softcapping", None),
@@ -210,7 +209,7 @@ def from_hf_config(hf_config) -> ModelConfig:
     d, heads = hf_config.hidden_size, hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or d // heads
     if spec.window_pattern:
-        attention = _window_pattern(hf_config, spec)
+        attention = _window_pattern(hf_config, spec, head_dim)
     else:
         theta, scaling = _rope(hf_config)
         attention = dict(rope_theta=theta, rope_scaling=scaling, sliding_window=_sliding_window(hf_config, spec))
@@ -226,11 +225,24 @@ def from_hf_config(hf_config) -> ModelConfig:
         ffn = hf_config.intermediate_size
         fields.update(n_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
                       expansion_ratio=ffn / d)
-        cfg = ModelConfig(**fields)
+        cfg = _model_config(fields)
         if cfg.expert_dim != ffn:  # ratio did not round-trip through int(ratio * d)
             raise UserError(f"config.json: intermediate_size {ffn} is not representable as expansion_ratio·{d}")
         return cfg
-    return ModelConfig(ffn_hidden=hf_config.intermediate_size, **fields)
+    return _model_config(fields | {"ffn_hidden": hf_config.intermediate_size})
+
+
+def _model_config(fields: dict) -> ModelConfig:
+    """A config.json's values that our config refuses (say a window pattern without a window):
+    one line naming the rule, not pydantic's report."""
+    from pydantic import ValidationError
+
+    from lmforge.config.load import format_error
+
+    try:
+        return ModelConfig(**fields)
+    except ValidationError as e:
+        raise UserError(format_error(e, ModelConfig, "config.json")) from None
 
 
 # (our name, HF name) for one block, dense parts; `{i}` is the layer. The norms' HF names
