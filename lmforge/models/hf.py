@@ -55,7 +55,7 @@ def to_hf_config(cfg: ModelConfig, *, allow_clip_qkv: bool = False):
         kwargs.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                       max_window_layers=0)
     elif spec.window_pattern:
-        kwargs.update(_gemma_fields(cfg, spec, kwargs))
+        kwargs = _gemma_fields(cfg, spec, kwargs)
     elif spec.sliding_window:
         kwargs["sliding_window"] = cfg.sliding_window
     hf = getattr(transformers, spec.config_class)(**kwargs)
@@ -67,18 +67,19 @@ _HF_ACT = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # mlp_activation -
 
 
 def _gemma_fields(cfg: ModelConfig, spec: Family, kwargs: dict) -> dict:
-    """Gemma 2 and 3's fields: each layer's type (windowed or global), the query scale, the
-    soft-caps (Gemma 2), and Gemma 3's RoPE per layer type (windowed layers: rope_theta_local,
-    unscaled). Their configs name the activation `hidden_activation`."""
-    fields = dict(hidden_activation=kwargs.pop("hidden_act"),
-                  query_pre_attn_scalar=cfg.attn_scale_dim or cfg.dim_head,
+    """``kwargs`` as Gemma 2 and 3's configs take them: each layer's type (windowed or global),
+    the query scale, the soft-caps (Gemma 2), Gemma 3's RoPE per layer type (windowed layers:
+    rope_theta_local, unscaled) in place of rope_theta / rope_scaling, and the activation under
+    its name there, `hidden_activation`."""
+    fields = {k: v for k, v in kwargs.items() if k != "hidden_act"}
+    fields.update(hidden_activation=kwargs["hidden_act"], query_pre_attn_scalar=cfg.attn_scale_dim or cfg.dim_head,
                   sliding_window=cfg.sliding_window or cfg.max_seq_len,
                   layer_types=["sliding_attention" if cfg.is_local(i) else "full_attention"
                                for i in range(cfg.n_layers)])
     if spec.softcaps:
         fields.update(attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.logit_softcap)
     if spec.local_rope:
-        full = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")} | kwargs.pop("rope_scaling", {})
+        full = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")} | fields.pop("rope_scaling", {})
         local = full if cfg.rope_theta_local is None else {"rope_type": "default", "rope_theta": cfg.rope_theta_local}
         fields["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
     return fields
