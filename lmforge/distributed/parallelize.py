@@ -75,16 +75,17 @@ def ac_plan(value, n_layers: int) -> tuple[str | None, list[int]]:
 
 
 def _selective_policy():
-    from lmforge.models import grouped_mm  # noqa: F401 - registers the lmforge:: ops
+    from lmforge.models import grouped_mm, moe  # noqa: F401 - registers the lmforge:: ops
 
     aten = torch.ops.aten
-    # Expensive to recompute: keep their outputs (matmuls, the MoE experts' grouped GEMMs,
-    # attention, and the expert-parallel all-to-all, which recomputing would send again).
+    # Expensive to recompute: keep their outputs (matmuls, the MoE experts' grouped GEMMs and
+    # the CPU loop's forward, attention, and the expert-parallel all-to-all, which recomputing
+    # would send again).
     # The router's top-k too: a recompute must route exactly as the forward did (on a GPU a tie
     # could flip, and the all-to-all's split sizes with it), as torchtitan does.
     # Norms, activations, RoPE, the rest of routing: recompute.
     keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._grouped_mm.default,
-            torch.ops.lmforge.grouped_mm.default, aten.topk.default,
+            torch.ops.lmforge.grouped_mm.default, torch.ops.lmforge.expert_loop.default, aten.topk.default,
             torch.ops._c10d_functional.all_to_all_single.default,
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention.default,
