@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_models import CASES, hf_config, hf_model
+from family_models import CASES, SHAPE, hf_config, hf_model
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
 from lmforge.estimate.flops import param_counts
@@ -77,6 +77,44 @@ def test_sliding_window_generation_matches_transformers(family):
         want = hf.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0,
                            attention_mask=torch.ones_like(prompt))[0, 12:].tolist()
     assert generate(model, prompt[0].tolist(), 10, temperature=0) == want
+
+
+def _multimodal_gemma3():
+    """A tiny Gemma3ForConditionalGeneration: the gemma3_text case's text model, a one-layer
+    vision tower; every norm randomized."""
+    name, text = CASES["gemma3_text"]
+    config = transformers.Gemma3Config(
+        text_config=SHAPE | text | {"vocab_size": 101},
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14), mm_tokens_per_image=4)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def test_multimodal_gemma3_imports_its_text_model(tmp_path):
+    """Gemma 3 4B and larger are multimodal (`gemma3`): import reads the text model (its weights
+    under `language_model.model.` in the saved folder, `model.language_model.` in memory), with
+    the logits transformers gives for text, and exports it as the text-only Gemma3ForCausalLM."""
+    hf = _multimodal_gemma3()
+    hf.save_pretrained(tmp_path / "mm")
+    model, cfg = load_pretrained(tmp_path / "mm")
+    assert cfg.family == "gemma3_text" and cfg.sliding_window_pattern == 3
+    with torch.no_grad():
+        expected = hf(input_ids=IDS).logits
+        assert max_diff(model.eval()(IDS), expected) <= TOL
+        in_memory = ours_from(hf, cfg)  # the in-memory names
+        assert max_diff(in_memory(IDS), expected) <= TOL
+    save_hf(model, cfg, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert type(back).__name__ == "Gemma3ForCausalLM"
+    with torch.no_grad():
+        assert max_diff(back(IDS).logits, expected) <= TOL
 
 
 def test_families_from_our_own_features():
@@ -199,6 +237,12 @@ PUBLISHED_GEMMA = [
                                   "full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
      1.00),  # Gemma 3 1B
+    ("Gemma3Config", dict(text_config=dict(
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+     3.88),  # Gemma 3 4B (multimodal): its text model, 0.67B embedding + 3.21B in the blocks
 ]
 
 
@@ -211,5 +255,6 @@ def test_published_gemma_shapes_read_at_their_size(config_class, fields, billion
     if config_class == "Gemma2Config":
         assert (cfg.sliding_window_pattern, cfg.attn_softcap, cfg.logit_softcap) == (2, 50.0, 30.0)
         assert cfg.attn_scale_dim == (144 if cfg.d_model == 4608 else None)
-    if config_class == "Gemma3TextConfig":
+    if config_class.startswith("Gemma3"):
         assert (cfg.sliding_window_pattern, cfg.rope_theta, cfg.rope_theta_local) == (6, 1e6, 1e4)
+        assert cfg.rope_scaling is None if cfg.d_model == 1152 else cfg.rope_scaling.factor == 8.0

@@ -18,6 +18,7 @@ else in lmforge branches on a family.
 | gemma3_text | as gemma2, q/k RMSNorm per head, no soft-caps | window pattern with own RoPE, query scale |
 | mixtral | mixture of experts (top-k softmax SwiGLU)  | sliding_window, rope_scaling |
 
+The multimodal Gemma 3 (`gemma3`) imports as its text model, a gemma3_text (`hf._TEXT_TOWERS`).
 Anything else a config.json asks for (another architecture, biases elsewhere, another
 activation, per-layer window patterns, partial rotary, dynamic/longrope scaling) is refused
 with one line naming it.

@@ -1,5 +1,6 @@
 """Hugging Face interop: config and state-dict name mapping for the families in `families.py`
-(Llama 3.x, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Gemma dense; Mixtral for MoE).
+(Llama 3.x, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Gemma 1–3 dense, the text model of multimodal
+Gemma 3; Mixtral for MoE).
 
 Our layout was chosen so the mapping is a pure rename: RoPE uses HF's rotate-half pairing, so
 q/k rows need no permutation, and SwiGLU w1/w3/w2 are HF's gate/up/down projections (the one
@@ -195,8 +196,21 @@ def _sliding_window(hf_config, spec: Family) -> int | None:
     return window
 
 
+# Multimodal checkpoints whose text model is a supported family: model_type -> the config's text
+# part. Import reads the text model alone (the vision tower and projector are left out), so an
+# export is the text-only architecture (Gemma 3 4B and larger -> Gemma3ForCausalLM).
+_TEXT_TOWERS = {"gemma3": "text_config"}
+# Where such a checkpoint keeps the text model's tensors (plain name prefix -> its prefix there):
+# as published and as transformers 5 saves them, and as transformers 4.52–4.57 saved them (and 5
+# holds them in memory). (Gemma 3 ties its output head to the embedding: no lm_head to find.)
+_TOWER_PREFIXES = (("model.", "language_model.model."), ("model.", "model.language_model."))
+
+
 def from_hf_config(hf_config) -> ModelConfig:
-    """Our ModelConfig for a Hugging Face config of a supported family (see `families.py`)."""
+    """Our ModelConfig for a Hugging Face config of a supported family (see `families.py`), or
+    for the text model of a multimodal one (`_TEXT_TOWERS`)."""
+    if getattr(hf_config, "model_type", None) in _TEXT_TOWERS:
+        hf_config = getattr(hf_config, _TEXT_TOWERS[hf_config.model_type])
     spec = family_for_hf(hf_config)
     if getattr(hf_config, "attention_bias", False) and spec.name != "qwen2":
         raise UserError(f"config.json: attention_bias=true is not supported for {spec.name} "
@@ -302,10 +316,15 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 
 
 def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our state dict from HF tensors (checkpoint names, or transformers' in-memory fused experts)."""
+    """Our state dict from HF tensors (checkpoint names, or transformers' in-memory fused experts;
+    a multimodal checkpoint's text model under its prefixes, the rest ignored)."""
     def take(name: str) -> torch.Tensor:
         if name not in hf_sd and "block_sparse_moe" in name:  # transformers >= 5 module names
             name = name.replace("block_sparse_moe", "mlp")
+        for plain, tower in _TOWER_PREFIXES if name not in hf_sd else ():  # a multimodal model's text part
+            if name.startswith(plain) and tower + name[len(plain):] in hf_sd:
+                name = tower + name[len(plain):]
+                break
         if name not in hf_sd:
             raise UserError(f"weights: tensor {name!r} missing from the Hugging Face checkpoint")
         return hf_sd[name]
