@@ -48,6 +48,12 @@ def test_fp8_converts_the_linear_layers_but_the_head_odd_shapes_and_adapters():
     assert [n for n, _ in model.named_parameters()] == names  # checkpoints load either way
     assert all(model.get_submodule(n).config.enable_fsdp_float8_all_gather for n in fp8)
 
+    moe = Transformer(CFG.model_copy(update={"ffn_hidden": None, "n_experts": 16, "top_k": 2}))
+    apply_float8(moe, "tensorwise", fsdp=False, emulate=True)
+    fp8 = {n for n, m in moe.named_modules() if isinstance(m, Float8Linear)}
+    assert fp8 == {f"blocks.{i}.attn.w{p}" for i in range(2) for p in "qkvo"}  # not the routers (64 → 16)
+    assert type(moe.blocks[0].mlp.router) is nn.Linear
+
     rowwise = Transformer(CFG)
     apply_float8(rowwise, "rowwise", fsdp=True, emulate=True)  # no FP8 all-gather for rowwise
     assert not any(getattr(m, "config", None) and m.config.enable_fsdp_float8_all_gather

@@ -11,8 +11,11 @@ fp32 master weights) stays as under bf16. Two recipes (``parameters.fp8_recipe``
   all-gathered in bf16 (torchao supports the FP8 all-gather for tensorwise scaling only).
 
 Kept in bf16: the output head (its logits feed the softmax, where FP8's 3 mantissa bits hurt
-most, and it runs inside the fused loss) and any linear layer with a dimension that is not a
-multiple of 16 (an FP8 tensor-core requirement), as well as LoRA adapters.
+most, and it runs inside the fused loss), an MoE layer's router (its logits choose each token's
+experts: FP8 rounding would move tokens between experts, and a GEMM as narrow as the expert
+count gains nothing from FP8), any linear layer with a dimension that is not a multiple of 16
+(an FP8 tensor-core requirement), and LoRA adapters. The MoE experts' stacked weights are not
+linear layers: they stay in bf16 (grouped GEMMs).
 
 Applied by `parallelize` after activation checkpointing and before compile (as torchao
 documents): the swapped modules are what compile traces and what FSDP shards. Names and
@@ -56,7 +59,7 @@ def keeps_high_precision(module: nn.Module, fqn: str) -> bool:
     """True for linear layers that stay in bf16 (see the module docstring)."""
     if type(module) is not nn.Linear:  # LoRA adapters subclass nn.Linear: never swap them
         return True
-    if fqn == "output" or fqn.endswith(".output"):
+    if fqn == "output" or fqn.endswith((".output", ".router")):
         return True
     return module.in_features % 16 != 0 or module.out_features % 16 != 0
 
