@@ -87,6 +87,8 @@ def _selective_policy():
     keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._grouped_mm.default,
             torch.ops.lmforge.grouped_mm.default, torch.ops.lmforge.expert_loop.default, aten.topk.default,
             torch.ops._c10d_functional.all_to_all_single.default,
+            torch.ops._c10d_functional_autograd.all_to_all_single.default,  # (what torch 2.11's autograd
+            # all-to-all dispatches; 2.13's dispatches the plain one)
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default}
@@ -236,8 +238,9 @@ def build_meshes(compute: ComputeConfig, dist: DistInfo, n_experts: int = 0) -> 
     if ep == 1:
         return Meshes(dense)
     # The same ranks, the shard dimension seen as (shard_mod_ep, ep): one mesh family, as FSDP
-    # requires of a DTensor parameter's mesh and its own.
-    full = dense._unflatten("shard", (shard // ep, ep), ("shard_mod_ep", "ep"))
+    # requires of a DTensor parameter's mesh and its own. The dimension by position: torch 2.11's
+    # `_unflatten` refuses every dimension given by name (its name check is inverted).
+    full = dense._unflatten(len(names) - 1, (shard // ep, ep), ("shard_mod_ep", "ep"))
     return Meshes(dense, experts=full[names[:-1] + ("shard_mod_ep",)], ep=full["ep"])
 
 
