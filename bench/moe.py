@@ -61,7 +61,8 @@ def make_step(cfg: ModelConfig, args, device: torch.device):
     torch.manual_seed(0)
     model = build_model(cfg, device=device)
     one = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
-    train_forward = parallelize(model, ComputeConfig(compile=args.compile, data_parallel="none"), one)
+    train_forward = parallelize(model, ComputeConfig(compile=args.compile, data_parallel="none"), one,
+                                precision="bf16" if args.bf16 else "fp32")
     opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device_type=device.type)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.bf16 else nullcontext
     batch = Batch.from_tokens(torch.randint(0, cfg.vocab_size, (args.batch, args.seq))).to(device)

@@ -229,6 +229,31 @@ def test_unaligned_shapes_fall_back_to_the_loop(d, ratio):
     torch.testing.assert_close(layer(x)[0], naive(layer, x), rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_model_runs_experts_the_grouped_kernel_does_not_take():
+    """`compute.compile` on an MoE whose expert hidden size the grouped kernel cannot align (34):
+    its experts loop eagerly between two compiled graphs, with eager's loss and gradients (a
+    fullgraph compile refused them: one traceback at the first step). The same holds for fp32
+    training on a GPU, where the kernel takes bf16 only."""
+    from lmforge.config.schema import ComputeConfig
+    from lmforge.distributed.dist import DistInfo
+    from lmforge.distributed.parallelize import parallelize
+
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    ids = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        model = build_model(moe_cfg(n_layers=1, expansion_ratio=1.0625))
+        assert not model.blocks[0].mlp.experts.takes_grouped(torch.float32, "cpu")
+        out = parallelize(model, ComputeConfig(compile=compile, data_parallel="none"), one)(ids, ids.roll(-1, 1))
+        (out.ce_sum + out.aux_loss).backward()
+        runs.append((out.ce_sum.detach(), [p.grad for p in model.parameters()]))
+    (loss, grads), (compiled_loss, compiled_grads) = runs
+    torch.testing.assert_close(compiled_loss, loss)
+    for a, b in zip(compiled_grads, grads):
+        torch.testing.assert_close(a, b)
+
+
 def test_weights_saved_before_gate_and_up_were_fused_still_load(tmp_path):
     from safetensors.torch import load_file, save_file
 

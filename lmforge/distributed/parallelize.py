@@ -142,8 +142,10 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     one more unit (on the instance: names unchanged, FSDP hooks stay eager).
 
     ``fullgraph``: a block must trace as one graph (an error otherwise, never a silent break).
-    Expert parallelism is the exception: its all-to-all needs the split sizes on the host. The
-    loss unit may break only around liger-kernel's fused loss, which runs eagerly.
+    The exceptions are MoE blocks whose experts run eagerly between two graphs: under expert
+    parallelism (the all-to-all needs the split sizes on the host), and where the grouped GEMM
+    does not take the experts (`_experts_grouped`). The loss unit may break only around
+    liger-kernel's fused loss, which runs eagerly.
     """
     for block in model.blocks:
         block.forward = torch.compile(block.forward, dynamic=False, fullgraph=fullgraph)
@@ -293,6 +295,16 @@ class TrainingForward(nn.Module):
         return self.model.training_loss(input_ids, targets, doc_ids=doc_ids)
 
 
+def _experts_grouped(model: nn.Module, precision: str, device: torch.device) -> bool:
+    """Whether every MoE layer's experts run as grouped GEMMs when compiled: bf16 under bf16 or
+    fp8 training, with row sizes the kernel aligns (`GroupedExperts.takes_grouped`). Else (fp32
+    on a GPU, or an expert hidden size like 1.03 × d) they loop, outside the compiled graphs."""
+    from lmforge.models.moe import GroupedExperts
+
+    dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
+    return all(m.takes_grouped(dtype, device.type) for m in model.modules() if isinstance(m, GroupedExperts))
+
+
 def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32",
                 fp8_recipe: str = "tensorwise") -> nn.Module:
     """Apply, in this order, expert parallelism → activation checkpointing → FP8 (``precision``
@@ -312,7 +324,7 @@ def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, pre
     if precision == "fp8":
         apply_float8(model, fp8_recipe, fsdp=sharded)
     if compile_enabled(compute.compile, dist.device):
-        apply_compile(model, fullgraph=compute.expert_parallel == 1)
+        apply_compile(model, fullgraph=compute.expert_parallel == 1 and _experts_grouped(model, precision, dist.device))
     if meshes is not None:
         apply_fsdp(model, meshes, bf16=precision in ("bf16", "fp8"), reshard_after_forward=compute.reshard_after_forward)
         return TrainingForward(model)

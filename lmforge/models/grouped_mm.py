@@ -14,13 +14,13 @@ import torch
 _native = getattr(torch, "_grouped_mm", None)
 
 
-def supported(x: torch.Tensor, *row_lengths: int) -> bool:
-    """Whether the grouped kernel takes operands of ``x``'s dtype and device whose rows (or
+def supported(dtype: torch.dtype, device_type: str, *row_lengths: int) -> bool:
+    """Whether the grouped kernel takes operands of this dtype on this device whose rows (or
     columns, transposed in backward) have these lengths: torch has it, CUDA only in bf16, and
     every such stride a multiple of 16 bytes (its alignment rule: e.g. % 4 in fp32, % 8 in bf16)."""
-    if _native is None or (x.is_cuda and x.dtype != torch.bfloat16):
+    if _native is None or (device_type == "cuda" and dtype != torch.bfloat16):
         return False
-    return all(n * x.element_size() % 16 == 0 for n in row_lengths)
+    return all(n * dtype.itemsize % 16 == 0 for n in row_lengths)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -267,6 +267,12 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
 
+    def takes_grouped(self, dtype: torch.dtype, device_type: str) -> bool:
+        """Whether the grouped kernel takes these experts in this compute dtype on this device
+        (else they loop, eagerly: a compiled block then breaks its graph around them)."""
+        d, hidden = self.w13.shape[1], self.w2.shape[1]  # rows of x, w13, the SwiGLU output and w2
+        return gmm.supported(dtype, device_type, d, 2 * hidden, hidden, d)
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
         """x [R, d]: rows sorted by expert, ``counts[e]`` of them for local expert e.
 
@@ -276,12 +282,11 @@ class GroupedExperts(nn.Module):
         w13, w2 = _local(self.w13), _local(self.w2)
         dtype = _compute_dtype(x)
         x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
-        if grouped is None:  # rows of x, w13, the SwiGLU output and w2: d, 2h, h, d
+        if grouped is None:
             # Eager on the CPU, plain per-expert GEMMs beat torch._grouped_mm's CPU kernel (moe-tiny
             # layer forward + backward: 38.9 against 42.9 ms on one thread, 48.5 against 55.0 on two);
             # a compiled graph needs the one op (no data-dependent slicing).
-            grouped = ((x.is_cuda or torch.compiler.is_compiling())
-                       and gmm.supported(x, x.shape[-1], w13.shape[-1], w2.shape[-2], w2.shape[-1]))
+            grouped = (x.is_cuda or torch.compiler.is_compiling()) and self.takes_grouped(dtype, x.device.type)
         if not grouped:
             return _loop(x, counts, w13, w2)
         # Unpadded: expert e's rows are offs[e-1]:offs[e], whatever their alignment.
