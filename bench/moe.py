@@ -13,8 +13,9 @@ token meets the same parameters. MFU is on active parameters on the standard bas
 dense bf16 peak (fp32 peak on the CPU, `estimate.hardware.cpu_spec`).
 
 Both models are built and warmed up once; rounds then alternate MoE and dense and keep each one's
-best, so load from other processes on a shared machine hits both alike; tokens per CPU-second of this process are printed too, and the
-median over rounds of each round's MoE/dense ratio (the steadiest figure on a noisy machine) —
+best, so load from other processes on a shared machine hits both alike; tokens per CPU-second of
+this process are printed too, and the median over rounds of each round's MoE/dense ratio (the
+steadiest figure on a noisy machine) —
 for whole steps, and for forward + backward alone (the layers' own work: the optimizer and
 gradient clipping walk every parameter, and the MoE has several times the dense twin's).
 """

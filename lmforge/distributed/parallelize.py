@@ -324,9 +324,11 @@ def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, pre
     if precision == "fp8":
         apply_float8(model, fp8_recipe, fsdp=sharded)
     if compile_enabled(compute.compile, dist.device):
-        apply_compile(model, fullgraph=compute.expert_parallel == 1 and _experts_grouped(model, precision, dist.device))
+        whole_blocks = compute.expert_parallel == 1 and _experts_grouped(model, precision, dist.device)
+        apply_compile(model, fullgraph=whole_blocks)
     if meshes is not None:
-        apply_fsdp(model, meshes, bf16=precision in ("bf16", "fp8"), reshard_after_forward=compute.reshard_after_forward)
+        apply_fsdp(model, meshes, bf16=precision in ("bf16", "fp8"),
+                   reshard_after_forward=compute.reshard_after_forward)
         return TrainingForward(model)
     if dist.distributed and compute.data_parallel != "none":
         ids = [dist.device.index] if dist.device.type == "cuda" else None
