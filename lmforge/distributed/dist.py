@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -104,5 +106,15 @@ def broadcast_object(obj, src: int = 0):
 
 
 def destroy() -> None:
+    """Tear the process group down, after the run has dropped its models (a DDP reducer or an
+    FSDP mesh holds the group: otherwise the group dies later, wherever they are freed).
+
+    Why the pause: a gloo worker thread releases each finished collective after the caller's
+    wait has returned, and releasing tensors that came from Python takes the GIL; destroying the
+    group joins those threads while holding the GIL, so a release still under way deadlocks the
+    two. Seen once under load: a completed two-rank run whose rank 0 never exited. A moment
+    without the GIL (sleep releases it) lets the threads finish first."""
     if td.is_available() and td.is_initialized():
+        gc.collect()  # models held in reference cycles: free them now, not inside a later allocation
+        time.sleep(0.1)
         td.destroy_process_group()

@@ -108,6 +108,7 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
             raise
         raise err from None
     finally:
+        trainer = None  # its model holds the process group: dropped first (see `destroy`)
         destroy()  # (the lock is held until this process exits: the kernel lets it go then)
     if store is not None and result.final_dir:
         result.final_dir = remote_join(cfg.save_folder, "final")  # the store's copy, not the staging one
