@@ -106,14 +106,14 @@ def broadcast_object(obj, src: int = 0):
 
 
 def destroy() -> None:
-    """Tear the process group down, after the run has dropped its models (a DDP reducer or an
-    FSDP mesh holds the group: otherwise the group dies later, wherever they are freed).
+    """Tear the process group down; call it after the run has dropped its models.
 
-    Why the pause: a gloo worker thread releases each finished collective after the caller's
-    wait has returned, and releasing tensors that came from Python takes the GIL; destroying the
-    group joins those threads while holding the GIL, so a release still under way deadlocks the
-    two. Seen once under load: a completed two-rank run whose rank 0 never exited. A moment
-    without the GIL (sleep releases it) lets the threads finish first."""
+    A DDP reducer holds the group. Were it the last holder, freeing the model would destroy the
+    group inside the reducer's deallocation with the GIL held, which joins gloo's worker threads
+    — and one may need the GIL to release a finished collective's Python tensors: a deadlock
+    (seen once under load: a completed two-rank run's rank 0 never exited, stuck in
+    ~ProcessGroupGloo under ~Reducer). Destroyed here, the group's own binding lets the GIL go;
+    the pause (sleep releases the GIL) lets gloo's threads finish releasing first."""
     if td.is_available() and td.is_initialized():
         gc.collect()  # models held in reference cycles: free them now, not inside a later allocation
         time.sleep(0.1)
