@@ -82,7 +82,7 @@ def test_sliding_window_generation_matches_transformers(family):
 def _multimodal_gemma3():
     """A tiny Gemma3ForConditionalGeneration: the gemma3_text case's text model, a one-layer
     vision tower; every norm randomized."""
-    name, text = CASES["gemma3_text"]
+    _, text = CASES["gemma3_text"]
     config = transformers.Gemma3Config(
         text_config=SHAPE | text | {"vocab_size": 101},
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
