@@ -604,7 +604,7 @@ def test_bad_data_on_two_nodes_is_one_line_on_each(world, tmp_path):
     in a traceback, and the node hosting no rendezvous store printed its lost connection."""
     import sys
 
-    from train_helpers import REPO, env, free_port
+    from train_helpers import REPO, communicate, env, free_port
 
     port = free_port()
     (tmp_path / "blob.txt").write_bytes(BINARY)
@@ -616,7 +616,7 @@ def test_bad_data_on_two_nodes_is_one_line_on_each(world, tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
              for r in (0, 1)]
     for p in procs:
-        out, err = p.communicate(timeout=120)
+        out, err = communicate(p, 120)
         errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
         assert p.returncode == 2 and len(errors) == 1 and "binary" in errors[0], (out[-2000:], err[-3000:])
         assert err.strip() == errors[0], err[-3000:]  # nothing else: no traceback, no torchrun warning

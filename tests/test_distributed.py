@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import tiny_run_config
-from train_helpers import (REPO, assert_one_line_error, env, final_weights, free_port, lmforge, train_losses,
-                           write_config)
+from train_helpers import (REPO, assert_one_line_error, communicate, env, final_weights, free_port, lmforge,
+                           train_losses, write_config)
 
 from lmforge.process import descendants
 
@@ -145,7 +145,7 @@ def test_two_nodes_on_one_machine_train_together(tmp_path, tiny_data, single_ref
     procs = [subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--node-rank", str(r)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
              for r in (0, 1)]
-    outs = [p.communicate(timeout=240) for p in procs]
+    outs = [communicate(p, 240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, (out[-2000:], err[-3000:])
     assert any("2 rank(s)" in out for out, _ in outs)
@@ -186,7 +186,7 @@ def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, 
         assert time.time() < deadline
         time.sleep(0.01)
     os.kill(victim, signal.SIGKILL)
-    out, err = proc.communicate(timeout=240)
+    out, err = communicate(proc, 240)
     assert proc.returncode == 0, (out[-2000:], err[-3000:])
     assert "elastic: workers restarted after a failure (restart 1" in out
     events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]

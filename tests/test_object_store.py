@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from conftest import tiny_run_config
 from lmforge.data import remote
 from s3server import S3Server, weed_binary
-from train_helpers import REPO, assert_one_line_error, cli, env, final_weights, lmforge, metrics, write_config
+from train_helpers import (REPO, assert_one_line_error, cli, communicate, env, final_weights, lmforge, metrics,
+                           write_config)
 
 
 def _s3fs(server):
@@ -171,7 +172,7 @@ def test_server_stops_mid_upload_then_restarts_or_not(own_server, tmp_path, tiny
     _wait_for(lambda: max(r["step"] for r in metrics(stage)) >= min(stopped_at + 25, 120), proc,
               what="training to go on while the store is down")
     own_server.append(S3Server.start(tmp_path / "own-s3", ports=server.ports))
-    out, err = proc.communicate(timeout=300)
+    out, err = communicate(proc, 300)
     assert proc.returncode == 0, err[-3000:]
     assert "retrying" in out  # the outage was seen and retried
     assert _complete_steps(fs, uri[5:])[-1] == 120
@@ -187,7 +188,7 @@ def test_server_stops_mid_upload_then_restarts_or_not(own_server, tmp_path, tiny
     proc = _start(cfg2, home, **extra)
     _wait_for(lambda: max((r["step"] for r in metrics(stage2)), default=0) >= 10, proc, what="step 10")
     server.stop()
-    out, err = proc.communicate(timeout=300)
+    out, err = communicate(proc, 300)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert_one_line_error(done, f"upload to {uri2} failed", "re-run the same command")
     assert max(r["step"] for r in metrics(stage2)) == 120

@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from conftest import tiny_run_config
-from train_helpers import (assert_one_line_error, env, final_weights, lmforge, metrics, train_losses,
-                           write_config)
+from train_helpers import (assert_one_line_error, communicate, env, final_weights, lmforge, metrics,
+                           train_losses, write_config)
 
 
 def run(tmp_path, tiny_data, name="run", **overrides):
@@ -74,7 +74,7 @@ def test_sigterm_stops_gracefully_with_a_checkpoint(tmp_path, tiny_data):
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = communicate(proc, 120)
     assert proc.returncode == 0, err
     assert "stopped" in out
     ckpts = list((folder / "checkpoints").glob("step_*"))

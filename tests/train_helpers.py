@@ -41,6 +41,25 @@ def lmforge(*args, timeout=300, check=False, **kw) -> subprocess.CompletedProces
     return proc
 
 
+def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """`proc.communicate(timeout)`; on a timeout the whole process tree is killed first (a hung
+    run's supervisor, torchrun and ranks would otherwise go on for the rest of the suite)."""
+    import signal
+
+    from lmforge.process import descendants
+
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.communicate()
+        raise
+
+
 def train_in_process(raw: dict, log=lambda *_: None):
     """One run in this process, as a CLI child runs it (`runs.job.run_job`: setup by task_type,
     Trainer, trackers), with `model` / `tokenizer` taken from custom_weights_path when left out."""
