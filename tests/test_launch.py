@@ -325,9 +325,8 @@ def test_torchrun_wrapper_returns_the_ranks_code_when_torchrun_gives_up_first(tm
     wrapper returns the rank's code, quietly (torchrun's traceback and exit 1 otherwise)."""
     status = tmp_path / "status.json"
     script = tmp_path / "rank.py"
-    script.write_text("import json, sys\n"
-                      f"json.dump({{'status': 'failed', 'exit_code': 3, 'pid': {os.getpid()}}}, open({str(status)!r}, 'w'))\n"
-                      "sys.exit(3)\n")
+    record = {"status": "failed", "exit_code": 3, "pid": os.getpid()}
+    script.write_text(f"import json, sys\njson.dump({record!r}, open({str(status)!r}, 'w'))\nsys.exit(3)\n")
     proc = subprocess.run([sys.executable, "-m", "lmforge.distributed.torchrun", f"--status-file={status}",
                            "--nproc-per-node=1", "--max-restarts=0", "--standalone", str(script)],
                           capture_output=True, text=True, timeout=120)

@@ -365,8 +365,9 @@ class Transformer(nn.Module):
             own_rope = local and cfg.rope_theta_local is not None
             cos, sin = (self.rope_cos_local, self.rope_sin_local) if own_rope else (self.rope_cos, self.rope_sin)
             window = cfg.sliding_window if local else None
-            if flex and start_pos == 0 and cfg.attn_softcap is not None:  # plain causal too: the cap
-                mask = flex_mask(T, doc_ids, window, device)  # is FlexAttention's score_mod
+            if flex and start_pos == 0 and cfg.attn_softcap is not None:
+                # a BlockMask even for plain causal attention: the cap is FlexAttention's score_mod
+                mask = flex_mask(T, doc_ids, window, device)
             else:
                 mask = attention_mask(T, start_pos, doc_ids, window, device, flex)
             inputs[local] = (cos[span], sin[span], mask)
@@ -376,9 +377,9 @@ class Transformer(nn.Module):
 def attention_mask(T: int, start_pos: int, doc_ids: torch.Tensor | None, window: int | None,
                    device, flex: bool = False) -> torch.Tensor | BlockMask | None:
     """The mask shared by the layers of one kind (within ``window``, or not), or None when plain
-    causal attention is exact (SDPA's is_causal fast path). Query i (absolute position start_pos + i) may see key j when
-    j <= start_pos + i, j is within `window` positions (itself included), and, for packed rows
-    (doc_ids [B, T]), j belongs to the same example.
+    causal attention is exact (SDPA's is_causal fast path). Query i (absolute position
+    start_pos + i) may see key j when j <= start_pos + i, j is within `window` positions (itself
+    included), and, for packed rows (doc_ids [B, T]), j belongs to the same example.
 
     Without cached keys (start_pos 0) and with ``flex``, the mask is a FlexAttention `BlockMask`
     (`flex_mask`); otherwise a boolean tensor, [T, start_pos + T] or [B, 1, T, T]."""
