@@ -82,6 +82,25 @@ def test_no_token_dropped_when_all_route_to_one_expert(grouped):
     assert not layer.experts.w13.grad.any() and not layer.experts.w2.grad.any()
 
 
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_both_forms_of_the_slot_gather_sum_agree(k, weighted):
+    """combine's forward and dispatch's backward sum each token's k sorted rows: on the CPU with
+    `embedding_bag`, elsewhere (GPUs) with one gather per slot. Both run here, against the sum
+    written out, an empty batch included."""
+    from lmforge.models.moe import _gather_sum
+    torch.manual_seed(k)
+    for n in (0, 9):
+        rows, inverse = torch.randn(n * k, 6), torch.randperm(n * k)
+        weights = torch.rand(n, k) if weighted else None
+        expected = rows.new_zeros(n, 6)
+        for t in range(n):
+            for j in range(k):
+                expected[t] += (weights[t, j] if weighted else 1.0) * rows[inverse[t * k + j]]
+        for fused in (True, False):
+            torch.testing.assert_close(_gather_sum(rows, inverse, k, weights, fused=fused), expected)
+
+
 def test_aux_loss_minimal_at_uniform_and_grows_with_imbalance():
     n, e = 64, 4
     uniform = load_balancing_loss(torch.full((n, e), 1 / e), torch.full((e,), n // e))

@@ -118,25 +118,28 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, Slot
     return _SlotRows.apply(x, order, inverse, experts.shape[1]), Slots(order, inverse)
 
 
-def _gather_sum(rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """out[t] = Σ_j weights[t, j] · rows[slot_rows[j, t]] (unweighted without weights); slot_rows
-    [k, N]. One gather of N rows per slot, summed in place: on the CPU a single gather of all N·k
-    rows followed by a sum over the short middle dimension is slower (`sum(dim=1)` ~3×; slice
-    adds ~1.2×)."""
-    out = rows.index_select(0, slot_rows[0])
+def _gather_sum(rows: torch.Tensor, inverse: torch.Tensor, k: int, weights: torch.Tensor | None = None,
+                fused: bool | None = None) -> torch.Tensor:
+    """out[t] = Σ_j weights[t, j] · rows[inverse[t·k + j]] (unweighted without weights): each
+    token's k sorted rows, gathered and summed.
+
+    fused (default: on the CPU) is exactly `embedding_bag` (mode "sum", one bag of k rows per
+    token), whose fused kernel reads each row once and writes each output once: moe-tiny's combine,
+    4,096 tokens × top-2, d 256, 2 threads: 0.67 against 1.64 ms for the gathers and adds of the
+    other form, one gather of N rows per slot summed in place (kept where a compiled graph fuses
+    them, on GPUs)."""
+    slots = inverse.view(-1, k)  # [N, k]
+    if fused if fused is not None else rows.device.type == "cpu":
+        return F.embedding_bag(slots, rows, per_sample_weights=weights, mode="sum")
+    out = rows.index_select(0, slots[:, 0])
     if weights is not None:
         out.mul_(weights[:, :1])
-    for j in range(1, slot_rows.shape[0]):
+    for j in range(1, k):
         if weights is None:
-            out.add_(rows.index_select(0, slot_rows[j]))
+            out.add_(rows.index_select(0, slots[:, j]))
         else:
-            out.addcmul_(rows.index_select(0, slot_rows[j]), weights[:, j:j + 1])
+            out.addcmul_(rows.index_select(0, slots[:, j]), weights[:, j:j + 1])
     return out
-
-
-def _slot_rows(inverse: torch.Tensor, k: int) -> torch.Tensor:
-    """Slots.inverse [N·k] -> [k, N]: row j holds the sorted row of every token's j-th slot."""
-    return inverse.view(-1, k).t().contiguous()
 
 
 class _SlotRows(torch.autograd.Function):
@@ -157,7 +160,7 @@ class _SlotRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        return _gather_sum(grad, _slot_rows(inverse, ctx.k)), None, None, None
+        return _gather_sum(grad, inverse, ctx.k), None, None, None
 
 
 def combine(y_sorted: torch.Tensor, slots: Slots, weights: torch.Tensor) -> torch.Tensor:
@@ -183,7 +186,7 @@ class _Combine(torch.autograd.Function):
         w = weights.to(y_sorted.dtype)
         ctx.save_for_backward(y_sorted, order, inverse, w)
         ctx.weights_dtype = weights.dtype
-        return _gather_sum(y_sorted, _slot_rows(inverse, k), w)
+        return _gather_sum(y_sorted, inverse, k, w)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
