@@ -1,6 +1,6 @@
 """Tokens/s and MFU of an MoE model against its dense twin (same active parameters), fwd+bwd+AdamW.
 
-    python bench/moe.py                    # CPU: moe-tiny, fp32, batch 4 × 256
+    python bench/moe.py                    # CPU: moe-tiny, fp32, micro-batch 4 × 256, then 8 × 512
     python bench/moe.py --device cuda      # GPU: a moe-9b-shaped stack, bf16 autocast, compiled, 8 × 2048
 
 GPU: a stack of `--layers` (default 4) blocks of moe-9b's shape (d 2048, 16 heads / 8 KV heads, 16
@@ -11,6 +11,13 @@ The dense twin replaces each MoE layer with one SwiGLU MLP of hidden top_k × ex
 token meets the same parameters. MFU is on active parameters on the standard basis
 (`lmforge.estimate.flops.mfu_flops_per_token`: 6·N_active + 12·L·H·Dh·T) against the device's
 dense bf16 peak (fp32 peak on the CPU, `estimate.hardware.cpu_spec`).
+
+CPU: moe-tiny (d 256, 8 experts of hidden 256, top-2) in fp32, eager, at two micro-batch shapes:
+4 × 256, and 8 × 512 — what a default moe-tiny run uses on the CPU (context_length defaults to the
+model's max_seq_len, the CPU micro-batch to 8). The ratio grows with the tokens per micro-batch:
+routing's many small ops weigh less, and each expert's GEMMs get more rows. Each shape also times
+one block (attention + MoE against attention + the dense MLP) forward + backward alone, calls
+interleaved one by one: the issue's own unit, without the embedding, the head and the optimizer.
 
 Both models are built and warmed up once; rounds then alternate MoE and dense and keep each one's
 best, so load from other processes on a shared machine hits both alike; tokens per CPU-second of
@@ -101,38 +108,48 @@ def timed(step, args, device: torch.device) -> tuple[float, float, float]:
     return tokens / (time.perf_counter() - t), tokens / (time.process_time() - cpu), tokens / model_s
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--layers", type=int, default=4, help="cuda: blocks in the moe-9b-shaped stack")
-    ap.add_argument("--batch", type=int, default=None, help="micro-batch (cpu 4, cuda 8)")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length (cpu 256, cuda 2048)")
-    ap.add_argument("--iters", type=int, default=None, help="timed steps (cpu 5, cuda 20)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (cpu 2, cuda 3)")
-    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds (cpu 8, cuda 2)")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="compile every block (default: on for cuda, off for cpu)")
-    ap.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
-                    help="CPU: malloc keeps freed memory, as `lmforge train` sets it (distributed.host_memory)")
-    args = ap.parse_args()
-    if args.keep_freed_memory:
-        keep_freed_memory()
-    gpu = args.device == "cuda"
-    defaults = dict(batch=8, seq=2048, iters=20, warmup=3, compile=True, rounds=2) if gpu else \
-        dict(batch=4, seq=256, iters=5, warmup=2, compile=False, rounds=8)
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    args.bf16 = gpu
-    device = torch.device(args.device)
-    if gpu:
-        moe = get_preset("moe-9b").model_copy(update={"n_layers": args.layers, "max_seq_len": max(4096, args.seq),
-                                                      "preset": None})
-        name = torch.cuda.get_device_name()
-    else:
-        moe = resolve_model({"preset": "moe-tiny", "vocab_size": 8192, "max_seq_len": max(512, args.seq)})
-        name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
-    peak = peak_flops(detect_device_spec(device), "bf16" if gpu else "fp32")
+def block_ratio(moe: ModelConfig, args, device: torch.device, calls: int) -> tuple[float, float, float]:
+    """One MoE block (attention + MoE) against one dense block, forward + backward on the same
+    [batch, seq, d] input, calls interleaved one by one -> (MoE ms, dense ms, median over pairs of
+    dense time / MoE time, i.e. the MoE block's tokens/s as a fraction of the dense block's)."""
+    torch.manual_seed(0)
+    x = torch.randn(args.batch, args.seq, moe.d_model, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def call(cfg: ModelConfig):
+        model = build_model(cfg, device=device)
+        block = model.blocks[0]
+        cos, sin, mask = model._attention_inputs(args.seq, 0, None, device)[0]
+
+        def once() -> float:
+            t = time.perf_counter()
+            y, aux = block(x, cos, sin, attn_mask=mask)
+            outputs, grads = [y], [grad]
+            if aux:  # the router's losses, weighted as moe-tiny's defaults weigh them
+                outputs.append(cfg.moe_aux_loss_coef * aux["lb_loss"] + cfg.moe_z_loss_coef * aux["z_loss"])
+                grads.append(None)
+            torch.autograd.backward(outputs, grads)
+            sync(device)
+            x.grad = None
+            block.zero_grad(set_to_none=True)
+            return time.perf_counter() - t
+        return once
+
+    calls_of = {"moe": call(moe), "dense": call(dense_twin(moe))}
+    for once in calls_of.values():
+        for _ in range(args.warmup + 2):
+            once()
+    times: dict[str, list[float]] = {"moe": [], "dense": []}
+    for i in range(calls):
+        for label in (("moe", "dense") if i % 2 else ("dense", "moe")):
+            times[label].append(calls_of[label]())
+    ratio = statistics.median(d / m for m, d in zip(times["moe"], times["dense"]))
+    return 1e3 * statistics.median(times["moe"]), 1e3 * statistics.median(times["dense"]), ratio
+
+
+def compare(moe: ModelConfig, args, device: torch.device, peak: float, name: str) -> None:
+    """Print the table and the MoE / dense ratios for one micro-batch shape."""
+    gpu = device.type == "cuda"
     print(f"# {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, micro-batch {args.batch} × seq "
           f"{args.seq}, {args.iters} iters, {'bf16 autocast' if gpu else 'fp32'}"
           f"{', compiled' if args.compile else ''}")
@@ -157,6 +174,64 @@ def main() -> None:
     for what, r in ratios.items():
         print(f"moe / dense tokens/s, {what}: median of {len(r)} rounds {statistics.median(r):.2f}× "
               f"(range {min(r):.2f}–{max(r):.2f})")
+    if args.block_calls:
+        moe_ms, dense_ms, ratio = block_ratio(moe, args, device, args.block_calls)
+        print(f"one block, forward + backward: moe {moe_ms:.1f} ms, dense {dense_ms:.1f} ms; moe / dense tokens/s "
+              f"{ratio:.2f}× (median of {args.block_calls} interleaved pairs)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--layers", type=int, default=4, help="cuda: blocks in the moe-9b-shaped stack")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="micro-batch (cuda 8; cpu: both 4 and 8, see --seq)")
+    ap.add_argument("--seq", type=int, default=None,
+                    help="sequence length (cuda 2048; cpu: 4 × 256, then 8 × 512 — moe-tiny as `lmforge train` "
+                         "runs it by default)")
+    ap.add_argument("--iters", type=int, default=None, help="timed steps per round (cpu 5 at 4 × 256, 2 at 8 × 512; "
+                                                            "cuda 20)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (cpu 2, cuda 3)")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds (cpu 8, cuda 2)")
+    ap.add_argument("--block-calls", type=int, default=None,
+                    help="interleaved forward + backward calls of one block each (cpu 40; cuda 0: off)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="compile every block (default: on for cuda, off for cpu)")
+    ap.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="CPU: malloc keeps freed memory, as `lmforge train` sets it (distributed.host_memory)")
+    args = ap.parse_args()
+    if args.keep_freed_memory:
+        keep_freed_memory()
+    gpu = args.device == "cuda"
+    defaults = dict(warmup=3, compile=True, rounds=2, block_calls=0) if gpu else \
+        dict(warmup=2, compile=False, rounds=8, block_calls=40)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.bf16 = gpu
+    device = torch.device(args.device)
+    if gpu:
+        shapes = [(args.batch or 8, args.seq or 2048)]
+    elif args.batch or args.seq:
+        shapes = [(args.batch or 4, args.seq or 256)]
+    else:
+        # A small micro-batch, then the one a default moe-tiny run uses on the CPU: context_length
+        # defaults to the model's max_seq_len (512), the CPU micro-batch to 8 (`train.plan`).
+        shapes = [(4, 256), (8, 512)]
+    iters = args.iters
+    peak = peak_flops(detect_device_spec(device), "bf16" if gpu else "fp32")
+    for batch, seq in shapes:
+        args.batch, args.seq = batch, seq
+        args.iters = iters or (20 if gpu else max(2, 5 * 1024 // (batch * seq)))
+        if gpu:
+            moe = get_preset("moe-9b").model_copy(update={"n_layers": args.layers, "max_seq_len": max(4096, seq),
+                                                          "preset": None})
+            name = torch.cuda.get_device_name()
+        else:
+            moe = resolve_model({"preset": "moe-tiny", "vocab_size": 8192, "max_seq_len": max(512, seq)})
+            name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+        compare(moe, args, device, peak, name)
+
 
 if __name__ == "__main__":
     main()
