@@ -129,7 +129,9 @@ def _gather_sum(rows: torch.Tensor, inverse: torch.Tensor, k: int, weights: torc
     other form, one gather of N rows per slot summed in place (kept where a compiled graph fuses
     them, on GPUs)."""
     slots = inverse.view(-1, k)  # [N, k]
-    if fused if fused is not None else rows.device.type == "cpu":
+    if fused is None:
+        fused = rows.device.type == "cpu"
+    if fused:
         return F.embedding_bag(slots, rows, per_sample_weights=weights, mode="sum")
     out = rows.index_select(0, slots[:, 0])
     if weights is not None:
