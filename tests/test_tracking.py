@@ -299,6 +299,23 @@ def test_console_plain_lines_when_not_a_tty():
     assert "    return a + b [x]" in lines  # texts verbatim
 
 
+@pytest.mark.parametrize("log_interval, log_every, expected", [
+    (5, 2, [1, 5, 10, 15, 20, 25, 30, 35, 40]),  # every logged step crosses a multiple of 2
+    (30, 50, [1, 60, 120, 150, 210, 240]),  # about every 50 steps, not every lcm(30, 50) = 150
+    (10, 10, [1, 10, 20, 30, 40]),
+])
+def test_console_plain_lines_follow_the_steps_the_trainer_logs(log_interval, log_every, expected):
+    """The trainer logs every `log_interval` steps; the plain console thins those to about one line
+    per `log_every` steps, whether or not the two intervals divide each other."""
+    total = expected[-1]
+    out = io.StringIO()
+    c = ConsoleTracker(total_steps=total, stream=out, log_every=log_every)
+    for step in [1, *range(log_interval, total + 1, log_interval)]:
+        c.log_metrics(_train(step, 2.0), step)
+    printed = [int(line.split(" | ")[0].split()[1].split("/")[0]) for line in out.getvalue().splitlines()]
+    assert printed == expected
+
+
 def test_console_progress_bar_on_a_tty():
     out = io.StringIO()
     c = ConsoleTracker(total_steps=10, stream=out, tty=True, width=160)

@@ -1,6 +1,6 @@
 """The terminal view of a run: a live rich progress bar on a TTY, plain log lines otherwise.
 
-Plain lines (every ``log_every`` steps, on the last step and on every eval)
+Plain lines (about every ``log_every`` steps, on the last step and on every eval)
 keep CI logs and detached runs (``nohup``, ``runs logs``) readable, where a
 redrawn bar would be noise.
 """
@@ -99,6 +99,7 @@ class ConsoleTracker(Tracker):
         self.run_name = run_name
         self.width = width  # None: the terminal's width
         self._first: tuple[float, int] | None = None  # (time, step) of the first logged step
+        self._printed: int | None = None  # the step of the last plain training line
         self._progress = None
         self._task = None
 
@@ -159,8 +160,8 @@ class ConsoleTracker(Tracker):
                 self._start_bar(step, tokens)
             self._progress.update(self._task, completed=step if self.total_steps else tokens,
                                   stats=" | ".join(train_summary(m, self.total_tokens, self._eta(step, clock))))
-        elif is_train and (step % self.log_every == 0 or step == self.total_steps
-                           or step == self._first[1]):
+        elif is_train and self._plain_line_due(step):
+            self._printed = step
             head = f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"
             eta = self._eta(step, clock)
             parts = [head, *train_summary(m, self.total_tokens, eta)]
@@ -170,6 +171,15 @@ class ConsoleTracker(Tracker):
         evals = eval_summary(m)
         if evals:
             self._println(" | ".join([f"eval step {step}", *evals]))
+
+    def _plain_line_due(self, step: int) -> bool:
+        """The first step logged, the last one, and the first logged at or past each multiple of
+        log_every. Not only steps that are multiples of it: the trainer logs every
+        `log_interval` steps, and a log_interval of 5 against a log_every of 2 would otherwise
+        print only every 10th step (one of 30 against 50, every 150th)."""
+        if self._printed is None or step == self.total_steps:
+            return True
+        return step // self.log_every > self._printed // self.log_every
 
     def log_text(self, key: str, text: str, step: int) -> None:
         self._println(f"--- {key} at step {step} ---\n{text.rstrip()}\n---")
