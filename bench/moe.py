@@ -109,8 +109,8 @@ def timed(step, args, device: torch.device) -> tuple[float, float, float]:
 
 
 def block_ratio(moe: ModelConfig, args, device: torch.device, calls: int) -> tuple[float, float, float]:
-    """One MoE block (attention + MoE) against one dense block, forward + backward on the same
-    [batch, seq, d] input, calls interleaved one by one -> (MoE ms, dense ms, median over pairs of
+    """One MoE block (attention + MoE) against one dense block, eager and in fp32, forward + backward
+    on the same [batch, seq, d] input, calls interleaved one by one -> (MoE ms, dense ms, median over pairs of
     dense time / MoE time, i.e. the MoE block's tokens/s as a fraction of the dense block's)."""
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.seq, moe.d_model, device=device, requires_grad=True)
@@ -176,8 +176,8 @@ def compare(moe: ModelConfig, args, device: torch.device, peak: float, name: str
               f"(range {min(r):.2f}–{max(r):.2f})")
     if args.block_calls:
         moe_ms, dense_ms, ratio = block_ratio(moe, args, device, args.block_calls)
-        print(f"one block, forward + backward: moe {moe_ms:.1f} ms, dense {dense_ms:.1f} ms; moe / dense tokens/s "
-              f"{ratio:.2f}× (median of {args.block_calls} interleaved pairs)")
+        print(f"one block, eager fp32, forward + backward: moe {moe_ms:.1f} ms, dense {dense_ms:.1f} ms; moe / dense "
+              f"tokens/s {ratio:.2f}× (median of {args.block_calls} interleaved pairs)")
 
 
 def main() -> None:
