@@ -95,6 +95,10 @@ def test_dry_run_prints_resolved_config_and_plan(tmp_path):
     assert params["context_length"] == 2048 and params["global_batch_size"] == 512
     assert out["config"]["name"] == "big" and out["config"]["model"]["vocab_size"] == 32000
     assert out["plan"]["flops"]["training"] == pytest.approx(6 * out["plan"]["params"]["active"] * 20e9, rel=0.01)
+    # The time estimate uses the peak the run's MFU counts against, of the precision it trains in
+    # here (fp32 on a CPU without AMX, where a bf16 peak — 2× with AVX512-BF16 — halved the estimate).
+    assert params["precision"] in ("fp32", "bf16")
+    assert out["plan"]["cluster"]["precision"] == params["precision"]
     text = cli("train", "-f", cfg, "--dry-run", check=True).stdout
     assert yaml.safe_load(text.split("---")[0])["parameters"]["global_batch_size"] == 512
     assert "steps:" in text

@@ -260,6 +260,23 @@ def test_cli_text_and_json():
     assert traffic["all_to_all_bytes"] == 0 and traffic["expert_all_gather_bytes"] > 0
 
 
+def test_cli_cpu_estimate_uses_the_precision_training_would_use_here():
+    """`--gpu-type cpu` is this machine: without --precision its peak is the one `lmforge train`
+    would train at here (bf16 only with AMX; else fp32, not the 2× bf16 peak of AVX512-BF16)."""
+    import torch
+
+    from lmforge.config.defaults import bf16_supported
+    here = "bf16" if bf16_supported(torch.device("cpu")) else "fp32"
+    plans = {}
+    for extra in ([], ["--precision", "bf16"], ["--precision", "fp32"]):
+        proc = _cli("--model", "llama-tiny", "--tokens", "10M", "--gpu-type", "cpu", "--gpus", "1", "--json", *extra)
+        assert proc.returncode == 0, proc.stderr
+        plans[extra[-1] if extra else "default"] = json.loads(proc.stdout)
+    assert plans["default"]["cluster"]["precision"] == here
+    assert plans["default"]["time"]["seconds"] == pytest.approx(plans[here]["time"]["seconds"])
+    assert plans["bf16"]["cluster"]["precision"] == "bf16"  # asked for: honored
+
+
 def test_cli_yaml_model(tmp_path):
     (tmp_path / "run.yaml").write_text("model: {preset: llama-125m, n_layers: 6}\nparameters: {context_length: 512}\n")
     proc = _cli("--model", "run.yaml", "--tokens", "1B", "--gpus", "1", "--json", cwd=tmp_path)

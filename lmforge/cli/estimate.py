@@ -49,6 +49,20 @@ def _load_model(value: str):
     return cfg, (int(seq) if isinstance(seq, int) else None)
 
 
+def _precision(args) -> str:
+    """--precision, else bf16 on a GPU type; on this CPU the precision training would choose:
+    bf16 only with AMX (`config.defaults.bf16_supported`), since without it a run trains in fp32
+    and a bf16 peak (2× fp32 with AVX512-BF16) would halve the time estimate."""
+    if args.precision is not None:
+        return args.precision
+    if args.gpu_type != "cpu":
+        return "bf16"
+    import torch
+
+    from lmforge.config.defaults import bf16_supported
+    return "bf16" if bf16_supported(torch.device("cpu")) else "fp32"
+
+
 def _auto(args, tokens: float | None):
     """`--model auto`: the shape for a budget of --tokens, --flops or --time (see estimate.auto).
     A --time budget on `--gpu-type cpu` times candidates on this machine; on a GPU type it
@@ -76,7 +90,7 @@ def _auto(args, tokens: float | None):
     cands = candidates(args.vocab_size, None, args.seq_len,
                        lambda m, ctx: default_batch_tokens(param_counts(m)["non_embedding"]))
     spec = get_gpu_type(args.gpu_type)
-    precision = args.precision if args.gpu_type != "cpu" else "fp32"
+    precision = _precision(args)
     sustained = args.mfu * peak_flops(spec, precision) * (1 if args.gpu_type == "cpu" else args.gpus * args.nodes)
     measure = None
     if budget.kind == "s":
@@ -125,7 +139,7 @@ def run(args) -> int:
         seq_len=seq_len,
         active_params=parse_count(args.active_params, "--active-params") if args.active_params else None,
         vocab_size=args.vocab_size,
-        precision=args.precision,
+        precision=_precision(args),
         micro_batch=args.micro_batch,
         expert_parallel=args.expert_parallel,
     )
@@ -154,7 +168,9 @@ def register(subparsers) -> None:
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     p.add_argument("--nodes", type=int, default=1, help="nodes")
     p.add_argument("--gpu-type", default="h100-sxm", help=f"one of: {', '.join(gpu_type_names())}")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp32"], help="peak FLOP/s used")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp32"],
+                   help="peak FLOP/s used; unset = bf16 on GPUs, and on `--gpu-type cpu` what `lmforge train` "
+                   "uses on this CPU (bf16 with AMX, else fp32)")
     p.add_argument("--mfu", type=float, default=0.4, help="model-FLOPs utilization to assume, in (0, 1]")
     p.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="P", help="price for the cost line")
     p.add_argument("--seq-len", type=int, default=None, help="context length; unset = the model's max_seq_len (or the YAML's context_length)")
