@@ -176,7 +176,7 @@ class ConsoleTracker(Tracker):
         """The first step logged, the last one, and the first logged at or past each multiple of
         log_every. Not only steps that are multiples of it: the trainer logs every
         `log_interval` steps, and a log_interval of 5 against a log_every of 2 would otherwise
-        print only every 10th step (one of 30 against 50, every 150th)."""
+        print only every 10th step (30 against 50: every 150th)."""
         if self._printed is None or step == self.total_steps:
             return True
         return step // self.log_every > self._printed // self.log_every
