@@ -243,6 +243,10 @@ def build_meshes(compute: ComputeConfig, dist: DistInfo, n_experts: int = 0) -> 
     # requires of a DTensor parameter's mesh and its own. The dimension by position: torch 2.11's
     # `_unflatten` refuses every dimension given by name (its name check is inverted).
     full = dense._unflatten(len(names) - 1, (shard // ep, ep), ("shard_mod_ep", "ep"))
+    # The experts' gradient norm (`clip_grad_norm`) is partial over both new dimensions. With them
+    # also flattened into one, DTensor sums it in one all-reduce; else in two in a row, and torch
+    # warns about it on every rank of every run.
+    full["shard_mod_ep", "ep"]._flatten()
     return Meshes(dense, experts=full[names[:-1] + ("shard_mod_ep",)], ep=full["ep"])
 
 
