@@ -10,6 +10,7 @@ import yaml
 from conftest import tiny_run_config
 from lmforge.config.durations import parse_duration
 from lmforge.config.load import build_config, load_config
+from lmforge.config.model import resolve_model
 from lmforge.errors import UserError
 from train_helpers import assert_one_line_error, cli, lmforge, write_config
 
@@ -46,6 +47,19 @@ def test_model_preset_with_overrides_and_custom_shape():
     assert (cfg.model.preset, cfg.model.d_model, cfg.model.n_layers) == ("llama-125m", 768, 3)
     cfg = build_config(BASE | {"model": {"d_model": 96, "n_layers": 2, "n_heads": 3}})
     assert cfg.model.preset is None and cfg.model.dim_head == 32
+
+
+@pytest.mark.parametrize("model, label", [
+    ("moe-tiny", "moe-tiny"),
+    ({"preset": "moe-tiny", "vocab_size": 4096, "max_seq_len": 1024}, "moe-tiny"),  # set by tokenizer / run
+    ({"preset": "moe-tiny", "n_experts": 0, "top_k": 0, "ffn_hidden": 512}, "moe-tiny (modified)"),
+    ({"preset": "llama-125m", "n_layers": 3}, "llama-125m (modified)"),
+    ({"d_model": 96, "n_layers": 2, "n_heads": 3}, "custom"),
+])
+def test_a_shape_is_named_by_its_preset_only_while_it_is_that_preset(model, label):
+    """Logs, `runs list` and `estimate` name the shape: a dense twin written from moe-tiny's
+    preset was listed as "moe-tiny"."""
+    assert resolve_model(model).label() == label
 
 
 def test_overrides_and_set(tmp_path):

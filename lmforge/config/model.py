@@ -168,6 +168,18 @@ class ModelConfig(BaseModel):
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
+    def label(self) -> str:
+        """How logs and `runs list` name the shape: its preset while it is the preset's (its
+        vocabulary and context length aside, which a tokenizer and a run set), "<preset>
+        (modified)" once other fields differ — a dense twin written as `{preset: moe-tiny,
+        n_experts: 0, …}` is not moe-tiny — and "custom" without a preset."""
+        if not self.preset or self.preset not in PRESETS:
+            return "custom"
+        base = ModelConfig(preset=self.preset, **PRESETS[self.preset])
+        kept = {"preset", "vocab_size", "max_seq_len"}
+        same = all(getattr(self, f) == getattr(base, f) for f in type(self).model_fields if f not in kept)
+        return self.preset if same else f"{self.preset} (modified)"
+
 
 def _dense(d, layers, heads, kv=None, ffn=None, vocab=None, theta=10000.0, ctx=2048, tie=False):
     return dict(d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv, ffn_hidden=ffn,

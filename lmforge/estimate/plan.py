@@ -80,7 +80,7 @@ def estimate_run(
         counts = param_counts(cfg)
         seq_len = seq_len or cfg.max_seq_len
         per_token = flops_per_token(cfg, seq_len)
-        name = cfg.preset or "custom"
+        name = cfg.label()
     else:
         _check_positive(model, "--params")
         total = float(model)

@@ -69,7 +69,9 @@ def model_label(cfg) -> str:
     m = cfg.model
     if m == "auto":
         return "auto"
-    return m.preset or f"custom {m.n_layers}×{m.d_model}" + (f" moe{m.n_experts}" if m.n_experts else "")
+    if m.preset:
+        return m.label()
+    return f"custom {m.n_layers}×{m.d_model}" + (f" moe{m.n_experts}" if m.n_experts else "")
 
 
 def child_argv(args, name: str, save_folder: str, *, first: bool) -> list[str]:

@@ -569,7 +569,7 @@ class Trainer:
         cfg, plan = self.cfg, self.plan
         total = f"{plan.total_steps:,} steps ({plan.total_tokens:,} tokens)" if plan.total_steps else \
             f"{plan.time_limit_s:.0f}s of training"
-        self.log(f"run {cfg.name}: {cfg.model.preset or 'custom'} model, {plan.params['total'] / 1e6:.1f}M params "
+        self.log(f"run {cfg.name}: {cfg.model.label()} model, {plan.params['total'] / 1e6:.1f}M params "
                  f"({plan.params['active'] / 1e6:.1f}M active), {total}")
         self.log(f"  batch {plan.global_batch} × {plan.context_length} tokens = micro-batch {plan.micro_batch} × "
                  f"{plan.grad_accum} accumulation × {self.dist.world_size} rank(s); lr {plan.learning_rate:.3g}, "
