@@ -50,8 +50,8 @@ def _load_model(value: str):
 
 
 def _precision(args) -> str:
-    """--precision, else bf16 on a GPU type; on this CPU the precision training would choose:
-    bf16 only with AMX (`config.defaults.bf16_supported`), since without it a run trains in fp32
+    """--precision, else bf16 on a GPU type; on this CPU the precision training would choose
+    (`config.defaults.auto_precision`: bf16 only with AMX), since without AMX a run trains in fp32
     and a bf16 peak (2× fp32 with AVX512-BF16) would halve the time estimate."""
     if args.precision is not None:
         return args.precision
@@ -59,8 +59,8 @@ def _precision(args) -> str:
         return "bf16"
     import torch
 
-    from lmforge.config.defaults import bf16_supported
-    return "bf16" if bf16_supported(torch.device("cpu")) else "fp32"
+    from lmforge.config.defaults import auto_precision
+    return auto_precision(torch.device("cpu"))
 
 
 def _auto(args, tokens: float | None):

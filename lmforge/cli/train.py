@@ -28,7 +28,7 @@ from lmforge.config.reference import render_text
 from lmforge.config.schema import TokenizerSpec
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
-from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec
+from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec, mfu_basis
 from lmforge.estimate.plan import estimate_run, format_plan
 from lmforge.runs.plan import launch_plan, started_by_user
 
@@ -219,12 +219,12 @@ def dry_run(cfg, args) -> int:
     if device.type == "cuda":
         name = detect_device_spec(device).name
         gpu_type = name if name in GPU_TYPES else "h100-sxm"
-    # The peak the run's MFU is logged against (fp8 runs too count against the bf16 peak): on a CPU
-    # without AMX the run trains in fp32, and its bf16 peak would halve the time estimate.
-    peak_basis = "fp32" if plan.precision == "fp32" else "bf16"
+    # At the peak the run's MFU is logged against: on a CPU without AMX the run trains in fp32,
+    # and that CPU's bf16 peak would halve the time estimate.
     est = estimate_run(cfg.model, tokens=plan.total_tokens, gpus=world if device.type == "cuda" else 1,
                        gpu_type=gpu_type, seq_len=plan.context_length, micro_batch=plan.micro_batch,
-                       grad_accum=plan.grad_accum, price=cfg.compute.price_per_gpu_hour, precision=peak_basis,
+                       grad_accum=plan.grad_accum, price=cfg.compute.price_per_gpu_hour,
+                       precision=mfu_basis(plan.precision),
                        expert_parallel=cfg.compute.expert_parallel if device.type == "cuda" else 1)
     if args.json:
         print(json.dumps({"config": resolved, "plan": est}, indent=1, default=str))

@@ -79,6 +79,11 @@ def bf16_supported(device: torch.device) -> bool:
     return False
 
 
+def auto_precision(device: torch.device) -> str:
+    """What `precision: auto` trains in on this device: bf16 where it is native, else fp32."""
+    return "bf16" if bf16_supported(device) else "fp32"
+
+
 def micro_batch_for(per_rank: int, cap: int = 8) -> int:
     """The largest divisor of the per-rank batch that is at most `cap` (8 on CPU; memory-based on GPUs)."""
     return max(d for d in range(1, min(per_rank, cap) + 1) if per_rank % d == 0)

@@ -175,7 +175,7 @@ class ModelConfig(BaseModel):
         n_experts: 0, …}` is not moe-tiny — and "custom" without a preset."""
         if not self.preset or self.preset not in PRESETS:
             return "custom"
-        base = ModelConfig(preset=self.preset, **PRESETS[self.preset])
+        base = get_preset(self.preset)
         kept = {"preset", "vocab_size", "max_seq_len"}
         same = all(getattr(self, f) == getattr(base, f) for f in type(self).model_fields if f not in kept)
         return self.preset if same else f"{self.preset} (modified)"

@@ -85,6 +85,12 @@ def peak_flops(spec: GPUSpec, precision: str) -> float:
     return float(value)
 
 
+def mfu_basis(precision: str) -> str:
+    """The peak a run's MFU is counted against: fp32 runs the fp32 peak; bf16 and fp8 runs the bf16
+    peak (fp8 too, as torchtitan counts it: an FP8 speed-up then shows as a higher MFU)."""
+    return "fp32" if precision == "fp32" else "bf16"
+
+
 def mfu(tokens_per_second: float, flops_per_token: float, n_devices: int, peak_per_device: float) -> float:
     """Model-FLOPs utilization: achieved model FLOP/s over the cluster's peak FLOP/s."""
     if n_devices <= 0 or peak_per_device <= 0:

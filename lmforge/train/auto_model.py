@@ -21,7 +21,7 @@ from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.errors import UserError
 from lmforge.estimate.auto import SMALL_CONTEXT, Budget, Candidate, candidates, choose
 from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
-from lmforge.estimate.hardware import detect_device_spec, peak_flops
+from lmforge.estimate.hardware import detect_device_spec, mfu_basis, peak_flops
 
 
 def resolve_auto(cfg: RunConfig, device: torch.device, log=print) -> RunConfig:
@@ -170,7 +170,7 @@ def _budget_tokens(budget: Budget, m: ModelConfig, ctx: int, device: torch.devic
 
 def _flops_guess(device: torch.device, precision: str) -> float:
     """Sustained FLOP/s to pre-rank candidates of a wall-clock budget before timing a few."""
-    return 0.4 * peak_flops(detect_device_spec(device), "bf16" if precision == "bf16" else "fp32")
+    return 0.4 * peak_flops(detect_device_spec(device), mfu_basis(precision))
 
 
 def _throughput_fn(device: torch.device, precision: str, optimizer: str, log):

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, bf16_supported, micro_batch_for,
-                                     default_batch_tokens, default_learning_rate)
+from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, auto_precision, bf16_supported,
+                                     default_batch_tokens, default_learning_rate, micro_batch_for)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.schema import RunConfig, phase_end
 from lmforge.distributed.float8 import check_fp8_supported
 from lmforge.errors import UserError
 from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
-from lmforge.estimate.hardware import detect_device_spec, peak_flops
+from lmforge.estimate.hardware import detect_device_spec, mfu_basis, peak_flops
 from lmforge.estimate.memory import memory_plan
 from lmforge.train.optim import Schedule
 
@@ -114,7 +114,7 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
     check_context(ctx, data_seq_len)
 
     if p.precision == "auto":
-        precision = "bf16" if bf16_supported(device) else "fp32"
+        precision = auto_precision(device)
     else:
         precision = p.precision
         if precision == "bf16" and not bf16_supported(device) and device.type != "cpu":
@@ -226,7 +226,7 @@ def step_seconds(cfg: RunConfig, ctx: int, gbs: int, micro: int, world_size: int
                                        optimizer=cfg.parameters.optimizer, device=device)
     if measured:
         return tokens / measured, tokens / measured
-    peak = peak_flops(detect_device_spec(device), "fp32" if precision == "fp32" else "bf16")
+    peak = peak_flops(detect_device_spec(device), mfu_basis(precision))
     flops = tokens * flops_per_token(cfg.model, ctx)["total"]
     return flops / (0.5 * peak), flops / peak
 

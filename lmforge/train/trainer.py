@@ -45,7 +45,7 @@ from lmforge.distributed.float8 import after_optimizer_step
 from lmforge.distributed.parallelize import (SHARDED, clip_grad_norm, compile_enabled, device_value, full_state_dict,
                                              is_sharded, materialize, no_grad_sync, parallelize)
 from lmforge.errors import UserError
-from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
+from lmforge.estimate.hardware import detect_device_spec, mfu, mfu_basis, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.eval.in_training import generations, load_icl, run_icl
 from lmforge.models import build_model, save_pretrained
@@ -179,10 +179,7 @@ class Trainer:
             self.load(resume_from)
         restarted_from_elastic(self.save_folder, resume_from, self.state.step, dist, self.log)
         self.saver = ckpt.PendingSave() if self.cfg.compute.async_checkpoint else None
-        # MFU of fp8 runs is against the bf16 peak too (as torchtitan counts it): the same scale
-        # as bf16 runs, so an FP8 speed-up shows as a higher MFU.
-        self.peak_flops = peak_flops(detect_device_spec(self.device),
-                                     "fp32" if self.plan.precision == "fp32" else "bf16")
+        self.peak_flops = peak_flops(detect_device_spec(self.device), mfu_basis(self.plan.precision))
         self._stop_asked = False
         self.watchdog = HangWatchdog(self.cfg.compute.hang_timeout, rank=dist.rank)
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
