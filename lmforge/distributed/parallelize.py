@@ -33,6 +33,7 @@ use); on GPUs the same code runs on NCCL.
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -356,8 +357,30 @@ def materialize(model: nn.Module, device: torch.device, full_state: dict | None)
 
 def full_state_dict(model: nn.Module) -> dict | None:
     """The whole model's weights on the CPU, on rank 0 (None on the others). Collective."""
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with _quiet_sequential_gathers():
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return sd if td.get_rank() == 0 else None
+
+
+class _SequentialGatherFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("While redistributing") and "all_gather" in record.getMessage())
+
+
+@contextmanager
+def _quiet_sequential_gathers():
+    """Expert-parallel weights are sharded on the expert dim twice (FSDP's strided shard inside
+    EP's shard); gathering one whole takes two all-gathers in a row, which torch cannot merge and
+    warns about on every rank. Here that happens once a run, for the final weights, and an
+    all-gather is exact whatever its order (the warning's concern is reductions): the warning is
+    dropped for this call only."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    quiet = _SequentialGatherFilter()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 @contextmanager
