@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -242,7 +243,7 @@ def _kernels(fn) -> str:
     return ", ".join(sorted(n[:48] for n in names)[:3]) or "none matched (math?)"
 
 
-def run_trainer(c: dict) -> list[dict]:
+def run_trainer(c: dict) -> Iterator[dict]:
     """`lmforge train` for 60 steps on llama-1b (tokenizer with a 32k vocabulary trained on the
     built-in corpus, micro-batch 8 × 2048, 2 micro-batches per step, compiled, bf16), its
     tokens/s read from metrics.jsonl (the median of the log windows after the first, which holds
@@ -286,10 +287,10 @@ def run_trainer(c: dict) -> list[dict]:
         trainer["step_ms"] = mb * accum * seq / trainer["tokens_per_s"] * 1e3
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    yield trainer  # printed now: kept if the loop below runs out of the call's budget
     loop = run_model(_model(preset, vocab, mb, accum=accum, compile_=compile_, part=3)
                      | {"device": c.get("device", "cuda"), "seq": seq} | {k: c[k] for k in ("warmup", "steps") if k in c})
-    loop |= {"name": "trainer-60-steps/bench-loop", "note": "the same step in this script's loop"}
-    return [trainer, loop]
+    yield loop | {"name": "trainer-60-steps/bench-loop", "note": "the same step in this script's loop"}
 
 
 def smoke(c: dict) -> dict:
@@ -303,24 +304,29 @@ def smoke(c: dict) -> dict:
     return c | {"device": "cpu"}
 
 
-def run_config(name: str, c: dict) -> list[dict]:
+def run_config(name: str, c: dict) -> Iterator[dict]:
+    """The config's rows, each as soon as it is measured."""
     if c.get("device") == "cpu" and (c["kind"] == "sdpa" or c.get("precision") == "fp8"):
-        return [{"name": name, "config": name, "part": c["part"], "error": "needs CUDA"}]
+        yield {"name": name, "config": name, "part": c["part"], "error": "needs CUDA"}
+        return
     if c["kind"] == "sdpa":
         rows = run_sdpa(c)
     elif c["kind"] == "trainer":
         rows = run_trainer(c)
     else:
         rows = [run_model(c) | {"name": name}]
-    # The bench's own import path must not need the tracker back-ends or the object-store client.
-    heavy = sorted(m for m in ("mlflow", "wandb", "s3fs") if m in sys.modules)
     for r in rows:
+        # The bench's own import path must not need the tracker back-ends or the object-store client.
+        heavy = sorted(m for m in ("mlflow", "wandb", "s3fs") if m in sys.modules)
         r.setdefault("name", name)
-        r.update(config=name, part=c["part"], heavy_imports=heavy)
-    return rows
+        yield r | {"config": name, "part": c["part"], "heavy_imports": heavy}
 
 
 # --------------------------------------------------------------------------- parts, table
+
+def _result_rows(stdout: str) -> list[dict]:
+    return [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+
 
 def run_part(names: list[str], results: str, budget: float, smoke_: bool = False) -> None:
     start = time.monotonic()
@@ -335,13 +341,15 @@ def run_part(names: list[str], results: str, budget: float, smoke_: bool = False
         try:
             cmd = [sys.executable, os.path.abspath(__file__), "config", name] + (["--smoke"] if smoke_ else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left - 15)
-            rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            rows = _result_rows(proc.stdout)
             if proc.returncode != 0 or not rows:
                 tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["?"]
                 rows = [{"name": name, "error": f"exit {proc.returncode}: {tail[0][:120]}"}]
                 sys.stderr.write(proc.stderr[-4000:])
-        except subprocess.TimeoutExpired:
-            rows = [{"name": name, "error": "timed out (budget)"}]
+        except subprocess.TimeoutExpired as e:
+            # Rows the config printed before the budget ran out are measurements: keep them.
+            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            rows = _result_rows(out) + [{"name": name, "error": "timed out (budget)"}]
         for r in rows:
             r.setdefault("config", name)
             r.setdefault("part", CONFIGS[name]["part"])

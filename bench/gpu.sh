@@ -49,7 +49,7 @@ case "$what" in
   2|3) "$PY" bench/gpu.py part "$what" --budget "${BUDGET:-540}" ;;
   4) moe ;;
   all) gpu_tests; for p in 1 2 3; do "$PY" bench/gpu.py part "$p" --budget 100000; done; moe ;;
-  only) "$PY" bench/gpu.py only "$2" --budget "${BUDGET:-540}" ;;
+  only) "$PY" bench/gpu.py only "${2:?usage: bash bench/gpu.sh only NAME,... (python bench/gpu.py list)}" --budget "${BUDGET:-540}" ;;
   table) "$PY" bench/gpu.py table ;;
   *) echo "usage: bash bench/gpu.sh 1|2|3|4|all|only NAME,...|table" >&2; exit 2 ;;
 esac

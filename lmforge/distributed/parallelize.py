@@ -90,8 +90,10 @@ def _selective_policy():
             torch.ops._c10d_functional.all_to_all_single.default,
             torch.ops._c10d_functional_autograd.all_to_all_single.default,  # (what torch 2.11's autograd
             # all-to-all dispatches; 2.13's dispatches the plain one)
+            aten._scaled_mm.default,  # FP8 (torchao) matmuls
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default,  # where SDPA picks cuDNN (H100)
             aten._scaled_dot_product_flash_attention_for_cpu.default}
     # Expert parallelism nests the experts' FSDP unit inside the block: on recompute FSDP opens one
     # more profiler range there (it takes the iteration's root role again) than in forward, and
