@@ -3,6 +3,7 @@ protocol. Seconds each; the end-to-end subprocess tests (test_train.py) cover th
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -105,6 +106,55 @@ def test_checkpoint_round_trip_continues_bitwise(tiny_data, tmp_path):
     assert got.loss == expected.loss and got.grad_norm == expected.grad_norm
     for (k, va), vb in zip(a.model.state_dict().items(), b.model.state_dict().values()):
         assert torch.equal(va, vb), k
+
+
+def test_a_resume_reads_each_checkpoint_file_back_once(tiny_data, tmp_path, monkeypatch):
+    """Rank 0 checks the digests of the checkpoint it resumes from; loading it does not check them
+    again (on every rank that would be ranks × the checkpoint's size in reads). Files rank 0 did
+    not check (another node's shards) are still checked where they are loaded."""
+    from lmforge import checksums
+    from lmforge.train import checkpoint as ckpt
+
+    a = make_trainer(tiny_data, tmp_path / "run")
+    it = iter(a.stream)
+    for _ in range(2):
+        a.train_step(next_batches(a, it))
+    a.save()
+    path = ckpt.latest_checkpoint(str(tmp_path / "run"))
+    files = ckpt.files_here(path)
+    assert files and ckpt.read_state(path)["files"].keys() == set(files)
+
+    hashed: list[str] = []
+    real = checksums.sha256_file
+    monkeypatch.setattr(checksums, "sha256_file", lambda p: hashed.append(os.path.basename(p)) or real(p))
+    b = make_trainer(tiny_data, tmp_path / "run")
+    assert b.resumed and b.state.step == 2
+    assert sorted(hashed) == files  # each once: in choosing the checkpoint, not again in loading it
+
+    rng = next(n for n in files if n.startswith("rng_rank"))
+    with open(os.path.join(path, rng), "r+b") as f:  # one flipped byte, same size
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    others = [n for n in files if n != rng]
+    with pytest.raises(ckpt.CorruptCheckpoint, match=rng):
+        ckpt.verify_checkpoint(path, checked=others)
+    hashed.clear()
+    ckpt.verify_checkpoint(path, checked=files)  # all checked elsewhere: nothing is read
+    assert hashed == []
+
+
+def test_files_hashed_in_parallel_have_their_own_digests(tmp_path):
+    import hashlib
+
+    from lmforge.checksums import file_digests, sha256_files
+
+    for i in range(5):
+        (tmp_path / f"f{i}").write_bytes(bytes([i]) * (i * 3_000_001))  # one empty, others past a read chunk
+    paths = [str(tmp_path / f"f{i}") for i in range(5)]
+    want = [hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths]
+    assert sha256_files(paths, workers=1) == sha256_files(paths, workers=4) == want
+    assert [d["sha256"] for d in file_digests(str(tmp_path), workers=3).values()] == want
 
 
 class Recorder(Callback):

@@ -25,6 +25,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -224,16 +225,17 @@ class CorruptCheckpoint(UserError):
     """A checkpoint that cannot be used as written (its state file or a digest is wrong)."""
 
 
-def verify_checkpoint(path: str) -> dict:
+def verify_checkpoint(path: str, checked: Collection[str] = ()) -> dict:
     """The state of a checkpoint whose files are intact; CorruptCheckpoint (naming the file) if not.
-    Checkpoints written before digests were recorded are taken as they are."""
+    Checkpoints written before digests were recorded are taken as they are. ``checked``: files
+    whose digests were verified already (`files_here` of another rank's check) and are skipped."""
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
             state = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt ({STATE_FILE}: {e})") from None
     try:
-        verify_files(path, state.get("files") or {}, "checkpoint")
+        verify_files(path, {n: d for n, d in (state.get("files") or {}).items() if n not in checked}, "checkpoint")
     except DamagedFile as e:
         raise CorruptCheckpoint(str(e)) from None
     return state
@@ -269,10 +271,19 @@ def read_state(path: str) -> dict:
                         "--no-autoresume starts fresh (keeping it aside)") from None
 
 
+def files_here(path: str) -> list[str]:
+    """The recorded files of checkpoint ``path`` that this machine holds: what `verify_checkpoint`
+    checks here (on several nodes without a shared file system, each node's own shards)."""
+    return sorted(n for n in read_state(path).get("files") or {} if os.path.exists(os.path.join(path, n)))
+
+
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    *, rank: int) -> dict:
-    """Load weights, optimizer and this rank's RNG states; returns the JSON state."""
-    state = verify_checkpoint(path)
+                    *, rank: int, checked: Collection[str] = ()) -> dict:
+    """Load weights, optimizer and this rank's RNG states; returns the JSON state. ``checked``:
+    files whose digests were verified already. A resuming run passes what rank 0 checked, so that
+    ranks do not each read a large checkpoint back in full (on a shared file system they check
+    nothing more; without one, the files only their node holds)."""
+    state = verify_checkpoint(path, checked)
     model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer else (get_state_dict(model, [])[0], None)
     to_load = {"model": model_sd} | ({"optim": optim_sd} if optimizer else {})
     try:

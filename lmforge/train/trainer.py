@@ -29,7 +29,7 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -160,7 +160,7 @@ class Trainer:
         self.icl = load_icl(self.cfg)  # bad task files fail before any training
         self.expert_health = ExpertHealth() if self.cfg.model.is_moe else None
 
-        resume_from = self._claim_save_folder(overwrite)
+        resume_from, checked = self._claim_save_folder(overwrite)
         self.model, self.train_forward = self._build_model(from_weights=not resume_from)
         p = self.cfg.parameters
         self.optimizer = build_optimizer(self.model, lr=self.plan.learning_rate, weight_decay=p.weight_decay,
@@ -176,7 +176,7 @@ class Trainer:
         self.eval_sets = self.data.eval_sets(self.layout, self.cfg.eval.max_batches)
         self.resumed = bool(resume_from)
         if resume_from:
-            self.load(resume_from)
+            self.load(resume_from, checked)
         restarted_from_elastic(self.save_folder, resume_from, self.state.step, dist, self.log)
         self.saver = ckpt.PendingSave() if self.cfg.compute.async_checkpoint else None
         self.peak_flops = peak_flops(detect_device_spec(self.device), mfu_basis(self.plan.precision))
@@ -187,8 +187,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def _claim_save_folder(self, overwrite: bool) -> str | None:
-        """Same run in the folder → the latest checkpoint to resume from; another run → refuse."""
+    def _claim_save_folder(self, overwrite: bool) -> tuple[str | None, list[str]]:
+        """Same run in the folder → the latest checkpoint to resume from and the files whose
+        digests rank 0 checked in choosing it; another run → refuse."""
         identity = run_identity(self.cfg)
         if self.dist.is_main:
             self.callbacks.before_resume(self.save_folder)
@@ -198,10 +199,11 @@ class Trainer:
             self.callbacks.resume_decided(self.save_folder, can_resume and self.cfg.autoresume, overwrite)
             ckpt.write_run_file(self.save_folder, identity, redact_config(self.cfg.model_dump(mode="json")))
         barrier()
-        latest = None
+        latest, checked = None, []
         if self.cfg.autoresume and self.dist.is_main:  # rank 0 checks the digests; every rank loads its pick
             latest = ckpt.intact_checkpoint(self.save_folder, self.log)
-        return broadcast_object(latest)
+            checked = ckpt.files_here(latest) if latest else []
+        return broadcast_object((latest, checked))
 
     def _build_model(self, from_weights: bool) -> tuple[Transformer, torch.nn.Module]:
         """The same seed on every rank gives the same initial weights; fsdp/hsdp: rank 0 alone
@@ -371,10 +373,11 @@ class Trainer:
                              rank=self.dist.rank, keep=self.cfg.save_num_checkpoints_to_keep, pending=self.saver,
                              on_complete=self.callbacks.on_checkpoint if self.dist.is_main else None)
 
-    def load(self, path: str) -> None:
-        """Model, optimizer and this rank's RNG from ``path``; then counters and data position."""
+    def load(self, path: str, checked: Collection[str] = ()) -> None:
+        """Model, optimizer and this rank's RNG from ``path``; then counters and data position.
+        ``checked``: its files whose digests were verified already (by rank 0, choosing it)."""
         check_same_batch(ckpt.read_state(path), self.cfg, path)
-        state = ckpt.load_checkpoint(path, self.model, self.optimizer, rank=self.dist.rank)
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer, rank=self.dist.rank, checked=checked)
         self.stream.load_state_dict(state["data"])
         self.state.load_state_dict(state)
         self.log(f"resume: continuing from {path} (step {self.state.step}, {self.state.tokens:,} tokens)")
