@@ -50,8 +50,9 @@ def file_digests(folder: str, skip: tuple[str, ...] = (), workers: int | None = 
 
 def verify_files(folder: str, digests: dict, what: str) -> None:
     """Every file of ``digests`` that is present has its recorded size and sha256; the first that
-    does not is named. A missing file is left to the loader, which reports it (on a multi-node run
-    without a shared file system each node holds only its own shards)."""
+    does not (by name; sizes are checked before any file is read) is named. A missing file is left
+    to the loader, which reports it (on a multi-node run without a shared file system each node
+    holds only its own shards)."""
     present = {name: want for name, want in sorted(digests.items()) if os.path.exists(os.path.join(folder, name))}
     for name, want in present.items():  # sizes first: a truncated file is found without reading
         size = os.path.getsize(os.path.join(folder, name))

@@ -321,6 +321,12 @@ def test_secrets_config_and_errors(tmp_path, tiny_data):
     proc = lmforge("train", "-f", bad, "--dry-run")
     assert_one_line_error(proc, "unknown key 'PASSWORD'")
     assert "s3cr3t" not in proc.stderr
+    # An error the training process itself raises (and says before its teardown) is masked too.
+    uri = write_config(tmp_path / "uri.yaml", tiny_run_config(tiny_data, tmp_path / "r",
+                                                              train_data="foo://alice:hunter2pw@host/data.txt"))
+    proc = lmforge("train", "-f", uri)
+    assert_one_line_error(proc, "foo://***@host/data.txt")
+    assert "hunter2pw" not in proc.stdout + proc.stderr
 
     from lmforge import secrets
 

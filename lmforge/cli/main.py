@@ -14,8 +14,7 @@ import sys
 
 from lmforge import __version__
 from lmforge.cli.common import HelpFormatter, OneLineParser
-from lmforge.errors import PeerUserError, UserError, environment_error
-from lmforge.process import speaks_for_node
+from lmforge.errors import UserError, environment_error, say
 
 # Command modules, in the order they appear in `lmforge --help`. A module that does not
 # exist yet is skipped, so the CLI stays usable while features are added.
@@ -63,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as e:
-        if not isinstance(e, PeerUserError) or speaks_for_node():  # rank 0's error: once per node
-            sys.stderr.write(f"error: {e}\n")
+        say(e)
         return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
@@ -77,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         err = environment_error(e)  # a full disk, a read-only or forbidden folder: one line, no traceback
         if err is None:
             raise
-        sys.stderr.write(f"error: {err}\n")
+        say(err)
         return err.exit_code
 
 

@@ -110,13 +110,6 @@ def load_from_args(args):
 
 
 def run(args) -> int:
-    try:
-        return _run(args)
-    except UserError as e:  # no secret may reach the terminal, whatever raised the error
-        raise type(e)(secrets.redact(str(e))) from None
-
-
-def _run(args) -> int:
     cfg = load_from_args(args)
     secrets.apply(cfg)  # credentials named by `secrets:` → env (torchrun's ranks inherit it)
     if args.dry_run:

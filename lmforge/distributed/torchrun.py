@@ -152,8 +152,8 @@ class _StopAtFinalFailure:
     (status "failed": bad input, or a run that diverged), stop torchrun — a SIGTERM to this
     process, which torchrun turns into stopping its ranks — before ``--max-restarts`` repeats the
     same failure and torchrun ends in a ChildFailedError traceback. ``exit_code`` is the rank's.
-    The rank reports before it prints its error line and exits: the stop waits for that process
-    to end, so that the line is not cut off."""
+    The rank prints its error line, reports, and exits: the stop waits for that process to end,
+    so that nothing it still writes is cut off."""
 
     def __init__(self, path: str, poll_s: float = 0.1, exit_wait_s: float = 30.0):
         self.path, self.poll_s, self.exit_wait_s, self.exit_code = path, poll_s, exit_wait_s, None

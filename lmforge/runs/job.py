@@ -23,7 +23,7 @@ from lmforge.data.remote import join as remote_join
 from lmforge.distributed.dist import destroy, init_distributed
 from lmforge.distributed.elastic import restart_count
 from lmforge.distributed.torchrun import torchrun_command, wait_for_endpoint
-from lmforge.errors import UserError, environment_error
+from lmforge.errors import UserError, environment_error, say
 from lmforge.process import die_with_parent
 from lmforge.runs.lock import SaveFolderLock
 from lmforge.runs.plan import LaunchPlan, with_plan
@@ -103,7 +103,11 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
         err = e if isinstance(e, UserError) else environment_error(e, where=f"save_folder {cfg.save_folder}")
         if err is None:
             raise
-        report_status(plan, "failed", error=str(err), exit_code=err.exit_code, attempt=restart_count(), pid=os.getpid())
+        # Said now, not at exit after the teardown below: with several nodes, a node that stops first
+        # can take the rendezvous with it, and this node's torchrun then stops this rank mid-teardown.
+        say(err)
+        report_status(plan, "failed", error=secrets.redact(str(err)), exit_code=err.exit_code, attempt=restart_count(),
+                      pid=os.getpid())
         if err is e:
             raise
         raise err from None
