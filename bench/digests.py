@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lmforge.checksums import file_digests  # noqa: E402
+from lmforge.checksums import file_digests, hash_workers  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
         for workers in (1, None):
             best = min(_timed(folder, workers) for _ in range(args.rounds))
             results[workers] = best
-            label = "1" if workers == 1 else f"default ({min(args.files, os.cpu_count() or 1, 8)})"
+            label = "1" if workers == 1 else f"default ({hash_workers(args.files)})"
             print(f"{label:>12} {best:8.2f} {total_gb / best:6.2f}")
         print(f"speed-up: {results[1] / results[None]:.2f}×")
 

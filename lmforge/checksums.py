@@ -28,11 +28,17 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def hash_workers(files: int, workers: int | None = None) -> int:
+    """Threads that hash ``files`` files: ``workers``, by default one per core, at most 8 (beyond
+    that the disk is the limit); never more than the files."""
+    return min(files, workers or min(os.cpu_count() or 1, 8))
+
+
 def sha256_files(paths: list[str], workers: int | None = None) -> list[str]:
-    """sha256 of each file, several files at once: hashlib and file reads release the GIL, so
-    threads hash in parallel (a checkpoint has a shard file per rank; rank 0 hashes them all).
-    ``workers`` default: one per core, at most 8 (beyond that the disk is the limit)."""
-    workers = min(len(paths), workers or min(os.cpu_count() or 1, 8))
+    """sha256 of each file, several files at once (`hash_workers`): hashlib and file reads release
+    the GIL, so threads hash in parallel (a checkpoint has a shard file per rank; rank 0 hashes
+    them all)."""
+    workers = hash_workers(len(paths), workers)
     if workers <= 1:
         return [sha256_file(p) for p in paths]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmforge-sha256") as pool:

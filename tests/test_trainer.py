@@ -152,7 +152,7 @@ def test_files_hashed_in_parallel_have_their_own_digests(tmp_path):
     for i in range(5):
         (tmp_path / f"f{i}").write_bytes(bytes([i]) * (i * 3_000_001))  # one empty, others past a read chunk
     paths = [str(tmp_path / f"f{i}") for i in range(5)]
-    want = [hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths]
+    want = [hashlib.sha256((tmp_path / f"f{i}").read_bytes()).hexdigest() for i in range(5)]
     assert sha256_files(paths, workers=1) == sha256_files(paths, workers=4) == want
     assert [d["sha256"] for d in file_digests(str(tmp_path), workers=3).values()] == want
 
