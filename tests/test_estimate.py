@@ -265,8 +265,8 @@ def test_cli_cpu_estimate_uses_the_precision_training_would_use_here():
     would train at here (bf16 only with AMX; else fp32, not the 2× bf16 peak of AVX512-BF16)."""
     import torch
 
-    from lmforge.config.defaults import bf16_supported
-    here = "bf16" if bf16_supported(torch.device("cpu")) else "fp32"
+    from lmforge.config.defaults import auto_precision
+    here = auto_precision(torch.device("cpu"))  # what `lmforge train`'s plan picks on this CPU
     plans = {}
     for extra in ([], ["--precision", "bf16"], ["--precision", "fp32"]):
         proc = _cli("--model", "llama-tiny", "--tokens", "10M", "--gpu-type", "cpu", "--gpus", "1", "--json", *extra)

@@ -366,7 +366,8 @@ def full_state_dict(model: nn.Module) -> dict | None:
 
 class _SequentialGatherFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.getMessage().startswith("While redistributing") and "all_gather" in record.getMessage())
+        message = record.getMessage()
+        return not (message.startswith("While redistributing") and "all_gather" in message)
 
 
 @contextmanager
