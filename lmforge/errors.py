@@ -1,12 +1,9 @@
 """The one exception type for problems the user can fix.
 
-Anything raised as ``UserError`` is printed (`say`) as a single line
-(``error: ...``) with exit status 2 and no traceback. Messages name the
+Anything raised as ``UserError`` is printed (`lmforge.say.say`, at the edges that print) as a
+single line (``error: ...``) with exit status 2 and no traceback. Messages name the
 file/key/argument at fault and what was expected.
 """
-
-import sys
-
 
 class UserError(Exception):
     """Bad input: config, data, paths, checkpoints or CLI arguments."""
@@ -18,19 +15,6 @@ class UserError(Exception):
 class PeerUserError(UserError):
     """Rank 0's bad-input error, raised on the other ranks too so that none waits for it: rank 0
     prints the one line, the others exit with its code without repeating it."""
-
-
-def say(e: UserError) -> None:
-    """The error's one line on stderr, once (a training rank says it before its teardown, the CLI
-    otherwise), with no secret in it, whatever raised it; rank 0's error raised on other ranks
-    only by the process that speaks for a node."""
-    from lmforge.process import speaks_for_node
-    from lmforge.secrets import redact
-
-    if not e.said and (not isinstance(e, PeerUserError) or speaks_for_node()):
-        sys.stderr.write(f"error: {redact(str(e))}\n")
-        sys.stderr.flush()
-    e.said = True
 
 
 # Errors of the machine around a run, not of lmforge: a full disk, a read-only or forbidden

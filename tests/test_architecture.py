@@ -1,32 +1,66 @@
 """The shape of the code, checked: which package may import which (docs/architecture.md).
 
-Data flows one way — config → data → models → train — and the core (`models`, `data`, `train`,
-`distributed`) never reaches out to the operations around it (`runs`, `cli`, the trackers).
-Reads the import statements (module level and inside functions) with `ast`; runs in well under
-a second.
+Data flows one way — config → resolved run → data → models → train — and the core (`models`,
+`data`, `train`, `distributed`) never reaches out to the operations around it (`runs`, `cli`,
+the trackers, reports). The layers, from the bottom:
+
+    errors, home, layout, checksums, process, secrets, say     (small shared modules)
+    config · tasks                                              torch-free: the rules and constants
+    estimate                                                    torch-free: FLOPs, memory, time
+    resolve (machine, plan, request, weights, auto_model)       torch-free: one run resolved
+    data · models · distributed · eval                          the torch core
+    resolve.steps                                               resolution past the config stage
+    train                                                       the trainer
+    tracking · report                                           what a person looks at
+    runs                                                        registry, supervisor, jobs
+    cli                                                         commands
+
+Reads the import statements (module level and inside functions) with `ast`; runs in about a second.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "lmforge"
-CORE = ("models", "data", "train", "distributed")
-OPERATIONS = ("runs", "cli", "tracking", "report")
-# package → packages of lmforge it must never import
+EVERYTHING = ("config", "tasks", "estimate", "resolve", "data", "models", "distributed", "eval", "train",
+              "tracking", "report", "runs", "cli")
+
+
+def above(package: str) -> tuple[str, ...]:
+    """The packages listed after ``package`` in EVERYTHING."""
+    return EVERYTHING[EVERYTHING.index(package) + 1:]
+
+
+# package → packages of lmforge it must never import (a layer never imports the layers above it,
+# nor its siblings where they must stay independent).
 FORBIDDEN = {
-    "config": ("data", "models", "train", "distributed", "eval", "runs", "cli", "tracking", "estimate", "report"),
-    "data": ("models", "train", "runs", "cli", "tracking"),
-    "models": ("train", "runs", "cli", "tracking", "eval"),
-    "distributed": ("train", "runs", "cli", "tracking"),
-    "train": OPERATIONS,
-    "eval": ("train",) + OPERATIONS,
-    "estimate": ("train", "runs", "cli", "tracking", "report"),
-    "report": ("models", "train", "distributed", "cli"),  # reads a run's files; never trains
+    "config": above("config"),
+    "tasks": tuple(p for p in above("config") if p != "tasks"),  # beside config: read by eval and curation alike
+    "estimate": above("estimate"),
+    "resolve": ("eval", "train", "tracking", "report", "runs", "cli"),
+    "data": ("models", "distributed", "eval", "train", "tracking", "report", "runs", "cli", "resolve"),
+    "models": ("distributed", "eval", "train", "tracking", "report", "runs", "cli", "resolve"),
+    "distributed": ("eval", "train", "tracking", "report", "runs", "cli", "resolve"),
+    "eval": ("train", "tracking", "report", "runs", "cli", "resolve"),
+    "train": ("tracking", "report", "runs", "cli"),
+    "tracking": ("report", "runs", "cli"),
+    "report": ("models", "train", "distributed", "runs", "cli"),  # reads a run's files; never trains
+    "runs": ("cli",),
 }
+SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say")
+# Modules that must load without torch: `lmforge --help`, `estimate` and a run's resolution up
+# to its config stay light, and the rules live in one torch-free layer that torch code imports.
+TORCH_FREE = ["lmforge.cli.main", "lmforge.layout", "lmforge.resolve", "lmforge.resolve.plan",
+              "lmforge.resolve.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
+              "lmforge.resolve.auto_model", "lmforge.resolve.schedule", "lmforge.tasks.icl",
+              "lmforge.estimate.plan", "lmforge.estimate.auto", "lmforge.estimate.memory",
+              "lmforge.config.defaults", "lmforge.config.load"]
 
 
 def imports_of(path: Path) -> set[str]:
@@ -45,6 +79,70 @@ def package_of(module: str) -> str:
     return module.split(".")[1]
 
 
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The lmforge modules ``path`` imports: `from a.b import c` is a.b.c where that is a module
+    (a submodule taken from its package), else a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = {f"{node.module}.{a.name}" for a in node.names}
+            found.update(subs if subs <= modules else {node.module})
+    out = set()
+    for m in found:
+        while m.startswith("lmforge.") and m not in modules:
+            m = m.rsplit(".", 1)[0]
+        if m in modules:
+            out.add(m)
+    return out
+
+
+def module_graph() -> dict[str, set[str]]:
+    """lmforge module → the lmforge modules it imports."""
+    paths = sorted(PKG.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): module_imports(p, modules) - {module_name(p)} for p in paths}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_layering(package):
     bad = []
@@ -55,14 +153,82 @@ def test_layering(package):
     assert not bad, "\n".join(bad)
 
 
-def test_trainer_does_not_depend_on_finetuning():
-    """Fine-tuning builds on the trainer, never the reverse."""
+def test_every_package_has_its_layer():
+    """A new package must say where it sits (add it to EVERYTHING and FORBIDDEN)."""
+    packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
+    assert packages <= set(EVERYTHING), sorted(packages - set(EVERYTHING))
+    assert set(FORBIDDEN) | {"cli"} == set(EVERYTHING)
+
+
+def test_shared_modules_import_only_each_other_and_config():
+    """The small top-level modules sit under every package (config aside: secrets reads its files)."""
+    bad = []
+    for name in SHARED_MODULES:
+        for module in imports_of(PKG / f"{name}.py"):
+            top = package_of(module)
+            if top not in SHARED_MODULES and top not in ("config", "data"):
+                bad.append(f"lmforge/{name}.py imports {module}")
+    assert not bad, "\n".join(bad)
+    assert not [m for m in imports_of(PKG / "errors.py")], "errors knows nothing of the rest (secrets included)"
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or through others (imports inside functions count)."""
+    found = circles(module_graph())
+    assert not found, "\n".join(" → ".join(c) for c in found)
+
+
+def test_no_package_circles():
+    graph: dict[str, set[str]] = {}
+    for module, targets in module_graph().items():
+        top = module.split(".")[1] if module.count(".") else module
+        graph.setdefault(top, set()).update(t.split(".")[1] for t in targets if t.count("."))
+    for top in graph:
+        graph[top].discard(top)
+    found = circles(graph)
+    assert not found, "\n".join(" ↔ ".join(c) for c in found)
+
+
+def test_the_rules_layer_loads_without_torch():
+    code = "import sys\n" + "".join(f"import {m}\n" for m in TORCH_FREE) + \
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_one_function_resolves_a_run():
+    """`resolve` is the only path to a plan: nothing outside lmforge/resolve builds one."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.is_relative_to(PKG / "resolve"):
+            continue
+        text = path.read_text()
+        for name in ("make_plan(", "resolve_auto(", "with_default_names(", "resolve_data("):
+            if name in text and not (name == "resolve_data(" and path.name == "resolve.py" and path.parent.name == "data"):
+                bad.append(f"{path.relative_to(PKG.parent)} calls {name[:-1]}")
+    bad = [b for b in bad if not b.startswith("lmforge/config/identity.py")]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 80:
+                    long.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, "\n".join(long)
+
+
+def test_trainer_does_not_depend_on_resolution_steps():
+    """The trainer takes a resolved run; it never resolves one itself."""
     mods = imports_of(PKG / "train" / "trainer.py")
-    assert not any(m.startswith(("lmforge.train.finetune", "lmforge.train.setup")) for m in mods), mods
+    assert not any(m.startswith(("lmforge.resolve.steps", "lmforge.resolve.plan.make_plan")) for m in mods), mods
 
 
 def test_core_never_branches_on_attributes():
     """Declared protocols (Batch, BatchStream, TrainingData with its `kind`) instead of hasattr."""
-    for package in ("train",):
+    for package in ("train", "resolve"):
         for path in (PKG / package).rglob("*.py"):
             assert "hasattr(" not in path.read_text(), path

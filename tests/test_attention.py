@@ -40,6 +40,7 @@ def _assert_same_blocks(model, ids, dense, flex) -> torch.Tensor:
     return out["dense"][0]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("window,doc_ids", [(None, DOCS), (16, None), (16, DOCS)])
 def test_flex_block_mask_equals_the_dense_mask_outputs_and_gradients(monkeypatch, window, doc_ids):
     """The blocks through `flex_attention` with our `BlockMask` (what CUDA runs) and through SDPA
@@ -100,7 +101,8 @@ def test_pretraining_with_document_masking_trains_on_split_rows(tiny_data, tmp_p
     from lmforge.data.prepare import prepare
     from lmforge.data.tokenizer import load_tokenizer
     from lmforge.distributed.dist import DistInfo
-    from lmforge.train.setup import setup_run
+    from lmforge.resolve import resolve
+    from lmforge.train.machine import process_machine
     from lmforge.train.trainer import Trainer
 
     docs = tmp_path / "short.jsonl"  # short documents: several per 64-token sample
@@ -111,7 +113,7 @@ def test_pretraining_with_document_masking_trains_on_split_rows(tiny_data, tmp_p
     raw = tiny_run_config(tiny_data, tmp_path / "run", train_data=str(tmp_path / "short"),
                           **{"parameters.document_masking": True, "compute.async_checkpoint": False,
                              "eval.prompts": []})
-    trainer = Trainer(setup_run(build_config(raw), one, log=lambda *_: None), one, log=lambda *_: None)
+    trainer = Trainer(resolve(build_config(raw), process_machine(one), log=lambda *_: None), one, log=lambda *_: None)
     it = iter(trainer.stream)
     batches = [next(it) for _ in range(trainer.plan.grad_accum)]
     for batch in batches + list(trainer.eval_sets[0].batches()):
@@ -146,6 +148,7 @@ def test_compiled_flex_attention_on_cuda_matches_the_dense_mask():
         torch.testing.assert_close(a, p.grad, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("window,doc_ids", [(None, None), (16, DOCS)])
 def test_soft_capped_flex_attention_equals_the_written_out_one(monkeypatch, window, doc_ids):
     """Gemma 2's soft-capped attention: FlexAttention with the cap as its score_mod and a block

@@ -376,6 +376,7 @@ def test_table_size():
     assert len(CASES) >= 60 and len({c.id for c in CASES}) == len(CASES)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_bad_input(case: Case, world: World, tmp_path):
     values = world.values | {"dir": str(tmp_path)}
@@ -395,6 +396,7 @@ def test_bad_input(case: Case, world: World, tmp_path):
         assert not Path(_fill(p, values)).exists(), f"{p} was written"
 
 
+@pytest.mark.integration
 def test_output_files_replace_their_own_kind(world, tmp_path):
     """The refusals above end with the remedy: a file the same command wrote is replaced without
     asking (re-running a report is routine), any other file with --overwrite."""
@@ -417,6 +419,7 @@ def test_output_files_replace_their_own_kind(world, tmp_path):
 # --------------------------------------------------------------------------- what is no longer refused
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="shared corpus not present")
 def test_one_txt_file_trains_with_defaults(world, tmp_path):
     """One .txt file is one document: the held-out split is its tail, cut by tokens."""
@@ -465,6 +468,7 @@ def world_tokens(world, text: str) -> list[int]:
     return list(tok.encode(text)) + [tok.eos_id]
 
 
+@pytest.mark.e2e
 def test_corrupt_latest_checkpoint_falls_back(world, tmp_path):
     """A damaged newest checkpoint: a warning line, and the run resumes from the previous one."""
     run_copy(world, tmp_path)
@@ -478,6 +482,7 @@ def test_corrupt_latest_checkpoint_falls_back(world, tmp_path):
     assert "completed after 6 steps" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_failed_first_start_does_not_block_a_fixed_config(world, tmp_path):
     """A start that failed before its first checkpoint leaves a run.json; the fixed config may go on."""
     save = tmp_path / "run"
@@ -522,6 +527,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.e2e
 def test_disk_full_is_one_line_naming_path_and_errno(world, small_disk):
     """The first checkpoint does not fit on the disk: one line naming the file and ENOSPC."""
     cfg = write_config(small_disk.parent / "c.yaml", world.config(save_folder=str(small_disk / "run")))
@@ -533,6 +539,7 @@ def test_disk_full_is_one_line_naming_path_and_errno(world, small_disk):
     assert lines[-1].startswith("error: ") and "ENOSPC" in lines[-1] and str(small_disk / "run") in lines[-1]
 
 
+@pytest.mark.e2e
 def test_read_only_save_folder_is_refused_before_the_run(world, small_disk):
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
     cfg = write_config(small_disk.parent / "c.yaml", world.config(save_folder=str(small_disk / "run")))
@@ -553,6 +560,7 @@ def test_rejected_config_is_not_registered(world, tmp_path):
     assert not (tmp_path / "big").exists()
 
 
+@pytest.mark.e2e
 def test_supervisor_does_not_retry_a_full_disk(world, small_disk):
     """A run that fails in the trainer on a user's error (a full disk) is recorded with its reason
     and not retried; the supervisor's own log writer survives the full disk."""
@@ -567,6 +575,7 @@ def test_supervisor_does_not_retry_a_full_disk(world, small_disk):
     assert len(run["resumptions"]) == 1
 
 
+@pytest.mark.e2e
 def test_run_rejected_by_its_trainer_is_not_kept(world, tmp_path):
     """Bad data is found by the trainer process (after the run was registered): one line, exit 2,
     no retry, and no FAILED entry left behind in `runs list`."""
@@ -579,6 +588,7 @@ def test_run_rejected_by_its_trainer_is_not_kept(world, tmp_path):
     assert Registry().get("bad-input-blob") is None
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("flags", [[], ["--no-supervisor"]], ids=["supervised", "no-supervisor"])
 def test_bad_data_on_two_ranks_is_one_line(world, tmp_path, flags):
     """With compute.ranks: 2, rank 0 finds the bad data while rank 1 waits for it: rank 1 stops
@@ -597,6 +607,7 @@ def test_bad_data_on_two_ranks_is_one_line(world, tmp_path, flags):
     assert "Traceback" not in out and "signal" not in out and "OMP_NUM_THREADS" not in out, out[-3000:]
 
 
+@pytest.mark.e2e
 def test_bad_data_on_two_nodes_is_one_line_on_each(world, tmp_path):
     """Two nodes (two `lmforge train --node-rank` on this machine, one rank each): rank 0 finds the
     bad data, and each node — wherever rank 0 landed — prints its one line and exits 2 at once.

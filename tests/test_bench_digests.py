@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from train_helpers import REPO, env
 
 
+@pytest.mark.e2e
 def test_the_digests_bench_times_one_worker_against_several():
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "digests.py"), "--files", "3", "--mb", "2",
                            "--rounds", "1"], capture_output=True, text=True, env=env(), timeout=120, cwd=REPO)

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from train_helpers import REPO, env
 
 BENCH = str(REPO / "bench" / "gpu.py")
@@ -20,6 +22,7 @@ def _config(name: str) -> list[dict]:
     return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
+@pytest.mark.e2e
 def test_a_bench_config_runs_the_training_step_and_reports_standard_mfu():
     (row,) = _config("1b-fsdp2-1-rank")  # meta init → parallelize → materialize, as the trainer does
     assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
@@ -27,6 +30,7 @@ def test_a_bench_config_runs_the_training_step_and_reports_standard_mfu():
     assert row["heavy_imports"] == []  # no mlflow / wandb / s3fs on the bench's path
 
 
+@pytest.mark.e2e
 def test_the_table_compares_each_row_with_its_baseline(tmp_path):
     results = tmp_path / "gpu.jsonl"
     rows = [{"name": "3b-bf16", "part": 2, "tokens_per_s": 1000.0, "mfu": 0.4, "mfu_6n": 0.35, "step_ms": 8.0},

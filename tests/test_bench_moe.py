@@ -6,9 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from train_helpers import REPO, env
 
 
+@pytest.mark.e2e
 def test_the_moe_bench_compares_whole_steps_and_one_block():
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "moe.py"), "--batch", "1", "--seq", "32",
                            "--rounds", "1", "--iters", "1", "--warmup", "1", "--block-calls", "2"],

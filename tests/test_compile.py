@@ -53,6 +53,7 @@ def test_a_block_with_a_document_block_mask_traces_as_one_graph(model):
         assert _explain(model.blocks[0], h, model.rope_cos[:32], model.rope_sin[:32], None, 0, mask) == (1, 0, [])
 
 
+@pytest.mark.integration
 def test_compile_auto_means_cuda_and_wraps_blocks_and_the_loss(model):
     assert compile_enabled("auto", torch.device("cuda")) and not compile_enabled("auto", torch.device("cpu"))
     assert compile_enabled(True, torch.device("cpu")) and not compile_enabled(False, torch.device("cuda"))

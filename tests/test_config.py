@@ -152,26 +152,31 @@ def test_cli_unknown_duration_unit(tmp_path, good):
     assert_one_line_error(_cli(tmp_path, good | {"training_duration": "3 fortnights"}), "training_duration")
 
 
+@pytest.mark.e2e
 def test_cli_batch_not_divisible(tmp_path, good):
     good["parameters"].update(global_batch_size=10, micro_batch_size=4)
     assert_one_line_error(_run(tmp_path, good), "global_batch_size (10)", "micro_batch_size (4)")
 
 
+@pytest.mark.e2e
 def test_cli_context_longer_than_data(tmp_path, good):
     good["parameters"]["context_length"] = 128  # the tiny dataset has 64-token samples
     assert_one_line_error(_run(tmp_path, good), "context_length (128)", "64")
 
 
+@pytest.mark.e2e
 def test_cli_missing_train_data(tmp_path, good):
     assert_one_line_error(_run(tmp_path, good | {"train_data": str(tmp_path / "nope")}), "nope")
 
 
+@pytest.mark.e2e
 def test_cli_bad_set_and_missing_file(tmp_path, good):
     assert_one_line_error(_cli(tmp_path, good, "--set", "noequals"), "--set")
     assert_one_line_error(lmforge("train", "-f", tmp_path / "absent.yaml"), "absent.yaml")
     assert_one_line_error(lmforge("train", "--bogus-flag"), "--bogus-flag")
 
 
+@pytest.mark.e2e
 def test_cli_save_folder_of_another_run_is_refused(tmp_path, good):
     lmforge("train", "-f", write_config(tmp_path / "a.yaml", good), check=True)
     run_json = (tmp_path / "run" / "run.json").read_bytes()
@@ -187,6 +192,7 @@ def test_cli_save_folder_of_another_run_is_refused(tmp_path, good):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["identity"]["name"] == "someone-else"
 
 
+@pytest.mark.e2e
 def test_cli_corrupt_checkpoint_on_resume(tmp_path, good):
     good["training_duration"] = "4ba"
     good["save_interval"] = "2ba"

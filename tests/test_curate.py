@@ -95,6 +95,7 @@ def _reference_docs() -> list[str]:
     return docs
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["c4", "fineweb", "gopher_quality", "gopher_repetition"])
 def test_filters_agree_with_datatrove(name):
     pytest.importorskip("datatrove")
@@ -228,6 +229,7 @@ def prepared(corpus, tok, tasks_yaml, tmp_path_factory) -> Prepared:
     return Prepared(args, json.loads(lmforge(*args, check=True).stdout), out, removed)
 
 
+@pytest.mark.e2e
 def test_prepare_counts_every_removal_and_is_idempotent(prepared, tasks_yaml, capsys):
     s, removed = prepared.summary, prepared.removed
     c = s["curation"]
@@ -249,6 +251,7 @@ def test_prepare_counts_every_removal_and_is_idempotent(prepared, tasks_yaml, ca
     assert code == 0 and "dedup/near" in table and "science 1" in table
 
 
+@pytest.mark.e2e
 def test_dedup_command_same_for_any_worker_count(corpus, tmp_path, capsys):
     outs = []
     for w in (1, 2):
@@ -278,6 +281,7 @@ def test_bad_curation_input_is_one_line_and_writes_nothing(corpus, tok, tmp_path
     assert not out.exists() and not (tmp_path / "rm").exists()
 
 
+@pytest.mark.e2e
 def test_run_config_curation_is_in_the_cache_key(corpus, tok, tasks_yaml, tmp_path):
     from lmforge.config.load import build_config
     from lmforge.data.resolve import resolve_data
@@ -298,6 +302,7 @@ def test_run_config_curation_is_in_the_cache_key(corpus, tok, tasks_yaml, tmp_pa
         build_config({**base, "eval": {}, "train_data": {"web": {"path": "x", "curate": {"decontaminate": True}}}})
 
 
+@pytest.mark.e2e
 def test_stats_raw_and_prepared(corpus, tok, prepared, tmp_path, capsys):
     code, out, _ = cli(capsys, "data", "stats", corpus, "--tokenizer", tok, "--plot", tmp_path / "s.html", "--json")
     s = json.loads(out)
@@ -317,6 +322,7 @@ def test_stats_raw_and_prepared(corpus, tok, prepared, tmp_path, capsys):
     assert code == 0 and "exact-duplicate rate" in table and "languages" in table
 
 
+@pytest.mark.e2e
 def test_datatrove_local_executor_with_several_workers(corpus, tasks_yaml, tmp_path):
     pytest.importorskip("datatrove")
     from datatrove.executor import LocalPipelineExecutor

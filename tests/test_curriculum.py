@@ -14,7 +14,8 @@ from lmforge.data.stream import StreamPhase, TokenStream
 from lmforge.distributed.dist import DistInfo
 from lmforge.errors import UserError
 from lmforge.train.callbacks import Callback
-from lmforge.train.setup import setup_run
+from lmforge.resolve import resolve
+from lmforge.train.machine import process_machine
 from lmforge.train.trainer import Trainer
 from test_stream import SEQ, make_dataset
 from train_helpers import final_weights, write_config
@@ -143,16 +144,17 @@ def test_config_errors(train_data, duration, needle):
 def test_plan_checks_end_points_in_steps():
     import torch as _t
 
-    from lmforge.train.plan import make_plan
+    from lmforge.resolve.plan import make_plan
+    from lmforge.train.machine import local_machine
 
     # 1M tokens = 62 steps of 8 × 2048 tokens, past a 50-step run: only the plan can tell.
     cfg = build_config(cfg_with([{"until": "1M tok", "mix": {"a": "x/"}}, {"mix": {"a": 1}}], "50ba")
                        | {"parameters": {"global_batch_size": 8, "context_length": 2048}})
     with pytest.raises(UserError, match=r"train_data\[0\].until: '1M tok' is step 62, past the end of the run"):
-        make_plan(cfg, world_size=1, device=_t.device("cpu"), samples_per_epoch=None, data_seq_len=None)
+        make_plan(cfg, local_machine(_t.device("cpu")), samples_per_epoch=None, data_seq_len=None)
     cfg = build_config(cfg_with([{"until": "25%", "mix": {"a": "x/"}}, {"until": "20ba", "mix": {"a": 1}},
                                  {"mix": {"a": 1}}], "40ba") | {"parameters": {"global_batch_size": 8}})
-    assert make_plan(cfg, world_size=1, device=_t.device("cpu"), samples_per_epoch=None,
+    assert make_plan(cfg, local_machine(_t.device("cpu")), samples_per_epoch=None,
                      data_seq_len=None).phase_steps == [10, 20]
 
 
@@ -189,10 +191,11 @@ def trainer_for(tiny_data, folder, second_dataset, lines: list, rec: Recorder | 
     cfg = build_config(tiny_run_config(tiny_data, folder, train_data=phases, training_duration="12ba",
                                        save_interval="3ba", **{"eval.interval": "6ba", "eval.prompts": [],
                                                               "compute.async_checkpoint": False}))
-    return Trainer(setup_run(cfg, ONE_RANK, log=lambda *_: None), ONE_RANK, callbacks=[rec] if rec else (),
+    return Trainer(resolve(cfg, process_machine(ONE_RANK), log=lambda *_: None), ONE_RANK, callbacks=[rec] if rec else (),
                    log=lines.append)
 
 
+@pytest.mark.e2e
 def test_resume_inside_phase_two_continues_bitwise(tmp_path, tiny_data, second_dataset):
     """The whole path: config phases → plan (ends on steps) → the data's stream → trainer logs
     and metrics → a checkpoint inside phase 2 → a new trainer continues exactly as an

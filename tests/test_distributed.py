@@ -49,6 +49,7 @@ def assert_same_losses(expected: dict, got: dict, steps) -> None:
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
 
 
+@pytest.mark.e2e
 def test_fsdp_two_ranks_match_single_and_reshard_on_resume(tmp_path, tiny_data, single_ref):
     """FSDP2 over 2 gloo ranks (sharded meta-device init, gradient accumulation, clipping,
     generation in lockstep, async checkpoints, gathered export) follows the single process.
@@ -80,6 +81,7 @@ def test_fsdp_two_ranks_match_single_and_reshard_on_resume(tmp_path, tiny_data, 
         assert_same_losses(expected, train_losses(folder), range(4, 7))
 
 
+@pytest.mark.e2e
 def test_activation_checkpointing_changes_memory_not_results(tmp_path):
     """In-process on a tiny model: every mode gives the same loss and gradients as no
     checkpointing (recomputation is the same float math, so equality is exact on CPU) while
@@ -135,6 +137,7 @@ def test_activation_checkpointing_changes_memory_not_results(tmp_path):
     assert base_mm == mms["selective"] < mms[2] < mms["full"], (base_mm, mms)
 
 
+@pytest.mark.e2e
 def test_two_nodes_on_one_machine_train_together(tmp_path, tiny_data, single_ref):
     """Two `lmforge train` processes as two "nodes" (torchrun --nnodes 2, c10d rendezvous on
     127.0.0.1), one rank each, HSDP (shard within a node — the default shard_size is the ranks
@@ -164,6 +167,7 @@ def _worker_with_rank(pid: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.e2e
 def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, single_ref):
     """SIGKILL one of two DDP workers mid-run: torchelastic (max_retries 1 → --max-restarts 1)
     restarts both, they resume from the latest complete checkpoint and finish; the restart is
@@ -207,6 +211,7 @@ def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, 
     assert "completed after 6 steps" in record.logs(1) and "completed after" not in record.logs(0)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sets,needles", [
     (["compute.ranks=2", "compute.data_parallel=hsdp", "compute.shard_size=3"],
      ["compute.shard_size: 3 does not divide the 2 ranks"]),
@@ -225,6 +230,7 @@ def test_bad_scale_out_config_is_one_line(tmp_path, tiny_data, sets, needles):
     assert not folder.exists()
 
 
+@pytest.mark.e2e
 def test_unreachable_rendezvous_times_out_with_a_clear_message(tmp_path, tiny_data):
     cfg, folder = run(tmp_path, tiny_data, "lost")
     proc = lmforge("train", "-f", cfg, "--nnodes", "2", "--node-rank", "1",
@@ -233,6 +239,7 @@ def test_unreachable_rendezvous_times_out_with_a_clear_message(tmp_path, tiny_da
     assert not folder.exists()
 
 
+@pytest.mark.e2e
 def test_launch_slurm_and_k8s_write_valid_job_files(tmp_path, tiny_data):
     import yaml
 

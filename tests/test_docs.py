@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from conftest import REPO
 from lmforge.config.reference import render_markdown
 from train_helpers import lmforge
@@ -17,6 +19,7 @@ def test_readme_config_reference_matches_the_schema():
         "README's config reference is stale: regenerate it with `python -m lmforge.config.reference`")
 
 
+@pytest.mark.e2e
 def test_train_help_shows_config_defaults():
     out = lmforge("train", "--help", check=True).stdout
     assert "parameters.weight_decay" in out and "0.1" in out

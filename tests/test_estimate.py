@@ -12,6 +12,7 @@ from lmforge.config.model import ModelConfig, get_preset, resolve_model
 from lmforge.errors import UserError
 from lmforge.estimate import (
     GPU_TYPES,
+    EstimateInputs,
     check_fits,
     detect_device_spec,
     flops_per_token,
@@ -33,12 +34,12 @@ DAY = 86400
 
 
 def test_7b_chinchilla_on_64_a100():
-    plan = estimate_run(7e9, None, gpus=64, gpu_type="a100-80g", mfu=1.0)
+    plan = estimate_run(EstimateInputs(7e9, None, gpus=64, gpu_type="a100-80g", mfu=1.0))
     assert plan["tokens"]["tokens"] == pytest.approx(1.4e11)
     assert plan["flops"]["training"] == pytest.approx(5.88e21)
     assert plan["cluster"]["peak_flops_per_gpu"] == 312e12
     assert round(plan["time"]["days"], 1) == 3.4
-    assert round(estimate_run(7e9, None, gpus=8, nodes=8, gpu_type="a100-40g", mfu=0.507)["time"]["days"], 1) == 6.7
+    assert round(estimate_run(EstimateInputs(7e9, None, gpus=8, nodes=8, gpu_type="a100-40g", mfu=0.507))["time"]["days"], 1) == 6.7
 
 
 MOE_SUITE = {  # name: (d_model, n_heads, n_layers, total, active)
@@ -69,7 +70,7 @@ def test_moe_9b_200b_tokens_on_128_h100_in_one_day():
     assert mfu(200e9 / DAY, flops_per_token(cfg, 4096)["dense"], 128, peak) == pytest.approx(0.28, abs=0.01)
     needed = mfu(200e9 / DAY, mfu_flops_per_token(cfg, 4096), 128, peak)
     assert needed == pytest.approx(0.33, abs=0.01)
-    plan = estimate_run(cfg, 200e9, gpus=8, nodes=16, gpu_type="h100-sxm", mfu=0.33, seq_len=4096)
+    plan = estimate_run(EstimateInputs(cfg, 200e9, gpus=8, nodes=16, gpu_type="h100-sxm", mfu=0.33, seq_len=4096))
     assert plan["time"]["days"] == pytest.approx(1.0, rel=0.05)
 
 
@@ -178,7 +179,7 @@ def test_cpu_peak_plausible_and_cheap():
 
 def test_memory_states_and_fits():
     cfg = get_preset("llama-7b")
-    plan = estimate_run(cfg, 1e9, gpus=8, gpu_type="h100-sxm", seq_len=2048)
+    plan = estimate_run(EstimateInputs(cfg, 1e9, gpus=8, gpu_type="h100-sxm", seq_len=2048))
     mem = plan["memory"]
     assert BYTES_PER_PARAM == 18
     assert mem["states_bytes_per_gpu"] == pytest.approx(18 * param_counts(cfg)["total"] / 8)
@@ -187,26 +188,26 @@ def test_memory_states_and_fits():
     assert mem["activation_bytes_per_sample"]["ac"] < mem["activation_bytes_per_sample"]["no_ac"]
     check_fits(plan)  # no error
     # activations scale with the sequence length
-    longer = estimate_run(cfg, 1e9, gpus=8, gpu_type="h100-sxm", seq_len=4096)["memory"]
+    longer = estimate_run(EstimateInputs(cfg, 1e9, gpus=8, gpu_type="h100-sxm", seq_len=4096))["memory"]
     assert longer["activation_bytes_per_sample"]["no_ac"] == pytest.approx(
         2 * mem["activation_bytes_per_sample"]["no_ac"])
 
 
 def test_memory_needs_checkpointing():
-    mem = estimate_run(get_preset("llama-7b"), 1e9, gpus=8, gpu_type="a100-40g", seq_len=4096)["memory"]
+    mem = estimate_run(EstimateInputs(get_preset("llama-7b"), 1e9, gpus=8, gpu_type="a100-40g", seq_len=4096))["memory"]
     assert mem["max_micro_batch"]["no_ac"] == 0 and mem["max_micro_batch"]["ac"] >= 1
     assert mem["fits"] and mem["activation_checkpointing"]
 
 
 def test_memory_does_not_fit():
-    plan = estimate_run(get_preset("llama-70b"), 1e9, gpus=1, gpu_type="a100-40g")
+    plan = estimate_run(EstimateInputs(get_preset("llama-70b"), 1e9, gpus=1, gpu_type="a100-40g"))
     assert not plan["memory"]["fits"]
     assert plan["memory"]["min_gpus"] > 8
     with pytest.raises(UserError, match=r"does not fit on 1 × a100-40g.*at least \d+ GPUs"):
         check_fits(plan)
     assert "DOES NOT FIT" in format_plan(plan)
     # a given micro-batch too large for an otherwise fitting run
-    big = estimate_run(get_preset("llama-7b"), 1e9, gpus=8, gpu_type="h100-sxm", micro_batch=64)
+    big = estimate_run(EstimateInputs(get_preset("llama-7b"), 1e9, gpus=8, gpu_type="h100-sxm", micro_batch=64))
     assert not big["memory"]["fits"]
     with pytest.raises(UserError, match=r"micro-batch of at most \d+ \(\d+ with activation checkpointing\)"):
         check_fits(big)
@@ -217,15 +218,15 @@ def test_bad_plan_inputs():
     for kwargs, match in [({"mfu": 0.0}, "--mfu"), ({"mfu": 1.5}, "--mfu"), ({"tokens": 0}, "--tokens"),
                           ({"gpus": 0}, "--gpus"), ({"gpu_type": "v100"}, "h100-sxm")]:
         with pytest.raises(UserError, match=match):
-            estimate_run(cfg, **{"tokens": 1e6, **kwargs})
+            estimate_run(EstimateInputs(cfg, **{"tokens": 1e6, **kwargs}))
     with pytest.raises(UserError, match="--active-params"):
-        estimate_run(1e9, 1e6, active_params=2e9)
+        estimate_run(EstimateInputs(1e9, 1e6, active_params=2e9))
 
 
 def test_default_vocab_note_and_override():
-    plan = estimate_run(get_preset("llama-1b"), 1e9)
+    plan = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9))
     assert plan["model"]["vocab_size"] == 32000 and any("32000" in n for n in plan["notes"])
-    other = estimate_run(get_preset("llama-1b"), 1e9, vocab_size=50304)
+    other = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, vocab_size=50304))
     assert other["params"]["embedding"] - plan["params"]["embedding"] == 2 * (50304 - 32000) * 2048
 
 
@@ -245,6 +246,7 @@ def _assert_one_line_error(proc, match):
     assert match in lines[0]
 
 
+@pytest.mark.integration
 def test_cli_text_and_json():
     proc = _cli("--params", "7B", "--chinchilla", "--gpus", "64", "--gpu-type", "a100-80g", "--mfu", "0.507",
                 "--price-per-gpu-hour", "2")
@@ -260,13 +262,15 @@ def test_cli_text_and_json():
     assert traffic["all_to_all_bytes"] == 0 and traffic["expert_all_gather_bytes"] > 0
 
 
+@pytest.mark.e2e
 def test_cli_cpu_estimate_uses_the_precision_training_would_use_here():
     """`--gpu-type cpu` is this machine: without --precision its peak is the one `lmforge train`
     would train at here (bf16 only with AMX; else fp32, not the 2× bf16 peak of AVX512-BF16)."""
     import torch
 
     from lmforge.config.defaults import auto_precision
-    here = auto_precision(torch.device("cpu"))  # what `lmforge train`'s plan picks on this CPU
+    from lmforge.train.machine import local_machine
+    here = auto_precision(local_machine(torch.device("cpu")).bf16)  # what `lmforge train`'s plan picks on this CPU
     plans = {}
     for extra in ([], ["--precision", "bf16"], ["--precision", "fp32"]):
         proc = _cli("--model", "llama-tiny", "--tokens", "10M", "--gpu-type", "cpu", "--gpus", "1", "--json", *extra)
@@ -277,6 +281,7 @@ def test_cli_cpu_estimate_uses_the_precision_training_would_use_here():
     assert plans["bf16"]["cluster"]["precision"] == "bf16"  # asked for: honored
 
 
+@pytest.mark.integration
 def test_cli_yaml_model(tmp_path):
     (tmp_path / "run.yaml").write_text("model: {preset: llama-125m, n_layers: 6}\nparameters: {context_length: 512}\n")
     proc = _cli("--model", "run.yaml", "--tokens", "1B", "--gpus", "1", "--json", cwd=tmp_path)
@@ -286,6 +291,7 @@ def test_cli_yaml_model(tmp_path):
     _assert_one_line_error(_cli("--model", "missing.yaml", cwd=tmp_path), "missing.yaml")
 
 
+@pytest.mark.integration
 def test_cli_bad_input():
     _assert_one_line_error(_cli("--params", "7B", "--gpu-type", "v100"), "a100-40g, a100-80g")
     _assert_one_line_error(_cli("--params", "7B", "--mfu", "1.5"), "--mfu")
@@ -300,7 +306,7 @@ def test_expert_parallel_trades_expert_gathers_for_token_all_to_all():
     layer twice per micro-batch (≈0.7 GB bf16 per layer, 7/8 of it received); with EP 8 each GPU
     owns 2 experts outright (no gather) and sends 7/8 of its 8·2048·4 routed slots 4 times."""
     cfg = get_preset("moe-9b")
-    plan = estimate_run(cfg, 1e9, gpus=8, seq_len=2048, micro_batch=8, expert_parallel=8)
+    plan = estimate_run(EstimateInputs(cfg, 1e9, gpus=8, seq_len=2048, micro_batch=8, expert_parallel=8))
     without, with_ep = plan["moe_traffic"]["without_ep"], plan["moe_traffic"]["with_ep"]
     expert_bytes = 16 * 3 * 2048 * cfg.expert_dim * 2  # one layer's experts in bf16
     assert expert_bytes == pytest.approx(0.70e9, rel=0.02)
@@ -308,11 +314,11 @@ def test_expert_parallel_trades_expert_gathers_for_token_all_to_all():
     assert with_ep["expert_all_gather_bytes"] == with_ep["expert_reduce_scatter_bytes"] == 0
     assert with_ep["all_to_all_bytes"] == pytest.approx(24 * 4 * 8 * 2048 * 4 * 2048 * 2 * 7 / 8)
     # only the GPU's 2 experts are gathered per block: a smaller working set
-    assert plan["memory"]["gathered_bytes_per_gpu"] < estimate_run(
-        cfg, 1e9, gpus=8, seq_len=2048, micro_batch=8)["memory"]["gathered_bytes_per_gpu"]
+    assert plan["memory"]["gathered_bytes_per_gpu"] < estimate_run(EstimateInputs(
+        cfg, 1e9, gpus=8, seq_len=2048, micro_batch=8))["memory"]["gathered_bytes_per_gpu"]
     assert "expert parallel 8: all-to-all" in format_plan(plan)
     for bad, needle in ((3, "does not divide the model's 16 experts"), (16, "does not divide the 8 GPUs")):
         with pytest.raises(UserError, match=needle):
-            estimate_run(cfg, 1e9, gpus=8, expert_parallel=bad)
+            estimate_run(EstimateInputs(cfg, 1e9, gpus=8, expert_parallel=bad))
     with pytest.raises(UserError, match="needs a mixture-of-experts model"):
-        estimate_run(get_preset("llama-1b"), 1e9, gpus=8, expert_parallel=2)
+        estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=8, expert_parallel=2))

@@ -181,6 +181,7 @@ def _task(task_files, task_type, **options):
 # ----------------------------------------------------------------------------- against the reference
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("task_type", TASK_TYPES)
 def test_task_type_matches_reference(task_type, task_files, model, tok):
     task = _task(task_files, task_type)
@@ -199,6 +200,7 @@ def test_task_type_matches_reference(task_type, task_files, model, tok):
         assert sum(r.correct for r in zero) == pytest.approx(len(zero) / 2, abs=1)
 
 
+@pytest.mark.integration
 def test_evaluate_icl_keys_categories_limit_and_mode(task_files, model, tok):
     tasks = [_task(task_files, t) for t in TASK_TYPES]
     model.train()
@@ -235,6 +237,7 @@ def test_batch_size_does_not_change_scores(task_type, task_files, model, tok):
         assert a.scores == pytest.approx(b.scores, abs=1e-5)
 
 
+@pytest.mark.integration
 def test_generation_stops_only_on_foundry_criteria(tmp_path, tok, model):
     """Without early_stopping_criteria the whole budget is generated (newlines included); with
     them, the answer is cut at the first match, and the cut is the same as a full generation's."""
@@ -269,6 +272,7 @@ def test_left_truncation_to_model_context(tmp_path, tok):
         score_task(small, tok, task, 0, max_seq_len=4)  # no room left for any context
 
 
+@pytest.mark.integration
 def test_tasks_from_object_store(s3_env, tmp_path):
     import fsspec
 
@@ -334,6 +338,7 @@ SHARED_TASKS = [
 ]
 
 
+@pytest.mark.integration
 @needs_shared
 def test_shared_benchmarks_load_and_evaluate(trained, bpe):
     tasks = load_tasks([{"label": label, "dataset_uri": path, "icl_task_type": kind, "num_fewshot": shots}

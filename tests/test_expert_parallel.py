@@ -52,6 +52,7 @@ def assert_same_losses(expected: dict, got: dict, steps) -> None:
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
 
 
+@pytest.mark.e2e
 def test_two_ranks_with_expert_parallel_match_one_rank_and_reshard_both_ways(tmp_path, tiny_data):
     """2 ranks, each with 2 of the 4 experts of every layer, train with the single process's losses
     (and router statistics); checkpoints move between the two layouts in both directions:
@@ -91,6 +92,7 @@ def test_two_ranks_with_expert_parallel_match_one_rank_and_reshard_both_ways(tmp
     assert_same_losses(train_losses(ref), train_losses(resumed), range(4, 7))
 
 
+@pytest.mark.e2e
 def test_expert_parallel_that_does_not_fit_fails_before_any_process_starts(tmp_path, tiny_data):
     """One line, exit 2, nothing written (the other cases: tests/test_moe.py, in-process)."""
     cfg = write_config(tmp_path / "bad.yaml", tiny_run_config(tiny_data, tmp_path / "bad"))

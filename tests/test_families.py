@@ -35,6 +35,7 @@ def max_diff(a, b) -> float:
     return (a - b).abs().max().item()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("family", list(CASES))
 def test_import_export_parity(family, tmp_path):
     hf = hf_model(family)
@@ -64,6 +65,7 @@ def test_import_export_parity(family, tmp_path):
     assert cfg2.model_dump(exclude={"preset"}) == cfg.model_dump(exclude={"preset"})
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text"])
 def test_sliding_window_generation_matches_transformers(family):
     """Cached decoding past the window: our KV cache + band mask vs transformers' generate (Gemma 2:
@@ -189,6 +191,7 @@ def test_unsupported_family_names_the_supported_ones():
         from_hf_config(transformers.Phi3Config())
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family", list(CASES))
 def test_continued_pretraining_from_each_family(family, tmp_path, tiny_data):
     """hf:/path import → a few steps of continued pretraining (in-process) → export back to the

@@ -17,6 +17,7 @@ from train_helpers import assert_one_line_error, lmforge, write_config
 CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=100, max_seq_len=64)
 
 
+@pytest.mark.e2e
 def test_fp8_without_a_capable_gpu_is_one_line_and_exit_2(tmp_path, tiny_data):
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
         pytest.skip("this machine can train in FP8")
@@ -60,6 +61,7 @@ def test_fp8_converts_the_linear_layers_but_the_head_odd_shapes_and_adapters():
                    for m in rowwise.modules() if isinstance(m, Float8Linear))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_an_emulated_fp8_step_tracks_bf16(recipe):
     """FP8 casts (emulated on the CPU) change the loss by what e4m3 rounding allows, not more,
@@ -124,7 +126,8 @@ def test_fp8_under_fsdp_trains_saves_resumes_and_exports(tiny_data, tmp_path):
 
     from lmforge.config.load import build_config
     from lmforge.distributed.dist import DistInfo
-    from lmforge.train.setup import setup_run
+    from lmforge.resolve import resolve
+    from lmforge.train.machine import process_machine
     from lmforge.train.trainer import Trainer
 
     cuda = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
@@ -133,7 +136,7 @@ def test_fp8_under_fsdp_trains_saves_resumes_and_exports(tiny_data, tmp_path):
         raw = tiny_run_config(tiny_data, tmp_path / "run", training_duration=duration, save_interval="2ba",
                               **{"parameters.precision": "fp8", "compute.data_parallel": "fsdp",
                                  "compute.async_checkpoint": False, "eval.prompts": []})
-        return Trainer(setup_run(build_config(raw), cuda, log=lambda *_: None), cuda, log=lambda *_: None).fit()
+        return Trainer(resolve(build_config(raw), process_machine(cuda), log=lambda *_: None), cuda, log=lambda *_: None).fit()
 
     try:
         assert fit("4ba").status == "completed"

@@ -280,6 +280,7 @@ def lmforge(*args, timeout=240) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, cwd=REPO, env=env)
 
 
+@pytest.mark.e2e
 def test_cli_json_matches_library(checkpoint, suite):
     p = lmforge("--checkpoint", checkpoint, "--tasks", suite / "tasks.yaml", "--gauntlet", suite / "gauntlet.yaml",
                 "--limit", 6, "--batch-size", 3, "--device", "cpu", "--json")
@@ -300,6 +301,7 @@ def test_cli_json_matches_library(checkpoint, suite):
     assert out["gauntlet"]["missing"] == []
 
 
+@pytest.mark.e2e
 def test_cli_tables(checkpoint, suite):
     p = lmforge("--checkpoint", checkpoint, "--tasks", suite / "tasks.yaml", "--gauntlet", suite / "gauntlet.yaml",
                 "--limit", 3)
@@ -309,6 +311,7 @@ def test_cli_tables(checkpoint, suite):
     assert "Traceback" not in p.stderr
 
 
+@pytest.mark.e2e
 def test_cli_bad_input(checkpoint, suite, tmp_path):
     def fails(*args) -> str:
         p = lmforge(*args)
@@ -387,6 +390,7 @@ def _run_main(main, argv) -> str:
     return buf.getvalue()
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not SHARED_EVAL.is_dir(), reason="../shared/eval-data is not present")
 def test_cli_default_suite_on_shared_data(checkpoint):
     p = lmforge("--checkpoint", checkpoint, "--data-root", SHARED_EVAL, "--gauntlet", "default", "--limit", 2,

@@ -46,6 +46,7 @@ def ours(tie: bool, kv: int, seed: int = 0):
 IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 64, 1, 0, 77, 23, 50]])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tie,kv", CASES)
 def test_import_hf_llama(tie, kv, tmp_path):
     hf = hf_llama(tie, kv)

@@ -39,6 +39,7 @@ def _faults(mode: str) -> int:
     return int(out.stdout.split()[-1])
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
 def test_training_process_reuses_freed_memory():
     plain, trainer = _faults("plain"), _faults("trainer")

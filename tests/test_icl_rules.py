@@ -307,6 +307,7 @@ icl_tasks:
     assert list(mmlu.partitions) == ["a", "b"] and mmlu.metrics == ["accuracy", "calibration_error"]
 
 
+@pytest.mark.integration
 def test_hugging_face_datasets(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     import huggingface_hub.constants

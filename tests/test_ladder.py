@@ -56,6 +56,7 @@ def sft_config(tmp_path, weights, **extra):
     return write_config(tmp_path / "sft.yaml", cfg)
 
 
+@pytest.mark.e2e
 def test_export_hf_parity_and_generate(base, tmp_path):
     from lmforge.data.tokenizer import load_tokenizer
     from lmforge.models import generate
@@ -98,6 +99,7 @@ def test_export_hf_parity_and_generate(base, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.e2e
 def test_import_hf_llama_for_continued_pretraining(base, tmp_path, tiny_data):
     """CPT from an imported HF folder: step-1 loss = the source model's loss on that batch."""
     from lmforge.data.stream import DatasetSpec, TokenStream
@@ -131,6 +133,7 @@ def test_import_hf_llama_for_continued_pretraining(base, tmp_path, tiny_data):
     assert lr1 == pytest.approx(3e-3 / 2)
 
 
+@pytest.mark.e2e
 def test_sft_run_learns_responses_and_resumes(base, tmp_path):
     cfg = sft_config(tmp_path, base / "final")
     proc = lmforge("finetune", "-f", cfg, "--json", check=True)
@@ -150,6 +153,7 @@ def test_sft_run_learns_responses_and_resumes(base, tmp_path):
     assert "already completed" in again.stdout
 
 
+@pytest.mark.e2e
 def test_pipeline_runs_stages_and_skips_completed(tmp_path, tiny_data):
     pre = tiny_run_config(tiny_data, tmp_path / "unused", training_duration="4ba", **{"eval.prompts": []})
     del pre["save_folder"], pre["name"]
@@ -170,6 +174,7 @@ def test_pipeline_runs_stages_and_skips_completed(tmp_path, tiny_data):
 
 # --------------------------------------------------------------------------- bad input
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("row,needles", [
     ({"prompt": "a"}, ["train.jsonl:2", "'response'"]),
     ({"prompt": "a", "response": "  "}, ["train.jsonl:2", "'response' is empty"]),
@@ -184,6 +189,7 @@ def test_bad_rows(base, tmp_path, row, needles):
     assert not (tmp_path / "sft" / "checkpoints").exists()
 
 
+@pytest.mark.e2e
 def test_bad_weights_and_tokenizer(base, tmp_path, tiny_data):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
@@ -202,6 +208,7 @@ def test_bad_weights_and_tokenizer(base, tmp_path, tiny_data):
                           "no such folder")
 
 
+@pytest.mark.e2e
 def test_export_refuses_to_overwrite(base, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -229,6 +236,7 @@ def test_export_moe_as_mixtral(tmp_path, tiny_data):
         torch.testing.assert_close(hf(x).logits, model(x), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.e2e
 def test_sdk_finetune_returns_a_supervised_finetune_run(base, tmp_path):
     import lmforge as sdk
 

@@ -117,6 +117,7 @@ def test_one_run_per_save_folder(tmp_path):
     b.release()
 
 
+@pytest.mark.e2e
 def test_a_lock_held_by_another_process_until_it_dies(tmp_path):
     folder = tmp_path / "run"
     SaveFolderLock.claim(str(folder), run_uid="u", name="old").release()
@@ -133,6 +134,7 @@ def test_a_lock_held_by_another_process_until_it_dies(tmp_path):
     SaveFolderLock.claim(str(folder), run_uid="new", name="new", wait_s=0.2).release()  # the kernel let go
 
 
+@pytest.mark.e2e
 def test_stale_locks_are_taken_over_and_live_remote_ones_refused(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
@@ -155,6 +157,7 @@ def test_stale_locks_are_taken_over_and_live_remote_ones_refused(tmp_path):
 
 # --------------------------------------------------------------------------- the hang watchdog
 
+@pytest.mark.integration
 def test_watchdog_fires_after_the_timeout_not_while_paused():
     fired = threading.Event()
     got = []
@@ -244,6 +247,7 @@ def test_registry_keeps_the_lifecycle_and_finds_runs_by_uid(tmp_path):
     assert times == sorted(times)
 
 
+@pytest.mark.e2e
 def test_restarts_a_lost_supervisor_never_saw_become_resumptions(tmp_path):
     """The supervisor was SIGKILLed after torchrun restarted the ranks twice but before it looked
     at the status file: whoever finds the run lost records those restarts from that file."""
@@ -297,6 +301,7 @@ def test_a_registry_of_the_previous_schema_is_upgraded_in_place(tmp_path):
 
 # --------------------------------------------------------------------------- what the supervisor reads
 
+@pytest.mark.e2e
 def test_status_file_and_failure_reasons(tmp_path):
     plan = LaunchPlan("train", status_file=str(tmp_path / "s.json"))
     report_status(plan, "started", attempt=0)
@@ -318,6 +323,7 @@ def test_status_file_and_failure_reasons(tmp_path):
     assert failure_reason(-9, []) == "killed by SIGKILL"
 
 
+@pytest.mark.e2e
 def test_torchrun_wrapper_returns_the_ranks_code_when_torchrun_gives_up_first(tmp_path):
     """The torchrun wrapper of an unsupervised run with no restart left: the rank reported a final
     failure and exited 3, and torchrun ends in its own ChildFailedError before the wrapper's

@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 64, 1, 0, 77, 23, 50]])
 
 
+@pytest.mark.e2e
 def test_trainable_share_on_llama_tiny_and_exact_start():
     """The default adapters (the shipped example's too) train < 2% of llama-tiny (as the
     quickstart builds it, 8192-token vocabulary); at initialization the adapted model computes
@@ -89,6 +90,7 @@ def lora_config(tmp_path, base, name="lora", **extra):
     return cfg
 
 
+@pytest.mark.e2e
 def test_lora_run_learns_resumes_and_exports_for_peft(tmp_path, hf_base):
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
@@ -139,7 +141,7 @@ def test_lora_run_learns_resumes_and_exports_for_peft(tmp_path, hf_base):
         assert with_adapter.generate(input_ids=IDS, **kw).tolist() == merged_hf.generate(IDS, **kw).tolist()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_lora_under_fsdp_matches_one_process(tmp_path, hf_base, tiny_data, monkeypatch):
     """The multi-rank proof, kept small: two steps of continued pretraining with adapters on two
     gloo ranks with FSDP2 (adapters and frozen base sharded alike, sharded meta-device init,
@@ -170,6 +172,7 @@ def test_lora_under_fsdp_matches_one_process(tmp_path, hf_base, tiny_data, monke
     assert (tmp_path / "fsdp" / "final" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("change,needles", [
     ({"lora": {"rank": 0}}, ["lora.rank", "greater than 0"]),
     ({"lora": {"targets": ["qkv"]}}, ["lora.targets", "'qkv'", "q_proj"]),

@@ -93,6 +93,7 @@ def test_kv_cache_matches_full_recompute():
         torch.testing.assert_close(chunk, model(torch.tensor([seq[:9]]))[:, 5:9], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.e2e
 def test_generate_modes_sampling_and_long_prompts():
     model = make(tiny(max_seq_len=16))
     model.train()
@@ -149,6 +150,7 @@ def test_clip_qkv_bounds(monkeypatch):
     assert max(seen["q"]) <= 0.05 * 2 ** 0.5 + 1e-6
 
 
+@pytest.mark.e2e
 def test_tiny_model_overfits_one_batch():
     model = make(tiny())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

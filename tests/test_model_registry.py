@@ -15,6 +15,7 @@ from conftest import REGISTERED_MODEL, tiny_run_config
 from train_helpers import assert_one_line_error, cli, write_config
 
 
+@pytest.mark.e2e
 def test_each_run_registers_a_new_version_that_loads_back_for_serving(finished_runs, mlflow_server, monkeypatch):
     import mlflow
     import pandas as pd
@@ -56,6 +57,7 @@ def test_each_run_registers_a_new_version_that_loads_back_for_serving(finished_r
         assert len(text) > len(prompt)
 
 
+@pytest.mark.e2e
 def test_a_registry_name_mlflow_rejects_is_one_line_exit_2(mlflow_server, tmp_path, tiny_data):
     from mlflow.exceptions import MlflowException
     from mlflow.utils.validation import _validate_model_name
@@ -91,6 +93,7 @@ def test_a_registry_name_mlflow_rejects_is_one_line_exit_2(mlflow_server, tmp_pa
         MlflowTracker(unchecked, "rejected")
 
 
+@pytest.mark.e2e
 def test_a_registry_failure_at_the_end_is_a_warning_and_the_run_completes(mlflow_server, tmp_path, tiny_data,
                                                                           capfd):
     from mlflow.tracking import MlflowClient
@@ -119,6 +122,7 @@ def test_a_registry_failure_at_the_end_is_a_warning_and_the_run_completes(mlflow
     assert client.search_model_versions("name='never-registered'") == []
 
 
+@pytest.mark.e2e
 def test_wandb_logs_the_final_model_as_an_artifact(finished_runs):
     from test_tracking import _wandb_records
     from wandb.proto import wandb_internal_pb2 as pb

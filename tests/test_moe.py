@@ -155,6 +155,7 @@ def test_jitter_only_in_training_and_aux_reported():
     assert not torch.equal(c, layer(x)[0])
 
 
+@pytest.mark.e2e
 def test_moe_tiny_trains_and_generates():
     cfg = resolve_model({"preset": "moe-tiny", "vocab_size": 128, "n_layers": 2, "d_model": 64,
                          "max_seq_len": 64, "moe_z_loss_coef": 0.001})
@@ -180,6 +181,7 @@ def test_moe_tiny_trains_and_generates():
     assert len(generate(model, [1, 2, 3], 5, temperature=0)) == 5
 
 
+@pytest.mark.e2e
 def test_moe_forward_is_bitwise_deterministic_on_cpu():
     cfg = moe_cfg()
     torch.manual_seed(0)
@@ -206,6 +208,7 @@ def test_preset_parameter_counts(name, total, active):
     assert num_active_params(model) / 1e9 == pytest.approx(active, rel=0.02)
 
 
+@pytest.mark.integration
 def test_moe_block_traces_as_one_graph():
     """Compile-clean routing: no data-dependent shape and no host sync on the hot path, so
     `torch._dynamo.explain` finds one graph and no break in a whole MoE block (attention, router,
@@ -223,6 +226,7 @@ def test_moe_block_traces_as_one_graph():
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_layer_matches_eager_forward_and_backward(dtype):
     """fullgraph compile (AOT autograd, so the backward graph too): fp32 goes through the
@@ -248,6 +252,7 @@ def test_unaligned_shapes_fall_back_to_the_loop(d, ratio):
     torch.testing.assert_close(layer(x)[0], naive(layer, x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.e2e
 def test_compiled_model_runs_experts_the_grouped_kernel_does_not_take():
     """`compute.compile` on an MoE whose expert hidden size the grouped kernel cannot align (34):
     its experts loop eagerly between two compiled graphs, with eager's loss and gradients (a
@@ -323,6 +328,7 @@ def test_expert_health_reports_per_layer_and_warns_once_when_experts_die():
     assert health.report(lines.append) == {}  # an empty window reports nothing
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("grouped", [True, False])
 def test_selective_checkpointing_keeps_expert_gemm_outputs(grouped):
     """Selective activation checkpointing on an MoE model: the same loss and gradients as none,

@@ -63,6 +63,7 @@ COMMON = {"training_duration": "40ba", "save_interval": "4ba", "eval.interval": 
           "parameters.learning_rate": 3e-3}
 
 
+@pytest.mark.e2e
 def test_train_to_s3_lose_the_machine_resume_from_the_store(s3_env, tmp_path, tiny_data):
     """Kill the trainer once a checkpoint is in the store, delete everything local, re-run on a
     'fresh machine': it downloads the latest complete checkpoint and ends with exactly the
@@ -122,8 +123,9 @@ def test_train_to_s3_lose_the_machine_resume_from_the_store(s3_env, tmp_path, ti
     assert cli("report", uri, "--out", page).returncode == 0  # in this process: no start-up
     assert "resumption 1: COMPLETED" in page.read_text()
     from lmforge.report import load_run
+    from lmforge.runs.registry import RegistryIndex
 
-    assert [r["status"] for r in load_run(uri).resumptions] == ["FAILED", "COMPLETED"]
+    assert [r["status"] for r in load_run(uri, index=RegistryIndex()).resumptions] == ["FAILED", "COMPLETED"]
 
     # run.json identity is checked against the store: another run may not reuse the folder
     other = write_config(tmp_path / "other.yaml", tiny_run_config(tiny_data, uri, name="other", **COMMON))
@@ -153,6 +155,7 @@ def own_server(tmp_path):
         s.stop()
 
 
+@pytest.mark.e2e
 def test_server_stops_mid_upload_then_restarts_or_not(own_server, tmp_path, tiny_data):
     server = own_server[0]
     fs = _s3fs(server)
@@ -197,6 +200,7 @@ def test_server_stops_mid_upload_then_restarts_or_not(own_server, tmp_path, tiny
     assert server.key not in err and server.secret not in out + err
 
 
+@pytest.mark.e2e
 def test_the_old_marker_check_rides_out_an_outage(own_server, tmp_path, monkeypatch):
     """Saving a step again re-uploads it: its old completion marker is looked for and deleted
     first, through the same retries as every upload call. A store that is down at that moment
@@ -259,6 +263,7 @@ def _check(monkeypatch, *args, **env_vars):
         fsspec.get_filesystem_class("s3").clear_instance_cache()
 
 
+@pytest.mark.e2e
 def test_credentials_check(s3_env, tmp_path, tiny_data, monkeypatch):
     uri = f"s3://{s3_env.bucket}/runs/check"
     cfg = write_config(tmp_path / "c.yaml", tiny_run_config(tiny_data, uri))
@@ -305,6 +310,7 @@ def test_credentials_check(s3_env, tmp_path, tiny_data, monkeypatch):
                           "cannot open this kind of URI")
 
 
+@pytest.mark.e2e
 def test_secrets_config_and_errors(tmp_path, tiny_data):
     inline = write_config(tmp_path / "inline.yaml", tiny_run_config(
         tiny_data, tmp_path / "r", secrets={"secret_access_key": "abc"}))
@@ -347,6 +353,7 @@ def test_secrets_config_and_errors(tmp_path, tiny_data):
     assert records == ["signing with ***"]
 
 
+@pytest.mark.e2e
 def test_secret_key_appears_in_nothing_the_run_wrote(s3_server, tmp_path, tiny_data):
     """Credentials only through `secrets:` (a file); the secret key is then nowhere: logs, metrics,
     run.json, checkpoints' config, the staging folder, MLflow's params and sqlite store, the store."""

@@ -19,6 +19,7 @@ ROWS = [
 ]
 
 
+@pytest.mark.integration
 def test_lm_eval_agrees_with_lmforge_loglikelihoods(tmp_path, tiny_data, monkeypatch):
     from lm_eval.tasks import TaskManager
 

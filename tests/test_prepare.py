@@ -93,6 +93,7 @@ def test_split_is_stable_when_a_file_is_added(corpus, tok, tmp_path):
         assert not in_a & set(_complete_docs(tok, tmp_path / "b" / other))
 
 
+@pytest.mark.integration
 def test_workers_give_identical_output_and_rerun_is_noop(corpus, tok, tmp_path, monkeypatch):
     d, _ = corpus
     monkeypatch.setattr(prepare_mod, "CHUNK_DOCS", 7)  # many chunks, so both workers get work
@@ -135,6 +136,7 @@ def test_refusals_overwrite_and_crash_safety(corpus, tok, tmp_path):
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 
+@pytest.mark.integration
 def test_large_vocabulary_uses_uint32(tmp_path):
     from tokenizers import Tokenizer as Backend
     from tokenizers import models, pre_tokenizers
@@ -162,6 +164,7 @@ def _one_line_error(r, needle: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
 
 
+@pytest.mark.e2e
 def test_cli_prepare_inspect_and_bad_input(corpus, tok, tmp_path):
     d, docs = corpus
     out = tmp_path / "ds"
@@ -205,6 +208,7 @@ def test_cli_prepare_inspect_and_bad_input(corpus, tok, tmp_path):
     _one_line_error(_cli("data", "inspect", str(out)), shard.name)
 
 
+@pytest.mark.e2e
 def test_prepare_to_and_from_s3(corpus, tok, tmp_path, s3_env):
     d, docs = corpus
     import fsspec

@@ -19,9 +19,12 @@ from lmforge.errors import UserError
 from lmforge.estimate.auto import SMALL_SHAPES, TOKENS_PER_PARAM, Budget, candidates, choose, effective_tokens
 from lmforge.estimate.flops import param_counts
 from lmforge.models import build_model
-from lmforge.train.optim import Muon, Schedule, build_optimizer
-from lmforge.train.plan import make_plan
-from lmforge.train.setup import setup_run
+from lmforge.resolve.schedule import Schedule
+from lmforge.train.optim import Muon, build_optimizer
+from lmforge.resolve.plan import make_plan
+from lmforge.train.machine import local_machine
+from lmforge.resolve import resolve
+from lmforge.train.machine import process_machine
 from lmforge.train.trainer import Trainer
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -60,7 +63,7 @@ def test_wall_clock_schedule_is_in_seconds_not_guessed_steps():
 def plan_of(tiny_data, tmp_path, **overrides):
     cfg = build_config(tiny_run_config(tiny_data, tmp_path / "run", **overrides))
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": 512})})
-    return make_plan(cfg, world_size=1, device=CPU, samples_per_epoch=None, data_seq_len=64)
+    return make_plan(cfg, local_machine(CPU), samples_per_epoch=None, data_seq_len=64)
 
 
 def test_plan_puts_a_wall_clock_run_on_a_seconds_schedule(tiny_data, tmp_path):
@@ -113,6 +116,7 @@ def test_plan_sizes_the_default_batch_for_the_run(tiny_data, tmp_path):
     assert 2048 <= timed.tokens_per_step <= 8192
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("override, message", [
     ({"parameters.decay_fraction": 1.0}, "parameters.decay_fraction: Input should be less than 1"),
     ({"training_duration": "0.01s", "model": {"d_model": 512, "n_layers": 8, "n_heads": 8, "max_seq_len": 64},
@@ -128,7 +132,7 @@ def test_recipe_bad_input_exits_2_with_one_line(tiny_data, tmp_path, override, m
 
 def make_trainer(tiny_data, folder, **overrides) -> Trainer:
     raw = tiny_run_config(tiny_data, folder, **({"compute.async_checkpoint": False, "eval.prompts": []} | overrides))
-    return Trainer(setup_run(build_config(raw), ONE_RANK, log=lambda *_: None), ONE_RANK, log=lambda *_: None)
+    return Trainer(resolve(build_config(raw), process_machine(ONE_RANK), log=lambda *_: None), ONE_RANK, log=lambda *_: None)
 
 
 def run_steps(trainer: Trainer, n: int) -> list[float]:
@@ -139,6 +143,7 @@ def run_steps(trainer: Trainer, n: int) -> list[float]:
     return lrs
 
 
+@pytest.mark.e2e
 def test_extending_a_finished_run_blends_the_lr_instead_of_jumping(tiny_data, tmp_path):
     """10 steps of wsd decaying over their last half end at 0.2× the peak; resumed with 20ba the
     new schedule says 'peak' at step 10. The LR instead moves from the checkpoint's last LR to the
@@ -159,6 +164,7 @@ def test_extending_a_finished_run_blends_the_lr_instead_of_jumping(tiny_data, tm
     assert c.state.lr_blend == b.state.lr_blend  # the blend is part of the run's state
 
 
+@pytest.mark.e2e
 def test_resume_with_the_same_schedule_continues_exactly(tiny_data, tmp_path):
     a = make_trainer(tiny_data, tmp_path / "run", training_duration="10ba")
     run_steps(a, 4)
@@ -173,6 +179,7 @@ def test_resume_with_the_same_schedule_continues_exactly(tiny_data, tmp_path):
 OPTIONS = [{"qk_norm": "head"}, {"tie_embeddings": True}, {"qk_norm": "head", "tie_embeddings": True}]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("opts", OPTIONS)
 def test_model_options_train_and_count_their_parameters(opts):
     cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32, **opts)
@@ -201,6 +208,7 @@ def test_muon_steps_hidden_matrices_and_adamw_the_rest():
     assert len(opt.param_groups) == len(muon.param_groups) + len(adamw.param_groups)
 
 
+@pytest.mark.integration
 def test_muon_matches_torch_muon_update():
     """Ours in fp32 against torch's (bf16 iterations) with the AdamW-matched scale: same update."""
     torch.manual_seed(0)
@@ -217,6 +225,7 @@ def test_muon_matches_torch_muon_update():
     assert not torch.allclose(ours, w, atol=1e-2)
 
 
+@pytest.mark.e2e
 def test_muon_run_checkpoints_and_resumes_bitwise(tiny_data, tmp_path):
     a = make_trainer(tiny_data, tmp_path / "run", **{"parameters.optimizer": "muon"})
     it = iter(a.stream)
@@ -300,6 +309,7 @@ def test_measured_throughput_is_cached_per_machine_and_shape(tmp_path, monkeypat
     assert cached_tokens_per_s(cfg.model_copy(update={"n_layers": 2}), 16, 2) is None
 
 
+@pytest.mark.integration
 def test_measured_throughput_is_the_fastest_step():
     """A busy moment slows some timed steps; the rate is that of the fastest (real steps, a clock
     whose readings make the first timed step 10× slower than the others)."""
@@ -325,6 +335,7 @@ def lmforge(*args, home, cwd):
                           env={"LMFORGE_HOME": str(home), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
 
 
+@pytest.mark.e2e
 def test_auto_dry_run_and_estimate_print_the_choice_in_one_line(tiny_data, tmp_path):
     cfg = tiny_run_config(tiny_data, tmp_path / "run", model="auto", training_duration="3M tok")
     cfg.pop("parameters")
@@ -342,6 +353,7 @@ def test_auto_dry_run_and_estimate_print_the_choice_in_one_line(tiny_data, tmp_p
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--tokens, --flops or --time" in bad.stderr
 
 
+@pytest.mark.e2e
 def test_auto_with_an_epoch_budget_on_raw_data_exits_2_naming_the_key(tiny_data, tmp_path):
     cfg = tiny_run_config(tiny_data, tmp_path / "run", model="auto", training_duration="2ep",
                           train_data=str(tiny_data.raw), tokenizer={"train": {}})

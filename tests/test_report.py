@@ -30,6 +30,7 @@ def both_page(runs, tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_each_run_leaves_its_report_plan_events_and_cost(runs):
     folder = runs[0]
     page = (folder / "report.html").read_text()
@@ -52,12 +53,15 @@ def test_each_run_leaves_its_report_plan_events_and_cost(runs):
         assert r["cost/so_far"] == pytest.approx(PRICE * r["time/elapsed_s"] / 3600, rel=1e-9)
 
 
+@pytest.mark.e2e
 def test_report_is_refreshed_at_each_eval_and_at_the_end(runs, tmp_path):
     from lmforge.config.tracking import TrackerConfig
+    from lmforge.report import write_run_report
     from lmforge.tracking import build_trackers
 
     run_file = json.loads((runs[0] / "run.json").read_text())
-    t = build_trackers(TrackerConfig(mlflow=None, console=False), run_name="live", run_dir=str(tmp_path))
+    t = build_trackers(TrackerConfig(mlflow=None, console=False), run_name="live", run_dir=str(tmp_path),
+                       render_report=write_run_report)
     assert [x.name for x in t] == ["jsonl", "report"]
     t.log_params(run_file["config"] | {"plan": {"world_size": 1, "total_steps": 4}})
     report = tmp_path / "report.html"
@@ -78,6 +82,7 @@ def test_report_is_refreshed_at_each_eval_and_at_the_end(runs, tmp_path):
     assert json.loads((tmp_path / "plan.json").read_text())["total_tokens"] == 4 * 8 * 64
 
 
+@pytest.mark.e2e
 def test_report_of_two_runs_overlays_them_and_lists_config_differences(runs, both_page):
     from lmforge.report import load_run
     from lmforge.report.compare import config_differences
@@ -106,6 +111,7 @@ def test_report_of_two_runs_overlays_them_and_lists_config_differences(runs, bot
     assert "parameters.learning_rate" in page
 
 
+@pytest.mark.e2e
 def test_runs_compare_prints_metric_and_config_differences(runs):
     proc = cli("runs", "compare", *runs)
     assert proc.returncode == 0, proc
@@ -119,6 +125,7 @@ def test_runs_compare_prints_metric_and_config_differences(runs):
     assert re.search(r"^\s*cost so far\s", out, re.M)
 
 
+@pytest.mark.e2e
 def test_bad_input_is_one_line(runs, tmp_path):
     assert_one_line_error(cli("report", "no-such-run"), "'no-such-run'", "neither a run")
     empty = tmp_path / "empty"
@@ -161,6 +168,7 @@ def test_cost_is_derived_for_all_devices_before_the_trackers(tmp_path):
     assert not any(k.startswith("cost/") for k in evaluation)
 
 
+@pytest.mark.e2e
 def test_describe_summary_has_cost_to_finish(runs):
     from lmforge.runs.progress import summarize
 
@@ -171,6 +179,7 @@ def test_describe_summary_has_cost_to_finish(runs):
     assert math.isclose(s["cost_to_finish"], PRICE * s["eta_s"] / 3600)
 
 
+@pytest.mark.e2e
 def test_report_renders_in_headless_chromium(both_page, tmp_path):
     chromium = find_chromium()
     if chromium is None:

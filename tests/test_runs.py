@@ -73,6 +73,7 @@ def detach(cfg, *extra):
     return proc.stdout.strip().splitlines()[0]
 
 
+@pytest.mark.e2e
 def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     """Two detached runs at once: each reaches RUNNING then COMPLETED with its own files."""
     cfg_a, folder_a = config(tmp_path, tiny_data, "side-a", training_duration="24ba")
@@ -128,6 +129,7 @@ def _wait_gone(procs: dict, timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.e2e
 def test_two_rank_run_stops_on_every_rank_and_dies_with_its_supervisor(tmp_path, tiny_data):
     """`runs stop` of a 2-rank run: every rank checkpoints at the same step and exits, and the run
     is STOPPED only once every process of it is gone. A restart resumes; a `kill -9` of the
@@ -201,6 +203,7 @@ def test_exceeding_max_retries_fails_with_the_reason(tmp_path, tiny_data):
     assert "last log lines" in next(e for e in run.events if e["type"] == "failure")["message"]
 
 
+@pytest.mark.e2e
 def test_a_hang_on_one_rank_dumps_every_rank_and_counts_as_a_restart(tmp_path, tiny_data):
     """Rank 1 stops after its first step (the test hook) in every attempt: both ranks' watchdogs
     dump their stacks after compute.hang_timeout, torchrun restarts them once (max_retries: 1 is
@@ -227,6 +230,7 @@ def test_a_hang_on_one_rank_dumps_every_rank_and_counts_as_a_restart(tmp_path, t
     assert "torchrun" in next(e["message"] for e in run.events if e["type"] == "retry")
 
 
+@pytest.mark.e2e
 def test_data_workers_die_with_their_trainer(tmp_path, tiny_data):
     """DataLoader workers of a trainer stopped with SIGTERM, then killed with SIGKILL, and the
     tokenizing workers of a killed `data prepare`: none is left behind."""
@@ -260,6 +264,7 @@ def test_data_workers_die_with_their_trainer(tmp_path, tiny_data):
     _wait_gone(procs)
 
 
+@pytest.mark.e2e
 def test_random_sigkills_resume_bitwise_without_orphans(tiny_data, tmp_path):
     """bench/faults.py with a small count: the trainer killed at a random step, the supervisor
     killed inside a checkpoint write; each time the run resumes, and it ends with the
@@ -277,6 +282,7 @@ def test_random_sigkills_resume_bitwise_without_orphans(tiny_data, tmp_path):
     assert [r["reason"] for r in result["resumptions"][:2]] == ["killed by SIGKILL", "lost"]
 
 
+@pytest.mark.e2e
 def test_sdk_pretrain_wait_returns_a_completed_run_with_metrics(tmp_path, tiny_data):
     base = tiny_run_config(tiny_data, tmp_path / "sdk", name="sdk-run")
     run = sdk.pretrain(base, training_duration="6ba", parameters={"learning_rate": 2e-3})
@@ -292,6 +298,7 @@ def test_sdk_pretrain_wait_returns_a_completed_run_with_metrics(tmp_path, tiny_d
         sdk.pretrain(base, paramters={"learning_rate": 1.0})
 
 
+@pytest.mark.integration
 def test_a_corrupt_or_locked_registry_is_one_clear_error(tmp_path, monkeypatch, capsys):
     """In-process through the CLI's entry point (nothing here needs another process)."""
     home = tmp_path / "home"

@@ -48,6 +48,7 @@ def loss_of(model, batch: Batch):
     return model.training_loss(batch.input_ids, batch.targets, doc_ids=batch.doc_ids).ce_sum
 
 
+@pytest.mark.integration
 def test_training_loss_is_cross_entropy_of_the_logits(tmp_path, tok, model):
     """The training forward's loss equals a plain cross-entropy of `forward`'s logits."""
     rows = pack(examples(tmp_path, tok), 256, tok.pad_id, seed=3)
@@ -57,6 +58,7 @@ def test_training_loss_is_cross_entropy_of_the_logits(tmp_path, tok, model):
     torch.testing.assert_close(loss_of(model, batch), expected)
 
 
+@pytest.mark.e2e
 def test_prompt_tokens_are_masked(tmp_path, tok, model):
     ex = examples(tmp_path, tok)
     ids, trained = ex[0]
@@ -79,6 +81,7 @@ def test_prompt_tokens_are_masked(tmp_path, tok, model):
     assert not torch.equal(loss_of(model, with_target(prompt_len + 1, (int(ids[prompt_len + 1]) + 7) % 512)), base)
 
 
+@pytest.mark.integration
 def test_packed_examples_do_not_attend_across(tmp_path, tok, model):
     ex = examples(tmp_path, tok)
     rows = pack(ex, 256, tok.pad_id, seed=3)

@@ -94,6 +94,7 @@ def test_bad_jsonl_lines_skipped_then_fatal_when_nothing_left(tmp_path):
         _docs([str(bad)])
 
 
+@pytest.mark.integration
 def test_parquet_missing_column_and_corrupt_gzip(tmp_path):
     pq.write_table(pa.table({"content": ["a"]}), tmp_path / "x.parquet")
     with pytest.raises(UserError, match=r'x\.parquet: no column "text" \(columns: content\); use --text-field'):
@@ -120,6 +121,7 @@ def test_builtin_corpus_is_deterministic_and_clean():
         list_files(["builtin:nope"])
 
 
+@pytest.mark.e2e
 def test_hf_dataset_offline_is_one_clear_line(tmp_path):
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     r = subprocess.run([sys.executable, "-m", "lmforge", "tokenizer", "train", "--input",

@@ -74,6 +74,7 @@ def test_order_is_deterministic_and_seeded(ds, tmp_path):
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
 
 
+@pytest.mark.integration
 def test_workers_do_not_change_order(ds, tmp_path):
     ref = take(stream(ds, tmp_path), 30)
     s2 = stream(ds, tmp_path, num_workers=2)
@@ -139,6 +140,7 @@ def test_resume_equals_uninterrupted(ds, tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(nxt, full[k:k + 15])), k
 
 
+@pytest.mark.integration
 def test_resume_across_epoch_boundary_with_workers(ds, tmp_path):
     full = take(stream(ds, tmp_path), 130)  # 260 samples: into epoch 1
     s = stream(ds, tmp_path)

@@ -20,6 +20,7 @@ def _stream(path, cache, **kw):
     return TokenStream(path, seq_len=SEQ, micro_batch_size=2, global_batch_size=4, seed=5, cache_dir=cache, **kw)
 
 
+@pytest.mark.integration
 def test_stream_from_s3_equals_local(s3_env, tmp_path):
     local = make_dataset(tmp_path / "prep" / "train", 150, tag=1)
     uri = f"s3://{s3_env.bucket}/datasets/prep"
@@ -69,6 +70,7 @@ def test_missing_remote_shard_is_named(s3_env, tmp_path):
             reader.get_tokens(i)
 
 
+@pytest.mark.e2e
 def test_server_env_works_in_a_subprocess(s3_server, tmp_path):
     """Other tests run `lmforge ... s3://` in subprocesses with the fixture's env."""
     code = (

@@ -114,6 +114,7 @@ def test_bad_input(corpus, tmp_path):
         load_tokenizer(str(tmp_path / "broken"))
 
 
+@pytest.mark.e2e
 def test_cli_train_and_bad_input(corpus, tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "lmforge", "tokenizer", "train", *a],  # noqa: E731
                                     capture_output=True, text=True, timeout=120)

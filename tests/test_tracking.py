@@ -123,6 +123,7 @@ def test_jsonl_written_and_appended_on_resume(tmp_path):
     assert read_metrics(run_dir / "metrics.jsonl") == []
 
 
+@pytest.mark.e2e
 def test_mlflow_sqlite_store_and_resume(tmp_path, home):
     from mlflow.tracking import MlflowClient
 
@@ -233,6 +234,7 @@ def _children() -> list[int]:
     return pids
 
 
+@pytest.mark.integration
 def test_wandb_offline_files_and_resume(tmp_path, home):
     from wandb.proto import wandb_internal_pb2 as pb
 

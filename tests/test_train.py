@@ -24,6 +24,7 @@ def run(tmp_path, tiny_data, name="run", **overrides):
     return cfg, folder
 
 
+@pytest.mark.e2e
 def test_loss_drops_and_everything_is_written(tmp_path, tiny_data):
     cfg, folder = run(tmp_path, tiny_data, training_duration="80ba", **{
         "experiment_tracker.mlflow": {}, "eval.interval": "40ba", "save_interval": "40ba",
@@ -65,6 +66,7 @@ def test_loss_drops_and_everything_is_written(tmp_path, tiny_data):
 # (bench/faults.py), through the supervisor as users run it.
 
 
+@pytest.mark.e2e
 def test_sigterm_stops_gracefully_with_a_checkpoint(tmp_path, tiny_data):
     cfg, folder = run(tmp_path, tiny_data, name="stop", training_duration="400ba", save_interval="1000ba")
     proc = subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg)],
@@ -81,6 +83,7 @@ def test_sigterm_stops_gracefully_with_a_checkpoint(tmp_path, tiny_data):
     assert len(ckpts) == 1 and int(ckpts[0].name.split("_")[1]) >= 3
 
 
+@pytest.mark.e2e
 def test_torchrun_two_cpu_ranks_match_single_process(tmp_path, tiny_data):
     """DDP over 2 gloo ranks (compute.ranks: 2 starts torchrun) follows the single-process
     loss trajectory for the same global batch. Tolerance: only the order of float sums differs
@@ -99,6 +102,7 @@ def test_torchrun_two_cpu_ranks_match_single_process(tmp_path, tiny_data):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.e2e
 def test_nan_loss_stops_with_a_clear_message(tmp_path, tiny_data):
     cfg, folder = run(tmp_path, tiny_data, name="nan", training_duration="30ba", save_interval="2ba",
                       **{"parameters.learning_rate": 1e30, "parameters.grad_clip": None,
@@ -108,6 +112,7 @@ def test_nan_loss_stops_with_a_clear_message(tmp_path, tiny_data):
     assert not (folder / "final").exists()
 
 
+@pytest.mark.e2e
 def test_rerun_of_a_completed_run_trains_nothing(tmp_path, tiny_data):
     cfg, folder = run(tmp_path, tiny_data, name="done", training_duration="2ba", **{"eval.prompts": []})
     lmforge("train", "-f", cfg, check=True)

@@ -14,6 +14,7 @@ MOE = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len
        "n_experts": 4, "top_k": 2, "expansion_ratio": 1.0}
 
 
+@pytest.mark.e2e
 def test_moe_run_trains_logs_router_stats_and_resumes_bitwise(tmp_path, tiny_data):
     common = {"model": MOE, "training_duration": "10ba", "save_interval": "3ba", "eval.interval": "5ba",
               "eval.prompts": ["def "]}
@@ -39,6 +40,7 @@ def test_moe_run_trains_logs_router_stats_and_resumes_bitwise(tmp_path, tiny_dat
     assert train_losses(tmp_path / "ref") == train_losses(tmp_path / "victim")
 
 
+@pytest.mark.e2e
 def test_icl_tasks_and_gauntlet_during_training(tmp_path, tiny_data):
     rows = [{"query": f"def f{i}(x): return x", "choices": [" + 1", " * 2", " - 3"], "gold": i % 3}
             for i in range(12)]
@@ -61,6 +63,7 @@ def test_icl_tasks_and_gauntlet_during_training(tmp_path, tiny_data):
     assert "gauntlet/toy" in icl_rows[-1]
 
 
+@pytest.mark.e2e
 def test_bad_icl_task_file_fails_before_training(tmp_path, tiny_data):
     cfg = write_config(tmp_path / "bad.yaml", tiny_run_config(
         tiny_data, tmp_path / "bad", **{"eval.icl_tasks": [{"label": "x", "dataset_uri": str(tmp_path / "no.jsonl"),
@@ -70,7 +73,7 @@ def test_bad_icl_task_file_fails_before_training(tmp_path, tiny_data):
     assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_quickstart_runs_end_to_end_shortened(tmp_path):
     """The real quickstart config (built-in corpus, tokenizer training, preparation, model: auto),
     with fewer steps. A second run reuses the cached tokenizer and data."""
@@ -88,6 +91,7 @@ def test_quickstart_runs_end_to_end_shortened(tmp_path):
     assert "tokenizer: reusing" in again and "data: preparing" not in again
 
 
+@pytest.mark.e2e
 def test_compiled_blocks_train_like_eager(tmp_path, tiny_data):
     """The one test with torch.compile on (inductor on CPU): same losses as eager, within
     float tolerance (fused kernels reorder sums), and the same checkpoint layout."""
@@ -104,6 +108,7 @@ def test_compiled_blocks_train_like_eager(tmp_path, tiny_data):
     assert final_weights(tmp_path / "eager").keys() == final_weights(tmp_path / "compiled").keys()
 
 
+@pytest.mark.e2e
 def test_moe_under_fsdp_two_ranks_matches_single_process(tmp_path, tiny_data):
     """MoE blocks shard per block like dense ones: 2 gloo ranks with FSDP2 follow the single
     process (same global batch) within float-summation tolerance."""

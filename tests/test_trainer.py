@@ -14,7 +14,8 @@ from lmforge.config.load import build_config
 from lmforge.data.batch import Batch, BatchStream, TrainingData
 from lmforge.distributed.dist import DistInfo
 from lmforge.train.callbacks import Callback
-from lmforge.train.setup import setup_run
+from lmforge.resolve import resolve
+from lmforge.train.machine import process_machine
 from lmforge.train.trainer import Trainer, TrainingDiverged
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -23,7 +24,7 @@ ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu
 def make_trainer(tiny_data, folder, callbacks=(), **overrides) -> Trainer:
     raw = tiny_run_config(tiny_data, folder, **({"compute.async_checkpoint": False, "eval.prompts": []} | overrides))
     cfg = build_config(raw)
-    return Trainer(setup_run(cfg, ONE_RANK, log=lambda *_: None), ONE_RANK, callbacks=callbacks,
+    return Trainer(resolve(cfg, process_machine(ONE_RANK), log=lambda *_: None), ONE_RANK, callbacks=callbacks,
                    log=lambda *_: None)
 
 
@@ -39,6 +40,7 @@ def test_data_and_streams_implement_the_protocols(tiny_data, tmp_path):
     assert isinstance(batch, Batch) and batch.input_ids.shape == (4, 64)
 
 
+@pytest.mark.e2e
 def test_train_step_updates_the_model_and_lowers_the_loss(tiny_data, tmp_path):
     trainer = make_trainer(tiny_data, tmp_path / "run", **{"parameters.warmup": "1ba"})
     batches = next_batches(trainer, iter(trainer.stream))
@@ -49,6 +51,7 @@ def test_train_step_updates_the_model_and_lowers_the_loss(tiny_data, tmp_path):
     assert all(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
 
+@pytest.mark.e2e
 def test_bf16_autocast_on_the_cpu_keeps_fp32_master_weights_and_learns(tiny_data, tmp_path):
     """precision bf16 (what auto picks on a CPU with AMX; the other tests pin fp32): matmuls in
     bf16, weights and optimizer moments in fp32, and the loss goes down."""
@@ -66,6 +69,7 @@ def test_bf16_autocast_on_the_cpu_keeps_fp32_master_weights_and_learns(tiny_data
     assert moments and all(v.dtype == torch.float32 for v in moments)
 
 
+@pytest.mark.e2e
 def test_grad_accumulation_equals_the_full_batch(tiny_data, tmp_path):
     """Micro-batch 2 × 4 accumulation steps == micro-batch 8 × 1 (the same global batch of 8)."""
     results = []
@@ -83,6 +87,7 @@ def test_grad_accumulation_equals_the_full_batch(tiny_data, tmp_path):
         torch.testing.assert_close(w2[k], w8[k], rtol=1e-4, atol=5e-5)
 
 
+@pytest.mark.integration
 def test_evaluate_reports_loss_perplexity_and_bits_per_byte(tiny_data, tmp_path):
     trainer = make_trainer(tiny_data, tmp_path / "run")
     metrics = trainer.evaluate()
@@ -90,6 +95,7 @@ def test_evaluate_reports_loss_perplexity_and_bits_per_byte(tiny_data, tmp_path)
     assert metrics["eval/bits_per_byte"] > 0 and metrics["eval/tokens"] == 2 * 4 * 63
 
 
+@pytest.mark.e2e
 def test_checkpoint_round_trip_continues_bitwise(tiny_data, tmp_path):
     """Save after 3 steps; a new Trainer on the same folder resumes and its next step is the
     very step the first trainer takes next (weights, optimizer, data position, counters)."""
@@ -108,6 +114,7 @@ def test_checkpoint_round_trip_continues_bitwise(tiny_data, tmp_path):
         assert torch.equal(va, vb), k
 
 
+@pytest.mark.e2e
 def test_a_resume_reads_each_checkpoint_file_back_once(tiny_data, tmp_path, monkeypatch):
     """Rank 0 checks the digests of the checkpoint it resumes from; loading it does not check them
     again (on every rank that would be ranks × the checkpoint's size in reads). Files rank 0 did
@@ -144,6 +151,7 @@ def test_a_resume_reads_each_checkpoint_file_back_once(tiny_data, tmp_path, monk
     assert hashed == []
 
 
+@pytest.mark.integration
 def test_files_hashed_in_parallel_have_their_own_digests(tmp_path):
     import hashlib
 
@@ -180,6 +188,7 @@ class Recorder(Callback):
         self.calls.append(f"end:{status}:{final_dir is not None}")
 
 
+@pytest.mark.e2e
 def test_fit_calls_the_callbacks_in_order(tiny_data, tmp_path):
     rec = Recorder()
     trainer = make_trainer(tiny_data, tmp_path / "run", [rec], training_duration="4ba", save_interval="2ba",
@@ -190,6 +199,7 @@ def test_fit_calls_the_callbacks_in_order(tiny_data, tmp_path):
                          "checkpoint:2", "metrics:4:False", "metrics:4:True", "checkpoint:4", "end:completed:True"]
 
 
+@pytest.mark.e2e
 def test_a_diverged_step_never_reaches_a_checkpoint(tiny_data, tmp_path):
     """Losses stay on the device between log steps; with a log every 100 steps they are read
     before each checkpoint instead, so a non-finite step stops the run before a save holds it."""
@@ -210,7 +220,7 @@ def test_train_steps_never_wait_for_the_gpu(tiny_data, tmp_path):
     cuda = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
     raw = tiny_run_config(tiny_data, tmp_path / "run", **{"compute.async_checkpoint": False, "eval.prompts": [],
                                                           "compute.loss_kernel": "chunked"})
-    trainer = Trainer(setup_run(build_config(raw), cuda, log=lambda *_: None), cuda, log=lambda *_: None)
+    trainer = Trainer(resolve(build_config(raw), process_machine(cuda), log=lambda *_: None), cuda, log=lambda *_: None)
     it = iter(trainer.stream)
     batches = next_batches(trainer, it)
     assert batches[0].input_ids.is_pinned()

@@ -72,6 +72,7 @@ def test_new_rows_are_the_mean_of_their_pieces():
     assert out["norm.weight"] is sd["norm.weight"]
 
 
+@pytest.mark.e2e
 def test_continued_pretraining_with_extended_vocabulary(tmp_path, tiny_data, corpus):
     """In-process CPT with tokenizer.extend, then the HF export of model and tokenizer."""
     from lmforge.config.model import ModelConfig

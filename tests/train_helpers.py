@@ -65,7 +65,7 @@ def train_in_process(raw: dict, log=lambda *_: None):
     Trainer, trackers), with `model` / `tokenizer` taken from custom_weights_path when left out."""
     from lmforge.config.load import build_config
     from lmforge.runs.job import run_job
-    from lmforge.train.locate import fill_from_weights
+    from lmforge.resolve.weights import fill_from_weights
 
     return run_job(build_config(fill_from_weights(raw)), log=log)
 

@@ -13,7 +13,7 @@ from lmforge.config.load import load_yaml_text, read_text_file
 from lmforge.config.model import PRESETS, resolve_model
 from lmforge.errors import UserError
 from lmforge.estimate.hardware import gpu_type_names
-from lmforge.estimate.plan import check_fits, estimate_run, format_plan
+from lmforge.estimate.plan import EstimateInputs, check_fits, estimate_run, format_plan
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _COUNT = re.compile(r"^\s*([0-9][0-9_]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*(?:tok|tokens)?\s*$", re.I)
@@ -60,7 +60,9 @@ def _precision(args) -> str:
     import torch
 
     from lmforge.config.defaults import auto_precision
-    return auto_precision(torch.device("cpu"))
+    from lmforge.train.machine import local_machine
+
+    return auto_precision(local_machine(torch.device("cpu")).bf16)
 
 
 def _auto(args, tokens: float | None):
@@ -128,7 +130,7 @@ def run(args) -> int:
         seq_len = seq_len or yaml_seq
     else:
         model = parse_count(args.params, "--params")
-    plan = estimate_run(
+    plan = estimate_run(EstimateInputs(
         model,
         tokens=tokens,
         gpus=args.gpus,
@@ -142,7 +144,7 @@ def run(args) -> int:
         precision=_precision(args),
         micro_batch=args.micro_batch,
         expert_parallel=args.expert_parallel,
-    )
+    ))
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan), end="\n" if args.json else "")
     check_fits(plan)
     return 0

@@ -20,7 +20,7 @@ modeling, multiple choice, schema, generation with answers) and, with --gauntlet
 accuracies into category and average scores.
 
 --tasks and --gauntlet take a YAML file, or `default` for the ones shipped with lmforge
-(lmforge/eval/tasks.yaml, lmforge/eval/gauntlet.yaml). Their data files are LLM Foundry's eval
+(lmforge/tasks/tasks.yaml, lmforge/eval/gauntlet.yaml). Their data files are LLM Foundry's eval
 `local_data` JSONL files (github.com/mosaicml/llm-foundry, scripts/eval/local_data); point
 --data-root at that folder."""
 
@@ -83,7 +83,8 @@ def _device(name: str):
 def _load_checkpoint(path: str, device):
     """The model and its tokenizer, from anything `train.locate` accepts (a run's save folder, its
     final/, a checkpoints/step_N folder, a Hugging Face folder) — as `generate` and `export` do."""
-    from lmforge.train.locate import check_tokenizer_fits, load_model, locate  # torch (lazy: `lmforge --help`)
+    from lmforge.resolve.weights import check_tokenizer_fits, locate
+    from lmforge.train.locate import load_model  # torch (lazy: `lmforge --help`)
 
     loc = locate(path)
     # The weights first: a damaged model folder is reported as that, not as a missing tokenizer.

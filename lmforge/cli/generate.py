@@ -60,7 +60,8 @@ def run(args) -> int:
     text = _prompt(args)
     from lmforge.distributed.dist import pick_device  # torch, as the two below (lazy: `lmforge --help`)
     from lmforge.models import generate
-    from lmforge.train.locate import check_tokenizer_fits, load_model
+    from lmforge.resolve.weights import check_tokenizer_fits
+    from lmforge.train.locate import load_model
 
     device = pick_device(args.device, 0)
     model, cfg, loc = load_model(args.checkpoint, device=device)

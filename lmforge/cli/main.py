@@ -14,7 +14,8 @@ import sys
 
 from lmforge import __version__
 from lmforge.cli.common import HelpFormatter, OneLineParser
-from lmforge.errors import UserError, environment_error, say
+from lmforge.errors import UserError, environment_error
+from lmforge.say import say
 
 # Command modules, in the order they appear in `lmforge --help`. A module that does not
 # exist yet is skipped, so the CLI stays usable while features are added.

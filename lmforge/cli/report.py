@@ -26,10 +26,11 @@ def run(args) -> int:
     from lmforge.errors import UserError
     from lmforge.report import write_report
     from lmforge.report.html import MARK
+    from lmforge.runs.registry import RegistryIndex
 
     if os.path.isdir(args.out):
         raise UserError(f"--out {args.out}: is a folder; give a file name such as {os.path.join(args.out, 'report.html')}")
     check_output_file(args.out, "--out", args.overwrite, MARK)
-    out = write_report(args.runs, args.out)
+    out = write_report(args.runs, args.out, index=RegistryIndex())
     print(f"report: {os.path.abspath(out)} ({os.path.getsize(out) / 1e6:.1f} MB, {len(args.runs)} run(s))")
     return 0

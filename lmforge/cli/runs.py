@@ -250,7 +250,8 @@ def cmd_restart(args) -> int:
 def cmd_compare(args) -> int:
     from lmforge.report.compare import format_compare
     from lmforge.report.load import load_run
+    from lmforge.runs.registry import RegistryIndex
 
-    a, b = load_run(args.a), load_run(args.b)
+    a, b = load_run(args.a, index=RegistryIndex()), load_run(args.b, index=RegistryIndex())
     sys.stdout.write(format_compare(a, b))
     return 0

@@ -5,8 +5,9 @@ launch plan (`runs.plan`) says what this process is — it supervises the run (t
 process), becomes torchrun (several ranks), or trains here (a supervised child or a rank).
 `finetune` differs only in its default `task_type` (instruction_finetune) and its help.
 
-The heavy imports (torch, through `runs`) are inside the functions so that `lmforge --help`
-and `import lmforge` stay free of torch.
+Everything up to the launch — resolving the config, preflight, registering and supervising — runs
+without torch; the job a process trains (`runs.job`) and the dry run, which measures this
+machine, import it where they start, so that `lmforge --help` stays light.
 """
 
 from __future__ import annotations
@@ -21,18 +22,15 @@ from rich.console import Console
 
 from lmforge import secrets
 from lmforge.cli.common import add_command
-from lmforge.config.identity import with_default_names
-from lmforge.config.load import build_config, load_raw
-from lmforge.config.model import padded_vocab
 from lmforge.config.reference import render_text
-from lmforge.config.schema import TokenizerSpec
-from lmforge.data.tokenizer import load_tokenizer
-from lmforge.errors import UserError
-from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec, mfu_basis
 from lmforge.estimate.plan import estimate_run, format_plan
+from lmforge.resolve import resolve
+from lmforge.resolve.plan import estimate_inputs
+from lmforge.resolve.request import RunRequest
 from lmforge.runs.plan import launch_plan, started_by_user
-
-SFT_DEFAULT_TASK = "instruction_finetune"
+from lmforge.runs.preflight import preflight
+from lmforge.runs.start import start
+from lmforge.runs.store import staging_dir
 
 
 def register(sub) -> None:
@@ -84,36 +82,12 @@ def add_run_arguments(p) -> None:
     p.add_argument("--plan", help=argparse.SUPPRESS)  # set by lmforge for the processes it starts (runs.plan)
 
 
-def load_from_args(args):
-    """The run config of a `train` / `finetune` command line (overrides applied, validated)."""
-    from lmforge.train.locate import fill_from_weights  # torch (lazy: `lmforge --help` stays light)
-
-    finetune = args.command == "finetune"
-    if not args.file and not (args.model and args.train_data and args.training_duration):
-        raise UserError(f"{args.command}: give a config with -f FILE (or at least --model, --train-data and "
-                        "--training-duration)")
-    overrides = {"model": args.model, "custom_weights_path": args.weights, "train_data": args.train_data,
-                 "training_duration": args.training_duration, "save_folder": args.save_folder, "name": args.name}
-    if args.no_autoresume:
-        overrides["autoresume"] = False
-    sets = list(args.set)
-    for flag, key in (("nnodes", "compute.nodes"), ("node_rank", "compute.node_rank"),
-                      ("rdzv_endpoint", "compute.rdzv_endpoint"), ("max_retries", "max_retries"),
-                      ("price_per_gpu_hour", "compute.price_per_gpu_hour")):
-        if getattr(args, flag, None) is not None:
-            sets.append(f"{key}={getattr(args, flag)}")
-    raw = load_raw(args.file, overrides=overrides, sets=sets)
-    if finetune:
-        raw.setdefault("task_type", SFT_DEFAULT_TASK)
-    # `model` and `tokenizer` may come from custom_weights_path.
-    return build_config(fill_from_weights(raw), source=args.file)
-
-
 def run(args) -> int:
-    cfg = load_from_args(args)
+    request = RunRequest.from_args(args)
+    cfg = resolve(request, until="config").config  # validated, names filled (torch-free)
     secrets.apply(cfg)  # credentials named by `secrets:` → env (torchrun's ranks inherit it)
     if args.dry_run:
-        return dry_run(cfg, args)
+        return dry_run(request, args)
     if args.check_credentials:
         checked = secrets.check_credentials(cfg, log=print)  # a local save_folder: nothing to check
         print("credentials: ok" if checked else "credentials: nothing remote to check")
@@ -124,13 +98,9 @@ def run(args) -> int:
         secrets.check_credentials(cfg, log=print)
     plan = launch_plan(args, cfg)  # (checks the device mesh)
     if started_by_user(args):  # a config that cannot work is refused before it becomes a run
-        from lmforge.runs.preflight import preflight  # torch (lazy, as below)
-
         world = int(os.environ.get("WORLD_SIZE", 0)) or (plan.nproc or 1) * cfg.compute.nodes  # torchrun by hand: its own
-        preflight(with_default_names(cfg), args.command, world_size=world, overwrite=args.overwrite)
+        preflight(cfg, args.command, world_size=world, overwrite=args.overwrite)
     if plan.role in ("detach", "supervise"):
-        from lmforge.runs.start import start  # torch, as runs.job below (lazy: `lmforge --help` stays light)
-
         return start(cfg, args, plan)
     if plan.role == "launch":
         from lmforge.runs.job import launch
@@ -172,8 +142,6 @@ def print_summary(result, as_json: bool = False) -> None:
         (lambda *p: os.path.join(result.save_folder, *p))
     c.print(f"checkpoints: {join('checkpoints')}")
     if result.final_dir and remote:
-        from lmforge.runs.store import staging_dir  # torch (through the trainer's checkpoints)
-
         local = os.path.join(staging_dir(result.save_folder), "final")
         c.print(f"final model: {result.final_dir}  (local copy: lmforge generate --checkpoint {local})")
     elif result.final_dir:
@@ -186,39 +154,23 @@ def print_summary(result, as_json: bool = False) -> None:
         c.print(f"MLflow:      {result.mlflow_ui}")
 
 
-def dry_run(cfg, args) -> int:
-    """Resolve every default without training; data preparation is not started for this."""
+def dry_run(request: RunRequest, args) -> int:
+    """Resolve every default for this machine without training; data preparation is not started."""
     import torch  # (lazy, like the two below: `lmforge --help` stays free of torch)
 
     from lmforge.distributed.dist import pick_device
-    from lmforge.train.auto_model import resolve_auto
-    from lmforge.train.plan import make_plan, resolved_config
+    from lmforge.train.machine import local_machine
 
-    cfg = with_default_names(cfg)
+    cfg = resolve(request, until="config").config
     device = pick_device(cfg.compute.device, 0)
-    cfg = resolve_auto(cfg, device, log=print)
-    if cfg.model.vocab_size is None:
-        vocab = cfg.tokenizer.train.vocab_size if isinstance(cfg.tokenizer, TokenizerSpec) and cfg.tokenizer.train else None
-        if isinstance(cfg.tokenizer, str) and os.path.exists(cfg.tokenizer):
-            vocab = load_tokenizer(cfg.tokenizer).vocab_size
-        if vocab:
-            cfg.model.vocab_size = padded_vocab(vocab)
     world = cfg.compute.ranks or 1
     if device.type == "cuda":
         world = (torch.cuda.device_count() if cfg.compute.gpus == "auto" else cfg.compute.gpus) * cfg.compute.nodes
-    plan = make_plan(cfg, world_size=world, device=device, samples_per_epoch=None, data_seq_len=None)
-    resolved = secrets.redact_config(resolved_config(cfg, plan).model_dump(mode="json"))
-    gpu_type = "cpu"
-    if device.type == "cuda":
-        name = detect_device_spec(device).name
-        gpu_type = name if name in GPU_TYPES else "h100-sxm"
-    # At the peak the run's MFU is logged against: on a CPU without AMX the run trains in fp32,
-    # and that CPU's bf16 peak would halve the time estimate.
-    est = estimate_run(cfg.model, tokens=plan.total_tokens, gpus=world if device.type == "cuda" else 1,
-                       gpu_type=gpu_type, seq_len=plan.context_length, micro_batch=plan.micro_batch,
-                       grad_accum=plan.grad_accum, price=cfg.compute.price_per_gpu_hour,
-                       precision=mfu_basis(plan.precision),
-                       expert_parallel=cfg.compute.expert_parallel if device.type == "cuda" else 1)
+    machine = local_machine(device, world)
+    run = resolve(request, machine, until="plan")
+    plan = run.plan
+    resolved = secrets.redact_config(run.config.model_dump(mode="json"))
+    est = estimate_run(estimate_inputs(run.config, plan, machine))
     if args.json:
         print(json.dumps({"config": resolved, "plan": est}, indent=1, default=str))
         return 0

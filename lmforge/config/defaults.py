@@ -16,13 +16,24 @@ from __future__ import annotations
 
 import math
 
-import torch
+from lmforge.config.schema import SFT_TASKS
 
 # (non-embedding params, peak LR)
 LR_ANCHORS = [(5e6, 2e-3), (30e6, 1e-3), (125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4),
               (3e9, 1.6e-4), (7e9, 1.2e-4), (13e9, 1e-4), (30e9, 1e-4), (70e9, 8e-5)]
 # (upper bound of non-embedding params, tokens per optimizer step)
 BATCH_TOKENS = [(30e6, 8192), (200e6, 524288), (2e9, 1048576), (20e9, 2097152), (math.inf, 4194304)]
+
+
+# Fine-tuning all weights: one tenth of the size-based pretraining LR (e.g. 1.2e-5 for 7B), the usual
+# SFT range. LoRA keeps the pretraining default itself: adapters take ~10× the full fine-tuning rate.
+SFT_LR_FACTOR = 0.1
+
+
+def task_learning_rate(non_embedding_params: float, task_type: str, lora: bool) -> float:
+    """The default peak LR of a run of this task (see SFT_LR_FACTOR)."""
+    lr = default_learning_rate(non_embedding_params)
+    return float(f"{lr * SFT_LR_FACTOR:.3g}") if task_type in SFT_TASKS and not lora else lr
 
 
 def default_learning_rate(non_embedding_params: float) -> float:
@@ -67,21 +78,11 @@ WARMUP_FRACTION = 0.05
 MAX_WARMUP_STEPS = 2000
 
 
-def bf16_supported(device: torch.device) -> bool:
-    """bf16 autocast only where matmuls run natively in bf16 (else it is slower than fp32)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        # AMX tiles only. With AVX512-BF16 alone oneDNN has bf16 kernels too, but a training step
-        # under bf16 autocast ran 1.5× slower than in fp32 (BENCHMARKS.md, 2026-11-23 session 6).
-        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-        return amx is not None and amx() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return False
-
-
-def auto_precision(device: torch.device) -> str:
-    """What `precision: auto` trains in on this device: bf16 where it is native, else fp32."""
-    return "bf16" if bf16_supported(device) else "fp32"
+def auto_precision(bf16_native: bool) -> str:
+    """What `precision: auto` trains in: bf16 where the device runs bf16 matmuls natively (CUDA
+    with bf16; CPUs with AMX — with AVX512-BF16 alone a step under bf16 autocast ran 1.5× slower
+    than in fp32, BENCHMARKS.md 2026-11-23 session 6), else fp32."""
+    return "bf16" if bf16_native else "fp32"
 
 
 def micro_batch_for(per_rank: int, cap: int = 8) -> int:

@@ -275,6 +275,11 @@ class LoRAConfig(_Strict):
         return list(dict.fromkeys(v))
 
 
+# The task types whose train_data and eval.data_path are JSONL rows (prompt/response or chat
+# messages) trained on with `lmforge finetune`; the others read raw text or prepared datasets.
+SFT_TASKS = ("instruction_finetune", "chat_completion")
+
+
 class SFTOptions(_Strict):
     """Supervised fine-tuning data handling (task_type instruction_finetune / chat_completion)."""
     packing: bool = Field(True, description="pack several examples per row (attention kept within each); "

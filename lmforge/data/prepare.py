@@ -42,8 +42,8 @@ from lmforge.data import remote
 from lmforge.data.sources import SourceStats, list_files, no_documents_message, read_source
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.errors import UserError
+from lmforge.layout import DATASET_MARKER as MARKER
 
-MARKER = "lmforge-dataset.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 # A chunk is the unit of work sent to a worker: big enough to amortise inter-process transfer
@@ -350,16 +350,7 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
         if log:
             log(f"already prepared: {out}")
         return existing | {"already_prepared": True}
-    listing = _listing(out)
-    if listing and not overwrite:
-        if existing is not None:
-            raise UserError(f"--out {out}: already holds a different prepared dataset (inputs "
-                            f"{' '.join(existing.get('inputs', []))}); use --overwrite or another --out")
-        # Only leftovers of our own interrupted upload (train/, val/ without a marker) are replaced silently.
-        if not set(listing) <= set(SPLITS):
-            raise UserError(f"--out {out}: folder is not empty and is not a prepared dataset "
-                            f"(holds {', '.join(sorted(listing)[:3])}); use --overwrite or another --out")
-
+    listing = _check_destination(out, existing, overwrite)
     is_remote = remote.is_remote(out)
     if is_remote:
         stage = tempfile.mkdtemp(prefix="lmforge-prepare-")
@@ -389,6 +380,21 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
     if curator is not None and removed_out:
         marker["curation"]["removed_samples"] = curator.acct.write_samples(removed_out)
     return marker
+
+
+def _check_destination(out: str, existing: dict | None, overwrite: bool) -> list[str] | None:
+    """What ``out`` holds now (None: nothing there); another dataset or foreign files there are
+    refused unless ``overwrite``."""
+    listing = _listing(out)
+    if listing and not overwrite:
+        if existing is not None:
+            raise UserError(f"--out {out}: already holds a different prepared dataset (inputs "
+                            f"{' '.join(existing.get('inputs', []))}); use --overwrite or another --out")
+        # Only leftovers of our own interrupted upload (train/, val/ without a marker) are replaced silently.
+        if not set(listing) <= set(SPLITS):
+            raise UserError(f"--out {out}: folder is not empty and is not a prepared dataset "
+                            f"(holds {', '.join(sorted(listing)[:3])}); use --overwrite or another --out")
+    return listing
 
 
 def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: float, workers: int,

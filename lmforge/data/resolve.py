@@ -59,7 +59,7 @@ class ResolvedData:
     kind: str = "pretrain"
     chat_template: str | None = None
     # A curriculum: the mix of each phase and where it ends on the global sample axis. Set by
-    # `train.setup` once the plan has put the ends on optimizer steps; None: one mix (`train`).
+    # `resolve` once the plan has put the ends on optimizer steps; None: one mix (`train`).
     phases: list[StreamPhase] | None = None
 
     def train_stream(self, layout: StreamLayout) -> TokenStream:
@@ -167,7 +167,7 @@ def _extended_tokenizer(cfg: RunConfig, log=print) -> str:
     from lmforge.data.vocab_extension import extend_tokenizer
 
     spec = cfg.tokenizer.extend
-    base = spec.base  # filled from custom_weights_path by train.setup when left out
+    base = spec.base  # filled from custom_weights_path by `resolve` when left out
     if base is None:
         raise UserError("tokenizer.extend.base: not set (the tokenizer folder to extend)")
     raw = [d for d in cfg.train_data if not is_prepared(d.path)]

@@ -29,9 +29,9 @@ import torch
 
 from lmforge.data.batch import Batch, EvalSet, StreamLayout
 from lmforge.errors import UserError
+from lmforge.layout import DATASET_MARKER
 
 ROLES = ("system", "user", "assistant")
-SFT_TASKS = ("instruction_finetune", "chat_completion")
 
 # The chat template. Keep `render_chat` and this Jinja text in step (a test checks they agree).
 ASSISTANT_HEADER = "### Assistant:\n"
@@ -72,7 +72,7 @@ def _open_lines(path: str):
 
     if os.path.isdir(path):
         prepared = " (a prepared pretraining dataset: fine-tune on it with task_type continued_pretrain)" \
-            if os.path.exists(os.path.join(path, "lmforge-dataset.json")) else ""
+            if os.path.exists(os.path.join(path, DATASET_MARKER)) else ""
         raise UserError(f"{path} is a folder{prepared}; {TASK_DATA}")
     try:
         files = fsspec.open_files(path, "rt", compression="infer", encoding="utf-8")

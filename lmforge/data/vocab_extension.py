@@ -45,7 +45,6 @@ def extend_tokenizer(base_dir: str, inputs: list[str], vocab_size: int, out_dir:
                      max_bytes: int | None = None):
     """Write the extended tokenizer folder to `out_dir`; returns the loaded `Tokenizer`."""
     from tokenizers import Tokenizer as Backend
-    from tokenizers import models, pre_tokenizers, trainers
 
     from lmforge.data.tokenizer import DEFAULT_MAX_TRAIN_BYTES, _sampled_documents, load_tokenizer
 
@@ -60,29 +59,47 @@ def extend_tokenizer(base_dir: str, inputs: list[str], vocab_size: int, out_dir:
                         "(Llama 3, Qwen, Mistral/Tekken, GPT-2 style and lmforge's own) can be extended")
     base = Backend.from_file(path)
     vocab: dict[str, int] = model["vocab"]
-    used = [*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))]
-    next_id = max(used) + 1
+    next_id = max([*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))]) + 1
     need = vocab_size - next_id
     if need <= 0:
         raise UserError(f"tokenizer.extend.vocab_size: {vocab_size} must be larger than the base tokenizer's "
                         f"{next_id} tokens")
-    known = set(vocab) | {t["content"] for t in data.get("added_tokens", [])}
+    docs = [d for batch in _sampled_documents(inputs, text_field, max_bytes or DEFAULT_MAX_TRAIN_BYTES) for d in batch]
+    new = _new_merges(base, data, docs, need)
+    if len(new) < need:
+        raise UserError(f"tokenizer.extend.vocab_size: the training data yields only {len(new)} new tokens "
+                        f"(asked for {need}); ask for at most {next_id + len(new)} or give more text")
     merges_in = model.get("merges", [])
     as_pairs = bool(merges_in) and isinstance(merges_in[0], list)
-    base_ranks = {_merge_pair(m): i for i, m in enumerate(merges_in)}
+    pieces: dict[int, list[int]] = {}
+    for k, (a, b) in enumerate(new):
+        token, tid = a + b, next_id + k
+        pieces[tid] = [t.id for t in base.model.tokenize(token)]
+        vocab[token] = tid
+        merges_in.append([a, b] if as_pairs else f"{a} {b}")
+    model["vocab"], model["merges"] = vocab, merges_in
+    record = {"base": os.path.abspath(base_dir), "base_vocab_size": next_id, "vocab_size": vocab_size,
+              "pieces": {str(k): v for k, v in pieces.items()}}
+    _write_folder(data, base_dir, record, out_dir)
+    return load_tokenizer(out_dir)
 
-    # Train larger and larger BPEs on the data until they teach enough new merges.
+
+def _new_merges(base, data: dict, docs: list[str], need: int) -> list[tuple[str, str]]:
+    """Up to ``need`` merges that extend the base BPE: larger and larger BPEs are trained on the
+    documents until they teach enough merges the base lacks."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers, trainers
+
+    model = data["model"]
+    known = set(model["vocab"]) | {t["content"] for t in data.get("added_tokens", [])}
+    base_ranks = {_merge_pair(m): i for i, m in enumerate(model.get("merges", []))}
     size, new = 256 + 2 * need, []
-    docs = None
     while True:
         learner = Backend(models.BPE())
         learner.normalizer = base.normalizer
         learner.pre_tokenizer = base.pre_tokenizer
         alphabet = pre_tokenizers.ByteLevel.alphabet() if "ByteLevel" in json.dumps(data.get("pre_tokenizer")) else []
         trainer = trainers.BpeTrainer(vocab_size=size, min_frequency=2, initial_alphabet=alphabet, show_progress=False)
-        if docs is None:  # sample once, train on the same text every round
-            docs = [d for batch in _sampled_documents(inputs, text_field, max_bytes or DEFAULT_MAX_TRAIN_BYTES)
-                    for d in batch]
         learner.train_from_iterator(docs, trainer=trainer)
         learned = json.loads(learner.to_str())["model"]["merges"]
         tokens, new, ranks = set(known), [], dict(base_ranks)
@@ -100,19 +117,12 @@ def extend_tokenizer(base_dir: str, inputs: list[str], vocab_size: int, out_dir:
                 break
         # enough, or the data has no more to teach (the BPE stopped short of its size), or hopeless
         if len(new) == need or len(learned) < size - 256 - 10 or size > 64 * (256 + need):
-            break
+            return new
         size *= 2
-    if len(new) < need:
-        raise UserError(f"tokenizer.extend.vocab_size: the training data yields only {len(new)} new tokens "
-                        f"(asked for {need}); ask for at most {next_id + len(new)} or give more text")
 
-    pieces: dict[int, list[int]] = {}
-    for k, (a, b) in enumerate(new):
-        token, tid = a + b, next_id + k
-        pieces[tid] = [t.id for t in base.model.tokenize(token)]
-        vocab[token] = tid
-        merges_in.append([a, b] if as_pairs else f"{a} {b}")
-    model["vocab"], model["merges"] = vocab, merges_in
+
+def _write_folder(data: dict, base_dir: str, record: dict, out_dir: str) -> None:
+    """The extended tokenizer.json, the base's other files and the extension record, published at once."""
     tmp = out_dir + f".tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -122,24 +132,9 @@ def extend_tokenizer(base_dir: str, inputs: list[str], vocab_size: int, out_dir:
         if os.path.isfile(os.path.join(base_dir, name)):
             shutil.copy2(os.path.join(base_dir, name), os.path.join(tmp, name))
     with open(os.path.join(tmp, EXTENSION_FILE), "w") as f:
-        json.dump({"base": os.path.abspath(base_dir), "base_vocab_size": next_id, "vocab_size": vocab_size,
-                   "pieces": {str(k): v for k, v in pieces.items()}}, f)
+        json.dump(record, f)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
-    return load_tokenizer(out_dir)
-
-
-def grown_vocab(cfg, tokenizer_vocab: int):
-    """With `tokenizer: {extend: …}`, the model's vocabulary (taken from the weights) grows to the
-    extended tokenizer's, rounded up (`padded_vocab`); otherwise `cfg` is returned as is."""
-    from lmforge.config.model import padded_vocab
-    from lmforge.config.schema import TokenizerSpec
-
-    spec = cfg.tokenizer
-    if not (isinstance(spec, TokenizerSpec) and spec.extend) or cfg.model.vocab_size is None:
-        return cfg
-    v = max(cfg.model.vocab_size, padded_vocab(tokenizer_vocab))
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": v})})
 
 
 def read_extension(tokenizer_dir: str | None) -> dict | None:

@@ -55,6 +55,9 @@ from lmforge.estimate.flops import block_counts, vocab_of
 
 STATE_BYTES = {"bf16_params": 2, "fp32_master": 4, "fp32_grads": 4, "adam_m": 4, "adam_v": 4}
 BYTES_PER_PARAM = sum(STATE_BYTES.values())
+# What every trained parameter holds whatever the precision (fp32 weights, gradients, AdamW m and v):
+# the sure lower bound preflight refuses a run on (the bf16 copies and activations come on top).
+TRAINED_BYTES_PER_PARAM = BYTES_PER_PARAM - STATE_BYTES["bf16_params"]
 ACT_BYTES = 2  # bf16 activations
 # Logits per chunk of the loss: the same number as models.loss.CHUNK_ELEMENTS (this module
 # stays free of torch so that `lmforge estimate` starts fast; tests/test_loss.py checks).

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import KW_ONLY, dataclass
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
@@ -26,99 +27,96 @@ def _check_positive(value, name: str) -> None:
         raise UserError(f"{name}: expected a number > 0, got {value}")
 
 
-def estimate_run(
-    model: ModelConfig | int | float,
-    tokens: float | None = None,
-    gpus: int = 1,
-    nodes: int = 1,
-    gpu_type: str = "h100-sxm",
-    mfu: float = 0.4,
-    price: float | None = None,
-    seq_len: int | None = None,
-    *,
-    active_params: float | None = None,
-    vocab_size: int | None = None,
-    precision: str = "bf16",
-    micro_batch: int | None = None,
-    activation_checkpointing: bool | None = None,
-    spec: GPUSpec | None = None,
-    expert_parallel: int = 1,
-    grad_accum: int = 1,
-) -> dict:
-    """Every planning number for training ``model`` on ``tokens`` tokens.
+@dataclass(frozen=True)
+class EstimateInputs:
+    """What an estimate is computed from: a model, the tokens it trains on and the cluster.
 
-    ``model``: a ModelConfig (exact counts) or a nominal parameter count (with
-    ``active_params`` for MoE). ``tokens`` None = Chinchilla-optimal (20 × params).
-    ``gpus`` per node × ``nodes`` devices of ``gpu_type`` (or an explicit ``spec``,
-    e.g. from `detect_device_spec`). ``mfu`` in (0, 1]; ``price`` per GPU-hour.
-    ``seq_len`` defaults to the model's max_seq_len. ``expert_parallel`` (MoE): GPUs each
-    layer's experts are split over; ``grad_accum``: micro-batches per optimizer step (for the MoE
-    traffic per step). Raises UserError on bad input.
+    ``model``: a ModelConfig (exact counts) or a nominal parameter count (with ``active_params``
+    for MoE). ``tokens`` None = Chinchilla-optimal (20 × params). ``gpus`` per node × ``nodes``
+    devices of ``gpu_type`` (or an explicit ``spec``, e.g. the machine a run resolved for).
+    ``mfu`` in (0, 1]; ``price`` per GPU-hour; ``seq_len`` defaults to the model's max_seq_len.
+    ``expert_parallel`` (MoE): GPUs each layer's experts are split over; ``grad_accum``:
+    micro-batches per optimizer step (for the MoE traffic per step). A resolved run's plan gives
+    them all (`resolve.plan.estimate_inputs`); `lmforge estimate` its flags.
     """
-    if not 0 < mfu <= 1:
-        raise UserError(f"--mfu: expected a fraction in (0, 1], got {mfu}")
-    for value, name in ((tokens, "--tokens"), (gpus, "--gpus"), (nodes, "--nodes"),
-                        (seq_len, "--seq-len"), (micro_batch, "--micro-batch"),
-                        (vocab_size, "--vocab-size"), (active_params, "--active-params")):
-        _check_positive(value, name)
-    if price is not None and price < 0:
-        raise UserError(f"--price-per-gpu-hour: expected a number >= 0, got {price}")
-    spec = spec or get_gpu_type(gpu_type)
-    notes: list[str] = []
 
-    cfg: ModelConfig | None = None
-    if isinstance(model, ModelConfig):
-        cfg = model
-        if vocab_size:
-            cfg = cfg.model_copy(update={"vocab_size": vocab_size})
+    model: ModelConfig | int | float
+    tokens: float | None = None
+    gpus: int = 1
+    nodes: int = 1
+    gpu_type: str = "h100-sxm"
+    mfu: float = 0.4
+    price: float | None = None
+    seq_len: int | None = None
+    _: KW_ONLY
+    active_params: float | None = None
+    vocab_size: int | None = None
+    precision: str = "bf16"
+    micro_batch: int | None = None
+    activation_checkpointing: bool | None = None
+    spec: GPUSpec | None = None
+    expert_parallel: int = 1
+    grad_accum: int = 1
+
+
+def _check_inputs(x: EstimateInputs) -> None:
+    if not 0 < x.mfu <= 1:
+        raise UserError(f"--mfu: expected a fraction in (0, 1], got {x.mfu}")
+    for value, name in ((x.tokens, "--tokens"), (x.gpus, "--gpus"), (x.nodes, "--nodes"),
+                        (x.seq_len, "--seq-len"), (x.micro_batch, "--micro-batch"),
+                        (x.vocab_size, "--vocab-size"), (x.active_params, "--active-params")):
+        _check_positive(value, name)
+    if x.price is not None and x.price < 0:
+        raise UserError(f"--price-per-gpu-hour: expected a number >= 0, got {x.price}")
+
+
+def _model_side(x: EstimateInputs) -> tuple[ModelConfig | None, dict, int, dict, str, list[str]]:
+    """(shape or None, parameter counts, sequence length, FLOPs per token, name, notes)."""
+    if isinstance(x.model, ModelConfig):
+        cfg = x.model
+        notes = []
+        if x.vocab_size:
+            cfg = cfg.model_copy(update={"vocab_size": x.vocab_size})
         elif cfg.vocab_size is None:
             cfg = cfg.model_copy(update={"vocab_size": DEFAULT_VOCAB})
             notes.append(f"vocab_size not set (the tokenizer's): assumed {DEFAULT_VOCAB}; "
                          "use --vocab-size to change")
-        if active_params:
+        if x.active_params:
             raise UserError("--active-params: only with --params; a model shape knows its active parameters")
-        counts = param_counts(cfg)
-        seq_len = seq_len or cfg.max_seq_len
-        per_token = flops_per_token(cfg, seq_len)
-        name = cfg.label()
-    else:
-        _check_positive(model, "--params")
-        total = float(model)
-        active = float(active_params or total)
-        if active > total:
-            raise UserError(f"--active-params: {active:.3g} is more than --params {total:.3g}")
-        counts = {"total": total, "active": active, "embedding": None, "non_embedding": None}
-        seq_len = seq_len or DEFAULT_SEQ_LEN
-        per_token = {"dense": 6.0 * active, "attention": 0.0, "total": 6.0 * active}
-        name = f"{_count(total)} parameters (nominal)"
-        notes.append("nominal --params: no shape, so no attention FLOPs, embedding split or "
-                     "activation memory; use --model for exact numbers")
+        seq_len = x.seq_len or cfg.max_seq_len
+        return cfg, param_counts(cfg), seq_len, flops_per_token(cfg, seq_len), cfg.label(), notes
+    _check_positive(x.model, "--params")
+    total = float(x.model)
+    active = float(x.active_params or total)
+    if active > total:
+        raise UserError(f"--active-params: {active:.3g} is more than --params {total:.3g}")
+    counts = {"total": total, "active": active, "embedding": None, "non_embedding": None}
+    per_token = {"dense": 6.0 * active, "attention": 0.0, "total": 6.0 * active}
+    notes = ["nominal --params: no shape, so no attention FLOPs, embedding split or "
+             "activation memory; use --model for exact numbers"]
+    return None, counts, x.seq_len or DEFAULT_SEQ_LEN, per_token, f"{_count(total)} parameters (nominal)", notes
 
+
+def estimate_run(x: EstimateInputs) -> dict:
+    """Every planning number for training ``x.model`` on ``x.tokens`` tokens (JSON-ready).
+    Raises UserError on bad input."""
+    _check_inputs(x)
+    spec = x.spec or get_gpu_type(x.gpu_type)
+    cfg, counts, seq_len, per_token, name, notes = _model_side(x)
     chinchilla = CHINCHILLA_TOKENS_PER_PARAM * counts["total"]
-    tokens_source = "given"
+    tokens, tokens_source = x.tokens, "given"
     if tokens is None:
         tokens, tokens_source = chinchilla, f"Chinchilla-optimal ({CHINCHILLA_TOKENS_PER_PARAM} × parameters)"
-
-    n = gpus * nodes
-    _check_expert_parallel(expert_parallel, cfg, n)
-    peak = peak_flops(spec, precision)
-    cluster_peak = peak * n
+    n = x.gpus * x.nodes
+    _check_expert_parallel(x.expert_parallel, cfg, n)
+    peak = peak_flops(spec, x.precision)
     training_flops = per_token["dense"] * tokens
     attention_flops = per_token["attention"] * tokens
     # MFU is on the standard basis (6·N_active + attention), as the trainer logs it.
-    seconds = (training_flops + attention_flops) / (mfu * cluster_peak)
+    seconds = (training_flops + attention_flops) / (x.mfu * peak * n)
     gpu_hours = seconds * n / 3600
-
-    memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch,
-                         activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel)
-    moe = None
-    if cfg is not None and cfg.is_moe:
-        mb = memory["micro_batch"] or memory["suggested_micro_batch"] or 1
-        common = dict(tokens_per_microbatch=mb * seq_len, micro_batches=grad_accum, n_devices=n,
-                      full_recompute=bool(memory["activation_checkpointing"]))
-        moe = {"micro_batch": mb, "grad_accum": grad_accum,
-               "with_ep": moe_traffic(cfg, expert_parallel=expert_parallel, **common),
-               "without_ep": moe_traffic(cfg, expert_parallel=1, **common)}
+    memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes, micro_batch=x.micro_batch,
+                         activation_checkpointing=x.activation_checkpointing, expert_parallel=x.expert_parallel)
     return {
         "model": {"name": name, "shape": cfg.model_dump(exclude_none=True) if cfg else None,
                   "vocab_size": cfg.vocab_size if cfg else None},
@@ -126,30 +124,35 @@ def estimate_run(
         "tokens": {"tokens": tokens, "source": tokens_source, "chinchilla_tokens": chinchilla,
                    "tokens_per_param": tokens / counts["total"]},
         "flops": {
-            "per_token": per_token,
-            "training": training_flops,
-            "attention": attention_flops,
+            "per_token": per_token, "training": training_flops, "attention": attention_flops,
             "total": training_flops + attention_flops,
             "mfu_basis": "6 × active parameters + 12·L·H·Dh·T attention per token (as logged in training)",
         },
-        "cluster": {"gpu_type": spec.name, "description": spec.description, "gpus_per_node": gpus,
-                    "nodes": nodes, "gpus": n, "precision": precision,
-                    "peak_flops_per_gpu": peak, "peak_flops": cluster_peak},
+        "cluster": {"gpu_type": spec.name, "description": spec.description, "gpus_per_node": x.gpus,
+                    "nodes": x.nodes, "gpus": n, "precision": x.precision,
+                    "peak_flops_per_gpu": peak, "peak_flops": peak * n},
         "time": {
-            "mfu": mfu,
-            "seconds": seconds,
-            "hours": seconds / 3600,
-            "days": seconds / DAY,
-            "days_at_100pct_mfu": seconds * mfu / DAY,
-            "gpu_hours": gpu_hours,
-            "tokens_per_second": tokens / seconds,
-            "tokens_per_second_per_gpu": tokens / seconds / n,
+            "mfu": x.mfu, "seconds": seconds, "hours": seconds / 3600, "days": seconds / DAY,
+            "days_at_100pct_mfu": seconds * x.mfu / DAY, "gpu_hours": gpu_hours,
+            "tokens_per_second": tokens / seconds, "tokens_per_second_per_gpu": tokens / seconds / n,
         },
-        "cost": {"price_per_gpu_hour": price, "total": gpu_hours * price if price is not None else None},
+        "cost": {"price_per_gpu_hour": x.price, "total": gpu_hours * x.price if x.price is not None else None},
         "memory": memory,
-        "moe_traffic": moe,
+        "moe_traffic": _moe_traffic(cfg, memory, seq_len, x, n),
         "notes": notes,
     }
+
+
+def _moe_traffic(cfg: ModelConfig | None, memory: dict, seq_len: int, x: EstimateInputs, n: int) -> dict | None:
+    """An MoE model's expert traffic per GPU and step, with and without expert parallelism."""
+    if cfg is None or not cfg.is_moe:
+        return None
+    mb = memory["micro_batch"] or memory["suggested_micro_batch"] or 1
+    common = dict(tokens_per_microbatch=mb * seq_len, micro_batches=x.grad_accum, n_devices=n,
+                  full_recompute=bool(memory["activation_checkpointing"]))
+    return {"micro_batch": mb, "grad_accum": x.grad_accum,
+            "with_ep": moe_traffic(cfg, expert_parallel=x.expert_parallel, **common),
+            "without_ep": moe_traffic(cfg, expert_parallel=1, **common)}
 
 
 def _check_expert_parallel(ep: int, cfg: ModelConfig | None, n_devices: int) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import UserError
-from lmforge.eval.yaml_lines import at, load_yaml
+from lmforge.tasks.yaml_lines import at, load_yaml
 
 WEIGHTINGS = ("EQUAL", "SAMPLE_SZ", "LOG_SAMPLE_SZ")
 DEFAULT_GAUNTLET = Path(__file__).with_name("gauntlet.yaml")

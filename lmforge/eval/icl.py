@@ -35,7 +35,7 @@ from lmforge.eval.icl_prompts import (
     answer_budget, fewshot_choices, fewshot_indices, generation_prompt, likelihood_sequences, needs_prefix_space,
     preamble_text,
 )
-from lmforge.eval.icl_tasks import (
+from lmforge.tasks.icl import (
     DEFAULT_TASKS, GENERATION, LANGUAGE_MODELING, TASK_TYPES, ICLTask, load_tasks,
 )
 

@@ -28,7 +28,7 @@ import random
 from typing import Any
 
 from lmforge.errors import UserError
-from lmforge.eval.icl_tasks import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, ICLTask
+from lmforge.tasks.icl import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, ICLTask
 
 # Foundry lets chain-of-thought answers run this many tokens past the longest one in the data.
 COT_ANSWER_SLACK = 10

@@ -16,10 +16,10 @@ from torch import nn
 from lmforge.checksums import verify_export
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
+from lmforge.layout import MODEL_CONFIG_FILE
 from lmforge.models.moe import fuse_legacy_experts
 from lmforge.models.transformer import Transformer, build_model
 
-CONFIG_FILE = "lmforge-model.json"
 WEIGHTS_FILE = "model.safetensors"
 # What a tokenizer folder may hold; copied so the saved folder is self-contained.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -54,7 +54,7 @@ def save_pretrained(model: Transformer | None, cfg: ModelConfig, out_dir: str | 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(_state_dict(model) if weights is None else weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")
+    (out / MODEL_CONFIG_FILE).write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")
     _copy_tokenizer(tokenizer_dir, out)
     return out
 
@@ -125,11 +125,11 @@ def load_pretrained(path: str | Path, device="cpu",
     if not folder.is_dir():
         raise UserError(f"{folder}: not a folder with model weights")
     verify_export(str(folder))  # digests recorded at export (lmforge folders): a damaged file is named
-    if (folder / CONFIG_FILE).is_file():
+    if (folder / MODEL_CONFIG_FILE).is_file():
         try:
-            cfg = ModelConfig(**json.loads((folder / CONFIG_FILE).read_text()))
+            cfg = ModelConfig(**json.loads((folder / MODEL_CONFIG_FILE).read_text()))
         except (ValueError, TypeError) as e:
-            raise UserError(f"{folder / CONFIG_FILE}: invalid model config ({e})".splitlines()[0]) from None
+            raise UserError(f"{folder / MODEL_CONFIG_FILE}: invalid model config ({e})".splitlines()[0]) from None
         if not (folder / WEIGHTS_FILE).is_file():
             raise UserError(f"{folder}: {WEIGHTS_FILE} is missing")
         sd = fuse_legacy_experts(_read_safetensors([folder / WEIGHTS_FILE]))
@@ -145,7 +145,7 @@ def load_pretrained(path: str | Path, device="cpu",
         cfg = from_hf_config(hf_config)
         sd = from_hf_state_dict(_read_safetensors(_hf_weight_files(folder)), cfg)
     else:
-        raise UserError(f"{folder}: neither {CONFIG_FILE} (lmforge) nor config.json (Hugging Face) found")
+        raise UserError(f"{folder}: neither {MODEL_CONFIG_FILE} (lmforge) nor config.json (Hugging Face) found")
     model = build_model(cfg, device=device, dtype=dtype, init=False)
     expected = model.state_dict()
     missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))

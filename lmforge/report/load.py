@@ -2,16 +2,18 @@
 
 Only the folder's small top-level files are read — ``metrics.jsonl``, ``generations.jsonl``,
 ``events.jsonl``, ``run.json`` (identity and resolved config) and ``plan.json`` (what
-``lmforge estimate`` said when the run started) — plus the run's registry entry when this
-machine's registry knows it (statuses, resumptions, failure reasons). So a report can be
+``lmforge estimate`` said when the run started) — plus the run's registry entry when the caller
+gives this machine's registry (`RunIndex`: statuses, resumptions, failure reasons). So a report can be
 made of any save folder, also one copied from another machine or read from ``s3://``.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from lmforge.errors import UserError
 
@@ -136,51 +138,40 @@ def _folder_exists(folder: str) -> bool:
     return os.path.isdir(remote.local_path(folder))
 
 
-def _registry_entry(name: str | None) -> dict | None:
-    """The registry row of ``name`` (with resumptions and events), or None; never creates a registry."""
-    if not name:
-        return None
-    from lmforge.runs.registry import Registry, registry_path
+class RunIndex(Protocol):
+    """Where runs are found by name: this machine's run registry (`runs.registry.RegistryIndex`).
+    Given to `load_run` by the caller, so that reading a folder needs no registry."""
 
-    if not os.path.exists(registry_path()):
-        return None
-    reg = Registry()
-    try:
-        row = reg.get(name)
-        return reg.mark_lost_if_dead(row) if row else None
-    except UserError:  # a locked or corrupt registry: the folder's own files still tell the story
-        return None
+    def row(self, name: str) -> dict | None:
+        """The registry row of ``name`` (with resumptions and events), or None."""
+
+    def names(self) -> list[str]:
+        """Every registered run name."""
 
 
-def resolve(ref: str) -> tuple[str, dict | None]:
+def find_run(ref: str, index: RunIndex | None = None) -> tuple[str, dict | None]:
     """(save folder, registry row or None) for a run name or a save folder path/URI."""
     from lmforge.data import remote
 
-    row = None if remote.is_remote(ref) else _registry_entry(ref)
+    row = None if remote.is_remote(ref) or index is None else index.row(ref)
     if row is not None and row.get("save_folder"):
         return row["save_folder"], row
     if _folder_exists(ref):
         return ref, None
-    hint = ""
-    from lmforge.runs.registry import registry_path
-
-    if os.path.exists(registry_path()):
-        import difflib
-
-        from lmforge.runs.registry import Registry
-
-        close = difflib.get_close_matches(ref, Registry().names(), n=3, cutoff=0.5)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    close = difflib.get_close_matches(ref, index.names(), n=3, cutoff=0.5) if index is not None else []
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
     raise UserError(f"{ref!r} is neither a run in the registry nor a save folder{hint}")
 
 
-def load_run(ref: str, *, name: str | None = None, status: str | None = None) -> RunData:
-    """Everything a report shows about one run; ``ref`` is a run name or a save folder.
+def load_run(ref: str, *, name: str | None = None, status: str | None = None,
+             index: RunIndex | None = None) -> RunData:
+    """Everything a report shows about one run; ``ref`` is a run name (found in ``index``) or a
+    save folder.
 
     ``name``/``status`` override what the files say (the trainer knows both before the
     registry does).
     """
-    folder, row = resolve(ref)
+    folder, row = find_run(ref, index)
     read = _reader(folder)
     metrics_text = read(METRICS_FILE)
     records = _jsonl(metrics_text)
@@ -191,8 +182,8 @@ def load_run(ref: str, *, name: str | None = None, status: str | None = None) ->
     config = run_file.get("config") or (row or {}).get("config") or {}
     run_name = name or (row or {}).get("name") or (run_file.get("identity") or {}).get("name") \
         or config.get("name") or os.path.basename(folder.rstrip("/"))
-    if row is None:
-        candidate = _registry_entry(run_name)
+    if row is None and index is not None:
+        candidate = index.row(run_name)
         # A folder named on the command line is only matched with the registry entry that points
         # to it (a name may have been reused for another folder); the trainer names its own run.
         if candidate is not None and (name is not None or _same_folder(candidate.get("save_folder"), folder)):

@@ -4,7 +4,7 @@ A process whose launch plan (`runs.plan`) says "train" runs `run_job`: it wires 
 around the core trainer — the save folder's lock, credentials, the process group, the trackers
 and the object-store mirror of a remote save folder — and trains:
 
-    lock → secrets → process group → setup (data, plan) → Trainer(callbacks=[trackers, store]) → fit
+    lock → secrets → process group → resolve (data, plan) → Trainer(callbacks=[trackers, store]) → fit
 
 One whose plan says "launch" runs `launch`: it becomes torchrun (``exec``), whose ranks come
 back here with plan "train". `lmforge train` and `lmforge finetune` (and so the SDK) end up here.
@@ -15,22 +15,26 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from functools import partial
 
 from lmforge import secrets
-from lmforge.config.identity import with_default_names
 from lmforge.config.schema import RunConfig
 from lmforge.data.remote import join as remote_join
 from lmforge.distributed.dist import destroy, init_distributed
 from lmforge.distributed.elastic import restart_count
 from lmforge.distributed.torchrun import torchrun_command, wait_for_endpoint
-from lmforge.errors import UserError, environment_error, say
+from lmforge.errors import UserError, environment_error
+from lmforge.say import say
 from lmforge.process import die_with_parent
 from lmforge.runs.lock import SaveFolderLock
 from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.store import MirrorCallback, local_folder, open_store
+from lmforge.report import write_run_report
+from lmforge.resolve import resolve
+from lmforge.runs.registry import RegistryIndex
 from lmforge.runs.supervisor import report_status
 from lmforge.tracking import TrackingCallback, mlflow_ui_command
-from lmforge.train.setup import setup_run
+from lmforge.train.machine import process_machine
 from lmforge.train.trainer import Trainer, TrainResult
 
 
@@ -38,9 +42,9 @@ def hold_lock(cfg: RunConfig, plan: LaunchPlan) -> SaveFolderLock | None:
     """Claim (first process of an unsupervised run) or join (the supervisor claimed it) the lock."""
     if plan.lock == "none":
         return None
-    folder = local_folder(with_default_names(cfg).save_folder)
+    folder = local_folder(cfg.save_folder)
     if plan.lock == "claim":
-        return SaveFolderLock.claim(folder, run_uid=plan.run_uid, name=with_default_names(cfg).name)
+        return SaveFolderLock.claim(folder, run_uid=plan.run_uid, name=cfg.name)
     return SaveFolderLock.join(folder, plan.run_uid)
 
 
@@ -74,6 +78,7 @@ def launch(cfg: RunConfig, plan: LaunchPlan, argv: list[str]) -> int:
 def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool = False, log=print) -> TrainResult:
     """Role "train": train (pretraining, continued pretraining or fine-tuning, by ``cfg.task_type``) here."""
     plan = plan or LaunchPlan("train", lock="none")
+    cfg = resolve(cfg, until="config").config  # names filled (a config built in-process may leave them out)
     if plan.parent_pid:
         die_with_parent(plan.parent_pid)  # a torchrun rank: die with torchrun
     lock = hold_lock(cfg, plan)
@@ -85,16 +90,16 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
     dist = init_distributed(cfg.compute.device)
     store = None
     try:
-        cfg = with_default_names(cfg)
         silent = lambda *_: None  # noqa: E731 - other ranks print nothing
-        setup = setup_run(cfg, dist, log if dist.is_main else silent)
+        run = resolve(cfg, process_machine(dist), log=log if dist.is_main else silent)
         callbacks = []
         if dist.is_main:
-            callbacks.append(TrackingCallback(cfg.experiment_tracker))
+            callbacks.append(TrackingCallback(cfg.experiment_tracker,
+                                              render_report=partial(write_run_report, index=RegistryIndex())))
             store = open_store(cfg, log)  # None for a local save_folder
             if store is not None:
                 callbacks.append(MirrorCallback(store))
-        trainer = Trainer(setup, dist, save_folder=local_folder(cfg.save_folder), callbacks=callbacks,
+        trainer = Trainer(run, dist, save_folder=local_folder(cfg.save_folder), callbacks=callbacks,
                           overwrite=overwrite, log=log)
         result = trainer.fit()
     except (UserError, OSError) as e:

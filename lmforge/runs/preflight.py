@@ -21,13 +21,13 @@ import os
 import tempfile
 
 from lmforge.config.model import ModelConfig, padded_vocab
-from lmforge.config.schema import RunConfig
+from lmforge.config.schema import SFT_TASKS, RunConfig
 from lmforge.data.remote import is_remote, local_path
 from lmforge.errors import UserError, environment_error
+from lmforge.estimate.memory import TRAINED_BYTES_PER_PARAM
+from lmforge.layout import DATASET_MARKER, different_run_error, holds_saved_run, read_run_file
+from lmforge.resolve.plan import check_batch_split, check_context
 
-SFT_TASKS = ("instruction_finetune", "chat_completion")
-STATE_BYTES_PER_PARAM = 16  # fp32 weights + fp32 gradients + AdamW m and v (fp32)
-DATASET_MARKER = "lmforge-dataset.json"  # = data.prepare.MARKER, imported (with numpy) only where a marker is read
 
 
 def preflight(cfg: RunConfig, command: str, world_size: int = 1, overwrite: bool = False) -> None:
@@ -76,8 +76,6 @@ def check_train_data(cfg: RunConfig) -> None:
 def check_batch(cfg: RunConfig, world_size: int) -> None:
     """`train.plan`'s split check where the config fixes the global batch in samples (a batch in
     tokens, or none, is sized by the plan to fit)."""
-    from lmforge.train.plan import check_batch_split  # torch (lazy, as the caller's other imports)
-
     p = cfg.parameters
     if isinstance(p.global_batch_size, int):
         micro = None if p.micro_batch_size == "auto" else int(p.micro_batch_size)
@@ -88,7 +86,6 @@ def check_context_fits(cfg: RunConfig) -> None:
     """An explicit context against the samples of local prepared datasets (raw text is prepared
     at the run's context, so it always fits)."""
     from lmforge.data.prepare import summary_seq_len
-    from lmforge.train.plan import check_context
 
     ctx = cfg.parameters.context_length
     if not ctx:
@@ -145,7 +142,6 @@ def check_not_another_run(cfg: RunConfig) -> None:
     if not folder or is_remote(folder) or not os.path.isdir(folder):
         return
     from lmforge.config.identity import is_variant
-    from lmforge.train.checkpoint import different_run_error, holds_saved_run, read_run_file
 
     existing = read_run_file(folder)
     if existing is None or not holds_saved_run(folder):
@@ -160,7 +156,7 @@ def check_weights(path: str) -> None:
     from safetensors import SafetensorError, safe_open
 
     from lmforge.checksums import verify_export
-    from lmforge.train.locate import locate  # torch (lazy, as the caller's other imports)
+    from lmforge.resolve.weights import locate
 
     loc = locate(path)
     if loc.kind == "dcp":
@@ -234,7 +230,7 @@ def check_memory(cfg: RunConfig) -> None:
     except (ValueError, TypeError, ZeroDivisionError):
         return
     lora = cfg.lora is not None
-    per_param = 4 if lora else STATE_BYTES_PER_PARAM  # LoRA: frozen fp32 weights (+ small adapters)
+    per_param = 4 if lora else TRAINED_BYTES_PER_PARAM  # LoRA: frozen fp32 weights (+ small adapters)
     compute = cfg.compute
     if compute.device == "cuda" and not torch.cuda.is_available():
         return  # reported where the device is picked

@@ -340,3 +340,27 @@ def _row(row) -> dict:
             except (TypeError, json.JSONDecodeError):
                 pass
     return d
+
+
+class RegistryIndex:
+    """This machine's registry as a report reads it (`report.load.RunIndex`): rows by name, lost
+    runs marked; it never creates a registry, and a locked or corrupt one finds nothing (the
+    folder's own files still tell the story)."""
+
+    def row(self, name: str) -> dict | None:
+        if not name or not os.path.exists(registry_path()):
+            return None
+        reg = Registry()
+        try:
+            row = reg.get(name)
+            return reg.mark_lost_if_dead(row) if row else None
+        except UserError:
+            return None
+
+    def names(self) -> list[str]:
+        if not os.path.exists(registry_path()):
+            return []
+        try:
+            return Registry().names()
+        except UserError:
+            return []

@@ -23,11 +23,12 @@ from typing import Any
 
 import yaml
 
-from lmforge.config.identity import default_name
-from lmforge.config.load import build_config, read_yaml
+from lmforge.config.load import read_yaml
 from lmforge.errors import UserError
 from lmforge.home import lmforge_home
 from lmforge.process import process_alive, this_host
+from lmforge.resolve import resolve
+from lmforge.resolve.request import RunRequest
 from lmforge.runs.lock import probe
 from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.progress import read_history
@@ -245,13 +246,8 @@ def _start(command: str, config_path_or_dict, overrides: dict) -> Run:
         raw.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     for key, value in overrides.items():
         _merge(raw, key.replace("__", ".").split("."), value)
-    if command == "finetune":
-        from lmforge.train.locate import fill_from_weights  # torch, only for fine-tuning
-
-        raw.setdefault("task_type", "instruction_finetune")
-        raw = fill_from_weights(raw)
-    cfg = build_config(raw, source=f"{'pretrain' if command == 'train' else 'finetune'}()")
-    raw["name"] = default_name(cfg)
+    source = f"{'pretrain' if command == 'train' else 'finetune'}()"
+    raw["name"] = resolve(RunRequest.from_mapping(command, raw, source), until="config").config.name
     folder = os.path.join(lmforge_home(), "sdk-configs")
     os.makedirs(folder, exist_ok=True)
     cfg_file = os.path.join(folder, f"{raw['name']}.yaml")

@@ -25,7 +25,9 @@ import sys
 import yaml
 
 from lmforge.config.load import read_yaml
+from lmforge.config.schema import SFT_TASKS
 from lmforge.errors import UserError
+from lmforge.layout import MODEL_CONFIG_FILE
 
 STAGE_KEYS = {"name", "config", "command"}
 COMMANDS = ("train", "finetune")
@@ -59,8 +61,7 @@ def load_pipeline(path: str) -> dict:
         # A stage always lives in save_root/<stage> (a reused run config keeps its own folder untouched).
         cfg["name"] = f"{name}-{st['name']}"
         cfg["save_folder"] = os.path.join(root, st["name"])
-        command = st.get("command") or ("finetune" if cfg.get("task_type") in ("instruction_finetune",
-                                                                                "chat_completion") else "train")
+        command = st.get("command") or ("finetune" if cfg.get("task_type") in SFT_TASKS else "train")
         if command not in COMMANDS:
             raise UserError(f"{where}: command {command!r} is unknown; expected one of {', '.join(COMMANDS)}")
         stages.append({"name": st["name"], "command": command, "config": cfg})
@@ -68,9 +69,7 @@ def load_pipeline(path: str) -> dict:
 
 
 def is_completed(save_folder: str) -> bool:
-    from lmforge.models.io import CONFIG_FILE  # torch (lazy: `lmforge --help` stays free of it)
-
-    return os.path.isfile(os.path.join(save_folder, "final", CONFIG_FILE))
+    return os.path.isfile(os.path.join(save_folder, "final", MODEL_CONFIG_FILE))
 
 
 def run_pipeline(path: str, log=print, extra_env: dict | None = None) -> list[dict]:

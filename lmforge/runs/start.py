@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, replace
 from functools import partial
 
+from lmforge.config.schema import SFT_TASKS
 from lmforge.config.identity import default_name, is_variant, run_identity
 from lmforge.data.remote import is_remote
 from lmforge.distributed.torchrun import exit_now
@@ -35,7 +36,7 @@ from lmforge.runs.plan import LaunchPlan, new_run_uid, with_plan
 from lmforge.runs.registry import ACTIVE, Registry
 from lmforge.runs.store import local_folder, upload_logs
 from lmforge.runs.supervisor import EXIT_USER_ERROR, Supervisor
-from lmforge.train.checkpoint import list_checkpoints, read_run_file
+from lmforge.layout import list_checkpoints, read_run_file
 
 
 @dataclass
@@ -151,7 +152,7 @@ def register(reg: Registry, cfg, args, slot: RunSlot, plan: LaunchPlan) -> None:
     compute = cfg.compute
     fields = {
         "run_uid": slot.run_uid,
-        "run_type": "finetune" if cfg.task_type in ("instruction_finetune", "chat_completion") else "pretrain",
+        "run_type": "finetune" if cfg.task_type in SFT_TASKS else "pretrain",
         "status": "STARTING", "reason": None, "started_at": time.time(),
         "completed_at": None, "model": model_label(cfg), "config": cfg.model_dump(mode="json"),
         "identity": identity(cfg, slot.name, slot.save_folder), "save_folder": slot.save_folder,

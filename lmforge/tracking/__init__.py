@@ -22,6 +22,7 @@ from lmforge.tracking.base import Tracker, Trackers, flatten_params, warn_disabl
 from lmforge.tracking.console import ConsoleTracker
 from lmforge.tracking.jsonl import JsonlTracker, read_metrics
 from lmforge.tracking.mlflow_tracker import default_tracking_uri, mlflow_ui_command
+from lmforge.tracking.report import Render, ReportTracker
 
 STATE_FILE = "trackers.json"
 
@@ -49,12 +50,13 @@ def _write_state(run_dir: Path, state: dict) -> None:
 def build_trackers(cfg: TrackerConfig, *, run_name: str, run_dir: str,
                    resume: bool = False, total_steps: int | None = None,
                    total_tokens: int | None = None, is_main: bool = True,
-                   stream: TextIO | None = None) -> Trackers:
+                   stream: TextIO | None = None, render_report: Render | None = None) -> Trackers:
     """Start the trackers cfg asks for; one that fails to start is skipped with a warning.
 
     Non-main ranks get an empty Trackers. With ``resume`` the MLflow/W&B runs
     recorded in run_dir/trackers.json are continued. ``stream`` (default stdout)
-    is where the console tracker writes.
+    is where the console tracker writes; ``render_report`` draws report.html
+    (`report.write_run_report`; None: the report tracker keeps only its files).
     """
     if not is_main:
         return Trackers([])
@@ -74,9 +76,7 @@ def build_trackers(cfg: TrackerConfig, *, run_name: str, run_dir: str,
             warn_disabled("jsonl", exc)
         if cfg.report:  # reads what the JSONL tracker wrote, so it comes right after it
             try:
-                from lmforge.tracking.report import ReportTracker
-
-                trackers.append(ReportTracker(directory, run_name, resume=resume))
+                trackers.append(ReportTracker(directory, run_name, resume=resume, render=render_report))
             except Exception as exc:  # noqa: BLE001 - a report never stops a run
                 warn_disabled("report", exc)
 
@@ -128,8 +128,8 @@ class TrackingCallback(Callback):
     model registries (`log_model`) before the trackers close.
     """
 
-    def __init__(self, cfg: TrackerConfig, stream: TextIO | None = None):
-        self.cfg, self.stream = cfg, stream
+    def __init__(self, cfg: TrackerConfig, stream: TextIO | None = None, render_report: Render | None = None):
+        self.cfg, self.stream, self.render_report = cfg, stream, render_report
         self.trackers = Trackers([])
         self.price: float | None = None
         self.devices = 1
@@ -139,7 +139,7 @@ class TrackingCallback(Callback):
         self.devices = int(info.plan.get("world_size") or 1)
         self.trackers = build_trackers(self.cfg, run_name=info.name, run_dir=info.save_folder, resume=info.resumed,
                                        total_steps=info.total_steps, total_tokens=info.total_tokens,
-                                       stream=self.stream)
+                                       stream=self.stream, render_report=self.render_report)
         self.trackers.log_params(info.config | {"plan": info.plan})
 
     def on_metrics(self, metrics: dict[str, float], step: int) -> None:

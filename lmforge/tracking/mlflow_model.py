@@ -31,7 +31,8 @@ class LmforgeTextGenerator(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context) -> None:
         from lmforge.data.tokenizer import load_tokenizer
-        from lmforge.train.locate import check_tokenizer_fits, load_model
+        from lmforge.resolve.weights import check_tokenizer_fits
+        from lmforge.train.locate import load_model
 
         folder = context.artifacts["model"]
         self.model, cfg, _ = load_model(folder)

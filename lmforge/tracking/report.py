@@ -1,8 +1,9 @@
 """The report back-end: keeps ``<save_folder>/report.html`` current while a run trains.
 
-It rewrites the report whenever eval (or ICL/gauntlet) metrics arrive and once more at the
+It has the report rewritten whenever eval (or ICL/gauntlet) metrics arrive and once more at the
 end, from the files the other back-ends write (it comes after the JSONL tracker, so the
-records of this eval are already on disk). It also leaves in the folder what only the
+records of this eval are already on disk). The page itself is drawn by the renderer the
+operations give it (`report.write_run_report`): tracking knows nothing of HTML. It also leaves in the folder what only the
 training process knows, so that a report made later from the folder alone is complete:
 
 - ``plan.json``: what ``lmforge estimate`` says for this run (model, tokens, devices, price),
@@ -15,9 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from lmforge.tracking.base import Tracker
+
+# (run folder, run name, status, report path): writes the page (`report.write_run_report`).
+Render = Callable[[str, str, str, str], None]
 
 PLAN_FILE = "plan.json"
 EVENTS_FILE = "events.jsonl"
@@ -29,9 +34,11 @@ _EVAL_PREFIXES = ("eval/", "eval", "icl/", "gauntlet/")
 class ReportTracker(Tracker):
     name = "report"
 
-    def __init__(self, run_dir: str | os.PathLike, run_name: str, resume: bool = False) -> None:
+    def __init__(self, run_dir: str | os.PathLike, run_name: str, resume: bool = False,
+                 render: Render | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_name = run_name
+        self.render = render  # None: plan.json and events.jsonl only
         self.path = self.run_dir / REPORT_FILE
         events = self.run_dir / EVENTS_FILE
         if not resume and events.exists():
@@ -59,15 +66,8 @@ class ReportTracker(Tracker):
         self.write(status.upper())
 
     def write(self, status: str = "RUNNING") -> None:
-        from lmforge.errors import UserError
-        from lmforge.report.html import write_report
-        from lmforge.report.load import load_run
-
-        try:
-            run = load_run(str(self.run_dir), name=self.run_name, status=status)
-        except UserError:  # nothing logged yet (a run that failed before its first step): no page
-            return
-        write_report([run], str(self.path))
+        if self.render is not None:
+            self.render(str(self.run_dir), self.run_name, status, str(self.path))
 
 
 def _start_events_anew(events: Path, run_file: Path) -> None:
@@ -91,7 +91,7 @@ def run_plan(params: dict) -> dict:
     """plan.json: the trainer's plan (steps, tokens, devices) and what `lmforge estimate`
     makes of it on this machine's device at its default MFU."""
     from lmforge.config.model import ModelConfig
-    from lmforge.estimate.plan import estimate_run
+    from lmforge.estimate.plan import EstimateInputs, estimate_run
 
     plan = params.get("plan") or {}
     p = params.get("parameters") or {}
@@ -111,8 +111,8 @@ def run_plan(params: dict) -> dict:
            "training_duration": params.get("training_duration"), "estimate": None}
     if total_tokens:  # a wall-clock duration has no token count to estimate from
         try:
-            est = estimate_run(ModelConfig.model_validate(params["model"]), tokens=total_tokens, gpus=devices,
-                               spec=spec, price=price, seq_len=ctx, precision=precision)
+            est = estimate_run(EstimateInputs(ModelConfig.model_validate(params["model"]), tokens=total_tokens,
+                                              gpus=devices, spec=spec, price=price, seq_len=ctx, precision=precision))
         except Exception as exc:  # noqa: BLE001 - the report then shows what happened without a plan
             out["estimate_error"] = f"{type(exc).__name__}: {exc}"
         else:

@@ -21,7 +21,6 @@ import errno
 import json
 import os
 import random
-import re
 import shutil
 import time
 import warnings
@@ -38,33 +37,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from lmforge.checksums import DamagedFile, file_digests, verify_files
 from lmforge.distributed.dist import barrier
 from lmforge.errors import UserError
+from lmforge.layout import (RUN_FILE, STATE_FILE, checkpoints_dir, different_run_error, holds_saved_run,
+                            list_checkpoints, read_run_file, read_state)
 
-STATE_FILE = "lmforge-state.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 # DCP warns on every single-process save/load that it "assumes the intent" — which it is.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def checkpoints_dir(save_folder: str) -> str:
-    return os.path.join(save_folder, "checkpoints")
-
-
-def list_checkpoints(save_folder: str) -> list[tuple[int, str]]:
-    """Complete checkpoints, oldest first."""
-    root = checkpoints_dir(save_folder)
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        if m and os.path.exists(os.path.join(root, name, STATE_FILE)):
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(found)
-
-
-def latest_checkpoint(save_folder: str) -> str | None:
-    found = list_checkpoints(save_folder)
-    return found[-1][1] if found else None
 
 
 def rng_state() -> dict:
@@ -262,15 +239,6 @@ def intact_checkpoint(save_folder: str, log=print) -> str | None:
     return None
 
 
-def read_state(path: str) -> dict:
-    try:
-        with open(os.path.join(path, STATE_FILE)) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"checkpoint {path} is corrupt ({STATE_FILE}: {e}); "
-                        "--no-autoresume starts fresh (keeping it aside)") from None
-
-
 def files_here(path: str) -> list[str]:
     """The recorded files of checkpoint ``path`` that this machine holds: what `verify_checkpoint`
     checks here (on several nodes without a shared file system, each node's own shards)."""
@@ -312,9 +280,6 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
 
 # --- run identity: refuse to mix two different runs in one save folder -----------------------
 
-RUN_FILE = "run.json"
-
-
 def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, autoresume: bool,
                       all_local: bool = True) -> bool:
     """Returns True when the folder already holds this run's checkpoints (resume is possible).
@@ -347,30 +312,6 @@ def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, auto
         print(f"autoresume is off: moved the existing checkpoints to {aside}")
         return False
     return True
-
-
-def read_run_file(save_folder: str) -> dict | None:
-    """The folder's run.json ({"identity", "config"}; {} when unreadable), None when it has none."""
-    path = os.path.join(save_folder, RUN_FILE)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            existing = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return existing if isinstance(existing, dict) else {}
-
-
-def holds_saved_run(save_folder: str) -> bool:
-    """Whether a local save folder holds anything of a run to protect: a checkpoint or a final model."""
-    return bool(list_checkpoints(save_folder)) or os.path.isdir(os.path.join(save_folder, "final"))
-
-
-def different_run_error(save_folder: str, existing: dict) -> UserError:
-    what = (existing.get("identity") or {}).get("name") or "another run"
-    return UserError(f"save_folder {save_folder} holds checkpoints of a different run ({what!r}: other "
-                     "name, model or data); choose another --save-folder or pass --overwrite to replace it")
 
 
 def write_run_file(save_folder: str, identity: dict, resolved: dict) -> None:

@@ -23,8 +23,9 @@ from lmforge.errors import UserError
 from lmforge.models.hf import to_hf_config, to_hf_state_dict
 from lmforge.models.io import _copy_tokenizer, _state_dict, save_pretrained
 from lmforge.checksums import write_export_digests
-from lmforge.train.checkpoint import read_state
-from lmforge.train.locate import check_tokenizer_fits, load_model, locate, lora_config_of
+from lmforge.layout import read_state
+from lmforge.resolve.weights import check_tokenizer_fits, locate, lora_config_of
+from lmforge.train.locate import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -17,7 +17,7 @@ Read it top to bottom:
   final evaluation, checkpoint and export.
 
 The trainer knows nothing of trackers, object stores or the run registry: they hook in through
-`train.callbacks`. What it needs is set up by `train.setup.setup_run` (a `RunSetup`).
+`train.callbacks`. What it needs comes resolved by `resolve.run.resolve` (a `ResolvedRun`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import torch
 
 from lmforge.checksums import write_export_digests
 from lmforge.config.identity import run_identity
-from lmforge.config.schema import RunConfig
-from lmforge.data.batch import Batch, StreamLayout, TrainingData
+from lmforge.data.batch import Batch, StreamLayout
 from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
@@ -45,6 +44,7 @@ from lmforge.distributed.float8 import after_optimizer_step
 from lmforge.distributed.parallelize import (SHARDED, clip_grad_norm, compile_enabled, device_value, full_state_dict,
                                              is_sharded, materialize, no_grad_sync, parallelize)
 from lmforge.errors import UserError
+from lmforge.layout import latest_checkpoint, read_state
 from lmforge.estimate.hardware import detect_device_spec, mfu, mfu_basis, peak_flops
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.eval.in_training import generations, load_icl, run_icl
@@ -53,13 +53,13 @@ from lmforge.models.io import write_chat_template
 from lmforge.models.lora import apply_lora, save_final as save_lora_final
 from lmforge.models.resize import extend_embeddings
 from lmforge.models.transformer import Transformer
+from lmforge.resolve import ResolvedRun
 from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.callbacks import Callback, Callbacks, RunInfo
 from lmforge.train.expert_health import ExpertHealth
 from lmforge.train.locate import load_model
 from lmforge.train.optim import blended_lr, build_optimizer
-from lmforge.train.plan import TrainPlan
 from lmforge.train.watchdog import HangWatchdog
 
 
@@ -70,17 +70,6 @@ class TrainingDiverged(UserError):
 # Across ranks, a stop asked on one (SIGTERM, Ctrl-C) is agreed on by an all-reduce, which waits
 # for the device: done at log steps, and at least every this many steps.
 STOP_CHECK_STEPS = 10
-
-
-@dataclass
-class RunSetup:
-    """Everything resolved before training: the config with every default written in, the plan
-    (batch sizes, steps, LR, intervals), the data and the tokenizer."""
-
-    cfg: RunConfig
-    plan: TrainPlan
-    data: TrainingData
-    tokenizer: object  # data.tokenizer.Tokenizer
 
 
 @dataclass
@@ -145,9 +134,9 @@ def _silent(*_args, **_kwargs) -> None:
 
 
 class Trainer:
-    def __init__(self, setup: RunSetup, dist: DistInfo, *, save_folder: str | None = None,
+    def __init__(self, run: ResolvedRun, dist: DistInfo, *, save_folder: str | None = None,
                  callbacks: Sequence[Callback] = (), overwrite: bool = False, log=print):
-        self.cfg, self.plan, self.data, self.tokenizer = setup.cfg, setup.plan, setup.data, setup.tokenizer
+        self.cfg, self.plan, self.data, self.tokenizer = run.config, run.plan, run.data, run.tokenizer
         self.dist, self.device = dist, dist.device
         self.save_folder = save_folder or self.cfg.save_folder  # local (a remote run's staging folder)
         self.callbacks = Callbacks(callbacks if dist.is_main else ())
@@ -317,7 +306,7 @@ class Trainer:
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise TrainingDiverged(
                     f"loss became {loss} at step {first_step + i} (grad norm {grad_norm:.3g}); stopped without "
-                    f"saving. Last good checkpoint: {ckpt.latest_checkpoint(self.save_folder) or 'none'}. "
+                    f"saving. Last good checkpoint: {latest_checkpoint(self.save_folder) or 'none'}. "
                     "Try a lower parameters.learning_rate")
         return values
 
@@ -376,7 +365,7 @@ class Trainer:
     def load(self, path: str, checked: Collection[str] = ()) -> None:
         """Model, optimizer and this rank's RNG from ``path``; then counters and data position.
         ``checked``: its files whose digests were verified already (by rank 0, choosing it)."""
-        check_same_batch(ckpt.read_state(path), self.cfg, path)
+        check_same_batch(read_state(path), self.cfg, path)
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, rank=self.dist.rank, checked=checked)
         self.stream.load_state_dict(state["data"])
         self.state.load_state_dict(state)

@@ -15,6 +15,7 @@ import hashlib
 import numpy as np
 
 from lmforge.data.curate.text import ngram_hashes, word_hashes
+from lmforge.tasks.icl import load_tasks
 
 
 def _segments(ex: dict) -> list[str]:
@@ -81,6 +82,4 @@ class TaskIndex:
 
 
 def load_index(tasks: str | list, ngram: int, data_root: str | None = None) -> TaskIndex:
-    from lmforge.eval.icl import load_tasks
-
     return TaskIndex.from_tasks(load_tasks(tasks, data_root=data_root), ngram)

@@ -2,7 +2,7 @@
 
 `estimate.auto` holds the rule (pure); this module feeds it what only a run knows: the budget,
 the data's size, and this machine's measured throughput of the candidate shapes
-(`train.throughput`, cached under ``$LMFORGE_HOME/cache/throughput``). A resumed run takes the
+(the `Machine`'s probe: `train.throughput`, cached under ``$LMFORGE_HOME/cache/throughput``). A resumed run takes the
 shape it started with from its save folder, so re-measuring never changes a run's model.
 """
 
@@ -11,26 +11,25 @@ from __future__ import annotations
 import json
 import os
 
-import torch
-
-from lmforge.config.defaults import auto_vocab, bf16_supported, default_batch_tokens, estimated_bytes_per_token, \
-    micro_batch_for
+from lmforge.config.defaults import auto_vocab, default_batch_tokens, estimated_bytes_per_token, micro_batch_for
 from lmforge.config.durations import parse_duration
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.errors import UserError
 from lmforge.estimate.auto import SMALL_CONTEXT, Budget, Candidate, candidates, choose
 from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
-from lmforge.estimate.hardware import detect_device_spec, mfu_basis, peak_flops
+from lmforge.estimate.hardware import mfu_basis, peak_flops
+from lmforge.layout import RUN_FILE
+from lmforge.resolve.machine import Machine
 
 
-def resolve_auto(cfg: RunConfig, device: torch.device, log=print) -> RunConfig:
+def resolve_auto(cfg: RunConfig, machine: Machine, log=print) -> RunConfig:
     """The config with `model` and a trained tokenizer's vocabulary made concrete."""
     if cfg.model == "auto":
         if cfg.custom_weights_path:
             raise UserError("model: auto chooses a new model to train from scratch; with custom_weights_path "
                             "leave `model` out (the weights' own shape is used)")
-        return _auto_model(cfg, device, log)
+        return _auto_model(cfg, machine, log)
     spec = cfg.tokenizer
     if isinstance(spec, TokenizerSpec) and spec.train is not None and spec.train.vocab_size == "auto":
         vocab = auto_vocab(cfg.model.d_model, raw_data_bytes(cfg))
@@ -87,7 +86,7 @@ def _recorded_shape(cfg: RunConfig) -> dict | None:
     """The resolved config a previous start of this run wrote to its save folder (resume)."""
     if not (cfg.autoresume and cfg.save_folder):
         return None
-    path = os.path.join(cfg.save_folder, "run.json")
+    path = os.path.join(cfg.save_folder, RUN_FILE)
     try:
         with open(path) as f:
             record = json.load(f)
@@ -98,7 +97,7 @@ def _recorded_shape(cfg: RunConfig) -> dict | None:
     return record.get("config")
 
 
-def _auto_model(cfg: RunConfig, device: torch.device, log) -> RunConfig:
+def _auto_model(cfg: RunConfig, machine: Machine, log) -> RunConfig:
     p = cfg.parameters
     recorded = _recorded_shape(cfg)
     if recorded and isinstance(recorded.get("model"), dict):
@@ -129,11 +128,11 @@ def _auto_model(cfg: RunConfig, device: torch.device, log) -> RunConfig:
             raise UserError("tokenizer: model: auto needs to know the vocabulary: give a tokenizer folder, "
                             "{train: {vocab_size: auto}}, or prepared train_data")
     data_bytes = raw_data_bytes(cfg) if data_tokens is None else None
-    precision = "bf16" if (p.precision == "bf16" or (p.precision == "auto" and bf16_supported(device))) else "fp32"
+    precision = "bf16" if (p.precision == "bf16" or (p.precision == "auto" and machine.bf16)) else "fp32"
 
     def batch_tokens(m: ModelConfig, ctx: int) -> int:
         if p.global_batch_size is None:
-            return default_batch_tokens(param_counts(m)["non_embedding"], _budget_tokens(budget, m, ctx, device,
+            return default_batch_tokens(param_counts(m)["non_embedding"], _budget_tokens(budget, m, ctx, machine,
                                                                                          precision))
         if isinstance(p.global_batch_size, str):
             return int(parse_duration(p.global_batch_size).value) if "tok" in p.global_batch_size else \
@@ -145,9 +144,9 @@ def _auto_model(cfg: RunConfig, device: torch.device, log) -> RunConfig:
     unique = data_tokens
     if unique is None and data_bytes:
         unique = data_bytes / estimated_bytes_per_token(vocab or cands[0].model.vocab_size)
-    measure = _throughput_fn(device, precision, p.optimizer, log)
+    measure = _throughput_fn(machine, precision, p.optimizer, log)
     best, reason = choose(budget, cands, unique_tokens=unique, tokens_per_s=measure,
-                          flops_per_s_guess=_flops_guess(device, precision))
+                          flops_per_s_guess=_flops_guess(machine, precision))
     log(reason)
     out = cfg.model_copy(update={"model": best.model})
     if p.context_length is None:
@@ -157,37 +156,35 @@ def _auto_model(cfg: RunConfig, device: torch.device, log) -> RunConfig:
     return out
 
 
-def _budget_tokens(budget: Budget, m: ModelConfig, ctx: int, device: torch.device, precision: str) -> float | None:
+def _budget_tokens(budget: Budget, m: ModelConfig, ctx: int, machine: Machine, precision: str) -> float | None:
     """Roughly how many tokens the budget buys for this shape (sizes its default batch); None for steps."""
     if budget.kind == "tok":
         return budget.value
     if budget.kind == "flop":
         return budget.value / mfu_flops_per_token(m, ctx)
     if budget.kind == "s":
-        return budget.value * _flops_guess(device, precision) / flops_per_token(m, ctx)["total"]
+        return budget.value * _flops_guess(machine, precision) / flops_per_token(m, ctx)["total"]
     return None
 
 
-def _flops_guess(device: torch.device, precision: str) -> float:
+def _flops_guess(machine: Machine, precision: str) -> float:
     """Sustained FLOP/s to pre-rank candidates of a wall-clock budget before timing a few."""
-    return 0.4 * peak_flops(detect_device_spec(device), mfu_basis(precision))
+    return 0.4 * peak_flops(machine.spec, mfu_basis(precision))
 
 
-def _throughput_fn(device: torch.device, precision: str, optimizer: str, log):
-    from lmforge.train.throughput import cached_tokens_per_s, measure_tokens_per_s
-
+def _throughput_fn(machine: Machine, precision: str, optimizer: str, log):
     def tokens_per_s(c: Candidate) -> float:
-        micro = micro_batch_for(max(1, c.batch_tokens // c.context_length), 8 if device.type == "cpu" else 64)
+        micro = micro_batch_for(max(1, c.batch_tokens // c.context_length), 8 if machine.device == "cpu" else 64)
         m = c.model
-        hit = cached_tokens_per_s(m, c.context_length, micro, precision=precision, optimizer=optimizer, device=device)
+        hit = machine.probe.tokens_per_s(m, c.context_length, micro, precision=precision, optimizer=optimizer,
+                                         measure=False)
         if hit:
             return hit
-        if param_counts(m)["total"] > 2e9:  # too big to time casually: 40% of the peak
-            return _flops_guess(device, precision) / flops_per_token(m, c.context_length)["total"]
-        log(f"model: auto: timing {m.n_layers}×{m.d_model} (vocab {m.vocab_size}) on {device} (cached for next time)")
-        try:
-            return measure_tokens_per_s(m, c.context_length, micro, precision=precision, optimizer=optimizer,
-                                        device=device)
-        except torch.OutOfMemoryError:
-            return 1e-9  # does not fit: never chosen
+        # Too big to time casually, or a machine that is only described: 40% of the peak.
+        if param_counts(m)["total"] > 2e9 or not machine.probe.measures:
+            return _flops_guess(machine, precision) / flops_per_token(m, c.context_length)["total"]
+        log(f"model: auto: timing {m.n_layers}×{m.d_model} (vocab {m.vocab_size}) on {machine.device} "
+            "(cached for next time)")
+        return machine.probe.tokens_per_s(m, c.context_length, micro, precision=precision, optimizer=optimizer,
+                                          measure=True)
     return tokens_per_s

@@ -1,8 +1,9 @@
-"""Turn a run config plus facts about data and devices into concrete numbers.
+"""Turn a run config plus facts about its data and machine into concrete numbers: the plan.
 
 Everything the trainer needs that the user may leave unset — learning rate, batch sizes,
 steps, warmup, intervals, precision — is decided here, once, and written back into the
-resolved config that is printed by ``--dry-run`` and saved with every checkpoint.
+resolved config that is printed by ``--dry-run`` and saved with every checkpoint. No torch:
+the machine comes as a `resolve.machine.Machine` (described, or measured by the caller).
 """
 
 from __future__ import annotations
@@ -10,21 +11,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
-from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, auto_precision, bf16_supported,
-                                     default_batch_tokens, default_learning_rate, micro_batch_for)
+from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, auto_precision, default_batch_tokens,
+                                     micro_batch_for, task_learning_rate)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.schema import RunConfig, phase_end
-from lmforge.distributed.float8 import check_fp8_supported
 from lmforge.errors import UserError
 from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
-from lmforge.estimate.hardware import detect_device_spec, mfu_basis, peak_flops
+from lmforge.estimate.hardware import mfu_basis, peak_flops
 from lmforge.estimate.memory import memory_plan
-from lmforge.train.optim import Schedule
+from lmforge.estimate.plan import EstimateInputs
+from lmforge.resolve.machine import Machine
+from lmforge.resolve.schedule import Schedule
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainPlan:
     context_length: int
     global_batch: int  # samples per optimizer step, all ranks
@@ -75,12 +75,11 @@ def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int
     raise UserError(f"{what}: unsupported unit {d.unit!r}")
 
 
-def _gpu_micro_batch(cfg: RunConfig, ctx: int, world_size: int, device: torch.device) -> int:
+def _gpu_micro_batch(cfg: RunConfig, ctx: int, machine: Machine) -> int:
     """Largest micro-batch the memory model says fits on this GPU (activations + sharded states)."""
     sharded = cfg.compute.data_parallel in ("fsdp", "hsdp")
-    plan = memory_plan(param_counts(cfg.model)["total"], cfg.model, ctx, world_size if sharded else 1,
-                       float(torch.cuda.get_device_properties(device).total_memory),
-                       activation_checkpointing=bool(cfg.compute.activation_checkpointing))
+    plan = memory_plan(param_counts(cfg.model)["total"], cfg.model, ctx, machine.world_size if sharded else 1,
+                       machine.memory_bytes, activation_checkpointing=bool(cfg.compute.activation_checkpointing))
     return plan["suggested_micro_batch"] or 1
 
 
@@ -103,89 +102,88 @@ def check_batch_split(gbs: int, micro: int | None, world_size: int) -> None:
                         f"× ranks ({world_size}) = {micro * world_size}")
 
 
-def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
-              samples_per_epoch: int | None, data_seq_len: int | None,
+def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None, data_seq_len: int | None,
               micro_batch_hint: int | None = None) -> TrainPlan:
     """Fill every default; raises UserError for impossible combinations."""
     p = cfg.parameters
-    model = cfg.model
-    counts = param_counts(model)
-    ctx = p.context_length or (min(model.max_seq_len, data_seq_len) if data_seq_len else model.max_seq_len)
+    world = machine.world_size
+    counts = param_counts(cfg.model)
+    ctx = p.context_length or (min(cfg.model.max_seq_len, data_seq_len) if data_seq_len else cfg.model.max_seq_len)
     check_context(ctx, data_seq_len)
-
-    if p.precision == "auto":
-        precision = auto_precision(device)
-    else:
-        precision = p.precision
-        if precision == "bf16" and not bf16_supported(device) and device.type != "cpu":
-            raise UserError(f"parameters.precision: bf16 is not supported on {device}")
-        if precision == "fp8":
-            check_fp8_supported(device)  # one clear line, never a silent fallback
-    fpt = mfu_flops_per_token(model, ctx, cfg.lora)
-
-    # Global batch in samples (rounded so that every rank gets the same share).
-    if p.global_batch_size is None:
-        run_tokens = _run_tokens(cfg, ctx, samples_per_epoch, fpt,
-                                 lambda: _tokens_per_s(cfg, ctx, world_size, precision, device))
-        gbs = max(1, round(default_batch_tokens(counts["non_embedding"], run_tokens) / ctx))
-    elif isinstance(p.global_batch_size, str):
-        d = parse_duration(p.global_batch_size)
-        gbs = max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
-    else:
-        gbs = int(p.global_batch_size)
-    if p.global_batch_size is None or isinstance(p.global_batch_size, str):
-        gbs = world_size * max(1, math.ceil(gbs / world_size))
-
+    precision = plan_precision(cfg, machine)
+    fpt = mfu_flops_per_token(cfg.model, ctx, cfg.lora)
+    gbs = _global_batch(cfg, ctx, machine, precision, samples_per_epoch, fpt)
     if p.micro_batch_size == "auto":
-        check_batch_split(gbs, None, world_size)
-        cap = 8 if device.type == "cpu" else (micro_batch_hint or _gpu_micro_batch(cfg, ctx, world_size, device))
-        micro = micro_batch_for(gbs // world_size, cap)
+        check_batch_split(gbs, None, world)
+        cap = 8 if machine.device == "cpu" else (micro_batch_hint or _gpu_micro_batch(cfg, ctx, machine))
+        micro = micro_batch_for(gbs // world, cap)
     else:
         micro = int(p.micro_batch_size)
-    check_batch_split(gbs, micro, world_size)
-    grad_accum = gbs // (micro * world_size)
+    check_batch_split(gbs, micro, world)
 
-    total = _steps(cfg.training_duration, "training_duration", gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch,
-                   flops_per_token=fpt)
+    def steps(d: Duration, what: str) -> int | None:
+        return _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch, flops_per_token=fpt)
+
+    total = steps(cfg.training_duration, "training_duration")
     time_limit = cfg.training_duration.value if cfg.training_duration.unit == "s" else None
-
     if p.optimizer == "muon" and cfg.compute.data_parallel in ("fsdp", "hsdp"):
         raise UserError("parameters.optimizer: muon needs whole matrices; use compute.data_parallel ddp or none "
                         "(not fsdp/hsdp)")
-
-    step_s, fastest_s = step_seconds(cfg, ctx, gbs, micro, world_size, precision, device)
+    step_s, fastest_s = step_seconds(cfg, ctx, gbs, micro, machine, precision)
     if time_limit is not None and fastest_s >= time_limit:
         raise UserError(f"training_duration: {cfg.training_duration} is shorter than one optimizer step of this model "
                         f"and batch here (≈{fastest_s:.3g}s); expected a longer duration or a smaller batch/model")
-
-    def interval(d: Duration | None, what: str, default: int) -> int:
-        if d is None:
-            return default
-        steps = _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch, flops_per_token=fpt)
-        if steps is None:
-            raise UserError(f"{what}: use steps or tokens ('100ba', '1M tok'), not wall-clock time")
-        return steps
-
-    # Wall-clock runs: intervals from the expected number of steps.
-    nominal = total or max(1, int(time_limit / step_s))
-    schedule = make_schedule(cfg, total, time_limit, step_s,
-                             lambda d: _steps(d, "parameters.warmup", gbs=gbs, ctx=ctx,
-                                              samples_per_epoch=samples_per_epoch, flops_per_token=fpt))
+    nominal = total or max(1, int(time_limit / step_s))  # wall-clock runs: intervals from the expected steps
+    schedule = make_schedule(cfg, total, time_limit, step_s, lambda d: steps(d, "parameters.warmup"))
     warmup = int(schedule.warmup if schedule.warmup_unit == "steps" else math.ceil(schedule.warmup / step_s))
-    eval_every = interval(cfg.eval.interval, "eval.interval", max(1, nominal // 10))
-    save_every = interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)))
-    icl_every = interval(cfg.eval.icl_interval, "eval.icl_interval", 0) or None
-
-    phase_steps = curriculum_steps(cfg, total, gbs=gbs, ctx=ctx) if cfg.curriculum else None
-
     return TrainPlan(
-        context_length=ctx, global_batch=gbs, micro_batch=micro, grad_accum=grad_accum,
-        world_size=world_size, total_steps=total, time_limit_s=time_limit, warmup_steps=warmup,
-        learning_rate=p.learning_rate or default_learning_rate(counts["non_embedding"]),
-        eval_interval=eval_every, save_interval=save_every, icl_interval=icl_every,
+        context_length=ctx, global_batch=gbs, micro_batch=micro, grad_accum=gbs // (micro * world),
+        world_size=world, total_steps=total, time_limit_s=time_limit, warmup_steps=warmup,
+        learning_rate=p.learning_rate or task_learning_rate(counts["non_embedding"], cfg.task_type, cfg.lora is not None),
+        eval_interval=_interval(cfg.eval.interval, "eval.interval", max(1, nominal // 10), steps),
+        save_interval=_interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)), steps),
+        icl_interval=_interval(cfg.eval.icl_interval, "eval.icl_interval", 0, steps) or None,
         precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
-        phase_steps=phase_steps, model_flops_per_token=flops_per_token(model, ctx, cfg.lora)["dense"],
+        phase_steps=curriculum_steps(cfg, total, gbs=gbs, ctx=ctx) if cfg.curriculum else None,
+        model_flops_per_token=flops_per_token(cfg.model, ctx, cfg.lora)["dense"],
     )
+
+
+def plan_precision(cfg: RunConfig, machine: Machine) -> str:
+    """What the run trains in: `precision: auto` by the machine, an explicit one checked against it."""
+    precision = cfg.parameters.precision
+    if precision == "auto":
+        return auto_precision(machine.bf16)
+    if precision == "bf16" and not machine.bf16 and machine.device != "cpu":
+        raise UserError(f"parameters.precision: bf16 is not supported on {machine.spec.description or machine.device}")
+    if precision == "fp8" and machine.fp8_problem:  # one clear line, never a silent fallback
+        raise UserError(machine.fp8_problem)
+    return precision
+
+
+def _global_batch(cfg: RunConfig, ctx: int, machine: Machine, precision: str, samples_per_epoch: int | None,
+                  fpt: float) -> int:
+    """The global batch in samples (a default or a batch in tokens rounded so every rank gets the same share)."""
+    p, world = cfg.parameters, machine.world_size
+    if isinstance(p.global_batch_size, int):
+        return int(p.global_batch_size)
+    if p.global_batch_size is None:
+        run_tokens = _run_tokens(cfg, ctx, samples_per_epoch, fpt, lambda: _tokens_per_s(cfg, ctx, machine, precision))
+        gbs = max(1, round(default_batch_tokens(param_counts(cfg.model)["non_embedding"], run_tokens) / ctx))
+    else:
+        d = parse_duration(p.global_batch_size)
+        gbs = max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
+    return world * max(1, math.ceil(gbs / world))
+
+
+def _interval(d: Duration | None, what: str, default: int, steps) -> int:
+    """An eval/save/ICL interval in steps (``steps``: a duration in this plan's steps)."""
+    if d is None:
+        return default
+    n = steps(d, what)
+    if n is None:
+        raise UserError(f"{what}: use steps or tokens ('100ba', '1M tok'), not wall-clock time")
+    return n
 
 
 def _run_tokens(cfg: RunConfig, ctx: int, samples_per_epoch: int | None, fpt: float, rate) -> float | None:
@@ -205,28 +203,26 @@ def _run_tokens(cfg: RunConfig, ctx: int, samples_per_epoch: int | None, fpt: fl
     return None
 
 
-def _tokens_per_s(cfg: RunConfig, ctx: int, world_size: int, precision: str, device: torch.device) -> float:
+def _tokens_per_s(cfg: RunConfig, ctx: int, machine: Machine, precision: str) -> float:
     """Expected training tokens/s of all ranks (see step_seconds), at the CPU micro-batch size."""
     micro = micro_batch_for(max(1, default_batch_tokens(param_counts(cfg.model)["non_embedding"]) // ctx))
-    step_s, _ = step_seconds(cfg, ctx, micro * world_size, micro, world_size, precision, device)
-    return micro * ctx * world_size / step_s
+    step_s, _ = step_seconds(cfg, ctx, micro * machine.world_size, micro, machine, precision)
+    return micro * ctx * machine.world_size / step_s
 
 
-def step_seconds(cfg: RunConfig, ctx: int, gbs: int, micro: int, world_size: int, precision: str,
-                 device: torch.device) -> tuple[float, float]:
+def step_seconds(cfg: RunConfig, ctx: int, gbs: int, micro: int, machine: Machine,
+                 precision: str) -> tuple[float, float]:
     """(expected, fastest possible) seconds per optimizer step. Expected: this machine's cached
     measurement of the shape (`train.throughput`), else the FLOPs at half the device's peak;
     fastest: the measurement, else the FLOPs at the full peak (a lower bound)."""
-    from lmforge.train.throughput import cached_tokens_per_s
-
-    tokens = gbs * ctx / world_size  # per device
+    tokens = gbs * ctx / machine.world_size  # per device
     measured = None
     if cfg.model.vocab_size:
-        measured = cached_tokens_per_s(cfg.model, ctx, micro, precision=precision,
-                                       optimizer=cfg.parameters.optimizer, device=device)
+        measured = machine.probe.tokens_per_s(cfg.model, ctx, micro, precision=precision,
+                                              optimizer=cfg.parameters.optimizer, measure=False)
     if measured:
         return tokens / measured, tokens / measured
-    peak = peak_flops(detect_device_spec(device), mfu_basis(precision))
+    peak = peak_flops(machine.spec, mfu_basis(precision))
     flops = tokens * flops_per_token(cfg.model, ctx)["total"]
     return flops / (0.5 * peak), flops / peak
 
@@ -297,3 +293,15 @@ def _warmup_text(schedule: Schedule) -> str:
     if schedule.warmup_unit == "steps":
         return f"{int(schedule.warmup)}ba"
     return f"{schedule.warmup:.4g}s"
+
+
+def estimate_inputs(cfg: RunConfig, plan: TrainPlan, machine: Machine) -> EstimateInputs:
+    """The estimate of a resolved run (`--dry-run`): its model, tokens, batch and machine, at the
+    peak its MFU is logged against (on a CPU without AMX the run trains in fp32, and that CPU's
+    bf16 peak would halve the time estimate)."""
+    gpu = machine.device == "cuda"
+    return EstimateInputs(cfg.model, tokens=plan.total_tokens, gpus=machine.world_size if gpu else 1,
+                          price=cfg.compute.price_per_gpu_hour, seq_len=plan.context_length, spec=machine.spec,
+                          micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+                          precision=mfu_basis(plan.precision),
+                          expert_parallel=cfg.compute.expert_parallel if gpu else 1)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import UserError
-from lmforge.eval.yaml_lines import at, load_yaml
+from lmforge.tasks.yaml_lines import at, load_yaml
 
 LANGUAGE_MODELING = "language_modeling"
 MULTIPLE_CHOICE = "multiple_choice"
@@ -172,22 +172,7 @@ def _parse_task(entry: Any, i: int, where: str, source: str | None, base_dir: Pa
     shots = [shots] if _is_count(shots) else shots
     if not isinstance(shots, list) or not shots or not all(_is_count(k) for k in shots):
         raise bad("num_fewshot", f"expected a non-negative integer or a list of them, got {entry.get('num_fewshot')!r}")
-    strings = {}
-    for key in ("prompt_string", "example_delimiter", "continuation_delimiter", "prelimiter", "question_prelimiter",
-                "cot_delimiter", "context_key", "choices_key"):
-        if key in entry and not isinstance(entry[key], str):
-            raise bad(key, f"expected a string, got {type(entry[key]).__name__}")
-    for key in ("prompt_string", "example_delimiter", "continuation_delimiter", "prelimiter", "cot_delimiter"):
-        if key in entry:
-            strings[key] = entry[key]
-    if "question_prelimiter" in entry:
-        strings["prelimiter"] = entry["question_prelimiter"]
-    flags = {}
-    for key in ("has_categories", "strip_dataset", "do_normalization"):
-        if key in entry:
-            if not isinstance(entry[key], bool):
-                raise bad(key, f"expected true or false, got {entry[key]!r}")
-            flags[key] = entry[key]
+    strings, flags = _strings_and_flags(entry, bad)
     seed = entry.get("fewshot_random_seed", 1234)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise bad("fewshot_random_seed", f"expected an integer, got {seed!r}")
@@ -220,6 +205,26 @@ def _parse_task(entry: Any, i: int, where: str, source: str | None, base_dir: Pa
                    max_seq_len=max_seq_len, **strings, **flags)
     _prepare(task, rows, keys)
     return task
+
+
+def _strings_and_flags(entry: dict, bad) -> tuple[dict, dict]:
+    """A task entry's prompt strings (``question_prelimiter`` as ``prelimiter``) and its boolean flags."""
+    strings, flags = {}, {}
+    for key in ("prompt_string", "example_delimiter", "continuation_delimiter", "prelimiter", "question_prelimiter",
+                "cot_delimiter", "context_key", "choices_key"):
+        if key in entry and not isinstance(entry[key], str):
+            raise bad(key, f"expected a string, got {type(entry[key]).__name__}")
+    for key in ("prompt_string", "example_delimiter", "continuation_delimiter", "prelimiter", "cot_delimiter"):
+        if key in entry:
+            strings[key] = entry[key]
+    if "question_prelimiter" in entry:
+        strings["prelimiter"] = entry["question_prelimiter"]
+    for key in ("has_categories", "strip_dataset", "do_normalization"):
+        if key in entry:
+            if not isinstance(entry[key], bool):
+                raise bad(key, f"expected true or false, got {entry[key]!r}")
+            flags[key] = entry[key]
+    return strings, flags
 
 
 def _is_count(value: Any) -> bool:

@@ -1,0 +1,84 @@
+"""The names of what lmforge writes to disk, and how a save folder is read back — without torch.
+
+One place for the file and folder names that several layers read: the trainer writes them
+(`train.checkpoint`, `models.io`, `data.prepare`), while resolution (`resolve`), the run registry
+(`runs`), preflight and reports only read them. Reading a folder's layout needs no torch, so
+`lmforge --help`, `estimate` and a run's resolution stay light.
+
+Layout of a ``save_folder``::
+
+    run.json                      identity of the run (name, model shape, data) — guards overwrites
+    checkpoints/step_00000100/    one complete checkpoint (`train.checkpoint`)
+        lmforge-state.json        step, tokens, data-stream state, resolved config, file digests
+    final/                        model.safetensors + lmforge-model.json + tokenizer (the export)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from lmforge.errors import UserError
+
+STATE_FILE = "lmforge-state.json"  # a checkpoint's JSON state, written last: its presence completes it
+RUN_FILE = "run.json"  # a save folder's run identity and resolved config
+MODEL_CONFIG_FILE = "lmforge-model.json"  # an exported model's shape (`models.io`)
+DATASET_MARKER = "lmforge-dataset.json"  # a prepared dataset's summary, written last (`data.prepare`)
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoints_dir(save_folder: str) -> str:
+    return os.path.join(save_folder, "checkpoints")
+
+
+def list_checkpoints(save_folder: str) -> list[tuple[int, str]]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(save_folder)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.exists(os.path.join(root, name, STATE_FILE)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def latest_checkpoint(save_folder: str) -> str | None:
+    found = list_checkpoints(save_folder)
+    return found[-1][1] if found else None
+
+
+def read_state(path: str) -> dict:
+    """A checkpoint's JSON state (one line naming the checkpoint when it cannot be read)."""
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint {path} is corrupt ({STATE_FILE}: {e}); "
+                        "--no-autoresume starts fresh (keeping it aside)") from None
+
+
+def read_run_file(save_folder: str) -> dict | None:
+    """The folder's run.json ({"identity", "config"}; {} when unreadable), None when it has none."""
+    path = os.path.join(save_folder, RUN_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            existing = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return existing if isinstance(existing, dict) else {}
+
+
+def holds_saved_run(save_folder: str) -> bool:
+    """Whether a local save folder holds anything of a run to protect: a checkpoint or a final model."""
+    return bool(list_checkpoints(save_folder)) or os.path.isdir(os.path.join(save_folder, "final"))
+
+
+def different_run_error(save_folder: str, existing: dict) -> UserError:
+    what = (existing.get("identity") or {}).get("name") or "another run"
+    return UserError(f"save_folder {save_folder} holds checkpoints of a different run ({what!r}: other "
+                     "name, model or data); choose another --save-folder or pass --overwrite to replace it")

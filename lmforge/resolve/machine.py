@@ -1,0 +1,81 @@
+"""The machine a run is resolved for, described without torch.
+
+Resolution needs a few facts about the devices (their kind, peak FLOP/s, memory, whether bf16 and
+FP8 run natively) and, on a real machine, two services: the measured training speed of a shape
+(`model: auto`, wall-clock budgets) and "run this on rank 0, give every rank its result"
+(rank 0 chooses and prepares, the others follow). Both come through a `Machine`:
+
+- `nominal_machine` describes GPUs from the table in `estimate.hardware` (`lmforge estimate
+  --gpu-type h100-sxm`, a dry run planned for a cluster): nothing is measured; speeds are
+  modelled from FLOPs;
+- `train.machine.local_machine` describes the devices this process trains on and measures them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from lmforge.config.model import ModelConfig
+from lmforge.estimate.hardware import GPUSpec, get_gpu_type
+
+T = TypeVar("T")
+NO_FP8 = ("parameters.precision: fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: H100, "
+          "H200, L4, B200); use bf16 or auto")
+
+
+class Probe(Protocol):
+    """What only a real machine can do for resolution."""
+
+    measures: bool  # whether `tokens_per_s(..., measure=True)` times the shape here
+
+    def tokens_per_s(self, model: ModelConfig, context_length: int, micro_batch: int, *, precision: str,
+                     optimizer: str, measure: bool) -> float | None:
+        """Training tokens/s of one device for this shape: the cached measurement, else (``measure``)
+        a fresh one; None where neither exists."""
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on rank 0; its result (or its UserError) on every rank."""
+
+
+class NoProbe:
+    """A machine that is only described: nothing is measured, and there is one process."""
+
+    measures = False
+
+    def tokens_per_s(self, model, context_length, micro_batch, *, precision, optimizer, measure):
+        return None
+
+    def on_main(self, fn):
+        return fn()
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The devices one run trains on."""
+
+    device: str  # "cpu" | "cuda"
+    spec: GPUSpec  # one device: peak FLOP/s per precision and memory (bytes)
+    world_size: int = 1  # ranks, all nodes
+    bf16: bool = False  # bf16 matmuls run natively (what `precision: auto` chooses)
+    fp8_problem: str | None = NO_FP8  # the line refusing `precision: fp8` here; None: FP8 can run
+    probe: Probe = field(default_factory=NoProbe, compare=False)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.spec.memory_bytes
+
+    @property
+    def gpu_type(self) -> str:
+        """The name `lmforge estimate --gpu-type` knows this device by (``cpu`` for a CPU)."""
+        return self.spec.name
+
+
+def nominal_machine(gpu_type: str = "h100-sxm", devices: int = 1) -> Machine:
+    """``devices`` GPUs of a type from the table (``cpu``: this machine's CPU), not measured."""
+    spec = get_gpu_type(gpu_type)
+    if gpu_type == "cpu":
+        return Machine("cpu", spec, devices, bf16=False)
+    fp8 = None if spec.fp8 else f"parameters.precision: fp8 needs FP8 tensor cores, which {spec.name} lacks (use bf16)"
+    return Machine("cuda", spec, devices, bf16=True, fp8_problem=fp8)

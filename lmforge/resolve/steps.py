@@ -1,0 +1,185 @@
+"""The steps of `resolve` past the config stage: they read data and tokenizers (and so torch).
+
+See `lmforge.resolve` for the order of the steps and what each stage holds.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from lmforge.config.model import padded_vocab
+from lmforge.config.schema import SFT_TASKS, RunConfig, TokenizerSpec
+from lmforge.data.chat import load_chat_template
+from lmforge.data.resolve import ResolvedData, resolve_data
+from lmforge.data.sft import ASSISTANT_HEADER, CHAT_TEMPLATE, SFTData, chat_prompt, load_rows
+from lmforge.data.stream import StreamPhase, open_dataset
+from lmforge.data.tokenizer import Tokenizer, load_tokenizer
+from lmforge.errors import UserError
+from lmforge.resolve.auto_model import resolve_auto
+from lmforge.resolve.machine import Machine
+from lmforge.resolve.plan import TrainPlan, make_plan, resolved_config
+from lmforge.resolve.resolved import ResolvedRun, Stage
+from lmforge.resolve.weights import check_tokenizer_fits, locate
+
+# Generation settings of a fine-tuning run's evaluations (where `eval` leaves them unset).
+SFT_SAMPLING = {"max_new_tokens": 100, "temperature": 1.0, "top_k": 50, "top_p": 0.95}
+
+
+def resolve_run(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRun:
+    """Steps 2–6 of `resolve` for a named config."""
+    if cfg.task_type in SFT_TASKS:
+        return _finetune(cfg, machine, until, log)
+    return _pretrain(cfg, machine, until, log)
+
+
+# --------------------------------------------------------------------------- pretraining
+
+def _pretrain(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRun:
+    """Pretraining and continued pretraining: raw text or prepared MDS datasets."""
+    cfg = _with_extension_base(cfg)
+    cfg = machine.probe.on_main(lambda: resolve_auto(cfg, machine, log=log))
+    if until == "plan":
+        cfg = _with_vocab(cfg, _known_tokenizer_vocab(cfg))
+        plan = make_plan(cfg, machine, samples_per_epoch=None, data_seq_len=None)
+        return ResolvedRun(resolved_config(cfg, plan), plan)
+    seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
+    # Rank 0 prepares the data first and the others then hit its cache; its UserError (bad data)
+    # reaches every rank: none is left waiting for a peer that has gone.
+    prepared: list[ResolvedData] = []
+    machine.probe.on_main(lambda: prepared.append(resolve_data(cfg, seq_len, log=log)))
+    data = prepared[0] if prepared else resolve_data(cfg, seq_len, log=lambda *_: None)
+    tokenizer = load_tokenizer(data.tokenizer_path)
+    cfg = _with_vocab(cfg, tokenizer.vocab_size)
+    _check_data_vocab(cfg, data, tokenizer, log)
+    lengths = [d.seq_len for d in data.train]
+    data_seq_len = min(lengths) if all(lengths) else min(open_dataset(d.path).sample_length(0) for d in data.train)
+    cfg = _with_context(cfg, log)
+    samples = sum(len(open_dataset(d.path)) for d in data.train) if cfg.training_duration.unit == "ep" else None
+    plan = make_plan(cfg, machine, samples_per_epoch=samples, data_seq_len=data_seq_len)
+    if cfg.curriculum:
+        data = replace(data, phases=_stream_phases(cfg, plan))
+    return ResolvedRun(resolved_config(cfg, plan), plan, data, tokenizer)
+
+
+def _with_extension_base(cfg: RunConfig) -> RunConfig:
+    """`tokenizer: {extend: …}` without a `base`: the tokenizer stored with custom_weights_path."""
+    spec = cfg.tokenizer
+    if not (isinstance(spec, TokenizerSpec) and spec.extend is not None and spec.extend.base is None):
+        return cfg
+    base = locate(cfg.custom_weights_path).tokenizer_dir
+    if base is None:
+        raise UserError(f"tokenizer.extend: {cfg.custom_weights_path} holds no tokenizer.json; "
+                        "set tokenizer.extend.base to the tokenizer folder to extend")
+    extend = spec.extend.model_copy(update={"base": base})
+    return cfg.model_copy(update={"tokenizer": spec.model_copy(update={"extend": extend})})
+
+
+def _known_tokenizer_vocab(cfg: RunConfig) -> int | None:
+    """The tokenizer's vocabulary where it is known without preparing anything (a dry run)."""
+    spec = cfg.tokenizer
+    if isinstance(spec, TokenizerSpec):
+        return spec.train.vocab_size if spec.train and isinstance(spec.train.vocab_size, int) else None
+    if isinstance(spec, str) and os.path.exists(spec):
+        return load_tokenizer(spec).vocab_size
+    return None
+
+
+def _with_vocab(cfg: RunConfig, tokenizer_vocab: int | None) -> RunConfig:
+    """The model's vocabulary: the config's (at least the tokenizer's; grown with `tokenizer.extend`),
+    else the tokenizer's rounded up (`padded_vocab`)."""
+    if tokenizer_vocab is None:
+        return cfg
+    v = cfg.model.vocab_size
+    extended = isinstance(cfg.tokenizer, TokenizerSpec) and cfg.tokenizer.extend is not None
+    if v is None:
+        v = padded_vocab(tokenizer_vocab)
+    elif extended:
+        v = max(v, padded_vocab(tokenizer_vocab))
+    elif v < tokenizer_vocab:
+        raise UserError(f"model.vocab_size ({v}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})")
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": v})})
+
+
+def _with_context(cfg: RunConfig, log) -> RunConfig:
+    """A context longer than the model's max_seq_len builds the model for it (RoPE tables are derived,
+    not stored)."""
+    ctx = cfg.parameters.context_length
+    if not ctx or ctx <= cfg.model.max_seq_len:
+        return cfg
+    if cfg.task_type not in SFT_TASKS:
+        log(f"warning: parameters.context_length {ctx} is longer than model.max_seq_len {cfg.model.max_seq_len}; "
+            f"the model is built for {ctx} tokens")
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"max_seq_len": ctx})})
+
+
+def _check_data_vocab(cfg: RunConfig, data: ResolvedData, tokenizer: Tokenizer, log) -> None:
+    """A prepared dataset's token ids must fit the model's vocabulary (else: an index error mid-step);
+    one prepared with another tokenizer than the run's is named in a warning."""
+    for d in data.train:
+        tok = (d.summary or {}).get("tokenizer") or {}
+        vocab = tok.get("vocab_size")
+        if tok.get("fingerprint") and tokenizer.fingerprint and tok["fingerprint"] != tokenizer.fingerprint:
+            log(f"warning: train_data {d.path} was prepared with another tokenizer ({tok.get('path')}) than "
+                f"this run's ({tokenizer.path}); its token ids may mean other text")
+        if vocab and vocab > cfg.model.vocab_size:
+            raise UserError(f"train_data {d.path}: prepared with a tokenizer of {vocab} tokens, more than the model's "
+                            f"vocabulary ({cfg.model.vocab_size}); use that tokenizer (tokenizer: {tok.get('path')}) "
+                            "or prepare the data again with this one")
+
+
+def _stream_phases(cfg: RunConfig, plan: TrainPlan) -> list[StreamPhase]:
+    """The curriculum on the stream's global sample axis: each phase ends on the optimizer step
+    the plan chose (whole global batches, so a step never mixes two phases); the last runs on."""
+    ends = [step * plan.global_batch for step in plan.phase_steps] + [None]
+    return [StreamPhase(end, phase.mix) for end, phase in zip(ends, cfg.curriculum)]
+
+
+# --------------------------------------------------------------------------- fine-tuning
+
+def _finetune(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRun:
+    """Fine-tuning on prompt/response or chat rows: tokenizer, defaults, packed rows and plan.
+
+    Defaults that differ from pretraining: the learning rate (`config.defaults.task_learning_rate`),
+    the chat template (the tokenizer's own, else lmforge's plain one: the one exported with the
+    final tokenizer) and the sampling of evaluations (SFT_SAMPLING)."""
+    if cfg.model == "auto":
+        raise UserError("model: auto sizes a model to pretrain; fine-tuning takes the shape of "
+                        "custom_weights_path (leave `model` out)")
+    if not isinstance(cfg.tokenizer, str):
+        what = "a tokenizer to train or extend" if isinstance(cfg.tokenizer, TokenizerSpec) else "none"
+        raise UserError(f"tokenizer: fine-tuning needs the base model's tokenizer folder (got {what}); "
+                        "set tokenizer: PATH, or custom_weights_path to a model folder that holds one")
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    check_tokenizer_fits(tokenizer, cfg.model, "tokenizer")
+    cfg = _with_vocab(cfg, tokenizer.vocab_size)
+    template = load_chat_template(tokenizer.path)  # the tokenizer's own, else None → ours
+    cfg = _with_context(cfg.model_copy(update={"eval": _sft_eval(cfg, template, tokenizer)}), log)
+    seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
+    if until == "plan":
+        plan = make_plan(cfg, machine, samples_per_epoch=None, data_seq_len=seq_len)
+        return ResolvedRun(resolved_config(cfg, plan), plan, tokenizer=tokenizer)
+
+    def rows_of(paths: list[str]):
+        return load_rows(paths, tokenizer, seq_len, task=cfg.task_type, packing=cfg.sft.packing,
+                         seed=cfg.parameters.seed, template=template)
+
+    rows = rows_of([d.path for d in cfg.train_data])
+    eval_rows = rows_of([cfg.eval.data_path]) if cfg.eval.data_path else None
+    log(f"chat template: {'the tokenizer’s own' if template else 'lmforge’s plain one (the tokenizer has none)'}")
+    log(f"data: {rows.examples} examples in {len(rows)} rows of {seq_len} tokens"
+        f"{' (packed)' if cfg.sft.packing else ''}"
+        + (f"; {rows.truncated} cut at the context length" if rows.truncated else "")
+        + (f"; {rows.dropped} dropped (no response token fits)" if rows.dropped else ""))
+    plan = make_plan(cfg, machine, samples_per_epoch=len(rows), data_seq_len=seq_len)
+    data = SFTData(tokenizer.path, rows, eval_rows, chat_template=template.text if template else CHAT_TEMPLATE)
+    return ResolvedRun(resolved_config(cfg, plan), plan, data, tokenizer)
+
+
+def _sft_eval(cfg: RunConfig, template, tokenizer):
+    """Evaluation settings of a fine-tuning run: SFT sampling where unset; chat prompts in the template."""
+    updates = {k: v for k, v in SFT_SAMPLING.items() if k not in cfg.eval.model_fields_set}
+    if cfg.task_type == "chat_completion":
+        updates["prompts"] = [template.generation_prompt(p, tokenizer) if template else
+                              p if ASSISTANT_HEADER in p else chat_prompt(p) for p in cfg.eval.prompts]
+    return cfg.eval.model_copy(update=updates)

@@ -1,0 +1,89 @@
+"""The machine this process trains on, as resolution sees it (`resolve.machine.Machine`).
+
+Facts come from torch (the device, its memory, whether bf16 and FP8 run natively); the probe
+measures a shape's training speed here (`train.throughput`, cached per machine) and runs a step
+of resolution on rank 0 with its result — or its bad-input error — given to every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from lmforge.config.model import ModelConfig
+from lmforge.distributed.dist import DistInfo, broadcast_object
+from lmforge.distributed.float8 import check_fp8_supported
+from lmforge.errors import PeerUserError, UserError
+from lmforge.estimate.hardware import detect_device_spec
+from lmforge.resolve.machine import Machine
+from lmforge.train.throughput import cached_tokens_per_s, measure_tokens_per_s
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """bf16 autocast only where matmuls run natively in bf16 (else it is slower than fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        # AMX tiles only (`config.defaults.auto_precision` says why not AVX512-BF16 alone).
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        return amx is not None and amx() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return False
+
+
+def fp8_problem(device: torch.device) -> str | None:
+    """The line refusing FP8 training on this device and install, None where it can run."""
+    try:
+        check_fp8_supported(device)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+class LocalProbe:
+    """Measures on this process's device; rank 0 of ``dist`` decides for every rank."""
+
+    measures = True
+
+    def __init__(self, device: torch.device, dist: DistInfo | None = None):
+        self.device, self.dist = device, dist
+
+    def tokens_per_s(self, model: ModelConfig, context_length: int, micro_batch: int, *, precision: str,
+                     optimizer: str, measure: bool) -> float | None:
+        kw = dict(precision=precision, optimizer=optimizer, device=self.device)
+        if not measure:
+            return cached_tokens_per_s(model, context_length, micro_batch, **kw)
+        try:
+            return measure_tokens_per_s(model, context_length, micro_batch, **kw)
+        except torch.OutOfMemoryError:
+            return 1e-9  # does not fit: never chosen
+
+    def on_main(self, fn):
+        if self.dist is None or not self.dist.distributed:
+            return fn()
+        result = error = None
+        if self.dist.is_main:
+            try:
+                result = fn()
+            except UserError as e:
+                error = e
+        result, message = broadcast_object((result, None if error is None else str(error)))
+        if error is not None:
+            raise error
+        if message:
+            raise PeerUserError(message)
+        return result
+
+
+def local_machine(device: torch.device, world_size: int = 1, dist: DistInfo | None = None) -> Machine:
+    """``world_size`` devices like ``device`` (this process's), ``dist`` its process group if any."""
+    spec = detect_device_spec(device)
+    if device.type == "cuda":  # what this card really has (the table's is the nominal size)
+        spec = replace(spec, memory_bytes=float(torch.cuda.get_device_properties(device).total_memory))
+    return Machine(device.type, spec, world_size, bf16=bf16_supported(device), fp8_problem=fp8_problem(device),
+                   probe=LocalProbe(device, dist))
+
+
+def process_machine(dist: DistInfo) -> Machine:
+    """The machine of a training process: its device, every rank of its group."""
+    return local_machine(dist.device, dist.world_size, dist)
