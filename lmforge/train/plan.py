@@ -16,6 +16,7 @@ from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, auto_pre
                                      default_batch_tokens, default_learning_rate, micro_batch_for)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.schema import RunConfig, phase_end
+from lmforge.data.pieces import training_context
 from lmforge.distributed.float8 import check_fp8_supported
 from lmforge.errors import UserError
 from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
@@ -110,7 +111,7 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
     p = cfg.parameters
     model = cfg.model
     counts = param_counts(model)
-    ctx = p.context_length or (min(model.max_seq_len, data_seq_len) if data_seq_len else model.max_seq_len)
+    ctx = training_context(p.context_length, model.max_seq_len, data_seq_len)  # context-split: one rule (data.pieces)
     check_context(ctx, data_seq_len)
 
     if p.precision == "auto":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from lmforge.config.identity import with_default_names
 from lmforge.config.model import padded_vocab
 from lmforge.config.schema import RunConfig, TokenizerSpec
+from lmforge.data.pieces import training_context
 from lmforge.data.resolve import resolve_data
 from lmforge.data.sft import SFT_TASKS
 from lmforge.data.stream import StreamPhase, open_dataset
@@ -118,9 +119,12 @@ def pretrain_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
         cfg.model.max_seq_len = cfg.parameters.context_length  # RoPE tables are derived, not stored
     samples = None
     if cfg.training_duration.unit == "ep":
-        samples = sum(len(open_dataset(d.path)) for d in data.train)
+        samples = data.epoch_pieces(training_context(cfg.parameters.context_length, cfg.model.max_seq_len,
+                                                     data_seq_len))  # context-split: an epoch is every piece once
     plan = make_plan(cfg, world_size=dist.world_size, device=dist.device, samples_per_epoch=samples,
                      data_seq_len=data_seq_len)
+    for line in data.split_lines(plan.context_length):  # context-split: samples longer than the context
+        log(line)
     if cfg.curriculum:
         data.phases = stream_phases(cfg, plan)
     return RunSetup(resolved_config(cfg, plan), plan, data, tokenizer)
