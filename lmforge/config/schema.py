@@ -143,7 +143,9 @@ class EvalConfig(_Strict):
 
 class Parameters(_Strict):
     learning_rate: float | None = Field(None, gt=0, description="peak LR; default from model size")
-    context_length: int | None = Field(None, gt=1, description="tokens per sample; default: model max_seq_len")
+    context_length: int | None = Field(None, gt=1, description="tokens per training sample; prepared samples "
+                                       "longer than this are split into pieces of it, all trained; default: model "
+                                       "max_seq_len, at most the prepared samples' length")
     global_batch_size: int | str | None = Field(
         None, description="samples per optimizer step across all ranks, or tokens ('1M tok'); default from model size, smaller "
         "for a short run (at least 1000 steps)")

@@ -21,8 +21,9 @@ from lmforge.config.curation import CurateConfig
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.data import remote
 from lmforge.data.batch import Batch, EvalSet, StreamLayout
+from lmforge.data.pieces import epoch_pieces, epoch_tokens, split_lines
 from lmforge.data.prepare import MARKER, summary_seq_len
-from lmforge.data.stream import DatasetSpec, StreamPhase, TokenStream
+from lmforge.data.stream import DatasetSpec, StreamPhase, TokenStream, open_dataset
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 from lmforge.home import cache_dir
@@ -47,6 +48,11 @@ class ResolvedDataset:
     def has_split(self, split: str) -> bool:
         return _exists(_join(self.path, split, "index.json"))
 
+    def stored(self) -> tuple[int, int]:
+        """(stored samples, tokens per sample) of the train split, as the stream reads them."""
+        reader = open_dataset(self.path)
+        return len(reader), reader.sample_length(0)
+
 
 @dataclass
 class ResolvedData:
@@ -61,6 +67,15 @@ class ResolvedData:
     # A curriculum: the mix of each phase and where it ends on the global sample axis. Set by
     # `resolve` once the plan has put the ends on optimizer steps; None: one mix (`train`).
     phases: list[StreamPhase] | None = None
+
+    def epoch_pieces(self, ctx: int) -> int:
+        """Training samples of ``ctx`` tokens in one epoch: every piece of every dataset once
+        (`data.pieces`; with data prepared at ``ctx``, its stored samples)."""
+        return epoch_pieces([d.stored() for d in self.train], ctx)
+
+    def split_lines(self, ctx: int) -> list[str]:
+        """What the run says at its start where stored samples are longer than ``ctx``."""
+        return split_lines([(d.name, d.seq_len or d.stored()[1]) for d in self.train], ctx)
 
     def train_stream(self, layout: StreamLayout) -> TokenStream:
         return _token_stream([DatasetSpec(d.name, d.path, d.proportion) for d in self.train], layout,
@@ -113,6 +128,21 @@ def _read_summary(path: str) -> dict:
     if _exists(_join(path, SUMMARY_FILE)):
         return read_summary(path)
     return {}
+
+
+def prepared_epoch_tokens(paths: list[str], ctx: int) -> int | None:
+    """Tokens one epoch of these prepared datasets trains at a context of ``ctx``, from their
+    markers alone (nothing is opened); None where a path is not prepared, its marker does not say,
+    or a sample is shorter than the context (the plan reports that)."""
+    shapes = []
+    for path in paths:
+        summary = _read_summary(path) if is_prepared(path) else {}
+        samples = ((summary.get("splits") or {}).get("train") or {}).get("samples")
+        length = summary_seq_len(summary)
+        if not samples or not length or length < ctx:
+            return None
+        shapes.append((int(samples), int(length)))
+    return epoch_tokens(shapes, ctx) if shapes else None
 
 
 def _fingerprint(inputs: list[str]) -> str:

@@ -1,12 +1,19 @@
 """The training data stream: MDS datasets -> deterministic, resumable batches of token ids.
 
+Samples. A sample of the stream is one row of ``seq_len`` tokens. A stored sample longer than
+that is split into ``⌊L / seq_len⌋`` pieces (`data.pieces`), each a sample of its own: dataset
+``i`` of ``n_i`` stored samples of ``L_i`` tokens holds ``n_i * k_i`` samples (``k_i`` pieces
+each), sample ``q`` being piece ``q % k_i`` of stored sample ``q // k_i``. Below, "samples" and
+sizes count these pieces; with data prepared at ``seq_len`` a piece is a whole stored sample.
+
 Order. Each epoch of the (mixed) stream holds ``c_i = round(p_i * N)`` samples of dataset ``i``
 (``N`` = total samples of all datasets, ``p_i`` the normalized proportions; without proportions
 ``c_i`` is the dataset's size). Dataset ``i`` contributes the first ``c_i`` entries of a chain of
 seeded permutations of its samples (a prefix when ``c_i`` is smaller than the dataset, further
 permutations when larger), and the datasets are interleaved by a seeded shuffle of the
 multiset of dataset ids. Everything is a pure function of (seed, epoch, sizes, proportions),
-and epochs follow one another forever.
+and epochs follow one another forever. The pieces of one stored sample are shuffled like any
+other samples: they land in different batches, and one epoch trains every piece once.
 
 Ranks. Global sample ``s`` is position ``s % E`` of epoch ``s // E``. Global batch ``t`` is
 global samples ``[t*G, (t+1)*G)``; rank ``r`` takes the contiguous slice
@@ -16,8 +23,8 @@ does not depend on the number of ranks or the micro-batch size.
 Resume. ``state_dict()`` records the global samples consumed in whole global batches (plus
 this rank's progress inside the current one, honoured only when ranks, micro-batch and global
 batch are unchanged; otherwise the partial global batch is replayed from its start) and a
-fingerprint of the data (seed, dataset names, sizes, proportions). Loading it jumps straight
-to that sample: nothing is replayed or re-read.
+fingerprint of the data (seed, dataset names, stored sizes, pieces per stored sample where more
+than one, proportions). Loading it jumps straight to that sample: nothing is replayed or re-read.
 
 Curriculum. With ``phases`` the global sample axis is cut into consecutive phases at given
 global samples (whole global batches: the trainer puts them on optimizer-step boundaries). Each
@@ -50,6 +57,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from lmforge.data import remote
 from lmforge.data.batch import Batch
 from lmforge.data.mds import INDEX, MDSReader, read_index
+from lmforge.data.pieces import pieces_per_sample
 from lmforge.errors import UserError
 from lmforge.home import cache_dir as lmforge_cache
 from lmforge.process import die_with_parent
@@ -153,7 +161,7 @@ class _Order:
         # ordinal[p] = how many earlier positions of the epoch come from the same dataset.
         order = np.argsort(src, kind="stable")
         starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
-        idx_dtype = np.int32 if self.epoch_len < 2**31 else np.int64
+        idx_dtype = np.int32 if max(self.epoch_len, *self.sizes) < 2**31 else np.int64
         ordinal = np.empty(self.epoch_len, idx_dtype)
         ordinal[order] = np.arange(self.epoch_len, dtype=np.int64) - np.repeat(starts, self.counts)
         perms = []
@@ -221,8 +229,9 @@ class _MicroBatches(IterableDataset):
 
     def __init__(self, readers: list[MDSReader], names: list[str], order: _Order, *, seq_len: int,
                  micro_batch_size: int, global_batch_size: int, rank: int, world_size: int,
-                 base: int, first: int, document_eos: int | None = None):
+                 base: int, first: int, pieces: list[int], document_eos: int | None = None):
         self.readers = readers
+        self.pieces = pieces  # pieces of seq_len tokens per stored sample, per dataset
         self.document_eos = document_eos
         self.names = names
         self.order = order
@@ -244,14 +253,17 @@ class _MicroBatches(IterableDataset):
     def build(self, m: int) -> Batch:
         ds, idx = self.order.lookup(self.samples_of(m))
         out = np.empty((self.mb, self.seq_len), np.int64)
-        for row, (d, i) in enumerate(zip(ds.tolist(), idx.tolist())):
+        for row, (d, q) in enumerate(zip(ds.tolist(), idx.tolist())):
+            k = self.pieces[d]
+            i, start = q // k, (q % k) * self.seq_len  # piece q % k of stored sample q // k
             tokens = self.readers[d].get_tokens(i)
-            if len(tokens) < self.seq_len:
+            if len(tokens) < k * self.seq_len:
                 raise UserError(
-                    f"dataset {self.names[d]!r}: sample {i} has {len(tokens)} tokens, "
-                    f"shorter than seq_len {self.seq_len}"
+                    f"dataset {self.names[d]!r}: sample {i} has {len(tokens)} tokens, shorter than "
+                    + (f"seq_len {self.seq_len}" if k == 1 else
+                       f"the {k} × {self.seq_len} of its dataset's first sample (samples must all have one length)")
                 )
-            out[row] = tokens[: self.seq_len]
+            out[row] = tokens[start: start + self.seq_len]
         return Batch.from_tokens(torch.from_numpy(out), eos_id=self.document_eos)
 
     def __iter__(self) -> Iterator[Batch]:
@@ -330,6 +342,12 @@ def _counts(specs: list[DatasetSpec], sizes: list[int], mix: dict[str, float | N
     return [int(round(p * total)) for p in props], props
 
 
+def _unsplit(fingerprint: dict) -> dict:
+    """A fingerprint as lmforge wrote it before samples longer than seq_len were split (heads only)."""
+    return fingerprint | {"datasets": [{k: v for k, v in d.items() if k != "pieces_per_sample"}
+                                       for d in fingerprint["datasets"]]}
+
+
 class TokenStream:
     """Infinite iterable of `Batch` es (token ids ``[micro_batch_size, seq_len]``) for one
     data-parallel rank; a `BatchStream`."""
@@ -372,7 +390,8 @@ class TokenStream:
         for i, s in enumerate(self.specs):
             sub = None if cache_dir is None else str(Path(cache_dir) / f"{i}-{hashlib.sha256(s.path.encode()).hexdigest()[:12]}")
             self.readers.append(open_dataset(s.path, split=split, cache_dir=sub))
-        self.sizes = [len(r) for r in self.readers]
+        self.sizes = [len(r) for r in self.readers]  # stored samples
+        self.pieces = []  # training samples (pieces of seq_len tokens) per stored sample
         for s, n, r in zip(self.specs, self.sizes, self.readers):
             if n == 0:
                 raise UserError(f"dataset {s.name!r} ({s.path}): has no samples")
@@ -381,6 +400,8 @@ class TokenStream:
                 raise UserError(
                     f"dataset {s.name!r} ({s.path}): samples have {have} tokens, shorter than seq_len {seq_len}"
                 )
+            self.pieces.append(pieces_per_sample(have, seq_len))
+        piece_sizes = [n * k for n, k in zip(self.sizes, self.pieces)]
         if phases:
             self.phases = _check_phases(phases, [sp.name for sp in self.specs])
             mixes = [p.mix for p in self.phases]
@@ -389,10 +410,10 @@ class TokenStream:
             mixes = [{sp.name: sp.proportion for sp in self.specs}]
         orders, self.phase_proportions = [], []
         for k, mix in enumerate(mixes):
-            counts, props = _counts(self.specs, self.sizes, mix)
+            counts, props = _counts(self.specs, piece_sizes, mix)
             if sum(counts) == 0:
                 raise UserError(f"train_data: the mix{f' of phase {k}' if self.phases else ''} selects no samples")
-            orders.append(_Order(self.sizes, counts, seed, phase=k))
+            orders.append(_Order(piece_sizes, counts, seed, phase=k))
             self.phase_proportions.append(props)
         self.proportions = self.phase_proportions[0]
         self.counts = orders[0].counts
@@ -449,9 +470,11 @@ class TokenStream:
     def fingerprint(self) -> dict:
         fp = {
             "seed": self.seed,
+            # "pieces_per_sample" only where a stored sample is split: fingerprints of data trained
+            # at its prepared length stay what they were, so their checkpoints resume as before.
             "datasets": [
-                {"name": s.name, "samples": n, "proportion": round(p, 12)}
-                for s, n, p in zip(self.specs, self.sizes, self.proportions)
+                {"name": s.name, "samples": n, "proportion": round(p, 12)} | ({"pieces_per_sample": k} if k > 1 else {})
+                for s, n, k, p in zip(self.specs, self.sizes, self.pieces, self.proportions)
             ],
         }
         if self.phases:
@@ -473,6 +496,11 @@ class TokenStream:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION or "samples_seen" not in state:
             raise UserError(f"data stream state: expected a state dict of version {STATE_VERSION}")
         fp, mine = state.get("fingerprint"), self.fingerprint()
+        if fp != mine and fp == _unsplit(mine):
+            raise UserError(
+                f"data stream state: saved when samples longer than seq_len {self.seq_len} were cut to their head; "
+                "they are now split into pieces that are all trained, so this position in the data cannot be resumed "
+                "exactly; train on from these weights in a new run (custom_weights_path: this checkpoint)")
         if fp != mine:
             raise UserError(f"data stream state does not match the data: saved {fp}, now {mine}")
         self.close()
@@ -487,7 +515,7 @@ class TokenStream:
             self.readers, [s.name for s in self.specs], self._order, seq_len=self.seq_len,
             micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
             rank=self.rank, world_size=self.world_size, base=self._base, first=self._yielded,
-            document_eos=self.document_eos,
+            pieces=self.pieces, document_eos=self.document_eos,
         )
 
     def __iter__(self) -> Iterator[Batch]:

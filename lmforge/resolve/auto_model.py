@@ -113,6 +113,11 @@ def _auto_model(cfg: RunConfig, machine: Machine, log) -> RunConfig:
         return out
 
     data_tokens, prepared_vocab, data_seq = _prepared(cfg)
+    ctx = p.context_length or (min(SMALL_CONTEXT, data_seq) if data_seq else None)
+    if data_tokens and ctx:  # the tokens an epoch trains (pieces of ctx, `data.pieces`), not the stored ones
+        from lmforge.data.resolve import prepared_epoch_tokens
+
+        data_tokens = prepared_epoch_tokens([d.path for d in cfg.train_data], ctx) or data_tokens
     budget = Budget.from_duration(cfg.training_duration, data_tokens=data_tokens)
     vocab = None
     if isinstance(cfg.tokenizer, TokenizerSpec):
@@ -139,7 +144,6 @@ def _auto_model(cfg: RunConfig, machine: Machine, log) -> RunConfig:
                 int(parse_duration(p.global_batch_size).value) * ctx
         return int(p.global_batch_size) * ctx
 
-    ctx = p.context_length or (min(SMALL_CONTEXT, data_seq) if data_seq else None)
     cands = candidates(vocab, data_bytes, ctx, batch_tokens)
     unique = data_tokens
     if unique is None and data_bytes:

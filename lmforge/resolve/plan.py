@@ -15,6 +15,7 @@ from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, auto_pre
                                      micro_batch_for, task_learning_rate)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.schema import RunConfig, phase_end
+from lmforge.data.pieces import training_context
 from lmforge.errors import UserError
 from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
 from lmforge.estimate.hardware import mfu_basis, peak_flops
@@ -108,7 +109,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     p = cfg.parameters
     world = machine.world_size
     counts = param_counts(cfg.model)
-    ctx = p.context_length or (min(cfg.model.max_seq_len, data_seq_len) if data_seq_len else cfg.model.max_seq_len)
+    ctx = training_context(p.context_length, cfg.model.max_seq_len, data_seq_len)
     check_context(ctx, data_seq_len)
     precision = plan_precision(cfg, machine)
     fpt = mfu_flops_per_token(cfg.model, ctx, cfg.lora)

@@ -11,6 +11,7 @@ from dataclasses import replace
 from lmforge.config.model import padded_vocab
 from lmforge.config.schema import SFT_TASKS, RunConfig, TokenizerSpec
 from lmforge.data.chat import load_chat_template
+from lmforge.data.pieces import training_context
 from lmforge.data.resolve import ResolvedData, resolve_data
 from lmforge.data.sft import ASSISTANT_HEADER, CHAT_TEMPLATE, SFTData, chat_prompt, load_rows
 from lmforge.data.stream import StreamPhase, open_dataset
@@ -55,8 +56,11 @@ def _pretrain(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
     lengths = [d.seq_len for d in data.train]
     data_seq_len = min(lengths) if all(lengths) else min(open_dataset(d.path).sample_length(0) for d in data.train)
     cfg = _with_context(cfg, log)
-    samples = sum(len(open_dataset(d.path)) for d in data.train) if cfg.training_duration.unit == "ep" else None
+    ctx = training_context(cfg.parameters.context_length, cfg.model.max_seq_len, data_seq_len)
+    samples = data.epoch_pieces(ctx) if cfg.training_duration.unit == "ep" else None  # every piece once
     plan = make_plan(cfg, machine, samples_per_epoch=samples, data_seq_len=data_seq_len)
+    for line in data.split_lines(plan.context_length):  # samples longer than the context (`data.pieces`)
+        log(line)
     if cfg.curriculum:
         data = replace(data, phases=_stream_phases(cfg, plan))
     return ResolvedRun(resolved_config(cfg, plan), plan, data, tokenizer)
