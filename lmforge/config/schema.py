@@ -213,9 +213,10 @@ class ComputeConfig(_Strict):
     node_rank: int = Field(0, ge=0, description="multi-node: this node's index (0 … nodes-1)")
     rdzv_endpoint: str | None = Field(None, description="multi-node: HOST:PORT of the torchrun c10d rendezvous")
     rdzv_timeout_s: int = Field(300, gt=0, description="multi-node: seconds to wait for every node to join")
-    activation_checkpointing: bool | Literal["full", "selective"] | int = Field(
-        False, description="recompute activations in backward: true/full (every block), selective (keep matmul "
-        "outputs, recompute the rest), or N (every N-th block)")
+    activation_checkpointing: bool | Literal["auto", "full", "selective"] | int = Field(
+        "auto", description="recompute activations in backward: true/full (every block), selective (keep matmul "
+        "outputs, recompute the rest), N (every N-th block), false; auto: on GPUs chosen with micro_batch_size auto "
+        "for the most tokens/s that fit (`lmforge estimate --micro-batch auto` shows it), else false")
     async_checkpoint: bool = Field(True, description="write checkpoints in the background while training continues")
     # --- end scale-out
     compile: bool | Literal["auto"] = Field(
@@ -247,7 +248,7 @@ class ComputeConfig(_Strict):
     @classmethod
     def _ac(cls, v):
         if isinstance(v, int) and not isinstance(v, bool) and v < 1:
-            raise ValueError("expected false, true, full, selective or a positive integer N (every N-th block)")
+            raise ValueError("expected auto, false, true, full, selective or a positive integer N (every N-th block)")
         return v
 
 

@@ -54,26 +54,12 @@ from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.dist import DistInfo
 from lmforge.distributed.float8 import apply_float8
 from lmforge.errors import UserError
+from lmforge.estimate.memory import checkpointed_blocks
 
 SHARDED = ("fsdp", "hsdp")
 
 
 # --------------------------------------------------------------------------- activation checkpointing
-
-def ac_plan(value, n_layers: int) -> tuple[str | None, list[int]]:
-    """Config value → (mode, indices of the blocks to checkpoint).
-
-    ``true``/``full``: every block; ``selective``: every block, keeping matmul and attention
-    outputs (recomputing only the cheap element-wise ops); ``N``: every N-th block (full).
-    """
-    if value is False or value is None:
-        return None, []
-    if value is True or value == "full":
-        return "full", list(range(n_layers))
-    if value == "selective":
-        return "selective", list(range(n_layers))
-    return "full", [i for i in range(n_layers) if (i + 1) % int(value) == 0]
-
 
 def _selective_policy():
     from lmforge.models import grouped_mm, moe  # noqa: F401 - registers the lmforge:: ops
@@ -128,7 +114,7 @@ def apply_activation_checkpointing(model: nn.Module, value=True) -> None:
     The block's ``forward`` is replaced on the instance (not wrapped in a new module), so
     parameter names — and therefore checkpoints — are the same with and without it.
     """
-    mode, which = ac_plan(value, len(model.blocks))
+    mode, which = checkpointed_blocks(value, len(model.blocks))
     for i in which:
         block = model.blocks[i]
         block.forward = _checkpointed(block.forward, selective=mode == "selective")

@@ -13,8 +13,9 @@ from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
 from lmforge.estimate.comm import moe_traffic
 from lmforge.estimate.flops import DEFAULT_VOCAB, flops_per_token, param_counts
-from lmforge.estimate.hardware import GPUSpec, get_gpu_type, peak_flops
+from lmforge.estimate.hardware import GPUSpec, get_gpu_type, mfu_basis, peak_flops
 from lmforge.estimate.memory import memory_plan
+from lmforge.estimate.micro_batch import checkpointing_label, choose
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
 DEFAULT_SEQ_LEN = 2048
@@ -39,8 +40,8 @@ def estimate_run(
     active_params: float | None = None,
     vocab_size: int | None = None,
     precision: str = "bf16",
-    micro_batch: int | None = None,
-    activation_checkpointing: bool | None = None,
+    micro_batch: int | str | None = None,
+    activation_checkpointing=None,
     spec: GPUSpec | None = None,
     expert_parallel: int = 1,
     grad_accum: int = 1,
@@ -51,14 +52,16 @@ def estimate_run(
     ``active_params`` for MoE). ``tokens`` None = Chinchilla-optimal (20 × params).
     ``gpus`` per node × ``nodes`` devices of ``gpu_type`` (or an explicit ``spec``,
     e.g. from `detect_device_spec`). ``mfu`` in (0, 1]; ``price`` per GPU-hour.
-    ``seq_len`` defaults to the model's max_seq_len. ``expert_parallel`` (MoE): GPUs each
+    ``seq_len`` defaults to the model's max_seq_len. ``micro_batch`` "auto": the micro-batch and
+    checkpointing mode `estimate.micro_batch` chooses (modelled). ``expert_parallel`` (MoE): GPUs each
     layer's experts are split over; ``grad_accum``: micro-batches per optimizer step (for the MoE
     traffic per step). Raises UserError on bad input.
     """
     if not 0 < mfu <= 1:
         raise UserError(f"--mfu: expected a fraction in (0, 1], got {mfu}")
+    auto_micro = micro_batch == "auto"
     for value, name in ((tokens, "--tokens"), (gpus, "--gpus"), (nodes, "--nodes"),
-                        (seq_len, "--seq-len"), (micro_batch, "--micro-batch"),
+                        (seq_len, "--seq-len"), (None if auto_micro else micro_batch, "--micro-batch"),
                         (vocab_size, "--vocab-size"), (active_params, "--active-params")):
         _check_positive(value, name)
     if price is not None and price < 0:
@@ -109,6 +112,15 @@ def estimate_run(
     seconds = (training_flops + attention_flops) / (mfu * cluster_peak)
     gpu_hours = seconds * n / 3600
 
+    choice = None
+    if auto_micro:
+        if cfg is None:
+            raise UserError("--micro-batch auto: needs a model shape (--model), not a nominal --params")
+        choice = choose(cfg, seq_len, n_devices=n, gpu_memory=spec.memory_bytes,
+                        peak_flops=peak_flops(spec, mfu_basis(precision)), where=f"{n} × {spec.name}",
+                        checkpointing="auto" if activation_checkpointing is None else activation_checkpointing,
+                        expert_parallel=expert_parallel)
+        micro_batch, activation_checkpointing = choice.micro_batch, choice.checkpointing
     memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch,
                          activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel)
     moe = None
@@ -147,6 +159,7 @@ def estimate_run(
         },
         "cost": {"price_per_gpu_hour": price, "total": gpu_hours * price if price is not None else None},
         "memory": memory,
+        "micro_batch_choice": choice.reason if choice else None,
         "moe_traffic": moe,
         "notes": notes,
     }
@@ -269,7 +282,9 @@ def format_plan(plan: dict) -> str:
             rows.append(("MoE traffic", f"{without} {per}; --expert-parallel N trades them for an all-to-all "
                                         "of the routed tokens"))
     verdict = "fits" if m["fits"] else "DOES NOT FIT"
-    if m["suggested_micro_batch"]:
+    if plan.get("micro_batch_choice"):
+        verdict += f"; micro-batch {m['micro_batch']} with {checkpointing_label(m['activation_checkpointing'])} (auto)"
+    elif m["suggested_micro_batch"]:
         verdict += (f"; suggested micro-batch {m['suggested_micro_batch']}"
                     f"{' with activation checkpointing' if m['activation_checkpointing'] else ''}")
     rows.append(("fits", f"{verdict}; total {_bytes(m['total_bytes_per_gpu'])} per GPU"))
@@ -278,6 +293,8 @@ def format_plan(plan: dict) -> str:
     buf = io.StringIO()
     Console(file=buf, width=110, color_system=None, force_terminal=False).print(table)
     text = "\n".join(line.rstrip() for line in buf.getvalue().strip("\n").splitlines()) + "\n"
+    if plan.get("micro_batch_choice"):
+        text += plan["micro_batch_choice"] + "\n"
     for note in plan["notes"]:
         text += f"note: {note}\n"
     return text

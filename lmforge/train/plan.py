@@ -79,8 +79,8 @@ def _gpu_micro_batch(cfg: RunConfig, ctx: int, world_size: int, device: torch.de
     """Largest micro-batch the memory model says fits on this GPU (activations + sharded states)."""
     sharded = cfg.compute.data_parallel in ("fsdp", "hsdp")
     plan = memory_plan(param_counts(cfg.model)["total"], cfg.model, ctx, world_size if sharded else 1,
-                       float(torch.cuda.get_device_properties(device).total_memory),
-                       activation_checkpointing=bool(cfg.compute.activation_checkpointing))
+                       float(torch.cuda.get_device_properties(device).total_memory),  # [gpu-scale] the mode, not bool:
+                       activation_checkpointing=cfg.compute.activation_checkpointing)  # an unresolved auto is none
     return plan["suggested_micro_batch"] or 1
 
 
