@@ -171,6 +171,12 @@ class Parameters(_Strict):
     fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
         "tensorwise", description="precision fp8: one scale per tensor (fastest; FP8 all-gather under FSDP) or "
         "per row (more accurate)")
+    fp8_skip_small: bool = Field(
+        True, description="precision fp8: keep linear layers too small to gain from FP8 in bf16 (torchao's H100 "
+        "thresholds on in/out features); false: every layer FP8 can take")
+    fp8_experts: bool = Field(
+        False, description="precision fp8, MoE models on H100-class GPUs (sm90): the experts' grouped GEMMs in FP8 "
+        "too (rowwise scales, torchao's prototype; each expert's rows padded to 16)")
     document_masking: bool = Field(
         False, description="pretraining: a token attends only to earlier tokens of its own document (documents "
         "end at the tokenizer's end-of-text token in the packed samples); fine-tuning rows always are")
@@ -195,6 +201,12 @@ class Parameters(_Strict):
         if isinstance(v, int) and v <= 0:
             raise ValueError("must be a positive integer or 'auto'")
         return v
+
+    @model_validator(mode="after")
+    def _fp8_options(self):
+        if self.fp8_experts and self.precision != "fp8":
+            raise ValueError(f"fp8_experts: true needs precision: fp8 (got {self.precision})")
+        return self
 
 
 class ComputeConfig(_Strict):

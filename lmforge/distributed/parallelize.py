@@ -52,7 +52,7 @@ from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoin
 
 from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.dist import DistInfo
-from lmforge.distributed.float8 import apply_float8
+from lmforge.distributed.float8 import FP8Options, apply_float8, check_fp8_supported
 from lmforge.errors import UserError
 from lmforge.estimate.memory import checkpointed_blocks
 
@@ -299,10 +299,10 @@ def _experts_grouped(model: nn.Module, precision: str, device: torch.device) -> 
 
 
 def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32",
-                fp8_recipe: str = "tensorwise") -> nn.Module:
+                fp8: FP8Options = FP8Options()) -> nn.Module:
     """Apply, in this order, expert parallelism → activation checkpointing → FP8 (``precision``
-    "fp8") → compile → data parallelism; returns the module that runs one training forward (a
-    `TrainingForward`, inside DDP when replicated).
+    "fp8", as ``fp8`` says) → compile → data parallelism; returns the module that runs one
+    training forward (a `TrainingForward`, inside DDP when replicated).
 
     With fsdp/hsdp, ``model`` may live on the meta device; call ``materialize`` afterwards.
     """
@@ -315,7 +315,9 @@ def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, pre
     if compute.activation_checkpointing:
         apply_activation_checkpointing(model, compute.activation_checkpointing)
     if precision == "fp8":
-        apply_float8(model, fp8_recipe, fsdp=sharded)
+        if fp8.experts:
+            check_fp8_supported(dist.device, experts=True)
+        apply_float8(model, fp8, fsdp=sharded, expert_parallel=compute.expert_parallel)
     if compile_enabled(compute.compile, dist.device):
         whole_blocks = compute.expert_parallel == 1 and _experts_grouped(model, precision, dist.device)
         apply_compile(model, fullgraph=whole_blocks)

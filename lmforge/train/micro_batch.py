@@ -18,6 +18,7 @@ unless the config asks for it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ from contextlib import nullcontext
 from lmforge.config.defaults import micro_batch_for
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import RunConfig
+from lmforge.distributed.float8 import FP8Options
 from lmforge.estimate.flops import mfu_flops_per_token
 from lmforge.estimate.micro_batch import Candidate, Choice, checkpointing_label, choose
 from lmforge.home import cache_dir
@@ -66,7 +68,7 @@ def choose_for_run(cfg: RunConfig, ctx: int, *, world_size: int, per_rank: int, 
     if probe and micro == "auto":
         def measure(c: Candidate) -> float | None:
             return probe_tokens_per_s(cfg.model, ctx, c.micro_batch, c.checkpointing, precision=precision,
-                                      fp8_recipe=cfg.parameters.fp8_recipe, compile_=cfg.compute.compile,
+                                      fp8=FP8Options.of(cfg.parameters), compile_=cfg.compute.compile,
                                       device=device)
     return choose(cfg.model, ctx, n_devices=world_size if sharded else 1,
                   gpu_memory=float(torch.cuda.get_device_properties(device).total_memory),
@@ -77,18 +79,18 @@ def choose_for_run(cfg: RunConfig, ctx: int, *, world_size: int, per_rank: int, 
                   measured_as=f"measured ({PROBE_LAYERS}-block slice, scaled to the model)")
 
 
-def _key(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointing, precision: str, fp8_recipe: str,
+def _key(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointing, precision: str, fp8: FP8Options,
          compile_: bool, layers: int, device) -> str:
     shape = cfg.model_dump(mode="json", exclude={"preset", "max_seq_len", "init_std"})
     obj = {"machine": machine_key(device), "shape": shape, "ctx": ctx, "micro": micro_batch,
            "checkpointing": checkpointing, "precision": precision,
-           "fp8_recipe": fp8_recipe if precision == "fp8" else None, "compile": compile_, "layers": layers,
+           "fp8": dataclasses.asdict(fp8) if precision == "fp8" else None, "compile": compile_, "layers": layers,
            "timing": "fastest forward+backward"}
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def probe_tokens_per_s(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointing, *, precision: str,
-                       fp8_recipe: str = "tensorwise", compile_=True, device="cuda", layers: int = PROBE_LAYERS,
+                       fp8: FP8Options = FP8Options(), compile_=True, device="cuda", layers: int = PROBE_LAYERS,
                        steps: int = 3, warmup: int = 2, use_cache: bool = True) -> float | None:
     """The whole model's expected training tokens/s at this micro-batch and checkpointing mode,
     from the fastest of ``steps`` forward + backward passes of a ``layers``-block slice after
@@ -105,7 +107,7 @@ def probe_tokens_per_s(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointi
     device = torch.device(device)
     compile_ = compile_enabled(compile_, device)
     path = os.path.join(cache_dir("micro-batch"),
-                        _key(cfg, ctx, micro_batch, checkpointing, precision, fp8_recipe, compile_, layers, device)
+                        _key(cfg, ctx, micro_batch, checkpointing, precision, fp8, compile_, layers, device)
                         + ".json")
     if use_cache:
         try:
@@ -122,7 +124,7 @@ def probe_tokens_per_s(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointi
         model = build_model(part, device=device)
         compute = ComputeConfig(data_parallel="none", compile=compile_, activation_checkpointing=checkpointing)
         train_forward = parallelize(model, compute, DistInfo(rank=0, world_size=1, local_rank=0, device=device),
-                                    precision=precision, fp8_recipe=fp8_recipe)
+                                    precision=precision, fp8=fp8)
         batch = Batch.from_tokens(torch.randint(0, part.vocab_size, (micro_batch, ctx))).to(device)
         n = float(batch.num_targets())
         autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision in ("bf16", "fp8") \
