@@ -162,10 +162,10 @@ def model_shape(c: dict):
     return cfg
 
 
-def auto_micro_batch(c: dict, device) -> tuple[int, object, str]:
-    """(micro-batch, checkpointing mode, the chooser's line) for a config with ``auto``: what
-    `micro_batch_size: auto` picks (modelled) for the whole model it names on ``gpus`` GPUs like
-    this one (an H100's figures where there is none: the CPU smoke test)."""
+def auto_micro_batch(c: dict, device):
+    """`estimate.micro_batch.Choice` for a config with ``auto``: what `micro_batch_size: auto`
+    picks (modelled) for the whole model it names on ``gpus`` GPUs like this one (an H100's
+    figures where there is none: the CPU smoke test), its other candidates ranked after it."""
     from lmforge.config.model import ModelConfig, get_preset
     from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec, peak_flops
     from lmforge.estimate.micro_batch import choose
@@ -180,9 +180,8 @@ def auto_micro_batch(c: dict, device) -> tuple[int, object, str]:
     else:
         spec = GPU_TYPES["h100-sxm"]
         memory = spec.memory_bytes
-    choice = choose(whole, c["seq"], n_devices=a["gpus"], gpu_memory=memory, peak_flops=peak_flops(spec, "bf16"),
-                    where=f"{a['gpus']} × {spec.name}")
-    return choice.micro_batch, choice.checkpointing, choice.reason
+    return choose(whole, c["seq"], n_devices=a["gpus"], gpu_memory=memory, peak_flops=peak_flops(spec, "bf16"),
+                  where=f"{a['gpus']} × {spec.name}")
 
 
 def ac_label(value) -> str:
@@ -194,6 +193,40 @@ def ac_label(value) -> str:
 
 
 def run_model(c: dict) -> dict:
+    """One model config's row. With ``auto``, the chooser's micro-batch and checkpointing mode;
+    should that run out of memory (the memory model was wrong), the next candidate it ranked,
+    and the row says so."""
+    import gc
+
+    import torch
+
+    shape = model_shape(c)
+    attempts, choice = [(c["mb"], c.get("ac", False))], None
+    if c.get("auto"):
+        choice = auto_micro_batch(c, c.get("device", "cuda"))
+        attempts = [(min(k.micro_batch, c.get("max_mb", k.micro_batch)), k.checkpointing)
+                    for k in choice.candidates[:3]]
+    failed = []
+    for mb, ac in attempts:
+        try:
+            row = _run_model(c, shape, mb, ac)
+        except torch.cuda.OutOfMemoryError:
+            failed.append(f"{ac_label(ac)} × {mb}")
+        else:
+            if choice:
+                row["choice"] = choice.reason
+            if failed:
+                row["note"] = (row.get("note", "") + f" out of memory at {', '.join(failed)}; ran the next "
+                               "candidate").strip()
+            return row
+        gc.collect()  # (outside the except: its traceback no longer holds the failed model's frames)
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    raise torch.cuda.OutOfMemoryError(f"out of memory at {', '.join(failed)}")
+
+
+def _run_model(c: dict, shape, mb: int, ac) -> dict:
     import torch
 
     from lmforge.config.schema import ComputeConfig
@@ -210,11 +243,6 @@ def run_model(c: dict) -> dict:
 
     device = torch.device(c.get("device", "cuda"))
     cuda = device.type == "cuda"
-    shape = model_shape(c)
-    mb, ac, choice = c["mb"], c.get("ac", False), None
-    if c.get("auto"):
-        mb, ac, choice = auto_micro_batch(c, device)
-        mb = min(mb, c.get("max_mb", mb))
     accum = max(1, c["tokens_per_step"] // (mb * c["seq"])) if c.get("tokens_per_step") else c["accum"]
     compute = ComputeConfig(data_parallel="fsdp" if c["fsdp"] else "none", compile=c["compile"],
                             loss_kernel=c["loss"], activation_checkpointing=ac)
@@ -273,8 +301,6 @@ def run_model(c: dict) -> dict:
            "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
            "model_gb": expected / 2**30, "mb": mb, "accum": accum, "ac": ac_label(ac), "note": c.get("note", ""),
            "warmup_s": warm_s, "loss": float(last["loss"]) / (mb * c["seq"]), "device": spec.description}
-    if choice:
-        row["choice"] = choice
     if c.get("profile") and cuda:
         row["kernels"] = kernel_breakdown(step)
     return row

@@ -141,6 +141,10 @@ def _fp8_experts(model: nn.Module, expert_parallel: int) -> None:
     if expert_parallel > 1:
         raise UserError("parameters.fp8_experts: not with compute.expert_parallel > 1 yet (the rows an expert "
                         "receives are not padded to 16); set expert_parallel: 1 or fp8_experts: false")
+    try:  # here rather than at the first step: the GEMM imports it while compile traces the block
+        import torchao.prototype.moe_training  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"parameters.fp8_experts needs torchao's FP8 grouped GEMM (torchao>=0.17): {e}") from None
     for moe in layers:
         moe.align = FP8_ROW_ALIGN
         moe.experts.fp8 = True

@@ -14,7 +14,10 @@ The layer is kept in three steps, with the expert-parallel exchange between them
 
 Compile-clean: routing, counting and sorting have static shapes (no `bincount`, no host sync),
 and the experts run as grouped GEMMs (`models.grouped_mm`, CPU and CUDA) on the unpadded sorted
-rows, so one MoE block is one graph. (Eager on the CPU a loop of plain per-expert GEMMs is
+rows, so one MoE block is one graph. FP8 experts (`GroupedExperts.fp8`, torchao's rowwise
+grouped GEMM on sm90) want each expert's rows in a multiple of 16: `dispatch` then pads each
+group in the same gather that sorts the rows (``MoE.align``), to a static bound, still without a
+host sync. (Eager on the CPU a loop of plain per-expert GEMMs is
 faster, and is used there.) Only expert parallelism breaks it: `all_to_all_single` takes
 its split sizes as Python ints (one host sync) and the rows a rank receives vary, so the
 exchange and the experts' GEMMs on the received rows run eagerly between two compiled graphs.
