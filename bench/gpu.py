@@ -1,6 +1,6 @@
 """GPU training speed, in one table (run through bench/gpu.sh on a CUDA machine).
 
-    python bench/gpu.py headline [NAME,...] [--budget S]           # the headline rows (+ NAMEs), each in its own process
+    python bench/gpu.py headline [NAME,...] [--budget S]           # the headline rows (+ NAMEs), one process each
     python bench/gpu.py part 1|2|3 [--results FILE] [--budget S]   # a part: each config in its own process
     python bench/gpu.py only NAME[,NAME...]                        # chosen configs (e.g. ones a call skipped)
     python bench/gpu.py config NAME[,NAME...]                      # configs, in this process
@@ -636,7 +636,8 @@ def table(path: str) -> str:
     for line in open(path):
         r = json.loads(line)
         rows[r["name"]] = r
-    lines = ["| part | config | tokens/s | MFU | MFU 6N | step ms | mb × acc | AC | peak GiB | model GiB | vs | note |",
+    lines = ["| part | config | tokens/s | MFU | MFU 6N | step ms | mb × acc | AC | peak GiB | model GiB | vs "
+             "| note |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in sorted(rows.items(), key=lambda kv: (kv[1].get("part", 9), list(rows).index(kv[0]))):
         if "error" in r:

@@ -131,7 +131,8 @@ def test_the_probe_times_a_slice_and_caches_it():
     first = probe_tokens_per_s(cfg, 64, 2, "selective", precision="fp32", compile_=False, device="cpu", layers=2,
                                steps=2, warmup=1)
     assert first > 0
-    (record,) = [json.load(open(os.path.join(cache_dir("micro-batch"), f))) for f in os.listdir(cache_dir("micro-batch"))]
+    folder = cache_dir("micro-batch")
+    (record,) = [json.load(open(os.path.join(folder, f))) for f in os.listdir(folder)]
     assert record["layers"] == 2 and record["slice_tokens_per_s"] > first  # 6 blocks do more work than 2
     assert probe_tokens_per_s(cfg, 64, 2, "selective", precision="fp32", compile_=False, device="cpu", layers=2,
                               steps=2, warmup=1) == first
@@ -139,13 +140,14 @@ def test_the_probe_times_a_slice_and_caches_it():
 
 @pytest.mark.gpu
 def test_a_gpu_run_probes_its_candidates():
-    """On CUDA: the candidates are timed (compiled, bf16) and the choice says it was measured."""
+    """On CUDA: the candidates are timed (bf16; eager here, to keep the test short: a run compiles
+    them as it will train) and the choice says it was measured."""
     from lmforge.config.schema import RunConfig
     from lmforge.train.micro_batch import choose_for_run
 
     cfg = RunConfig.model_validate({"model": {"d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
                                               "ffn_hidden": 512, "vocab_size": 512, "max_seq_len": 512},
-                                    "train_data": "data", "training_duration": "10ba"})
+                                    "train_data": "data", "training_duration": "10ba", "compute": {"compile": False}})
     choice = choose_for_run(cfg, 512, world_size=1, per_rank=64, precision="bf16", device="cuda")
     assert choice.measured and "measured" in choice.reason, choice.reason
     assert sum(c.tokens_per_s is not None for c in choice.candidates) == min(PROBED, len(choice.candidates))
