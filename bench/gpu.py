@@ -1,29 +1,47 @@
-"""GPU training speed of dense models, in one table (run through bench/gpu.sh on a CUDA machine).
+"""GPU training speed, in one table (run through bench/gpu.sh on a CUDA machine).
 
+    python bench/gpu.py headline [NAME,...] [--budget S]           # the headline rows (+ NAMEs), one process each
     python bench/gpu.py part 1|2|3 [--results FILE] [--budget S]   # a part: each config in its own process
-    python bench/gpu.py only NAME[,NAME...]                        # chosen configs (e.g. ones a part skipped)
-    python bench/gpu.py config NAME                                # one config, in this process
+    python bench/gpu.py only NAME[,NAME...]                        # chosen configs (e.g. ones a call skipped)
+    python bench/gpu.py config NAME[,NAME...]                      # configs, in this process
     python bench/gpu.py table [FILE]                               # the table of the results so far
-    python bench/gpu.py list                                       # the configs and their parts
+    python bench/gpu.py list                                       # the configs, their parts and budgets
+
+**Headline** (`HEADLINE`, most important first; one device call of ≤ 9 minutes, compilation
+included): llama-3b in bf16 and FP8 at the micro-batch and checkpointing mode
+`micro_batch_size: auto` chooses (`estimate.micro_batch`, modelled: one GPU, no sharding); a
+4-layer slice of llama-8b's shape (d 4096, 32 heads / 8 KV heads, hidden 14336, vocabulary
+16,384: 128,256 × 4/32, so that the head weighs in the slice what it weighs in the 32-layer
+model) in bf16 and FP8, at the micro-batch and mode auto chooses for the whole llama-8b on 8
+such GPUs under FSDP; the moe-9b-shaped 4-layer stack and its dense twin (bench/moe.py's
+comparison, one process each, with where their kernel time goes); the `gpu`-marked tests; and
+the real `lmforge train` on llama-1b. The dense rows accumulate gradients to 32k tokens per
+optimizer step, as a real run does (its global batch over its GPUs): with one micro-batch per
+step the optimizer's pass over llama-3b's fp32 states (~90 GB of memory traffic) is a fifth of
+the step, a cost that does not depend on the precision or the micro-batch.
 
 Part 1: which kernel scaled_dot_product_attention picks for grouped-query attention, and the
 time of each; llama-1b at seq 2048, micro-batch 8, vocab 32k and 128k, eager vs compiled bf16
 (and the two loss kernels at 128k). Part 2: FP8 tensorwise and rowwise vs bf16 on llama-1b and
-llama-3b (micro-batch 2: what fits an 80 GB GPU without activation checkpointing). Part 3: the
-real `lmforge train` loop for 60 steps against the same step run by this script (their gap is
-the trainer's own overhead: data loading, bookkeeping, logging), and FSDP2 on one rank vs none.
+llama-3b (micro-batch 2, one micro-batch per step). Part 3: the real `lmforge train` loop for
+60 steps against the same step run by this script (their gap is the trainer's own overhead:
+data loading, bookkeeping, logging), and FSDP2 on one rank vs none.
 
-Every config runs the trainer's pieces: `parallelize` (activation checkpointing → FP8 →
-compile → FSDP2, as in training), `build_optimizer` (fused AdamW), the model's training loss,
-bf16 autocast, gradient clipping, and `after_optimizer_step`. Data are random tokens resident
-on the GPU (never zeros). Each step is timed with CUDA events after warm-up steps (compilation
-happens there); the table shows the median step. MFU is on the standard basis (6·N_active +
-12·L·H·Dh·T per token, `estimate.flops.mfu_flops_per_token`) against the bf16 dense peak (FP8
-rows too, so that their speed-up reads directly); "MFU 6N" counts 6·N_active alone.
+Every model config runs the trainer's pieces: `parallelize` (activation checkpointing → FP8 →
+compile → FSDP2, as in training), `build_optimizer` (fused AdamW), the model's training loss
+(with the MoE's auxiliary loss), bf16 autocast, gradient clipping, and `after_optimizer_step`.
+Data are random tokens resident on the GPU (never zeros). Each step is timed with CUDA events
+after warm-up steps (compilation happens there); the table shows the median step. MFU is on
+the standard basis (6·N_active + 12·L·H·Dh·T per token, `estimate.flops.mfu_flops_per_token`)
+against the bf16 dense peak (FP8 rows too, so that their speed-up reads directly); "MFU 6N"
+counts 6·N_active alone. Every row records its micro-batch × accumulation, its checkpointing
+mode, the peak memory allocated (and reserved) and what the memory model expected.
 
-Each part appends its rows to a JSON-lines file (--results, default .bench/gpu.jsonl, and a copy
-in $OUT when that is set) and prints the table of everything in it, so three calls on the device
-machine that carry the file from one to the next end with one table.
+Each config runs in its own process under its own time budget (`budget`, and what is left of
+the call's); a config that runs out is stopped (its process group killed) and the rows it
+printed before are kept. Rows are appended to a JSON-lines file (--results, default
+.bench/gpu.jsonl, and a copy in $OUT when that is set); each call prints the table of everything
+in it, so calls that carry the file from one to the next end with one table.
 """
 
 from __future__ import annotations
@@ -31,7 +49,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,15 +66,53 @@ DEFAULT_RESULTS = os.path.join(REPO, ".bench", "gpu.jsonl")
 
 
 def _model(preset, vocab, mb, *, compile_=True, precision="bf16", recipe="tensorwise", loss="auto", fsdp=False,
-           accum=1, part, note=""):
+           accum=1, part, note="", **extra):
+    """A model config. ``extra``: shape (ModelConfig fields over the preset's), twin (the MoE's dense
+    twin), auto ({"shape": the whole model, "gpus": N}: micro-batch and checkpointing from
+    `estimate.micro_batch`), ac, tokens_per_step (accumulate micro-batches up to it), seq,
+    fp8_experts, profile (where the kernel time goes), warmup, steps, budget (seconds)."""
     return {"kind": "model", "preset": preset, "vocab": vocab, "seq": 2048, "mb": mb, "accum": accum,
             "compile": compile_, "precision": precision, "recipe": recipe, "loss": loss, "fsdp": fsdp,
-            "part": part, "note": note}
+            "part": part, "note": note} | extra
 
 
 M1 = "llama-1b"
 M3 = "llama-3b"
+# llama-8b's shape (Llama 3 8B) and a 4-layer slice of it whose head weighs what it weighs in the whole
+# model (vocabulary 128,256 × 4/32).
+LLAMA_8B = {"d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 14336,
+            "vocab_size": 128256, "rope_theta": 5e5, "max_seq_len": 8192}
+SLICE_8B = LLAMA_8B | {"n_layers": 4, "vocab_size": 16384}
+MOE_STACK = {"n_layers": 4}  # moe-9b's blocks (bench/moe.py's stack)
+STEP_TOKENS = 32768  # tokens per optimizer step of the headline's dense rows (see the docstring)
+AUTO_3B = {"preset": M3, "vocab_size": 32000, "gpus": 1}
+AUTO_8B = {"shape": LLAMA_8B, "gpus": 8}
+HEADLINE_STEPS = dict(warmup=2, steps=4)
 CONFIGS = {
+    # -- the headline (part 0), most important first
+    "3b-bf16-auto": _model(M3, 32000, None, auto=AUTO_3B, tokens_per_step=STEP_TOKENS, part=0, budget=110,
+                           **HEADLINE_STEPS),
+    "3b-fp8-auto": _model(M3, 32000, None, precision="fp8", auto=AUTO_3B, tokens_per_step=STEP_TOKENS, part=0,
+                          budget=120, **HEADLINE_STEPS),
+    "8b-slice-bf16": _model(None, None, None, shape=SLICE_8B, auto=AUTO_8B, tokens_per_step=STEP_TOKENS, part=0,
+                            budget=90, note="4 of 32 layers, vocab 16k", **HEADLINE_STEPS),
+    "8b-slice-fp8": _model(None, None, None, shape=SLICE_8B, precision="fp8", auto=AUTO_8B,
+                           tokens_per_step=STEP_TOKENS, part=0, budget=100, note="4 of 32 layers, vocab 16k",
+                           **HEADLINE_STEPS),
+    "moe-stack": _model("moe-9b", None, 8, shape=MOE_STACK, part=0, budget=100, profile=True, warmup=3, steps=8,
+                        note="moe-9b's blocks × 4"),
+    "moe-twin": _model("moe-9b", None, 8, shape=MOE_STACK, twin=True, part=0, budget=80, profile=True, warmup=3,
+                       steps=8, note="dense twin: one SwiGLU of hidden top_k × expert"),
+    "gpu-tests": {"kind": "pytest", "part": 0, "budget": 150,
+                  "files": ["tests/test_moe.py", "tests/test_fp8.py", "tests/test_micro_batch.py", "tests/test_loss.py",
+                            "tests/test_attention.py", "tests/test_trainer.py"]},
+    "trainer-1b": {"kind": "trainer", "part": 0, "steps": 30, "mb": 8, "accum": 4, "loop": False, "budget": 200},
+    # -- optional: the MoE with its experts' grouped GEMMs in FP8 too, against its twin in FP8
+    "moe-stack-fp8-experts": _model("moe-9b", None, 8, shape=MOE_STACK, precision="fp8", fp8_experts=True, part=4,
+                                    budget=110, profile=True, warmup=3, steps=8),
+    "moe-twin-fp8": _model("moe-9b", None, 8, shape=MOE_STACK, twin=True, precision="fp8", part=4, budget=90,
+                           profile=True, warmup=3, steps=8),
+    # -- parts 1–3 (earlier sessions' tables)
     "sdpa-gqa": {"kind": "sdpa", "part": 1},
     "1b-32k-eager": _model(M1, 32000, 8, compile_=False, part=1),
     "1b-32k-compiled": _model(M1, 32000, 8, part=1),
@@ -72,39 +130,124 @@ CONFIGS = {
     "1b-no-fsdp": _model(M1, 32000, 8, part=3),
     "1b-fsdp2-1-rank": _model(M1, 32000, 8, fsdp=True, part=3),
 }
+HEADLINE = [name for name, c in CONFIGS.items() if c["part"] == 0]
 # What each row is compared with (the "vs" column): FP8 with bf16, compiled with eager, FSDP with none.
 BASELINES = {"1b-32k-compiled": "1b-32k-eager", "1b-128k-compiled": "1b-128k-eager",
              "1b-128k-compiled-chunked-loss": "1b-128k-compiled",
              "1b-fp8-tensorwise": "1b-bf16", "1b-fp8-rowwise": "1b-bf16",
              "3b-fp8-tensorwise": "3b-bf16", "3b-fp8-rowwise": "3b-bf16",
-             "1b-fsdp2-1-rank": "1b-no-fsdp", "trainer-60-steps": "trainer-60-steps/bench-loop"}
+             "1b-fsdp2-1-rank": "1b-no-fsdp", "trainer-60-steps": "trainer-60-steps/bench-loop",
+             "3b-fp8-auto": "3b-bf16-auto", "8b-slice-fp8": "8b-slice-bf16", "moe-stack": "moe-twin",
+             "moe-stack-fp8-experts": "moe-twin-fp8"}
+DEFAULT_BUDGET = 300  # seconds a config may take when it names no budget
+MIN_BUDGET = 40  # a config is not started with less than this left
 WARMUP, STEPS = 3, 10
 
 
 # --------------------------------------------------------------------------- one config, in-process
 
+def model_shape(c: dict):
+    """The ModelConfig a model config trains: its preset with ``shape`` over it (or ``shape``
+    alone), the vocabulary and context set, and the MoE's dense twin with ``twin``."""
+    from lmforge.config.model import ModelConfig, get_preset
+
+    update = dict(c.get("shape") or {})
+    if c.get("vocab"):
+        update["vocab_size"] = c["vocab"]
+    cfg = get_preset(c["preset"]).model_copy(update=update) if c.get("preset") else ModelConfig(**update)
+    cfg = cfg.model_copy(update={"max_seq_len": max(cfg.max_seq_len, c["seq"])})
+    if c.get("twin"):  # one SwiGLU MLP of hidden top_k × expert hidden: the same parameters meet a token
+        cfg = cfg.model_copy(update={"n_experts": 0, "top_k": 0, "ffn_hidden": cfg.top_k * cfg.expert_dim,
+                                     "preset": None})
+    return cfg
+
+
+def auto_micro_batch(c: dict, device):
+    """`estimate.micro_batch.Choice` for a config with ``auto``: what `micro_batch_size: auto`
+    picks (modelled) for the whole model it names on ``gpus`` GPUs like this one (an H100's
+    figures where there is none: the CPU smoke test), its other candidates ranked after it."""
+    from lmforge.config.model import ModelConfig, get_preset
+    from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec, peak_flops
+    from lmforge.estimate.micro_batch import choose
+
+    a = c["auto"]
+    whole = get_preset(a["preset"]).model_copy(update={"vocab_size": a["vocab_size"]}) if a.get("preset") \
+        else ModelConfig(**a["shape"])
+    if str(device).startswith("cuda"):
+        import torch
+
+        memory, spec = float(torch.cuda.get_device_properties(device).total_memory), detect_device_spec(device)
+    else:
+        spec = GPU_TYPES["h100-sxm"]
+        memory = spec.memory_bytes
+    return choose(whole, c["seq"], n_devices=a["gpus"], gpu_memory=memory, peak_flops=peak_flops(spec, "bf16"),
+                  where=f"{a['gpus']} × {spec.name}")
+
+
+def ac_label(value) -> str:
+    if value in (False, None, "auto"):
+        return "none"
+    if value is True or value == "full":
+        return "full"
+    return "selective" if value == "selective" else f"every {value}"
+
+
 def run_model(c: dict) -> dict:
+    """One model config's row. With ``auto``, the chooser's micro-batch and checkpointing mode;
+    should that run out of memory (the memory model was wrong), the next candidate it ranked,
+    and the row says so."""
+    import gc
+
     import torch
 
-    from lmforge.config.model import get_preset
+    shape = model_shape(c)
+    attempts, choice = [(c["mb"], c.get("ac", False))], None
+    if c.get("auto"):
+        choice = auto_micro_batch(c, c.get("device", "cuda"))
+        attempts = [(min(k.micro_batch, c.get("max_mb", k.micro_batch)), k.checkpointing)
+                    for k in choice.candidates[:3]]
+    failed = []
+    for mb, ac in attempts:
+        try:
+            row = _run_model(c, shape, mb, ac)
+        except torch.cuda.OutOfMemoryError:
+            failed.append(f"{ac_label(ac)} × {mb}")
+        else:
+            if choice:
+                row["choice"] = choice.reason
+            if failed:
+                row["note"] = (row.get("note", "") + f" out of memory at {', '.join(failed)}; ran the next "
+                               "candidate").strip()
+            return row
+        gc.collect()  # (outside the except: its traceback no longer holds the failed model's frames)
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    raise torch.cuda.OutOfMemoryError(f"out of memory at {', '.join(failed)}")
+
+
+def _run_model(c: dict, shape, mb: int, ac) -> dict:
+    import torch
+
     from lmforge.config.schema import ComputeConfig
     from lmforge.data.batch import Batch
     from lmforge.distributed.dist import DistInfo
-    from lmforge.distributed.float8 import after_optimizer_step
+    from lmforge.distributed.float8 import FP8Options, after_optimizer_step
     from lmforge.distributed.parallelize import materialize, parallelize
-    from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token
+    from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
     from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
+    from lmforge.estimate.memory import activation_bytes, fixed_bytes
     from lmforge.models import build_model
     from lmforge.models.transformer import Transformer
     from lmforge.train.optim import build_optimizer
 
     device = torch.device(c.get("device", "cuda"))
     cuda = device.type == "cuda"
-    shape = get_preset(c["preset"]).model_copy(update={"vocab_size": c["vocab"], "max_seq_len": c["seq"]})
+    accum = max(1, c["tokens_per_step"] // (mb * c["seq"])) if c.get("tokens_per_step") else c["accum"]
     compute = ComputeConfig(data_parallel="fsdp" if c["fsdp"] else "none", compile=c["compile"],
-                            loss_kernel=c["loss"], activation_checkpointing=c.get("ac", False))
+                            loss_kernel=c["loss"], activation_checkpointing=ac)
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
-    options = dict(precision=c["precision"], fp8_recipe=c["recipe"])
+    options = dict(precision=c["precision"], fp8=FP8Options(c["recipe"], experts=c.get("fp8_experts", False)))
     torch.manual_seed(0)
     if c["fsdp"]:  # as the trainer does it: a meta-device model, sharded, then filled from a full copy
         full = build_model(shape, device="cpu").state_dict()
@@ -120,8 +263,8 @@ def run_model(c: dict) -> dict:
     bf16 = c["precision"] in ("bf16", "fp8")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     gen = torch.Generator().manual_seed(1)
-    batches = [Batch.from_tokens(torch.randint(0, shape.vocab_size, (c["mb"], c["seq"]), generator=gen)).to(device)
-               for _ in range(c["accum"])]
+    batches = [Batch.from_tokens(torch.randint(0, shape.vocab_size, (mb, c["seq"]), generator=gen)).to(device)
+               for _ in range(accum)]
     n_targets = float(sum(int(b.num_targets()) for b in batches))
     last = {}
 
@@ -129,7 +272,10 @@ def run_model(c: dict) -> dict:
         for b in batches:
             with autocast:
                 out = step_forward(b.input_ids, b.targets)
-            (out.ce_sum / n_targets).backward()
+            loss = out.ce_sum / n_targets
+            if out.aux_loss is not None:  # the MoE's router losses, as training weighs them
+                loss = loss + out.aux_loss / len(batches)
+            loss.backward()
             last["loss"] = out.ce_sum.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -143,15 +289,49 @@ def run_model(c: dict) -> dict:
     times = _timed(step, steps, cuda)
     warm_s = time.perf_counter() - t0 - sum(times)
     dt = statistics.median(times)
-    tokens = c["mb"] * c["seq"] * c["accum"]
+    tokens = mb * c["seq"] * accum
     tps = tokens / dt
     spec = detect_device_spec(device)
     peak = peak_flops(spec, "bf16" if (cuda or bf16) else "fp32")
-    return {"tokens_per_s": tps, "step_ms": dt * 1e3, "step_ms_spread": (max(times) - min(times)) * 1e3,
-            "mfu": mfu(tps, mfu_flops_per_token(shape, c["seq"]), 1, peak),
-            "mfu_6n": mfu(tps, flops_per_token(shape, c["seq"])["dense"], 1, peak),
-            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-            "warmup_s": warm_s, "loss": float(last["loss"]) / (c["mb"] * c["seq"]), "device": spec.description}
+    expected = fixed_bytes(param_counts(shape)["total"], shape, 1) + mb * activation_bytes(shape, c["seq"], ac)
+    row = {"tokens_per_s": tps, "step_ms": dt * 1e3, "step_ms_spread": (max(times) - min(times)) * 1e3,
+           "mfu": mfu(tps, mfu_flops_per_token(shape, c["seq"]), 1, peak),
+           "mfu_6n": mfu(tps, flops_per_token(shape, c["seq"])["dense"], 1, peak),
+           "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+           "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+           "model_gb": expected / 2**30, "mb": mb, "accum": accum, "ac": ac_label(ac), "note": c.get("note", ""),
+           "warmup_s": warm_s, "loss": float(last["loss"]) / (mb * c["seq"]), "device": spec.description}
+    if c.get("profile") and cuda:
+        row["kernels"] = kernel_breakdown(step)
+    return row
+
+
+def kernel_breakdown(step) -> dict:
+    """Where one more step's GPU time goes (torch profiler, kernel time summed by kind): the
+    MoE's grouped GEMMs against plain GEMMs, attention, compiled element-wise kernels (routing,
+    dispatch, combine, norms) and the rest, in ms."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    for e in prof.key_averages():
+        ms = e.self_device_time_total / 1e3 if hasattr(e, "self_device_time_total") else e.self_cuda_time_total / 1e3
+        if ms <= 0:
+            continue
+        name = e.key.lower()
+        if any(k in name for k in ("flash", "fmha", "cudnn", "attention", "sdpa")):
+            kind = "attention"
+        elif any(k in name for k in ("gemm", "nvjet", "xmma", "cutlass", "wgmma", "_mm", "matmul")):
+            kind = "grouped GEMM" if "group" in name else "GEMM"
+        elif name.startswith("triton"):
+            kind = "triton"
+        else:
+            kind = "other"
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    return {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
 
 
 def _timed(fn, n: int, cuda: bool) -> list[float]:
@@ -243,14 +423,16 @@ def _kernels(fn) -> str:
     return ", ".join(sorted(n[:48] for n in names)[:3]) or "none matched (math?)"
 
 
-def run_trainer(c: dict) -> Iterator[dict]:
-    """`lmforge train` for 60 steps on llama-1b (tokenizer with a 32k vocabulary trained on the
-    built-in corpus, micro-batch 8 × 2048, 2 micro-batches per step, compiled, bf16), its
-    tokens/s read from metrics.jsonl (the median of the log windows after the first, which holds
-    the compilation), then the same step in this script's loop."""
+def run_trainer(name: str, c: dict) -> Iterator[dict]:
+    """`lmforge train` for ``steps`` steps on llama-1b (tokenizer with a 32k vocabulary trained on
+    the built-in corpus, micro-batch ``mb`` × 2048, ``accum`` micro-batches per step, compiled,
+    bf16), its tokens/s read from metrics.jsonl (the median of the log windows after the first,
+    which holds the compilation), then (unless ``loop`` is false) the same step in this script's
+    loop."""
     steps = c.get("steps", 60)
     preset = c.get("preset", M1)
     mb, accum, seq = c.get("mb", 8), c.get("accum", 2), c.get("seq", 2048)
+    log_every = 10 if steps >= 30 else max(1, steps // 4)
     compile_ = c.get("compile", True)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 60e9 else None
     root = tempfile.mkdtemp(prefix="lmforge-bench-", dir=shm)
@@ -261,46 +443,91 @@ def run_trainer(c: dict) -> Iterator[dict]:
                "training_duration": f"{steps}ba", "save_folder": folder, "save_interval": "100000ba",
                "parameters": {"global_batch_size": mb * accum, "micro_batch_size": mb, "context_length": seq},
                "eval": {"interval": "100000ba", "max_batches": 1, "prompts": []},
-               "experiment_tracker": {"mlflow": None, "console": True}, "log_interval": 10,
+               "experiment_tracker": {"mlflow": None, "console": True}, "log_interval": log_every,
                "compute": {"device": c.get("device", "cuda"), "compile": compile_}}
         path = os.path.join(root, "run.yaml")
         with open(path, "w") as f:
             json.dump(cfg, f)  # JSON is YAML
         env = os.environ | {"LMFORGE_HOME": os.path.join(root, "home"), "PYTHONUNBUFFERED": "1"}
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", path], env=env, capture_output=True,
-                              text=True, timeout=c.get("timeout", 420))
+        timeout = min(c.get("timeout", 420), c.get("deadline") or 420)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", path], env=env, capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return [{"name": name, "error": f"`lmforge train` still running after {timeout:.0f}s"}]
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["?"]
-            return [{"name": "trainer-60-steps", "error": f"exit {proc.returncode}: {tail[0][:100]}"}]
+            return [{"name": name, "error": f"exit {proc.returncode}: {tail[0][:100]}"}]
         rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
-        windows = [r for r in rows if "throughput/tokens_per_s" in r and r["step"] > 10]
+        windows = [r for r in rows if "throughput/tokens_per_s" in r and r["step"] > log_every]
         with open(os.path.join(folder, "run.json")) as f:
             vocab = json.load(f)["config"]["model"]["vocab_size"]
-        trainer = {"name": "trainer-60-steps", "tokens_per_s": statistics.median(r["throughput/tokens_per_s"]
+        trainer = {"name": name, "tokens_per_s": statistics.median(r["throughput/tokens_per_s"]
                                                                                  for r in windows),
                    "mfu": statistics.median(r["throughput/mfu"] for r in windows),
                    "mfu_6n": statistics.median(r["throughput/mfu_6n"] for r in windows),
                    "peak_gb": max((r.get("memory/max_allocated_gb") or 0) for r in windows) or None,
-                   "note": f"vocab {vocab}, mb {mb}×{accum}, {len(windows)} windows; run wall {wall:.0f}s"}
+                   "mb": mb, "accum": accum, "ac": "none",
+                   "note": f"vocab {vocab}, {len(windows)} windows; run wall {wall:.0f}s"}
         trainer["step_ms"] = mb * accum * seq / trainer["tokens_per_s"] * 1e3
     finally:
         shutil.rmtree(root, ignore_errors=True)
     yield trainer  # printed now: kept if the loop below runs out of the call's budget
+    if not c.get("loop", True):
+        return
     loop = run_model(_model(preset, vocab, mb, accum=accum, compile_=compile_, part=3)
                      | {"device": c.get("device", "cuda"), "seq": seq} | {k: c[k] for k in ("warmup", "steps") if k in c})
-    yield loop | {"name": "trainer-60-steps/bench-loop", "note": "the same step in this script's loop"}
+    yield loop | {"name": f"{name}/bench-loop", "note": "the same step in this script's loop"}
+
+
+def run_pytest(c: dict) -> dict:
+    """The `gpu`-marked tests of ``files`` (most important first), stopped before the config's
+    deadline: what passed, failed and was skipped, and the names of the failures."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", c.get("marker", "gpu"), "-p", "no:cacheprovider",
+           *c["files"]]
+    t0 = time.perf_counter()
+    try:
+        deadline = c.get("deadline")
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, start_new_session=True,
+                              timeout=None if deadline is None else max(10.0, deadline - 5))
+        out, timed_out = proc.stdout, False
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        timed_out = True
+    results = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", out, re.M)
+    count = {k: sum(r == k for _, r in results) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    failed = [n.split("::", 1)[1] for n, r in results if r in ("FAILED", "ERROR")]
+    note = f"{count['PASSED']} passed, {count['FAILED'] + count['ERROR']} failed, {count['SKIPPED']} skipped"
+    if failed:
+        note += ": " + ", ".join(failed[:4]) + (" …" if len(failed) > 4 else "")
+    if timed_out:
+        note += f"; stopped at the budget after {time.perf_counter() - t0:.0f}s"
+    tail = [line for line in out.splitlines() if line.startswith(("E ", "FAILED", "ERROR"))][:20]
+    return {"passed": count["PASSED"], "failed": count["FAILED"] + count["ERROR"], "skipped": count["SKIPPED"],
+            "failures": failed, "note": note, "log_tail": tail}
 
 
 def smoke(c: dict) -> dict:
     """The same config at toy size on the CPU: checks the script itself (tests/test_bench_gpu.py)."""
     if c["kind"] == "model":
-        return c | {"device": "cpu", "preset": "llama-tiny", "vocab": 512, "seq": 64, "mb": 2, "compile": False,
-                    "precision": "fp32" if c["precision"] == "bf16" else c["precision"], "warmup": 1, "steps": 2}
+        tiny = c | {"device": "cpu", "vocab": 512, "seq": 64, "mb": 2, "compile": False, "max_mb": 2,
+                    "precision": "fp32" if c["precision"] == "bf16" else c["precision"], "warmup": 1, "steps": 2,
+                    "profile": False}
+        if (c.get("preset") or "").startswith("moe"):
+            tiny |= {"preset": "moe-tiny", "shape": {"n_layers": 2}}
+        else:
+            tiny |= {"preset": "llama-tiny", "shape": None}
+        if c.get("tokens_per_step"):
+            tiny["tokens_per_step"] = 2 * 2 * 64  # two micro-batches of 2 × 64
+        return tiny
     if c["kind"] == "trainer":
         return c | {"device": "cpu", "preset": "llama-tiny", "vocab": 512, "seq": 64, "mb": 2, "compile": False,
                     "steps": 12, "warmup": 1}
+    if c["kind"] == "pytest":  # the tests are checked by the suite itself: here only the runner, on one file
+        return c | {"files": ["tests/test_bench_gpu.py::test_the_table_compares_each_row_with_its_baseline"],
+                    "marker": "not gpu"}
     return c | {"device": "cpu"}
 
 
@@ -312,7 +539,9 @@ def run_config(name: str, c: dict) -> Iterator[dict]:
     if c["kind"] == "sdpa":
         rows = run_sdpa(c)
     elif c["kind"] == "trainer":
-        rows = run_trainer(c)
+        rows = run_trainer(name, c)
+    elif c["kind"] == "pytest":
+        rows = [run_pytest(c) | {"name": name}]
     else:
         rows = [run_model(c) | {"name": name}]
     for r in rows:
@@ -329,33 +558,52 @@ def _result_rows(stdout: str) -> list[dict]:
 
 
 def run_part(names: list[str], results: str, budget: float, smoke_: bool = False) -> None:
+    """Each config in its own process, in order, each under its own budget and what is left of
+    the call's; one that runs out is stopped with its whole process group (a trainer or pytest
+    below it included), and the rows it printed before are kept."""
     start = time.monotonic()
     meta = _meta()
     for name in names:
+        c = CONFIGS[name]
         left = budget - (time.monotonic() - start)
-        if left < 60:
-            _append(results, {"name": name, "config": name, "part": CONFIGS[name]["part"],
+        if left < MIN_BUDGET:
+            _append(results, {"name": name, "config": name, "part": c["part"],
                               "error": "skipped: out of this call's time budget (run it with `only`)"} | meta)
+            print(f"# {name}: skipped (out of the call's budget)", flush=True)
             continue
+        allowed = min(c.get("budget", DEFAULT_BUDGET), left - 5)
         t0 = time.monotonic()
-        try:
-            cmd = [sys.executable, os.path.abspath(__file__), "config", name] + (["--smoke"] if smoke_ else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left - 15)
-            rows = _result_rows(proc.stdout)
-            if proc.returncode != 0 or not rows:
-                tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["?"]
-                rows = [{"name": name, "error": f"exit {proc.returncode}: {tail[0][:120]}"}]
-                sys.stderr.write(proc.stderr[-4000:])
-        except subprocess.TimeoutExpired as e:
-            # Rows the config printed before the budget ran out are measurements: keep them.
-            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            rows = _result_rows(out) + [{"name": name, "error": "timed out (budget)"}]
+        cmd = [sys.executable, os.path.abspath(__file__), "config", name, "--deadline", str(allowed - 10)] \
+            + (["--smoke"] if smoke_ else [])
+        out, err, code = _run_group(cmd, allowed)
+        rows = _result_rows(out)
+        if code is None:
+            rows.append({"name": name, "error": f"stopped at its budget ({allowed:.0f}s)"})
+        elif code != 0 or not rows:
+            tail = (err.strip() or out.strip()).splitlines()[-1:] or ["?"]
+            rows.append({"name": name, "error": f"exit {code}: {tail[0][:120]}"})
+            sys.stderr.write(err[-4000:])
         for r in rows:
             r.setdefault("config", name)
-            r.setdefault("part", CONFIGS[name]["part"])
+            r.setdefault("part", c["part"])
             _append(results, r | meta | {"wall_s": round(time.monotonic() - t0, 1)})
-        print(f"# {name}: {time.monotonic() - t0:.0f}s", flush=True)
+            if r.get("choice"):
+                print(f"# {r['name']}: {r['choice']}", flush=True)
+        print(f"# {name}: {time.monotonic() - t0:.0f}s of {allowed:.0f}s allowed", flush=True)
     print(table(results))
+
+
+def _run_group(cmd: list[str], timeout: float) -> tuple[str, str, int | None]:
+    """(stdout, stderr, exit code) of ``cmd`` in a new process group; past ``timeout`` the whole
+    group is killed (a config's own subprocesses too) and the code is None."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return out, err, proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return out, err, None
 
 
 def _meta() -> dict:
@@ -388,23 +636,33 @@ def table(path: str) -> str:
     for line in open(path):
         r = json.loads(line)
         rows[r["name"]] = r
-    lines = ["| part | config | tokens/s | MFU | MFU 6N | step ms | peak GiB | vs | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| part | config | tokens/s | MFU | MFU 6N | step ms | mb × acc | AC | peak GiB | model GiB | vs "
+             "| note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in sorted(rows.items(), key=lambda kv: (kv[1].get("part", 9), list(rows).index(kv[0]))):
         if "error" in r:
-            lines.append(f"| {r.get('part', '')} | {name} | — | | | | | | {r['error']} |")
+            lines.append(f"| {r.get('part', '')} | {name} | — | | | | | | | | | {r['error']} |")
             continue
         if "tflops" in r:
-            lines.append(f"| {r['part']} | {name} | | | | {r['step_ms']:.2f} | | {r['tflops']:.0f} TFLOP/s | "
+            lines.append(f"| {r['part']} | {name} | | | | {r['step_ms']:.2f} | | | | | {r['tflops']:.0f} TFLOP/s | "
                          f"{r.get('note', '')} |")
+            continue
+        if "passed" in r:  # the GPU tests
+            lines.append(f"| {r['part']} | {name} | | | | | | | | | | {r['note']} |")
             continue
         base = rows.get(BASELINES.get(name, ""), {})
         vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}× {BASELINES[name].split('/')[-1]}" \
             if base.get("tokens_per_s") else ""
         heavy = f" imported {','.join(r['heavy_imports'])}!" if r.get("heavy_imports") else ""
         peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") else ""
+        expected = f"{r['model_gb']:.1f}" if r.get("model_gb") else ""
+        batch = f"{r['mb']} × {r.get('accum', 1)}" if r.get("mb") else ""
+        kernels = r.get("kernels") or {}
+        total = sum(kernels.values())
+        where = ("; " + ", ".join(f"{k} {v / total:.0%}" for k, v in kernels.items())) if total else ""
         lines.append(f"| {r['part']} | {name} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['mfu_6n']:.1%} | "
-                     f"{r['step_ms']:.0f} | {peak} | {vs} | {r.get('note', '')}{heavy} |")
+                     f"{r['step_ms']:.0f} | {batch} | {r.get('ac', '')} | {peak} | {expected} | {vs} | "
+                     f"{r.get('note', '')}{where}{heavy} |")
     first = next(iter(rows.values()))
     return "\n".join([f"# {first.get('gpu')}, torch {first.get('torch')}, commit {first.get('commit')}, "
                       f"{first.get('date')}"] + lines)
@@ -412,24 +670,34 @@ def table(path: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["part", "only", "config", "table", "list"])
+    p.add_argument("what", choices=["headline", "part", "only", "config", "table", "list"])
     p.add_argument("arg", nargs="?")
     p.add_argument("--results", default=DEFAULT_RESULTS)
-    p.add_argument("--budget", type=float, default=540.0, help="seconds this call may take (a device call has 600)")
+    p.add_argument("--budget", type=float, default=520.0, help="seconds this call may take (a device call has 600)")
+    p.add_argument("--deadline", type=float, default=None, help="config: seconds it may take (its subprocesses stop "
+                   "before)")
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (checks the script, measures nothing)")
     args = p.parse_args()
     if args.what == "list":
         for name, c in CONFIGS.items():
-            print(c["part"], name)
+            print(c["part"], name, f"{c.get('budget', DEFAULT_BUDGET)}s", "(headline)" if name in HEADLINE else "")
     elif args.what == "table":
         print(table(args.arg or args.results))
-    elif args.what == "config":
-        config = smoke(CONFIGS[args.arg]) if args.smoke else CONFIGS[args.arg]
-        for row in run_config(args.arg, config):
-            print("RESULT " + json.dumps(row), flush=True)
+    elif args.what == "config":  # (several names: one after the other in this process, for smoke tests)
+        for name in args.arg.split(","):
+            config = smoke(CONFIGS[name]) if args.smoke else CONFIGS[name]
+            if args.deadline is not None:
+                config = config | {"deadline": args.deadline}
+            for row in run_config(name, config):
+                print("RESULT " + json.dumps(row), flush=True)
     else:
-        names = [n for n, c in CONFIGS.items() if str(c["part"]) == args.arg] if args.what == "part" \
-            else args.arg.split(",")
+        extra = [n for n in (args.arg or "").split(",") if n]
+        if args.what == "headline":
+            names = HEADLINE + [n for n in extra if n not in HEADLINE]
+        elif args.what == "part":
+            names = [n for n, c in CONFIGS.items() if str(c["part"]) == args.arg]
+        else:
+            names = extra
         unknown = [n for n in names if n not in CONFIGS]
         if unknown or not names:
             sys.exit(f"error: unknown config(s) {unknown or args.arg}; see `python bench/gpu.py list`")

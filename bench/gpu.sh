@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# GPU speed of dense models on one CUDA machine, in one table (see bench/gpu.py for what each
-# row is). Three parts, each under 10 minutes, so that each fits one device call:
+# GPU speed on one CUDA machine, in one table (see bench/gpu.py for what each row is).
 #
 #   bash scripts/gpu-wheels.sh        # here, once: the wheels the GPU machine lacks → .whl/
-#   bash bench/gpu.sh 1               # on the GPU machine (carry .whl and .bench): the GPU tests, SDPA
+#   bash bench/gpu.sh headline [NAME,...]
+#                                     # on the GPU machine (carry .whl and .bench), one device call of
+#                                     # ≤ 9 minutes: llama-3b bf16/FP8 at the auto micro-batch, the
+#                                     # llama-8b slice bf16/FP8, the MoE stack and its twin, the GPU
+#                                     # tests, `lmforge train` llama-1b — most important first, each
+#                                     # under its own budget (BUDGET: the call's seconds, 525); NAMEs
+#                                     # (`python bench/gpu.py list`) are appended to the list
+#   bash bench/gpu.sh 1               # the GPU tests, SDPA
 #                                     # probe, llama-1b eager vs compiled at vocab 32k and 128k
 #   bash bench/gpu.sh 2               # FP8 tensorwise/rowwise vs bf16, llama-1b and llama-3b
 #   bash bench/gpu.sh 3               # `lmforge train` 60 steps vs the bench loop; FSDP2 on one rank vs none
@@ -45,11 +51,16 @@ moe() {
 }
 start=$SECONDS
 case "$what" in
+  headline)
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader \
+      2>/dev/null | sed 's/^/# /' || true
+    # BUDGET counts from this script's start (the wheels' install and the imports above included)
+    "$PY" bench/gpu.py headline "${2:-}" --budget "$(( ${BUDGET:-525} - SECONDS ))" ;;
   1) gpu_tests; "$PY" bench/gpu.py part 1 --budget "$(( ${BUDGET:-560} - (SECONDS - start) ))" ;;
   2|3) "$PY" bench/gpu.py part "$what" --budget "${BUDGET:-540}" ;;
   4) moe ;;
   all) gpu_tests; for p in 1 2 3; do "$PY" bench/gpu.py part "$p" --budget 100000; done; moe ;;
   only) "$PY" bench/gpu.py only "${2:?usage: bash bench/gpu.sh only NAME,... (python bench/gpu.py list)}" --budget "${BUDGET:-540}" ;;
   table) "$PY" bench/gpu.py table ;;
-  *) echo "usage: bash bench/gpu.sh 1|2|3|4|all|only NAME,...|table" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu.sh headline [NAME,...]|1|2|3|4|all|only NAME,...|table" >&2; exit 2 ;;
 esac

@@ -4,20 +4,26 @@ client (the GPU machine has none of them)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from train_helpers import REPO, env
 
 BENCH = str(REPO / "bench" / "gpu.py")
+# bench/gpu.py as a module (a script, not a package): its config names and its process guard.
+_spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
 
 
 def _config(name: str) -> list[dict]:
     proc = subprocess.run([sys.executable, BENCH, "config", name, "--smoke"], capture_output=True, text=True,
-                          env=env(), timeout=300, cwd=REPO)
+                          env=env(), timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
@@ -35,13 +41,61 @@ def test_the_table_compares_each_row_with_its_baseline(tmp_path):
     results = tmp_path / "gpu.jsonl"
     rows = [{"name": "3b-bf16", "part": 2, "tokens_per_s": 1000.0, "mfu": 0.4, "mfu_6n": 0.35, "step_ms": 8.0},
             {"name": "3b-fp8-tensorwise", "part": 2, "tokens_per_s": 1400.0, "mfu": 0.56, "mfu_6n": 0.49,
-             "step_ms": 5.7, "peak_gb": 60.0},
-            {"name": "3b-fp8-rowwise", "part": 2, "error": "skipped: out of this call's time budget"}]
+             "step_ms": 5.7, "peak_gb": 60.0, "model_gb": 58.1, "mb": 2, "accum": 8, "ac": "selective"},
+            {"name": "3b-fp8-rowwise", "part": 2, "error": "skipped: out of this call's time budget"},
+            {"name": "gpu-tests", "part": 0, "passed": 20, "failed": 1, "note": "20 passed, 1 failed: test_x"}]
     results.write_text("".join(json.dumps(r | {"gpu": "H100", "torch": "2.11", "commit": "abc"}) + "\n"
                                for r in rows))
     proc = subprocess.run([sys.executable, BENCH, "table", str(results)], capture_output=True, text=True,
                           env=env(), timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     table = proc.stdout
-    assert "| 2 | 3b-fp8-tensorwise | 1,400 | 56.0% | 49.0% | 6 | 60.0 | 1.40× 3b-bf16 |" in table
+    assert "| 2 | 3b-fp8-tensorwise | 1,400 | 56.0% | 49.0% | 6 | 2 × 8 | selective | 60.0 | 58.1 | 1.40× 3b-bf16 |" \
+        in table
     assert "skipped: out of this call's time budget" in table and table.startswith("# H100")
+    assert table.index("| gpu-tests |") < table.index("| 3b-bf16 |")  # the headline (part 0) first
+    assert "20 passed, 1 failed: test_x" in table
+
+
+@pytest.mark.e2e
+def test_the_headline_configs_run_at_toy_size():
+    """Every headline model config (and the FP8-experts MoE pair) at toy size in one process: the
+    auto micro-batch and checkpointing chosen for the whole model and recorded with the memory
+    model's figure; MoE rows with their auxiliary loss; FP8 rows refused on the CPU; the GPU tests'
+    runner counts a real pytest run."""
+    names = [n for n in bench.HEADLINE if bench.CONFIGS[n]["kind"] != "trainer"] + ["moe-stack-fp8-experts",
+                                                                                       "moe-twin-fp8"]
+    rows = {r["name"]: r for r in _config(",".join(names))}
+    assert set(rows) == set(names)
+    for name in ("3b-bf16-auto", "8b-slice-bf16"):
+        r = rows[name]
+        assert r["tokens_per_s"] > 0 and r["mb"] == 2 and r["accum"] == 2 and r["model_gb"] > 0
+        assert r["choice"].startswith("parameters.micro_batch_size: auto → ")
+        assert r["ac"] in ("none", "selective", "every 2", "full")
+    assert "8 × h100-sxm" in rows["8b-slice-bf16"]["choice"]  # chosen for the whole llama-8b on 8 GPUs
+    assert rows["moe-stack"]["tokens_per_s"] > 0 and rows["moe-twin"]["tokens_per_s"] > 0
+    assert all(rows[n]["error"] == "needs CUDA" for n in names if "fp8" in n)
+    assert rows["gpu-tests"]["passed"] == 1 and rows["gpu-tests"]["failed"] == 0
+
+
+def test_a_config_past_its_budget_is_stopped_with_its_subprocesses(tmp_path):
+    """run_part's guard: the config's whole process group is killed (a trainer or pytest below it
+    would otherwise hold the GPU into the next config)."""
+    pid_file = tmp_path / "grandchild.pid"
+    child = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '600']); "
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(600)")
+    out, _, code = bench._run_group([sys.executable, "-c", child], timeout=5)
+    assert code is None and "started" in out
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:  # reaped by init once its parent is gone
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie waiting for init is gone in all but name
+    except FileNotFoundError:
+        return False

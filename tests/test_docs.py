@@ -37,3 +37,21 @@ def test_examples_are_valid_configs():
         sft = read_yaml(str(REPO / "examples" / name)) | {"model": "llama-tiny", "tokenizer": "tok"}
         assert build_config(sft).task_type == "instruction_finetune"
     assert [s["name"] for s in load_pipeline(str(REPO / "examples" / "pipeline.yaml"))["stages"]]
+
+
+def test_no_merge_conflict_markers_are_left_anywhere():
+    """A merge's leftovers (`<<<<<<< `, `>>>>>>> ` at a line's start) in code, docs or benches."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    bad = []
+    for name in tracked:
+        path = REPO / name
+        if path.suffix not in (".py", ".md", ".sh", ".yaml", ".toml", ".txt", ".json") or not path.is_file():
+            continue
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if line.startswith(("<<<<<<< ", ">>>>>>> ")):
+                bad.append(f"{name}:{i}")
+    assert not bad, bad

@@ -9,7 +9,6 @@ import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from lmforge.data import prepare as prepare_mod
 from lmforge.data.mds import MDSReader
 from lmforge.data.prepare import MARKER, prepare, read_summary
-from lmforge.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
+from lmforge.data.tokenizer import EOS_TOKEN, train_tokenizer
 from lmforge.errors import UserError
 
 SEQ = 64

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import SHARED, REPO, tiny_run_config
+from conftest import REPO, tiny_run_config
 from train_helpers import final_weights, lmforge, metrics, train_killed_at, train_losses, write_config
 
 MOE = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64,

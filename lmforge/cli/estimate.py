@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -47,6 +48,16 @@ def _load_model(value: str):
     params = doc.get("parameters")
     seq = params.get("context_length") if isinstance(params, dict) else None
     return cfg, (int(seq) if isinstance(seq, int) else None)
+
+
+def _micro_batch(text: str):
+    """--micro-batch: a positive integer or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}") from None
 
 
 def _precision(args) -> str:
@@ -177,7 +188,9 @@ def register(subparsers) -> None:
     p.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="P", help="price for the cost line")
     p.add_argument("--seq-len", type=int, default=None, help="context length; unset = the model's max_seq_len (or the YAML's context_length)")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary; unset = the model's, or 32000 where the model leaves it to the tokenizer")
-    p.add_argument("--micro-batch", type=int, default=None, help="micro-batch per GPU; unset = the largest power of two that fits")
+    p.add_argument("--micro-batch", type=_micro_batch, default=None, metavar="N|auto",
+                   help="micro-batch per GPU; unset = the largest power of two that fits; auto = the micro-batch "
+                   "and activation-checkpointing mode `micro_batch_size: auto` chooses for speed (modelled)")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="MoE: GPUs each layer's experts are split over (memory and all-to-all traffic)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -173,6 +173,12 @@ class Parameters(_Strict):
     fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
         "tensorwise", description="precision fp8: one scale per tensor (fastest; FP8 all-gather under FSDP) or "
         "per row (more accurate)")
+    fp8_skip_small: bool = Field(
+        True, description="precision fp8: keep linear layers too small to gain from FP8 in bf16 (torchao's H100 "
+        "thresholds on in/out features); false: every layer FP8 can take")
+    fp8_experts: bool = Field(
+        False, description="precision fp8, MoE models on H100-class GPUs (sm90): the experts' grouped GEMMs in FP8 "
+        "too (rowwise scales, torchao's prototype; each expert's rows padded to 16)")
     document_masking: bool = Field(
         False, description="pretraining: a token attends only to earlier tokens of its own document (documents "
         "end at the tokenizer's end-of-text token in the packed samples); fine-tuning rows always are")
@@ -198,6 +204,12 @@ class Parameters(_Strict):
             raise ValueError("must be a positive integer or 'auto'")
         return v
 
+    @model_validator(mode="after")
+    def _fp8_options(self):
+        if self.fp8_experts and self.precision != "fp8":
+            raise ValueError(f"fp8_experts: true needs precision: fp8 (got {self.precision})")
+        return self
+
 
 class ComputeConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to train")
@@ -215,9 +227,10 @@ class ComputeConfig(_Strict):
     node_rank: int = Field(0, ge=0, description="multi-node: this node's index (0 … nodes-1)")
     rdzv_endpoint: str | None = Field(None, description="multi-node: HOST:PORT of the torchrun c10d rendezvous")
     rdzv_timeout_s: int = Field(300, gt=0, description="multi-node: seconds to wait for every node to join")
-    activation_checkpointing: bool | Literal["full", "selective"] | int = Field(
-        False, description="recompute activations in backward: true/full (every block), selective (keep matmul "
-        "outputs, recompute the rest), or N (every N-th block)")
+    activation_checkpointing: bool | Literal["auto", "full", "selective"] | int = Field(
+        "auto", description="recompute activations in backward: true/full (every block), selective (keep matmul "
+        "outputs, recompute the rest), N (every N-th block), false; auto: on GPUs chosen with micro_batch_size auto "
+        "for the most tokens/s that fit (`lmforge estimate --micro-batch auto` shows it), else false")
     async_checkpoint: bool = Field(True, description="write checkpoints in the background while training continues")
     # --- end scale-out
     compile: bool | Literal["auto"] = Field(
@@ -249,7 +262,7 @@ class ComputeConfig(_Strict):
     @classmethod
     def _ac(cls, v):
         if isinstance(v, int) and not isinstance(v, bool) and v < 1:
-            raise ValueError("expected false, true, full, selective or a positive integer N (every N-th block)")
+            raise ValueError("expected auto, false, true, full, selective or a positive integer N (every N-th block)")
         return v
 
 

@@ -52,28 +52,14 @@ from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoin
 
 from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.dist import DistInfo
-from lmforge.distributed.float8 import apply_float8
+from lmforge.distributed.float8 import FP8Options, apply_float8, check_fp8_supported
 from lmforge.errors import UserError
+from lmforge.estimate.memory import checkpointed_blocks
 
 SHARDED = ("fsdp", "hsdp")
 
 
 # --------------------------------------------------------------------------- activation checkpointing
-
-def ac_plan(value, n_layers: int) -> tuple[str | None, list[int]]:
-    """Config value → (mode, indices of the blocks to checkpoint).
-
-    ``true``/``full``: every block; ``selective``: every block, keeping matmul and attention
-    outputs (recomputing only the cheap element-wise ops); ``N``: every N-th block (full).
-    """
-    if value is False or value is None:
-        return None, []
-    if value is True or value == "full":
-        return "full", list(range(n_layers))
-    if value == "selective":
-        return "selective", list(range(n_layers))
-    return "full", [i for i in range(n_layers) if (i + 1) % int(value) == 0]
-
 
 def _selective_policy():
     from lmforge.models import grouped_mm, moe  # noqa: F401 - registers the lmforge:: ops
@@ -128,7 +114,7 @@ def apply_activation_checkpointing(model: nn.Module, value=True) -> None:
     The block's ``forward`` is replaced on the instance (not wrapped in a new module), so
     parameter names — and therefore checkpoints — are the same with and without it.
     """
-    mode, which = ac_plan(value, len(model.blocks))
+    mode, which = checkpointed_blocks(value, len(model.blocks))
     for i in which:
         block = model.blocks[i]
         block.forward = _checkpointed(block.forward, selective=mode == "selective")
@@ -313,10 +299,10 @@ def _experts_grouped(model: nn.Module, precision: str, device: torch.device) -> 
 
 
 def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32",
-                fp8_recipe: str = "tensorwise") -> nn.Module:
+                fp8: FP8Options = FP8Options()) -> nn.Module:
     """Apply, in this order, expert parallelism → activation checkpointing → FP8 (``precision``
-    "fp8") → compile → data parallelism; returns the module that runs one training forward (a
-    `TrainingForward`, inside DDP when replicated).
+    "fp8", as ``fp8`` says) → compile → data parallelism; returns the module that runs one
+    training forward (a `TrainingForward`, inside DDP when replicated).
 
     With fsdp/hsdp, ``model`` may live on the meta device; call ``materialize`` afterwards.
     """
@@ -329,7 +315,9 @@ def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, pre
     if compute.activation_checkpointing:
         apply_activation_checkpointing(model, compute.activation_checkpointing)
     if precision == "fp8":
-        apply_float8(model, fp8_recipe, fsdp=sharded)
+        if fp8.experts:
+            check_fp8_supported(dist.device, experts=True)
+        apply_float8(model, fp8, fsdp=sharded, expert_parallel=compute.expert_parallel)
     if compile_enabled(compute.compile, dist.device):
         whole_blocks = compute.expert_parallel == 1 and _experts_grouped(model, precision, dist.device)
         apply_compile(model, fullgraph=whole_blocks)

@@ -31,8 +31,17 @@ stored), no dropout. Per layer and token, in elements (q = H·Dh, kv = KV·Dh):
   the gathered input d, gate/up/silu/product (expert_dim each) and the output d
   → 2d + 2E + top_k·(2d + 4·expert_dim).
 
-Without activation checkpointing all L layers are kept; with (per-block) checkpointing
-only each block's input (d) is kept, plus one block recomputed during its backward.
+What the checkpointing modes (`compute.activation_checkpointing`, see `checkpointed_blocks`)
+keep per layer and token:
+
+- none: all of the above;
+- full (per block): the block's input (d), plus one block recomputed during its backward;
+- selective (the outputs of matmuls and attention kept, element-wise ops recomputed): the
+  block's input d, q, k and v as projected (q + 2kv), attention's output q, its projection d,
+  gate and up (ffn each) and the down projection d → 3d + 2q + 2kv + 2·ffn (MoE: router
+  logits E, and per routed expert gate|up 2·expert_dim and the output d), plus one block's
+  element-wise tensors during its backward;
+- every N-th block (full): those blocks as full, the others as none.
 Both add the final norm (2d) and the loss's gradient with respect to its input (d): the
 loss (`models.loss`) works through the tokens in chunks and never keeps logits, so nothing
 per token scales with the vocabulary. What it does hold is per micro-batch, not per token
@@ -69,9 +78,33 @@ RESERVED_BYTES = 1e9
 MAX_SUGGESTED_MICRO_BATCH = 64
 
 
-def layer_activation_elements(cfg: ModelConfig) -> int:
-    """Elements one transformer block keeps for backward, per token."""
+def checkpointed_blocks(value, n_layers: int) -> tuple[str | None, list[int]]:
+    """``compute.activation_checkpointing`` → (mode, indices of the blocks to checkpoint): the
+    one reading of the setting (`distributed.parallelize` applies it, the memory model counts it).
+
+    ``false``: none; ``true``/``full``: every block; ``selective``: every block, keeping matmul
+    and attention outputs (recomputing only the cheap element-wise ops); ``N``: every N-th block
+    (full). ``auto`` is resolved before training (`estimate.micro_batch`); left unresolved (a
+    model built outside a run) it means none.
+    """
+    if value is False or value is None or value == "auto":
+        return None, []
+    if value is True or value == "full":
+        return "full", list(range(n_layers))
+    if value == "selective":
+        return "selective", list(range(n_layers))
+    return "full", [i for i in range(n_layers) if (i + 1) % int(value) == 0]
+
+
+def layer_activation_elements(cfg: ModelConfig, mode: str | None = None) -> int:
+    """Elements one transformer block keeps for backward, per token: without checkpointing
+    (``mode`` None), or under ``selective`` checkpointing (see the module docstring)."""
     d, q, kv = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
+    if mode == "selective":
+        attention = 2 * d + 2 * q + 2 * kv  # input, q k v, attention output, its projection
+        if cfg.is_moe:
+            return attention + cfg.n_experts + cfg.top_k * (2 * cfg.expert_dim + d) + d
+        return attention + 2 * cfg.ffn_dim + d
     attention = 2 * d + 2 * q + 2 * kv
     if cfg.is_moe:
         mlp = 2 * d + 2 * cfg.n_experts + cfg.top_k * (2 * d + 4 * cfg.expert_dim)
@@ -80,16 +113,27 @@ def layer_activation_elements(cfg: ModelConfig) -> int:
     return attention + mlp
 
 
-def activation_bytes(cfg: ModelConfig, seq_len: int, checkpointing: bool) -> float:
-    """Activation bytes of one sequence (micro-batch of 1) of ``seq_len`` tokens."""
+def activation_bytes(cfg: ModelConfig, seq_len: int, checkpointing=False) -> float:
+    """Activation bytes of one sequence (micro-batch of 1) of ``seq_len`` tokens under
+    ``checkpointing`` (any `compute.activation_checkpointing` value; True is full)."""
+    mode, which = checkpointed_blocks(checkpointing, cfg.n_layers)
     layer = layer_activation_elements(cfg)
     d = cfg.d_model
-    if checkpointing:
-        kept = cfg.n_layers * d + layer
+    if mode == "selective":
+        kept = cfg.n_layers * layer_activation_elements(cfg, "selective") + layer  # + one block's recompute
+    elif mode == "full":
+        kept = (cfg.n_layers - len(which)) * layer + len(which) * d + (layer if which else 0)
     else:
         kept = cfg.n_layers * layer
     per_token = (kept + 3 * d) * ACT_BYTES  # + final norm input (2d) and the loss's input gradient (d)
     return float(per_token * seq_len)
+
+
+def fixed_bytes(total_params: int | float, cfg: ModelConfig, n_devices: int, expert_parallel: int = 1) -> float:
+    """Bytes per GPU that do not depend on the micro-batch: sharded model states, the gathered
+    FSDP units and the loss's workspace."""
+    return (float(total_params) * BYTES_PER_PARAM / n_devices + 2 * 4 * largest_unit_params(cfg, expert_parallel)
+            + loss_workspace_bytes(cfg))
 
 
 def loss_workspace_bytes(cfg: ModelConfig) -> float:
@@ -124,13 +168,14 @@ def memory_plan(
     n_devices: int,
     gpu_memory: float,
     micro_batch: int | None = None,
-    activation_checkpointing: bool | None = None,
+    activation_checkpointing=None,
     expert_parallel: int = 1,
 ) -> dict:
     """Per-GPU memory, fit check and micro-batch suggestion under full sharding.
 
     ``cfg`` None (a nominal parameter count) estimates model states only.
-    ``activation_checkpointing`` None picks: off if micro-batch 1 fits without it.
+    ``activation_checkpointing``: a `compute.activation_checkpointing` value (false, true/full,
+    selective, N); None picks: off if micro-batch 1 fits without it, else full.
     """
     states_total = float(total_params) * BYTES_PER_PARAM
     states = states_total / n_devices
@@ -160,10 +205,10 @@ def memory_plan(
     max_mb = {k: _max_batch(free, v) for k, v in act.items()}
     if activation_checkpointing is None:
         activation_checkpointing = max_mb["no_ac"] < 1
-    key = "ac" if activation_checkpointing else "no_ac"
-    suggested = min(_pow2_floor(max_mb[key]), MAX_SUGGESTED_MICRO_BATCH) or None
+    chosen = activation_bytes(cfg, seq_len, activation_checkpointing)
+    suggested = min(_pow2_floor(_max_batch(free, chosen)), MAX_SUGGESTED_MICRO_BATCH) or None
     mb = micro_batch or suggested or 1
-    total = states + gathered + loss + mb * act[key]
+    total = states + gathered + loss + mb * chosen
     # GPUs needed for micro-batch 1 with checkpointing: shards shrink, the rest does not.
     room = usable - gathered - loss - act["ac"]
     out.update(

@@ -14,8 +14,9 @@ from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
 from lmforge.estimate.comm import moe_traffic
 from lmforge.estimate.flops import DEFAULT_VOCAB, flops_per_token, param_counts
-from lmforge.estimate.hardware import GPUSpec, get_gpu_type, peak_flops
+from lmforge.estimate.hardware import GPUSpec, get_gpu_type, mfu_basis, peak_flops
 from lmforge.estimate.memory import memory_plan
+from lmforge.estimate.micro_batch import Choice, checkpointing_label, choose
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
 DEFAULT_SEQ_LEN = 2048
@@ -52,8 +53,8 @@ class EstimateInputs:
     active_params: float | None = None
     vocab_size: int | None = None
     precision: str = "bf16"
-    micro_batch: int | None = None
-    activation_checkpointing: bool | None = None
+    micro_batch: int | str | None = None  # "auto": what `micro_batch_size: auto` chooses (modelled)
+    activation_checkpointing: bool | str | int | None = None
     spec: GPUSpec | None = None
     expert_parallel: int = 1
     grad_accum: int = 1
@@ -62,8 +63,9 @@ class EstimateInputs:
 def _check_inputs(x: EstimateInputs) -> None:
     if not 0 < x.mfu <= 1:
         raise UserError(f"--mfu: expected a fraction in (0, 1], got {x.mfu}")
+    micro = None if x.micro_batch == "auto" else x.micro_batch
     for value, name in ((x.tokens, "--tokens"), (x.gpus, "--gpus"), (x.nodes, "--nodes"),
-                        (x.seq_len, "--seq-len"), (x.micro_batch, "--micro-batch"),
+                        (x.seq_len, "--seq-len"), (micro, "--micro-batch"),
                         (x.vocab_size, "--vocab-size"), (x.active_params, "--active-params")):
         _check_positive(value, name)
     if x.price is not None and x.price < 0:
@@ -115,8 +117,11 @@ def estimate_run(x: EstimateInputs) -> dict:
     # MFU is on the standard basis (6·N_active + attention), as the trainer logs it.
     seconds = (training_flops + attention_flops) / (x.mfu * peak * n)
     gpu_hours = seconds * n / 3600
-    memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes, micro_batch=x.micro_batch,
-                         activation_checkpointing=x.activation_checkpointing, expert_parallel=x.expert_parallel)
+    choice = _auto_micro_batch(x, cfg, seq_len, spec, n) if x.micro_batch == "auto" else None
+    micro_batch, checkpointing = (choice.micro_batch, choice.checkpointing) if choice else \
+        (x.micro_batch, x.activation_checkpointing)
+    memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch,
+                         activation_checkpointing=checkpointing, expert_parallel=x.expert_parallel)
     return {
         "model": {"name": name, "shape": cfg.model_dump(exclude_none=True) if cfg else None,
                   "vocab_size": cfg.vocab_size if cfg else None},
@@ -138,9 +143,21 @@ def estimate_run(x: EstimateInputs) -> dict:
         },
         "cost": {"price_per_gpu_hour": x.price, "total": gpu_hours * x.price if x.price is not None else None},
         "memory": memory,
+        "micro_batch_choice": choice.reason if choice else None,
         "moe_traffic": _moe_traffic(cfg, memory, seq_len, x, n),
         "notes": notes,
     }
+
+
+def _auto_micro_batch(x: EstimateInputs, cfg: ModelConfig | None, seq_len: int, spec: GPUSpec,
+                      n: int) -> Choice:
+    """--micro-batch auto: the micro-batch and checkpointing mode a run would choose here (modelled)."""
+    if cfg is None:
+        raise UserError("--micro-batch auto: needs a model shape (--model), not a nominal --params")
+    return choose(cfg, seq_len, n_devices=n, gpu_memory=spec.memory_bytes,
+                  peak_flops=peak_flops(spec, mfu_basis(x.precision)), where=f"{n} × {spec.name}",
+                  checkpointing="auto" if x.activation_checkpointing is None else x.activation_checkpointing,
+                  expert_parallel=x.expert_parallel)
 
 
 def _moe_traffic(cfg: ModelConfig | None, memory: dict, seq_len: int, x: EstimateInputs, n: int) -> dict | None:
@@ -272,7 +289,9 @@ def format_plan(plan: dict) -> str:
             rows.append(("MoE traffic", f"{without} {per}; --expert-parallel N trades them for an all-to-all "
                                         "of the routed tokens"))
     verdict = "fits" if m["fits"] else "DOES NOT FIT"
-    if m["suggested_micro_batch"]:
+    if plan.get("micro_batch_choice"):
+        verdict += f"; micro-batch {m['micro_batch']} with {checkpointing_label(m['activation_checkpointing'])} (auto)"
+    elif m["suggested_micro_batch"]:
         verdict += (f"; suggested micro-batch {m['suggested_micro_batch']}"
                     f"{' with activation checkpointing' if m['activation_checkpointing'] else ''}")
     rows.append(("fits", f"{verdict}; total {_bytes(m['total_bytes_per_gpu'])} per GPU"))
@@ -281,6 +300,8 @@ def format_plan(plan: dict) -> str:
     buf = io.StringIO()
     Console(file=buf, width=110, color_system=None, force_terminal=False).print(table)
     text = "\n".join(line.rstrip() for line in buf.getvalue().strip("\n").splitlines()) + "\n"
+    if plan.get("micro_batch_choice"):
+        text += plan["micro_batch_choice"] + "\n"
     for note in plan["notes"]:
         text += f"note: {note}\n"
     return text

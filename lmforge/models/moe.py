@@ -14,7 +14,10 @@ The layer is kept in three steps, with the expert-parallel exchange between them
 
 Compile-clean: routing, counting and sorting have static shapes (no `bincount`, no host sync),
 and the experts run as grouped GEMMs (`models.grouped_mm`, CPU and CUDA) on the unpadded sorted
-rows, so one MoE block is one graph. (Eager on the CPU a loop of plain per-expert GEMMs is
+rows, so one MoE block is one graph. FP8 experts (`GroupedExperts.fp8`, torchao's rowwise
+grouped GEMM on sm90) want each expert's rows in a multiple of 16: `dispatch` then pads each
+group in the same gather that sorts the rows (``MoE.align``), to a static bound, still without a
+host sync. (Eager on the CPU a loop of plain per-expert GEMMs is
 faster, and is used there.) Only expert parallelism breaks it: `all_to_all_single` takes
 its split sizes as Python ints (one host sync) and the rows a rank receives vary, so the
 exchange and the experts' GEMMs on the received rows run eagerly between two compiled graphs.
@@ -103,19 +106,38 @@ def router_entropy(routing: Routing, logits: torch.Tensor) -> torch.Tensor:
 class Slots(NamedTuple):
     """Where `dispatch` put the N·k token slots (flat slot = token·k + j) when it sorted them by expert."""
 
-    order: torch.Tensor  # [N·k]: sorted row r holds flat slot order[r]
+    order: torch.Tensor  # [R]: sorted row r holds flat slot order[r] (N·k: a padding row, zeros)
     inverse: torch.Tensor  # [N·k]: flat slot s is sorted row inverse[s]
+    sizes: torch.Tensor  # [E]: rows of each expert's group, padding included; they sum to R
+    padded: bool  # whether there are padding rows (R > N·k)
 
 
-def dispatch(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, Slots]:
-    """Sort the N·k token slots by expert: -> (x_sorted [N·k, d], where the slots went).
+def dispatch(x: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor, align: int = 1
+             ) -> tuple[torch.Tensor, Slots]:
+    """Sort the N·k token slots by expert: -> (x_sorted [R, d], where the slots went).
 
-    Stable: deterministic, token order kept within each expert.
+    Stable: deterministic, token order kept within each expert. ``align`` > 1 (FP8 grouped GEMMs
+    want groups of a multiple of 16 rows) starts each expert's group at a multiple of ``align``
+    and pads it with zero rows, in the same gather (no second pass, no host sync): R is the
+    static bound N·k + E·(align − 1) rounded up to ``align``, and the last group takes the rows
+    left over, so every row belongs to a group and none is left uninitialized.
     """
-    order = torch.argsort(experts.reshape(-1), stable=True)
-    # The inverse permutation is a scatter of positions (linear, no second sort).
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return _SlotRows.apply(x, order, inverse, experts.shape[1]), Slots(order, inverse)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    k = experts.shape[1]
+    if align == 1:
+        # The inverse permutation is a scatter of positions (linear, no second sort).
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return _SlotRows.apply(x, order, inverse, k, False), Slots(order, inverse, counts, False)
+    n_slots, n_experts = flat.numel(), counts.numel()
+    rows = -(-(n_slots + n_experts * (align - 1)) // align) * align
+    padded = (counts + align - 1) // align * align
+    shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)  # each group's start moves by this
+    position = torch.arange(n_slots, device=flat.device) + shift.index_select(0, flat.index_select(0, order))
+    inverse = torch.empty_like(order).scatter_(0, order, position)
+    row_order = torch.full((rows,), n_slots, dtype=order.dtype, device=order.device).scatter_(0, position, order)
+    sizes = torch.cat([padded[:-1], (rows - padded[:-1].sum()).view(1)])
+    return _SlotRows.apply(x, row_order, inverse, k, True), Slots(row_order, inverse, sizes, True)
 
 
 def _gather_sum(rows: torch.Tensor, inverse: torch.Tensor, k: int, weights: torch.Tensor | None = None,
@@ -145,7 +167,8 @@ def _gather_sum(rows: torch.Tensor, inverse: torch.Tensor, k: int, weights: torc
 
 
 class _SlotRows(torch.autograd.Function):
-    """x [N, d] -> x[order // k], its rows for the N·k slots in sorted order.
+    """x [N, d] -> x[order // k], its rows for the N·k slots in sorted order (padded: a padding
+    row's slot N·k is token N, a zero row appended to x).
 
     Autograd's own backward for that gather is an accumulating scatter of N·k rows into N, which
     on the CPU runs serially — and with two threads several times slower than with one (2.6 ms
@@ -154,20 +177,26 @@ class _SlotRows(torch.autograd.Function):
     parallel, and deterministic on every device, compiled or not (no atomic adds)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int,
+                padded: bool) -> torch.Tensor:
         ctx.save_for_backward(inverse)
         ctx.k = k
-        return x.index_select(0, order // k)
+        return _with_zero_row(x, padded).index_select(0, order // k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        return _gather_sum(grad, inverse, ctx.k), None, None, None
+        return _gather_sum(grad, inverse, ctx.k), None, None, None, None
+
+
+def _with_zero_row(t: torch.Tensor, padded: bool) -> torch.Tensor:
+    """``t`` with one zero row (a zero element, for a vector) appended where padding rows index it."""
+    return torch.cat([t, t.new_zeros((1, *t.shape[1:]))]) if padded else t
 
 
 def combine(y_sorted: torch.Tensor, slots: Slots, weights: torch.Tensor) -> torch.Tensor:
     """Inverse of `dispatch`: un-permute rows, then each token's weighted sum over its k slots."""
-    return _Combine.apply(y_sorted, slots.order, slots.inverse, weights)
+    return _Combine.apply(y_sorted, slots.order, slots.inverse, weights, slots.padded)
 
 
 class _Combine(torch.autograd.Function):
@@ -183,21 +212,23 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_sorted: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
+                weights: torch.Tensor, padded: bool) -> torch.Tensor:
         k = weights.shape[1]
         w = weights.to(y_sorted.dtype)
         ctx.save_for_backward(y_sorted, order, inverse, w)
-        ctx.weights_dtype = weights.dtype
+        ctx.weights_dtype, ctx.padded = weights.dtype, padded
         return _gather_sum(y_sorted, inverse, k, w)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         y_sorted, order, inverse, w = ctx.saved_tensors
         n, k = w.shape
-        grad_sorted = grad.index_select(0, order // k)  # [N·k, d]: each sorted row's token's gradient
+        padded = ctx.padded  # padding rows: token N and weight 0 (appended), so their gradient is 0
+        grad_sorted = _with_zero_row(grad, padded).index_select(0, order // k)  # each row's token's gradient
         grad_w = torch.linalg.vecdot(y_sorted, grad_sorted).index_select(0, inverse).view(n, k)
-        grad_y = grad_sorted.mul_(w.reshape(-1).index_select(0, order).unsqueeze(1))
-        return grad_y, None, None, grad_w.to(ctx.weights_dtype)
+        row_w = _with_zero_row(w.reshape(-1), padded).index_select(0, order)
+        grad_y = grad_sorted.mul_(row_w.unsqueeze(1))
+        return grad_y, None, None, grad_w.to(ctx.weights_dtype), None
 
 
 # --------------------------------------------------------------------------- expert parallelism
@@ -271,6 +302,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.fp8 = False  # FP8 grouped GEMMs (`distributed.float8`, parameters.fp8_experts)
 
     def takes_grouped(self, dtype: torch.dtype, device_type: str) -> bool:
         """Whether the grouped kernel takes these experts in this compute dtype on this device
@@ -294,10 +326,25 @@ class GroupedExperts(nn.Module):
             grouped = (x.is_cuda or torch.compiler.is_compiling()) and self.takes_grouped(dtype, x.device.type)
         if not grouped:
             return _loop(x, counts, w13, w2)
-        # Unpadded: expert e's rows are offs[e-1]:offs[e], whatever their alignment.
+        # Expert e's rows are offs[e-1]:offs[e], whatever their alignment (16 for FP8, `dispatch`).
         offs = counts.cumsum(0).to(torch.int32)
-        gate, up = gmm.grouped_mm(x, w13, offs).chunk(2, dim=-1)
-        return gmm.grouped_mm(F.silu(gate) * up, w2, offs)
+        mm = _fp8_grouped_mm if self.fp8 else gmm.grouped_mm
+        gate, up = mm(x, w13, offs).chunk(2, dim=-1)
+        return mm(F.silu(gate) * up, w2, offs)
+
+
+FP8_ROW_ALIGN = 16  # rows of an expert's group for FP8 grouped GEMMs (torch._scaled_grouped_mm)
+
+
+def _fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm.grouped_mm` in FP8 with rowwise scales (torchao's prototype, sm90): x [R, k] in
+    groups of a multiple of 16 rows, w [G, k, n] -> [R, n] bf16. The kernel wants the weight
+    column-major: one copy in that layout (fused with the cast to bf16 when compiled)."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    w_col = w.transpose(-2, -1).contiguous().transpose(-2, -1)
+    return _to_fp8_rowwise_then_scaled_grouped_mm(x, w_col, offs, out_dtype=torch.bfloat16,
+                                                  pad_token_groups_for_grouped_mm=False)
 
 
 @torch.compiler.disable  # data-dependent slice sizes: kept out of compiled graphs
@@ -377,6 +424,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, cfg.expert_dim)
         self.grouped: bool | None = None  # None = auto; tests force either path
+        self.align = 1  # rows of each expert's group padded to a multiple of this (FP8 experts: 16)
         self.ep_group: td.ProcessGroup | None = None
 
     @torch.no_grad()
@@ -394,9 +442,9 @@ class MoE(nn.Module):
         logits = self.router(router_in)
         routing = route(logits, self.top_k)
         counts = expert_counts(routing.experts, self.n_experts)
-        x_sorted, slots = dispatch(x, routing.experts)
+        x_sorted, slots = dispatch(x, routing.experts, counts, self.align)
         if self.ep_group is None:
-            y_sorted = self.experts(x_sorted, counts, self.grouped)
+            y_sorted = self.experts(x_sorted, slots.sizes, self.grouped)
         else:
             y_sorted = self._expert_parallel(x_sorted, counts)
         y = combine(y_sorted, slots, routing.weights)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from lmforge.config.model import ModelConfig
+from lmforge.config.schema import RunConfig
 from lmforge.estimate.hardware import GPUSpec, get_gpu_type
 
 T = TypeVar("T")
@@ -35,6 +36,11 @@ class Probe(Protocol):
         """Training tokens/s of one device for this shape: the cached measurement, else (``measure``)
         a fresh one; None where neither exists."""
 
+    def micro_batch_tokens_per_s(self, cfg: RunConfig, context_length: int, micro_batch: int, checkpointing, *,
+                                 precision: str) -> float | None:
+        """The whole model's training tokens/s at this micro-batch and checkpointing mode, measured
+        here (a GPU times a slice of the model); None where nothing is measured."""
+
     def on_main(self, fn: Callable[[], T]) -> T:
         """``fn()`` on rank 0; its result (or its UserError) on every rank."""
 
@@ -45,6 +51,9 @@ class NoProbe:
     measures = False
 
     def tokens_per_s(self, model, context_length, micro_batch, *, precision, optimizer, measure):
+        return None
+
+    def micro_batch_tokens_per_s(self, cfg, context_length, micro_batch, checkpointing, *, precision):
         return None
 
     def on_main(self, fn):
@@ -60,6 +69,7 @@ class Machine:
     world_size: int = 1  # ranks, all nodes
     bf16: bool = False  # bf16 matmuls run natively (what `precision: auto` chooses)
     fp8_problem: str | None = NO_FP8  # the line refusing `precision: fp8` here; None: FP8 can run
+    fp8_experts_problem: str | None = NO_FP8  # the same for FP8 grouped GEMMs (`parameters.fp8_experts`)
     probe: Probe = field(default_factory=NoProbe, compare=False)
 
     @property
@@ -78,4 +88,4 @@ def nominal_machine(gpu_type: str = "h100-sxm", devices: int = 1) -> Machine:
     if gpu_type == "cpu":
         return Machine("cpu", spec, devices, bf16=False)
     fp8 = None if spec.fp8 else f"parameters.precision: fp8 needs FP8 tensor cores, which {spec.name} lacks (use bf16)"
-    return Machine("cuda", spec, devices, bf16=True, fp8_problem=fp8)
+    return Machine("cuda", spec, devices, bf16=True, fp8_problem=fp8, fp8_experts_problem=fp8)

@@ -19,7 +19,7 @@ from lmforge.data.pieces import training_context
 from lmforge.errors import UserError
 from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
 from lmforge.estimate.hardware import mfu_basis, peak_flops
-from lmforge.estimate.memory import memory_plan
+from lmforge.estimate.micro_batch import choose
 from lmforge.estimate.plan import EstimateInputs
 from lmforge.resolve.machine import Machine
 from lmforge.resolve.schedule import Schedule
@@ -46,6 +46,8 @@ class TrainPlan:
     step_time_s: float  # expected seconds per optimizer step: measured on this machine, else estimated
     phase_steps: list[int] | None = None  # curriculum: the optimizer step at which each phase but the last ends
     model_flops_per_token: float = 0.0  # the dense term alone: 6·N_active (LoRA: 4·N_active + 6·N_adapters)
+    activation_checkpointing: bool | str | int = False  # the mode `parallelize` applies (`auto` resolved)
+    micro_batch_reason: str | None = None  # the line saying how micro-batch and checkpointing were chosen
 
     @property
     def tokens_per_step(self) -> int:
@@ -76,12 +78,33 @@ def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int
     raise UserError(f"{what}: unsupported unit {d.unit!r}")
 
 
-def _gpu_micro_batch(cfg: RunConfig, ctx: int, machine: Machine) -> int:
-    """Largest micro-batch the memory model says fits on this GPU (activations + sharded states)."""
-    sharded = cfg.compute.data_parallel in ("fsdp", "hsdp")
-    plan = memory_plan(param_counts(cfg.model)["total"], cfg.model, ctx, machine.world_size if sharded else 1,
-                       machine.memory_bytes, activation_checkpointing=bool(cfg.compute.activation_checkpointing))
-    return plan["suggested_micro_batch"] or 1
+def micro_batch_and_checkpointing(cfg: RunConfig, ctx: int, gbs: int, machine: Machine,
+                                  precision: str) -> tuple[int, object, str | None]:
+    """(micro-batch, activation-checkpointing mode, the line saying why — None where nothing was
+    chosen). ``micro_batch_size: auto`` / ``activation_checkpointing: auto`` on GPUs: the pair with
+    the most tokens/s that fits (`estimate.micro_batch`: memory first, then the machine's probe,
+    or the model where nothing is measured); on a CPU today's rule (the largest divisor of the
+    rank's batch up to 8, no checkpointing)."""
+    p, c, world = cfg.parameters, cfg.compute, machine.world_size
+    auto_micro, auto_ac = p.micro_batch_size == "auto", c.activation_checkpointing == "auto"
+    if auto_micro:
+        check_batch_split(gbs, None, world)
+    if machine.device == "cpu" or not (auto_micro or auto_ac):
+        micro = micro_batch_for(gbs // world, 8) if auto_micro else int(p.micro_batch_size)
+        return micro, (False if auto_ac else c.activation_checkpointing), None
+    devices = world if c.data_parallel in ("fsdp", "hsdp") else 1  # what the model's states are sharded over
+
+    def measure(cand) -> float | None:
+        return machine.probe.micro_batch_tokens_per_s(cfg, ctx, cand.micro_batch, cand.checkpointing,
+                                                      precision=precision)
+
+    choice = choose(cfg.model, ctx, n_devices=devices, gpu_memory=machine.memory_bytes,
+                    peak_flops=peak_flops(machine.spec, mfu_basis(precision)),
+                    where=f"{devices} × {machine.spec.description or machine.spec.name}", per_rank=gbs // world,
+                    micro_batch=None if auto_micro else int(p.micro_batch_size), checkpointing=c.activation_checkpointing,
+                    expert_parallel=c.expert_parallel, measure=measure if auto_micro and machine.probe.measures else None,
+                    measured_as="measured (a slice of the model, scaled to it)")
+    return choice.micro_batch, choice.checkpointing, choice.reason
 
 
 def check_context(ctx: int, data_seq_len: int | None) -> None:
@@ -103,8 +126,8 @@ def check_batch_split(gbs: int, micro: int | None, world_size: int) -> None:
                         f"× ranks ({world_size}) = {micro * world_size}")
 
 
-def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None, data_seq_len: int | None,
-              micro_batch_hint: int | None = None) -> TrainPlan:
+def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None,
+              data_seq_len: int | None) -> TrainPlan:
     """Fill every default; raises UserError for impossible combinations."""
     p = cfg.parameters
     world = machine.world_size
@@ -114,12 +137,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     precision = plan_precision(cfg, machine)
     fpt = mfu_flops_per_token(cfg.model, ctx, cfg.lora)
     gbs = _global_batch(cfg, ctx, machine, precision, samples_per_epoch, fpt)
-    if p.micro_batch_size == "auto":
-        check_batch_split(gbs, None, world)
-        cap = 8 if machine.device == "cpu" else (micro_batch_hint or _gpu_micro_batch(cfg, ctx, machine))
-        micro = micro_batch_for(gbs // world, cap)
-    else:
-        micro = int(p.micro_batch_size)
+    micro, checkpointing, micro_reason = micro_batch_and_checkpointing(cfg, ctx, gbs, machine, precision)
     check_batch_split(gbs, micro, world)
 
     def steps(d: Duration, what: str) -> int | None:
@@ -147,6 +165,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
         precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
         phase_steps=curriculum_steps(cfg, total, gbs=gbs, ctx=ctx) if cfg.curriculum else None,
         model_flops_per_token=flops_per_token(cfg.model, ctx, cfg.lora)["dense"],
+        activation_checkpointing=checkpointing, micro_batch_reason=micro_reason,
     )
 
 
@@ -159,6 +178,8 @@ def plan_precision(cfg: RunConfig, machine: Machine) -> str:
         raise UserError(f"parameters.precision: bf16 is not supported on {machine.spec.description or machine.device}")
     if precision == "fp8" and machine.fp8_problem:  # one clear line, never a silent fallback
         raise UserError(machine.fp8_problem)
+    if precision == "fp8" and cfg.parameters.fp8_experts and machine.fp8_experts_problem:
+        raise UserError(machine.fp8_experts_problem)
     return precision
 
 
@@ -287,6 +308,7 @@ def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
     if plan.icl_interval:
         data["eval"]["icl_interval"] = f"{plan.icl_interval}ba"
     data["save_interval"] = f"{plan.save_interval}ba"
+    data["compute"]["activation_checkpointing"] = plan.activation_checkpointing
     return RunConfig.model_validate(data)
 
 

@@ -13,10 +13,12 @@ import torch
 
 from lmforge.config.model import ModelConfig
 from lmforge.distributed.dist import DistInfo, broadcast_object
-from lmforge.distributed.float8 import check_fp8_supported
+from lmforge.config.schema import RunConfig
+from lmforge.distributed.float8 import FP8Options, check_fp8_supported
 from lmforge.errors import PeerUserError, UserError
 from lmforge.estimate.hardware import detect_device_spec
 from lmforge.resolve.machine import Machine
+from lmforge.train.micro_batch import probe_tokens_per_s
 from lmforge.train.throughput import cached_tokens_per_s, measure_tokens_per_s
 
 
@@ -31,10 +33,11 @@ def bf16_supported(device: torch.device) -> bool:
     return False
 
 
-def fp8_problem(device: torch.device) -> str | None:
-    """The line refusing FP8 training on this device and install, None where it can run."""
+def fp8_problem(device: torch.device, experts: bool = False) -> str | None:
+    """The line refusing FP8 training (``experts``: FP8 grouped GEMMs too) on this device and
+    install, None where it can run."""
     try:
-        check_fp8_supported(device)
+        check_fp8_supported(device, experts=experts)
     except UserError as e:
         return str(e)
     return None
@@ -57,6 +60,13 @@ class LocalProbe:
             return measure_tokens_per_s(model, context_length, micro_batch, **kw)
         except torch.OutOfMemoryError:
             return 1e-9  # does not fit: never chosen
+
+    def micro_batch_tokens_per_s(self, cfg: RunConfig, context_length: int, micro_batch: int, checkpointing, *,
+                                 precision: str) -> float | None:
+        if self.device.type != "cuda":
+            return None  # a CPU keeps its fixed rule (`resolve.plan.micro_batch_and_checkpointing`)
+        return probe_tokens_per_s(cfg.model, context_length, micro_batch, checkpointing, precision=precision,
+                                  fp8=FP8Options.of(cfg.parameters), compile_=cfg.compute.compile, device=self.device)
 
     def on_main(self, fn):
         if self.dist is None or not self.dist.distributed:
@@ -81,7 +91,7 @@ def local_machine(device: torch.device, world_size: int = 1, dist: DistInfo | No
     if device.type == "cuda":  # what this card really has (the table's is the nominal size)
         spec = replace(spec, memory_bytes=float(torch.cuda.get_device_properties(device).total_memory))
     return Machine(device.type, spec, world_size, bf16=bf16_supported(device), fp8_problem=fp8_problem(device),
-                   probe=LocalProbe(device, dist))
+                   fp8_experts_problem=fp8_problem(device, experts=True), probe=LocalProbe(device, dist))
 
 
 def process_machine(dist: DistInfo) -> Machine:

@@ -40,7 +40,7 @@ from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
-from lmforge.distributed.float8 import after_optimizer_step
+from lmforge.distributed.float8 import FP8Options, after_optimizer_step
 from lmforge.distributed.parallelize import (SHARDED, clip_grad_norm, compile_enabled, device_value, full_state_dict,
                                              is_sharded, materialize, no_grad_sync, parallelize)
 from lmforge.errors import UserError
@@ -206,7 +206,7 @@ class Trainer:
             if cfg.custom_weights_path and from_weights:
                 self._load_custom_weights(model)
             apply_lora(model, cfg.lora, log=self.log)  # frozen base + adapters; no-op without `lora:`
-        options = dict(precision=self.plan.precision, fp8_recipe=cfg.parameters.fp8_recipe)
+        options = dict(precision=self.plan.precision, fp8=FP8Options.of(cfg.parameters))
         if not self.sharded:
             return model, parallelize(model, cfg.compute, self.dist, **options)
         full = model.state_dict() if model is not None else None

@@ -1,0 +1,170 @@
+"""`parameters.micro_batch_size: auto` on GPUs: the micro-batch and the checkpointing mode chosen
+together from the memory model, then by measured speed (`estimate.micro_batch`, `train.micro_batch`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from lmforge.config.model import ModelConfig, get_preset
+from lmforge.errors import UserError
+from lmforge.estimate.hardware import GPU_TYPES
+from lmforge.estimate.flops import param_counts
+from lmforge.estimate.memory import MARGIN, RESERVED_BYTES, activation_bytes, fixed_bytes, usable_bytes
+from lmforge.estimate.micro_batch import MODES, PROBED, choose
+from train_helpers import lmforge
+
+H100 = GPU_TYPES["h100-sxm"]
+LLAMA_3B = get_preset("llama-3b").model_copy(update={"vocab_size": 32000})
+LLAMA_8B = ModelConfig(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=128256,
+                       max_seq_len=8192)
+
+
+def _choose(cfg=LLAMA_3B, seq=2048, n=1, **kw):
+    return choose(cfg, seq, n_devices=n, gpu_memory=H100.memory_bytes, peak_flops=H100.bf16, where=f"{n} × h100",
+                  **kw)
+
+
+def test_each_checkpointing_mode_keeps_less():
+    none, selective, every2, full = (activation_bytes(LLAMA_3B, 2048, m) for m in MODES)
+    assert none > selective > every2 > full > 0
+    assert activation_bytes(LLAMA_3B, 2048, "auto") == none  # unresolved auto: no checkpointing
+    assert activation_bytes(LLAMA_3B, 2048, 64) == none  # every 64th of 28 blocks: none of them
+    assert activation_bytes(LLAMA_3B, 2048, True) == full
+
+
+def test_auto_takes_the_fastest_candidate_that_fits():
+    choice = _choose()
+    usable = usable_bytes(H100.memory_bytes)
+    assert {c.checkpointing for c in choice.candidates} == set(MODES)  # one candidate per mode
+    assert all(c.bytes_per_gpu <= usable for c in choice.candidates)
+    by_mode = {c.checkpointing: c for c in choice.candidates}
+    assert by_mode["full"].micro_batch > by_mode[2].micro_batch > by_mode[False].micro_batch >= 1
+    assert (choice.micro_batch, choice.checkpointing) == (choice.best.micro_batch, choice.best.checkpointing)
+    assert choice.best.modelled_tokens_per_s >= max(c.modelled_tokens_per_s for c in choice.candidates) * 0.98
+    assert not choice.measured and "modelled" in choice.reason and "\n" not in choice.reason
+    # Where memory leaves room for one short sequence without checkpointing (1,024 GEMM rows),
+    # a checkpointing mode's larger micro-batch wins despite its recompute.
+    fixed = fixed_bytes(param_counts(LLAMA_3B)["total"], LLAMA_3B, 1)
+    tight = (fixed + 1.5 * activation_bytes(LLAMA_3B, 1024, False) + RESERVED_BYTES) / (1 - MARGIN)
+    choice = choose(LLAMA_3B, 1024, n_devices=1, gpu_memory=tight, peak_flops=H100.bf16, where="1 × h100")
+    assert {c.checkpointing: c.micro_batch for c in choice.candidates}[False] == 1
+    assert choice.checkpointing is not False and choice.micro_batch > 1, choice.reason
+
+
+def test_a_probe_decides_among_the_models_first_candidates():
+    timed = []
+
+    def probe(c):  # as if the GPU ran full checkpointing fastest, and the rest at the model's rate
+        timed.append(c.label)
+        return c.modelled_tokens_per_s * (3.0 if c.checkpointing == "full" else 1.0)
+
+    ranked = [c.checkpointing for c in _choose().candidates]
+    choice = _choose(measure=probe, measured_as="measured here")
+    assert len(timed) == PROBED
+    if "full" in ranked[:PROBED]:
+        assert choice.checkpointing == "full" and choice.measured and "measured here" in choice.reason
+    # a candidate the probe cannot run (out of memory) is never chosen
+    choice = _choose(measure=lambda c: None if c.checkpointing == ranked[0] else c.modelled_tokens_per_s)
+    assert choice.checkpointing != ranked[0]
+
+
+def test_what_the_config_sets_is_kept():
+    assert {c.checkpointing for c in _choose(checkpointing="full").candidates} == {"full"}
+    assert all(c.micro_batch == 1 for c in _choose(micro_batch=1).candidates)
+    assert all(12 % c.micro_batch == 0 for c in _choose(per_rank=12).candidates)  # divides the rank's batch
+
+
+def test_nothing_fits_says_the_smallest_footprint_and_the_remedy():
+    with pytest.raises(UserError, match=r"nothing fits on 1 × h100: the smallest footprint, micro-batch 1 with full "
+                                        r"checkpointing, needs .* GB per GPU .*use at least \d+ GPUs"):
+        _choose(LLAMA_8B)
+    with pytest.raises(UserError, match=r"compute.activation_checkpointing: full .*shorter parameters.context_length"):
+        _choose(checkpointing=False, seq=16384)
+
+
+def test_estimate_shows_the_choice_without_a_gpu():
+    from lmforge.estimate.plan import EstimateInputs, estimate_run, format_plan
+
+    plan = estimate_run(EstimateInputs(LLAMA_3B, 1e9, gpus=1, gpu_type="h100-sxm", seq_len=2048, micro_batch="auto"))
+    choice = choose(LLAMA_3B, 2048, n_devices=1, gpu_memory=H100.memory_bytes, peak_flops=H100.bf16,
+                    where="1 × h100-sxm")
+    assert plan["memory"]["micro_batch"] == choice.micro_batch
+    assert plan["memory"]["activation_checkpointing"] == choice.checkpointing and plan["memory"]["fits"]
+    assert plan["micro_batch_choice"] == choice.reason and choice.reason in format_plan(plan)
+
+
+@pytest.mark.e2e
+def test_estimate_cli_micro_batch_auto():
+    proc = lmforge("estimate", "--model", "llama-3b", "--gpu-type", "h100-sxm", "--gpus", "1", "--seq-len", "2048",
+                   "--micro-batch", "auto", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["micro_batch_choice"].startswith("parameters.micro_batch_size: auto → ")
+    proc = lmforge("estimate", "--model", "llama-3b", "--micro-batch", "many")
+    assert proc.returncode == 2 and "expected a positive integer or auto" in proc.stderr
+
+
+def test_a_cpu_run_keeps_todays_rule():
+    from lmforge.config.schema import RunConfig
+    from lmforge.resolve.plan import micro_batch_and_checkpointing
+    from lmforge.train.machine import local_machine
+
+    cpu = local_machine(torch.device("cpu"))
+    cfg = RunConfig.model_validate({"model": "llama-tiny", "train_data": "data",
+                                    "training_duration": "10ba"})
+    assert micro_batch_and_checkpointing(cfg, 64, 24, cpu, "fp32") == (8, False, None)
+    cfg = cfg.model_copy(update={"compute": cfg.compute.model_copy(update={"activation_checkpointing": "selective"})})
+    assert micro_batch_and_checkpointing(cfg, 64, 12, cpu, "fp32")[:2] == (6, "selective")
+
+
+def test_a_described_gpu_machine_models_its_choice():
+    """`--dry-run` planned for GPUs that are only described: the choice is modelled, said in one line,
+    and written into the resolved config's compute.activation_checkpointing."""
+    from lmforge.config.schema import RunConfig
+    from lmforge.resolve.machine import nominal_machine
+    from lmforge.resolve.plan import make_plan, resolved_config
+
+    cfg = RunConfig.model_validate({"model": {"preset": "llama-3b", "vocab_size": 32000}, "train_data": "data",
+                                    "training_duration": "100ba",
+                                    "parameters": {"global_batch_size": 16, "context_length": 2048}})
+    plan = make_plan(cfg, nominal_machine("h100-sxm", 1), samples_per_epoch=None, data_seq_len=None)
+    assert plan.micro_batch_reason.startswith("parameters.micro_batch_size: auto → ")
+    assert "modelled" in plan.micro_batch_reason and 16 % plan.micro_batch == 0
+    assert resolved_config(cfg, plan).compute.activation_checkpointing == plan.activation_checkpointing
+
+
+@pytest.mark.integration
+def test_the_probe_times_a_slice_and_caches_it():
+    """The probe's real path on the CPU (the GPU runs the same code compiled): a slice of the
+    model, forward + backward, scaled to the whole model; a second call reads the cache."""
+    from lmforge.home import cache_dir
+    from lmforge.train.micro_batch import probe_tokens_per_s
+
+    cfg = ModelConfig(d_model=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=256, max_seq_len=64)
+    first = probe_tokens_per_s(cfg, 64, 2, "selective", precision="fp32", compile_=False, device="cpu", layers=2,
+                               steps=2, warmup=1)
+    assert first > 0
+    folder = cache_dir("micro-batch")
+    (record,) = [json.load(open(os.path.join(folder, f))) for f in os.listdir(folder)]
+    assert record["layers"] == 2 and record["slice_tokens_per_s"] > first  # 6 blocks do more work than 2
+    assert probe_tokens_per_s(cfg, 64, 2, "selective", precision="fp32", compile_=False, device="cpu", layers=2,
+                              steps=2, warmup=1) == first
+
+
+@pytest.mark.gpu
+def test_a_gpu_run_probes_its_candidates():
+    """On CUDA: the candidates are timed (bf16; eager here, to keep the test short: a run compiles
+    them as it will train) and the choice says it was measured."""
+    from lmforge.config.schema import RunConfig
+    from lmforge.resolve.plan import micro_batch_and_checkpointing
+    from lmforge.train.machine import local_machine
+
+    cfg = RunConfig.model_validate({"model": {"d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+                                              "ffn_hidden": 512, "vocab_size": 512, "max_seq_len": 512},
+                                    "train_data": "data", "training_duration": "10ba", "compute": {"compile": False}})
+    micro, _, reason = micro_batch_and_checkpointing(cfg, 512, 64, local_machine(torch.device("cuda")), "bf16")
+    assert "measured" in reason and 64 % micro == 0, reason
+    assert torch.cuda.memory_allocated() < 2**30  # the probe's models are gone
