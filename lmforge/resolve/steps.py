@@ -58,8 +58,10 @@ def _pretrain(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
     cfg = _with_context(cfg, log)
     ctx = training_context(cfg.parameters.context_length, cfg.model.max_seq_len, data_seq_len)
     samples = data.epoch_pieces(ctx) if cfg.training_duration.unit == "ep" else None  # every piece once
-    plan = make_plan(cfg, machine, samples_per_epoch=samples, data_seq_len=data_seq_len)
-    for line in data.split_lines(plan.context_length):  # samples longer than the context (`data.pieces`)
+    # Rank 0 plans (on a GPU it may time micro-batch candidates); every rank takes its plan.
+    plan = machine.probe.on_main(lambda: make_plan(cfg, machine, samples_per_epoch=samples, data_seq_len=data_seq_len))
+    said = [plan.micro_batch_reason] if plan.micro_batch_reason else []  # how the micro-batch was chosen (GPUs)
+    for line in said + data.split_lines(plan.context_length):  # + samples longer than the context (`data.pieces`)
         log(line)
     if cfg.curriculum:
         data = replace(data, phases=_stream_phases(cfg, plan))
@@ -175,7 +177,9 @@ def _finetune(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
         f"{' (packed)' if cfg.sft.packing else ''}"
         + (f"; {rows.truncated} cut at the context length" if rows.truncated else "")
         + (f"; {rows.dropped} dropped (no response token fits)" if rows.dropped else ""))
-    plan = make_plan(cfg, machine, samples_per_epoch=len(rows), data_seq_len=seq_len)
+    plan = machine.probe.on_main(lambda: make_plan(cfg, machine, samples_per_epoch=len(rows), data_seq_len=seq_len))
+    if plan.micro_batch_reason:
+        log(plan.micro_batch_reason)
     data = SFTData(tokenizer.path, rows, eval_rows, chat_template=template.text if template else CHAT_TEMPLATE)
     return ResolvedRun(resolved_config(cfg, plan), plan, data, tokenizer)
 
