@@ -110,6 +110,7 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
     p = cfg.parameters
     model = cfg.model
     counts = param_counts(model)
+    world_size //= cfg.compute.context_parallel  # [long-context] batches split over data-parallel replicas only
     ctx = p.context_length or (min(model.max_seq_len, data_seq_len) if data_seq_len else model.max_seq_len)
     check_context(ctx, data_seq_len)
 

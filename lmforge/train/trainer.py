@@ -39,6 +39,7 @@ from lmforge.config.schema import RunConfig
 from lmforge.data.batch import Batch, StreamLayout, TrainingData
 from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
+from lmforge.distributed.context_parallel import check_context_parallel, data_parallel_rank, shard_rows
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.float8 import after_optimizer_step
@@ -160,16 +161,21 @@ class Trainer:
         self.icl = load_icl(self.cfg)  # bad task files fail before any training
         self.expert_health = ExpertHealth() if self.cfg.model.is_moe else None
 
+        cp = self.cfg.compute.context_parallel
+        check_context_parallel(cp, self.plan.context_length, self.cfg.model, device_type=self.device.type,
+                               packed_rows=self.cfg.parameters.document_masking or self.data.kind != "pretrain")
         resume_from, checked = self._claim_save_folder(overwrite)
         self.model, self.train_forward = self._build_model(from_weights=not resume_from)
+        self.sequence_group = self.model.sequence_group  # context parallelism: the ranks a row is split over
         p = self.cfg.parameters
         self.optimizer = build_optimizer(self.model, lr=self.plan.learning_rate, weight_decay=p.weight_decay,
                                          betas=tuple(p.betas), eps=p.eps, device_type=self.device.type,
                                          kind=p.optimizer)
         self._schedule_signature = self.plan.schedule.signature(self.plan.learning_rate)
+        replica, replicas = data_parallel_rank(dist.rank, dist.world_size, cp)  # a row's ranks read the same rows
         self.layout = StreamLayout(
             seq_len=self.plan.context_length, micro_batch=self.plan.micro_batch,
-            global_batch=self.plan.global_batch, rank=dist.rank, world_size=dist.world_size, seed=p.seed,
+            global_batch=self.plan.global_batch, rank=replica, world_size=replicas, seed=p.seed,
             num_workers=self.cfg.compute.num_workers, pin_memory=self.device.type == "cuda",
             document_eos=self.tokenizer.eos_id if p.document_masking and self.data.kind == "pretrain" else None)
         self.stream = self.data.train_stream(self.layout)
@@ -258,8 +264,9 @@ class Trainer:
 
         The loss is the mean over every trained-on target of the global batch: each micro-batch's
         summed cross-entropy is divided by the step's target count (all ranks' mean under data
-        parallelism, which averages gradients). Gradients are synchronized on the last
-        micro-batch only. Nothing here waits for the device: the returned loss and gradient
+        parallelism, which averages gradients; under context parallelism each rank computes its
+        part of the rows, `shard_rows`, against the same global count). Gradients are
+        synchronized on the last micro-batch only. Nothing here waits for the device: the returned loss and gradient
         norm are device tensors; a non-finite one is caught when they are read (`_read`: at
         the next log step or checkpoint, which it then never reaches).
         """
@@ -272,9 +279,9 @@ class Trainer:
         for i, batch in enumerate(batches):
             batch = batch.to(self.device)
             skip_sync = i < len(batches) - 1 and self.dist.distributed
-            with no_grad_sync(self.train_forward, skip=skip_sync):
+            with no_grad_sync(self.train_forward, skip=skip_sync), shard_rows(self.sequence_group, batch) as batch:
                 with self.autocast():
-                    out = self.train_forward(batch.input_ids, batch.targets, batch.doc_ids)
+                    out = self.train_forward(batch.input_ids, batch.targets, batch.doc_ids, batch.positions)
                 loss = out.ce_sum / norm
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss / len(batches)
@@ -297,13 +304,15 @@ class Trainer:
         return StepOutput(loss=loss.detach(), grad_norm=grad_norm.detach(), lr=lr, moe=moe)
 
     def _target_norm(self, batches: Sequence[Batch]) -> torch.Tensor | float:
-        """Targets per rank in this step, counted on the host copies of the batches (no device
-        wait). Pretraining rows all have the same count; fine-tuning rows differ, so their count
-        is summed over ranks (a device tensor; each rank divides by the mean)."""
+        """The step's targets over all ranks divided by the number of ranks, counted on the host
+        copies of the batches (no device wait). Pretraining rows all have the same count;
+        fine-tuning rows differ, so their count is summed over ranks (a device tensor). Under
+        context parallelism N ranks share each (whole, here) row: 1/N of its targets each."""
         count = torch.stack([b.num_targets() for b in batches]).sum()
+        cp = self.cfg.compute.context_parallel
         if self.data.kind != "pretrain" and self.dist.distributed:
-            return (all_reduce_sum(count.to(self.device, torch.float32)) / self.dist.world_size).clamp(min=1.0)
-        return max(1.0, float(count))
+            return (all_reduce_sum(count.to(self.device, torch.float32)) / self.dist.world_size).clamp(min=1.0) / cp
+        return max(1.0, float(count)) / cp
 
     def _read(self, window: list[StepOutput]) -> list[tuple[float, float]]:
         """The (loss, grad norm) of each step of ``window`` on the host, in one device wait; the
