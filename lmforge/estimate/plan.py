@@ -12,6 +12,7 @@ import io
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
 from lmforge.estimate.comm import moe_traffic
+from lmforge.estimate.context import context_plan
 from lmforge.estimate.flops import DEFAULT_VOCAB, flops_per_token, param_counts
 from lmforge.estimate.hardware import GPUSpec, get_gpu_type, peak_flops
 from lmforge.estimate.memory import memory_plan
@@ -44,6 +45,7 @@ def estimate_run(
     spec: GPUSpec | None = None,
     expert_parallel: int = 1,
     grad_accum: int = 1,
+    context_parallel: int = 1,
 ) -> dict:
     """Every planning number for training ``model`` on ``tokens`` tokens.
 
@@ -53,7 +55,9 @@ def estimate_run(
     e.g. from `detect_device_spec`). ``mfu`` in (0, 1]; ``price`` per GPU-hour.
     ``seq_len`` defaults to the model's max_seq_len. ``expert_parallel`` (MoE): GPUs each
     layer's experts are split over; ``grad_accum``: micro-batches per optimizer step (for the MoE
-    traffic per step). Raises UserError on bad input.
+    traffic per step); ``context_parallel``: GPUs each row is split over (activations per GPU),
+    and ``plan["context"]`` says which context-parallel degree and checkpointing mode the length
+    needs (`estimate.context`). Raises UserError on bad input.
     """
     if not 0 < mfu <= 1:
         raise UserError(f"--mfu: expected a fraction in (0, 1], got {mfu}")
@@ -101,6 +105,7 @@ def estimate_run(
 
     n = gpus * nodes
     _check_expert_parallel(expert_parallel, cfg, n)
+    _check_context_parallel(context_parallel, n, seq_len)
     peak = peak_flops(spec, precision)
     cluster_peak = peak * n
     training_flops = per_token["dense"] * tokens
@@ -110,7 +115,10 @@ def estimate_run(
     gpu_hours = seconds * n / 3600
 
     memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch,
-                         activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel)
+                         activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel,
+                         context_parallel=context_parallel)
+    context = None if cfg is None else context_plan(cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch or 1,
+                                                    expert_parallel=expert_parallel)
     moe = None
     if cfg is not None and cfg.is_moe:
         mb = memory["micro_batch"] or memory["suggested_micro_batch"] or 1
@@ -147,6 +155,7 @@ def estimate_run(
         },
         "cost": {"price_per_gpu_hour": price, "total": gpu_hours * price if price is not None else None},
         "memory": memory,
+        "context": context,
         "moe_traffic": moe,
         "notes": notes,
     }
@@ -163,6 +172,18 @@ def _check_expert_parallel(ep: int, cfg: ModelConfig | None, n_devices: int) -> 
         raise UserError(f"--expert-parallel: {ep} does not divide the model's {cfg.n_experts} experts")
     if n_devices % ep:
         raise UserError(f"--expert-parallel: {ep} does not divide the {n_devices} GPUs")
+
+
+def _check_context_parallel(cp: int, n_devices: int, seq_len: int) -> None:
+    if cp == 1:
+        return
+    if cp < 1:
+        raise UserError(f"--context-parallel: expected a number >= 1, got {cp}")
+    if n_devices % cp:
+        raise UserError(f"--context-parallel: {cp} does not divide the {n_devices} GPUs")
+    if seq_len % (2 * cp):
+        raise UserError(f"--context-parallel: {cp} does not divide --seq-len {seq_len} into {2 * cp} equal chunks "
+                        f"(2 per GPU); expected a multiple of {2 * cp}")
 
 
 def check_fits(plan: dict) -> None:
@@ -217,6 +238,20 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
+def _context_text(ctx: dict) -> str:
+    """The context plan in one cell: the pair that fits first and the other modes at its degree."""
+    choice = ctx["choice"]
+    where = f"{ctx['seq_len']} tokens per row (micro-batch {ctx['micro_batch']})"
+    if choice is None:
+        more = f"at least {ctx['min_gpus']} GPUs" if ctx["min_gpus"] else "more GPUs"
+        return f"{where}: no context-parallel degree or checkpointing fits on {ctx['gpus']} GPU(s); needs {more}"
+    cp = choice["context_parallel"]
+    modes = ", ".join(f"{o['checkpointing']} {_bytes(o['bytes_per_gpu'])}" for o in ctx["options"]
+                      if o["context_parallel"] == cp)
+    return (f"{where}: context_parallel {cp} with {choice['checkpointing']} activation checkpointing "
+            f"({_bytes(choice['bytes_per_gpu'])} per GPU; at CP {cp}: {modes})")
+
+
 def format_plan(plan: dict) -> str:
     """The plan as a small plain-text table (rich, no colour codes)."""
     from rich import box
@@ -249,7 +284,9 @@ def format_plan(plan: dict) -> str:
     ]
     act = m["activation_bytes_per_sample"]
     if act is not None:
-        rows.append(("activations", f"{_bytes(act['no_ac'])} per sequence of {m['seq_len']} "
+        split = f" ({m['seq_len'] // m['context_parallel']} per GPU, context parallel {m['context_parallel']})" \
+            if m.get("context_parallel", 1) > 1 else ""
+        rows.append(("activations", f"{_bytes(act['no_ac'])} per sequence of {m['seq_len']}{split} "
                                     f"({_bytes(act['ac'])} with activation checkpointing); max micro-batch "
                                     f"{m['max_micro_batch']['no_ac']} ({m['max_micro_batch']['ac']} with)"))
     moe = plan.get("moe_traffic")
@@ -268,6 +305,8 @@ def format_plan(plan: dict) -> str:
         else:
             rows.append(("MoE traffic", f"{without} {per}; --expert-parallel N trades them for an all-to-all "
                                         "of the routed tokens"))
+    if plan.get("context") is not None:
+        rows.append(("long context", _context_text(plan["context"])))
     verdict = "fits" if m["fits"] else "DOES NOT FIT"
     if m["suggested_micro_batch"]:
         verdict += (f"; suggested micro-batch {m['suggested_micro_batch']}"
