@@ -246,10 +246,11 @@ def _start(command: str, config_path_or_dict, overrides: dict) -> Run:
     for key, value in overrides.items():
         _merge(raw, key.replace("__", ".").split("."), value)
     if command == "finetune":
-        from lmforge.train.locate import fill_from_weights  # torch, only for fine-tuning
-
         raw.setdefault("task_type", "instruction_finetune")
-        raw = fill_from_weights(raw)
+    if command == "finetune" or raw.get("custom_weights_path"):
+        from lmforge.train.locate import fill_from_weights  # torch, only when starting from weights
+
+        raw = fill_from_weights(raw)  # (continued pretraining too: a `model` of changes, e.g. a longer context)
     cfg = build_config(raw, source=f"{'pretrain' if command == 'train' else 'finetune'}()")
     raw["name"] = default_name(cfg)
     folder = os.path.join(lmforge_home(), "sdk-configs")
