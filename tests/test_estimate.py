@@ -358,6 +358,10 @@ def test_context_fit_error_names_what_to_set():
     assert line.endswith("set compute.context_parallel: 2 (47.2 GB per GPU)"), line
     line = context_fit_error(get_preset("llama-70b"), 1 << 20, 8, 80e9, "h100-sxm")
     assert "use at least" in line and "GPUs or a shorter context" in line
+    # DDP keeps every state on every GPU (state_shards 1): what fits sharded over 8 may not
+    assert context_fit_error(get_preset("llama-7b"), 8192, 8, 80e9, "h100-sxm", activation_checkpointing=True) is None
+    assert context_fit_error(get_preset("llama-7b"), 8192, 8, 80e9, "h100-sxm", activation_checkpointing=True,
+                             state_shards=1) is not None
 
 
 def test_cli_long_context_line_and_context_parallel():

@@ -43,7 +43,7 @@ def chunk_positions(seq_len: int, size: int, rank: int, device=None) -> torch.Te
     return torch.cat([head, tail])
 
 
-def data_parallel_rank(rank: int, world_size: int, context_parallel: int) -> tuple[int, int]:
+def data_parallel_replica(rank: int, world_size: int, context_parallel: int) -> tuple[int, int]:
     """(replica, replicas): which data-parallel replica a rank belongs to, and how many there are."""
     return rank // context_parallel, world_size // context_parallel
 

@@ -73,10 +73,11 @@ def activation_bytes(cfg: ModelConfig, tokens: int, mode: str | int) -> float:
 
 
 def per_gpu_bytes(cfg: ModelConfig, seq_len: int, n_gpus: int, context_parallel: int, mode: str | int,
-                  micro_batch: int = 1, expert_parallel: int = 1) -> float:
-    """Bytes one GPU holds: states sharded over all ``n_gpus`` (FSDP), two gathered units, the
-    loss workspace and ``micro_batch`` rows of seq_len / context_parallel tokens."""
-    states = param_counts(cfg)["total"] * BYTES_PER_PARAM / n_gpus
+                  micro_batch: int = 1, expert_parallel: int = 1, state_shards: int | None = None) -> float:
+    """Bytes one GPU holds: states sharded over ``state_shards`` GPUs (default all ``n_gpus``:
+    FSDP; HSDP: a shard group; DDP: 1), two gathered units, the loss workspace and
+    ``micro_batch`` rows of seq_len / context_parallel tokens."""
+    states = param_counts(cfg)["total"] * BYTES_PER_PARAM / (state_shards or n_gpus)
     fixed = 2 * 4 * largest_unit_params(cfg, expert_parallel) + loss_workspace_bytes(cfg)
     return states + fixed + micro_batch * activation_bytes(cfg, seq_len // context_parallel, mode)
 
@@ -93,13 +94,15 @@ def degrees(seq_len: int, n_gpus: int) -> list[int]:
 
 
 def context_plan(cfg: ModelConfig, seq_len: int, n_gpus: int, gpu_memory: float, *, micro_batch: int = 1,
-                 expert_parallel: int = 1) -> dict:
+                 expert_parallel: int = 1, state_shards: int | None = None) -> dict:
     """Per-GPU memory of every (context parallel, checkpointing) pair ``n_gpus`` GPUs of
     ``gpu_memory`` bytes allow at ``seq_len`` tokens, and the first that fits (module docstring);
-    ``choice`` None when none does, with ``min_gpus``: how many GPUs would."""
+    ``choice`` None when none does, with ``min_gpus``: how many GPUs would (fully sharded).
+    ``state_shards``: see `per_gpu_bytes`."""
     usable = usable_bytes(gpu_memory)
     options = [{"context_parallel": cp, "checkpointing": mode,
-                "bytes_per_gpu": per_gpu_bytes(cfg, seq_len, n_gpus, cp, mode, micro_batch, expert_parallel)}
+                "bytes_per_gpu": per_gpu_bytes(cfg, seq_len, n_gpus, cp, mode, micro_batch, expert_parallel,
+                                               state_shards)}
                for cp in degrees(seq_len, n_gpus) for mode in MODES]
     for o in options:
         o["fits"] = o["bytes_per_gpu"] <= usable
@@ -130,15 +133,17 @@ def describe(cp: int, mode: str | int, *, was: tuple[int, str | int] | None = No
 
 def context_fit_error(cfg: ModelConfig, seq_len: int, n_gpus: int, gpu_memory: float, gpu_name: str, *,
                       context_parallel: int = 1, activation_checkpointing=False, micro_batch: int = 1,
-                      expert_parallel: int = 1) -> str | None:
+                      expert_parallel: int = 1, state_shards: int | None = None) -> str | None:
     """None when the run's own pair fits; else the one line that says so and what to set (the
-    pair `context_plan` chooses), or how many GPUs it would take. For preflight and --dry-run."""
+    pair `context_plan` chooses), or how many GPUs it would take. ``state_shards``: GPUs the run's states are sharded over (`per_gpu_bytes`). For
+    preflight and --dry-run."""
     mode = checkpointing_mode(activation_checkpointing)
-    need = per_gpu_bytes(cfg, seq_len, n_gpus, context_parallel, mode, micro_batch, expert_parallel)
+    need = per_gpu_bytes(cfg, seq_len, n_gpus, context_parallel, mode, micro_batch, expert_parallel, state_shards)
     usable = usable_bytes(gpu_memory)
     if need <= usable:
         return None
-    plan = context_plan(cfg, seq_len, n_gpus, gpu_memory, micro_batch=micro_batch, expert_parallel=expert_parallel)
+    plan = context_plan(cfg, seq_len, n_gpus, gpu_memory, micro_batch=micro_batch, expert_parallel=expert_parallel,
+                        state_shards=state_shards)
     where = f"{n_gpus} × {gpu_name}"
     head = (f"{cfg.label()} does not fit at {seq_len} tokens per row (micro-batch {micro_batch}) on {where}: "
             f"{_gb(need)} per GPU with {describe(context_parallel, mode)}, {_gb(usable)} usable")

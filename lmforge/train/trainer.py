@@ -39,7 +39,7 @@ from lmforge.config.schema import RunConfig
 from lmforge.data.batch import Batch, StreamLayout, TrainingData
 from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
-from lmforge.distributed.context_parallel import check_context_parallel, data_parallel_rank, shard_rows
+from lmforge.distributed.context_parallel import check_context_parallel, data_parallel_replica, shard_rows
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.float8 import after_optimizer_step
@@ -172,7 +172,7 @@ class Trainer:
                                          betas=tuple(p.betas), eps=p.eps, device_type=self.device.type,
                                          kind=p.optimizer)
         self._schedule_signature = self.plan.schedule.signature(self.plan.learning_rate)
-        replica, replicas = data_parallel_rank(dist.rank, dist.world_size, cp)  # a row's ranks read the same rows
+        replica, replicas = data_parallel_replica(dist.rank, dist.world_size, cp)  # a row's ranks read the same rows
         self.layout = StreamLayout(
             seq_len=self.plan.context_length, micro_batch=self.plan.micro_batch,
             global_batch=self.plan.global_batch, rank=replica, world_size=replicas, seed=p.seed,
@@ -266,9 +266,9 @@ class Trainer:
         summed cross-entropy is divided by the step's target count (all ranks' mean under data
         parallelism, which averages gradients; under context parallelism each rank computes its
         part of the rows, `shard_rows`, against the same global count). Gradients are
-        synchronized on the last micro-batch only. Nothing here waits for the device: the returned loss and gradient
-        norm are device tensors; a non-finite one is caught when they are read (`_read`: at
-        the next log step or checkpoint, which it then never reaches).
+        synchronized on the last micro-batch only. Nothing here waits for the device: the
+        returned loss and gradient norm are device tensors; a non-finite one is caught when they
+        are read (`_read`: at the next log step or checkpoint, which it then never reaches).
         """
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:
@@ -580,8 +580,11 @@ class Trainer:
             f"{plan.time_limit_s:.0f}s of training"
         self.log(f"run {cfg.name}: {cfg.model.label()} model, {plan.params['total'] / 1e6:.1f}M params "
                  f"({plan.params['active'] / 1e6:.1f}M active), {total}")
+        cp = cfg.compute.context_parallel
+        ranks = f"{self.dist.world_size} rank(s)" if cp == 1 else \
+            f"{self.dist.world_size // cp} replica(s) of {cp} context-parallel ranks"
         self.log(f"  batch {plan.global_batch} × {plan.context_length} tokens = micro-batch {plan.micro_batch} × "
-                 f"{plan.grad_accum} accumulation × {self.dist.world_size} rank(s); lr {plan.learning_rate:.3g}, "
+                 f"{plan.grad_accum} accumulation × {ranks}; lr {plan.learning_rate:.3g}, "
                  f"warmup {_span(plan.schedule.warmup, plan.schedule.warmup_unit)}, {_schedule_text(plan.schedule)}; "
                  f"{cfg.parameters.optimizer}; {plan.precision} on {self.device}")
         self.log(f"  checkpoints and metrics: {cfg.save_folder}")
