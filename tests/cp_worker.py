@@ -5,7 +5,8 @@
 1. The model on rows split over the two ranks (each holds chunks r and 3−r of 4, with their
    global positions; K/V all-gathered) against the same model on whole rows, for each kind of
    mask: plain causal, packed documents, a sliding window on some layers with their own RoPE
-   base, and soft-capped scores: the same summed loss (over both ranks) and the same gradients
+   base, soft-capped scores, and packed documents under selective activation checkpointing
+   (whose recompute gathers K/V again): the same summed loss (over both ranks) and the same gradients
    (summed over both ranks, as data parallelism reduces them).
 2. This rank of `lmforge train -f RUN_YAML` (context_parallel: 2), in the same process group.
 """
@@ -22,6 +23,7 @@ from lmforge.config.model import ModelConfig
 from lmforge.data.batch import Batch
 from lmforge.distributed.context_parallel import chunk_positions, sequence_group
 from lmforge.distributed.dist import all_reduce_sum, init_distributed
+from lmforge.distributed.parallelize import apply_activation_checkpointing
 from lmforge.models import build_model
 
 BASE = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=64)
@@ -30,6 +32,7 @@ MASKS = {
     "documents": {},
     "window": dict(sliding_window=5, sliding_window_pattern=2, rope_theta_local=100.0),
     "softcap": dict(attn_softcap=2.0),
+    "checkpointed": {},  # selective activation checkpointing: the recompute gathers K/V again
 }
 
 
@@ -43,7 +46,9 @@ def check_masks(dist) -> None:
         whole = build_model(ModelConfig(**BASE, **extra))
         split = copy.deepcopy(whole)
         split.sequence_group = group
-        batch = Batch.from_tokens(tokens, eos_id=0 if name in ("documents", "softcap") else None)
+        if name == "checkpointed":
+            apply_activation_checkpointing(split, "selective")
+        batch = Batch.from_tokens(tokens, eos_id=0 if name in ("documents", "softcap", "checkpointed") else None)
         expected = whole.training_loss(batch.input_ids, batch.targets, doc_ids=batch.doc_ids).ce_sum
         expected.backward()
         part = batch.part(chunk_positions(32, 2, group.rank))
