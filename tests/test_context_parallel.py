@@ -83,10 +83,10 @@ def test_layout_is_torchs_head_tail_load_balancing():
 
 
 def test_sequence_rules():
-    """One line for each thing a sharded row cannot have; the CUDA refusals (ring attention is
+    """One line for each thing a split row cannot have (a torch-free rule); the CUDA refusals (ring attention is
     plain causal), checked on the rule itself since this machine has no GPU."""
     from lmforge.config.model import ModelConfig
-    from lmforge.distributed.context_parallel import check_context_parallel
+    from lmforge.estimate.context import check_context_parallel
     from lmforge.errors import UserError
 
     model = ModelConfig(**MODEL)

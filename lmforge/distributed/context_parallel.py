@@ -13,6 +13,9 @@ causal-attention work. This is torch's head-tail load balancing (`context_parall
 shards the same way; tests check the two agree). The tokens keep their global positions (RoPE,
 masks): `data.batch.Batch.part`.
 
+The rules a split row must follow (sizes, what ring attention takes) are torch-free:
+`estimate.context.check_context_parallel`.
+
 **Attention** (`models.sharded_attention`): on CUDA torch's `context_parallel` turns the
 blocks' SDPA into ring attention (plain causal rows only); elsewhere each rank all-gathers K/V
 and attends with a mask built from global positions (every mask: documents, windows, soft-caps).
@@ -28,9 +31,7 @@ from typing import Iterator
 
 import torch
 
-from lmforge.config.model import ModelConfig
 from lmforge.data.batch import Batch
-from lmforge.errors import UserError
 from lmforge.models.sharded_attention import SequenceGroup
 
 
@@ -76,27 +77,3 @@ def shard_rows(group: SequenceGroup | None, batch: Batch) -> Iterator[Batch]:
     positions = torch.arange(seq_len, device=batch.input_ids.device)
     with context_parallel(group.mesh, buffers=[positions], buffer_seq_dims=[0], no_restore_buffers={positions}):
         yield batch.part(positions)
-
-
-def check_context_parallel(context_parallel: int, seq_len: int, model: ModelConfig, *, packed_rows: bool,
-                           device_type: str) -> None:
-    """What a sharded row needs, one line each: whole, equal chunks (T a multiple of 2N), and on
-    CUDA rows ring attention can take (plain causal: no documents, window or soft-cap)."""
-    cp = context_parallel
-    if cp == 1:
-        return
-    key = f"compute.context_parallel: {cp}"
-    if seq_len % (2 * cp):
-        raise UserError(f"{key} does not divide the context length {seq_len} into {2 * cp} equal chunks "
-                        f"(2 per rank, for causal load balancing); expected a context length that is a multiple "
-                        f"of {2 * cp} (parameters.context_length)")
-    if device_type != "cuda":
-        return
-    unsupported = [what for what, present in (
-        ("packed documents (parameters.document_masking, or fine-tuning rows)", packed_rows),
-        ("model.sliding_window", model.sliding_window is not None),
-        ("model.attn_softcap", model.attn_softcap is not None)) if present]
-    if unsupported:
-        raise UserError(f"{key}: on CUDA the sequence is sharded by torch's ring attention, which is plain causal "
-                        f"and cannot take {unsupported[0]}; use context_parallel: 1 for this run (the CPU path "
-                        "all-gathers keys and values and takes every mask)")

@@ -90,7 +90,7 @@ def check_world(cfg, nproc: int) -> None:
     c = cfg.compute
     if cfg.model != "auto" and cfg.parameters.context_length:  # (else the trainer checks the resolved length)
         from lmforge.data.sft import SFT_TASKS
-        from lmforge.distributed.context_parallel import check_context_parallel
+        from lmforge.estimate.context import check_context_parallel
 
         check_context_parallel(c.context_parallel, cfg.parameters.context_length, cfg.model,
                                packed_rows=cfg.parameters.document_masking or cfg.task_type in SFT_TASKS,

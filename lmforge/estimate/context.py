@@ -17,7 +17,8 @@ first that fits is the choice (selective recomputation costs little; sharding ro
 and a network, full recomputation a third more compute). `context_fit_error` is the one line a
 run gets when its own pair cannot fit, with the pair to use instead. Both are pure (no torch),
 with the memory model of `estimate.memory` (states sharded over every GPU, the gathered FSDP
-units, the loss workspace, bf16 activations per token).
+units, the loss workspace, bf16 activations per token). `check_context_parallel` holds the rules
+a split row follows (equal chunks; on CUDA, rows ring attention can take).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import math
 
 from lmforge.config.model import ModelConfig
+from lmforge.errors import UserError
 from lmforge.estimate.memory import (ACT_BYTES, BYTES_PER_PARAM, largest_unit_params, layer_activation_elements,
                                      loss_workspace_bytes, usable_bytes)
 from lmforge.estimate.flops import param_counts
@@ -159,3 +161,27 @@ def context_fit_error(cfg: ModelConfig, seq_len: int, n_gpus: int, gpu_memory: f
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
+
+
+def check_context_parallel(context_parallel: int, seq_len: int, model: ModelConfig, *, packed_rows: bool,
+                           device_type: str) -> None:
+    """What a sharded row needs, one line each: whole, equal chunks (T a multiple of 2N), and on
+    CUDA rows ring attention can take (plain causal: no documents, window or soft-cap)."""
+    cp = context_parallel
+    if cp == 1:
+        return
+    key = f"compute.context_parallel: {cp}"
+    if seq_len % (2 * cp):
+        raise UserError(f"{key} does not divide the context length {seq_len} into {2 * cp} equal chunks "
+                        f"(2 per rank, for causal load balancing); expected a context length that is a multiple "
+                        f"of {2 * cp} (parameters.context_length)")
+    if device_type != "cuda":
+        return
+    unsupported = [what for what, present in (
+        ("packed documents (parameters.document_masking, or fine-tuning rows)", packed_rows),
+        ("model.sliding_window", model.sliding_window is not None),
+        ("model.attn_softcap", model.attn_softcap is not None)) if present]
+    if unsupported:
+        raise UserError(f"{key}: on CUDA the sequence is sharded by torch's ring attention, which is plain causal "
+                        f"and cannot take {unsupported[0]}; use context_parallel: 1 for this run (the CPU path "
+                        "all-gathers keys and values and takes every mask)")

@@ -39,7 +39,8 @@ from lmforge.config.schema import RunConfig
 from lmforge.data.batch import Batch, StreamLayout, TrainingData
 from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
-from lmforge.distributed.context_parallel import check_context_parallel, data_parallel_replica, shard_rows
+from lmforge.distributed.context_parallel import data_parallel_replica, shard_rows
+from lmforge.estimate.context import check_context_parallel
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.float8 import after_optimizer_step
