@@ -1,7 +1,7 @@
 """GPU training speed, in one table (run through bench/gpu.sh on a CUDA machine).
 
     python bench/gpu.py headline [NAME,...] [--budget S]           # the headline rows (+ NAMEs), one process each
-    python bench/gpu.py part 1|2|3 [--results FILE] [--budget S]   # a part: each config in its own process
+    python bench/gpu.py part 1|2|3|5 [--results FILE] [--budget S] # a part: each config in its own process
     python bench/gpu.py only NAME[,NAME...]                        # chosen configs (e.g. ones a call skipped)
     python bench/gpu.py config NAME[,NAME...]                      # configs, in this process
     python bench/gpu.py table [FILE]                               # the table of the results so far
@@ -25,7 +25,7 @@ time of each; llama-1b at seq 2048, micro-batch 8, vocab 32k and 128k, eager vs 
 (and the two loss kernels at 128k). Part 2: FP8 tensorwise and rowwise vs bf16 on llama-1b and
 llama-3b (micro-batch 2, one micro-batch per step). Part 3: the real `lmforge train` loop for
 60 steps against the same step run by this script (their gap is the trainer's own overhead:
-data loading, bookkeeping, logging), and FSDP2 on one rank vs none.
+data loading, bookkeeping, logging), and FSDP2 on one rank vs none. Part 5: llama-1b on long rows (8k, 16k, 32k tokens) with the checkpointing each needs.
 
 Every model config runs the trainer's pieces: `parallelize` (activation checkpointing → FP8 →
 compile → FSDP2, as in training), `build_optimizer` (fused AdamW), the model's training loss
@@ -130,6 +130,16 @@ CONFIGS = {
     "1b-no-fsdp": _model(M1, 32000, 8, part=3),
     "1b-fsdp2-1-rank": _model(M1, 32000, 8, fsdp=True, part=3),
 }
+# [long-context] Part 5: llama-1b on rows of 8k, 16k and 32k tokens on one GPU (context_parallel 1,
+# micro-batch 1, compiled bf16), with the activation checkpointing `estimate.context.context_plan`
+# picks for an 80 GB GPU: none at 8k and 16k, selective at 32k. MFU's attention term grows with
+# the row (12·L·H·Dh·T per token: at 32k it is 2.7× the 6·N term). Few steps each: the three fit
+# in about 3 minutes with compilation.
+LONG_CONTEXT = {f"1b-{k}k-tokens": _model(M1, 32000, 1, part=5) | {"seq": k * 1024, "ac": ac, "warmup": 2,
+                                                                     "steps": steps}
+                for k, ac, steps in ((8, False, 5), (16, False, 4), (32, "selective", 3))}
+CONFIGS |= LONG_CONTEXT
+
 HEADLINE = [name for name, c in CONFIGS.items() if c["part"] == 0]
 # What each row is compared with (the "vs" column): FP8 with bf16, compiled with eager, FSDP with none.
 BASELINES = {"1b-32k-compiled": "1b-32k-eager", "1b-128k-compiled": "1b-128k-eager",

@@ -14,6 +14,7 @@
 #   bash bench/gpu.sh 2               # FP8 tensorwise/rowwise vs bf16, llama-1b and llama-3b
 #   bash bench/gpu.sh 3               # `lmforge train` 60 steps vs the bench loop; FSDP2 on one rank vs none
 #   bash bench/gpu.sh 4               # MoE: the GPU MoE tests and bench/moe.py's moe-9b-shaped stack vs its dense twin
+#   bash bench/gpu.sh 5               # [long-context] llama-1b at 8k, 16k and 32k tokens per row (about 3 minutes)
 #   bash bench/gpu.sh all             # everything in one go (no time budget)
 #   bash bench/gpu.sh only NAME,...   # chosen configs (`python bench/gpu.py list`)
 #
@@ -59,8 +60,9 @@ case "$what" in
   1) gpu_tests; "$PY" bench/gpu.py part 1 --budget "$(( ${BUDGET:-560} - (SECONDS - start) ))" ;;
   2|3) "$PY" bench/gpu.py part "$what" --budget "${BUDGET:-540}" ;;
   4) moe ;;
-  all) gpu_tests; for p in 1 2 3; do "$PY" bench/gpu.py part "$p" --budget 100000; done; moe ;;
+  5) "$PY" bench/gpu.py part 5 --budget "${BUDGET:-300}" ;;  # [long-context]
+  all) gpu_tests; for p in 1 2 3 5; do "$PY" bench/gpu.py part "$p" --budget 100000; done; moe ;;
   only) "$PY" bench/gpu.py only "${2:?usage: bash bench/gpu.sh only NAME,... (python bench/gpu.py list)}" --budget "${BUDGET:-540}" ;;
   table) "$PY" bench/gpu.py table ;;
-  *) echo "usage: bash bench/gpu.sh headline [NAME,...]|1|2|3|4|all|only NAME,...|table" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu.sh headline [NAME,...]|1|2|3|4|5|all|only NAME,...|table" >&2; exit 2 ;;
 esac

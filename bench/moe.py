@@ -216,7 +216,7 @@ def main() -> None:
         shapes = [(args.batch or 4, args.seq or 256)]
     else:
         # A small micro-batch, then the one a default moe-tiny run uses on the CPU: context_length
-        # defaults to the model's max_seq_len (512), the CPU micro-batch to 8 (`train.plan`).
+        # defaults to the model's max_seq_len (512), the CPU micro-batch to 8 (`resolve.plan`).
         shapes = [(4, 256), (8, 512)]
     iters = args.iters
     peak = peak_flops(detect_device_spec(device), "bf16" if gpu else "fp32")

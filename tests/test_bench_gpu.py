@@ -99,3 +99,20 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"  # a zombie waiting for init is gone in all but name
     except FileNotFoundError:
         return False
+
+
+def test_long_context_rows_checkpoint_as_the_estimate_says():
+    """[long-context] Part 5's rows use the checkpointing `lmforge estimate` picks for one 80 GB GPU."""
+    import importlib.util
+
+    from lmforge.config.model import get_preset
+    from lmforge.estimate.context import checkpointing_mode, context_plan
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    assert sorted(c["seq"] for c in gpu.LONG_CONTEXT.values()) == [8192, 16384, 32768]
+    for c in gpu.LONG_CONTEXT.values():
+        shape = get_preset(c["preset"]).model_copy(update={"vocab_size": c["vocab"]})
+        choice = context_plan(shape, c["seq"], 1, 80e9, micro_batch=c["mb"])["choice"]
+        assert (choice["context_parallel"], choice["checkpointing"]) == (1, checkpointing_mode(c["ac"]))

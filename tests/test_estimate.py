@@ -322,3 +322,64 @@ def test_expert_parallel_trades_expert_gathers_for_token_all_to_all():
             estimate_run(EstimateInputs(cfg, 1e9, gpus=8, expert_parallel=bad))
     with pytest.raises(UserError, match="needs a mixture-of-experts model"):
         estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=8, expert_parallel=2))
+
+
+# ---------------------------------------------------------------- long context
+
+
+def test_context_plan_picks_the_fewest_gpus_per_row_then_the_least_recompute():
+    """llama-1b on one H100 (71 GB usable): 8k rows fit as they are, 32k with selective
+    checkpointing, 128k only with full; llama-7b at 128k on 8 GPUs needs rows split in two."""
+    from lmforge.estimate.context import context_plan
+
+    def choice(model, seq, gpus):
+        c = context_plan(get_preset(model), seq, gpus, 80e9)["choice"]
+        return c["context_parallel"], c["checkpointing"]
+
+    assert choice("llama-1b", 8192, 1) == (1, "none")
+    assert choice("llama-1b", 32768, 1) == (1, "selective")
+    assert choice("llama-1b", 131072, 1) == (1, "full")
+    assert choice("llama-7b", 131072, 8) == (2, "full")
+    plan = context_plan(get_preset("llama-1b"), 32768, 4, 80e9)
+    by = {(o["context_parallel"], o["checkpointing"]): o["bytes_per_gpu"] for o in plan["options"]}
+    assert sorted({cp for cp, _ in by}) == [1, 2, 4]
+    for cp in (1, 2, 4):  # less kept, less memory; more ranks per row, less each
+        assert by[cp, "none"] > by[cp, "selective"] > by[cp, "full"]
+    assert by[1, "none"] > by[2, "none"] > by[4, "none"]
+    hopeless = context_plan(get_preset("llama-70b"), 1 << 20, 8, 80e9)
+    assert hopeless["choice"] is None and hopeless["min_gpus"] > 8
+
+
+def test_context_fit_error_names_what_to_set():
+    """The preflight line: None when the run's own pair fits, else the pair to set (only what
+    changes), or how many GPUs it takes."""
+    from lmforge.estimate.context import context_fit_error
+
+    llama = get_preset("llama-1b")
+    assert context_fit_error(llama, 32768, 1, 80e9, "h100-sxm", activation_checkpointing="selective") is None
+    line = context_fit_error(llama, 32768, 1, 80e9, "h100-sxm")
+    assert line.startswith("llama-1b does not fit at 32768 tokens per row") and "71.0 GB usable" in line
+    assert line.endswith("set compute.activation_checkpointing: selective (62.6 GB per GPU)"), line
+    line = context_fit_error(get_preset("llama-7b"), 131072, 8, 80e9, "h100-sxm", activation_checkpointing=True)
+    assert line.endswith("set compute.context_parallel: 2 (47.2 GB per GPU)"), line
+    line = context_fit_error(get_preset("llama-70b"), 1 << 20, 8, 80e9, "h100-sxm")
+    assert "use at least" in line and "GPUs or a shorter context" in line
+    # DDP keeps every state on every GPU (state_shards 1): what fits sharded over 8 may not
+    assert context_fit_error(get_preset("llama-7b"), 8192, 8, 80e9, "h100-sxm", activation_checkpointing=True) is None
+    assert context_fit_error(get_preset("llama-7b"), 8192, 8, 80e9, "h100-sxm", activation_checkpointing=True,
+                             state_shards=1) is not None
+
+
+def test_cli_long_context_line_and_context_parallel():
+    from train_helpers import cli  # in this process: no interpreter start-up
+
+    proc = cli("estimate", "--model", "llama-1b", "--seq-len", "32768", "--gpus", "1", "--tokens", "1B", "--json")
+    plan = json.loads(proc.stdout)
+    assert plan["context"]["choice"]["checkpointing"] == "selective"
+    text = format_plan(plan)
+    assert "long context" in text and "context_parallel 1 with selective activation" in text
+    split = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768, context_parallel=2))["memory"]
+    whole = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768))["memory"]
+    assert split["activation_bytes_per_sample"]["no_ac"] == pytest.approx(whole["activation_bytes_per_sample"]["no_ac"] / 2)
+    _assert_one_line_error(cli("estimate", "--model", "llama-1b", "--gpus", "4", "--context-parallel", "3"),
+                           "--context-parallel: 3 does not divide the 4 GPUs")

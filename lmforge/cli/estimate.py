@@ -155,6 +155,7 @@ def run(args) -> int:
         precision=_precision(args),
         micro_batch=args.micro_batch,
         expert_parallel=args.expert_parallel,
+        context_parallel=args.context_parallel,
     ))
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan), end="\n" if args.json else "")
     check_fits(plan)
@@ -166,8 +167,9 @@ def register(subparsers) -> None:
         subparsers, "estimate", "plan a run: FLOPs, tokens, time, cost and memory per GPU",
         description="Plan a training run before spending: parameters (total/active), FLOPs "
         "(6·N_active·D plus attention), Chinchilla tokens, time and cost at a given MFU on a "
-        "given cluster, memory per GPU under full sharding, and for MoE models the expert traffic "
-        "per GPU with and without expert parallelism.",
+        "given cluster, memory per GPU under full sharding, the context-parallel degree and activation "
+        "checkpointing the context length needs, and for MoE models the expert traffic per GPU with and "
+        "without expert parallelism.",
     )
     p.add_argument("--model", metavar="PRESET_OR_YAML", help="preset name, a run YAML (its model: key), or auto "
                    "(the shape for the budget given by --tokens, --flops or --time)")
@@ -193,5 +195,8 @@ def register(subparsers) -> None:
                    "and activation-checkpointing mode `micro_batch_size: auto` chooses for speed (modelled)")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="MoE: GPUs each layer's experts are split over (memory and all-to-all traffic)")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="GPUs each row's tokens are split over (activation memory); the `long context` line says "
+                   "which degree and checkpointing mode --seq-len needs")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)

@@ -11,13 +11,23 @@ from __future__ import annotations
 import difflib
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lmforge.errors import UserError
 
 # Hugging Face architectures lmforge imports and exports; their specs: lmforge/models/families.py.
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text", "mixtral"]
 FAMILIES: tuple[str, ...] = get_args(Family)
+
+
+# Hugging Face RoPE types a trained model cannot carry, and why (named in the refusal).
+UNSUPPORTED_ROPE = {
+    "dynamic": "dynamic NTK rescales by each input's length at inference, so no one trained model has it; "
+               "for a static NTK-style base change raise model.rope_theta",
+    "ntk": "raise model.rope_theta for NTK-aware scaling (a larger base), or use yarn (NTK-by-parts)",
+    "longrope": "per-dimension factors searched for one model; lmforge has no such search",
+    "default": "that is no scaling: leave rope_scaling out",
+}
 
 
 class RopeScaling(BaseModel):
@@ -36,6 +46,13 @@ class RopeScaling(BaseModel):
     beta_slow: float = Field(1.0, gt=0, description="yarn: low-frequency boundary (rotations)")
     attention_factor: float | None = Field(None, gt=0, description="yarn: cos/sin scale; default 0.1·ln(factor)+1")
     truncate: bool = Field(True, description="yarn: round the correction range to whole dimensions")
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _type(cls, v):
+        if v in UNSUPPORTED_ROPE:
+            raise ValueError(f"{v!r} is not supported ({UNSUPPORTED_ROPE[v]}); expected linear, llama3 or yarn")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "RopeScaling":

@@ -222,6 +222,10 @@ class ComputeConfig(_Strict):
     expert_parallel: int = Field(
         1, ge=1, description="MoE, fsdp/hsdp: split each layer's experts over N ranks (E/N each), tokens sent to "
         "them by all-to-all; N divides n_experts and the ranks of a shard group")
+    context_parallel: int = Field(
+        1, ge=1, description="split every row's tokens over N ranks (long context; causal load balancing: rank r "
+        "holds chunks r and 2N-1-r of 2N); N divides the ranks (of a shard group, hsdp) and the context length in "
+        "2N chunks; CUDA: torch's ring attention, plain causal rows only (docs/long-context.md)")
     reshard_after_forward: bool = Field(
         True, description="fsdp/hsdp: free gathered weights after forward (less memory, one more all-gather)")
     node_rank: int = Field(0, ge=0, description="multi-node: this node's index (0 … nodes-1)")

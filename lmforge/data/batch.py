@@ -18,13 +18,16 @@ IGNORE = -100  # cross_entropy's default ignore_index
 
 @dataclass
 class Batch:
-    """One micro-batch: token ids [B, T], shifted targets [B, T], optional document ids [B, T]."""
+    """One micro-batch: token ids [B, T], shifted targets [B, T], optional document ids [B, T];
+    under context parallelism one rank's part of it, with the global positions [T] of its tokens."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
     # Packed rows (fine-tuning, document masking): a token attends only to earlier tokens
     # with the same id. None: plain causal attention over the whole row.
     doc_ids: torch.Tensor | None = None
+    # Context parallelism (`part`): where this part's tokens sit in the rows. None: whole rows.
+    positions: torch.Tensor | None = None
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, eos_id: int | None = None) -> "Batch":
@@ -51,11 +54,19 @@ class Batch:
         targets[:, :-1] = shifted[:, 1:]
         return cls(tokens, targets, doc_ids)
 
+    def part(self, positions: torch.Tensor) -> "Batch":
+        """The tokens at ``positions`` of every row (one rank's share under context parallelism):
+        ids, targets and document ids taken together, so a target stays with its position."""
+        def take(t):
+            return None if t is None else t.index_select(1, positions)
+
+        return Batch(take(self.input_ids), take(self.targets), take(self.doc_ids), positions)
+
     def to(self, device: torch.device, non_blocking: bool = True) -> "Batch":
         def move(t):
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
-        return Batch(move(self.input_ids), move(self.targets), move(self.doc_ids))
+        return Batch(move(self.input_ids), move(self.targets), move(self.doc_ids), move(self.positions))
 
     def pin_memory(self) -> "Batch":
         """Page-locked host memory, so that `.to(cuda, non_blocking=True)` really overlaps

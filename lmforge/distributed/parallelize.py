@@ -23,6 +23,10 @@ exactly as without expert parallelism; the expert weights are sharded further ov
 Each rank's expert gradient already sums the tokens of the N ranks it served, so that unit
 divides its reduced gradients by the whole data-parallel size, not by its own mesh's.
 
+Context parallelism (``compute.context_parallel: N``, `context_parallel.py`) splits each row's
+tokens over N consecutive ranks: the model gets the group first (`Transformer.sequence_group`);
+no parameter changes, and its gradients are reduced over every rank by DDP / FSDP as they are.
+
 Everything is applied to the module in place and never renames parameters, so checkpoints
 (DCP) and exports are the same whatever parallelism or compilation a run used.
 
@@ -51,6 +55,7 @@ from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoin
                                    create_selective_checkpoint_contexts)
 
 from lmforge.config.schema import ComputeConfig
+from lmforge.distributed.context_parallel import sequence_group
 from lmforge.distributed.dist import DistInfo
 from lmforge.distributed.float8 import FP8Options, apply_float8, check_fp8_supported
 from lmforge.errors import UserError
@@ -188,7 +193,24 @@ def check_mesh(compute: ComputeConfig, world_size: int, local_world_size: int | 
                             f"divisor of {world_size} (ranks per shard group)")
         replicate = world_size // shard
     _check_expert_parallel(compute, shard, n_experts)
+    _check_context_parallel(compute, world_size, shard)
     return replicate, shard
+
+
+def _check_context_parallel(compute: ComputeConfig, world_size: int, shard: int) -> None:
+    """The sizes context parallelism needs (the sequence's own rules: `context_parallel.check_context_parallel`)."""
+    cp = compute.context_parallel
+    if cp == 1:
+        return
+    key = f"compute.context_parallel: {cp}"
+    if compute.data_parallel == "none":
+        raise UserError(f"{key} needs data_parallel ddp, fsdp or hsdp: its gradients are reduced over the ranks "
+                        "that share a row (got none)")
+    if world_size % cp:
+        raise UserError(f"{key} does not divide the {world_size} ranks; expected a divisor of {world_size}")
+    if compute.data_parallel == "hsdp" and shard % cp:
+        raise UserError(f"{key} does not divide the {shard} ranks of a shard group (compute.shard_size); expected "
+                        f"a divisor of {shard}")
 
 
 def _check_expert_parallel(compute: ComputeConfig, shard: int, n_experts: int) -> None:
@@ -276,7 +298,7 @@ class TrainingForward(nn.Module):
 
     DDP synchronizes gradients only for calls that go through the wrapped module's `forward`;
     with this adapter every kind of data parallelism is driven the same way:
-    ``parallelize(model, ...)(input_ids, targets, doc_ids=...)`` → `LossOutput`. It owns no
+    ``parallelize(model, ...)(input_ids, targets, doc_ids, positions)`` → `LossOutput`. It owns no
     parameters of its own (the model's names are unchanged in checkpoints).
     """
 
@@ -284,8 +306,9 @@ class TrainingForward(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None):
-        return self.model.training_loss(input_ids, targets, doc_ids=doc_ids)
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        return self.model.training_loss(input_ids, targets, doc_ids=doc_ids, positions=positions)
 
 
 def _experts_grouped(model: nn.Module, precision: str, device: torch.device) -> bool:
@@ -309,6 +332,9 @@ def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, pre
     check_mesh(compute, dist.world_size, n_experts=model.cfg.n_experts)  # in-process callers too
     sharded = compute.data_parallel in SHARDED
     model.loss_kernel = compute.loss_kernel
+    if compute.context_parallel > 1:
+        ensure_process_group(dist)
+        model.sequence_group = sequence_group(compute.context_parallel, dist.world_size, dist.device)
     meshes = build_meshes(compute, dist, model.cfg.n_experts) if sharded else None
     if meshes is not None and meshes.ep is not None:
         apply_expert_parallel(model, meshes.ep)
@@ -320,6 +346,8 @@ def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, pre
         apply_float8(model, fp8, fsdp=sharded, expert_parallel=compute.expert_parallel)
     if compile_enabled(compute.compile, dist.device):
         whole_blocks = compute.expert_parallel == 1 and _experts_grouped(model, precision, dist.device)
+        # (the all-gathered K/V of context parallelism off CUDA are collectives dynamo breaks at)
+        whole_blocks = whole_blocks and (model.sequence_group is None or model.sequence_group.ring)
         apply_compile(model, fullgraph=whole_blocks)
     if meshes is not None:
         apply_fsdp(model, meshes, bf16=precision in ("bf16", "fp8"),

@@ -88,6 +88,13 @@ def check_world(cfg, nproc: int) -> None:
     n_experts = 0 if cfg.model == "auto" else cfg.model.n_experts  # model: auto chooses a dense shape
     check_mesh(cfg.compute, nproc * cfg.compute.nodes, nproc, n_experts=n_experts)
     c = cfg.compute
+    if cfg.model != "auto" and cfg.parameters.context_length:  # (else the trainer checks the resolved length)
+        from lmforge.config.schema import SFT_TASKS
+        from lmforge.estimate.context import check_context_parallel
+
+        check_context_parallel(c.context_parallel, cfg.parameters.context_length, cfg.model,
+                               packed_rows=cfg.parameters.document_masking or cfg.task_type in SFT_TASKS,
+                               device_type=resolve_device_kind(c.device))
     if c.nodes > 1:
         if not c.rdzv_endpoint:
             raise UserError(f"compute.nodes: {c.nodes} nodes need compute.rdzv_endpoint (HOST:PORT of node 0), "

@@ -170,12 +170,14 @@ def memory_plan(
     micro_batch: int | None = None,
     activation_checkpointing=None,
     expert_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> dict:
     """Per-GPU memory, fit check and micro-batch suggestion under full sharding.
 
     ``cfg`` None (a nominal parameter count) estimates model states only.
     ``activation_checkpointing``: a `compute.activation_checkpointing` value (false, true/full,
     selective, N); None picks: off if micro-batch 1 fits without it, else full.
+    ``context_parallel`` N: each GPU holds seq_len / N tokens of a row (its activations).
     """
     states_total = float(total_params) * BYTES_PER_PARAM
     states = states_total / n_devices
@@ -188,6 +190,7 @@ def memory_plan(
         "gpu_memory_bytes": gpu_memory,
         "usable_bytes": usable,
         "seq_len": seq_len,
+        "context_parallel": context_parallel,
     }
     if cfg is None:
         fits = states <= usable
@@ -200,7 +203,8 @@ def memory_plan(
 
     gathered = 2 * 4 * largest_unit_params(cfg, expert_parallel)
     loss = loss_workspace_bytes(cfg)
-    act = {"no_ac": activation_bytes(cfg, seq_len, False), "ac": activation_bytes(cfg, seq_len, True)}
+    tokens = seq_len // context_parallel
+    act = {"no_ac": activation_bytes(cfg, tokens, False), "ac": activation_bytes(cfg, tokens, True)}
     free = usable - states - gathered - loss
     max_mb = {k: _max_batch(free, v) for k, v in act.items()}
     if activation_checkpointing is None:

@@ -13,6 +13,7 @@ from dataclasses import KW_ONLY, dataclass
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
 from lmforge.estimate.comm import moe_traffic
+from lmforge.estimate.context import context_plan
 from lmforge.estimate.flops import DEFAULT_VOCAB, flops_per_token, param_counts
 from lmforge.estimate.hardware import GPUSpec, get_gpu_type, mfu_basis, peak_flops
 from lmforge.estimate.memory import memory_plan
@@ -37,8 +38,10 @@ class EstimateInputs:
     devices of ``gpu_type`` (or an explicit ``spec``, e.g. the machine a run resolved for).
     ``mfu`` in (0, 1]; ``price`` per GPU-hour; ``seq_len`` defaults to the model's max_seq_len.
     ``expert_parallel`` (MoE): GPUs each layer's experts are split over; ``grad_accum``:
-    micro-batches per optimizer step (for the MoE traffic per step). A resolved run's plan gives
-    them all (`resolve.plan.estimate_inputs`); `lmforge estimate` its flags.
+    micro-batches per optimizer step (for the MoE traffic per step); ``context_parallel``: GPUs
+    each row is split over (activations per GPU), and the plan's ``context`` says which
+    context-parallel degree and checkpointing mode the length needs (`estimate.context`). A
+    resolved run's plan gives them all (`resolve.plan.estimate_inputs`); `lmforge estimate` its flags.
     """
 
     model: ModelConfig | int | float
@@ -58,6 +61,7 @@ class EstimateInputs:
     spec: GPUSpec | None = None
     expert_parallel: int = 1
     grad_accum: int = 1
+    context_parallel: int = 1
 
 
 def _check_inputs(x: EstimateInputs) -> None:
@@ -111,6 +115,7 @@ def estimate_run(x: EstimateInputs) -> dict:
         tokens, tokens_source = chinchilla, f"Chinchilla-optimal ({CHINCHILLA_TOKENS_PER_PARAM} × parameters)"
     n = x.gpus * x.nodes
     _check_expert_parallel(x.expert_parallel, cfg, n)
+    _check_context_parallel(x.context_parallel, n, seq_len)
     peak = peak_flops(spec, x.precision)
     training_flops = per_token["dense"] * tokens
     attention_flops = per_token["attention"] * tokens
@@ -121,7 +126,10 @@ def estimate_run(x: EstimateInputs) -> dict:
     micro_batch, checkpointing = (choice.micro_batch, choice.checkpointing) if choice else \
         (x.micro_batch, x.activation_checkpointing)
     memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch,
-                         activation_checkpointing=checkpointing, expert_parallel=x.expert_parallel)
+                         activation_checkpointing=checkpointing, expert_parallel=x.expert_parallel,
+                         context_parallel=x.context_parallel)
+    context = None if cfg is None else context_plan(cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch or 1,
+                                                    expert_parallel=x.expert_parallel)
     return {
         "model": {"name": name, "shape": cfg.model_dump(exclude_none=True) if cfg else None,
                   "vocab_size": cfg.vocab_size if cfg else None},
@@ -144,6 +152,7 @@ def estimate_run(x: EstimateInputs) -> dict:
         "cost": {"price_per_gpu_hour": x.price, "total": gpu_hours * x.price if x.price is not None else None},
         "memory": memory,
         "micro_batch_choice": choice.reason if choice else None,
+        "context": context,
         "moe_traffic": _moe_traffic(cfg, memory, seq_len, x, n),
         "notes": notes,
     }
@@ -183,6 +192,18 @@ def _check_expert_parallel(ep: int, cfg: ModelConfig | None, n_devices: int) -> 
         raise UserError(f"--expert-parallel: {ep} does not divide the model's {cfg.n_experts} experts")
     if n_devices % ep:
         raise UserError(f"--expert-parallel: {ep} does not divide the {n_devices} GPUs")
+
+
+def _check_context_parallel(cp: int, n_devices: int, seq_len: int) -> None:
+    if cp == 1:
+        return
+    if cp < 1:
+        raise UserError(f"--context-parallel: expected a number >= 1, got {cp}")
+    if n_devices % cp:
+        raise UserError(f"--context-parallel: {cp} does not divide the {n_devices} GPUs")
+    if seq_len % (2 * cp):
+        raise UserError(f"--context-parallel: {cp} does not divide --seq-len {seq_len} into {2 * cp} equal chunks "
+                        f"(2 per GPU); expected a multiple of {2 * cp}")
 
 
 def check_fits(plan: dict) -> None:
@@ -237,6 +258,20 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
+def _context_text(ctx: dict) -> str:
+    """The context plan in one cell: the pair that fits first and the other modes at its degree."""
+    choice = ctx["choice"]
+    where = f"{ctx['seq_len']} tokens per row (micro-batch {ctx['micro_batch']})"
+    if choice is None:
+        more = f"at least {ctx['min_gpus']} GPUs" if ctx["min_gpus"] else "more GPUs"
+        return f"{where}: no context-parallel degree or checkpointing fits on {ctx['gpus']} GPU(s); needs {more}"
+    cp = choice["context_parallel"]
+    modes = ", ".join(f"{o['checkpointing']} {_bytes(o['bytes_per_gpu'])}" for o in ctx["options"]
+                      if o["context_parallel"] == cp)
+    return (f"{where}: context_parallel {cp} with {choice['checkpointing']} activation checkpointing "
+            f"({_bytes(choice['bytes_per_gpu'])} per GPU; at CP {cp}: {modes})")
+
+
 def format_plan(plan: dict) -> str:
     """The plan as a small plain-text table (rich, no colour codes)."""
     from rich import box
@@ -269,7 +304,9 @@ def format_plan(plan: dict) -> str:
     ]
     act = m["activation_bytes_per_sample"]
     if act is not None:
-        rows.append(("activations", f"{_bytes(act['no_ac'])} per sequence of {m['seq_len']} "
+        split = f" ({m['seq_len'] // m['context_parallel']} per GPU, context parallel {m['context_parallel']})" \
+            if m.get("context_parallel", 1) > 1 else ""
+        rows.append(("activations", f"{_bytes(act['no_ac'])} per sequence of {m['seq_len']}{split} "
                                     f"({_bytes(act['ac'])} with activation checkpointing); max micro-batch "
                                     f"{m['max_micro_batch']['no_ac']} ({m['max_micro_batch']['ac']} with)"))
     moe = plan.get("moe_traffic")
@@ -288,6 +325,8 @@ def format_plan(plan: dict) -> str:
         else:
             rows.append(("MoE traffic", f"{without} {per}; --expert-parallel N trades them for an all-to-all "
                                         "of the routed tokens"))
+    if plan.get("context") is not None:
+        rows.append(("long context", _context_text(plan["context"])))
     verdict = "fits" if m["fits"] else "DOES NOT FIT"
     if plan.get("micro_batch_choice"):
         verdict += f"; micro-batch {m['micro_batch']} with {checkpointing_label(m['activation_checkpointing'])} (auto)"

@@ -17,6 +17,9 @@ Design choices, and why:
   kernel, so `attention_mask` builds a `BlockMask` instead and a compiled `flex_attention`
   skips the blocks nothing attends to. The CPU keeps the boolean mask (torch has no
   FlexAttention backward on the CPU), and so does decoding with a KV cache.
+- **Context parallelism** (`compute.context_parallel`): ``training_loss`` may get one rank's
+  part of each row with the tokens' global ``positions``; RoPE reads its tables there and
+  attention reaches the other ranks' keys through `sharded_attention` (a `ShardedMask`).
 - **clip_qkv.** Clamping q/k/v projections (DBRX) bounds attention logits and prevents the
   loss spikes seen in large runs; off unless the config sets it.
 - **No biases** by default: they add parameters and state but nothing measurable in quality.
@@ -51,6 +54,7 @@ from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
 from lmforge.models.loss import LossOutput, next_token_loss
 from lmforge.models.rope import rope_tables
+from lmforge.models.sharded_attention import SequenceGroup, ShardedMask, ShardKeys
 
 
 class RMSNorm(nn.Module):
@@ -109,7 +113,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
                 attn_mask: torch.Tensor | BlockMask | None = None):
         """attn_mask: None for plain causal attention, else a boolean mask or a FlexAttention
-        block mask (see `attention_mask`)."""
+        block mask (see `attention_mask`), or a `ShardedMask` (context parallelism)."""
         B, T, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.clip is not None:
@@ -129,6 +133,8 @@ class Attention(nn.Module):
             ck[:B, :, start_pos:end] = k
             cv[:B, :, start_pos:end] = v
             k, v = ck[:B, :, :end], cv[:B, :, :end]
+        if isinstance(attn_mask, ShardedMask):  # context parallelism: the local queries over the whole row
+            k, v, attn_mask = attn_mask.keys_and_values(k, v, self.n_heads)
         if isinstance(attn_mask, BlockMask):
             score_mod = None if self.softcap is None else _softcap_mod(self.softcap)
             y = _flex(q)(q, k, v, score_mod=score_mod, block_mask=attn_mask, scale=self.scale,
@@ -137,7 +143,7 @@ class Attention(nn.Module):
             y = softcapped_attention(q, k, v, attn_mask, self.softcap, self.scale or self.dh ** -0.5)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                               scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
+                                               scale=self.scale, enable_gqa=k.shape[1] != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dh))
 
 
@@ -225,6 +231,9 @@ class Transformer(nn.Module):
     # How `head_loss` computes the loss (`models.loss.next_token_loss`'s kernel); set from
     # compute.loss_kernel by `distributed.parallelize`.
     loss_kernel: str = "auto"
+    # The ranks each row is split over (compute.context_parallel), set by `distributed.parallelize`;
+    # None: every rank holds whole rows.
+    sequence_group: SequenceGroup | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -307,10 +316,12 @@ class Transformer(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def training_loss(self, input_ids: torch.Tensor, targets: torch.Tensor, *,
-                      doc_ids: torch.Tensor | None = None) -> LossOutput:
+                      doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> LossOutput:
         """The training forward: summed next-token loss against shifted ``targets`` (see
-        `data.batch.Batch`), plus the MoE auxiliary loss and routing statistics."""
-        h, stats = self._hidden(input_ids, doc_ids)
+        `data.batch.Batch`), plus the MoE auxiliary loss and routing statistics. ``positions``
+        [T] (context parallelism): the tokens are this rank's part of longer rows, at these
+        global positions; the loss is then this part's."""
+        h, stats = self._hidden(input_ids, doc_ids, positions)
         ce = self.head_loss(h, targets)
         if not stats:
             return LossOutput(ce)
@@ -340,13 +351,14 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(input_ids)
         return h * math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else h
 
-    def _hidden(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None):
+    def _hidden(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None, positions: torch.Tensor | None = None):
         """Final hidden states (before the last norm) and the MoE statistics of each block."""
         B, T = input_ids.shape
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        whole = T if positions is None else T * self.sequence_group.size
+        if whole > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {whole} exceeds max_seq_len {self.cfg.max_seq_len}")
         h = self.embed(input_ids)
-        layers = self._attention_inputs(T, 0, doc_ids, input_ids.device, flex=input_ids.is_cuda)
+        layers = self._attention_inputs(T, 0, doc_ids, input_ids.device, flex=input_ids.is_cuda, positions=positions)
         stats: list[dict[str, torch.Tensor]] = []
         for block, (cos, sin, mask) in zip(self.blocks, layers):
             h, aux = block(h, cos, sin, attn_mask=mask)
@@ -354,18 +366,24 @@ class Transformer(nn.Module):
                 stats.append(aux)
         return h, stats
 
-    def _attention_inputs(self, T: int, start_pos: int, doc_ids: torch.Tensor | None, device, flex: bool = False):
-        """(cos, sin, mask) of each layer for positions start_pos … start_pos + T − 1, each kind
-        built once: layers within the sliding window get its mask (and, with rope_theta_local,
-        their own RoPE tables); the others attend to the whole context."""
-        cfg, span = self.cfg, slice(start_pos, start_pos + T)
+    def _attention_inputs(self, T: int, start_pos: int, doc_ids: torch.Tensor | None, device, flex: bool = False,
+                          positions: torch.Tensor | None = None):
+        """(cos, sin, mask) of each layer for positions start_pos … start_pos + T − 1 (or the
+        given global ``positions`` of a context-parallel shard), each kind built once: layers
+        within the sliding window get its mask (and, with rope_theta_local, their own RoPE
+        tables); the others attend to the whole context."""
+        cfg = self.cfg
+        span = slice(start_pos, start_pos + T) if positions is None else positions
+        shard = None if positions is None else ShardKeys.gather(self.sequence_group, positions, doc_ids)
         kinds = [cfg.is_local(i) for i in range(cfg.n_layers)]
         inputs = {}
         for local in set(kinds):
             own_rope = local and cfg.rope_theta_local is not None
             cos, sin = (self.rope_cos_local, self.rope_sin_local) if own_rope else (self.rope_cos, self.rope_sin)
             window = cfg.sliding_window if local else None
-            if flex and start_pos == 0 and cfg.attn_softcap is not None:
+            if shard is not None:
+                mask = shard.mask(window)
+            elif flex and start_pos == 0 and cfg.attn_softcap is not None:
                 # a BlockMask even for plain causal attention: the cap is FlexAttention's score_mod
                 mask = flex_mask(T, doc_ids, window, device)
             else:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, auto_precision, default_batch_tokens,
                                      micro_batch_for, task_learning_rate)
 from lmforge.config.durations import Duration, parse_duration
-from lmforge.config.schema import RunConfig, phase_end
+from lmforge.config.schema import SFT_TASKS, RunConfig, phase_end
 from lmforge.data.pieces import training_context
 from lmforge.errors import UserError
+from lmforge.estimate.context import check_context_parallel, context_fit_error
 from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
 from lmforge.estimate.hardware import mfu_basis, peak_flops
 from lmforge.estimate.micro_batch import choose
@@ -78,6 +79,12 @@ def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int
     raise UserError(f"{what}: unsupported unit {d.unit!r}")
 
 
+def replicas(cfg: RunConfig, machine: Machine) -> int:
+    """Data-parallel replicas: the ranks that read different rows (context-parallel ranks share
+    theirs), over which the global batch is split."""
+    return machine.world_size // cfg.compute.context_parallel
+
+
 def micro_batch_and_checkpointing(cfg: RunConfig, ctx: int, gbs: int, machine: Machine,
                                   precision: str) -> tuple[int, object, str | None]:
     """(micro-batch, activation-checkpointing mode, the line saying why — None where nothing was
@@ -85,26 +92,42 @@ def micro_batch_and_checkpointing(cfg: RunConfig, ctx: int, gbs: int, machine: M
     the most tokens/s that fits (`estimate.micro_batch`: memory first, then the machine's probe,
     or the model where nothing is measured); on a CPU today's rule (the largest divisor of the
     rank's batch up to 8, no checkpointing)."""
-    p, c, world = cfg.parameters, cfg.compute, machine.world_size
+    p, c, world = cfg.parameters, cfg.compute, replicas(cfg, machine)
     auto_micro, auto_ac = p.micro_batch_size == "auto", c.activation_checkpointing == "auto"
     if auto_micro:
         check_batch_split(gbs, None, world)
     if machine.device == "cpu" or not (auto_micro or auto_ac):
         micro = micro_batch_for(gbs // world, 8) if auto_micro else int(p.micro_batch_size)
         return micro, (False if auto_ac else c.activation_checkpointing), None
-    devices = world if c.data_parallel in ("fsdp", "hsdp") else 1  # what the model's states are sharded over
+    devices = machine.world_size if c.data_parallel in ("fsdp", "hsdp") else 1  # the states are sharded over
+    # With context parallelism a GPU holds ctx / N tokens of each row: its activations and its GEMM rows.
+    local_ctx = ctx // c.context_parallel
 
     def measure(cand) -> float | None:
-        return machine.probe.micro_batch_tokens_per_s(cfg, ctx, cand.micro_batch, cand.checkpointing,
+        return machine.probe.micro_batch_tokens_per_s(cfg, local_ctx, cand.micro_batch, cand.checkpointing,
                                                       precision=precision)
 
-    choice = choose(cfg.model, ctx, n_devices=devices, gpu_memory=machine.memory_bytes,
+    choice = choose(cfg.model, local_ctx, n_devices=devices, gpu_memory=machine.memory_bytes,
                     peak_flops=peak_flops(machine.spec, mfu_basis(precision)),
                     where=f"{devices} × {machine.spec.description or machine.spec.name}", per_rank=gbs // world,
                     micro_batch=None if auto_micro else int(p.micro_batch_size), checkpointing=c.activation_checkpointing,
                     expert_parallel=c.expert_parallel, measure=measure if auto_micro and machine.probe.measures else None,
                     measured_as="measured (a slice of the model, scaled to it)")
     return choice.micro_batch, choice.checkpointing, choice.reason
+
+
+def _check_fits(cfg: RunConfig, ctx: int, micro: int, checkpointing, machine: Machine) -> None:
+    """A GPU run whose micro-batch and checkpointing were set by hand: one line with what to set
+    when its rows cannot fit (`estimate.context`), before any process builds the model."""
+    c = cfg.compute
+    per_node = max(1, machine.world_size // c.nodes)
+    shards = {"fsdp": machine.world_size, "hsdp": c.shard_size or per_node}.get(c.data_parallel, 1)
+    line = context_fit_error(cfg.model, ctx, machine.world_size, machine.memory_bytes,
+                             machine.spec.description or machine.gpu_type, context_parallel=c.context_parallel,
+                             activation_checkpointing=checkpointing, micro_batch=micro,
+                             expert_parallel=c.expert_parallel, state_shards=shards)
+    if line:
+        raise UserError(line)
 
 
 def check_context(ctx: int, data_seq_len: int | None) -> None:
@@ -130,15 +153,19 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
               data_seq_len: int | None) -> TrainPlan:
     """Fill every default; raises UserError for impossible combinations."""
     p = cfg.parameters
-    world = machine.world_size
+    world = replicas(cfg, machine)
     counts = param_counts(cfg.model)
     ctx = training_context(p.context_length, cfg.model.max_seq_len, data_seq_len)
     check_context(ctx, data_seq_len)
+    check_context_parallel(cfg.compute.context_parallel, ctx, cfg.model, device_type=machine.device,
+                           packed_rows=p.document_masking or cfg.task_type in SFT_TASKS)
     precision = plan_precision(cfg, machine)
     fpt = mfu_flops_per_token(cfg.model, ctx, cfg.lora)
     gbs = _global_batch(cfg, ctx, machine, precision, samples_per_epoch, fpt)
     micro, checkpointing, micro_reason = micro_batch_and_checkpointing(cfg, ctx, gbs, machine, precision)
     check_batch_split(gbs, micro, world)
+    if machine.device == "cuda" and micro_reason is None:  # set by hand: refused now if it cannot fit
+        _check_fits(cfg, ctx, micro, checkpointing, machine)
 
     def steps(d: Duration, what: str) -> int | None:
         return _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch, flops_per_token=fpt)
@@ -186,7 +213,7 @@ def plan_precision(cfg: RunConfig, machine: Machine) -> str:
 def _global_batch(cfg: RunConfig, ctx: int, machine: Machine, precision: str, samples_per_epoch: int | None,
                   fpt: float) -> int:
     """The global batch in samples (a default or a batch in tokens rounded so every rank gets the same share)."""
-    p, world = cfg.parameters, machine.world_size
+    p, world = cfg.parameters, replicas(cfg, machine)
     if isinstance(p.global_batch_size, int):
         return int(p.global_batch_size)
     if p.global_batch_size is None:
@@ -327,4 +354,5 @@ def estimate_inputs(cfg: RunConfig, plan: TrainPlan, machine: Machine) -> Estima
                           price=cfg.compute.price_per_gpu_hour, seq_len=plan.context_length, spec=machine.spec,
                           micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
                           precision=mfu_basis(plan.precision),
-                          expert_parallel=cfg.compute.expert_parallel if gpu else 1)
+                          expert_parallel=cfg.compute.expert_parallel if gpu else 1,
+                          context_parallel=cfg.compute.context_parallel)

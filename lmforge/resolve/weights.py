@@ -110,14 +110,22 @@ def check_tokenizer_fits(tokenizer, cfg: ModelConfig, what: str) -> None:
                         f"weights' vocabulary has {cfg.vocab_size}; use the tokenizer the model was trained with")
 
 
+def is_model_change(model) -> bool:
+    """Whether a `model:` value is changes to custom_weights_path's shape rather than a shape."""
+    return isinstance(model, dict) and "preset" not in model and "d_model" not in model
+
+
 def fill_from_weights(raw: dict) -> dict:
-    """A raw config dict with `model` / `tokenizer` taken from its `custom_weights_path` when left out."""
+    """A raw config dict with `model` / `tokenizer` taken from its `custom_weights_path` when left
+    out. A `model` mapping that names no shape (no preset, no d_model) holds changes to the
+    weights' own: ``{max_seq_len: 8192, rope_scaling: {...}}`` extends their context."""
     path = raw.get("custom_weights_path")
-    if not path or (raw.get("model") and raw.get("tokenizer")):
+    model = raw.get("model")
+    if not path or (model and not is_model_change(model) and raw.get("tokenizer")):
         return raw
     raw = dict(raw)
-    if not raw.get("model"):
-        raw["model"] = model_config_of(path).model_dump(mode="json")
+    if not model or is_model_change(model):
+        raw["model"] = model_config_of(path).model_dump(mode="json") | (model or {})
     if not raw.get("tokenizer"):
         tok = locate(path).tokenizer_dir
         if tok:

@@ -74,7 +74,7 @@ def check_train_data(cfg: RunConfig) -> None:
 
 
 def check_batch(cfg: RunConfig, world_size: int) -> None:
-    """`train.plan`'s split check where the config fixes the global batch in samples (a batch in
+    """`resolve.plan`'s split check where the config fixes the global batch in samples (a batch in
     tokens, or none, is sized by the plan to fit)."""
     p = cfg.parameters
     if isinstance(p.global_batch_size, int):

@@ -38,6 +38,7 @@ from lmforge.config.identity import run_identity
 from lmforge.data.batch import Batch, StreamLayout
 from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
+from lmforge.distributed.context_parallel import data_parallel_replica, shard_rows
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.float8 import FP8Options, after_optimizer_step
@@ -151,14 +152,16 @@ class Trainer:
 
         resume_from, checked = self._claim_save_folder(overwrite)
         self.model, self.train_forward = self._build_model(from_weights=not resume_from)
+        self.sequence_group = self.model.sequence_group  # context parallelism: the ranks a row is split over
         p = self.cfg.parameters
         self.optimizer = build_optimizer(self.model, lr=self.plan.learning_rate, weight_decay=p.weight_decay,
                                          betas=tuple(p.betas), eps=p.eps, device_type=self.device.type,
                                          kind=p.optimizer)
         self._schedule_signature = self.plan.schedule.signature(self.plan.learning_rate)
+        replica, replicas = data_parallel_replica(dist.rank, dist.world_size, self.cfg.compute.context_parallel)  # a row's ranks read the same rows
         self.layout = StreamLayout(
             seq_len=self.plan.context_length, micro_batch=self.plan.micro_batch,
-            global_batch=self.plan.global_batch, rank=dist.rank, world_size=dist.world_size, seed=p.seed,
+            global_batch=self.plan.global_batch, rank=replica, world_size=replicas, seed=p.seed,
             num_workers=self.cfg.compute.num_workers, pin_memory=self.device.type == "cuda",
             document_eos=self.tokenizer.eos_id if p.document_masking and self.data.kind == "pretrain" else None)
         self.stream = self.data.train_stream(self.layout)
@@ -247,10 +250,11 @@ class Trainer:
 
         The loss is the mean over every trained-on target of the global batch: each micro-batch's
         summed cross-entropy is divided by the step's target count (all ranks' mean under data
-        parallelism, which averages gradients). Gradients are synchronized on the last
-        micro-batch only. Nothing here waits for the device: the returned loss and gradient
-        norm are device tensors; a non-finite one is caught when they are read (`_read`: at
-        the next log step or checkpoint, which it then never reaches).
+        parallelism, which averages gradients; under context parallelism each rank computes its
+        part of the rows, `shard_rows`, against the same global count). Gradients are
+        synchronized on the last micro-batch only. Nothing here waits for the device: the
+        returned loss and gradient norm are device tensors; a non-finite one is caught when they
+        are read (`_read`: at the next log step or checkpoint, which it then never reaches).
         """
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:
@@ -261,9 +265,9 @@ class Trainer:
         for i, batch in enumerate(batches):
             batch = batch.to(self.device)
             skip_sync = i < len(batches) - 1 and self.dist.distributed
-            with no_grad_sync(self.train_forward, skip=skip_sync):
+            with no_grad_sync(self.train_forward, skip=skip_sync), shard_rows(self.sequence_group, batch) as batch:
                 with self.autocast():
-                    out = self.train_forward(batch.input_ids, batch.targets, batch.doc_ids)
+                    out = self.train_forward(batch.input_ids, batch.targets, batch.doc_ids, batch.positions)
                 loss = out.ce_sum / norm
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss / len(batches)
@@ -286,13 +290,15 @@ class Trainer:
         return StepOutput(loss=loss.detach(), grad_norm=grad_norm.detach(), lr=lr, moe=moe)
 
     def _target_norm(self, batches: Sequence[Batch]) -> torch.Tensor | float:
-        """Targets per rank in this step, counted on the host copies of the batches (no device
-        wait). Pretraining rows all have the same count; fine-tuning rows differ, so their count
-        is summed over ranks (a device tensor; each rank divides by the mean)."""
+        """The step's targets over all ranks divided by the number of ranks, counted on the host
+        copies of the batches (no device wait). Pretraining rows all have the same count;
+        fine-tuning rows differ, so their count is summed over ranks (a device tensor). Under
+        context parallelism N ranks share each (whole, here) row: 1/N of its targets each."""
         count = torch.stack([b.num_targets() for b in batches]).sum()
+        cp = self.cfg.compute.context_parallel
         if self.data.kind != "pretrain" and self.dist.distributed:
-            return (all_reduce_sum(count.to(self.device, torch.float32)) / self.dist.world_size).clamp(min=1.0)
-        return max(1.0, float(count))
+            return (all_reduce_sum(count.to(self.device, torch.float32)) / self.dist.world_size).clamp(min=1.0) / cp
+        return max(1.0, float(count)) / cp
 
     def _read(self, window: list[StepOutput]) -> list[tuple[float, float]]:
         """The (loss, grad norm) of each step of ``window`` on the host, in one device wait; the
@@ -560,8 +566,11 @@ class Trainer:
             f"{plan.time_limit_s:.0f}s of training"
         self.log(f"run {cfg.name}: {cfg.model.label()} model, {plan.params['total'] / 1e6:.1f}M params "
                  f"({plan.params['active'] / 1e6:.1f}M active), {total}")
+        cp = cfg.compute.context_parallel
+        ranks = f"{self.dist.world_size} rank(s)" if cp == 1 else \
+            f"{self.dist.world_size // cp} replica(s) of {cp} context-parallel ranks"
         self.log(f"  batch {plan.global_batch} × {plan.context_length} tokens = micro-batch {plan.micro_batch} × "
-                 f"{plan.grad_accum} accumulation × {self.dist.world_size} rank(s); lr {plan.learning_rate:.3g}, "
+                 f"{plan.grad_accum} accumulation × {ranks}; lr {plan.learning_rate:.3g}, "
                  f"warmup {_span(plan.schedule.warmup, plan.schedule.warmup_unit)}, {_schedule_text(plan.schedule)}; "
                  f"{cfg.parameters.optimizer}; {plan.precision} on {self.device}")
         self.log(f"  checkpoints and metrics: {cfg.save_folder}")
