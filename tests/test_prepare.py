@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmforge.data import prepare as prepare_mod
+from lmforge.data import packing
 from lmforge.data.mds import MDSReader
 from lmforge.data.prepare import MARKER, prepare, read_summary
 from lmforge.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
@@ -95,7 +95,7 @@ def test_split_is_stable_when_a_file_is_added(corpus, tok, tmp_path):
 
 def test_workers_give_identical_output_and_rerun_is_noop(corpus, tok, tmp_path, monkeypatch):
     d, _ = corpus
-    monkeypatch.setattr(prepare_mod, "CHUNK_DOCS", 7)  # many chunks, so both workers get work
+    monkeypatch.setattr(packing, "CHUNK_DOCS", 7)  # many chunks, so both workers get work
     one = prepare([str(d)], tok, str(tmp_path / "w1"), SEQ, eval_fraction=0.2, workers=1)
     two = prepare([str(d)], tok, str(tmp_path / "w2"), SEQ, eval_fraction=0.2, workers=2)
     for split in ("train", "val"):

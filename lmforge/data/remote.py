@@ -186,3 +186,86 @@ def upload_dir(local_dir: str, uri: str, retries: int = 5, backoff: float = 0.5,
                 tmp = dest.with_name(f".{dest.name}.part")
                 tmp.write_bytes(p.read_bytes())
                 os.replace(tmp, dest)
+
+
+def put_bytes(uri: str, data: bytes, retries: int = 5, backoff: float = 0.5) -> None:
+    """Write ``data`` as the whole object/file ``uri`` (an object-store PUT is atomic; a local file is
+    written beside and renamed), retrying."""
+    if not is_remote(uri):
+        _write_local_atomic(Path(local_path(uri)), data)
+        return
+    fs, path = fs_and_path(uri)
+    _retry(uri, lambda: fs.pipe_file(path, data), retries, backoff)
+
+
+def _write_local_atomic(dest: Path, data: bytes) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def get_bytes(uri: str, retries: int = 5, backoff: float = 0.5) -> bytes | None:
+    """The content of ``uri``; None when it does not exist."""
+    if not is_remote(uri):
+        try:
+            return Path(local_path(uri)).read_bytes()
+        except FileNotFoundError:
+            return None
+    fs, path = fs_and_path(uri)
+    try:
+        return _retry(uri, lambda: fs.cat_file(path), retries, backoff)
+    except UserError as e:
+        if str(e).endswith(": not found"):
+            return None
+        raise
+
+
+def listdir(uri: str) -> list[str]:
+    """Sorted names of the files and folders directly in ``uri``; [] when it does not exist."""
+    if not is_remote(uri):
+        try:
+            return sorted(os.listdir(local_path(uri)))
+        except FileNotFoundError:
+            return []
+    fs, path = fs_and_path(uri)
+    try:
+        fs.invalidate_cache(path)
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def remove_tree(uri: str) -> None:
+    """Remove ``uri`` and everything under it, if it exists."""
+    if not is_remote(uri):
+        import shutil
+
+        shutil.rmtree(local_path(uri), ignore_errors=True)
+        return
+    fs, path = fs_and_path(uri)
+    fs.invalidate_cache()  # a cached listing may predate what this process just wrote
+    try:
+        found = fs.find(path, withdirs=True, detail=True)
+    except FileNotFoundError:
+        return
+    files = [p for p, info in found.items() if info.get("type") != "directory"]
+    if files:
+        fs.rm(files)  # the files, never a bucket (``uri`` may be a bucket's root)
+    scheme = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if scheme in ("s3", "s3a") and "/" in path:
+        # Stores with real folders (SeaweedFS, MinIO) keep emptied folders as keys "folder/": deepest first.
+        folders = [p for p, info in found.items() if info.get("type") == "directory"] + [path]
+        for folder in sorted(set(folders), key=lambda p: -p.count("/")):
+            bucket, key = folder.split("/", 1)
+            try:
+                fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
+            except (FileNotFoundError, PermissionError):
+                pass
+        fs.invalidate_cache()
