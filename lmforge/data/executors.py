@@ -78,6 +78,8 @@ def run_job(job: Job, spec: ExecutorSpec | None, workers: int = 1, progress: boo
         return JobRun(0.0, 0, [], submitted=_submit_slurm(job, stages, spec))
     wd = WorkDir(job.out)
     before = wd.done("units")
+    if spec is not None and spec.kind == "ray":
+        _start_ray(job)
     start = time.perf_counter()
     cores = _cores(spec, workers)
     for stage in stages:
@@ -162,14 +164,20 @@ def _run_on_executor(job: Job, stage: Stage, spec: ExecutorSpec) -> None:
             LocalPipelineExecutor([StageTask(job, stage, threads)], tasks=tasks, workers=tasks, logging_dir=logs,
                                   skip_completed=False).run()
         else:
-            import ray
             from datatrove.executor import RayPipelineExecutor
 
-            if not ray.is_initialized():
-                ray.init(log_to_driver=False, include_dashboard=False)
             RayPipelineExecutor([StageTask(job, stage, spec.cpus_per_task)], tasks=tasks, workers=tasks,
                                 logging_dir=logs, skip_completed=False, cpus_per_task=spec.cpus_per_task,
                                 mem_per_cpu_gb=1).run()
+
+
+def _start_ray(job: Job) -> None:
+    """Join the cluster ``RAY_ADDRESS`` names, or start a local Ray instance."""
+    import ray
+
+    if not ray.is_initialized():
+        with _task_output_to_file(_log_file(job)):
+            ray.init(log_to_driver=False, include_dashboard=False)
 
 
 def slurm_executors(job: Job, stages: list[Stage], spec: ExecutorSpec) -> list:
@@ -217,7 +225,8 @@ class _Progress:
         self.out = os.fdopen(os.dup(2), "w")
         self.bar = Progress(TextColumn(f"[bold]{self.stage.name}"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"), TimeElapsedColumn(),
-                            console=Console(file=self.out), transient=True)
+                            console=Console(file=self.out), transient=True, redirect_stdout=False,
+                            redirect_stderr=False)
         self.task = self.bar.add_task(self.stage.name, total=self.stage.items, rate="", eta="")
         self.bar.start()
         self.thread = threading.Thread(target=self._poll, daemon=True)

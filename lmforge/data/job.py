@@ -92,8 +92,15 @@ class WorkDir:
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             os.replace(local_file, dest)
 
-    def remove(self) -> None:
-        remote.remove_tree(self.root)
+    def remove(self, keep_logs: bool = False) -> None:
+        """Remove the work folder (but its ``logs`` with ``keep_logs``: Slurm's scripts and task logs,
+        which the last step's own task is still writing to)."""
+        if not keep_logs:
+            remote.remove_tree(self.root)
+            return
+        for name in self.names(""):
+            if name != "logs":
+                remote.remove_tree(self.uri(name))
 
 
 @dataclass(frozen=True)

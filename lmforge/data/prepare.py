@@ -319,6 +319,8 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
         "seconds": round(seconds, 3),
         "tokens_per_second": round(tokens_now / seconds, 1) if seconds > 0 and tokens_now else None,
     }
+    if run is not None:
+        marker["units_done_earlier"] = len(markers) - len(new)  # by an interrupted run of the same command
     if run is not None and tokens_now and seconds > 0:
         marker["cores"] = run.cores
         marker["throughput"] = throughput_line(tokens_now, seconds, run.cores)
@@ -329,7 +331,7 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
     if curation is not None and ctx["removed_out"]:
         marker["curation"]["removed_samples"] = write_removed(
             removed_samples(job, unit_offsets(markers), job.curate.removed_sample), ctx["removed_out"])
-    WorkDir(job.out).remove()
+    WorkDir(job.out).remove(keep_logs=ctx["executor"] == "slurm")
     return marker
 
 

@@ -243,11 +243,14 @@ def listdir(uri: str) -> list[str]:
 
 
 def remove_tree(uri: str) -> None:
-    """Remove ``uri`` and everything under it, if it exists."""
+    """Remove the folder ``uri`` and everything under it, or the file ``uri``, if it exists."""
     if not is_remote(uri):
         import shutil
 
-        shutil.rmtree(local_path(uri), ignore_errors=True)
+        if os.path.isdir(local_path(uri)):
+            shutil.rmtree(local_path(uri), ignore_errors=True)
+        elif os.path.lexists(local_path(uri)):
+            os.remove(local_path(uri))
         return
     fs, path = fs_and_path(uri)
     fs.invalidate_cache()  # a cached listing may predate what this process just wrote

@@ -112,6 +112,6 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
     if ctx["removed_out"]:
         marker["curation"]["removed_samples"] = write_removed(
             removed_samples(job, unit_offsets(markers), job.curate.removed_sample), ctx["removed_out"])
-    wd.remove()
+    wd.remove(keep_logs=ctx["executor"] == "slurm")
     return marker
 
