@@ -105,7 +105,7 @@ def add_curation_args(p, dedup_default: str | None) -> None:
 
 
 def add_executor_args(p) -> None:
-    g = p.add_argument_group("scale-out (docs/scale-out-data.md)")
+    g = p.add_argument_group("many tasks (docs/data-at-scale.md)")
     g.add_argument("--executor", metavar="KIND",
                    help="run as --tasks tasks on datatrove's local, slurm or ray executor (default: this process "
                         "and --workers processes)")

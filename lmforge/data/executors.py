@@ -81,7 +81,7 @@ def run_job(job: Job, spec: ExecutorSpec | None, workers: int = 1, progress: boo
     if spec is not None and spec.kind == "ray":
         _start_ray(job)
     start = time.perf_counter()
-    cores = _cores(spec, workers)
+    cores = _cores(spec)
     for stage in stages:
         with _Progress(job, stage, progress):
             if spec is None:
@@ -92,15 +92,16 @@ def run_job(job: Job, spec: ExecutorSpec | None, workers: int = 1, progress: boo
     return JobRun(time.perf_counter() - start, cores, sorted(wd.done("units") - before))
 
 
-def _cores(spec: ExecutorSpec | None, workers: int) -> int:
+def _cores(spec: ExecutorSpec | None) -> int:
+    """The cores the job ran on: this machine's (in this process and on the local executor the
+    tokenizer's threads fill every core, whatever the number of workers or tasks), or on Ray the
+    tasks' share of the cluster."""
     machine = os.cpu_count() or 1
-    if spec is None:
-        return machine  # the tokenizer's own threads use every core, whatever --workers is
-    if spec.kind == "ray":
+    if spec is not None and spec.kind == "ray":
         import ray
 
         return int(min(spec.tasks * spec.cpus_per_task, ray.cluster_resources().get("CPU", machine)))
-    return min(spec.tasks, machine)
+    return machine
 
 
 def _check_done(job: Job, stage: Stage) -> None:
