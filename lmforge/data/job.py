@@ -219,8 +219,8 @@ def _signatures(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
                 yield acc, texts
             yield acc, None
 
-    with ChunkPool(job.curate, None, None, workers) as pool:
-        for acc, texts, result in pool.map("signatures", items()):
+    with ChunkPool("signatures", job.curate, workers=workers) as pool:
+        for acc, texts, result in pool.map(items()):
             if texts is not None:
                 acc.keys += result[0]
                 acc.sigs += result[1]
@@ -232,25 +232,25 @@ def _signatures(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
 
 def _units(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
     chars = packing.CHUNK_CHARS if workers <= 1 else packing.CHUNK_CHARS_POOL
-    started: list[UnitWork] = []
+    open_units: dict[int, UnitWork] = {}  # started and not finished: their staging folders go on error
 
     def items():
         for u in todo:
-            w = UnitWork(job, wd, u)
-            started.append(w)
+            w = open_units[u] = UnitWork(job, wd, u)
             for ids, texts in _chunked(w.documents(), chars):
                 yield (w, ids), texts
             yield (w, None), None
 
     try:
-        with ChunkPool(job.curate, job.index, job.encoder, workers) as pool:
-            for (w, ids), texts, result in pool.map("documents", items()):
+        with ChunkPool("documents", job.curate, job.index, job.encoder, workers) as pool:
+            for (w, ids), texts, result in pool.map(items()):
                 if texts is None:
                     w.finish()
+                    del open_units[w.u]
                 else:
                     w.add(ids, texts, result)
     finally:
-        for w in started:
+        for w in open_units.values():
             shutil.rmtree(w.stage, ignore_errors=True)
 
 
@@ -331,13 +331,15 @@ class UnitWork:
 
 def unit_markers(job: Job) -> list[dict]:
     """Every unit's marker, in unit order (all units must be done)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     wd = WorkDir(job.out)
-    out = []
-    for u in range(len(job.units)):
-        m = wd.read_json(f"units/{u:06d}.json")
+    # Thousands of small reads: from an object store, many at a time.
+    with ThreadPoolExecutor(32 if remote.is_remote(job.out) else 1) as pool:
+        out = list(pool.map(lambda u: wd.read_json(f"units/{u:06d}.json"), range(len(job.units))))
+    for u, m in enumerate(out):
         if m is None:
             raise UserError(f"--out {job.out}: unit {u} is not done; re-run the command to finish it")
-        out.append(m)
     return out
 
 

@@ -22,19 +22,24 @@ from lmforge.data.curate.dedup import signatures
 from lmforge.process import die_with_parent
 
 
+STAGES = ("signatures", "documents")
+
+
 class _State:
     """What one process needs for the stages."""
 
-    def __init__(self, cfg_json: str | None, index, encoder: tuple[Callable, tuple] | None):
+    def __init__(self, cfg_json: str | None, index, encoder: tuple[Callable, tuple] | None, stage: str):
         self.cfg = CurateConfig.model_validate_json(cfg_json) if cfg_json else None
-        self.checker = DocChecker(self.cfg, index) if self.cfg else None
-        if self.checker is not None and not self.checker.active:
-            self.checker = None
-        self.encoder = encoder[0](*encoder[1]) if encoder else None
-        if self.cfg and self.cfg.dedup and self.cfg.dedup.near:
+        self.checker = self.encoder = None
+        if stage == "documents":  # built now, while the parent reads the input (models load in seconds)
+            self.checker = DocChecker(self.cfg, index) if self.cfg else None
+            if self.checker is not None and not self.checker.active:
+                self.checker = None
+            self.encoder = encoder[0](*encoder[1]) if encoder else None
+        elif self.cfg.dedup.near:
             from lmforge.data.curate.dedup import _minhash
 
-            _minhash(self.cfg.dedup.num_perm)  # import datasketch (~1 s) now, while the parent reads input
+            _minhash(self.cfg.dedup.num_perm)  # import datasketch (~1 s)
 
     def signatures(self, texts: list[str]):
         return signatures(texts, self.cfg.dedup)
@@ -50,14 +55,14 @@ class _State:
 _STATE: _State | None = None  # per worker process, built by the pool initializer
 
 
-def _init(cfg_json, index, encoder, threads: int, parent: int) -> None:
+def _init(cfg_json, index, encoder, stage: str, threads: int, parent: int) -> None:
     global _STATE
     die_with_parent(parent)  # a killed `prepare` (or trainer preparing its data) leaves no worker behind
     # The tokenizer's Rust thread pool would otherwise start one thread per core in every worker.
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     if threads <= 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _STATE = _State(cfg_json, index, encoder)
+    _STATE = _State(cfg_json, index, encoder, stage)
 
 
 def _run(stage: str, texts: list[str]):
@@ -81,19 +86,19 @@ class _Done:
         pass
 
 
-STAGES = ("signatures", "documents")
-
 
 class ChunkPool:
-    """Runs the stages on chunks, in this process (``workers`` <= 1) or in ``workers`` processes."""
+    """Runs one stage on chunks, in this process (``workers`` <= 1) or in ``workers`` processes."""
 
-    def __init__(self, cfg: CurateConfig | None, index=None, encoder: tuple[Callable, tuple] | None = None,
-                 workers: int = 1):
+    def __init__(self, stage: str, cfg: CurateConfig | None, index=None,
+                 encoder: tuple[Callable, tuple] | None = None, workers: int = 1):
+        assert stage in STAGES, stage
         cfg_json = cfg.model_dump_json() if cfg is not None else None
+        self.stage = stage
         self.workers = workers
         self.pool = None
         if workers <= 1:
-            self.state = _State(cfg_json, index, encoder)
+            self.state = _State(cfg_json, index, encoder, stage)
             return
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -102,14 +107,14 @@ class ChunkPool:
         # spawn, not fork: a forked copy of a tokenizer that already ran its thread pool can deadlock.
         ctx = multiprocessing.get_context("spawn")
         self.pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
-                                        initargs=(cfg_json, index, encoder, threads, os.getpid()))
+                                        initargs=(cfg_json, index, encoder, stage, threads, os.getpid()))
         for _ in range(workers):  # start the workers (imports, models) while the parent reads the input
             self.pool.submit(_ready)
 
-    def map(self, stage: str, items: Iterable[tuple[object, list[str] | None]]) -> Iterator[tuple[object, list[str] | None, object]]:
+    def map(self, items: Iterable[tuple[object, list[str] | None]]) -> Iterator[tuple[object, list[str] | None, object]]:
         """(tag, texts, result) per (tag, texts) item, in order; an item whose texts are None passes
         through with result None (a marker, e.g. the end of a unit)."""
-        assert stage in STAGES, stage
+        stage = self.stage
         depth = 2 * self.workers if self.pool is not None else 0
         pending: collections.deque = collections.deque()
 
