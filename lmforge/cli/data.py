@@ -36,7 +36,8 @@ def register(subparsers) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
                    help="fraction of documents held out in DEST/val (chosen by a hash of their content); "
                    "too few documents for one val sample: that fraction of the samples, from the end")
-    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="tokenizer processes")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                   help="tokenizer processes (without --executor; with one, --tasks)")
     p.add_argument("--compression", default="zstd", help="shard compression: zstd, zstd:LEVEL or none")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset already in DEST")
@@ -54,7 +55,8 @@ def register(subparsers) -> None:
                    help="files, folders, globs, URIs, hf://NAME[/CONFIG][:SPLIT] or builtin:python-stdlib")
     p.add_argument("--out", required=True, metavar="DEST", help="output folder")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
-    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="worker processes")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                   help="worker processes (without --executor; with one, --tasks)")
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it holds other output")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_curation_args(p, dedup_default="exact,near")
