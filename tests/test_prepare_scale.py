@@ -228,3 +228,31 @@ def test_bad_executor_input_is_one_line_and_writes_nothing(corpus, tok, plain, t
     monkeypatch.setitem(sys.modules, "datatrove.executor", None)
     assert "needs datatrove: pip install 'lmforge[curate]'" in error(*base, "--tasks", "2")
     assert not out.exists()
+
+
+def test_exact_dedup_over_several_key_ranges(tmp_path):
+    """Past 64 GB of input the exact keys are split into ranges, one finder item each: the same
+    decisions (each repeat points at the first occurrence in input order, whatever its range)."""
+    from lmforge.config.curation import DedupConfig
+    from lmforge.data.curate.crossdedup import DedupPlan, find_duplicates, removals, write_signatures
+    from lmforge.data.curate.dedup import signatures
+    from lmforge.data.job import WorkDir
+
+    rng = random.Random(3)
+    units = [[f"text {rng.randrange(40)}" for _ in range(30)] for _ in range(3)]
+    plan = DedupPlan(exact=True, near=False, partitions=4, bands=0, rows=0, num_perm=128, threshold=0.8)
+    wd = WorkDir(str(tmp_path))
+    for u, texts in enumerate(units):
+        write_signatures(wd, plan, u, *signatures(texts, DedupConfig(near=False)))
+    assert len(wd.names("dedup/exact")) > 1  # the keys did spread over several ranges
+    for item in range(plan.duplicate_items):
+        find_duplicates(wd, plan, item)
+    first: dict[str, tuple[int, int]] = {}
+    for u, texts in enumerate(units):
+        want = {}
+        for d, t in enumerate(texts):
+            if t in first:
+                want[d] = ("exact", *first[t])
+            else:
+                first[t] = (u, d)
+        assert removals(wd, plan, u) == want

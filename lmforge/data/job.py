@@ -90,7 +90,7 @@ class WorkDir:
         else:
             dest = remote.local_path(uri)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
-            os.replace(local_file, dest)
+            shutil.move(local_file, dest)  # a rename when both are on one file system
 
     def remove(self, keep_logs: bool = False) -> None:
         """Remove the work folder (but its ``logs`` with ``keep_logs``: Slurm's scripts and task logs,

@@ -293,8 +293,9 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
                         f"{sum(s['tokens'] for s in splits.values())} tokens, not one full sample of {job.seq_len})")
     for split in job.splits:
         _write_index(job.out, split, entries[split])
+    obsolete: list[str] = []
     if "val" in splits and 0 in (splits["val"]["samples"], splits["train"]["samples"]):
-        splits = _tail_holdout(job, splits, entries, ctx["eval_fraction"], (frac_flag, seq_flag))
+        splits, obsolete = _tail_holdout(job, splits, entries, ctx["eval_fraction"], (frac_flag, seq_flag))
     new = set(run.new_units) if run is not None else set(range(len(markers)))
     tokens_now = sum(markers[u]["tokens"] for u in new)
     seconds = run.seconds if run is not None else sum(markers[u]["seconds"] for u in new)
@@ -328,6 +329,8 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
         marker["curation"] = curation
     marker["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     remote.put_bytes(remote.join(job.out, MARKER), (json.dumps(marker, indent=2) + "\n").encode())  # last
+    for uri in obsolete:  # only now: a run stopped before the marker finalizes again from the units' shards
+        _delete(uri)
     if curation is not None and ctx["removed_out"]:
         marker["curation"]["removed_samples"] = write_removed(
             removed_samples(job, unit_offsets(markers), job.curate.removed_sample), ctx["removed_out"])
@@ -360,9 +363,11 @@ def _delete(uri: str) -> None:
         os.remove(remote.local_path(uri))
 
 
-def _tail_holdout(job: Job, splits: dict, entries: dict, eval_fraction: float, flags: tuple[str, str]) -> dict:
+def _tail_holdout(job: Job, splits: dict, entries: dict, eval_fraction: float,
+                  flags: tuple[str, str]) -> tuple[dict, list[str]]:
     """Few documents: one split got every full sample (the per-document draw put every document on
-    one side): the val split becomes the last ``eval_fraction`` of those samples, train the rest."""
+    one side): the val split becomes the last ``eval_fraction`` of those samples, train the rest.
+    Returns the splits' summaries and the units' shards no index lists any more."""
     from lmforge.data.mds import MDSWriter
 
     frac_flag, seq_flag = flags
@@ -387,8 +392,6 @@ def _tail_holdout(job: Job, splits: dict, entries: dict, eval_fraction: float, f
         finally:
             reader.close()
         for split in SPLITS:  # the units' shards are replaced by the cut
-            for e in entries[split]:
-                _delete(remote.join(job.out, split, (e["zip_data"] or e["raw_data"])["basename"]))
             for e in new[split]:
                 name = (e["zip_data"] or e["raw_data"])["basename"]
                 WorkDir(job.out).publish(os.path.join(tmp, split, name), remote.join(job.out, split, name))
@@ -404,4 +407,6 @@ def _tail_holdout(job: Job, splits: dict, entries: dict, eval_fraction: float, f
                                "bytes_per_token": bpt, "samples": n - k, "shards": len(new["train"])}
     val["dropped_tokens"] = splits[other]["tokens"] + (whole["dropped_tokens"] if source == "val" else 0)
     train["dropped_tokens"] = whole["dropped_tokens"] if source == "train" else 0
-    return {"train": train, "val": val}
+    obsolete = [remote.join(job.out, split, (e["zip_data"] or e["raw_data"])["basename"])
+                for split in SPLITS for e in entries[split]]
+    return {"train": train, "val": val}, obsolete
