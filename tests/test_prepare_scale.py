@@ -23,7 +23,7 @@ from lmforge.data.prepare import MARKER, prepare
 from lmforge.data.sources import Source, SourceStats, list_files
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.data.units import plan_units, unit_documents
-from train_helpers import lmforge
+from train_helpers import communicate, lmforge
 
 SEQ = 32
 UNIT = 2048  # bytes of input per work unit: the corpus below makes about 20 units
@@ -69,6 +69,10 @@ def _files(ds: Path) -> dict[str, bytes]:
     return {f"{s}/{p.name}": p.read_bytes() for s in ("train", "val") for p in sorted((ds / s).iterdir())}
 
 
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.suffix == ".json") if folder.is_dir() else []
+
+
 def _args(corpus, tok, out, *more) -> list:
     return ["data", "prepare", "--input", corpus[0], "--tokenizer", tok.path, "--out", out, "--seq-len", SEQ,
             "--eval-fraction", "0.2", "--unit-mb", UNIT_MB, "--json", *more]
@@ -102,31 +106,37 @@ def test_progress_and_throughput_lines():
 
 
 @pytest.mark.e2e
-def test_tasks_write_the_plain_dataset_and_a_killed_job_resumes(corpus, tok, plain, tmp_path):
+def test_tasks_write_the_plain_dataset_and_a_killed_task_is_redone(corpus, tok, plain, tmp_path):
     r = lmforge(*_args(corpus, tok, tmp_path / "t3", "--tasks", "3"), check=True)
     s = json.loads(r.stdout)
     assert s["executor"] == "local" and s["tasks"] == 3 and s["units"] == json.loads((plain / MARKER).read_text())["units"]
     assert _files(tmp_path / "t3") == _files(plain)  # the same samples, the same order, byte for byte
     assert sorted(os.listdir(tmp_path / "t3")) == [MARKER, "train", "val"]
 
-    # A job killed (every process of it) once a unit is done: no index, no marker; the same command
-    # finishes it, redoing only the units without a marker.
+    # A task process killed while it works, once a unit is done: the command stops with one line and
+    # lists nothing; the same command finishes the job, redoing only the units without a marker.
     out = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "lmforge", *map(str, _args(corpus, tok, out, "--tasks", "2"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    markers = out / "work" / "units"
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    work = out / "work"
     deadline = time.monotonic() + 120
-    while not (markers.is_dir() and any(p.suffix == ".json" for p in markers.iterdir())):
+    claim = None
+    while claim is None:
         assert proc.poll() is None and time.monotonic() < deadline, "no unit finished"
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    finished = (out / MARKER).exists()  # the whole job may have ended before the kill landed
-    done = len([p for p in markers.iterdir() if p.suffix == ".json"]) if markers.is_dir() else None
-    if not finished:
-        assert not (out / "train" / "index.json").exists() and not (out / "val" / "index.json").exists()
-    s = json.loads(lmforge(*_args(corpus, tok, out, "--tasks", "2"), check=True).stdout)
-    if not finished:
+        try:  # a unit done, and a task still working (its claim)
+            if _names(work / "units"):
+                claim = json.loads((work / "running" / _names(work / "running")[0]).read_text())
+        except (IndexError, FileNotFoundError):
+            pass
+    os.kill(claim["pid"], signal.SIGKILL)
+    _, err = communicate(proc, timeout=120)
+    if proc.returncode != 0:  # else the task had just finished its last unit when the kill landed
+        assert proc.returncode == 1 and err.strip().splitlines()[-1].startswith("error: a task of the units stage "
+                                                                                 f"(process {claim['pid']}) ended")
+        assert not (out / "train" / "index.json").exists() and not (out / MARKER).exists()
+        done = len(_names(work / "units"))
+        s = json.loads(lmforge(*_args(corpus, tok, out, "--tasks", "2"), check=True).stdout)
         assert s["units_done_earlier"] == done and 1 <= done <= s["units"]
     assert _files(out) == _files(plain)
 

@@ -63,6 +63,13 @@ def check_executor(spec: ExecutorSpec | None) -> None:
         raise UserError("--executor slurm: needs --partition NAME (the Slurm partition the tasks run on)")
 
 
+class TaskDied(UserError):
+    """A task's process ended before its items were done (killed, out of memory): the job stops,
+    and the same command finishes it. Not bad input: what the job wrote stays."""
+
+    exit_code = 1
+
+
 @dataclass
 class JobRun:
     seconds: float
@@ -161,15 +168,71 @@ def _run_on_executor(job: Job, stage: Stage, spec: ExecutorSpec) -> None:
             from datatrove.executor import LocalPipelineExecutor
 
             threads = max(1, (os.cpu_count() or 1) // tasks)
-            # skip_completed off: the items' own markers say what is done, whatever the task count was
-            LocalPipelineExecutor([StageTask(job, stage, threads)], tasks=tasks, workers=tasks, logging_dir=logs,
-                                  skip_completed=False).run()
+            with _TaskWatch(job, stage) as watch:
+                try:
+                    # skip_completed off: the items' own markers say what is done, whatever the task count was
+                    LocalPipelineExecutor([StageTask(job, stage, threads)], tasks=tasks, workers=tasks,
+                                          logging_dir=logs, skip_completed=False).run()
+                except KeyboardInterrupt:
+                    if watch.dead is None:
+                        raise
+                    raise TaskDied(f"a task of the {stage.name} stage (process {watch.dead['pid']}) ended before its "
+                                   "work was done (killed? out of memory?); run the same command again: it redoes "
+                                   "only what did not finish") from None
         else:
             from datatrove.executor import RayPipelineExecutor
 
             RayPipelineExecutor([StageTask(job, stage, spec.cpus_per_task)], tasks=tasks, workers=tasks,
                                 logging_dir=logs, skip_completed=False, cpus_per_task=spec.cpus_per_task,
                                 mem_per_cpu_gb=1).run()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended too
+    except OSError:
+        return True
+
+
+class _TaskWatch:
+    """The local executor does not notice a task process that dies (its pool would wait for it
+    forever): this thread does, from the task's claim (``StageTask``), and interrupts the command."""
+
+    def __init__(self, job: Job, stage: Stage):
+        self.job, self.stage = job, stage
+        self.dead: dict | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        import signal
+        import socket
+
+        wd, host = WorkDir(self.job.out), socket.gethostname()
+        while not self.stop.wait(0.5):
+            for name in wd.names("running"):
+                claim = wd.read_json(f"running/{name}") if name.startswith(f"{self.stage.name}-") else None
+                if claim and claim["host"] == host and not _alive(claim["pid"]) and wd.read_json(f"running/{name}"):
+                    self.dead = claim
+                    # A real signal: it also wakes the main thread out of the pool's wait.
+                    os.kill(os.getpid(), signal.SIGINT)
+                    return
+
+    def __enter__(self) -> "_TaskWatch":
+        remote.remove_tree(WorkDir(self.job.out).uri("running"))  # the claims of an earlier run's dead tasks
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 def _start_ray(job: Job) -> None:

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 
 from lmforge.data import remote
-from lmforge.data.executors import ExecutorSpec, JobRun, check_executor, run_job, throughput_line
+from lmforge.data.executors import ExecutorSpec, JobRun, TaskDied, check_executor, run_job, throughput_line
 from lmforge.data.job import (WORK, Job, WorkDir, removed_samples, source_stats, unit_markers, unit_offsets,
                               write_removed)
 from lmforge.data.packing import SPLITS, Encoder
@@ -224,6 +224,8 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
             return {"format": "lmforge-dataset-job", "out": out, "resumed": resumed, "units": len(units),
                     "submitted": run.submitted}
         return finalize(job, run)
+    except TaskDied:
+        raise  # what the job wrote stays: the same command finishes it
     except UserError:
         remote.remove_tree(out)  # bad input: the job cannot finish; what it wrote goes
         raise

@@ -18,7 +18,7 @@ import time
 
 from lmforge.data import remote
 from lmforge.data.curate import resolve_curation
-from lmforge.data.executors import ExecutorSpec, JobRun, check_executor, run_job
+from lmforge.data.executors import ExecutorSpec, JobRun, TaskDied, check_executor, run_job
 from lmforge.data.job import Job, WorkDir, removed_samples, source_stats, unit_markers, unit_offsets, write_removed
 from lmforge.data.sources import SourceStats, list_files, no_documents_message
 from lmforge.data.units import DEFAULT_UNIT_BYTES, plan_units
@@ -75,6 +75,8 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
         if run.submitted is not None:
             return {"format": "lmforge-curation-job", "out": out, "submitted": run.submitted}
         return finalize(job, run)
+    except TaskDied:
+        raise  # what the job wrote stays: the same command finishes it
     except UserError:
         shutil.rmtree(dest, ignore_errors=True)  # bad input: the job cannot finish; what it wrote goes
         raise
