@@ -28,7 +28,7 @@ then its marker (``DEST/work/units/U.json``); the last step writes ``index.json`
 and then the dataset marker, and removes ``DEST/work``. A killed run leaves no index and no
 marker; the same command again redoes only the units without a marker. Bad input found while
 running (a corrupt file, no documents, a ``seq_len`` longer than the data) removes what the job
-wrote.
+wrote; a failing object store or a dead task does not (the same command goes on from there).
 """
 
 from __future__ import annotations
@@ -224,8 +224,8 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
             return {"format": "lmforge-dataset-job", "out": out, "resumed": resumed, "units": len(units),
                     "submitted": run.submitted}
         return finalize(job, run)
-    except TaskDied:
-        raise  # what the job wrote stays: the same command finishes it
+    except (TaskDied, remote.StoreError):
+        raise  # not the data's fault: what the job wrote stays, and the same command finishes it
     except UserError:
         remote.remove_tree(out)  # bad input: the job cannot finish; what it wrote goes
         raise

@@ -111,6 +111,11 @@ def exists(uri: str) -> bool:
         return False
 
 
+class StoreError(UserError):
+    """The object store refused or failed (access denied, the network after retries): not the data's
+    fault, so a job keeps what it wrote, for the same command to go on from."""
+
+
 def _retry(what: str, fn, retries: int, backoff: float):
     """Run ``fn`` with exponential backoff; missing objects and permission errors are not retried."""
     for attempt in range(retries + 1):
@@ -119,12 +124,12 @@ def _retry(what: str, fn, retries: int, backoff: float):
         except FileNotFoundError:
             raise UserError(f"{what}: not found") from None
         except PermissionError as e:
-            raise UserError(f"{what}: access denied ({e})") from None
+            raise StoreError(f"{what}: access denied ({e})") from None
         except UserError:
             raise
         except Exception as e:  # network errors, throttling, truncated transfers
             if attempt == retries:
-                raise UserError(f"{what}: failed after {retries + 1} attempts ({type(e).__name__}: {e})") from None
+                raise StoreError(f"{what}: failed after {retries + 1} attempts ({type(e).__name__}: {e})") from None
             time.sleep(backoff * (2**attempt) * (1 + random.random() * 0.25))
 
 

@@ -75,8 +75,8 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
         if run.submitted is not None:
             return {"format": "lmforge-curation-job", "out": out, "submitted": run.submitted}
         return finalize(job, run)
-    except TaskDied:
-        raise  # what the job wrote stays: the same command finishes it
+    except (TaskDied, remote.StoreError):
+        raise  # not the data's fault: what the job wrote stays, and the same command finishes it
     except UserError:
         shutil.rmtree(dest, ignore_errors=True)  # bad input: the job cannot finish; what it wrote goes
         raise
