@@ -85,6 +85,7 @@ def run_job(job: Job, spec: ExecutorSpec | None, workers: int = 1, progress: boo
         return JobRun(0.0, 0, [], submitted=_submit_slurm(job, stages, spec))
     wd = WorkDir(job.out)
     before = wd.done("units")
+    remote.remove_tree(wd.uri("errors"))  # an earlier run's
     if spec is not None and spec.kind == "ray":
         _start_ray(job)
     start = time.perf_counter()
@@ -116,12 +117,12 @@ def _check_done(job: Job, stage: Stage) -> None:
     missing = stage.items - len(wd.done(stage.name))
     if missing <= 0:
         return
-    for name in wd.names("errors"):
-        msg = (wd.read_bytes(f"errors/{name}") or b"").decode().strip()
-        if msg:
-            raise UserError(msg)
-    raise UserError(f"{missing} of {stage.items} items of the {stage.name} stage did not finish (task logs in "
-                    f"{wd.uri('logs', stage.name)}); re-run the command to redo only those")
+    for name in wd.names("errors"):  # a task's one line (bad data, or a failing store)
+        err = wd.read_json(f"errors/{name}") or {}
+        if err.get("message"):
+            raise (remote.StoreError if err.get("store") else UserError)(err["message"])
+    raise TaskDied(f"{missing} of {stage.items} items of the {stage.name} stage did not finish (task logs in "
+                   f"{wd.uri('logs', stage.name)}); run the same command again: it redoes only those")
 
 
 # ----------------------------------------------------------------------------- datatrove

@@ -169,7 +169,8 @@ def run_items(job: Job, stage: Stage, items: Iterable[int], workers: int = 1) ->
         else:
             raise ValueError(stage.name)
     except UserError as e:
-        wd.write_bytes(f"errors/{stage.name}-{uuid.uuid4().hex[:8]}.txt", str(e).encode())
+        wd.write_json(f"errors/{stage.name}-{uuid.uuid4().hex[:8]}.json",
+                      {"message": str(e), "store": isinstance(e, remote.StoreError)})
         raise
 
 
