@@ -268,12 +268,34 @@ def remove_tree(uri: str) -> None:
         fs.rm(files)  # the files, never a bucket (``uri`` may be a bucket's root)
     scheme = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if scheme in ("s3", "s3a") and "/" in path:
-        # Stores with real folders (SeaweedFS, MinIO) keep emptied folders as keys "folder/": deepest first.
-        folders = [p for p, info in found.items() if info.get("type") == "directory"] + [path]
-        for folder in sorted(set(folders), key=lambda p: -p.count("/")):
-            bucket, key = folder.split("/", 1)
-            try:
-                fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
-            except (FileNotFoundError, PermissionError):
-                pass
-        fs.invalidate_cache()
+        # Stores with real folders (SeaweedFS, MinIO) keep emptied folders as keys "folder/", also
+        # ones emptied earlier (which a listing of files does not show): deepest first.
+        folders = {p for p, info in found.items() if info.get("type") == "directory"} | {path}
+        for _ in range(2):
+            for folder in sorted(folders, key=lambda p: -p.count("/")):
+                bucket, key = folder.split("/", 1)
+                try:
+                    fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
+                except (FileNotFoundError, PermissionError):
+                    pass
+            fs.invalidate_cache()
+            folders = _empty_folders(fs, path)  # only where the store keeps folders is anything left
+            if not folders:
+                break
+            folders.add(path)
+
+
+def _empty_folders(fs, path: str) -> set[str]:
+    out, todo = set(), [path]
+    while todo:
+        p = todo.pop()
+        try:
+            entries = fs.ls(p, detail=True)
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            name = e["name"].rstrip("/")
+            if e.get("type") == "directory" and name != p.rstrip("/"):
+                out.add(name)
+                todo.append(name)
+    return out
