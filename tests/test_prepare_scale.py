@@ -214,6 +214,7 @@ def test_ray_executor_on_a_local_instance(corpus, tok, plain, tmp_path):
     assert _files(tmp_path / "ray") == _files(plain)
 
 
+@pytest.mark.integration
 def test_bad_executor_input_is_one_line_and_writes_nothing(corpus, tok, plain, tmp_path, capsys, monkeypatch):
     from lmforge.cli.main import main
 
