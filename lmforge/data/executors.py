@@ -136,35 +136,38 @@ def _datafolder(uri: str):
 
 
 @contextlib.contextmanager
-def _task_output_to_file(path: str):
+def _task_output_to_file(job: Job):
     """The executors' tasks log to their log files and to stderr; on this command's stderr that
-    would drown its own lines, so stderr goes to ``path`` meanwhile (file descriptor 2: the task
-    processes inherit it)."""
+    would drown its own lines, so stderr (file descriptor 2: the task processes inherit it) goes
+    to ``DEST/work/logs/executor.log`` meanwhile, or for an object-store DEST to a temporary file
+    kept only when something fails."""
+    if remote.is_remote(job.out):
+        fd, path = tempfile.mkstemp(prefix="lmforge-executor-", suffix=".log")
+        os.close(fd)
+    else:
+        path = remote.local_path(WorkDir(job.out).uri("logs", "executor.log"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
     sys.stderr.flush()
     saved = os.dup(2)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
+    ok = False
     try:
         yield
+        ok = True
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
-
-
-def _log_file(job: Job) -> str:
-    if remote.is_remote(job.out):
-        return os.path.join(tempfile.gettempdir(), f"lmforge-executor-{os.getpid()}.log")
-    path = remote.local_path(WorkDir(job.out).uri("logs", "executor.log"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    return path
+        if ok and remote.is_remote(job.out):
+            os.remove(path)
 
 
 def _run_on_executor(job: Job, stage: Stage, spec: ExecutorSpec) -> None:
     tasks = min(spec.tasks, stage.items)
     logs = _datafolder(WorkDir(job.out).uri("logs", stage.name))
-    with _task_output_to_file(_log_file(job)):
+    with _task_output_to_file(job):
         if spec.kind == "local":
             from datatrove.executor import LocalPipelineExecutor
 
@@ -241,7 +244,7 @@ def _start_ray(job: Job) -> None:
     import ray
 
     if not ray.is_initialized():
-        with _task_output_to_file(_log_file(job)):
+        with _task_output_to_file(job):
             ray.init(log_to_driver=False, include_dashboard=False)
 
 
@@ -263,7 +266,7 @@ def slurm_executors(job: Job, stages: list[Stage], spec: ExecutorSpec) -> list:
 
 def _submit_slurm(job: Job, stages: list[Stage], spec: ExecutorSpec) -> list[dict]:
     chain = slurm_executors(job, stages, spec)
-    with _task_output_to_file(_log_file(job)):
+    with _task_output_to_file(job):
         chain[-1][1].run()  # submits the whole chain: each job waits for the one before (afterok)
     return [{"stage": stage.name, "tasks": ex.tasks, "job_id": ex.job_id,
              "script": ex.logging_dir.resolve_paths("launch_script.slurm")} for stage, ex in chain]
