@@ -10,6 +10,11 @@ Second table (issue [data-curation]): input MB/s of `prepare --workers 2` with e
 tokenizer on the same documents, for the built-in corpus (code: most documents are removed early)
 and for 10 MB of English-like prose from bench/curate.py (most documents reach every filter).
 Target: prepare with filters >= 60% of the bare tokenizer's throughput.
+
+Third table (issue [data-scale]): `prepare` of the built-in corpus written as JSONL and cut into
+work units, in this process (`--workers 2`) and as 1, 2 and 4 tasks of datatrove's local executor
+(`--tasks N`): seconds, tokens/s, tokens/s per core, and whether the dataset is byte for byte the
+plain command's. The tasks' start-up (a process pool per stage) is in the seconds.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import platform
 import tempfile
 import time
 
-from lmforge.data.prepare import chunk_documents, prepare
+from lmforge.data.packing import chunk_documents
+from lmforge.data.prepare import prepare
 from lmforge.data.sources import iter_documents
 from lmforge.data.tokenizer import train_tokenizer
 
@@ -31,9 +37,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--no-curation", action="store_true", help="skip the curation table")
     ap.add_argument("--curation-only", action="store_true", help="only the curation table")
+    ap.add_argument("--tasks-only", action="store_true", help="only the tasks table")
+    ap.add_argument("--unit-mb", type=float, default=2.0, help="work unit size of the tasks table")
     args = ap.parse_args()
     if args.curation_only:
         return curation_table(args)
+    if args.tasks_only:
+        return tasks_table(args)
     inputs = ["builtin:python-stdlib"]
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
@@ -62,6 +72,40 @@ def main() -> None:
         print(f"{f'prepare --workers {workers}':<28}{seconds:>9.2f}{tps:>12,.0f}{tps / bare:>9.0%}")
     if not args.no_curation:
         curation_table(args)
+    tasks_table(args)
+
+
+def tasks_table(args) -> None:
+    import json
+    from pathlib import Path
+
+    from lmforge.data.executors import ExecutorSpec
+
+    def files(ds: str) -> dict:
+        return {f"{s}/{p.name}": p.read_bytes() for s in ("train", "val") for p in sorted(Path(ds, s).iterdir())}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "stdlib.jsonl")
+        with open(path, "w") as f:
+            for d in iter_documents(["builtin:python-stdlib"]):
+                f.write(json.dumps({"text": d}) + "\n")
+        tok = train_tokenizer([path], args.vocab_size, os.path.join(tmp, "tok"))
+        unit = int(args.unit_mb * (1 << 20))
+        print(f"\nprepare as tasks ({os.path.getsize(path) / 1e6:.1f} MB of JSONL, units of {args.unit_mb:g} MB; "
+              f"load average {os.getloadavg()[0]:.1f})")
+        print(f"{'how':<28}{'units':>6}{'seconds':>9}{'tokens/s':>12}{'per core':>10}{'vs plain':>10}  same dataset")
+        runs = [("this process, --workers 2", None)] + [(f"--tasks {n} (local executor)", ExecutorSpec("local", n))
+                                                           for n in (1, 2, 4)]
+        plain = None
+        for i, (name, spec) in enumerate(runs):
+            out = os.path.join(tmp, f"ds{i}")
+            s = prepare([path], tok, out, args.seq_len, eval_fraction=0.005, workers=2, progress=False,
+                        executor=spec, unit_bytes=unit)
+            tps = s["tokens_per_second"]
+            plain = plain or (tps, files(out))
+            print(f"{name:<28}{s['units']:>6}{s['seconds']:>9.2f}{tps:>12,.0f}{tps / s['cores']:>10,.0f}"
+                  f"{tps / plain[0]:>10.0%}  {'yes' if files(out) == plain[1] else 'NO'}")
+        print(s["throughput"])
 
 
 FILTERS = ["language", "c4", "fineweb", "gopher_quality", "gopher_repetition"]

@@ -14,7 +14,7 @@ import pytest
 from conftest import SHARED
 from lmforge.config.curation import CurateConfig, DedupConfig
 from lmforge.data.curate import resolve_curation
-from lmforge.data.curate.curator import Curator, DocChecker
+from lmforge.data.curate.curator import DocChecker
 from lmforge.data.curate.dedup import Deduplicator, signatures
 from lmforge.data.curate.text import exact_key, normalize
 from lmforge.errors import UserError
@@ -344,10 +344,9 @@ def test_datatrove_local_executor_with_several_workers(corpus, tasks_yaml, tmp_p
     assert len(list((tmp_path / "out").glob("*.jsonl"))) == 2  # one output file per task
 
 
-def test_curator_flag_mode_keeps_everything(corpus):
-    cfg, _ = resolve_curation({"dedup": True, "action": "flag"})
-    cur = Curator(cfg)
-    texts = [json.loads(x)["text"] for f in sorted(corpus.glob("*.jsonl")) for x in f.read_text().splitlines()]
-    cur.count_in(texts)
-    kept, _ = cur.dedup_chunk(texts, list(range(len(texts))), cur.signatures(texts))
-    assert len(kept) == 58 and cur.summary()["documents_matched"] == 15
+def test_flag_mode_keeps_everything(corpus, tmp_path):
+    from lmforge.data.curate.documents import curate_to_jsonl
+
+    s = curate_to_jsonl([str(corpus)], str(tmp_path / "o"), {"dedup": True, "action": "flag"})
+    assert s["documents_written"] == 58 and s["curation"]["documents_matched"] == 15
+    assert s["curation"]["by_reason"] == {"dedup/exact": 5, "dedup/near": 10}

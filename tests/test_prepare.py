@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from lmforge.data import prepare as prepare_mod
+from lmforge.data import packing
 from lmforge.data.mds import MDSReader
 from lmforge.data.prepare import MARKER, prepare, read_summary
 from lmforge.data.tokenizer import EOS_TOKEN, train_tokenizer
@@ -95,7 +95,7 @@ def test_split_is_stable_when_a_file_is_added(corpus, tok, tmp_path):
 @pytest.mark.integration
 def test_workers_give_identical_output_and_rerun_is_noop(corpus, tok, tmp_path, monkeypatch):
     d, _ = corpus
-    monkeypatch.setattr(prepare_mod, "CHUNK_DOCS", 7)  # many chunks, so both workers get work
+    monkeypatch.setattr(packing, "CHUNK_DOCS", 7)  # many chunks, so both workers get work
     one = prepare([str(d)], tok, str(tmp_path / "w1"), SEQ, eval_fraction=0.2, workers=1)
     two = prepare([str(d)], tok, str(tmp_path / "w2"), SEQ, eval_fraction=0.2, workers=2)
     for split in ("train", "val"):
@@ -215,12 +215,17 @@ def test_prepare_to_and_from_s3(corpus, tok, tmp_path, s3_env):
     from lmforge.data import remote
 
     s3 = s3_env
-    src = f"s3://{s3.bucket}/raw/c.jsonl.gz"
-    remote.upload_file(str(d / "c.jsonl.gz"), src)
+    for name in ("b.jsonl", "c.jsonl.gz"):
+        remote.upload_file(str(d / name), f"s3://{s3.bucket}/raw/{name}")
     dest = f"s3://{s3.bucket}/prepared/ds"
-    local = prepare([str(d / "c.jsonl.gz")], tok, str(tmp_path / "local"), SEQ, eval_fraction=0.2)
+    # Units of 8 KiB: b.jsonl is read in byte ranges from the store; two tasks of datatrove's local
+    # executor write their units' shards straight to the store.
+    local = prepare([str(d / "b.jsonl"), str(d / "c.jsonl.gz")], tok, str(tmp_path / "local"), SEQ,
+                    eval_fraction=0.2, unit_bytes=8192)
+    assert local["units"] >= 3
     r = _cli("data", "prepare", "--input", f"s3://{s3.bucket}/raw/", "--tokenizer", tok.path, "--out", dest,
-             "--seq-len", str(SEQ), "--eval-fraction", "0.2", "--json", env=dict(os.environ))
+             "--seq-len", str(SEQ), "--eval-fraction", "0.2", "--unit-mb", str(8192 / (1 << 20)), "--tasks", "2",
+             "--json", env=dict(os.environ))
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["splits"] == local["splits"]
     fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3.endpoint_url}, key=s3.key, secret=s3.secret)

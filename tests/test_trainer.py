@@ -120,6 +120,7 @@ def test_a_resume_reads_each_checkpoint_file_back_once(tiny_data, tmp_path, monk
     again (on every rank that would be ranks × the checkpoint's size in reads). Files rank 0 did
     not check (another node's shards) are still checked where they are loaded."""
     from lmforge import checksums
+    from lmforge.layout import latest_checkpoint, read_state
     from lmforge.train import checkpoint as ckpt
 
     a = make_trainer(tiny_data, tmp_path / "run")
@@ -127,9 +128,9 @@ def test_a_resume_reads_each_checkpoint_file_back_once(tiny_data, tmp_path, monk
     for _ in range(2):
         a.train_step(next_batches(a, it))
     a.save()
-    path = ckpt.latest_checkpoint(str(tmp_path / "run"))
+    path = latest_checkpoint(str(tmp_path / "run"))
     files = ckpt.files_here(path)
-    assert files and ckpt.read_state(path)["files"].keys() == set(files)
+    assert files and read_state(path)["files"].keys() == set(files)
 
     hashed: list[str] = []
     real = checksums.sha256_file

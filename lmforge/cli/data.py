@@ -12,8 +12,10 @@ from rich.table import Table
 
 from lmforge.cli.common import OneLineParser, add_command, check_output_file
 from lmforge.data import remote
+from lmforge.data.executors import ExecutorSpec
 from lmforge.data.mds import MDSReader
 from lmforge.data.prepare import prepare, read_summary
+from lmforge.data.units import DEFAULT_UNIT_BYTES
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
@@ -34,12 +36,14 @@ def register(subparsers) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
                    help="fraction of documents held out in DEST/val (chosen by a hash of their content); "
                    "too few documents for one val sample: that fraction of the samples, from the end")
-    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="tokenizer processes")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                   help="tokenizer processes (without --executor; with one, --tasks)")
     p.add_argument("--compression", default="zstd", help="shard compression: zstd, zstd:LEVEL or none")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset already in DEST")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_curation_args(p, dedup_default=None)
+    add_executor_args(p)
     p.set_defaults(func=_prepare)
 
     p = add_command(sub, "dedup", "deduplicate (and optionally filter) raw text into JSONL",
@@ -51,10 +55,12 @@ def register(subparsers) -> None:
                    help="files, folders, globs, URIs, hf://NAME[/CONFIG][:SPLIT] or builtin:python-stdlib")
     p.add_argument("--out", required=True, metavar="DEST", help="output folder")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
-    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="worker processes")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                   help="worker processes (without --executor; with one, --tasks)")
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it holds other output")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_curation_args(p, dedup_default="exact,near")
+    add_executor_args(p)
     p.set_defaults(func=_dedup)
 
     p = add_command(sub, "stats", "documents, tokens, lengths, duplicates and languages of a corpus",
@@ -98,6 +104,33 @@ def add_curation_args(p, dedup_default: str | None) -> None:
                    "the flags above are applied on top")
     g.add_argument("--flag-only", action="store_true", help="count and sample what the steps match, remove nothing")
     g.add_argument("--removed-out", metavar="DIR", help="write a sample of the removed documents per reason here")
+
+
+def add_executor_args(p) -> None:
+    g = p.add_argument_group("many tasks (docs/data-at-scale.md)")
+    g.add_argument("--executor", metavar="KIND",
+                   help="run as --tasks tasks on datatrove's local, slurm or ray executor (default: this process "
+                        "and --workers processes)")
+    g.add_argument("--tasks", type=int, metavar="N", help="how many tasks (implies --executor local)")
+    g.add_argument("--unit-mb", type=float, default=DEFAULT_UNIT_BYTES / (1 << 20), metavar="MB",
+                   help="input per work unit (default %(default).0f): each unit is packed on its own, whatever "
+                        "the number of tasks")
+    g.add_argument("--partition", metavar="NAME", help="slurm: the partition the tasks run on")
+    g.add_argument("--time", default="24:00:00", metavar="HH:MM:SS", help="slurm: a task's time limit")
+    g.add_argument("--cpus-per-task", type=int, default=1, metavar="N", help="slurm and ray: cores per task")
+
+
+def executor_from_args(args) -> ExecutorSpec | None:
+    if args.executor is None and args.tasks is None:
+        return None
+    return ExecutorSpec(kind=args.executor or "local", tasks=1 if args.tasks is None else args.tasks,
+                        partition=args.partition, time=args.time, cpus_per_task=args.cpus_per_task)
+
+
+def unit_bytes_from_args(args) -> int:
+    if not args.unit_mb > 0:
+        raise UserError(f"--unit-mb {args.unit_mb}: expected a positive number of megabytes")
+    return max(1, int(args.unit_mb * (1 << 20)))
 
 
 def curation_from_args(args) -> dict | None:
@@ -151,14 +184,25 @@ def _prepare(args) -> int:
     summary = prepare(args.input, args.tokenizer, args.out, args.seq_len, eval_fraction=args.eval_fraction,
                       workers=args.workers, compression=args.compression, text_field=args.text_field,
                       overwrite=args.overwrite, progress=None if not args.json else False,
-                      curate=curation_from_args(args), removed_out=args.removed_out)
+                      curate=curation_from_args(args), removed_out=args.removed_out,
+                      executor=executor_from_args(args), unit_bytes=unit_bytes_from_args(args))
     if args.json:
         print(json.dumps(summary, indent=2))
+        return 0
+    if summary.get("submitted"):
+        _print_submitted(summary, args.out, "lmforge-dataset.json")
         return 0
     if summary.get("already_prepared"):
         print(f"already prepared: {args.out} (same inputs, arguments and tokenizer; nothing to do)")
     _print_summary(summary, args.out)
     return 0
+
+
+def _print_submitted(summary: dict, dest: str, marker: str) -> None:
+    for j in summary["submitted"]:
+        print(f"submitted {j['stage']}: Slurm job {j['job_id']} ({j['tasks']} tasks), script {j['script']}")
+    print(f"{dest} is complete when {marker} appears in it; running the same command again after the jobs "
+          "ended redoes only what did not finish")
 
 
 def _fmt(v) -> str:
@@ -185,8 +229,11 @@ def _print_summary(summary: dict, dest: str) -> None:
     console.print(f"seq_len {args.get('seq_len')}, dtype {summary.get('dtype')}, tokenizer {tok.get('path')} "
                   f"(vocab {tok.get('vocab_size')}, eos {tok.get('eos_id')})", highlight=False)
     if summary.get("tokens_per_second"):
-        console.print(f"{summary.get('seconds')}s, {summary['tokens_per_second']:,.0f} tokens/s "
-                      f"with {summary.get('workers')} workers", highlight=False)
+        how = (f"{summary['tasks']} tasks on the {summary['executor']} executor" if summary.get("executor")
+               else f"{summary.get('workers')} workers")
+        console.print(f"{summary.get('seconds')}s, {summary.get('units')} units, {how}", highlight=False)
+    if summary.get("throughput"):
+        console.print(summary["throughput"], highlight=False)
     if summary.get("curation"):
         print_curation(summary["curation"], console)
     for s in summary.get("skipped_inputs") or []:
@@ -224,9 +271,14 @@ def _dedup(args) -> int:
     from lmforge.data.curate.documents import curate_to_jsonl
 
     summary = curate_to_jsonl(args.input, args.out, curation_from_args(args), workers=args.workers,
-                              text_field=args.text_field, overwrite=args.overwrite, removed_out=args.removed_out)
+                              text_field=args.text_field, overwrite=args.overwrite, removed_out=args.removed_out,
+                              executor=executor_from_args(args), unit_bytes=unit_bytes_from_args(args),
+                              progress=not args.json and sys.stderr.isatty())
     if args.json:
         print(json.dumps(summary, indent=2))
+        return 0
+    if summary.get("submitted"):
+        _print_submitted(summary, args.out, "curation.json")
         return 0
     if summary.get("already_done"):
         print(f"already done: {args.out} (same inputs and settings; nothing to do)")

@@ -255,7 +255,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
 class MDSWriter:
     """Write samples into MDS shards in a local folder; ``index.json`` is written last.
 
-    ``columns`` maps column name -> encoding, e.g. ``{"tokens": "ndarray:uint16"}``.
+    ``columns`` maps column name -> encoding, e.g. ``{"tokens": "ndarray:uint16"}``; ``prefix``
+    goes into the shard names (``shard.{prefix}00000.mds``).
     An existing ``index.json`` in ``out_dir`` is removed first, so an interrupted write never
     leaves a folder that looks like a complete dataset.
     """
@@ -267,6 +268,7 @@ class MDSWriter:
         compression: str | None = "zstd",
         size_limit: int = 1 << 26,
         hashes: list[str] | tuple[str, ...] = ("sha1",),
+        prefix: str = "",
     ):
         if not columns:
             raise UserError("MDSWriter: columns must name at least one column")
@@ -290,6 +292,7 @@ class MDSWriter:
         self.compression = compression or None
         self.size_limit = size_limit
         self.hashes = hashes
+        self.prefix = prefix  # shard names shard.{prefix}00000.mds: shards of several writers can share a folder
         self.column_names = sorted(columns)
         self.column_encodings = [columns[n] for n in self.column_names]
         self.column_sizes = [encoded_size(e) for e in self.column_encodings]
@@ -347,7 +350,7 @@ class MDSWriter:
         if offsets[-1] >= 1 << 32:
             raise UserError("MDS shard exceeds 4 GiB; lower size_limit")
         raw = np.uint32(n).tobytes() + offsets.astype(np.uint32).tobytes() + self._config_bytes + b"".join(self._samples)
-        raw_name = f"shard.{len(self.shards):05d}.mds"
+        raw_name = f"shard.{self.prefix}{len(self.shards):05d}.mds"
         raw_info = {"basename": raw_name, "bytes": len(raw), "hashes": _hashes(self.hashes, raw)}
         zip_info = None
         if self.compression:

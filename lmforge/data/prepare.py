@@ -6,23 +6,29 @@ Layout of a prepared dataset ``DEST``::
     DEST/val/              same, only when eval_fraction > 0
     DEST/lmforge-dataset.json   the done-marker: inputs, arguments, tokenizer, summary
 
-Packing: every document is encoded, followed by EOS, and appended to its split's token stream;
-the stream is cut into samples of exactly ``seq_len`` tokens (a document's remainder continues
-into the next sample); the final partial sample of each split is dropped and counted.
+Work units (``units``): the input is cut into units that do not depend on how many processes or
+tasks run the job (whole files grouped up to ``unit_bytes``, large JSONL files cut into byte
+ranges at line boundaries). Each unit is tokenized and packed on its own (``packing``: documents
+joined with EOS, cut into ``seq_len`` samples, the partial last sample of each split dropped and
+counted) into shards named ``shard.UUUUUU.NNNNN.mds[.zstd]``; ``index.json`` lists every unit's
+shards in unit order. So the plain command, ``--executor local --tasks 3`` and a thousand Slurm
+tasks write the same samples in the same order. The cost of cutting: one partial sample per unit
+and split (see ``units``).
 
-Split: a document goes to ``val`` when blake2b(its UTF-8 bytes), read as a number in [0, 1),
-is below ``eval_fraction`` -- a pure function of its content, so re-runs and added files never
-move a document between splits. A corpus of few documents (one ``.txt`` file is one document)
-may leave one split without a full sample: then the val split is instead the last
-``eval_fraction`` of the packed samples (at least one, never all), a held-out tail cut by tokens,
-and the other split's few tokens are dropped (counted in val's ``dropped_tokens``).
+Split: a document goes to ``val`` when a hash of its content is below ``eval_fraction``
+(``packing``), so re-runs and added files never move a document between splits. A corpus of few
+documents (one ``.txt`` file is one document) may leave one split without a full sample: then
+the val split is instead the last ``eval_fraction`` of the packed samples (at least one, never
+all), a held-out tail cut by tokens, and the other split's few tokens are dropped (counted in
+val's ``dropped_tokens``).
 
-Parallelism: the parent reads documents in input order and cuts them into chunks; ``workers``
-processes tokenize chunks; the parent consumes the results in submission order and does all
-writing. The output is therefore byte-identical for any number of workers.
-
-Crash safety: everything is written into a staging folder (``.DEST.tmp-PID`` next to a local
-DEST, a local temp folder for an object-store DEST) and published at the end, the marker last.
+How it runs (``job``, ``executors``): in this process (the per-document work in ``workers``
+processes) or as tasks on datatrove's executors. Each unit publishes its shards into DEST and
+then its marker (``DEST/work/units/U.json``); the last step writes ``index.json`` for each split
+and then the dataset marker, and removes ``DEST/work``. A killed run leaves no index and no
+marker; the same command again redoes only the units without a marker. Bad input found while
+running (a corrupt file, no documents, a ``seq_len`` longer than the data) removes what the job
+wrote; a failing object store or a dead task does not (the same command goes on from there).
 """
 
 from __future__ import annotations
@@ -30,140 +36,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
-
-import numpy as np
+from collections.abc import Callable
 
 from lmforge.data import remote
-from lmforge.data.sources import SourceStats, list_files, no_documents_message, read_source
+from lmforge.data.executors import ExecutorSpec, JobRun, TaskDied, check_executor, run_job, throughput_line
+from lmforge.data.job import (WORK, Job, WorkDir, removed_samples, source_stats, unit_markers, unit_offsets,
+                              write_removed)
+from lmforge.data.packing import SPLITS, Encoder
+from lmforge.data.sources import SourceStats, list_files, no_documents_message
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
+from lmforge.data.units import DEFAULT_UNIT_BYTES, plan_units
 from lmforge.errors import UserError
 from lmforge.layout import DATASET_MARKER as MARKER
 
 FORMAT_VERSION = 1
-SPLITS = ("train", "val")
-# A chunk is the unit of work sent to a worker: big enough to amortise inter-process transfer
-# and to keep the tokenizer's own batch parallelism busy, small enough to bound memory.
-# In-process (workers=1) the tokenizer's own threads split a chunk's documents, so chunks are
-# bigger; with worker processes smaller chunks balance the load and shorten the pipeline's tail.
-CHUNK_CHARS = 1 << 20
-CHUNK_CHARS_POOL = 1 << 18
-CHUNK_DOCS = 2048
-
-
-# ----------------------------------------------------------------------------- encoding
-
-
-class _Encoder:
-    """Tokenizes a chunk of documents and routes each to its split (runs in workers)."""
-
-    def __init__(self, tokenizer_json: str, eos_id: int, eval_fraction: float):
-        from tokenizers import Tokenizer as Backend
-
-        self.backend = Backend.from_str(tokenizer_json)
-        self.eos_id = eos_id
-        self.threshold = int(eval_fraction * (1 << 64))
-
-    def encode_chunk(self, texts: list[str]) -> dict:
-        """Per split: all tokens (each document + EOS) as one uint32 array, documents, bytes."""
-        fast = getattr(self.backend, "encode_batch_fast", None)
-        encodings = fast(texts) if fast is not None else self.backend.encode_batch(texts)
-        flat = {s: [] for s in SPLITS}
-        docs = {s: 0 for s in SPLITS}
-        nbytes = {s: 0 for s in SPLITS}
-        for text, enc in zip(texts, encodings):
-            raw = text.encode("utf-8")
-            split = "val" if self.threshold and split_value(raw) < self.threshold else "train"
-            ids = flat[split]
-            ids.extend(enc.ids)
-            ids.append(self.eos_id)
-            docs[split] += 1
-            nbytes[split] += len(raw)
-        return {s: (np.array(flat[s], dtype=np.uint32), docs[s], nbytes[s]) for s in SPLITS}
-
-
-def split_value(raw: bytes) -> int:
-    """A document's position in [0, 2**64): the val split is everything below eval_fraction·2**64."""
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
-
-
-def chunk_documents(docs: Iterable[str], max_chars: int | None = None) -> Iterator[list[str]]:
-    """Documents in lists of about ``max_chars`` characters (at most CHUNK_DOCS): the unit a worker encodes."""
-    max_chars = max_chars or CHUNK_CHARS
-    batch: list[str] = []
-    size = 0
-    for text in docs:
-        batch.append(text)
-        size += len(text)
-        if size >= max_chars or len(batch) >= CHUNK_DOCS:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def _encoded_chunks(docs: Iterable[str], tok: Tokenizer, eval_fraction: float, workers: int,
-                    curator=None) -> Iterator[tuple[list[str], dict]]:
-    """(chunk, encoded chunk) in input order; tokenized in-process (workers=1) or by a process pool,
-    after the curation steps when ``curator`` is given (lmforge.data.curate)."""
-    from lmforge.data.curate.pipeline import run
-
-    chunks = chunk_documents(docs, CHUNK_CHARS if workers <= 1 else CHUNK_CHARS_POOL)
-    yield from run(chunks, curator, workers=workers, encoder=(_Encoder, (tok.to_json(), tok.eos_id, eval_fraction)))
-
-
-# ----------------------------------------------------------------------------- packing
-
-
-class _Packer:
-    """Cuts one split's token stream into seq_len samples and writes them to an MDS folder."""
-
-    def __init__(self, out_dir: str, seq_len: int, dtype: str, compression: str | None):
-        from lmforge.data.mds import MDSWriter
-
-        self.writer = MDSWriter(out_dir, {"tokens": f"ndarray:{dtype}"}, compression=compression)
-        self.seq_len = seq_len
-        self.dtype = np.dtype(dtype)
-        self.pending: list[np.ndarray] = []
-        self.pending_len = 0
-        self.samples = 0
-        self.documents = 0
-        self.tokens = 0
-        self.bytes = 0
-
-    def add(self, tokens: np.ndarray, documents: int, nbytes: int) -> None:
-        self.documents += documents
-        self.bytes += nbytes
-        self.tokens += len(tokens)
-        if not len(tokens):
-            return
-        self.pending.append(tokens)
-        self.pending_len += len(tokens)
-        if self.pending_len < self.seq_len:
-            return
-        buf = np.concatenate(self.pending).astype(self.dtype, copy=False)
-        n = len(buf) // self.seq_len
-        for i in range(n):
-            self.writer.write({"tokens": buf[i * self.seq_len : (i + 1) * self.seq_len]})
-        rest = buf[n * self.seq_len :]
-        self.pending, self.pending_len = [rest], len(rest)
-        self.samples += n
-
-    def finish(self) -> dict:
-        self.writer.finish()
-        return {
-            "documents": self.documents,
-            "tokens": self.tokens,  # document tokens including each document's EOS (and BOS)
-            "bytes": self.bytes,  # UTF-8 bytes of the documents
-            "bytes_per_token": round(self.bytes / self.tokens, 6) if self.tokens else None,
-            "samples": self.samples,
-            "shards": len(self.writer.shards),
-            "dropped_tokens": self.pending_len,  # the final partial sample
-        }
 
 
 # ----------------------------------------------------------------------------- identity / marker
@@ -242,57 +131,18 @@ def _listing(out: str) -> list[str] | None:
     return os.listdir(p)
 
 
-def _remove(out: str) -> None:
-    if remote.is_remote(out):
-        fs, p = remote.fs_and_path(out)
-        if fs.exists(p):
-            fs.rm(p, recursive=True)
-    else:
-        shutil.rmtree(remote.local_path(out), ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------- progress
-
-
-class _Progress:
-    """A rich progress line on a terminal; silent otherwise."""
-
-    def __init__(self, enabled: bool, total_bytes: int | None):
-        self.bar = None
-        if not enabled:
-            return
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bar = Progress(
-            TextColumn("[bold]prepare"), BarColumn(), TextColumn("{task.fields[docs]:,} docs"),
-            TextColumn("{task.fields[tokens]:,} tokens"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-            console=Console(stderr=True), transient=True,
-        )
-        self.task = self.bar.add_task("prepare", total=total_bytes, docs=0, tokens=0, rate="")
-        self.start = time.perf_counter()
-        self.bar.start()
-
-    def update(self, nbytes: int, docs: int, tokens: int) -> None:
-        if self.bar is not None:
-            rate = tokens / max(time.perf_counter() - self.start, 1e-9)
-            self.bar.update(self.task, advance=nbytes, docs=docs, tokens=tokens, rate=f"{rate:,.0f} tok/s")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 # ----------------------------------------------------------------------------- prepare
 
 
-def _check_args(seq_len, eval_fraction, workers, compression) -> str | None:
+def _check_args(seq_len, eval_fraction, workers, compression, unit_bytes) -> str | None:
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise UserError(f"--seq-len {seq_len}: expected a positive integer")
     if not (0.0 <= float(eval_fraction) < 1.0):
         raise UserError(f"--eval-fraction {eval_fraction}: expected a number in [0, 1)")
     if not isinstance(workers, int) or workers < 1:
         raise UserError(f"--workers {workers}: expected a positive integer")
+    if not isinstance(unit_bytes, int) or unit_bytes < 1:
+        raise UserError(f"--unit-mb: expected a positive size (got {unit_bytes} bytes)")
     if compression in (None, "", "none"):
         return None
     algo = str(compression).partition(":")[0]
@@ -305,20 +155,25 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
             eval_fraction: float = 0.0, workers: int = 1, compression: str | None = "zstd",
             text_field: str = "text", overwrite: bool = False, progress: bool | None = None,
             log: Callable[[str], None] | None = None, curate=None, removed_out: str | None = None,
-            flags: tuple[str, str] = ("--eval-fraction", "--seq-len")) -> dict:
+            flags: tuple[str, str] = ("--eval-fraction", "--seq-len"), executor: ExecutorSpec | None = None,
+            unit_bytes: int = DEFAULT_UNIT_BYTES) -> dict:
     """Tokenize and pack ``inputs`` into the prepared dataset ``out``; returns its marker/summary.
 
     ``curate`` (a ``CurateConfig`` or its mapping) deduplicates, filters and decontaminates the
     documents first; the summary's ``curation`` counts every removal by reason, and
     ``removed_out`` receives a sample of removed documents per reason. ``flags`` name the
     eval fraction and the sequence length in error messages as the caller's user sets them
-    (``data prepare``'s flags, or a run config's keys). A re-run with the same
-    inputs, arguments (curation included) and tokenizer returns the existing summary with
-    ``already_prepared: True`` and writes nothing.
+    (``data prepare``'s flags, or a run config's keys). ``executor`` runs the job as tasks on
+    datatrove's executors (None: in this process, with ``workers`` processes). A re-run with the
+    same inputs, arguments (curation included) and tokenizer returns the existing summary with
+    ``already_prepared: True`` and writes nothing; a re-run of an interrupted job finishes it.
+    On Slurm the jobs are submitted and the summary says so (``submitted``).
     """
     inputs = [inputs] if isinstance(inputs, str) else [str(i) for i in inputs]
-    compression = _check_args(seq_len, eval_fraction, workers, compression)
+    compression = _check_args(seq_len, eval_fraction, workers, compression, unit_bytes)
+    check_executor(executor)
     from lmforge.data.curate import resolve_curation
+    from lmforge.data.curate.crossdedup import dedup_plan
 
     curate, index = resolve_curation(curate)
     if removed_out is not None and os.path.isfile(removed_out):
@@ -339,7 +194,6 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
         "tokenizer": {"path": tok_path, "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
                       "eos_id": tok.eos_id, "pad_id": tok.pad_id, "bos_id": tok.bos_id},
     }
-
     if curate is not None:  # only then: datasets prepared without curation keep their identity
         marker["args"]["curate"] = curate.model_dump(mode="json")
         if index is not None:
@@ -350,102 +204,105 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
         if log:
             log(f"already prepared: {out}")
         return existing | {"already_prepared": True}
-    listing = _check_destination(out, existing, overwrite)
-    is_remote = remote.is_remote(out)
-    if is_remote:
-        stage = tempfile.mkdtemp(prefix="lmforge-prepare-")
-    else:
-        dest = os.path.abspath(remote.local_path(out))
-        parent, name = os.path.split(dest.rstrip("/"))
-        os.makedirs(parent, exist_ok=True)
-        stage = os.path.join(parent, f".{name}.tmp-{os.getpid()}")
-        shutil.rmtree(stage, ignore_errors=True)
-        os.makedirs(stage)
-    try:
-        curator = None
-        if curate is not None:
-            from lmforge.data.curate.curator import Curator
-
-            curator = Curator(curate, index)
-        summary = _build(sources, tok, stage, seq_len, eval_fraction, workers, compression, text_field, stats,
-                         inputs, progress, curator, flags)
-        marker |= summary
-        marker["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        with open(os.path.join(stage, MARKER), "w") as f:
-            json.dump(marker, f, indent=2)
-            f.write("\n")
-        _publish(stage, out, listing is not None)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    if curator is not None and removed_out:
-        marker["curation"]["removed_samples"] = curator.acct.write_samples(removed_out)
-    return marker
-
-
-def _check_destination(out: str, existing: dict | None, overwrite: bool) -> list[str] | None:
-    """What ``out`` holds now (None: nothing there); another dataset or foreign files there are
-    refused unless ``overwrite``."""
-    listing = _listing(out)
-    if listing and not overwrite:
-        if existing is not None:
-            raise UserError(f"--out {out}: already holds a different prepared dataset (inputs "
-                            f"{' '.join(existing.get('inputs', []))}); use --overwrite or another --out")
-        # Only leftovers of our own interrupted upload (train/, val/ without a marker) are replaced silently.
-        if not set(listing) <= set(SPLITS):
-            raise UserError(f"--out {out}: folder is not empty and is not a prepared dataset "
-                            f"(holds {', '.join(sorted(listing)[:3])}); use --overwrite or another --out")
-    return listing
-
-
-def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: float, workers: int,
-           compression: str | None, text_field: str, stats: SourceStats, inputs: list[str],
-           progress: bool | None, curator=None, flags: tuple[str, str] = ("--eval-fraction", "--seq-len")) -> dict:
+    units = plan_units(sources, unit_bytes)
+    sizes = [u.bytes for u in units]
+    dedup = dedup_plan(curate.dedup if curate is not None else None,
+                       sum(sizes) if all(b is not None for b in sizes) else None)
+    plan = {"identity": _identity(marker), "unit_bytes": unit_bytes, "units": [u.to_json() for u in units]}
+    resumed = claim(out, plan, existing, overwrite)
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
-    packers = {"train": _Packer(os.path.join(stage, "train"), seq_len, dtype, compression)}
-    if eval_fraction > 0:
-        packers["val"] = _Packer(os.path.join(stage, "val"), seq_len, dtype, compression)
-
-    def documents() -> Iterator[str]:
-        for src in sources:
-            stats.files += 1
-            for text in read_source(src, text_field, stats):
-                stats.documents += 1
-                yield text
-
-    sizes = [s.size for s in sources]
-    total = sum(sizes) if sizes and all(s is not None for s in sizes) else None
-    bar = _Progress(sys.stderr.isatty() if progress is None else bool(progress), total)
-    start = time.perf_counter()
-    docs = tokens = 0
+    job = Job(out, units, text_field, curate, index, dedup, encoder=(Encoder, (tok.to_json(), tok.eos_id, eval_fraction)),
+              splits=("train", "val") if eval_fraction > 0 else ("train",), seq_len=seq_len, dtype=dtype,
+              compression=compression, finalize=finalize,
+              context={"marker": marker, "inputs": inputs, "skipped_inputs": stats.skipped_inputs, "flags": flags,
+                       "eval_fraction": eval_fraction, "removed_out": removed_out, "workers": workers,
+                       "executor": executor.kind if executor else None,
+                       "tasks": executor.tasks if executor else None, "unit_bytes": unit_bytes})
     try:
-        for _, result in _encoded_chunks(documents(), tok, eval_fraction, workers, curator):
-            nbytes = 0
-            for split, (ids, ndocs, b) in result.items():
-                if split in packers:
-                    packers[split].add(ids, ndocs, b)
-                docs += ndocs
-                tokens += len(ids)
-                nbytes += b
-            bar.update(nbytes, docs, tokens)
-    finally:
-        bar.close()
+        run = run_job(job, executor, workers, sys.stderr.isatty() if progress is None else bool(progress))
+        if run.submitted is not None:
+            return {"format": "lmforge-dataset-job", "out": out, "resumed": resumed, "units": len(units),
+                    "submitted": run.submitted}
+        return finalize(job, run)
+    except (TaskDied, remote.StoreError):
+        raise  # not the data's fault: what the job wrote stays, and the same command finishes it
+    except UserError:
+        remote.remove_tree(out)  # bad input: the job cannot finish; what it wrote goes
+        raise
+
+
+def claim(out: str, plan: dict, existing: dict | None, overwrite: bool, what: str = "data prepare") -> bool:
+    """Make ``out`` this job's: True when it already holds this very job, unfinished (resume);
+    otherwise refuse other content (without ``overwrite``), clear ``out`` and write the plan."""
+    listing = _listing(out)
+    wd = WorkDir(out)
+    plan = json.loads(json.dumps(plan))
+    if listing:
+        earlier = wd.read_json("plan.json") if WORK in listing else None
+        if earlier == plan:
+            return True
+        if not overwrite:
+            if existing is not None:
+                raise UserError(f"--out {out}: already holds a different prepared dataset (inputs "
+                                f"{' '.join(existing.get('inputs', []))}); use --overwrite or another --out")
+            if earlier is not None:
+                raise UserError(f"--out {out}: holds an unfinished `{what}` of other inputs or arguments; run that "
+                                "command again to finish it, or use --overwrite or another --out")
+            # Only leftovers of our own interrupted upload (train/, val/ without a marker) are replaced silently.
+            if not set(listing) <= set(SPLITS) | {WORK}:
+                raise UserError(f"--out {out}: folder is not empty and is not a prepared dataset "
+                                f"(holds {', '.join(sorted(listing)[:3])}); use --overwrite or another --out")
+        remote.remove_tree(out)
+    wd.write_json("plan.json", plan)
+    return False
+
+
+# ----------------------------------------------------------------------------- the last step
+
+
+def finalize(job: Job, run: JobRun | None = None) -> dict:
+    """Every unit done: write each split's index over the units' shards, then the marker; remove
+    the job's work folder. Returns the marker (the dataset's summary)."""
+    ctx = job.context
+    frac_flag, seq_flag = ctx["flags"]
+    markers = unit_markers(job)
+    stats = source_stats(markers, ctx["skipped_inputs"])
     if stats.documents == 0:
-        raise UserError(no_documents_message(inputs, stats))
-    curation = curator.summary() if curator is not None else None
-    if curation is not None and curation["documents_kept"] == 0:
-        raise UserError(f"curation removed all {curation['documents_in']} documents (by reason: "
-                        f"{', '.join(f'{k} {v}' for k, v in curation['by_reason'].items())}); loosen or turn off "
-                        "the filters that removed them")
-    splits = {name: p.finish() for name, p in packers.items()}
-    seconds = time.perf_counter() - start
-    frac_flag, seq_flag = flags
+        raise UserError(no_documents_message(ctx["inputs"], stats))
+    curation = None
+    if job.curate is not None:
+        from lmforge.data.curate.curator import Accounting
+
+        acct = Accounting(action=job.curate.action)
+        for m in markers:
+            acct.add_counts(m["curation"])
+        curation = acct.summary(job.curate)
+        if curation["documents_kept"] == 0:
+            raise UserError(f"curation removed all {curation['documents_in']} documents (by reason: "
+                            f"{', '.join(f'{k} {v}' for k, v in curation['by_reason'].items())}); loosen or turn off "
+                            "the filters that removed them")
+    splits, entries = {}, {}
+    for split in job.splits:
+        parts = [m["splits"][split] for m in markers]
+        entries[split] = [e for p in parts for e in p["shard_entries"]]
+        s = {k: sum(p[k] for p in parts) for k in ("documents", "tokens", "bytes", "samples", "dropped_tokens")}
+        s["bytes_per_token"] = round(s["bytes"] / s["tokens"], 6) if s["tokens"] else None
+        s["shards"] = len(entries[split])
+        splits[split] = {k: s[k] for k in ("documents", "tokens", "bytes", "bytes_per_token", "samples", "shards",
+                                           "dropped_tokens")}
     if sum(s["samples"] for s in splits.values()) == 0:
-        raise UserError(f"{seq_flag} {seq_len}: larger than the data (it has only "
-                        f"{sum(s['tokens'] for s in splits.values())} tokens, not one full sample of {seq_len})")
+        raise UserError(f"{seq_flag} {job.seq_len}: larger than the data (it has only "
+                        f"{sum(s['tokens'] for s in splits.values())} tokens, not one full sample of {job.seq_len})")
+    for split in job.splits:
+        _write_index(job.out, split, entries[split])
+    obsolete: list[str] = []
     if "val" in splits and 0 in (splits["val"]["samples"], splits["train"]["samples"]):
-        splits = _tail_holdout(stage, splits, eval_fraction, seq_len, dtype, compression, flags)
-    return {
-        "dtype": dtype,
+        splits, obsolete = _tail_holdout(job, splits, entries, ctx["eval_fraction"], (frac_flag, seq_flag))
+    new = set(run.new_units) if run is not None else set(range(len(markers)))
+    tokens_now = sum(markers[u]["tokens"] for u in new)
+    seconds = run.seconds if run is not None else sum(markers[u]["seconds"] for u in new)
+    marker = ctx["marker"] | {
+        "dtype": job.dtype,
         "documents": sum(s["documents"] for s in splits.values()),
         "tokens": sum(s["tokens"] for s in splits.values()),
         "bytes": sum(s["bytes"] for s in splits.values()),
@@ -457,19 +314,66 @@ def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: flo
         "invalid_utf8_files": stats.invalid_utf8_files,
         "skipped_lines": stats.skipped_lines,
         "skipped_line_examples": stats.skipped_line_examples,
+        "units": len(markers),
+        "unit_bytes": ctx["unit_bytes"],
+        "executor": ctx["executor"],
+        "tasks": ctx["tasks"],
+        "workers": ctx["workers"],
         "seconds": round(seconds, 3),
-        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
-        "workers": workers,
-    } | ({"curation": curation} if curation is not None else {})
+        "tokens_per_second": round(tokens_now / seconds, 1) if seconds > 0 and tokens_now else None,
+    }
+    if run is not None:
+        marker["units_done_earlier"] = len(markers) - len(new)  # by an interrupted run of the same command
+    if run is not None and tokens_now and seconds > 0:
+        marker["cores"] = run.cores
+        marker["throughput"] = throughput_line(tokens_now, seconds, run.cores)
+    if curation is not None:
+        marker["curation"] = curation
+    marker["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    remote.put_bytes(remote.join(job.out, MARKER), (json.dumps(marker, indent=2) + "\n").encode())  # last
+    for uri in obsolete:  # only now: a run stopped before the marker finalizes again from the units' shards
+        _delete(uri)
+    if curation is not None and ctx["removed_out"]:
+        marker["curation"]["removed_samples"] = write_removed(
+            removed_samples(job, unit_offsets(markers), job.curate.removed_sample), ctx["removed_out"])
+    WorkDir(job.out).remove(keep_logs=ctx["executor"] == "slurm")
+    return marker
 
 
-def _tail_holdout(stage: str, splits: dict, eval_fraction: float, seq_len: int, dtype: str,
-                  compression: str | None, flags: tuple[str, str]) -> dict:
+def _write_index(out: str, split: str, entries: list[dict]) -> None:
+    remote.put_bytes(remote.join(out, split, "index.json"),
+                     json.dumps({"version": 2, "shards": entries}, sort_keys=True).encode())
+
+
+def _split_reader(out: str, split: str, tmp: str):
+    from lmforge.data.mds import MDSReader
+
+    uri = remote.join(out, split)
+    if not remote.is_remote(out):
+        return MDSReader(remote.local_path(uri), cache_dir=os.path.join(tmp, "cache"))
+    local = os.path.join(tmp, "src")
+    remote.download(remote.join(uri, "index.json"), os.path.join(local, "index.json"))
+    return MDSReader(local, cache_dir=os.path.join(tmp, "cache"), name=uri,
+                     fetch=lambda base: remote.download(remote.join(uri, base), os.path.join(local, base)))
+
+
+def _delete(uri: str) -> None:
+    if remote.is_remote(uri):
+        fs, p = remote.fs_and_path(uri)
+        fs.rm_file(p)
+    else:
+        os.remove(remote.local_path(uri))
+
+
+def _tail_holdout(job: Job, splits: dict, entries: dict, eval_fraction: float,
+                  flags: tuple[str, str]) -> tuple[dict, list[str]]:
     """Few documents: one split got every full sample (the per-document draw put every document on
-    one side): the val split becomes the last ``eval_fraction`` of those samples, train the rest."""
-    from lmforge.data.mds import MDSReader, MDSWriter
+    one side): the val split becomes the last ``eval_fraction`` of those samples, train the rest.
+    Returns the splits' summaries and the units' shards no index lists any more."""
+    from lmforge.data.mds import MDSWriter
 
     frac_flag, seq_flag = flags
+    seq_len = job.seq_len
     source, other = ("train", "val") if splits["train"]["samples"] else ("val", "train")
     whole = splits[source]
     n = whole["samples"]
@@ -477,45 +381,34 @@ def _tail_holdout(stage: str, splits: dict, eval_fraction: float, seq_len: int, 
         raise UserError(f"{frac_flag} {eval_fraction}: the data makes only {n} sample of {seq_len} tokens, "
                         f"nothing is left to hold out; set {frac_flag} 0 (or lower {seq_flag}, or add data)")
     k = min(n - 1, max(1, round(eval_fraction * n)))
-    src_dir = os.path.join(stage, f"{source}.whole")
-    os.replace(os.path.join(stage, source), src_dir)
-    shutil.rmtree(os.path.join(stage, other))
-    reader = MDSReader(src_dir, cache_dir=os.path.join(stage, "cache"))
-    try:
-        for split, lo, hi in (("train", 0, n - k), ("val", n - k, n)):
-            with MDSWriter(os.path.join(stage, split), {"tokens": f"ndarray:{dtype}"}, compression=compression) as w:
-                for i in range(lo, hi):
-                    w.write({"tokens": reader.get_tokens(i)})
-    finally:
-        reader.close()
-    shutil.rmtree(src_dir)
-    shutil.rmtree(os.path.join(stage, "cache"), ignore_errors=True)
+    new = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        reader = _split_reader(job.out, source, tmp)
+        try:
+            for split, lo, hi in (("train", 0, n - k), ("val", n - k, n)):
+                with MDSWriter(os.path.join(tmp, split), {"tokens": f"ndarray:{job.dtype}"},
+                               compression=job.compression, prefix="tail.") as w:
+                    for i in range(lo, hi):
+                        w.write({"tokens": reader.get_tokens(i)})
+                new[split] = w.shards
+        finally:
+            reader.close()
+        for split in SPLITS:  # the units' shards are replaced by the cut
+            for e in new[split]:
+                name = (e["zip_data"] or e["raw_data"])["basename"]
+                WorkDir(job.out).publish(os.path.join(tmp, split, name), remote.join(job.out, split, name))
+            _write_index(job.out, split, new[split])
     bpt = whole["bytes_per_token"]
     held = k * seq_len
     held_bytes = round(held * bpt) if bpt else 0
-    shards = {s: len(os.listdir(os.path.join(stage, s))) - 1 for s in SPLITS}  # less index.json
     # Documents stay counted where the per-document draw put them; the other split's few tokens
     # (less than one sample) are dropped with its remainder.
     val = splits["val"] | {"tokens": held, "bytes": held_bytes, "bytes_per_token": bpt, "samples": k,
-                           "shards": shards["val"], "held_out": f"tail: the last {k} of {n} samples"}
+                           "shards": len(new["val"]), "held_out": f"tail: the last {k} of {n} samples"}
     train = splits["train"] | {"tokens": whole["tokens"] - held, "bytes": whole["bytes"] - held_bytes,
-                               "bytes_per_token": bpt, "samples": n - k, "shards": shards["train"]}
+                               "bytes_per_token": bpt, "samples": n - k, "shards": len(new["train"])}
     val["dropped_tokens"] = splits[other]["tokens"] + (whole["dropped_tokens"] if source == "val" else 0)
     train["dropped_tokens"] = whole["dropped_tokens"] if source == "train" else 0
-    return {"train": train, "val": val}
-
-
-def _publish(stage: str, out: str, out_exists: bool) -> None:
-    """Move the staged dataset into place; the marker becomes visible last."""
-    if remote.is_remote(out):
-        if out_exists:
-            _remove(out)
-        for split in SPLITS:
-            if os.path.isdir(os.path.join(stage, split)):
-                remote.upload_dir(os.path.join(stage, split), remote.join(out, split))
-        remote.upload_file(os.path.join(stage, MARKER), remote.join(out, MARKER))
-        return
-    dest = os.path.abspath(remote.local_path(out))
-    if out_exists:
-        shutil.rmtree(dest)
-    os.replace(stage, dest)  # one rename: the folder appears complete, marker included
+    obsolete = [remote.join(job.out, split, (e["zip_data"] or e["raw_data"])["basename"])
+                for split in SPLITS for e in entries[split]]
+    return {"train": train, "val": val}, obsolete

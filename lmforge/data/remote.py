@@ -111,6 +111,11 @@ def exists(uri: str) -> bool:
         return False
 
 
+class StoreError(UserError):
+    """The object store refused or failed (access denied, the network after retries): not the data's
+    fault, so a job keeps what it wrote, for the same command to go on from."""
+
+
 def _retry(what: str, fn, retries: int, backoff: float):
     """Run ``fn`` with exponential backoff; missing objects and permission errors are not retried."""
     for attempt in range(retries + 1):
@@ -119,12 +124,12 @@ def _retry(what: str, fn, retries: int, backoff: float):
         except FileNotFoundError:
             raise UserError(f"{what}: not found") from None
         except PermissionError as e:
-            raise UserError(f"{what}: access denied ({e})") from None
+            raise StoreError(f"{what}: access denied ({e})") from None
         except UserError:
             raise
         except Exception as e:  # network errors, throttling, truncated transfers
             if attempt == retries:
-                raise UserError(f"{what}: failed after {retries + 1} attempts ({type(e).__name__}: {e})") from None
+                raise StoreError(f"{what}: failed after {retries + 1} attempts ({type(e).__name__}: {e})") from None
             time.sleep(backoff * (2**attempt) * (1 + random.random() * 0.25))
 
 
@@ -186,3 +191,111 @@ def upload_dir(local_dir: str, uri: str, retries: int = 5, backoff: float = 0.5,
                 tmp = dest.with_name(f".{dest.name}.part")
                 tmp.write_bytes(p.read_bytes())
                 os.replace(tmp, dest)
+
+
+def put_bytes(uri: str, data: bytes, retries: int = 5, backoff: float = 0.5) -> None:
+    """Write ``data`` as the whole object/file ``uri`` (an object-store PUT is atomic; a local file is
+    written beside and renamed), retrying."""
+    if not is_remote(uri):
+        _write_local_atomic(Path(local_path(uri)), data)
+        return
+    fs, path = fs_and_path(uri)
+    _retry(uri, lambda: fs.pipe_file(path, data), retries, backoff)
+
+
+def _write_local_atomic(dest: Path, data: bytes) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def get_bytes(uri: str, retries: int = 5, backoff: float = 0.5) -> bytes | None:
+    """The content of ``uri``; None when it does not exist."""
+    if not is_remote(uri):
+        try:
+            return Path(local_path(uri)).read_bytes()
+        except FileNotFoundError:
+            return None
+    fs, path = fs_and_path(uri)
+    try:
+        return _retry(uri, lambda: fs.cat_file(path), retries, backoff)
+    except UserError as e:
+        if str(e).endswith(": not found"):
+            return None
+        raise
+
+
+def listdir(uri: str) -> list[str]:
+    """Sorted names of the files and folders directly in ``uri``; [] when it does not exist."""
+    if not is_remote(uri):
+        try:
+            return sorted(os.listdir(local_path(uri)))
+        except FileNotFoundError:
+            return []
+    fs, path = fs_and_path(uri)
+    try:
+        fs.invalidate_cache(path)
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def remove_tree(uri: str) -> None:
+    """Remove the folder ``uri`` and everything under it, or the file ``uri``, if it exists."""
+    if not is_remote(uri):
+        import shutil
+
+        if os.path.isdir(local_path(uri)):
+            shutil.rmtree(local_path(uri), ignore_errors=True)
+        elif os.path.lexists(local_path(uri)):
+            os.remove(local_path(uri))
+        return
+    fs, path = fs_and_path(uri)
+    fs.invalidate_cache()  # a cached listing may predate what this process just wrote
+    try:
+        found = fs.find(path, withdirs=True, detail=True)
+    except FileNotFoundError:
+        return
+    files = [p for p, info in found.items() if info.get("type") != "directory"]
+    if files:
+        fs.rm(files)  # the files, never a bucket (``uri`` may be a bucket's root)
+    scheme = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if scheme in ("s3", "s3a") and "/" in path:
+        # Stores with real folders (SeaweedFS, MinIO) keep emptied folders as keys "folder/", also
+        # ones emptied earlier (which a listing of files does not show): deepest first.
+        folders = {p for p, info in found.items() if info.get("type") == "directory"} | {path}
+        for _ in range(2):
+            for folder in sorted(folders, key=lambda p: -p.count("/")):
+                bucket, key = folder.split("/", 1)
+                try:
+                    fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
+                except (FileNotFoundError, PermissionError):
+                    pass
+            fs.invalidate_cache()
+            folders = _empty_folders(fs, path)  # only where the store keeps folders is anything left
+            if not folders:
+                break
+            folders.add(path)
+
+
+def _empty_folders(fs, path: str) -> set[str]:
+    out, todo = set(), [path]
+    while todo:
+        p = todo.pop()
+        try:
+            entries = fs.ls(p, detail=True)
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            name = e["name"].rstrip("/")
+            if e.get("type") == "directory" and name != p.rstrip("/"):
+                out.add(name)
+                todo.append(name)
+    return out

@@ -320,16 +320,50 @@ def _read_json_file(src: Source, compression: str | None, text_field: str, stats
                     yield text
             return
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{src.uri}:{lineno}"
-            try:
-                rec = json.loads(decode_utf8(line, where, stats))
-            except json.JSONDecodeError:
-                if stats is not None:
-                    stats.skip_line(where, "not JSON")
-                continue
-            text = _text_of(rec, text_field, where, stats)
+            text = _json_line(line, f"{src.uri}:{lineno}", text_field, stats)
+            if text is not None:
+                yield text
+
+
+def _json_line(line: bytes, where: str, text_field: str, stats: SourceStats | None) -> str | None:
+    """The text of one JSON line; None (counted in ``stats``) for a blank, broken or text-less line."""
+    if not line.strip():
+        return None
+    try:
+        rec = json.loads(decode_utf8(line, where, stats))
+    except json.JSONDecodeError:
+        if stats is not None:
+            stats.skip_line(where, "not JSON")
+        return None
+    return _text_of(rec, text_field, where, stats)
+
+
+def splittable(src: Source) -> bool:
+    """A file whose documents are lines that can be read from any byte offset: uncompressed JSONL."""
+    ext, compression = _split_compression(src.uri)
+    return src.kind == "file" and ext == ".jsonl" and compression is None
+
+
+def _read_jsonl_range(src: Source, start: int, end: int, text_field: str, stats: SourceStats | None) -> Iterator[str]:
+    """The documents whose line starts in bytes [start, end) of an uncompressed JSONL file.
+
+    A line belongs to the range its first byte is in, so consecutive ranges read every line once
+    whatever their sizes: a range that does not start a file skips the line running into it.
+    """
+    with _open_raw(src.uri) as raw:
+        f = raw if hasattr(raw, "peek") else io.BufferedReader(raw, buffer_size=1 << 20)
+        pos = start
+        if start > 0:
+            f.seek(start - 1)
+            pos = start - 1 + len(f.readline())  # to the end of the line that holds byte start - 1
+        else:
+            f.seek(0)
+        while pos < end:
+            line = f.readline()
+            if not line:
+                return
+            text = _json_line(line, f"{src.uri}:byte {pos}", text_field, stats)
+            pos += len(line)
             if text is not None:
                 yield text
 
@@ -417,8 +451,10 @@ def _read_builtin(src: Source, stats: SourceStats | None) -> Iterator[str]:
             yield text
 
 
-def read_source(src: Source, text_field: str = "text", stats: SourceStats | None = None) -> Iterator[str]:
-    """Documents of one source, in file order."""
+def read_source(src: Source, text_field: str = "text", stats: SourceStats | None = None,
+                byte_range: tuple[int, int] | None = None) -> Iterator[str]:
+    """Documents of one source, in file order; with ``byte_range`` (a ``splittable`` file only)
+    those whose line starts in that range of bytes."""
     if src.kind == "builtin":
         yield from _read_builtin(src, stats)
         return
@@ -427,7 +463,9 @@ def read_source(src: Source, text_field: str = "text", stats: SourceStats | None
         return
     ext, compression = _split_compression(src.uri)
     try:
-        if ext in JSON_EXTS:
+        if byte_range is not None:
+            yield from _read_jsonl_range(src, *byte_range, text_field, stats)
+        elif ext in JSON_EXTS:
             yield from _read_json_file(src, compression, text_field, stats)
         elif ext in PARQUET_EXTS:
             yield from _read_parquet_file(src, compression, text_field, stats)

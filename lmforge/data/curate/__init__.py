@@ -2,9 +2,10 @@
 
 Modules: ``text`` (normalization, hashed word n-grams), ``dedup`` (exact + MinHash LSH),
 ``filters`` (C4, FineWeb, Gopher rules), ``language`` (fastText lid.176), ``decontaminate`` (n-gram
-overlap with ICL tasks), ``curator`` (per-document checks, dedup decisions, accounting),
-``pipeline`` (the worker pool), ``documents`` (`lmforge data dedup`: raw text → curated JSONL),
-``stats`` (`lmforge data stats`), ``scale`` (the same steps on datatrove's executors).
+overlap with ICL tasks), ``curator`` (per-document checks, accounting), ``crossdedup`` (dedup
+across work units and tasks, in stages), ``pipeline`` (the per-chunk work, in-process or in worker
+processes), ``documents`` (`lmforge data dedup`: raw text → curated JSONL), ``stats`` (`lmforge
+data stats`), ``scale`` (the steps for users' own datatrove pipelines).
 The settings are ``lmforge.config.curation.CurateConfig``.
 """
 

@@ -1,32 +1,24 @@
-"""Running the curation steps over a document stream, and counting what they remove.
-
-Two halves, so that the expensive work runs in worker processes while every decision that
-depends on other documents is taken once, in input order, in the parent:
+"""Running the per-document curation steps, and counting what the steps remove.
 
 * ``DocChecker`` (per process): the per-document steps — C4, FineWeb, the language filter, Gopher
   quality, Gopher repetition (cheap to expensive: C4 and FineWeb run at 40–50 MB/s and remove
   most non-prose early, the fastText model at ~18, the Gopher rules at 3–5; a document stops at
   its first failed rule), then decontamination against the eval tasks on the text that would be
   trained on.
-* ``Curator`` (the parent): exact and near dedup from the signatures the workers computed
-  (``dedup.py``), the accounting of every removal by reason, and a bounded sample of removed
-  documents per reason for review.
+* ``Accounting`` (per work unit, summed at the end): every removal by reason, and a bounded
+  sample of removed documents per reason for review.
 
-Dedup runs first, so duplicates cost no filtering and no tokenizing.
+Dedup (``crossdedup``) runs before these steps, so duplicates cost no filtering and no tokenizing.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
 from lmforge.config.curation import CurateConfig
 from lmforge.data.curate import filters as F
 from lmforge.data.curate.decontaminate import TaskIndex
-from lmforge.data.curate.dedup import Deduplicator, signatures
-from lmforge.errors import UserError
 
 SAMPLE_CHARS = 2000  # characters of each removed document kept in a sample
 
@@ -102,6 +94,19 @@ class Accounting:
         if len(bucket) < self.sample_limit:
             bucket.append({"doc": doc, "reason": reason, **extra, "chars": len(text), "text": text[:SAMPLE_CHARS]})
 
+    def counts(self) -> dict:
+        """Everything but the samples, as JSON (what a work unit reports)."""
+        return {"documents_in": self.documents_in, "bytes_in": self.bytes_in, "removed": dict(self.removed),
+                "removed_bytes": self.removed_bytes, "tasks": dict(self.tasks)}
+
+    def add_counts(self, c: dict) -> None:
+        """Add another unit's ``counts()``."""
+        self.documents_in += c["documents_in"]
+        self.bytes_in += c["bytes_in"]
+        self.removed.update(c["removed"])
+        self.removed_bytes += c["removed_bytes"]
+        self.tasks.update(c["tasks"])
+
     def summary(self, cfg: CurateConfig) -> dict:
         by_step = Counter()
         for reason, n in self.removed.items():
@@ -120,63 +125,3 @@ class Accounting:
             "by_reason": dict(sorted(self.removed.items())),
             "contaminated_tasks": dict(sorted(self.tasks.items())),
         }
-
-    def write_samples(self, out_dir: str) -> list[str]:
-        """One JSONL per reason (``dedup-near.jsonl``, ``c4-curly_bracket.jsonl``, ...)."""
-        os.makedirs(out_dir, exist_ok=True)
-        written = []
-        for reason, rows in sorted(self.samples.items()):
-            path = os.path.join(out_dir, reason.replace("/", "-") + ".jsonl")
-            with open(path, "w") as f:
-                for r in rows:
-                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
-            written.append(path)
-        return written
-
-
-class Curator:
-    """Parent-side state of one curation pass (dedup memory and the accounting)."""
-
-    def __init__(self, cfg: CurateConfig, index: TaskIndex | None = None):
-        if cfg.decontaminate is not None and index is None:
-            raise UserError("curate.decontaminate: no ICL tasks to decontaminate against (set eval.icl_tasks, "
-                            "decontaminate.tasks, or --decontaminate TASKS)")
-        self.cfg = cfg
-        self.index = index
-        self.dedup = Deduplicator(cfg.dedup) if cfg.dedup and (cfg.dedup.exact or cfg.dedup.near) else None
-        self.acct = Accounting(action=cfg.action, sample_limit=cfg.removed_sample)
-        self.flag = cfg.action == "flag"
-
-    def checker(self) -> DocChecker:
-        return DocChecker(self.cfg, self.index)
-
-    def signatures(self, texts: list[str]):
-        return signatures(texts, self.cfg.dedup)
-
-    def count_in(self, texts: list[str]) -> None:
-        self.acct.documents_in += len(texts)
-        self.acct.bytes_in += sum(len(t.encode("utf-8", "replace")) for t in texts)
-
-    def dedup_chunk(self, texts: list[str], ids: list[int], sigs) -> tuple[list[str], list[int]]:
-        """Keep the documents not seen before (in input order); count the rest."""
-        if self.dedup is None:
-            return texts, ids
-        keys, mh = sigs
-        kept, kept_ids = [], []
-        for t, doc, k, s in zip(texts, ids, keys, mh):
-            reason, first = self.dedup.check(doc, k, s)
-            if reason is not None:
-                self.acct.add(doc, f"dedup/{reason}", t, duplicate_of=first)
-                if not self.flag:
-                    continue
-            kept.append(t)
-            kept_ids.append(doc)
-        return kept, kept_ids
-
-    def count_checked(self, texts: list[str], ids: list[int], matched) -> None:
-        for i, reason, tasks in matched:
-            extra = {"tasks": tasks} if tasks else {}
-            self.acct.add(ids[i], reason, texts[i], **extra)
-
-    def summary(self) -> dict:
-        return self.acct.summary(self.cfg)

@@ -1,8 +1,9 @@
 """Document-level deduplication: exact (normalized-text hash) and near (MinHash LSH).
 
-Signatures are computed per chunk (in worker processes when there are several); the decisions
-are taken in one place, in input order, so the first occurrence of a document is the one kept
-and the result does not depend on the number of workers.
+The keys and signatures here are what `data prepare` / `data dedup` compute for every document;
+their decisions are taken across work units in stages (``crossdedup``). ``Deduplicator`` takes
+the same decisions in one process, in input order (the first occurrence is kept): `data stats`'
+duplicate rates.
 
 Near-duplicates: each document's word ``ngram``-shingles are hashed (``text.ngram_hashes``) and
 fed to datasketch's ``MinHash`` (its 32-bit affine scheme); datasketch's ``MinHashLSH`` finds

@@ -1,10 +1,13 @@
-"""The curation pipeline over chunks of documents, in-process or across worker processes.
+"""The per-chunk work of `data prepare` / `data dedup`, in this process or in worker processes.
 
-    read (parent) → signatures (workers) → dedup decisions (parent, input order)
-        → filters + decontamination [+ tokenizing, for `data prepare`] (workers) → parent
+Two stages run on chunks of documents:
 
-Both worker stages share one process pool; each keeps a bounded number of chunks in flight and
-results are consumed in submission order, so the output is the same for any number of workers.
+* ``signatures`` — each document's exact-dedup key and MinHash signature (``dedup.signatures``);
+* ``documents`` — the per-document filters and decontamination, then (for `data prepare`) the
+  tokenizer (an ``encoder``).
+
+``ChunkPool.map`` keeps a bounded number of chunks in flight and yields the results in
+submission order, so what is written does not depend on the number of workers.
 """
 
 from __future__ import annotations
@@ -14,33 +17,37 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 
 from lmforge.config.curation import CurateConfig
-from lmforge.data.curate.curator import Curator, DocChecker
+from lmforge.data.curate.curator import DocChecker
 from lmforge.data.curate.dedup import signatures
 from lmforge.process import die_with_parent
 
 
-class _State:
-    """What one process needs for the worker stages."""
+STAGES = ("signatures", "documents")
 
-    def __init__(self, cfg_json: str | None, index, encoder: tuple[Callable, tuple] | None):
+
+class _State:
+    """What one process needs for the stages."""
+
+    def __init__(self, cfg_json: str | None, index, encoder: tuple[Callable, tuple] | None, stage: str):
         self.cfg = CurateConfig.model_validate_json(cfg_json) if cfg_json else None
-        self.checker = DocChecker(self.cfg, index) if self.cfg else None
-        self.encoder = encoder[0](*encoder[1]) if encoder else None
-        if self.cfg and self.cfg.dedup and self.cfg.dedup.near:
+        self.checker = self.encoder = None
+        if stage == "documents":  # built now, while the parent reads the input (models load in seconds)
+            self.checker = DocChecker(self.cfg, index) if self.cfg else None
+            if self.checker is not None and not self.checker.active:
+                self.checker = None
+            self.encoder = encoder[0](*encoder[1]) if encoder else None
+        elif self.cfg.dedup.near:
             from lmforge.data.curate.dedup import _minhash
 
-            _minhash(self.cfg.dedup.num_perm)  # import datasketch (~1 s) now, while the parent reads input
+            _minhash(self.cfg.dedup.num_perm)  # import datasketch (~1 s)
 
-    @property
-    def has_stage_b(self) -> bool:
-        return self.encoder is not None or (self.checker is not None and self.checker.active)
-
-    def stage_a(self, texts: list[str]):
+    def signatures(self, texts: list[str]):
         return signatures(texts, self.cfg.dedup)
 
-    def stage_b(self, texts: list[str]):
+    def documents(self, texts: list[str]):
+        """(the kept texts, tokenized when there is an encoder; (position, reason, tasks) per match)."""
         matched = []
-        if self.checker is not None and self.checker.active:
+        if self.checker is not None:
             texts, matched = self.checker.run_chunk(texts)
         return (self.encoder.encode_chunk(texts) if self.encoder else texts), matched
 
@@ -48,47 +55,26 @@ class _State:
 _STATE: _State | None = None  # per worker process, built by the pool initializer
 
 
-def _init(cfg_json, index, encoder, threads: int, parent: int) -> None:
+def _init(cfg_json, index, encoder, stage: str, threads: int, parent: int) -> None:
     global _STATE
     die_with_parent(parent)  # a killed `prepare` (or trainer preparing its data) leaves no worker behind
     # The tokenizer's Rust thread pool would otherwise start one thread per core in every worker.
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     if threads <= 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _STATE = _State(cfg_json, index, encoder)
+    _STATE = _State(cfg_json, index, encoder, stage)
 
 
-def _stage_a(texts):
-    return _STATE.stage_a(texts)
-
-
-def _stage_b(texts):
-    return _STATE.stage_b(texts)
+def _run(stage: str, texts: list[str]):
+    return getattr(_STATE, stage)(texts)
 
 
 def _ready():
     return True
 
 
-def _ordered(submit, items: Iterable, depth: int) -> Iterator:
-    """(item, result) in order, keeping at most ``depth`` submitted items in flight."""
-    pending: collections.deque = collections.deque()
-    try:
-        for item in items:
-            pending.append((item, submit(item)))
-            while len(pending) > depth:
-                it, fut = pending.popleft()
-                yield it, fut.result()
-        while pending:
-            it, fut = pending.popleft()
-            yield it, fut.result()
-    finally:
-        for _, fut in pending:
-            fut.cancel()
-
-
 class _Done:
-    """A finished 'future' for the in-process path."""
+    """A finished 'future': in-process results and pass-through items."""
 
     def __init__(self, value):
         self.value = value
@@ -100,62 +86,65 @@ class _Done:
         pass
 
 
-def run(chunks: Iterable[list[str]], curator: Curator | None, *, workers: int = 1,
-        encoder: tuple[Callable, tuple] | None = None) -> Iterator[tuple[list[str], object]]:
-    """Per input chunk: (the texts that reached stage B, its result: encoded chunk or kept texts).
 
-    Removals are counted in ``curator``. ``encoder`` = (factory, args) builds, in each process, an
-    object whose ``encode_chunk(texts)`` is applied to the surviving texts.
-    """
-    cfg_json = curator.cfg.model_dump_json() if curator else None
-    index = curator.index if curator else None
-    do_a = curator is not None and curator.dedup is not None
-    next_id = [0]
+class ChunkPool:
+    """Runs one stage on chunks, in this process (``workers`` <= 1) or in ``workers`` processes."""
 
-    def numbered(src):
-        for texts in src:
-            ids = list(range(next_id[0], next_id[0] + len(texts)))
-            next_id[0] += len(texts)
-            if curator:
-                curator.count_in(texts)
-            yield texts, ids
-
-    def deduped(stage_a_results):
-        for (texts, ids), sigs in stage_a_results:
-            yield curator.dedup_chunk(texts, ids, sigs)
-
-    def finish(stage_b_results):
-        for (texts, ids), (result, matched) in stage_b_results:
-            if curator and matched:
-                curator.count_checked(texts, ids, matched)
-            yield texts, result
-
-    # Stage B runs only when there is something to do per document (dedup alone ends in the parent).
-    do_b = encoder is not None or (curator is not None and bool(curator.cfg.filters.enabled() or index is not None))
-    if workers <= 1:
-        state = _State(cfg_json, index, encoder)
-        src = numbered(chunks)
-        if do_a:
-            src = deduped(_ordered(lambda c: _Done(state.stage_a(c[0])), src, 0))
-        if not do_b:
-            yield from ((texts, texts) for texts, ids in src)
+    def __init__(self, stage: str, cfg: CurateConfig | None, index=None,
+                 encoder: tuple[Callable, tuple] | None = None, workers: int = 1):
+        assert stage in STAGES, stage
+        cfg_json = cfg.model_dump_json() if cfg is not None else None
+        self.stage = stage
+        self.workers = workers
+        self.pool = None
+        if workers <= 1:
+            self.state = _State(cfg_json, index, encoder, stage)
             return
-        yield from finish(_ordered(lambda c: _Done(state.stage_b(c[0])), src, 0))
-        return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    # spawn, not fork: a forked copy of a tokenizer that already ran its thread pool can deadlock.
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
-                             initargs=(cfg_json, index, encoder, threads, os.getpid())) as pool:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        # spawn, not fork: a forked copy of a tokenizer that already ran its thread pool can deadlock.
+        ctx = multiprocessing.get_context("spawn")
+        self.pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
+                                        initargs=(cfg_json, index, encoder, stage, threads, os.getpid()))
         for _ in range(workers):  # start the workers (imports, models) while the parent reads the input
-            pool.submit(_ready)
-        src = numbered(chunks)
-        if do_a:
-            src = deduped(_ordered(lambda c: pool.submit(_stage_a, c[0]), src, 2 * workers))
-        if not do_b:
-            yield from ((texts, texts) for texts, ids in src)
-            return
-        yield from finish(_ordered(lambda c: pool.submit(_stage_b, c[0]), src, 2 * workers))
+            self.pool.submit(_ready)
+
+    def map(self, items: Iterable[tuple[object, list[str] | None]]) -> Iterator[tuple[object, list[str] | None, object]]:
+        """(tag, texts, result) per (tag, texts) item, in order; an item whose texts are None passes
+        through with result None (a marker, e.g. the end of a unit)."""
+        stage = self.stage
+        depth = 2 * self.workers if self.pool is not None else 0
+        pending: collections.deque = collections.deque()
+
+        def submit(texts):
+            if texts is None:
+                return _Done(None)
+            if self.pool is None:
+                return _Done(getattr(self.state, stage)(texts))
+            return self.pool.submit(_run, stage, texts)
+
+        try:
+            for tag, texts in items:
+                pending.append((tag, texts, submit(texts)))
+                while len(pending) > depth:
+                    tag_, texts_, fut = pending.popleft()
+                    yield tag_, texts_, fut.result()
+            while pending:
+                tag_, texts_, fut = pending.popleft()
+                yield tag_, texts_, fut.result()
+        finally:
+            for _, _, fut in pending:
+                fut.cancel()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def __enter__(self) -> "ChunkPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

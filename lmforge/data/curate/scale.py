@@ -1,17 +1,18 @@
-"""The same curation steps on datatrove's executors, for corpora one machine cannot hold.
+"""lmforge's curation steps as datatrove pipeline steps, for datatrove pipelines users compose.
 
-`lmforge data dedup` / `data prepare` keep their dedup memory in one process, which is right up
-to a few hundred GB of text. Past that, datatrove runs pipelines of steps as many tasks on a
-local process pool (``LocalPipelineExecutor``), a Slurm cluster (``SlurmPipelineExecutor``) or
-Ray (``RayPipelineExecutor``). This module gives it lmforge's steps:
+`lmforge data prepare` / `data dedup` run on datatrove's executors themselves (``--executor``,
+``--tasks``: ``lmforge.data.job``). For pipelines of your own, datatrove runs steps as many tasks
+on a local process pool (``LocalPipelineExecutor``), a Slurm cluster (``SlurmPipelineExecutor``)
+or Ray (``RayPipelineExecutor``). This module gives it lmforge's steps:
 
 * ``CurationFilter`` — a datatrove filter step running lmforge's per-document checks (language,
   C4, FineWeb, Gopher, decontamination: ``curator.DocChecker``) with a ``CurateConfig``;
 * ``minhash_stages`` — the four stages of datatrove's own MinHash dedup (signatures → buckets →
   clusters → filter), configured from a ``DedupConfig`` (shingle size; bands and rows from
-  datasketch's choice for the threshold) and lmforge's regex word splitter (no spaCy).
+  datasketch's choice for the threshold: ``lsh_params``, also used by ``crossdedup``) and
+  lmforge's regex word splitter (no spaCy).
 
-docs/curation.md shows complete local, Slurm and Ray scripts.
+docs/curation.md shows a complete script.
 """
 
 from __future__ import annotations

@@ -1,0 +1,269 @@
+"""`data prepare` / `data dedup` as N tasks: work units that do not depend on N, datatrove's local,
+Slurm and Ray executors, a killed job finished by the same command, dedup across tasks, and bad
+executor input. The reference everywhere is the plain one-process command."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmforge.data.curate.documents import curate_to_jsonl
+from lmforge.data.executors import ExecutorSpec, progress_fields, throughput_line
+from lmforge.data.job import Job, Stage
+from lmforge.data.prepare import MARKER, prepare
+from lmforge.data.sources import Source, SourceStats, list_files
+from lmforge.data.tokenizer import train_tokenizer
+from lmforge.data.units import plan_units, unit_documents
+from train_helpers import communicate, lmforge
+
+SEQ = 32
+UNIT = 2048  # bytes of input per work unit: the corpus below makes about 20 units
+UNIT_MB = str(UNIT / (1 << 20))
+
+
+def _doc(rng: random.Random, i: int) -> str:
+    words = ["alpha", "beta", "gamma", "delta", "über", "naïve", "日本", "x=1;", "return", "\n"]
+    return f"doc {i}: " + " ".join(rng.choices(words, k=rng.randint(5, 80)))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A one-document .txt, a JSONL file cut into several units, small JSONL files grouped, a .gz."""
+    d = tmp_path_factory.mktemp("scale-raw")
+    rng = random.Random(5)
+    docs = [_doc(rng, i) for i in range(150)]
+    (d / "a.txt").write_text(docs[0])
+    (d / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[1:100]))
+    for k in range(3):
+        (d / f"s{k}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[100 + 10 * k:110 + 10 * k]))
+    with gzip.open(d / "z.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in docs[130:])
+    return d, docs
+
+
+@pytest.fixture(scope="module")
+def tok(corpus, tmp_path_factory):
+    return train_tokenizer([str(corpus[0])], 300, str(tmp_path_factory.mktemp("scale-tok")))
+
+
+@pytest.fixture(scope="module")
+def plain(corpus, tok, tmp_path_factory) -> Path:
+    """The plain command's dataset (this process), the reference of every executor test."""
+    out = tmp_path_factory.mktemp("scale-plain") / "ds"
+    s = prepare([str(corpus[0])], tok, str(out), SEQ, eval_fraction=0.2, unit_bytes=UNIT)
+    assert s["units"] >= 10 and s["splits"]["val"]["samples"] > 0
+    return out
+
+
+def _files(ds: Path) -> dict[str, bytes]:
+    """Every file of both splits (shards and index), by name."""
+    return {f"{s}/{p.name}": p.read_bytes() for s in ("train", "val") for p in sorted((ds / s).iterdir())}
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.suffix == ".json") if folder.is_dir() else []
+
+
+def _args(corpus, tok, out, *more) -> list:
+    return ["data", "prepare", "--input", corpus[0], "--tokenizer", tok.path, "--out", out, "--seq-len", SEQ,
+            "--eval-fraction", "0.2", "--unit-mb", UNIT_MB, "--json", *more]
+
+
+def test_units_do_not_depend_on_tasks_and_read_every_line_once(tmp_path):
+    rows = [json.dumps({"text": "x" * n}) + "\n" for n in (1, 30, 2, 500, 3, 3, 120, 7)]
+    (tmp_path / "big.jsonl").write_text("".join(rows))
+    (tmp_path / "c.txt").write_text("hello")
+    (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "e.jsonl.gz").write_bytes(gzip.compress(b'{"text": "hello"}\n'))
+    sources = list_files([str(tmp_path)])
+    want = [json.loads(r)["text"] for r in rows]
+    for unit_bytes in (1, 7, 64, 333, 10_000):
+        units = plan_units(sources, unit_bytes)
+        got = [t for u in units for t in unit_documents(u, "text", SourceStats()) if t != "hello"]
+        assert got == want, unit_bytes  # every line once, in order, wherever the byte ranges fall
+    small = [[s.uri.rsplit("/", 1)[1] for s in u.slices] for u in plan_units(sources, 30)[-2:]]
+    assert small == [["c.txt", "d.jsonl"], ["e.jsonl.gz"]]  # whole files grouped up to the unit size
+    assert plan_units(list_files([str(tmp_path)]), 64) == plan_units(sources, 64)  # a fresh listing: the same units
+    assert plan_units([Source("builtin:python-stdlib")], 64)[0].bytes is None
+
+
+def test_progress_and_throughput_lines():
+    line = throughput_line(2_000_000, 10.0, 2)
+    assert line.startswith("200,000 tokens/s, 100,000 tokens/s per core (2 cores); 1T tokens: ")
+    assert " on 1, " in line and " on 100 machines like this one" in line
+    job = Job("x", plan_units([Source("a", 100), Source("b", 100), Source("c", 300)], 100), "text")
+    f = progress_fields(job, Stage("units", 3), {0}, 1000, 100, 1, 2.0)
+    assert f == {"rate": "500 tokens/s", "eta": "ETA 8 s"}  # 400 bytes left at 50 bytes/s
+
+
+@pytest.mark.e2e
+def test_tasks_write_the_plain_dataset_and_a_killed_task_is_redone(corpus, tok, plain, tmp_path):
+    r = lmforge(*_args(corpus, tok, tmp_path / "t3", "--tasks", "3"), check=True)
+    s = json.loads(r.stdout)
+    assert s["executor"] == "local" and s["tasks"] == 3 and s["units"] == json.loads((plain / MARKER).read_text())["units"]
+    assert _files(tmp_path / "t3") == _files(plain)  # the same samples, the same order, byte for byte
+    assert sorted(os.listdir(tmp_path / "t3")) == [MARKER, "train", "val"]
+
+    # A task process killed while it works, once a unit is done: the command stops with one line and
+    # lists nothing; the same command finishes the job, redoing only the units without a marker.
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge", *map(str, _args(corpus, tok, out, "--tasks", "2"))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    work = out / "work"
+    deadline = time.monotonic() + 120
+    claim = None
+    while claim is None:
+        assert proc.poll() is None and time.monotonic() < deadline, "no unit finished"
+        time.sleep(0.01)
+        try:  # a unit done, and a task still working (its claim)
+            if _names(work / "units"):
+                claim = json.loads((work / "running" / _names(work / "running")[0]).read_text())
+        except (IndexError, FileNotFoundError):
+            pass
+    os.kill(claim["pid"], signal.SIGKILL)
+    _, err = communicate(proc, timeout=120)
+    if proc.returncode != 0:  # else the task had just finished its last unit when the kill landed
+        assert proc.returncode == 1 and err.strip().splitlines()[-1].startswith("error: a task of the units stage "
+                                                                                 f"(process {claim['pid']}) ended")
+        assert not (out / "train" / "index.json").exists() and not (out / MARKER).exists()
+        done = len(_names(work / "units"))
+        s = json.loads(lmforge(*_args(corpus, tok, out, "--tasks", "2"), check=True).stdout)
+        assert s["units_done_earlier"] == done and 1 <= done <= s["units"]
+    assert _files(out) == _files(plain)
+
+
+@pytest.mark.e2e
+def test_dedup_across_tasks_removes_a_duplicate_from_another_tasks_input(tmp_path):
+    rng = random.Random(2)
+    words = "river stone cloud market garden winter signal harbor lantern meadow copper thunder".split()
+
+    def essay():
+        return " ".join(" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))) + "." for _ in range(30))
+
+    a, b = [essay() for _ in range(20)], [essay() for _ in range(20)]
+    b[5] = a[3].upper()  # an exact duplicate (after normalization) of a document of the other file
+    edited = a[7].split(" ")
+    edited[10] = "anchor"
+    b[12] = " ".join(edited)  # a near duplicate of another
+    for name, docs in (("a", a), ("b", b)):
+        (tmp_path / "in").mkdir(exist_ok=True)
+        (tmp_path / "in" / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    size = max(p.stat().st_size for p in (tmp_path / "in").iterdir())  # a file per unit
+    plain = curate_to_jsonl([str(tmp_path / "in")], str(tmp_path / "plain"), {"dedup": True}, unit_bytes=size)
+    two = json.loads(lmforge("data", "dedup", "--input", tmp_path / "in", "--unit-mb", str(size / (1 << 20)), "--json",
+                             "--out", tmp_path / "two", "--tasks", "2", "--removed-out", tmp_path / "rm",
+                             check=True).stdout)
+    assert two["units"] == 2 and two["tasks"] == 2  # each file is a unit, each unit a task
+    assert two["curation"]["by_reason"] == plain["curation"]["by_reason"] == {"dedup/exact": 1, "dedup/near": 1}
+    kept = (tmp_path / "two" / "documents.jsonl").read_text()
+    assert kept == (tmp_path / "plain" / "documents.jsonl").read_text() and len(kept.splitlines()) == 38
+    removed = {r["reason"]: r for f in (tmp_path / "rm").iterdir() for r in map(json.loads, f.read_text().splitlines())}
+    assert (removed["dedup/exact"]["doc"], removed["dedup/exact"]["duplicate_of"]) == (25, 3)
+    assert (removed["dedup/near"]["doc"], removed["dedup/near"]["duplicate_of"]) == (32, 7)
+
+
+@pytest.mark.e2e
+def test_slurm_job_arrays_run_as_slurm_would_run_them(corpus, tok, plain, tmp_path, monkeypatch):
+    """No Slurm here: `sbatch` and `scontrol` are stand-ins that record the submissions; the test
+    checks the generated array scripts, then runs every array task the way the scripts do."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sbatch.log\n"
+                                    f"n=$(wc -l < {tmp_path}/sbatch.log)\necho \"Submitted batch job $n\"\n")
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")
+    for p in bin_dir.iterdir():
+        p.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "ds"
+    s = prepare([str(corpus[0])], tok, str(out), SEQ, eval_fraction=0.2, unit_bytes=UNIT,
+                executor=ExecutorSpec("slurm", tasks=2, partition="cpu", time="02:00:00"))
+    assert [j["stage"] for j in s["submitted"]] == ["units", "finalize"] and not (out / MARKER).exists()
+    script = Path(s["submitted"][0]["script"]).read_text()
+    for line in ("#SBATCH --array=0-1", "#SBATCH --partition=cpu", "#SBATCH --time=02:00:00",
+                 "#SBATCH --cpus-per-task=1", "#SBATCH --job-name=lmforge-units", f"source {sys.prefix}/bin/activate",
+                 f"launch_pickled_pipeline {out}/work/logs/units/executor.pik"):
+        assert line in script, line
+    assert "--qos" not in script and "#SBATCH --array=0-0" in Path(s["submitted"][1]["script"]).read_text()
+    calls = (tmp_path / "sbatch.log").read_text().splitlines()
+    units_job = s["submitted"][0]["job_id"]
+    assert any(f"--dependency=afterok:{units_job}" in c for c in calls[1:])  # finalize waits for the units
+    for job in s["submitted"]:
+        pickled = str(out / "work" / "logs" / job["stage"] / "executor.pik")
+        for i in range(job["tasks"]):
+            env = dict(os.environ, SLURM_ARRAY_TASK_ID=str(i), SLURM_NODELIST="node1", SLURM_JOB_ID="1")
+            subprocess.run([os.path.join(sys.prefix, "bin", "launch_pickled_pipeline"), pickled], env=env,
+                           check=True, capture_output=True, timeout=300)
+    assert _files(out) == _files(plain)
+    assert sorted(os.listdir(out)) == [MARKER, "train", "val", "work"] and os.listdir(out / "work") == ["logs"]
+
+
+@pytest.mark.e2e
+def test_ray_executor_on_a_local_instance(corpus, tok, plain, tmp_path):
+    pytest.importorskip("ray")
+    r = lmforge(*_args(corpus, tok, tmp_path / "ray", "--executor", "ray", "--tasks", "2"), check=True, timeout=600)
+    assert json.loads(r.stdout)["executor"] == "ray"
+    assert _files(tmp_path / "ray") == _files(plain)
+
+
+@pytest.mark.integration
+def test_bad_executor_input_is_one_line_and_writes_nothing(corpus, tok, plain, tmp_path, capsys, monkeypatch):
+    from lmforge.cli.main import main
+
+    def error(*args) -> str:
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+        return lines[0]
+
+    before = (plain / MARKER).read_bytes()
+    args = [a if a != SEQ else SEQ * 2 for a in _args(corpus, tok, plain)]
+    assert "already holds a different prepared dataset" in error(*args, "--tasks", "2")
+    assert (plain / MARKER).read_bytes() == before
+    out = tmp_path / "new"
+    base = _args(corpus, tok, out)
+    assert "--executor spark: unknown executor (expected local, slurm or ray)" in error(*base, "--executor", "spark")
+    assert "--tasks 0: expected a positive integer" in error(*base, "--tasks", "0")
+    assert "--executor slurm: needs --partition NAME" in error(*base, "--executor", "slurm")
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the package were not installed
+    assert "--executor ray: needs ray: pip install 'lmforge[ray]'" in error(*base, "--executor", "ray", "--tasks", "2")
+    monkeypatch.setitem(sys.modules, "datatrove.executor", None)
+    assert "needs datatrove: pip install 'lmforge[curate]'" in error(*base, "--tasks", "2")
+    assert not out.exists()
+
+
+def test_exact_dedup_over_several_key_ranges(tmp_path):
+    """Past 64 GB of input the exact keys are split into ranges, one finder item each: the same
+    decisions (each repeat points at the first occurrence in input order, whatever its range)."""
+    from lmforge.config.curation import DedupConfig
+    from lmforge.data.curate.crossdedup import DedupPlan, find_duplicates, removals, write_signatures
+    from lmforge.data.curate.dedup import signatures
+    from lmforge.data.job import WorkDir
+
+    rng = random.Random(3)
+    units = [[f"text {rng.randrange(40)}" for _ in range(30)] for _ in range(3)]
+    plan = DedupPlan(exact=True, near=False, partitions=4, bands=0, rows=0, num_perm=128, threshold=0.8)
+    wd = WorkDir(str(tmp_path))
+    for u, texts in enumerate(units):
+        write_signatures(wd, plan, u, *signatures(texts, DedupConfig(near=False)))
+    assert len(wd.names("dedup/exact")) > 1  # the keys did spread over several ranges
+    for item in range(plan.duplicate_items):
+        find_duplicates(wd, plan, item)
+    first: dict[str, tuple[int, int]] = {}
+    for u, texts in enumerate(units):
+        want = {}
+        for d, t in enumerate(texts):
+            if t in first:
+                want[d] = ("exact", *first[t])
+            else:
+                first[t] = (u, d)
+        assert removals(wd, plan, u) == want
