@@ -48,6 +48,16 @@ def default_learning_rate(non_embedding_params: float) -> float:
 # (The cap was 250 steps while `model: auto` under-measured its shape's speed, mean of 3 steps
 # instead of the fastest: the planned tokens came out ~2.5× low, which kept the quickstart at
 # 2,048 tokens/step by accident; BENCHMARKS.md, session 8.)
+# [preference] Preference tuning's learning rate: one hundredth of the size-based pretraining default
+# (7B: 1.2e-6; TRL's DPO default is 1e-6, Zephyr's and Tulu 3's DPO 5e-7), ten times that with
+# LoRA (adapters take ~10× the full fine-tuning rate, as for SFT).
+PREFERENCE_LR_FACTOR = 0.01
+
+
+def preference_lr_factor(lora: bool) -> float:
+    return PREFERENCE_LR_FACTOR * (10 if lora else 1)
+
+
 MIN_STEPS = 1000
 MIN_BATCH_TOKENS = 2048
 

@@ -65,6 +65,11 @@ class Batch:
 
         return Batch(pin(self.input_ids), pin(self.targets), pin(self.doc_ids))
 
+    def unscored(self) -> "Batch":
+        """The same rows with nothing to predict: a stand-in that runs a forward and counts for
+        nothing (a rank whose held-out rows ran out, as its peers' still run)."""
+        return Batch(self.input_ids, torch.full_like(self.targets, IGNORE), self.doc_ids)
+
     def num_targets(self) -> torch.Tensor:
         """Positions that contribute to the loss (a tensor: no host sync)."""
         return (self.targets != IGNORE).sum()

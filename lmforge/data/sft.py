@@ -296,10 +296,14 @@ class SFTStream:
 
 
 def eval_batches(rows: PackedRows, micro_batch: int, rank: int, world_size: int, max_batches: int):
-    """Each held-out row once (rank r takes rows r, r+W, ...), at most max_batches per rank."""
+    """Each held-out row once (rank r takes rows r, r+W, ...), at most max_batches per rank. Every
+    rank yields as many batches (under FSDP each forward gathers weights with every rank): one
+    whose rows ran out yields a stand-in row with nothing scored."""
     mine = list(range(rank, len(rows), world_size))
-    for b in range(min(max_batches, -(-len(mine) // micro_batch))):
-        yield rows.batch(mine[b * micro_batch:(b + 1) * micro_batch])
+    per_rank = -(-len(rows) // world_size)
+    for b in range(min(max_batches, -(-per_rank // micro_batch))):
+        idx = mine[b * micro_batch:(b + 1) * micro_batch]
+        yield rows.batch(idx) if idx else rows.batch([0]).unscored()
 
 
 @dataclass

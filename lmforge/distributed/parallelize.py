@@ -298,8 +298,9 @@ class TrainingForward(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None):
-        return self.model.training_loss(input_ids, targets, doc_ids=doc_ids)
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                per_token: bool = False):
+        return self.model.training_loss(input_ids, targets, doc_ids=doc_ids, per_token=per_token)
 
 
 def _experts_grouped(model: nn.Module, precision: str, device: torch.device) -> bool:

@@ -21,11 +21,11 @@ import os
 import tempfile
 
 from lmforge.config.model import ModelConfig, padded_vocab
-from lmforge.config.schema import RunConfig
+from lmforge.config.schema import FINETUNE_TASKS, RunConfig
 from lmforge.data.remote import is_remote, local_path
 from lmforge.errors import UserError, environment_error
 
-SFT_TASKS = ("instruction_finetune", "chat_completion")
+SFT_TASKS = FINETUNE_TASKS  # [preference] the tasks that read JSONL rows (preference pairs too)
 STATE_BYTES_PER_PARAM = 16  # fp32 weights + fp32 gradients + AdamW m and v (fp32)
 DATASET_MARKER = "lmforge-dataset.json"  # = data.prepare.MARKER, imported (with numpy) only where a marker is read
 

@@ -1,4 +1,4 @@
-"""Fine-tuning on top of the one trainer: data and defaults for prompt/response and chat rows.
+"""Fine-tuning on top of the one trainer: data and defaults for prompt/response, chat and preference rows.
 
 `finetune_setup` is the fine-tuning counterpart of `train.setup.pretrain_setup`: it returns an
 `SFTData` (packed JSONL rows whose batches carry loss targets only on responses, and document
@@ -12,7 +12,10 @@ checkpoints, resume, trackers and final export. Defaults that differ from pretra
   plain one; the template used is the one exported with the final tokenizer;
 - generation at each evaluation: max_new_tokens 100, temperature 1, top_k 50, top_p 0.95;
 - `model` and `tokenizer` are taken from `custom_weights_path` when left out
-  (`train.locate.fill_from_weights`).
+  (`train.locate.fill_from_weights`);
+- preference pairs (`task_type: preference`, `data.preference`): the loss's β and reference
+  written into the config (`PreferenceOptions.resolved`), and a learning rate of one hundredth
+  of the pretraining default (one tenth with LoRA; `config.defaults.preference_lr_factor`).
 
 Continued pretraining (`task_type: continued_pretrain`, or `lmforge train` with
 `custom_weights_path`) keeps the pretraining data path and defaults — the size-based peak LR
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 from lmforge.config.model import padded_vocab
 from lmforge.config.schema import RunConfig, TokenizerSpec
+from lmforge.config.defaults import preference_lr_factor
 from lmforge.data.chat import load_chat_template
+from lmforge.data.preference import PREFERENCE_TASK, load_preference_data
 from lmforge.data.sft import ASSISTANT_HEADER, CHAT_TEMPLATE, SFTData, chat_prompt, load_rows
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.distributed.dist import DistInfo
@@ -57,13 +62,24 @@ def finetune_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     if seq_len > cfg.model.max_seq_len:  # as in pretraining: RoPE tables are derived, not stored
         cfg.model.max_seq_len = seq_len
+    log(f"chat template: {'the tokenizer’s own' if template else 'lmforge’s plain one (the tokenizer has none)'}")
+    chat_template = template.text if template else CHAT_TEMPLATE
+    if cfg.task_type == PREFERENCE_TASK:  # [preference glue → resolve()] pairs, β/reference defaults, LR factor
+        cfg = cfg.model_copy(update={"preference": cfg.preference.resolved(lora=cfg.lora is not None)})
+        data = load_preference_data([d.path for d in cfg.train_data], cfg.eval.data_path, tokenizer, seq_len,
+                                    packing=cfg.sft.packing, seed=cfg.parameters.seed, template=template,
+                                    chat_template=chat_template, log=log)
+        plan = make_plan(cfg, world_size=dist.world_size, device=dist.device, samples_per_epoch=len(data.rows),
+                         data_seq_len=seq_len)
+        if cfg.parameters.learning_rate is None:
+            plan.learning_rate = float(f"{plan.learning_rate * preference_lr_factor(cfg.lora is not None):.3g}")
+        return RunSetup(resolved_config(cfg, plan), plan, data, tokenizer)  # [/preference glue]
     rows = load_rows([d.path for d in cfg.train_data], tokenizer, seq_len, task=cfg.task_type,
                      packing=cfg.sft.packing, seed=cfg.parameters.seed, template=template)
     eval_rows = None
     if cfg.eval.data_path:
         eval_rows = load_rows([cfg.eval.data_path], tokenizer, seq_len, task=cfg.task_type,
                               packing=cfg.sft.packing, seed=cfg.parameters.seed, template=template)
-    log(f"chat template: {'the tokenizer’s own' if template else 'lmforge’s plain one (the tokenizer has none)'}")
     log(f"data: {rows.examples} examples in {len(rows)} rows of {seq_len} tokens"
         f"{' (packed)' if cfg.sft.packing else ''}"
         + (f"; {rows.truncated} cut at the context length" if rows.truncated else "")
@@ -72,5 +88,5 @@ def finetune_setup(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
                      data_seq_len=seq_len)
     if cfg.parameters.learning_rate is None and cfg.lora is None:  # LoRA keeps the pretraining default (~10×)
         plan.learning_rate = float(f"{plan.learning_rate * SFT_LR_FACTOR:.3g}")
-    data = SFTData(tokenizer.path, rows, eval_rows, chat_template=template.text if template else CHAT_TEMPLATE)
+    data = SFTData(tokenizer.path, rows, eval_rows, chat_template=chat_template)
     return RunSetup(resolved_config(cfg, plan), plan, data, tokenizer)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from lmforge.config.identity import with_default_names
 from lmforge.config.model import padded_vocab
-from lmforge.config.schema import RunConfig, TokenizerSpec
+from lmforge.config.schema import FINETUNE_TASKS, RunConfig, TokenizerSpec
 from lmforge.data.resolve import resolve_data
-from lmforge.data.sft import SFT_TASKS
 from lmforge.data.stream import StreamPhase, open_dataset
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.data.vocab_extension import grown_vocab
@@ -27,7 +26,7 @@ from lmforge.train.trainer import RunSetup
 
 def setup_run(cfg: RunConfig, dist: DistInfo, log=print) -> RunSetup:
     cfg = with_default_names(cfg)
-    if cfg.task_type in SFT_TASKS:
+    if cfg.task_type in FINETUNE_TASKS:  # SFT and preference rows
         if cfg.model == "auto":
             raise UserError("model: auto sizes a model to pretrain; fine-tuning takes the shape of "
                             "custom_weights_path (leave `model` out)")
