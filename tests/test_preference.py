@@ -377,14 +377,18 @@ def test_lora_uses_the_base_as_reference_and_exports(tmp_path, base):
 
 
 @pytest.mark.e2e
-def test_two_fsdp_ranks_equal_one(tmp_path, base, monkeypatch):
-    """Two gloo ranks with FSDP2 (the reference precomputed with the rows split over the ranks;
-    held-out rows that do not split evenly) follow the same steps, rewards and held-out metrics as
-    one process, to the same weights."""
+@pytest.mark.parametrize("reference", ["precomputed", "live"])
+def test_two_fsdp_ranks_equal_one(tmp_path, base, monkeypatch, reference):
+    """Two gloo ranks with FSDP2 follow the same steps, rewards and held-out metrics as one
+    process, to the same weights: full fine-tuning with the reference precomputed (the rows split
+    over the ranks; held-out rows that do not split evenly), and LoRA with the sharded base, its
+    adapters off, as the reference."""
     def config(name, **extra):
         # one pair per row, and 21 held-out rows: the ranks hold 11 and 10 of them (as many forwards each)
+        lora = {"lora": {"rank": 4, "dropout": 0.0}, "parameters.learning_rate": 1e-2} if reference == "live" else {}
         cfg = pref_config(tmp_path, base, name, training_duration="3ba", save_interval="3ba",
-                          **{"eval.interval": "3ba", "parameters.micro_batch_size": 2, "sft.packing": False}, **extra)
+                          **{"eval.interval": "3ba", "parameters.micro_batch_size": 2, "sft.packing": False},
+                          **lora, **extra)
         write_jsonl(tmp_path / "val.jsonl", digit_pairs()[1] + digit_pairs()[0][:1])
         return cfg
 

@@ -114,9 +114,9 @@ class Preference:
         return batch.num_pairs()
 
     def __call__(self, forward: Forward, batch: PreferenceBatch) -> MicroLoss:
+        ref = self._reference(batch)  # first: the policy's forward is then followed right by its backward
         out = forward(batch.input_ids, batch.targets, batch.doc_ids, per_token=True)
         logps, tokens = batch.answer_sums(out.token_logp), batch.answer_tokens().clamp(min=1.0)
-        ref = self._reference(batch)
         terms = pair_terms(self.loss, PairLogps(logps[..., 0], logps[..., 1], tokens[..., 0], tokens[..., 1],
                                                 *((ref[..., 0], ref[..., 1]) if ref is not None else ())),
                            beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma)
