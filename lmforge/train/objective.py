@@ -117,9 +117,9 @@ class Preference:
         ref = self._reference(batch)  # first: the policy's forward is then followed right by its backward
         out = forward(batch.input_ids, batch.targets, batch.doc_ids, per_token=True)
         logps, tokens = batch.answer_sums(out.token_logp), batch.answer_tokens().clamp(min=1.0)
-        terms = pair_terms(self.loss, PairLogps(logps[..., 0], logps[..., 1], tokens[..., 0], tokens[..., 1],
-                                                *((ref[..., 0], ref[..., 1]) if ref is not None else ())),
-                           beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma)
+        ref_chosen, ref_rejected = (None, None) if ref is None else (ref[..., 0], ref[..., 1])
+        pairs = PairLogps(logps[..., 0], logps[..., 1], tokens[..., 0], tokens[..., 1], ref_chosen, ref_rejected)
+        terms = pair_terms(self.loss, pairs, beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma)
         margin = terms.chosen_reward - terms.rejected_reward
         stats = {"rewards/chosen": terms.chosen_reward, "rewards/rejected": terms.rejected_reward,
                  # a tie counts half: at step 0 (policy = reference) accuracy is 0.5, chance
