@@ -145,7 +145,7 @@ def test_answer_sums_and_step_zero(tmp_path, tok):
     """Per-answer sums come from the packed rows; with the policy equal to the reference (step 0)
     the DPO loss is ln 2, every reward 0 and the accuracy 0.5 (a tie counts half)."""
     from lmforge.data.preference import PreferenceData
-    from lmforge.train.objective import Preference
+    from lmforge.train.objective import Preference, model_forward
     from lmforge.train.reference import REFERENCE_FILE, attach_reference
 
     torch.manual_seed(0)
@@ -155,8 +155,6 @@ def test_answer_sums_and_step_zero(tmp_path, tok):
                             _nullcontext, weights="init-0", resuming=False, log=lambda *_: None)
     assert (tmp_path / REFERENCE_FILE).is_file() and not (tmp_path / ".reference").exists()
     objective = Preference(_run_config(), model)
-    from lmforge.train.objective import model_forward
-
     batch = data.rows.batch(list(range(len(data.rows))))
     out = objective(model_forward(model), batch)
     pairs = float(objective.units(batch))
@@ -164,6 +162,44 @@ def test_answer_sums_and_step_zero(tmp_path, tok):
     assert out.loss_sum.item() / pairs == pytest.approx(math.log(2), abs=1e-6)
     assert out.stats["rewards/chosen"].abs().item() < 1e-6 and out.stats["rewards/rejected"].abs().item() < 1e-6
     assert out.stats["rewards/accuracy"].item() / pairs == 0.5
+
+
+@pytest.mark.integration
+def test_an_interrupted_precomputation_continues(tmp_path, tok, monkeypatch):
+    """Chunks finished before an interruption are read back, not computed again, and the result
+    is the uninterrupted one's."""
+    from lmforge.data.preference import PreferenceData
+    from lmforge.train import reference
+    from lmforge.train.reference import attach_reference
+
+    torch.manual_seed(0)
+    model = build_model(SMALL)
+    train, _ = digit_pairs()
+    rows = load_pairs([str(write_jsonl(tmp_path / "p.jsonl", train[:24]))], tok, 64, packing=False, seed=0)
+    data = PreferenceData(tok.path, rows, None)
+
+    def attach(folder, log=lambda *_: None):
+        return attach_reference(model, data, _layout(2), str(folder), ONE_RANK, _nullcontext, weights="w",
+                                resuming=False, log=log, chunk_rows=8)
+
+    whole = attach(tmp_path / "whole").rows.ref_logps
+    real_chunk, calls = reference._chunk, []
+
+    def interrupted(*args):
+        calls.append(args[2])
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the process stops in the third chunk
+        return real_chunk(*args)
+
+    monkeypatch.setattr(reference, "_chunk", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        attach(tmp_path / "run")
+    assert len(list((tmp_path / "run" / ".reference").iterdir())) == 2
+    monkeypatch.setattr(reference, "_chunk", real_chunk)
+    log: list[str] = []
+    again = attach(tmp_path / "run", log.append).rows.ref_logps
+    assert any("2 chunk(s) of the train rows read back" in line for line in log), log
+    assert torch.equal(again, whole) and whole.shape == (24, 1, 2)
 
 
 def _layout(micro_batch: int):
