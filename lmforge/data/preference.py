@@ -32,7 +32,7 @@ from functools import partial
 import torch
 
 from lmforge.data.batch import IGNORE, Batch, EvalSet, StreamLayout
-from lmforge.data.sft import SFTStream, _open_lines, _segments, eval_batches, tokenize_example
+from lmforge.data.sft import SFTStream, eval_batches, open_lines, row_segments, tokenize_example
 from lmforge.errors import UserError
 
 PREFERENCE_TASK = "preference"
@@ -72,7 +72,7 @@ def _answer(template, prompt: list[dict], answer: list[dict], key: str, where: s
     """Segments of ``prompt + answer`` with only the answer's assistant turns trained on."""
     if not any(m.get("role") == "assistant" for m in answer):
         raise UserError(f"{where}: field {key!r} has no assistant message to score")
-    segments = _segments({"messages": prompt + answer}, where, "chat_completion", template)
+    segments = row_segments({"messages": prompt + answer}, where, "chat_completion", template)
     context_turns = sum(m.get("role") == "assistant" for m in prompt)  # assistant turns inside the prompt
     out, seen = [], 0
     for text, trained in segments:
@@ -115,7 +115,7 @@ def read_pairs(paths: list[str], template=None) -> list[tuple[list, list, str]]:
     row stops with its file:line. ``template``: the tokenizer's own chat template, or None."""
     pairs = []
     for path in paths:
-        for name, i, line in _open_lines(path):
+        for name, i, line in open_lines(path, ROW_FIELDS + " rows"):
             if not line.strip():
                 continue
             where = f"{name}:{i}"
