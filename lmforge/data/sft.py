@@ -31,7 +31,6 @@ from lmforge.data.batch import Batch, EvalSet, StreamLayout
 from lmforge.errors import UserError
 
 ROLES = ("system", "user", "assistant")
-SFT_TASKS = ("instruction_finetune", "chat_completion")
 
 # The chat template. Keep `render_chat` and this Jinja text in step (a test checks they agree).
 ASSISTANT_HEADER = "### Assistant:\n"

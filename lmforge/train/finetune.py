@@ -24,9 +24,9 @@ re-warmed, with a fresh optimizer and schedule.
 
 from __future__ import annotations
 
+from lmforge.config.defaults import preference_lr_factor
 from lmforge.config.model import padded_vocab
 from lmforge.config.schema import RunConfig, TokenizerSpec
-from lmforge.config.defaults import preference_lr_factor
 from lmforge.data.chat import load_chat_template
 from lmforge.data.preference import PREFERENCE_TASK, load_preference_data
 from lmforge.data.sft import ASSISTANT_HEADER, CHAT_TEMPLATE, SFTData, chat_prompt, load_rows
