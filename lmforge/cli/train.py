@@ -40,10 +40,12 @@ def register(sub) -> None:
     add_run_arguments(p)
     p.epilog = render_text()
     p.set_defaults(func=run)
-    p = add_command(sub, "finetune", "fine-tune a model on prompt/response or chat JSONL (SFT)",
+    p = add_command(sub, "finetune", "fine-tune a model on prompt/response or chat JSONL (SFT), or on "
+                    "preference pairs (DPO, IPO, SimPO, ORPO)",
                     description="Fine-tune from a run config with task_type instruction_finetune (default), "
-                    "chat_completion or continued_pretrain. `model` and `tokenizer` default to those of "
-                    "custom_weights_path. Re-running the same command resumes (autoresume).")
+                    "chat_completion, preference (prompt/chosen/rejected rows; preference.loss) or "
+                    "continued_pretrain. `model` and `tokenizer` default to those of custom_weights_path. "
+                    "Re-running the same command resumes (autoresume).")
     add_run_arguments(p)
     p.set_defaults(func=run)
 

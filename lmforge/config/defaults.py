@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 
-from lmforge.config.schema import SFT_TASKS
 
 # (non-embedding params, peak LR)
 LR_ANCHORS = [(5e6, 2e-3), (30e6, 1e-3), (125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4),
@@ -25,15 +24,23 @@ LR_ANCHORS = [(5e6, 2e-3), (30e6, 1e-3), (125e6, 6e-4), (350e6, 3e-4), (760e6, 2
 BATCH_TOKENS = [(30e6, 8192), (200e6, 524288), (2e9, 1048576), (20e9, 2097152), (math.inf, 4194304)]
 
 
-# Fine-tuning all weights: one tenth of the size-based pretraining LR (e.g. 1.2e-5 for 7B), the usual
-# SFT range. LoRA keeps the pretraining default itself: adapters take ~10× the full fine-tuning rate.
-SFT_LR_FACTOR = 0.1
+# Fine-tuning's learning rate, as a share of the size-based pretraining default:
+# - SFT, all weights: one tenth (e.g. 1.2e-5 for 7B), the usual SFT range;
+# - preference tuning: one hundredth (7B: 1.2e-6; TRL's DPO default is 1e-6, Zephyr's and Tulu 3's
+#   DPO 5e-7).
+# LoRA takes ten times that (adapters take ~10× the full fine-tuning rate): SFT with LoRA keeps the
+# pretraining default itself.
+TASK_LR_FACTOR = {"instruction_finetune": 0.1, "chat_completion": 0.1, "preference": 0.01}
+LORA_LR_MULTIPLIER = 10
 
 
 def task_learning_rate(non_embedding_params: float, task_type: str, lora: bool) -> float:
-    """The default peak LR of a run of this task (see SFT_LR_FACTOR)."""
+    """The default peak LR of a run of this task (see TASK_LR_FACTOR)."""
     lr = default_learning_rate(non_embedding_params)
-    return float(f"{lr * SFT_LR_FACTOR:.3g}") if task_type in SFT_TASKS and not lora else lr
+    factor = TASK_LR_FACTOR.get(task_type)
+    if factor is None:  # pretraining and continued pretraining
+        return lr
+    return float(f"{lr * min(1.0, factor * (LORA_LR_MULTIPLIER if lora else 1)):.3g}")
 
 
 def default_learning_rate(non_embedding_params: float) -> float:

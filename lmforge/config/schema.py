@@ -294,15 +294,64 @@ class LoRAConfig(_Strict):
         return list(dict.fromkeys(v))
 
 
-# The task types whose train_data and eval.data_path are JSONL rows (prompt/response or chat
-# messages) trained on with `lmforge finetune`; the others read raw text or prepared datasets.
-SFT_TASKS = ("instruction_finetune", "chat_completion")
-
-
 class SFTOptions(_Strict):
     """Supervised fine-tuning data handling (task_type instruction_finetune / chat_completion)."""
     packing: bool = Field(True, description="pack several examples per row (attention kept within each); "
                           "false: one example per row, padded")
+
+
+# Task types `lmforge finetune` runs on JSONL rows (the others pretrain on text or prepared data).
+FINETUNE_TASKS = ("instruction_finetune", "chat_completion", "preference")
+
+# [preference] preference tuning after SFT (lmforge/data/preference.py, lmforge/models/preference_loss.py)
+PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")  # losses without a reference model
+# β by loss: DPO and IPO 0.1 (the DPO paper's and TRL's; IPO's τ), SimPO 2.0 with a margin γ of 1.0
+# (the SimPO paper's β 2–2.5 with γ/β ≈ 0.5), ORPO's λ 0.1 (the ORPO paper's, for Llama 2 and Phi-2).
+PREFERENCE_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
+SIMPO_GAMMA = 1.0
+
+
+class PreferenceOptions(_Strict):
+    """Preference tuning (task_type preference): which loss, its strength and its reference model."""
+    loss: Literal["dpo", "ipo", "simpo", "orpo"] = Field(
+        "dpo", description="dpo (Rafailov et al. 2023), ipo (Azar et al. 2023, on per-token mean log-ratios), "
+        "simpo (Meng et al. 2024: reference-free, length-normalized, with a margin), orpo (Hong et al. 2024: "
+        "reference-free, the chosen answer's NLL plus an odds-ratio term)")
+    beta: float | None = Field(
+        None, gt=0, description="dpo: β, the strength of the pull toward the reference (0.1); ipo: τ (0.1); "
+        "simpo: β (2.0); orpo: λ, the weight of the odds-ratio term (0.1)")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="dpo: the probability that a pair's label is flipped (conservative DPO); "
+        "0 = plain DPO")
+    gamma: float | None = Field(None, ge=0, description="simpo: the target reward margin γ (1.0)")
+    reference: Literal["precomputed", "live"] | None = Field(
+        None, description="dpo/ipo: the reference model's log-probs: precomputed (once, before the first step, "
+        "from the starting weights; stored in save_folder as reference-logps.safetensors) or live (the base "
+        "with its LoRA adapters off, at every step; needs lora:); default: live with lora:, else precomputed. "
+        "simpo/orpo have no reference")
+
+    @model_validator(mode="after")
+    def _fits_loss(self):
+        if self.loss in REFERENCE_FREE and self.reference is not None:
+            raise ValueError(f"reference: {self.loss} is reference-free; leave preference.reference out "
+                             "(or use loss dpo or ipo)")
+        if self.label_smoothing and self.loss != "dpo":
+            raise ValueError(f"label_smoothing: applies to loss dpo only, not {self.loss}")
+        if self.gamma is not None and self.loss != "simpo":
+            raise ValueError(f"gamma: applies to loss simpo only, not {self.loss}")
+        return self
+
+    def resolved(self, lora: bool) -> "PreferenceOptions":
+        """Every default written in: β by loss, SimPO's γ, and the reference of DPO/IPO — with LoRA
+        the base with its adapters off (no precomputation, nothing stored), else precomputed."""
+        update = {"beta": PREFERENCE_BETA[self.loss] if self.beta is None else self.beta}
+        if self.loss == "simpo":
+            update["gamma"] = SIMPO_GAMMA if self.gamma is None else self.gamma
+        if self.loss not in REFERENCE_FREE:
+            update["reference"] = self.reference or ("live" if lora else "precomputed")
+        return self.model_copy(update=update)
+# [/preference]
 
 
 class RunConfig(_Strict):
@@ -329,10 +378,15 @@ class RunConfig(_Strict):
     custom_weights_path: str | None = Field(
         None, description="weights to start from: a run folder, its final/, a checkpoints/step_N folder or a "
         "Hugging Face folder (hf:/path); fresh optimizer and schedule")
-    task_type: Literal["pretrain", "continued_pretrain", "instruction_finetune", "chat_completion"] = Field(
+    task_type: Literal["pretrain", "continued_pretrain", "instruction_finetune", "chat_completion",
+                       "preference"] = Field(
         "pretrain", description="instruction_finetune / chat_completion: train_data and eval.data_path are "
-        "JSONL prompt/response or messages rows, loss on responses only (lmforge finetune)")
-    sft: SFTOptions = Field(default_factory=SFTOptions, description="fine-tuning data options")
+        "JSONL prompt/response or messages rows, loss on responses only; preference: JSONL prompt/chosen/rejected "
+        "rows, DPO and its kin (lmforge finetune)")
+    sft: SFTOptions = Field(default_factory=SFTOptions, description="fine-tuning data options (sft.packing: "
+                            "preference pairs too)")
+    preference: PreferenceOptions = Field(default_factory=PreferenceOptions,
+                                          description="task_type preference: the loss and its reference")
     lora: LoRAConfig | None = Field(
         None, description="train low-rank adapters on the frozen custom_weights_path model instead of all weights "
         "({rank, alpha, dropout, targets}); the final model is merged, final/adapter is a PEFT adapter")
@@ -418,6 +472,12 @@ class RunConfig(_Strict):
                              "layers have no dense MLP projections; target q_proj, k_proj, v_proj, o_proj)")
         if self.lora is not None and isinstance(self.tokenizer, TokenizerSpec) and self.tokenizer.extend:
             raise ValueError("lora: cannot be combined with tokenizer.extend (new embedding rows must be trained)")
+        if self.preference != PreferenceOptions() and self.task_type != "preference":
+            raise ValueError(f"preference: applies to task_type preference (this run's is {self.task_type})")
+        if self.preference.reference == "live" and self.lora is None:
+            raise ValueError("preference.reference: live is the base with its LoRA adapters off and needs lora:; "
+                             "full fine-tuning uses reference: precomputed (the same log-probs, without a second "
+                             "copy of the model)")
         if isinstance(self.tokenizer, TokenizerSpec) and self.tokenizer.extend and not self.custom_weights_path:
             raise ValueError("tokenizer.extend: needs custom_weights_path (the model whose vocabulary is extended)")
         for i, entry in enumerate(self.train_data):

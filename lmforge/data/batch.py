@@ -76,6 +76,11 @@ class Batch:
 
         return Batch(pin(self.input_ids), pin(self.targets), pin(self.doc_ids))
 
+    def unscored(self) -> "Batch":
+        """The same rows with nothing to predict: a stand-in that runs a forward and counts for
+        nothing (a rank whose held-out rows ran out, as its peers' still run)."""
+        return Batch(self.input_ids, torch.full_like(self.targets, IGNORE), self.doc_ids)
+
     def num_targets(self) -> torch.Tensor:
         """Positions that contribute to the loss (a tensor: no host sync)."""
         return (self.targets != IGNORE).sum()
@@ -139,9 +144,10 @@ class EvalSet:
 class TrainingData(Protocol):
     """Training data as the trainer sees it, whatever it came from.
 
-    ``kind`` is ``"pretrain"`` (packed token streams, `data.resolve.ResolvedData`) or ``"sft"``
-    (prompt/response rows, `data.sft.SFTData`): the trainer branches on this declared kind, never
-    on what attributes an object happens to have.
+    ``kind`` is ``"pretrain"`` (packed token streams, `data.resolve.ResolvedData`), ``"sft"``
+    (prompt/response rows, `data.sft.SFTData`) or ``"preference"`` (pairs,
+    `data.preference.PreferenceData`): the trainer picks its objective by this declared kind
+    (`train.objective`), never by what attributes an object happens to have.
     """
 
     kind: str

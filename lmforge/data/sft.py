@@ -63,37 +63,43 @@ def chat_prompt(user_text: str) -> str:
 
 # --------------------------------------------------------------------------- reading rows
 
-TASK_DATA = ("instruction_finetune / chat_completion read JSONL files of prompt/response or messages rows "
-             "(`lmforge train` pretrains on raw text or prepared data)")
+SFT_ROWS = "prompt/response or messages rows"
 
 
-def _open_lines(path: str):
+def task_data(rows: str) -> str:
+    return (f"fine-tuning reads JSONL files of {rows} "
+            "(`lmforge train` pretrains on raw text or prepared data)")
+
+
+def open_lines(path: str, rows: str = SFT_ROWS):
+    """(file, line number, line) of every line of the JSONL file(s) at ``path``; ``rows``: what
+    a row holds, for the error lines."""
     import fsspec
 
     if os.path.isdir(path):
         prepared = " (a prepared pretraining dataset: fine-tune on it with task_type continued_pretrain)" \
             if os.path.exists(os.path.join(path, DATASET_MARKER)) else ""
-        raise UserError(f"{path} is a folder{prepared}; {TASK_DATA}")
+        raise UserError(f"{path} is a folder{prepared}; {task_data(rows)}")
     try:
         files = fsspec.open_files(path, "rt", compression="infer", encoding="utf-8")
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: cannot open ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     if not files:
-        raise UserError(f"{path}: no such file (expected JSONL with prompt/response or messages rows)")
+        raise UserError(f"{path}: no such file (expected JSONL with {rows})")
     for f in files:
         try:
             with f as fh:
                 for i, line in enumerate(fh, 1):
                     yield f.path, i, line
         except FileNotFoundError:
-            raise UserError(f"{path}: no such file (expected JSONL with prompt/response or messages rows)") from None
+            raise UserError(f"{path}: no such file (expected JSONL with {rows})") from None
         except UnicodeDecodeError:
-            raise UserError(f"{f.path}: not UTF-8 text; {TASK_DATA}") from None
+            raise UserError(f"{f.path}: not UTF-8 text; {task_data(rows)}") from None
         except (IsADirectoryError, NotADirectoryError) as e:
-            raise UserError(f"{f.path}: {e.strerror}; {TASK_DATA}") from None
+            raise UserError(f"{f.path}: {e.strerror}; {task_data(rows)}") from None
 
 
-def _segments(row, where: str, task: str, template=None) -> list[tuple[str, bool]]:
+def row_segments(row, where: str, task: str, template=None) -> list[tuple[str, bool]]:
     """Validate one row and turn it into (text, trained) segments (`Rendered` ones with a
     tokenizer's chat template)."""
     if not isinstance(row, dict):
@@ -134,7 +140,7 @@ def read_examples(paths: list[str], task: str, template=None) -> list[list[tuple
     `template`: the tokenizer's own chat template (`lmforge.data.chat`), or None for ours."""
     examples = []
     for path in paths:
-        for name, i, line in _open_lines(path):
+        for name, i, line in open_lines(path):
             if not line.strip():
                 continue
             where = f"{name}:{i}"
@@ -142,7 +148,7 @@ def read_examples(paths: list[str], task: str, template=None) -> list[list[tuple
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{where}: not valid JSON ({e.msg})") from None
-            examples.append(_segments(row, where, task, template))
+            examples.append(row_segments(row, where, task, template))
     if not examples:
         raise UserError(f"{', '.join(paths)}: no examples (expected JSONL rows with prompt/response or messages)")
     return examples
@@ -296,10 +302,14 @@ class SFTStream:
 
 
 def eval_batches(rows: PackedRows, micro_batch: int, rank: int, world_size: int, max_batches: int):
-    """Each held-out row once (rank r takes rows r, r+W, ...), at most max_batches per rank."""
+    """Each held-out row once (rank r takes rows r, r+W, ...), at most max_batches per rank. Every
+    rank yields as many batches (under FSDP each forward gathers weights with every rank): one
+    whose rows ran out yields a stand-in row with nothing scored."""
     mine = list(range(rank, len(rows), world_size))
-    for b in range(min(max_batches, -(-len(mine) // micro_batch))):
-        yield rows.batch(mine[b * micro_batch:(b + 1) * micro_batch])
+    per_rank = -(-len(rows) // world_size)
+    for b in range(min(max_batches, -(-per_rank // micro_batch))):
+        idx = mine[b * micro_batch:(b + 1) * micro_batch]
+        yield rows.batch(idx) if idx else rows.batch([0]).unscored()
 
 
 @dataclass

@@ -307,8 +307,8 @@ class TrainingForward(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None):
-        return self.model.training_loss(input_ids, targets, doc_ids=doc_ids, positions=positions)
+                positions: torch.Tensor | None = None, per_token: bool = False):
+        return self.model.training_loss(input_ids, targets, doc_ids=doc_ids, positions=positions, per_token=per_token)
 
 
 def _experts_grouped(model: nn.Module, precision: str, device: torch.device) -> bool:

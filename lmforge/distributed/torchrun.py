@@ -89,11 +89,11 @@ def check_world(cfg, nproc: int) -> None:
     check_mesh(cfg.compute, nproc * cfg.compute.nodes, nproc, n_experts=n_experts)
     c = cfg.compute
     if cfg.model != "auto" and cfg.parameters.context_length:  # (else the trainer checks the resolved length)
-        from lmforge.config.schema import SFT_TASKS
+        from lmforge.config.schema import FINETUNE_TASKS
         from lmforge.estimate.context import check_context_parallel
 
         check_context_parallel(c.context_parallel, cfg.parameters.context_length, cfg.model,
-                               packed_rows=cfg.parameters.document_masking or cfg.task_type in SFT_TASKS,
+                               packed_rows=cfg.parameters.document_masking or cfg.task_type in FINETUNE_TASKS,
                                device_type=resolve_device_kind(c.device))
     if c.nodes > 1:
         if not c.rdzv_endpoint:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -55,11 +56,15 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=w.dtype))
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True  # False: the base projection alone (`adapters_off`)
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        if not self.enabled:
+            return base
         update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
-        return F.linear(x, self.weight, self.bias) + self.scale * update
+        return base + self.scale * update
 
     def merged_weight(self) -> torch.Tensor:
         return self.weight + self.scale * (self.lora_B @ self.lora_A).to(self.weight.dtype)
@@ -110,6 +115,21 @@ def lora_modules(model: nn.Module):
             module = getattr(block.get_submodule(parent_path), attr, None)
             if isinstance(module, LoRALinear):
                 yield i, name, block.get_submodule(parent_path), attr, module
+
+
+@contextmanager
+def adapters_off(model: nn.Module):
+    """Run ``model`` as its frozen base inside the block: the reference model of preference
+    tuning without a second copy of the weights. A plain flag on each adapted projection, so it
+    works the same inside FSDP-sharded blocks (compiled blocks specialize on it: two graphs)."""
+    modules = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in modules:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in modules:
+            m.enabled = True
 
 
 @torch.no_grad()
@@ -198,5 +218,5 @@ def save_final(model: nn.Module, cfg, final_dir: str, tokenizer_dir: str | None)
     return final_dir
 
 
-__all__ = ["LORA_TARGETS", "LoRALinear", "adapter_tensors", "apply_lora", "merge_lora", "merged_state_dict",
-           "save_final", "trainable_counts", "write_peft_adapter"]
+__all__ = ["LORA_TARGETS", "LoRALinear", "adapter_tensors", "adapters_off", "apply_lora", "merge_lora",
+           "merged_state_dict", "save_final", "trainable_counts", "write_peft_adapter"]

@@ -43,6 +43,9 @@ class LossOutput:
     ce_sum: torch.Tensor  # summed next-token cross-entropy (fp32, nats) over the non-ignored targets
     aux_loss: torch.Tensor | None = None  # MoE load-balancing + z losses, weighted; None for dense models
     moe: dict[str, torch.Tensor] = field(default_factory=dict)  # detached MoE statistics for logging
+    # With ``per_token``: each target's log-probability [B, T] (fp32, 0 where IGNORE), for losses
+    # over whole sequences (preference tuning); ce_sum is then minus its sum.
+    token_logp: torch.Tensor | None = None
 
 
 def next_token_loss(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
@@ -127,6 +130,74 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         dh = None if grad_h is None else (grad_h * grad_out).to(ctx.h_dtype)
         dw = None if grad_w is None else (grad_w * grad_out).to(ctx.w_dtype)
+        return dh, dw, None, None, None, None
+
+
+def token_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
+                   softcap: float | None = None) -> torch.Tensor:
+    """Per-position log-probability (fp32) of ``targets`` under ``hidden @ head_weight.T``: [B, T],
+    0 where the target is IGNORE. What preference losses need (a sum per sequence, not per batch).
+
+    Chunked like `next_token_loss`, but a per-token output's gradient depends on the weight each
+    token gets downstream, so it cannot be computed in the forward pass: the backward pass
+    recomputes each chunk's logits instead (one more head matmul per chunk; no logits are kept).
+    """
+    B, T = targets.shape
+    h, t = hidden.flatten(0, 1), targets.flatten()
+    dtype = compute_dtype(h, head_weight)
+    rows = max(1, CHUNK_ELEMENTS // head_weight.shape[0])
+    return _ChunkedTokenLogprobs.apply(h, head_weight, t, rows, dtype, softcap).view(B, T)
+
+
+def _chunk_logprobs(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor, softcap: float | None):
+    """(log-softmax [rows, V], the soft-cap's tanh or None, valid [rows], safe targets [rows, 1]) of one chunk."""
+    valid = tc != IGNORE
+    safe = torch.where(valid, tc, 0)[:, None]
+    logits = (hc @ w.T).float()
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(logits.div_(softcap))
+        logits = tanh * softcap
+    return torch.log_softmax(logits, dim=-1), tanh, valid, safe
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """`token_logprobs`: logits a chunk at a time in forward, recomputed a chunk at a time in backward."""
+
+    @staticmethod
+    def forward(ctx, h, w, t, rows: int, dtype: torch.dtype, softcap: float | None):
+        hc_all, wc = h.to(dtype), w.to(dtype)
+        out = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+        for start in range(0, h.shape[0], rows):
+            logp, _, valid, safe = _chunk_logprobs(hc_all[start:start + rows], wc, t[start:start + rows], softcap)
+            out[start:start + rows] = torch.where(valid, logp.gather(1, safe).squeeze(1), 0.0)
+        ctx.save_for_backward(h, w, t)
+        ctx.rows, ctx.dtype, ctx.softcap = rows, dtype, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, w, t = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        hc_all, wc = h.to(ctx.dtype), w.to(ctx.dtype)
+        grad_h = torch.empty_like(hc_all) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        for start in range(0, h.shape[0], ctx.rows):
+            hc, tc = hc_all[start:start + ctx.rows], t[start:start + ctx.rows]
+            logp, tanh, valid, safe = _chunk_logprobs(hc, wc, tc, ctx.softcap)
+            # d logp[target] / d logits = one_hot − softmax, times the incoming gradient of the token
+            # (zero for an ignored one); through the cap, times 1 − tanh².
+            g_tok = torch.where(valid, grad_out[start:start + ctx.rows].float(), 0.0)[:, None]
+            g = logp.exp_().mul_(-g_tok).scatter_add_(1, safe, g_tok)
+            if tanh is not None:
+                g.mul_(1 - tanh.square_())
+            g = g.to(wc.dtype)
+            if grad_h is not None:
+                grad_h[start:start + ctx.rows] = g @ wc
+            if grad_w is not None:
+                grad_w += (g.T @ hc).float()
+        dh = None if grad_h is None else grad_h.to(h.dtype)
+        dw = None if grad_w is None else grad_w.to(w.dtype)
         return dh, dw, None, None, None, None
 
 

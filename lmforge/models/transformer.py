@@ -52,7 +52,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.models.loss import LossOutput, next_token_loss
+from lmforge.models.loss import LossOutput, next_token_loss, token_logprobs
 from lmforge.models.rope import rope_tables
 from lmforge.models.sharded_attention import SequenceGroup, ShardedMask, ShardKeys
 
@@ -316,17 +316,24 @@ class Transformer(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def training_loss(self, input_ids: torch.Tensor, targets: torch.Tensor, *,
-                      doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> LossOutput:
+                      doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                      per_token: bool = False) -> LossOutput:
         """The training forward: summed next-token loss against shifted ``targets`` (see
         `data.batch.Batch`), plus the MoE auxiliary loss and routing statistics. ``positions``
         [T] (context parallelism): the tokens are this rank's part of longer rows, at these
-        global positions; the loss is then this part's."""
+        global positions; the loss is then this part's. ``per_token``: also each target's
+        log-probability (`LossOutput.token_logp`, for preference losses)."""
         h, stats = self._hidden(input_ids, doc_ids, positions)
-        ce = self.head_loss(h, targets)
+        token_logp = None
+        if per_token:
+            token_logp = token_logprobs(self.norm(h), self.output_weight, targets, softcap=self.cfg.logit_softcap)
+            ce = -token_logp.sum()
+        else:
+            ce = self.head_loss(h, targets)
         if not stats:
-            return LossOutput(ce)
+            return LossOutput(ce, token_logp=token_logp)
         aux = _reduce_aux(stats, self.cfg)
-        return LossOutput(ce, aux.pop("aux_loss"), aux)
+        return LossOutput(ce, aux.pop("aux_loss"), aux, token_logp=token_logp)
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output head and summed cross-entropy of the last hidden states: one unit

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, auto_precision, default_batch_tokens,
                                      micro_batch_for, task_learning_rate)
 from lmforge.config.durations import Duration, parse_duration
-from lmforge.config.schema import SFT_TASKS, RunConfig, phase_end
+from lmforge.config.schema import FINETUNE_TASKS, RunConfig, phase_end
 from lmforge.data.pieces import training_context
 from lmforge.errors import UserError
 from lmforge.estimate.context import check_context_parallel, context_fit_error
@@ -158,7 +158,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     ctx = training_context(p.context_length, cfg.model.max_seq_len, data_seq_len)
     check_context(ctx, data_seq_len)
     check_context_parallel(cfg.compute.context_parallel, ctx, cfg.model, device_type=machine.device,
-                           packed_rows=p.document_masking or cfg.task_type in SFT_TASKS)
+                           packed_rows=p.document_masking or cfg.task_type in FINETUNE_TASKS)
     precision = plan_precision(cfg, machine)
     fpt = mfu_flops_per_token(cfg.model, ctx, cfg.lora)
     gbs = _global_batch(cfg, ctx, machine, precision, samples_per_epoch, fpt)

@@ -9,10 +9,11 @@ import os
 from dataclasses import replace
 
 from lmforge.config.model import padded_vocab
-from lmforge.config.schema import SFT_TASKS, RunConfig, TokenizerSpec
+from lmforge.config.schema import FINETUNE_TASKS, RunConfig, TokenizerSpec
 from lmforge.data.chat import load_chat_template
 from lmforge.data.pieces import training_context
 from lmforge.data.resolve import ResolvedData, resolve_data
+from lmforge.data.preference import PREFERENCE_TASK, PreferenceData, load_preference_data
 from lmforge.data.sft import ASSISTANT_HEADER, CHAT_TEMPLATE, SFTData, chat_prompt, load_rows
 from lmforge.data.stream import StreamPhase, open_dataset
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
@@ -29,7 +30,7 @@ SFT_SAMPLING = {"max_new_tokens": 100, "temperature": 1.0, "top_k": 50, "top_p":
 
 def resolve_run(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRun:
     """Steps 2–6 of `resolve` for a named config."""
-    if cfg.task_type in SFT_TASKS:
+    if cfg.task_type in FINETUNE_TASKS:
         return _finetune(cfg, machine, until, log)
     return _pretrain(cfg, machine, until, log)
 
@@ -113,7 +114,7 @@ def _with_context(cfg: RunConfig, log) -> RunConfig:
     ctx = cfg.parameters.context_length
     if not ctx or ctx <= cfg.model.max_seq_len:
         return cfg
-    if cfg.task_type not in SFT_TASKS:
+    if cfg.task_type not in FINETUNE_TASKS:
         log(f"warning: parameters.context_length {ctx} is longer than model.max_seq_len {cfg.model.max_seq_len}; "
             f"the model is built for {ctx} tokens")
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"max_seq_len": ctx})})
@@ -144,11 +145,12 @@ def _stream_phases(cfg: RunConfig, plan: TrainPlan) -> list[StreamPhase]:
 # --------------------------------------------------------------------------- fine-tuning
 
 def _finetune(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRun:
-    """Fine-tuning on prompt/response or chat rows: tokenizer, defaults, packed rows and plan.
+    """Fine-tuning on prompt/response, chat or preference rows: tokenizer, defaults, packed rows, plan.
 
     Defaults that differ from pretraining: the learning rate (`config.defaults.task_learning_rate`),
     the chat template (the tokenizer's own, else lmforge's plain one: the one exported with the
-    final tokenizer) and the sampling of evaluations (SFT_SAMPLING)."""
+    final tokenizer), the sampling of evaluations (SFT_SAMPLING) and, for preference pairs, the
+    loss's β and reference (`PreferenceOptions.resolved`)."""
     if cfg.model == "auto":
         raise UserError("model: auto sizes a model to pretrain; fine-tuning takes the shape of "
                         "custom_weights_path (leave `model` out)")
@@ -156,32 +158,54 @@ def _finetune(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
         what = "a tokenizer to train or extend" if isinstance(cfg.tokenizer, TokenizerSpec) else "none"
         raise UserError(f"tokenizer: fine-tuning needs the base model's tokenizer folder (got {what}); "
                         "set tokenizer: PATH, or custom_weights_path to a model folder that holds one")
+    if cfg.task_type == PREFERENCE_TASK and cfg.compute.context_parallel > 1:
+        raise UserError("compute.context_parallel: preference pairs are scored whole on one rank; expected "
+                        "context_parallel 1 for task_type preference")
     tokenizer = load_tokenizer(cfg.tokenizer)
     check_tokenizer_fits(tokenizer, cfg.model, "tokenizer")
     cfg = _with_vocab(cfg, tokenizer.vocab_size)
     template = load_chat_template(tokenizer.path)  # the tokenizer's own, else None → ours
-    cfg = _with_context(cfg.model_copy(update={"eval": _sft_eval(cfg, template, tokenizer)}), log)
+    cfg = _with_context(cfg.model_copy(update={"eval": _sft_eval(cfg, template, tokenizer),
+                                               "preference": _preference(cfg)}), log)
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     if until == "plan":
         plan = make_plan(cfg, machine, samples_per_epoch=None, data_seq_len=seq_len)
         return ResolvedRun(resolved_config(cfg, plan), plan, tokenizer=tokenizer)
+    log(f"chat template: {'the tokenizer’s own' if template else 'lmforge’s plain one (the tokenizer has none)'}")
+    data = _rows(cfg, tokenizer, template, seq_len, log)
+    plan = machine.probe.on_main(lambda: make_plan(cfg, machine, samples_per_epoch=len(data.rows),
+                                                   data_seq_len=seq_len))
+    if plan.micro_batch_reason:
+        log(plan.micro_batch_reason)
+    return ResolvedRun(resolved_config(cfg, plan), plan, data, tokenizer)
+
+
+def _preference(cfg: RunConfig):
+    """The preference settings with every default written in (β by loss, the reference)."""
+    if cfg.task_type != PREFERENCE_TASK:
+        return cfg.preference
+    return cfg.preference.resolved(lora=cfg.lora is not None)
+
+
+def _rows(cfg: RunConfig, tokenizer: Tokenizer, template, seq_len: int, log) -> SFTData | PreferenceData:
+    """The run's rows, packed at the context: prompt/response or chat examples, or preference pairs."""
+    chat_template = template.text if template else CHAT_TEMPLATE
+    paths = [d.path for d in cfg.train_data]
+    if cfg.task_type == PREFERENCE_TASK:
+        return load_preference_data(paths, cfg.eval.data_path, tokenizer, seq_len, packing=cfg.sft.packing,
+                                    seed=cfg.parameters.seed, template=template, chat_template=chat_template, log=log)
 
     def rows_of(paths: list[str]):
         return load_rows(paths, tokenizer, seq_len, task=cfg.task_type, packing=cfg.sft.packing,
                          seed=cfg.parameters.seed, template=template)
 
-    rows = rows_of([d.path for d in cfg.train_data])
+    rows = rows_of(paths)
     eval_rows = rows_of([cfg.eval.data_path]) if cfg.eval.data_path else None
-    log(f"chat template: {'the tokenizer’s own' if template else 'lmforge’s plain one (the tokenizer has none)'}")
     log(f"data: {rows.examples} examples in {len(rows)} rows of {seq_len} tokens"
         f"{' (packed)' if cfg.sft.packing else ''}"
         + (f"; {rows.truncated} cut at the context length" if rows.truncated else "")
         + (f"; {rows.dropped} dropped (no response token fits)" if rows.dropped else ""))
-    plan = machine.probe.on_main(lambda: make_plan(cfg, machine, samples_per_epoch=len(rows), data_seq_len=seq_len))
-    if plan.micro_batch_reason:
-        log(plan.micro_batch_reason)
-    data = SFTData(tokenizer.path, rows, eval_rows, chat_template=template.text if template else CHAT_TEMPLATE)
-    return ResolvedRun(resolved_config(cfg, plan), plan, data, tokenizer)
+    return SFTData(tokenizer.path, rows, eval_rows, chat_template=chat_template)
 
 
 def _sft_eval(cfg: RunConfig, template, tokenizer):

@@ -21,7 +21,7 @@ import os
 import tempfile
 
 from lmforge.config.model import ModelConfig, padded_vocab
-from lmforge.config.schema import SFT_TASKS, RunConfig
+from lmforge.config.schema import FINETUNE_TASKS, RunConfig
 from lmforge.data.remote import is_remote, local_path
 from lmforge.errors import UserError, environment_error
 from lmforge.estimate.memory import TRAINED_BYTES_PER_PARAM
@@ -48,7 +48,7 @@ def preflight(cfg: RunConfig, command: str, world_size: int = 1, overwrite: bool
 
 
 def check_task(cfg: RunConfig, command: str) -> None:
-    if cfg.task_type not in SFT_TASKS:
+    if cfg.task_type not in FINETUNE_TASKS:
         return
     for d in cfg.train_data:
         if not is_remote(d.path) and os.path.isfile(os.path.join(d.path, DATASET_MARKER)):

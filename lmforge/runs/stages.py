@@ -1,4 +1,4 @@
-"""Pipelines: stages (e.g. pretrain → sft) run in order, each a normal run.
+"""Pipelines: stages (e.g. pretrain → sft → dpo) run in order, each a normal run.
 
     name: ladder
     save_root: runs/ladder          # stage N saves into <save_root>/<stage name>
@@ -6,8 +6,10 @@
       - name: pretrain
         config: pretrain.yaml       # a run config file (relative to this file) or an inline mapping
       - name: sft
-        command: finetune           # default: finetune for SFT task types, else train
+        command: finetune           # default: finetune for SFT and preference task types, else train
         config: {task_type: instruction_finetune, train_data: sft.jsonl, training_duration: 2ep}
+      - name: dpo
+        config: {task_type: preference, train_data: pairs.jsonl, training_duration: 1ep}
 
 Every stage after the first starts from the previous stage's ``final/`` (its
 ``custom_weights_path``, unless the stage sets one). A stage whose ``final/`` already exists
@@ -25,7 +27,7 @@ import sys
 import yaml
 
 from lmforge.config.load import read_yaml
-from lmforge.config.schema import SFT_TASKS
+from lmforge.config.schema import FINETUNE_TASKS
 from lmforge.errors import UserError
 from lmforge.layout import MODEL_CONFIG_FILE
 
@@ -61,7 +63,7 @@ def load_pipeline(path: str) -> dict:
         # A stage always lives in save_root/<stage> (a reused run config keeps its own folder untouched).
         cfg["name"] = f"{name}-{st['name']}"
         cfg["save_folder"] = os.path.join(root, st["name"])
-        command = st.get("command") or ("finetune" if cfg.get("task_type") in SFT_TASKS else "train")
+        command = st.get("command") or ("finetune" if cfg.get("task_type") in FINETUNE_TASKS else "train")
         if command not in COMMANDS:
             raise UserError(f"{where}: command {command!r} is unknown; expected one of {', '.join(COMMANDS)}")
         stages.append({"name": st["name"], "command": command, "config": cfg})

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, replace
 from functools import partial
 
-from lmforge.config.schema import SFT_TASKS
+from lmforge.config.schema import FINETUNE_TASKS
 from lmforge.config.identity import default_name, is_variant, run_identity
 from lmforge.data.remote import is_remote
 from lmforge.distributed.torchrun import exit_now
@@ -152,7 +152,7 @@ def register(reg: Registry, cfg, args, slot: RunSlot, plan: LaunchPlan) -> None:
     compute = cfg.compute
     fields = {
         "run_uid": slot.run_uid,
-        "run_type": "finetune" if cfg.task_type in SFT_TASKS else "pretrain",
+        "run_type": "finetune" if cfg.task_type in FINETUNE_TASKS else "pretrain",
         "status": "STARTING", "reason": None, "started_at": time.time(),
         "completed_at": None, "model": model_label(cfg), "config": cfg.model_dump(mode="json"),
         "identity": identity(cfg, slot.name, slot.save_folder), "save_folder": slot.save_folder,

@@ -49,6 +49,8 @@ def train_summary(m: dict[str, float], total_tokens: int | None = None, eta_s: f
         parts.append(tok)
     if "train/loss" in m:
         parts.append(f"loss {m['train/loss']:.4f}")
+    if "train/rewards/accuracy" in m:  # preference tuning: how often the chosen answer wins, and by how much
+        parts.append(f"acc {m['train/rewards/accuracy']:.2f} margin {m['train/rewards/margin']:.3g}")
     if "train/lr" in m:
         parts.append(f"lr {m['train/lr']:.2e}")
     if "train/grad_norm" in m:

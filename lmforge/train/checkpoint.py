@@ -9,6 +9,7 @@ Layout of ``save_folder``::
         lmforge-state.json        step, tokens, data-stream state, resolved config, and the size and
                                   sha256 of every other file (written last; verified on load)
     final/                        model.safetensors + lmforge-model.json + tokenizer (the export)
+    reference-logps.safetensors   preference tuning: the reference log-probs (`train.reference`)
 
 Every rank writes into ``checkpoints/.step_00000100.tmp``; after a barrier rank 0 writes
 ``lmforge-state.json`` and renames the folder. A crash mid-save leaves only a ``.tmp``

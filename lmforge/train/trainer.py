@@ -9,7 +9,8 @@ Read it top to bottom:
   batch, gradient clipping, the update. It never waits for the device: its loss and gradient
   norm stay device tensors, read (with the non-finite check) only at log steps and before a
   checkpoint. A test or a profiler can call it alone;
-- `evaluate` is held-out loss / perplexity / bits per byte and generations from the eval prompts;
+- `evaluate` is the objective's held-out metrics (loss / perplexity / bits per byte, or a
+  preference loss with its rewards and accuracy) and generations from the eval prompts;
 - `save` / `load` write and read checkpoints through state objects that carry their own
   ``state_dict()``: model and optimizer (DCP), data stream, counters (`TrainState`), RNG;
 - `fit` is the loop: steps, logging, periodic evaluation and checkpoints, a graceful stop on
@@ -47,7 +48,6 @@ from lmforge.distributed.parallelize import (SHARDED, clip_grad_norm, compile_en
 from lmforge.errors import UserError
 from lmforge.layout import latest_checkpoint, read_state
 from lmforge.estimate.hardware import detect_device_spec, mfu, mfu_basis, peak_flops
-from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.eval.in_training import generations, load_icl, run_icl
 from lmforge.models import build_model, save_pretrained
 from lmforge.models.io import write_chat_template
@@ -60,6 +60,7 @@ from lmforge.train import checkpoint as ckpt
 from lmforge.train.callbacks import Callback, Callbacks, RunInfo
 from lmforge.train.expert_health import ExpertHealth
 from lmforge.train.locate import load_model
+from lmforge.train.objective import objective_for
 from lmforge.train.optim import blended_lr, build_optimizer
 from lmforge.train.watchdog import HangWatchdog
 
@@ -99,10 +100,11 @@ class TrainState:
 class StepOutput:
     # Device scalars, so that a step never waits for the device: reading one (float(), .item())
     # waits for the step to finish. `Trainer._read` reads a log window's at once.
-    loss: torch.Tensor  # mean next-token loss of the step, all ranks (fp32)
+    loss: torch.Tensor  # the objective's mean loss of the step (per target, or per pair), all ranks (fp32)
     grad_norm: torch.Tensor  # before clipping
     lr: float
     moe: dict = field(default_factory=dict)  # MoE routing statistics of the last micro-batch
+    stats: dict = field(default_factory=dict)  # the objective's step means, e.g. preference rewards
 
 
 @dataclass
@@ -153,6 +155,7 @@ class Trainer:
         resume_from, checked = self._claim_save_folder(overwrite)
         self.model, self.train_forward = self._build_model(from_weights=not resume_from)
         self.sequence_group = self.model.sequence_group  # context parallelism: the ranks a row is split over
+        self.objective = objective_for(self.data, self.cfg, self.model)  # by the data's kind: next token, pairs
         p = self.cfg.parameters
         self.optimizer = build_optimizer(self.model, lr=self.plan.learning_rate, weight_decay=p.weight_decay,
                                          betas=tuple(p.betas), eps=p.eps, device_type=self.device.type,
@@ -164,6 +167,9 @@ class Trainer:
             global_batch=self.plan.global_batch, rank=replica, world_size=replicas, seed=p.seed,
             num_workers=self.cfg.compute.num_workers, pin_memory=self.device.type == "cuda",
             document_eos=self.tokenizer.eos_id if p.document_masking and self.data.kind == "pretrain" else None)
+        # Before any step or checkpoint load: e.g. reference log-probs from the starting weights.
+        self.data = self.objective.prepare(self.data, self.model, self.layout, self.save_folder, dist, self.autocast,
+                                           resuming=bool(resume_from), log=self.log)
         self.stream = self.data.train_stream(self.layout)
         self.eval_sets = self.data.eval_sets(self.layout, self.cfg.eval.max_batches)
         self.resumed = bool(resume_from)
@@ -248,37 +254,40 @@ class Trainer:
     def train_step(self, batches: Sequence[Batch]) -> StepOutput:
         """One optimizer step over this rank's micro-batches of one global batch.
 
-        The loss is the mean over every trained-on target of the global batch: each micro-batch's
-        summed cross-entropy is divided by the step's target count (all ranks' mean under data
-        parallelism, which averages gradients; under context parallelism each rank computes its
-        part of the rows, `shard_rows`, against the same global count). Gradients are
-        synchronized on the last micro-batch only. Nothing here waits for the device: the
-        returned loss and gradient norm are device tensors; a non-finite one is caught when they
-        are read (`_read`: at the next log step or checkpoint, which it then never reaches).
+        The loss is the mean over every unit of the global batch — a trained-on target, or a
+        preference pair (`train.objective`): each micro-batch's summed loss is divided by the
+        step's unit count (all ranks' mean under data parallelism, which averages gradients; under
+        context parallelism each rank computes its part of the rows, `shard_rows`, against the
+        same global count). Gradients are synchronized on the last micro-batch only. Nothing here
+        waits for the device: the returned loss, gradient norm and statistics are device tensors;
+        a non-finite loss is caught when they are read (`_read`: at the next log step or
+        checkpoint, which it then never reaches).
         """
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        norm = self._target_norm(batches)
-        ce_total = torch.zeros((), device=self.device)
+        norm = self._unit_norm(batches)
+        totals = None  # the step's summed loss, then the objective's summed statistics
         moe: dict = {}
         for i, batch in enumerate(batches):
             batch = batch.to(self.device)
             skip_sync = i < len(batches) - 1 and self.dist.distributed
             with no_grad_sync(self.train_forward, skip=skip_sync), shard_rows(self.sequence_group, batch) as batch:
                 with self.autocast():
-                    out = self.train_forward(batch.input_ids, batch.targets, batch.doc_ids, batch.positions)
-                loss = out.ce_sum / norm
+                    out = self.objective(self.train_forward, batch)
+                loss = out.loss_sum / norm
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss / len(batches)
                     moe = out.moe
                     self.expert_health.add(out.moe)
                 loss.backward()
-            ce_total += out.ce_sum.detach()
+            sums = torch.stack([out.loss_sum.detach().float(), *out.stats.values()])
+            totals = sums if totals is None else totals + sums
         clip = self.cfg.parameters.grad_clip or float("inf")
         # FSDP: a replicated DTensor holding the norm over all shards.
         grad_norm = device_value(clip_grad_norm(self.model.parameters(), clip))
-        loss = all_reduce_sum(ce_total) / (norm * self.dist.world_size)
+        totals = all_reduce_sum(totals) / (norm * self.dist.world_size)  # one all-reduce: loss and statistics
+        loss, stats = totals[0], dict(zip(out.stats, totals[1:]))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.lr, self.state.schedule = lr, self._schedule_signature
@@ -287,14 +296,15 @@ class Trainer:
         self.state.tokens += self.plan.tokens_per_step
         if self.expert_health is not None:
             self.expert_health.step()
-        return StepOutput(loss=loss.detach(), grad_norm=grad_norm.detach(), lr=lr, moe=moe)
+        return StepOutput(loss=loss.detach(), grad_norm=grad_norm.detach(), lr=lr, moe=moe, stats=stats)
 
-    def _target_norm(self, batches: Sequence[Batch]) -> torch.Tensor | float:
-        """The step's targets over all ranks divided by the number of ranks, counted on the host
-        copies of the batches (no device wait). Pretraining rows all have the same count;
-        fine-tuning rows differ, so their count is summed over ranks (a device tensor). Under
-        context parallelism N ranks share each (whole, here) row: 1/N of its targets each."""
-        count = torch.stack([b.num_targets() for b in batches]).sum()
+    def _unit_norm(self, batches: Sequence[Batch]) -> torch.Tensor | float:
+        """The objective's units (targets, pairs) per rank in this step, counted on the host copies
+        of the batches (no device wait). Pretraining rows all have the same count; fine-tuning
+        rows differ, so their count is summed over ranks (a device tensor; each rank divides by
+        the mean). Under context parallelism N ranks share each (whole, here) row: 1/N of its
+        units each."""
+        count = torch.stack([self.objective.units(b) for b in batches]).sum()
         cp = self.cfg.compute.context_parallel
         if self.data.kind != "pretrain" and self.dist.distributed:
             return (all_reduce_sum(count.to(self.device, torch.float32)) / self.dist.world_size).clamp(min=1.0) / cp
@@ -319,19 +329,14 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self) -> dict:
-        """Held-out loss / perplexity / bits per byte of each eval set, then generations from the
-        eval prompts; logged through the callbacks. Returns the metrics (``_generations`` too)."""
+        """The objective's held-out metrics of each eval set (loss / perplexity / bits per byte, or
+        a preference loss, rewards and accuracy), then generations from the eval prompts; logged
+        through the callbacks. Returns the metrics (``_generations`` too)."""
         metrics, losses = {}, []
-        eval_model = self.model
         for es in self.eval_sets:
-            loss, n = heldout_loss(eval_model, es.batches(), self.device, self.autocast)
-            metrics[f"{es.name}/loss"] = loss
-            metrics[f"{es.name}/perplexity"] = math.exp(min(loss, 50))
-            metrics[f"{es.name}/tokens"] = n
-            bpb = bits_per_byte(loss, es.bytes_per_token)
-            if bpb is not None:
-                metrics[f"{es.name}/bits_per_byte"] = bpb
-            losses.append(loss)
+            values = self.objective.evaluate(self.model, es, self.device, self.autocast)
+            metrics |= {f"{es.name}/{k}": v for k, v in values.items()}
+            losses.append(values["loss"])
         if len(losses) > 1:
             metrics["eval/loss"] = sum(losses) / len(losses)
         gens = []
@@ -472,7 +477,7 @@ class Trainer:
                     meter.watch_spike(loss, first + i, past_warmup=first + i > plan.warmup_steps, log=self.log)
                 if log_now:
                     loss, grad_norm = values[-1]
-                    read = StepOutput(loss=loss, grad_norm=grad_norm, lr=out.lr, moe=out.moe)
+                    read = StepOutput(loss=loss, grad_norm=grad_norm, lr=out.lr, moe=out.moe, stats=out.stats)
                     self.callbacks.on_metrics(self._step_metrics(read, meter.tokens_per_s(state.tokens)), state.step)
             if state.step % plan.eval_interval == 0 and not done:
                 with self.watchdog.paused():
@@ -508,6 +513,7 @@ class Trainer:
                    "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops),
                    "throughput/mfu_6n": mfu(tokens_per_s, self.plan.model_flops_per_token, world, self.peak_flops),
                    "time/elapsed_s": self._elapsed()}  # training wall time over all attempts (ETA, cost)
+        metrics |= {f"train/{k}": float(v) for k, v in out.stats.items()}  # e.g. preference rewards
         metrics |= self.stream.metrics()  # e.g. the curriculum phase and its mix (of the next step)
         if self.device.type == "cuda":
             metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30

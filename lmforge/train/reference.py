@@ -1,0 +1,157 @@
+"""The reference log-probs of DPO and IPO, computed once from the starting weights and kept with the run.
+
+DPO and IPO score the policy against the reference model — the weights training started from.
+The data is fixed, so the reference's log-probability of each answer is a fixed number: it is
+computed once, before the first step, with the run's own forward (same precision, same rows),
+and stored. That gives the numbers a frozen copy of the model would give at every step, without
+the copy's memory (a second set of weights on every GPU) and with one forward per pair per run
+instead of one per pair per epoch. (With LoRA the reference can also be the base with its
+adapters off, at every step: ``preference.reference: live``, `train.objective`.)
+
+The work is split over the ranks like the data (rank r takes rows r, r+W, …, in micro-batches of
+the run's size; every rank runs the same number of forwards, as FSDP needs) and gathered with one
+all-reduce per chunk of rows. Finished chunks are written to ``save_folder/.reference/``, so a
+precomputation that is interrupted continues where it stopped; the complete result is one
+top-level file, ``save_folder/reference-logps.safetensors`` (mirrored to a remote save folder
+with the run's other top-level files and restored with its checkpoints), tagged with the
+fingerprint of the rows it belongs to. A resumed run reads it back; a run with checkpoints but no
+such file cannot get its reference back (the starting weights have been trained on) and stops
+with one line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from lmforge.data.batch import StreamLayout
+from lmforge.data.preference import PreferenceData, PreferenceRows
+from lmforge.distributed.dist import DistInfo, all_reduce_sum, broadcast_object
+from lmforge.errors import UserError
+
+REFERENCE_FILE = "reference-logps.safetensors"
+PARTS_DIR = ".reference"
+CHUNK_ROWS = 2048  # rows per gathered (and saved) chunk: at most this much work is lost to an interruption
+
+
+def attach_reference(model: torch.nn.Module, data: PreferenceData, layout: StreamLayout, save_folder: str,
+                     dist: DistInfo, autocast, *, weights: str, resuming: bool, log=print,
+                     chunk_rows: int = CHUNK_ROWS) -> PreferenceData:
+    """``data`` with the reference log-probs of every train and held-out pair: read back from
+    ``save_folder``, or computed now with ``model`` (which must hold the starting weights, of
+    which ``weights`` is the `weights_tag`)."""
+    splits = {"train": data.rows} | ({"eval": data.eval_rows} if data.eval_rows is not None else {})
+    tags = {name: f"{rows.fingerprint()}:{weights}" for name, rows in splits.items()}
+    path = os.path.join(save_folder, REFERENCE_FILE)
+    stored = broadcast_object(read_reference(path, tags) if dist.is_main else None)
+    if stored is not None:
+        log(f"reference: log-probs of {sum(r.pairs for r in splits.values()):,} pairs read from {path}")
+    elif resuming:
+        raise UserError(f"{path}: missing or made for other data, but this run resumes from a checkpoint: the "
+                        "reference log-probs came from the starting weights, which have been trained since; bring "
+                        "the file back, or start over with --no-autoresume")
+    else:
+        stored = {}
+        for name, rows in splits.items():
+            stored[name] = _compute(model, rows, name, tags[name], layout, save_folder, dist, autocast, log,
+                                    chunk_rows)
+        if dist.is_main:
+            _write(path, stored, tags)
+            shutil.rmtree(os.path.join(save_folder, PARTS_DIR), ignore_errors=True)
+        log(f"reference: log-probs of {sum(r.pairs for r in splits.values()):,} pairs computed from the starting "
+            f"weights, saved to {path}")
+    return data.with_reference(stored["train"], stored.get("eval"))
+
+
+def weights_tag(custom_weights_path: str | None, seed: int) -> str:
+    """Which starting weights a reference belongs to, without reading them: the folder they come
+    from with its files' names, sizes and modification times (a folder trained again changes
+    them), or the seed of a freshly initialized model."""
+    import hashlib
+
+    from lmforge.train.locate import locate
+
+    if not custom_weights_path:
+        return f"init-{seed}"
+    folder = locate(custom_weights_path).path
+    h = hashlib.sha256(os.path.abspath(folder).encode())
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.is_file():
+            st = entry.stat()
+            h.update(f"|{entry.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def read_reference(path: str, tags: dict[str, str]) -> dict[str, torch.Tensor] | None:
+    """The stored log-probs of each split, or None when the file is missing or belongs to other
+    rows or weights (its tags differ)."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+            if any(meta.get(name) != tag for name, tag in tags.items()):
+                return None
+            return {name: f.get_tensor(name) for name in tags}
+    except Exception:  # a damaged file is recomputed (before training) or refused (on resume) like a missing one
+        return None
+
+
+def _write(path: str, tensors: dict[str, torch.Tensor], tags: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path + ".tmp"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=tags)
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def _compute(model, rows: PreferenceRows, name: str, tag: str, layout: StreamLayout, save_folder: str,
+             dist: DistInfo, autocast, log, chunk_rows: int) -> torch.Tensor:
+    """[N, P, 2] reference log-probs of ``rows``, chunk by chunk; chunks saved by an earlier attempt
+    (same rows) are read back instead."""
+    parts = os.path.join(save_folder, PARTS_DIR)
+    was_training = model.training
+    model.eval()
+    out = []
+    reused = 0
+    for start in range(0, len(rows), chunk_rows):
+        end = min(start + chunk_rows, len(rows))
+        part = os.path.join(parts, f"{name}-{start:010d}-{end:010d}.safetensors")
+        done = broadcast_object(read_reference(part, {"logps": tag}) if dist.is_main else None)
+        if done is not None:
+            out.append(done["logps"])
+            reused += 1
+            continue
+        logps = _chunk(model, rows, start, end, layout, dist, autocast)
+        if dist.is_main:
+            os.makedirs(parts, exist_ok=True)
+            _write(part, {"logps": logps}, {"logps": tag})
+        out.append(logps)
+    model.train(was_training)
+    if reused:
+        log(f"reference: {reused} chunk(s) of the {name} rows read back from an interrupted precomputation")
+    return torch.cat(out)
+
+
+def _chunk(model, rows: PreferenceRows, start: int, end: int, layout: StreamLayout, dist: DistInfo,
+           autocast) -> torch.Tensor:
+    mine = list(range(start + dist.rank, end, dist.world_size))
+    per_rank = -(-(end - start) // dist.world_size)
+    steps = -(-per_rank // layout.micro_batch)  # the same on every rank
+    out = torch.zeros(end - start, rows.pair_mask.shape[1], 2, dtype=torch.float32, device=dist.device)
+    for b in range(steps):
+        idx = mine[b * layout.micro_batch:(b + 1) * layout.micro_batch]
+        # A rank whose rows ran out still takes part in the forward (FSDP gathers weights with every
+        # rank): it runs a stand-in row and keeps nothing of it.
+        batch = rows.batch(idx or [start]).to(dist.device)
+        with autocast():
+            token_logp = model.training_loss(batch.input_ids, batch.targets, doc_ids=batch.doc_ids,
+                                             per_token=True).token_logp
+        if idx:
+            out[torch.tensor(idx, device=dist.device) - start] = batch.answer_sums(token_logp).float()
+    return all_reduce_sum(out).cpu()  # each row was filled by exactly one rank

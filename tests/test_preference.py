@@ -1,0 +1,490 @@
+"""Preference tuning (task_type preference): pairs kept together with only their answers scored;
+DPO, IPO, SimPO and ORPO against TRL's own code and against the papers' formulas on an
+independent model (transformers' Llama, each answer padded on its own row); a tiny run that
+learns a synthetic preference and resumes exactly; LoRA with the base as its reference; two FSDP
+ranks against one; bad input as one line."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import REPO
+from lmforge.config.model import ModelConfig
+from lmforge.config.schema import RunConfig
+from lmforge.data.preference import fit_pair, load_pairs, read_pairs
+from lmforge.data.sft import tokenize_example
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.distributed.dist import DistInfo
+from lmforge.models import build_model, save_pretrained
+from lmforge.models.preference_loss import PairLogps, pair_terms
+from train_helpers import (assert_one_line_error, cli, final_weights, lmforge, metrics, train_in_process,
+                           train_losses, write_config)
+
+ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+SMALL = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=128, vocab_size=512)
+
+
+def digit_pairs(seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """The synthetic task: a number word, its digit chosen over a wrong digit. Each word's nine
+    wrong digits: seven in training, two held out (so every held-out pair is unseen)."""
+    rng = random.Random(seed)
+    train, held = [], []
+    for a, word in enumerate(WORDS):
+        wrong = [d for d in range(10) if d != a]
+        rng.shuffle(wrong)
+        for k, d in enumerate(wrong):
+            (held if k < 2 else train).append({"prompt": f"# {word}", "chosen": f" {a}\n", "rejected": f" {d}\n"})
+    return train, held
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from more threads, and on the shared cores lose a lot (and the
+    ranks of the FSDP comparison run with one: the same float reductions)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_data):
+    return load_tokenizer(tiny_data.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tiny_data):
+    """The starting weights: a freshly initialized tiny model with the session's tokenizer."""
+    folder = tmp_path_factory.mktemp("pref-base") / "base"
+    torch.manual_seed(0)
+    save_pretrained(build_model(SMALL.model_copy(update={"max_seq_len": 64})), SMALL, folder,
+                    tokenizer_dir=tiny_data.tokenizer)
+    return folder
+
+
+def pref_config(tmp_path, weights, name="dpo", **extra) -> dict:
+    train, held = digit_pairs()
+    cfg = {"name": f"pref-{name}-{abs(hash(str(tmp_path))) % 10**8}", "custom_weights_path": str(weights),
+           "task_type": "preference", "train_data": str(write_jsonl(tmp_path / "train.jsonl", train)),
+           "training_duration": "20ba", "save_interval": "10ba", "save_folder": str(tmp_path / name),
+           "log_interval": 1,
+           "parameters": {"global_batch_size": 8, "micro_batch_size": 4, "learning_rate": 3e-3,
+                          "context_length": 64, "warmup": "2ba", "precision": "fp32"},
+           "eval": {"data_path": str(write_jsonl(tmp_path / "val.jsonl", held)), "interval": "10ba",
+                    "prompts": []},
+           "experiment_tracker": {"mlflow": None, "console": True}}
+    for key, value in extra.items():
+        node = cfg
+        *parents, last = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return cfg
+
+
+# --------------------------------------------------------------------------- rows and batches
+
+ROWS = [
+    {"prompt": "def add(a, b):\n", "chosen": "    return a + b\n", "rejected": "    return a - b\n"},
+    {"prompt": [{"role": "user", "content": "import?"}, {"role": "assistant", "content": "import os"},
+                {"role": "user", "content": "and?"}],
+     "chosen": [{"role": "assistant", "content": "import sys"}],
+     "rejected": [{"role": "assistant", "content": "import nothing"}]},
+    {"chosen": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}],
+     "rejected": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "5"}]},
+]
+
+
+def test_pairs_stay_together_and_only_answers_are_scored(tmp_path, tok):
+    path = write_jsonl(tmp_path / "p.jsonl", ROWS)
+    rows = load_pairs([str(path)], tok, 128, packing=True, seed=3)
+    assert rows.pairs == 3 and len(rows) == 2 and rows.truncated == 0
+    scored = {}
+    for r in range(len(rows)):
+        docs, trained, tokens = rows.doc_ids[r], rows.trained[r], rows.tokens[r]
+        held = int(rows.pair_mask[r].sum())
+        assert rows.pair_mask[r].tolist() == [True] * held + [False] * (rows.pair_mask.shape[1] - held)
+        assert (docs[trained] < 2 * held).all() and not trained[docs == 2 * held].any()  # padding is never scored
+        for k in range(held):
+            chosen, rejected = (tokens[docs == d] for d in (2 * k, 2 * k + 1))
+            answers = [tok.decode(tokens[(docs == d) & trained].tolist()) for d in (2 * k, 2 * k + 1)]
+            # the two sequences of a pair share their prompt, token for token, and differ after it
+            first = int(trained[docs == 2 * k].nonzero()[0])
+            assert torch.equal(chosen[:first], rejected[:first])
+            scored[answers[0]] = answers[1]
+    eos = tok.eos_token
+    assert scored == {"    return a + b\n" + eos: "    return a - b\n" + eos,  # strings: prompt + answer + eos
+                      "import sys" + eos: "import nothing" + eos,  # the prompt's own assistant turn is context
+                      "4" + eos: "5" + eos}  # whole conversations: the shared first message is the prompt
+    # without packing: one pair per row, in its own two documents
+    unpacked = load_pairs([str(path)], tok, 128, packing=False, seed=3)
+    assert len(unpacked) == 3 and unpacked.pair_mask.shape[1] == 1 and int(unpacked.doc_ids.max()) == 2
+    # a pair longer than the context: the answers are cut from the end, the prompt never
+    (c, r, where), = read_pairs([str(write_jsonl(tmp_path / "long.jsonl", [
+        {"prompt": "x = ", "chosen": "1 " * 40, "rejected": "2 " * 3}]))])
+    c, r = tokenize_example(c, tok), tokenize_example(r, tok)
+    fc, fr, cut = fit_pair(c, r, 32, where)
+    assert cut and len(fc[0]) + len(fr[0]) == 32 and len(fr[0]) == len(r[0])  # the longer one gave way
+    assert fc[0] == c[0][:len(fc[0])] and any(fc[1])
+
+
+def test_answer_sums_and_step_zero(tmp_path, tok):
+    """Per-answer sums come from the packed rows; with the policy equal to the reference (step 0)
+    the DPO loss is ln 2, every reward 0 and the accuracy 0.5 (a tie counts half)."""
+    from lmforge.data.preference import PreferenceData
+    from lmforge.train.objective import Preference, model_forward
+    from lmforge.train.reference import REFERENCE_FILE, attach_reference
+
+    torch.manual_seed(0)
+    model = build_model(SMALL)
+    rows = load_pairs([str(write_jsonl(tmp_path / "p.jsonl", ROWS))], tok, 128, packing=True, seed=3)
+    data = attach_reference(model, PreferenceData(tok.path, rows, None), _layout(2), str(tmp_path), ONE_RANK,
+                            _nullcontext, weights="init-0", resuming=False, log=lambda *_: None)
+    assert (tmp_path / REFERENCE_FILE).is_file() and not (tmp_path / ".reference").exists()
+    objective = Preference(_run_config(), model)
+    batch = data.rows.batch(list(range(len(data.rows))))
+    out = objective(model_forward(model), batch)
+    pairs = float(objective.units(batch))
+    assert pairs == 3
+    assert out.loss_sum.item() / pairs == pytest.approx(math.log(2), abs=1e-6)
+    assert out.stats["rewards/chosen"].abs().item() < 1e-6 and out.stats["rewards/rejected"].abs().item() < 1e-6
+    assert out.stats["rewards/accuracy"].item() / pairs == 0.5
+
+
+@pytest.mark.integration
+def test_an_interrupted_precomputation_continues(tmp_path, tok, monkeypatch):
+    """Chunks finished before an interruption are read back, not computed again, and the result
+    is the uninterrupted one's."""
+    from lmforge.data.preference import PreferenceData
+    from lmforge.train import reference
+    from lmforge.train.reference import attach_reference
+
+    torch.manual_seed(0)
+    model = build_model(SMALL)
+    train, _ = digit_pairs()
+    rows = load_pairs([str(write_jsonl(tmp_path / "p.jsonl", train[:24]))], tok, 64, packing=False, seed=0)
+    data = PreferenceData(tok.path, rows, None)
+
+    def attach(folder, log=lambda *_: None):
+        return attach_reference(model, data, _layout(2), str(folder), ONE_RANK, _nullcontext, weights="w",
+                                resuming=False, log=log, chunk_rows=8)
+
+    whole = attach(tmp_path / "whole").rows.ref_logps
+    real_chunk, calls = reference._chunk, []
+
+    def interrupted(*args):
+        calls.append(args[2])
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the process stops in the third chunk
+        return real_chunk(*args)
+
+    monkeypatch.setattr(reference, "_chunk", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        attach(tmp_path / "run")
+    assert len(list((tmp_path / "run" / ".reference").iterdir())) == 2
+    monkeypatch.setattr(reference, "_chunk", real_chunk)
+    log: list[str] = []
+    again = attach(tmp_path / "run", log.append).rows.ref_logps
+    assert any("2 chunk(s) of the train rows read back" in line for line in log), log
+    assert torch.equal(again, whole) and whole.shape == (24, 1, 2)
+
+
+def _layout(micro_batch: int):
+    from lmforge.data.batch import StreamLayout
+
+    return StreamLayout(seq_len=128, micro_batch=micro_batch, global_batch=micro_batch)
+
+
+def _nullcontext():
+    from contextlib import nullcontext
+
+    return nullcontext()
+
+
+def _run_config(**preference) -> RunConfig:
+    return RunConfig(model=SMALL, train_data="unused.jsonl", training_duration="1ba", task_type="preference",
+                     preference=preference)
+
+
+# --------------------------------------------------------------------------- the losses, checked
+
+LOSSES = [("dpo", {"label_smoothing": 0.1}), ("ipo", {}), ("simpo", {}), ("orpo", {})]
+
+
+@pytest.mark.integration  # importing TRL's trainers takes seconds
+@pytest.mark.parametrize("loss,settings", LOSSES, ids=[name for name, _ in LOSSES])
+def test_losses_equal_trl(loss, settings):
+    """Each loss and its rewards against TRL's own implementation, called on the same per-pair
+    log-probs (DPO and IPO through TRL's CPO loss, which takes log-ratios as it takes log-probs)."""
+    pytest.importorskip("trl")
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    g = torch.Generator().manual_seed(1)
+    n = 16
+    tokens_c, tokens_r = torch.randint(1, 30, (n,), generator=g).float(), torch.randint(1, 30, (n,), generator=g).float()
+    p = PairLogps(-tokens_c * (0.5 + torch.rand(n, generator=g)), -tokens_r * (0.5 + torch.rand(n, generator=g)),
+                  tokens_c, tokens_r, -tokens_c * (0.5 + torch.rand(n, generator=g)),
+                  -tokens_r * (0.5 + torch.rand(n, generator=g)))
+    cfg = _run_config(loss=loss, **settings).preference.resolved(lora=False)
+    ours = pair_terms(loss, p, beta=cfg.beta, label_smoothing=cfg.label_smoothing, gamma=cfg.gamma or 0.0)
+    trl_self = SimpleNamespace(beta=cfg.beta, label_smoothing=cfg.label_smoothing, simpo_gamma=cfg.gamma,
+                               alpha=0.0, accelerator=SimpleNamespace(device="cpu"),
+                               loss_type={"dpo": "sigmoid", "ipo": "ipo", "simpo": "simpo"}.get(loss))
+    mean_c, mean_r = p.chosen / p.chosen_tokens, p.rejected / p.rejected_tokens
+    if loss == "dpo":
+        losses, rc, rr = CPOTrainer.cpo_loss(trl_self, p.chosen - p.ref_chosen, p.rejected - p.ref_rejected)
+    elif loss == "ipo":  # on the answers' per-token mean log-ratios
+        losses, _, _ = CPOTrainer.cpo_loss(trl_self, (p.chosen - p.ref_chosen) / p.chosen_tokens,
+                                           (p.rejected - p.ref_rejected) / p.rejected_tokens)
+        rc, rr = cfg.beta * (p.chosen - p.ref_chosen), cfg.beta * (p.rejected - p.ref_rejected)
+    elif loss == "simpo":
+        losses, rc, rr = CPOTrainer.cpo_loss(trl_self, mean_c, mean_r)
+    else:  # ORPO: the chosen answer's mean NLL minus TRL's λ·log σ(log odds)
+        or_terms, rc, rr, _, _ = ORPOTrainer.odds_ratio_loss(trl_self, mean_c, mean_r)
+        losses = -mean_c - or_terms
+    torch.testing.assert_close(ours.loss, losses.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.chosen_reward, rc.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.rejected_reward, rr.float(), rtol=1e-5, atol=1e-6)
+
+
+def paper_loss(loss: str, c, r, nc, nr, rc, rr, beta, label_smoothing, gamma) -> float:
+    """One pair's loss as the papers write it, from its answers' summed log-probs and lengths."""
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    if loss == "dpo":  # Rafailov et al. 2023 eq. 7, with Mitchell's label smoothing
+        z = beta * ((c - rc) - (r - rr))
+        return -(1 - label_smoothing) * math.log(sig(z)) - label_smoothing * math.log(sig(-z))
+    if loss == "ipo":  # Azar et al. 2023 eq. 17, length-normalized log-ratios
+        return ((c - rc) / nc - (r - rr) / nr - 1 / (2 * beta)) ** 2
+    if loss == "simpo":  # Meng et al. 2024 eq. 6
+        return -math.log(sig(beta * c / nc - beta * r / nr - gamma))
+    pc, pr = math.exp(c / nc), math.exp(r / nr)  # Hong et al. 2024 eqs. 2-7: mean per-token probabilities
+    return -c / nc - beta * math.log(sig(math.log(pc / (1 - pc)) - math.log(pr / (1 - pr))))
+
+
+@pytest.mark.integration
+def test_objective_equals_an_independent_computation(tmp_path, tok):
+    """The objective's loss, rewards and accuracy on packed rows equal the papers' formulas on
+    log-probs that transformers' Llama computes from the same weights, each answer padded on a
+    row of its own (TRL's `get_batch_logps` when TRL is installed); the reference comes from the
+    precomputation (`train.reference`) on the starting weights."""
+    transformers = pytest.importorskip("transformers")
+    from lmforge.data.preference import PreferenceData
+    from lmforge.models.hf import to_hf_config, to_hf_state_dict
+    from lmforge.train.objective import Preference, model_forward
+    from lmforge.train.reference import attach_reference
+
+    torch.manual_seed(0)
+    model = build_model(SMALL)
+    train, _ = digit_pairs()
+    rows_in = ROWS[:1] + train[:5]
+    path = write_jsonl(tmp_path / "p.jsonl", rows_in)
+    rows = load_pairs([str(path)], tok, 128, packing=True, seed=3)
+    data = attach_reference(model, PreferenceData(tok.path, rows, None), _layout(1), str(tmp_path), ONE_RANK,
+                            _nullcontext, weights="init-0", resuming=False, log=lambda *_: None)
+
+    def hf_of(m):
+        hf = transformers.LlamaForCausalLM(to_hf_config(SMALL)).eval()
+        hf.load_state_dict(to_hf_state_dict(m.state_dict(), SMALL), strict=False)
+        return hf
+
+    reference = hf_of(model)
+    with torch.no_grad():  # the policy: the starting weights moved
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    policy = hf_of(model)
+    seqs = [(tokenize_example(c, tok), tokenize_example(r, tok)) for c, r, _ in read_pairs([str(path)])]
+
+    def logps(hf, which):
+        """Each pair's answer log-prob sum and length, from padded rows of single answers."""
+        batch = [s[which] for s in seqs]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100)
+        attention = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, (x, scored) in enumerate(batch):
+            ids[i, :len(x)] = torch.tensor(x)
+            labels[i, :len(x)] = torch.where(torch.tensor(scored), torch.tensor(x), -100)
+            attention[i, :len(x)] = 1
+        with torch.no_grad():
+            logits = hf(input_ids=ids, attention_mask=attention).logits.float()
+        try:
+            from trl.experimental.orpo import ORPOTrainer
+            sums = ORPOTrainer.get_batch_logps(logits, labels)
+        except ImportError:
+            lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+            sums = (lp * (labels[:, 1:] != -100)).sum(-1)
+        return sums.tolist(), (labels[:, 1:] != -100).sum(-1).tolist()
+
+    (c, nc), (r, nr) = logps(policy, 0), logps(policy, 1)
+    rc, rr = logps(reference, 0)[0], logps(reference, 1)[0]
+    batches = [data.rows.batch([i]) for i in range(len(data.rows))]  # one row per micro-batch
+    for loss in ("dpo", "ipo", "simpo", "orpo"):
+        settings = {"label_smoothing": 0.1} if loss == "dpo" else {}
+        pref = _run_config(loss=loss, **settings).preference.resolved(lora=False)
+        objective = Preference(_run_config(loss=loss, **settings), model)
+        outs = [objective(model_forward(model), b) for b in batches]
+        expected = [paper_loss(loss, c[i], r[i], nc[i], nr[i], rc[i], rr[i], pref.beta, pref.label_smoothing,
+                               pref.gamma) for i in range(len(seqs))]
+        assert sum(o.loss_sum.item() for o in outs) == pytest.approx(sum(expected), rel=1e-4), loss
+        if loss == "dpo":
+            chosen_rewards = [pref.beta * (c[i] - rc[i]) for i in range(len(seqs))]
+            rejected_rewards = [pref.beta * (r[i] - rr[i]) for i in range(len(seqs))]
+            wins = sum(a > b for a, b in zip(chosen_rewards, rejected_rewards))
+            assert sum(o.stats["rewards/chosen"].item() for o in outs) == pytest.approx(sum(chosen_rewards), rel=1e-4)
+            assert sum(o.stats["rewards/rejected"].item() for o in outs) == pytest.approx(sum(rejected_rewards),
+                                                                                       rel=1e-4)
+            assert sum(o.stats["rewards/accuracy"].item() for o in outs) == wins
+
+
+# --------------------------------------------------------------------------- runs
+
+@pytest.mark.integration
+def test_dpo_run_learns_held_out_pairs_and_resumes_exactly(tmp_path, base):
+    """A tiny full fine-tuning run on the synthetic task: the held-out accuracy goes from 0.5 (a
+    tie: the policy is the reference) to at least 0.9; killed after its first checkpoint, the
+    re-run reads the stored reference back and ends on the same weights."""
+    from lmforge.errors import UserError
+    from lmforge.train.reference import REFERENCE_FILE
+
+    raw = pref_config(tmp_path, base)
+    log: list[str] = []
+    train_in_process(raw, log=log.append)
+    folder = tmp_path / "dpo"
+    rows = metrics(folder)
+    first = next(m for m in rows if m.get("step") == 1 and "train/loss" in m)
+    assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-5) and first["train/rewards/accuracy"] == 0.5
+    evals = [m for m in rows if "eval/rewards/accuracy" in m]
+    assert evals[-1]["step"] == 20 and evals[-1]["eval/rewards/accuracy"] >= 0.9, evals
+    assert evals[-1]["eval/pairs"] == 20 and evals[-1]["eval/rewards/margin"] > 0
+    assert any("reference: log-probs of 90 pairs computed" in line for line in log), log
+    assert "Preference accuracy" in (folder / "report.html").read_text()
+    weights, losses = final_weights(folder), train_losses(folder)
+
+    shutil.rmtree(folder / "checkpoints" / "step_00000020")
+    shutil.rmtree(folder / "final")
+    log.clear()
+    train_in_process(raw, log=log.append)
+    assert any("reference: log-probs of 90 pairs read from" in line for line in log), log
+    again = final_weights(folder)
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
+    assert train_losses(folder) == losses  # steps 11-20 again, the same losses
+
+    # a checkpoint without its reference cannot resume: the starting weights are gone
+    shutil.rmtree(folder / "final")
+    (folder / REFERENCE_FILE).unlink()
+    with pytest.raises(UserError, match=f"{REFERENCE_FILE}: missing"):
+        train_in_process(raw)
+
+
+@pytest.mark.integration
+def test_lora_uses_the_base_as_reference_and_exports(tmp_path, base):
+    """With LoRA the reference is the base with its adapters off (nothing precomputed or stored):
+    step 1 is exactly ln 2; the run exports merged (HF) and as a PEFT adapter."""
+    from lmforge.train.export import export
+    from lmforge.train.reference import REFERENCE_FILE
+
+    raw = pref_config(tmp_path, base, "lora", training_duration="4ba", save_interval="4ba",
+                      lora={"rank": 4, "dropout": 0.0}, **{"parameters.learning_rate": 1e-2, "eval.interval": "4ba"})
+    log: list[str] = []
+    train_in_process(raw, log=log.append)
+    folder = tmp_path / "lora"
+    assert any("reference: the base with its LoRA adapters off" in line for line in log), log
+    assert not (folder / REFERENCE_FILE).exists()
+    losses = train_losses(folder)
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-6) and losses[4] < losses[1]
+    assert (folder / "final" / "adapter" / "adapter_model.safetensors").is_file()
+    export(str(folder / "checkpoints" / "step_00000004"), str(tmp_path / "peft"), fmt="peft")
+    export(str(folder), str(tmp_path / "hf"))
+    assert (tmp_path / "peft" / "adapter_config.json").is_file() and (tmp_path / "hf" / "config.json").is_file()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("reference", ["precomputed", "live"])
+def test_two_fsdp_ranks_equal_one(tmp_path, base, monkeypatch, reference):
+    """Two gloo ranks with FSDP2 follow the same steps, rewards and held-out metrics as one
+    process, to the same weights: full fine-tuning with the reference precomputed (the rows split
+    over the ranks; held-out rows that do not split evenly), and LoRA with the sharded base, its
+    adapters off, as the reference."""
+    def config(name, **extra):
+        # one pair per row, and 21 held-out rows: the ranks hold 11 and 10 of them (as many forwards each)
+        lora = {"lora": {"rank": 4, "dropout": 0.0}, "parameters.learning_rate": 1e-2} if reference == "live" else {}
+        cfg = pref_config(tmp_path, base, name, training_duration="3ba", save_interval="3ba",
+                          **{"eval.interval": "3ba", "parameters.micro_batch_size": 2, "sft.packing": False},
+                          **lora, **extra)
+        write_jsonl(tmp_path / "val.jsonl", digit_pairs()[1] + digit_pairs()[0][:1])
+        return cfg
+
+    train_in_process(config("one"))
+    monkeypatch.setenv("LMFORGE_NO_SUPERVISOR", "1")  # torchrun's two ranks only, no supervising parent
+    lmforge("finetune", "-f", write_config(tmp_path / "fsdp.yaml", config(
+        "fsdp", **{"compute.ranks": 2, "compute.data_parallel": "fsdp"})), check=True)
+    one, two = ({m["step"]: m for m in metrics(tmp_path / n) if "train/loss" in m} for n in ("one", "fsdp"))
+    assert sorted(two) == [1, 2, 3] and one[3]["train/loss"] != one[1]["train/loss"]
+    for step in one:
+        for key in ("train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/accuracy"):
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), (step, key)
+    eval_one, eval_two = (next(m for m in metrics(tmp_path / n) if "eval/loss" in m) for n in ("one", "fsdp"))
+    assert eval_two["eval/pairs"] == eval_one["eval/pairs"] == 21
+    assert eval_two["eval/loss"] == pytest.approx(eval_one["eval/loss"], rel=1e-4)
+    wa, wb = final_weights(tmp_path / "one"), final_weights(tmp_path / "fsdp")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- bad input
+
+BAD = [
+    ("missing", {"rows": [{"prompt": "# one", "chosen": " 1\n"}]}, ["train.jsonl:2", "'rejected'"]),
+    ("identical", {"rows": [{"prompt": "# one", "chosen": " 1\n", "rejected": " 1\n"}]},
+     ["train.jsonl:2", "identical"]),
+    ("long-prompt", {"rows": [{"prompt": "# one " * 40, "chosen": " 1\n", "rejected": " 2\n"}]},
+     ["train.jsonl:2", "prompt", "context_length 64"]),
+    ("beta", {"preference": {"beta": 0}}, ["preference.beta", "greater than 0"]),
+    ("reference-free", {"preference": {"loss": "simpo", "reference": "precomputed"}},
+     ["preference", "simpo is reference-free"]),
+    ("live-without-lora", {"preference": {"reference": "live"}}, ["preference.reference: live", "lora"]),
+]
+
+
+@pytest.mark.parametrize("case,change,needles", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_one_line(tmp_path, base, case, change, needles):
+    raw = pref_config(tmp_path, base)
+    if "rows" in change:
+        write_jsonl(tmp_path / "train.jsonl", digit_pairs()[0][:1] + change["rows"])
+    else:
+        raw["preference"] = change["preference"]
+    proc = cli("finetune", "-f", write_config(tmp_path / "bad.yaml", raw), "--no-supervisor")
+    assert_one_line_error(proc, *needles)
+    assert not (tmp_path / "dpo" / "checkpoints").exists()
+
+
+def test_example_data_is_what_its_generator_writes(tmp_path):
+    """examples/data/preference is the output of examples/preference_pairs.py, and the example
+    configs read."""
+    import subprocess
+    import sys
+
+    from lmforge.config.load import build_config, read_yaml
+
+    subprocess.run([sys.executable, str(REPO / "examples" / "preference_pairs.py"), "--out", str(tmp_path)],
+                   check=True, capture_output=True)
+    for name in ("train.jsonl", "val.jsonl"):
+        assert (tmp_path / name).read_text() == (REPO / "examples" / "data" / "preference" / name).read_text()
+    cfg = read_yaml(str(REPO / "examples" / "preference.yaml")) | {"model": "llama-tiny", "tokenizer": "tok"}
+    assert build_config(cfg).task_type == "preference"
+    (pair,) = read_pairs([str(REPO / "examples" / "data" / "preference" / "val.jsonl")])[:1]
+    assert pair[0] != pair[1]
