@@ -196,11 +196,32 @@ def test_a_diverged_step_never_reaches_a_checkpoint(tiny_data, tmp_path):
     trainer = make_trainer(tiny_data, tmp_path / "run", training_duration="30ba", save_interval="3ba",
                            log_interval=100, **{"parameters.learning_rate": 1e30, "parameters.grad_clip": None,
                                                 "parameters.warmup": "1ba"})
-    with pytest.raises(TrainingDiverged, match=r"loss became \S+ at step (\d+)") as err:
+    with pytest.raises(TrainingDiverged) as err:
         trainer.fit()
-    bad = int(re.search(r"at step (\d+)", str(err.value)).group(1))
+    # The message names the value that went non-finite (the loss, or only the gradient norm while the
+    # loss stayed finite), the other one with 4 significant digits, and the usual remedies with this
+    # run's values.
+    msg = str(err.value)
+    m = re.match(r"(loss|gradient norm) became (nan|inf|-inf) at step (\d+) \((loss|gradient norm) (\S+)\)", msg)
+    assert m and m.group(1) != m.group(4), msg
+    other = m.group(5)
+    assert other in ("nan", "inf", "-inf") or (m.group(1) == "gradient norm" and float(other) == float(f"{float(other):.4g}"))
+    for remedy in ("parameters.learning_rate (1e+30 now)", "parameters.warmup", "parameters.grad_clip (off now)",
+                   "parameters.precision"):
+        assert remedy in msg, msg
+    bad = int(m.group(3))
     saved = [int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*")]
     assert all(step < bad for step in saved), (bad, saved)
+
+
+def test_divergence_message_names_the_non_finite_value():
+    """The case users met: a finite loss and a NaN gradient norm is not "loss became 7.62"."""
+    from lmforge.train.trainer import divergence_message
+
+    msg = divergence_message(4, 7.624619007110596, float("nan"), remedies="Try x")
+    assert msg.startswith("gradient norm became nan at step 4 (loss 7.625)"), msg
+    msg = divergence_message(9, float("inf"), 123456.0, remedies="Try x")
+    assert msg.startswith("loss became inf at step 9 (gradient norm 1.235e+05)"), msg
 
 
 @pytest.mark.gpu

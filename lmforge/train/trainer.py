@@ -67,6 +67,26 @@ class TrainingDiverged(UserError):
     exit_code = 3
 
 
+def divergence_message(step: int, loss: float, grad_norm: float, remedies: str) -> str:
+    """The value that went non-finite at ``step`` first — the loss, else the gradient norm (the loss
+    can stay finite for a step while the backward pass overflows) — and the other one beside it."""
+    if math.isfinite(loss):
+        head = f"gradient norm became {grad_norm} at step {step} (loss {loss:.4g})"
+    else:
+        head = f"loss became {loss} at step {step} (gradient norm {grad_norm:.4g})"
+    return f"{head}; {remedies}"
+
+
+def divergence_remedies(cfg, plan) -> str:
+    """The usual remedies for a diverged run, with this run's values."""
+    p = cfg.parameters
+    clip = "off" if p.grad_clip is None else f"{p.grad_clip:g}"
+    precision = ("parameters.precision fp32 (bf16 now)" if plan.precision in ("bf16", "fp8")
+                 else "parameters.precision bf16 (its wider exponent range; fp32 now)")
+    return (f"Try a lower parameters.learning_rate ({plan.learning_rate:.3g} now), a longer parameters.warmup "
+            f"({plan.warmup_steps} steps now), parameters.grad_clip ({clip} now) or {precision}")
+
+
 # Across ranks, a stop asked on one (SIGTERM, Ctrl-C) is agreed on by an all-reduce, which waits
 # for the device: done at log steps, and at least every this many steps.
 STOP_CHECK_STEPS = 10
@@ -315,10 +335,10 @@ class Trainer:
         window.clear()
         for i, (loss, grad_norm) in enumerate(values):
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                raise TrainingDiverged(
-                    f"loss became {loss} at step {first_step + i} (grad norm {grad_norm:.3g}); stopped without "
-                    f"saving. Last good checkpoint: {ckpt.latest_checkpoint(self.save_folder) or 'none'}. "
-                    "Try a lower parameters.learning_rate")
+                last = ckpt.latest_checkpoint(self.save_folder) or "none"
+                raise TrainingDiverged(divergence_message(
+                    first_step + i, loss, grad_norm, f"stopped without saving. Last good checkpoint: {last}. "
+                    + divergence_remedies(self.cfg, self.plan)))
         return values
 
     # ------------------------------------------------------------------ evaluation
