@@ -62,7 +62,7 @@ class Recorder(Tracker):
     def log_metrics(self, metrics, step):
         self.seen.append((step, metrics))
 
-    def finish(self, status="completed"):
+    def finish(self, status="completed", error=None):
         self.seen.append(status)
 
 

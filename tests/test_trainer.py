@@ -176,7 +176,7 @@ class Recorder(Callback):
     def on_checkpoint(self, path):
         self.calls.append(f"checkpoint:{path.rsplit('_', 1)[-1].lstrip('0')}")
 
-    def on_end(self, status, final_dir):
+    def on_end(self, status, final_dir, error=None):
         self.calls.append(f"end:{status}:{final_dir is not None}")
 
 
@@ -206,9 +206,10 @@ def test_a_diverged_step_never_reaches_a_checkpoint(tiny_data, tmp_path):
     assert m and m.group(1) != m.group(4), msg
     other = m.group(5)
     assert other in ("nan", "inf", "-inf") or (m.group(1) == "gradient norm" and float(other) == float(f"{float(other):.4g}"))
-    for remedy in ("parameters.learning_rate (1e+30 now)", "parameters.warmup", "parameters.grad_clip (off now)",
-                   "parameters.precision"):
+    for remedy in ("parameters.learning_rate (1e+30 now)", "parameters.warmup (1 step now)",
+                   "parameters.grad_clip (off now)"):
         assert remedy in msg, msg
+    assert "parameters.precision" not in msg  # fp32 already
     bad = int(m.group(3))
     saved = [int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*")]
     assert all(step < bad for step in saved), (bad, saved)
@@ -216,12 +217,14 @@ def test_a_diverged_step_never_reaches_a_checkpoint(tiny_data, tmp_path):
 
 def test_divergence_message_names_the_non_finite_value():
     """The case users met: a finite loss and a NaN gradient norm is not "loss became 7.62"."""
-    from lmforge.train.trainer import divergence_message
+    from lmforge.train.trainer import divergence_message, divergence_remedies
 
     msg = divergence_message(4, 7.624619007110596, float("nan"), remedies="Try x")
     assert msg.startswith("gradient norm became nan at step 4 (loss 7.625)"), msg
     msg = divergence_message(9, float("inf"), 123456.0, remedies="Try x")
     assert msg.startswith("loss became inf at step 9 (gradient norm 1.235e+05)"), msg
+    assert divergence_remedies(3e-3, 100, 1.0, "bf16").endswith(
+        "parameters.grad_clip (1 now) or parameters.precision fp32 (bf16 now)")
 
 
 @pytest.mark.gpu

@@ -62,6 +62,7 @@ def summary(run: RunData) -> dict[str, float | str | None]:
     steps, _ = run.series("train/loss")
     out: dict[str, float | str | None] = {
         "status": run.status,
+        "reason": run.reason,
         "steps": steps[-1] if steps else None,
         "tokens": last.get("train/tokens"),
         "train loss (last)": last.get("train/loss"),

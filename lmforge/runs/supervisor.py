@@ -89,11 +89,27 @@ _WORKER_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 HANG_MARK = "lmforge: hang detected"
 
 
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")  # torchrun's prefix of a rank's lines
+
+
+def last_exception(tail: list[str]) -> str | None:
+    """The exception line of the last Python traceback in ``tail`` (the first unindented line after
+    its "Traceback" header), or None."""
+    lines = [_RANK_PREFIX.sub("", ln) for ln in tail]
+    start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Traceback (most recent")), None)
+    if start is None:
+        return None
+    return next((ln.strip() for ln in lines[start + 1:] if ln.strip() and not ln[0].isspace()), None)
+
+
 def failure_reason(rc: int, tail: list[str]) -> str:
-    """What went wrong, from the output's last lines: a detected hang, the failed rank, or the exit."""
+    """What went wrong, from the output's last lines: a detected hang, or the failed rank (or the
+    exit) with the exception it raised."""
     hang = next((ln for ln in reversed(tail) if HANG_MARK in ln), None)
     if hang:
         return hang[hang.index(HANG_MARK) + len("lmforge: "):].split(";")[0]
+    exc = last_exception(tail)
+    why = f": {exc}" if exc else ""
     rank = code = None
     for ln in tail:
         if m := _WORKER_FAILED.search(ln):
@@ -103,8 +119,8 @@ def failure_reason(rc: int, tail: list[str]) -> str:
         elif (m := _WORKER_EXIT.match(ln)) and rank is not None:
             code = int(m.group(1))
     if rank is not None and code is not None:
-        return f"rank {rank} {describe_exit(code)}"
-    return describe_exit(rc)
+        return f"rank {rank} {describe_exit(code)}{why}"
+    return describe_exit(rc) + why
 
 
 class Supervisor:

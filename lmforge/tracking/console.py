@@ -184,7 +184,7 @@ class ConsoleTracker(Tracker):
     def log_text(self, key: str, text: str, step: int) -> None:
         self._println(f"--- {key} at step {step} ---\n{text.rstrip()}\n---")
 
-    def finish(self, status: str = "completed") -> None:
+    def finish(self, status: str = "completed", error: str | None = None) -> None:
         if self._progress is not None:
             self._progress.stop()  # stops the refresh thread and leaves the last frame
             self._progress = None

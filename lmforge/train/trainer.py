@@ -67,6 +67,15 @@ class TrainingDiverged(UserError):
     exit_code = 3
 
 
+def failure_line(e: BaseException) -> str:
+    """What ended a failed run, in one line: a UserError's own message, else the exception's type
+    and the first line of its message."""
+    if isinstance(e, UserError):
+        return str(e)
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
 def divergence_message(step: int, loss: float, grad_norm: float, remedies: str) -> str:
     """The value that went non-finite at ``step`` first — the loss, else the gradient norm (the loss
     can stay finite for a step while the backward pass overflows) — and the other one beside it."""
@@ -77,14 +86,13 @@ def divergence_message(step: int, loss: float, grad_norm: float, remedies: str) 
     return f"{head}; {remedies}"
 
 
-def divergence_remedies(cfg, plan) -> str:
+def divergence_remedies(learning_rate: float, warmup_steps: int, grad_clip: float | None, precision: str) -> str:
     """The usual remedies for a diverged run, with this run's values."""
-    p = cfg.parameters
-    clip = "off" if p.grad_clip is None else f"{p.grad_clip:g}"
-    precision = ("parameters.precision fp32 (bf16 now)" if plan.precision in ("bf16", "fp8")
-                 else "parameters.precision bf16 (its wider exponent range; fp32 now)")
-    return (f"Try a lower parameters.learning_rate ({plan.learning_rate:.3g} now), a longer parameters.warmup "
-            f"({plan.warmup_steps} steps now), parameters.grad_clip ({clip} now) or {precision}")
+    clip = "off" if grad_clip is None else f"{grad_clip:g}"
+    text = (f"Try a lower parameters.learning_rate ({learning_rate:.3g} now), a longer parameters.warmup "
+            f"({warmup_steps} step{'' if warmup_steps == 1 else 's'} now), parameters.grad_clip ({clip} now)")
+    wider = {"bf16": "fp32", "fp8": "bf16"}.get(precision)  # fewer mantissa bits: rounding can blow up
+    return text + (f" or parameters.precision {wider} ({precision} now)" if wider else "")
 
 
 # Across ranks, a stop asked on one (SIGTERM, Ctrl-C) is agreed on by an all-reduce, which waits
@@ -338,7 +346,8 @@ class Trainer:
                 last = ckpt.latest_checkpoint(self.save_folder) or "none"
                 raise TrainingDiverged(divergence_message(
                     first_step + i, loss, grad_norm, f"stopped without saving. Last good checkpoint: {last}. "
-                    + divergence_remedies(self.cfg, self.plan)))
+                    + divergence_remedies(self.plan.learning_rate, self.plan.warmup_steps,
+                                           self.cfg.parameters.grad_clip, self.plan.precision)))
         return values
 
     # ------------------------------------------------------------------ evaluation
@@ -452,8 +461,8 @@ class Trainer:
                 final_dir = self.export() if status == "completed" else None
                 barrier()
             self.callbacks.on_end(status, final_dir)
-        except BaseException:
-            self.callbacks.on_end("failed", None)
+        except BaseException as e:
+            self.callbacks.on_end("failed", None, error=failure_line(e))
             raise
         finally:
             self.stream.close()
@@ -487,8 +496,10 @@ class Trainer:
             if self.saver is not None:
                 self.saver.poll()  # rank 0 completes a background checkpoint as soon as it is written
             done = self._done()
-            log_now = state.step % self.cfg.log_interval == 0 or state.step == 1 or done
             stop = self._stop_requested()
+            # The last step is logged also when a stop ends the run: its checkpoint, the registry and
+            # the report then agree on where it stopped.
+            log_now = state.step % self.cfg.log_interval == 0 or state.step == 1 or done or stop
             save_now = (state.step % plan.save_interval == 0 and not done) or stop
             if log_now or save_now:  # the only points that wait for the device
                 first = state.step - len(window) + 1
