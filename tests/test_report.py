@@ -273,3 +273,20 @@ def html_escape(text: str) -> str:
     import html
 
     return html.escape(text)
+
+
+def test_compare_deltas_carry_their_units():
+    """B − A of a duration is a duration, of MFU percentage points that do not round to -0.0."""
+    from lmforge.report.compare import format_compare
+    from lmforge.report.load import RunData
+
+    def run(name, elapsed, mfu):
+        records = [{"step": s, "train/loss": 3.0, "throughput/mfu": mfu, "time/elapsed_s": elapsed * s / 2}
+                   for s in (1, 2)]
+        return RunData(name=name, folder=name, records=records, status="COMPLETED")
+
+    out = format_compare(run("a", 526.0, 0.1234), run("b", 510.73, 0.1230))
+    time_row = next(ln for ln in out.splitlines() if ln.strip().startswith("training time"))
+    assert time_row.split()[-2:] == ["-0:00:15", "(-2.9%)"], time_row
+    mfu_row = next(ln for ln in out.splitlines() if ln.strip().startswith("MFU"))
+    assert mfu_row.split()[-2:] == ["-0.04", "pts"], mfu_row
