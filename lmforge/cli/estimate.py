@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from lmforge.cli.common import add_command
+from lmforge.cli.common import add_command, positive_int
 from lmforge.config.load import load_yaml_text, read_text_file
 from lmforge.config.model import PRESETS, resolve_model
 from lmforge.errors import UserError
@@ -173,9 +173,9 @@ def register(subparsers) -> None:
                    "uses on this CPU (bf16 with AMX, else fp32)")
     p.add_argument("--mfu", type=float, default=0.4, help="model-FLOPs utilization to assume, in (0, 1]")
     p.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="P", help="price for the cost line")
-    p.add_argument("--seq-len", type=int, default=None, help="context length; unset = the model's max_seq_len (or the YAML's context_length)")
-    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary; unset = the model's, or 32000 where the model leaves it to the tokenizer")
-    p.add_argument("--micro-batch", type=int, default=None, help="micro-batch per GPU; unset = the largest power of two that fits")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="context length; unset = the model's max_seq_len (or the YAML's context_length)")
+    p.add_argument("--vocab-size", type=positive_int, default=None, help="vocabulary; unset = the model's, or 32000 where the model leaves it to the tokenizer")
+    p.add_argument("--micro-batch", type=positive_int, default=None, help="micro-batch per GPU; unset = the largest power of two that fits")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="MoE: GPUs each layer's experts are split over (memory and all-to-all traffic)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -111,6 +111,7 @@ def load_from_args(args):
 
 def run(args) -> int:
     cfg = load_from_args(args)
+    cfg.compute.check_nodes()  # [resolve] before --dry-run too: several nodes need their rendezvous
     secrets.apply(cfg)  # credentials named by `secrets:` → env (torchrun's ranks inherit it)
     if args.dry_run:
         return dry_run(cfg, args)

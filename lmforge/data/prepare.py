@@ -457,6 +457,18 @@ def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: flo
     } | ({"curation": curation} if curation is not None else {})
 
 
+def input_warnings(summary: dict) -> list[str]:
+    """What reading the inputs skipped or replaced, one line each: `data prepare` prints them under its
+    table, and a run that prepares its raw data says them as warnings (not only in the dataset card)."""
+    lines = [f"skipped {s['input']}: {s['reason']}" for s in summary.get("skipped_inputs") or []]
+    if summary.get("skipped_lines"):
+        lines.append(f"skipped {summary['skipped_lines']} records, e.g. {summary['skipped_line_examples'][0]}")
+    if summary.get("invalid_utf8_replacements"):
+        lines.append(f"{summary['invalid_utf8_replacements']} invalid UTF-8 sequences replaced (U+FFFD), in "
+                     f"{', '.join(summary.get('invalid_utf8_files') or [])}: is it in another encoding?")
+    return lines
+
+
 def _tail_holdout(stage: str, splits: dict, eval_fraction: float, seq_len: int, dtype: str,
                   compression: str | None, flags: tuple[str, str]) -> dict:
     """Few documents: one split got every full sample (the per-document draw put every document on
