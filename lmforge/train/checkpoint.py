@@ -214,7 +214,10 @@ def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, ke
         if os.path.exists(final):  # same step saved before (e.g. final save after a periodic one)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for _, old in list_checkpoints(save_folder)[:-keep]:
+        # keep-N counts this checkpoint and those before it: one of a later step can only be left from
+        # before a fallback to an earlier one (`intact_checkpoint`), never a reason to drop an intact one.
+        step = int(_STEP_DIR.match(os.path.basename(final)).group(1))
+        for _, old in [c for c in list_checkpoints(save_folder) if c[0] <= step][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         if on_complete is not None:
             on_complete(final)
@@ -243,18 +246,29 @@ def verify_checkpoint(path: str, checked: Collection[str] = ()) -> dict:
 
 def intact_checkpoint(save_folder: str, log=print) -> str | None:
     """The newest complete checkpoint whose files are intact. A corrupt newer one is skipped with a
-    warning line (it stays on disk for inspection); if none is intact, the newest one's error."""
+    warning line and, once an intact one is found, set aside as ``step_N.damaged-<time>`` (on disk for
+    inspection, but no longer a checkpoint: keep-N never counts it, a later resume never tries it);
+    if none is intact, the newest one's error and nothing is moved."""
     found = list_checkpoints(save_folder)
     first_error = None
+    damaged = []
     for _, path in reversed(found):
         try:
             verify_checkpoint(path)
         except CorruptCheckpoint as e:
             first_error = first_error or e
+            damaged.append(path)
             log(f"warning: {e}; trying the previous checkpoint")
             continue
         if first_error is not None:
             log(f"warning: resuming from {path}, the newest intact checkpoint")
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for bad in damaged:
+                try:
+                    os.replace(bad, f"{bad}.damaged-{stamp}")
+                    log(f"warning: set the damaged {os.path.basename(bad)} aside as {bad}.damaged-{stamp}")
+                except OSError:  # left where it is: keep-N counts only checkpoints up to the newest one
+                    pass
         return path
     if first_error is not None:
         raise UserError(f"{first_error}; no intact checkpoint is left: --no-autoresume starts fresh "
