@@ -584,6 +584,32 @@ def test_disk_full_is_one_line_naming_path_and_errno(world, small_disk):
     assert lines[-1].startswith("error: ") and "ENOSPC" in lines[-1] and str(small_disk / "run") in lines[-1]
 
 
+def test_a_write_that_fails_leaves_no_half_written_files(world, tmp_path):
+    """The kernel refuses every write past 1 MB of a file (RLIMIT_FSIZE, with SIGXFSZ ignored: EFBIG,
+    as a full disk refuses with ENOSPC; no mount needed): the first checkpoint fails, and so does the
+    report written as the run ends. One error line, and neither leaves its .tmp behind."""
+    import resource
+    import signal
+    import sys
+
+    from train_helpers import REPO, env
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    save = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", world.config(save_folder=str(save), name="small-files"))
+    proc = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--no-supervisor"],
+                          capture_output=True, text=True, env=env(), cwd=REPO, timeout=300, preexec_fn=small_files)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1].startswith("error: ") and "EFBIG" in lines[-1], lines
+    assert any("report" in ln for ln in lines[:-1]), lines  # the report tracker's own warning line
+    left = [str(p.relative_to(save)) for p in save.rglob("*") if ".tmp" in p.name]
+    assert not left, left
+
+
 def test_read_only_save_folder_is_refused_before_the_run(world, small_disk):
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
     cfg = write_config(small_disk.parent / "c.yaml", world.config(save_folder=str(small_disk / "run")))

@@ -8,6 +8,7 @@ axes, one colour per run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import html
 import json
@@ -304,7 +305,12 @@ def write_report(runs: list[RunData], out: str) -> str:
     folder = os.path.dirname(os.path.abspath(out))
     os.makedirs(folder, exist_ok=True)
     tmp = f"{out}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(page)
-    os.replace(tmp, out)  # a browser (or the uploader) never sees half a page
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(tmp, out)  # a browser (or the uploader) never sees half a page
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk: no half page left behind
+            os.remove(tmp)
+        raise
     return out

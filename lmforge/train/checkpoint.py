@@ -22,6 +22,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import time
 import warnings
@@ -129,7 +130,9 @@ class PendingSave:
         try:
             digests = future.result()
         except (Exception, CheckpointException) as e:
-            raise _write_error(e, args[1]) from None
+            err = _write_error(e, args[1])
+            _discard(args[1], rank=args[4])
+            raise err from None
         return _complete(*args, digests=digests)
 
 
@@ -157,7 +160,9 @@ def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimiz
     try:
         torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     except (OSError, RuntimeError) as e:
-        raise _write_error(e, tmp) from None
+        err = _write_error(e, tmp)
+        _discard(tmp, rank)
+        raise err from None
     finish_args = (save_folder, tmp, final, state, rank, keep, on_complete)
     if pending is not None:
         # Returns once the state is staged (copied to CPU memory); the write continues in a thread.
@@ -167,8 +172,17 @@ def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimiz
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     except (Exception, CheckpointException) as e:
-        raise _write_error(e, tmp) from None
+        err = _write_error(e, tmp)
+        _discard(tmp, rank)
+        raise err from None
     return _finish(*finish_args)
+
+
+def _discard(tmp: str, rank: int) -> None:
+    """A checkpoint whose write failed: its half-written folder goes (rank 0), so that a full disk
+    gets back what it held and nothing of it is left to look like a checkpoint being written."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 FULL_BYTES = 1 << 20  # a write that failed with less free space than this ran out of it
@@ -191,6 +205,8 @@ def _write_error(e: BaseException, folder: str) -> BaseException:
         return e
     if st.f_bavail * st.f_frsize < FULL_BYTES:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), folder)
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:  # `ulimit -f`: a short write
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG), folder)
     return e
 
 
