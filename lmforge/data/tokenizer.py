@@ -51,6 +51,16 @@ class Tokenizer:
         it adds to a document (e.g. BOS), exactly as ``transformers`` does for ``tokenizer(text)``."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt to continue: the ids of `encode` — a BOS where the tokenizer's post-processor puts
+        one, once, as transformers' ``tokenizer(text)`` (``bos_id`` only says that it does; adding it
+        again gave Mistral/Gemma-style tokenizers two) — without an EOS a post-processor may append
+        (a prompt goes on); never empty (EOS alone starts a text, as in pretraining)."""
+        ids = self.encode(text)
+        if len(ids) > 1 and ids[-1] == self.eos_id:
+            ids = ids[:-1]
+        return ids or [self.eos_id]
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch_fast skips offset tracking (tokenizers >= 0.21); same ids, less work.
         fast = getattr(self.backend, "encode_batch_fast", None)

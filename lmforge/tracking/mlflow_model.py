@@ -46,8 +46,7 @@ class LmforgeTextGenerator(mlflow.pyfunc.PythonModel):
         tok = self.tokenizer
         out = []
         for i, prompt in enumerate(_prompts(model_input)):
-            ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prompt)
-            new = generate(self.model, ids or [tok.eos_id], int(p["max_new_tokens"]),
+            new = generate(self.model, tok.encode_prompt(prompt), int(p["max_new_tokens"]),
                            temperature=float(p["temperature"]), top_k=int(p["top_k"]) or None,
                            top_p=float(p["top_p"]), eos_id=tok.eos_id, seed=int(p["seed"]) + i)
             if new and new[-1] == tok.eos_id:
