@@ -142,6 +142,7 @@ def run(args) -> int:
         precision=_precision(args),
         micro_batch=args.micro_batch,
         expert_parallel=args.expert_parallel,
+        data_parallel=args.data_parallel,
     )
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan), end="\n" if args.json else "")
     check_fits(plan)
@@ -153,7 +154,7 @@ def register(subparsers) -> None:
         subparsers, "estimate", "plan a run: FLOPs, tokens, time, cost and memory per GPU",
         description="Plan a training run before spending: parameters (total/active), FLOPs "
         "(6·N_active·D plus attention), Chinchilla tokens, time and cost at a given MFU on a "
-        "given cluster, memory per GPU under full sharding, and for MoE models the expert traffic "
+        "given cluster, memory per GPU (for --data-parallel, full sharding by default), and for MoE models the expert traffic "
         "per GPU with and without expert parallelism.",
     )
     p.add_argument("--model", metavar="PRESET_OR_YAML", help="preset name, a run YAML (its model: key), or auto "
@@ -176,6 +177,10 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=positive_int, default=None, help="context length; unset = the model's max_seq_len (or the YAML's context_length)")
     p.add_argument("--vocab-size", type=positive_int, default=None, help="vocabulary; unset = the model's, or 32000 where the model leaves it to the tokenizer")
     p.add_argument("--micro-batch", type=positive_int, default=None, help="micro-batch per GPU; unset = the largest power of two that fits")
+    p.add_argument("--data-parallel", default="fsdp", choices=["fsdp", "hsdp", "ddp"],
+                   help="how the GPUs share the model, which the memory verdict is for: fsdp shards the model "
+                   "states over every GPU, hsdp over a node's, ddp keeps them whole on each (what `lmforge "
+                   "train` uses unless compute.data_parallel says otherwise; `train --dry-run` follows the run)")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="MoE: GPUs each layer's experts are split over (memory and all-to-all traffic)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

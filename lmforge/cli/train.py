@@ -219,7 +219,8 @@ def dry_run(cfg, args) -> int:
                        gpu_type=gpu_type, seq_len=plan.context_length, micro_batch=plan.micro_batch,
                        grad_accum=plan.grad_accum, price=cfg.compute.price_per_gpu_hour,
                        precision=mfu_basis(plan.precision),
-                       expert_parallel=cfg.compute.expert_parallel if device.type == "cuda" else 1)
+                       expert_parallel=cfg.compute.expert_parallel if device.type == "cuda" else 1,
+                       data_parallel=cfg.compute.data_parallel)  # [resolve] the verdict is for the run's mode
     if args.json:
         print(json.dumps({"config": resolved, "plan": est}, indent=1, default=str))
         return 0

@@ -14,7 +14,7 @@ from lmforge.errors import UserError
 from lmforge.estimate.comm import moe_traffic
 from lmforge.estimate.flops import DEFAULT_VOCAB, flops_per_token, param_counts
 from lmforge.estimate.hardware import GPUSpec, get_gpu_type, peak_flops
-from lmforge.estimate.memory import memory_plan
+from lmforge.estimate.memory import REPLICATED, memory_plan
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
 DEFAULT_SEQ_LEN = 2048
@@ -44,6 +44,7 @@ def estimate_run(
     spec: GPUSpec | None = None,
     expert_parallel: int = 1,
     grad_accum: int = 1,
+    data_parallel: str = "fsdp",
 ) -> dict:
     """Every planning number for training ``model`` on ``tokens`` tokens.
 
@@ -53,7 +54,8 @@ def estimate_run(
     e.g. from `detect_device_spec`). ``mfu`` in (0, 1]; ``price`` per GPU-hour.
     ``seq_len`` defaults to the model's max_seq_len. ``expert_parallel`` (MoE): GPUs each
     layer's experts are split over; ``grad_accum``: micro-batches per optimizer step (for the MoE
-    traffic per step). Raises UserError on bad input.
+    traffic per step); ``data_parallel``: how the GPUs share the model (fsdp, hsdp: sharded within a
+    node, ddp/none: replicated), which the memory verdict is for. Raises UserError on bad input.
     """
     if not 0 < mfu <= 1:
         raise UserError(f"--mfu: expected a fraction in (0, 1], got {mfu}")
@@ -110,7 +112,8 @@ def estimate_run(
     gpu_hours = seconds * n / 3600
 
     memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch,
-                         activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel)
+                         activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel,
+                         data_parallel=data_parallel, shard_devices=gpus)
     moe = None
     if cfg is not None and cfg.is_moe:
         mb = memory["micro_batch"] or memory["suggested_micro_batch"] or 1
@@ -170,10 +173,13 @@ def check_fits(plan: dict) -> None:
     mem, cluster = plan["memory"], plan["cluster"]
     if mem["fits"]:
         return
-    where = f"{cluster['gpus']} × {cluster['gpu_type']}"
+    where = f"{cluster['gpus']} × {cluster['gpu_type']} under {mem['data_parallel']}"
     usable = _bytes(mem["usable_bytes"])
     states = _bytes(mem["states_bytes_per_gpu"])
-    more = f"at least {mem['min_gpus']} GPUs" if mem["min_gpus"] else "a shorter --seq-len"
+    if mem["data_parallel"] in REPLICATED:  # more GPUs of the same kind do not help: shard instead
+        more = "compute.data_parallel fsdp to shard the model states (--data-parallel fsdp for an estimate)"
+    else:
+        more = f"at least {mem['min_gpus']} GPUs" if mem["min_gpus"] else "a shorter --seq-len"
     if mem["activation_bytes_per_sample"] is None:
         raise UserError(f"model does not fit on {where}: model states need {states} per GPU of "
                         f"{usable} usable; use {more}")
@@ -188,10 +194,22 @@ def check_fits(plan: dict) -> None:
         hint = ("" if mem["activation_checkpointing"] else "enable activation checkpointing and ") + f"use {more}"
     raise UserError(
         f"model does not fit on {where} at micro-batch {mb}, seq {mem['seq_len']}: "
-        f"needs {_bytes(mem['total_bytes_per_gpu'])} per GPU{with_ac} (states {states}, gathered "
+        f"needs {_bytes(mem['total_bytes_per_gpu'])} per GPU{with_ac} (states {states}, {_unsharded(mem)} "
         f"{_bytes(mem['gathered_bytes_per_gpu'])}, activations {_bytes(act['no_ac'])} per sequence, "
         f"{_bytes(act['ac'])} with checkpointing) of {usable} usable; {hint}"
     )
+
+
+def _unsharded(mem: dict) -> str:
+    """What the memory beside the model states is, by data-parallel mode."""
+    return {"ddp": "gradient buckets", "none": "unsharded"}.get(mem["data_parallel"], "gathered")
+
+
+def _states_where(mem: dict) -> str:
+    dp, shards = mem["data_parallel"], mem["shards"]
+    if dp in REPLICATED:
+        return f"whole on each GPU: {dp}"
+    return f"over {shards} GPUs: {dp}" + (" within a node" if dp == "hsdp" else "")
 
 
 def _count(x: float | None) -> str:
@@ -242,8 +260,8 @@ def format_plan(plan: dict) -> str:
         ("GPU-hours", f"{tm['gpu_hours']:,.0f}"),
         ("cost", f"{plan['cost']['total']:,.0f} at {plan['cost']['price_per_gpu_hour']:g} per GPU-hour"
                  if plan["cost"]["total"] is not None else "— (give --price-per-gpu-hour)"),
-        ("memory/GPU", f"model states {_bytes(m['states_bytes_per_gpu'])} "
-                       f"(18 B/param over {m['devices']} GPUs), gathered {_bytes(m['gathered_bytes_per_gpu'])}, "
+        ("memory/GPU", f"model states {_bytes(m['states_bytes_per_gpu'])} (18 B/param {_states_where(m)}), "
+                       f"{_unsharded(m)} {_bytes(m['gathered_bytes_per_gpu'])}, "
                        f"loss {_bytes(m['loss_workspace_bytes'])}, "
                        f"usable {_bytes(m['usable_bytes'])} of {_bytes(m['gpu_memory_bytes'])}"),
     ]
@@ -268,7 +286,7 @@ def format_plan(plan: dict) -> str:
         else:
             rows.append(("MoE traffic", f"{without} {per}; --expert-parallel N trades them for an all-to-all "
                                         "of the routed tokens"))
-    verdict = "fits" if m["fits"] else "DOES NOT FIT"
+    verdict = ("fits" if m["fits"] else "DOES NOT FIT") + f" under {m['data_parallel']}"
     if m["suggested_micro_batch"]:
         verdict += (f"; suggested micro-batch {m['suggested_micro_batch']}"
                     f"{' with activation checkpointing' if m['activation_checkpointing'] else ''}")
