@@ -236,3 +236,25 @@ def test_prepare_to_and_from_s3(corpus, tok, tmp_path, s3_env):
     assert again["already_prepared"]
     with pytest.raises(UserError, match="already holds a different prepared dataset"):
         prepare([f"s3://{s3.bucket}/raw/"], tok, dest, SEQ * 2)
+
+
+def test_progress_of_one_large_document_shows_the_bytes_read(tmp_path, monkeypatch):
+    """One .txt file is one document, tokenized in one piece: the bar showed `0 docs 0 tokens` until
+    the end. It now moves with the bytes read of the total and says what it is doing meanwhile."""
+    import re
+
+    class Terminal(__import__("io").StringIO):
+        def isatty(self):
+            return True
+
+    tok = train_tokenizer([str(Path(__file__))], 300, str(tmp_path / "tok"))
+    text = Path(__file__).read_text()
+    (tmp_path / "big.txt").write_text(text * (prepare_mod.CHUNK_CHARS // len(text) + 1))  # a chunk by itself
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("COLUMNS", "160")
+    prepare([str(tmp_path / "big.txt")], tok, str(tmp_path / "out"), SEQ, progress=True)
+    frames = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", err.getvalue()).split("\r")
+    read = [f for f in frames if re.search(r"\d+% read", f) and "tokenizing a 1 MB document" in f and " 0 docs" in f]
+    assert read, frames[-5:]  # read in full, not yet tokenized: said so, with the fraction
+    assert any("1 docs" in f or "1 doc " in f for f in frames[frames.index(read[0]):]), frames[-5:]

@@ -117,6 +117,46 @@ def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     assert "already ended: COMPLETED" in again.stdout
 
 
+def test_a_foreground_run_on_a_terminal_logs_plain_lines(tmp_path, tiny_data):
+    """`lmforge train` on a terminal: the supervisor gives the trainer a terminal too (the live bar),
+    and the run's log — as `lmforge runs logs` prints it — holds what a terminal keeps: the plain
+    step lines, no redraw of the bar and no escape code."""
+    import pty
+    import threading
+
+    cfg, _ = config(tmp_path, tiny_data, "on-a-tty", training_duration="12ba", **{"eval.prompts": []})
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg)], stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave, env=env(), cwd=REPO)
+    os.close(slave)
+    shown = bytearray()
+
+    def read():
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the last writer closed its end
+                return
+            if not chunk:
+                return
+            shown.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert proc.wait(timeout=300) == 0, bytes(shown[-3000:])
+    finally:
+        reader.join(timeout=10)
+        os.close(master)
+    assert b"\x1b[" in shown  # the terminal had the live bar
+    log = lmforge("runs", "logs", "on-a-tty", check=True).stdout
+    assert "\x1b" not in log and "\r" not in log, log[-2000:]
+    lines = log.splitlines()
+    steps = [int(m.group(1)) for ln in lines if (m := re.match(r"step (\d+)/12 \| ", ln))]
+    assert steps == list(range(1, 13)), log[-3000:]  # default_log_every(12): every step
+    assert len(lines) < len(steps) + 25, log  # the step lines, the run's head and its summary
+
+
 def _tree(pid: int) -> dict[int, str | None]:
     return {p: process_start(p) for p in [pid, *descendants(pid)]}
 

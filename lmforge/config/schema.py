@@ -368,7 +368,7 @@ class RunConfig(_Strict):
     max_retries: int = Field(2, ge=0, description="restarts after a crash or a hang, in all (by the supervisor or "
                              "torchrun); each resumes from the latest checkpoint")
     log_interval: int = Field(10, ge=1, description="steps between logged metrics (trackers, the progress bar); "
-                              "plain console lines (no terminal) thin them to ~20 a run, one at least every 100 steps")
+                              "plain console lines thin them to ~20 a run, one at least every 100 steps")
     # [object-store] remote save_folder / train_data settings (lmforge/config/storage.py)
     object_store: ObjectStoreConfig = Field(default_factory=ObjectStoreConfig, description="endpoint, retries")
     secrets: SecretsConfig | None = Field(None, description="credentials file or env var names (never values)")

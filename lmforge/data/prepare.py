@@ -255,7 +255,11 @@ def _remove(out: str) -> None:
 
 
 class _Progress:
-    """A rich progress line on a terminal; silent otherwise."""
+    """A rich progress line on a terminal; silent otherwise.
+
+    The bar is the bytes read of the inputs' total, with its ETA; documents and tokens count what is
+    tokenized. Reading runs ahead of tokenizing by a chunk at most, except for one large document
+    (a .txt file is one), which is tokenized in one piece: the line says so while it waits."""
 
     def __init__(self, enabled: bool, total_bytes: int | None):
         self.bar = None
@@ -265,18 +269,34 @@ class _Progress:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.bar = Progress(
-            TextColumn("[bold]prepare"), BarColumn(), TextColumn("{task.fields[docs]:,} docs"),
-            TextColumn("{task.fields[tokens]:,} tokens"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
+            TextColumn("[bold]prepare"), BarColumn(), TextColumn("{task.fields[read]}"),
+            TextColumn("{task.fields[docs]:,} docs"), TextColumn("{task.fields[tokens]:,} tokens"),
+            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("{task.fields[doing]}"),
             console=Console(stderr=True), transient=True,
         )
-        self.task = self.bar.add_task("prepare", total=total_bytes, docs=0, tokens=0, rate="")
+        self.total = total_bytes
+        self.done_bytes = 0
+        self.task = self.bar.add_task("prepare", total=total_bytes, docs=0, tokens=0, rate="", read="", doing="")
         self.start = time.perf_counter()
         self.bar.start()
 
-    def update(self, nbytes: int, docs: int, tokens: int) -> None:
+    def read(self, nbytes: int, doing: str = "") -> None:
+        """``nbytes`` more of the inputs were read; ``doing`` says what waits on them (or "")."""
+        if self.bar is None:
+            return
+        self.done_bytes += nbytes
+        shown = ""
+        if self.total:
+            frac = min(1.0, self.done_bytes / self.total)
+            left = (time.perf_counter() - self.start) * (1 - frac) / frac if frac else None
+            eta = f", ETA {int(left // 60)}:{int(left % 60):02d}" if left and not doing else ""
+            shown = f"{int(100 * frac)}% read{eta}"
+        self.bar.update(self.task, completed=self.done_bytes, read=shown, doing=doing, refresh=True)
+
+    def update(self, docs: int, tokens: int) -> None:
         if self.bar is not None:
             rate = tokens / max(time.perf_counter() - self.start, 1e-9)
-            self.bar.update(self.task, advance=nbytes, docs=docs, tokens=tokens, rate=f"{rate:,.0f} tok/s")
+            self.bar.update(self.task, docs=docs, tokens=tokens, rate=f"{rate:,.0f} tok/s", doing="", refresh=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -399,28 +419,33 @@ def _build(sources, tok: Tokenizer, stage: str, seq_len: int, eval_fraction: flo
     if eval_fraction > 0:
         packers["val"] = _Packer(os.path.join(stage, "val"), seq_len, dtype, compression)
 
-    def documents() -> Iterator[str]:
-        for src in sources:
-            stats.files += 1
-            for text in read_source(src, text_field, stats):
-                stats.documents += 1
-                yield text
-
     sizes = [s.size for s in sources]
     total = sum(sizes) if sizes and all(s is not None for s in sizes) else None
     bar = _Progress(sys.stderr.isatty() if progress is None else bool(progress), total)
+
+    def documents() -> Iterator[str]:
+        for src in sources:
+            stats.files += 1
+            size, read = src.size or 0, 0
+            for text in read_source(src, text_field, stats):
+                stats.documents += 1
+                # Characters stand for bytes (as many for ASCII, fewer otherwise), up to the file's size.
+                step = min(len(text), size - read)
+                read += step
+                large = len(text) >= CHUNK_CHARS
+                bar.read(step, f"tokenizing a {len(text) / 1e6:,.0f} MB document" if large else "")
+                yield text
+            bar.read(size - read)
     start = time.perf_counter()
     docs = tokens = 0
     try:
         for _, result in _encoded_chunks(documents(), tok, eval_fraction, workers, curator):
-            nbytes = 0
             for split, (ids, ndocs, b) in result.items():
                 if split in packers:
                     packers[split].add(ids, ndocs, b)
                 docs += ndocs
                 tokens += len(ids)
-                nbytes += b
-            bar.update(nbytes, docs, tokens)
+            bar.update(docs, tokens)
     finally:
         bar.close()
     if stats.documents == 0:

@@ -4,7 +4,8 @@
 launch plan (``runs.plan``) saying "train" (one process) or "launch" (it becomes torchrun, whose
 ranks train). The supervisor
 
-- copies the child's output to its own (foreground) and to ``<logs>/resumption-<N>.log``;
+- copies the child's output to its own (foreground) and, as a terminal keeps it (lines, no redraws of
+  the live bar: `runs.terminal_text`), to ``<logs>/resumption-<N>.log``;
 - forwards SIGTERM/SIGINT to the child: the trainer, or torchrun, which passes the signal to
   every rank; each rank checkpoints at the same step and exits. The run is STOPPED once every
   process of it has exited (none holds the save folder's lock any more, `runs.lock`);
@@ -43,6 +44,7 @@ from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.progress import MetricsTail, metrics_path, summarize
 from lmforge.runs.registry import Registry
 from lmforge.runs.registry import status_file as status_path
+from lmforge.runs.terminal_text import TerminalText
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
@@ -382,7 +384,9 @@ class Supervisor:
         _note(f"run {self.name}: torchrun restarted the ranks ({self.restarts} of {self.max_retries} restarts used)")
 
     def _tee(self, fd: int, out, tail: deque) -> None:
-        partial = b""
+        """The child's output as it comes to the terminal (`out`), and as a terminal keeps it — its
+        lines, without the redraws and escape codes of a live bar — to the log file and the tail."""
+        text = TerminalText()
         while True:
             try:
                 chunk = os.read(fd, 65536)
@@ -390,26 +394,28 @@ class Supervisor:
                 break
             if not chunk:
                 break
-            with self._log_lock:
-                if self._log_error is None:
-                    try:
-                        self._log.write(chunk)
-                        self._log.flush()
-                    except OSError as e:  # a full disk must not hide the trainer's own error line
-                        self._log_error = e
-                        self.reg.event(self.name, "warning", f"writing the log stopped: "
-                                       f"{environment_error(e, where=self._log.name) or e}")
             if out is not None:
                 try:
                     out.buffer.write(chunk)
                     out.flush()
                 except (OSError, ValueError):
                     pass
-            lines = (partial + chunk).split(b"\n")
-            partial = lines.pop()
-            tail.extend(ln.decode(errors="replace").rstrip("\r") for ln in lines)
-        if partial:
-            tail.append(partial.decode(errors="replace"))
+            self._keep(text.feed(chunk), tail)
+        self._keep(text.close(), tail)
+
+    def _keep(self, lines: list[str], tail: deque) -> None:
+        if not lines:
+            return
+        with self._log_lock:
+            if self._log_error is None:
+                try:
+                    self._log.write("".join(ln + "\n" for ln in lines).encode())
+                    self._log.flush()
+                except OSError as e:  # a full disk must not hide the trainer's own error line
+                    self._log_error = e
+                    self.reg.event(self.name, "warning", f"writing the log stopped: "
+                                   f"{environment_error(e, where=self._log.name) or e}")
+        tail.extend(lines)
 
 
 def _copy_winsize(src: int, dst: int) -> None:
