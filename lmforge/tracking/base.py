@@ -132,6 +132,10 @@ class Trackers(Tracker):
         if self.finished:  # idempotent: the trainer and a context manager may both call it
             return
         self.finished = True
+        if error:
+            from lmforge.secrets import redact
+
+            error = redact(error)  # it reaches files and servers (events.jsonl, an MLflow tag)
         self._call("finish", status, error)
 
     def __enter__(self) -> Trackers:

@@ -55,9 +55,7 @@ class ReportTracker(Tracker):
             self.write()
 
     def finish(self, status: str = "completed", error: str | None = None) -> None:
-        from lmforge.secrets import redact
-
-        self._event({"event": "finished", "status": status} | ({"error": redact(error)} if error else {}))
+        self._event({"event": "finished", "status": status} | ({"error": error} if error else {}))
         self.write(status.upper())
 
     def write(self, status: str = "RUNNING") -> None:
