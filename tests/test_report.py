@@ -249,6 +249,12 @@ def test_report_of_a_failed_run_says_why_in_its_summary(tiny_data, tmp_path):
     assert "eval.prompts is empty" not in page and "before its first eval" in page
     plan = page.split("<h2>Plan against what happened</h2>", 1)[1].split("<h2>", 1)[0]
     assert "to finish" not in plan, plan
+    chromium = find_chromium(wait_s=0)
+    if chromium is not None:  # as a reader sees it: the reason is a row of the summary table
+        with Browser(chromium) as b:
+            b.open((tmp_path / "run" / "report.html").as_uri())
+            rows = b.evaluate("Array.from(document.querySelectorAll('table')[0].rows).map(r => r.innerText)")
+        assert any(r.startswith("reason") and str(err.value) in r for r in rows), rows
 
 
 def test_a_stopped_run_reports_the_step_it_stopped_at(tiny_data, tmp_path):
