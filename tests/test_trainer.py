@@ -249,15 +249,16 @@ def test_train_steps_never_wait_for_the_gpu(tiny_data, tmp_path):
 
 
 def test_keep_n_never_prunes_an_intact_checkpoint_for_a_damaged_one(tiny_data, tmp_path):
-    """Steps 6 and 8 kept (keep 2); step 8 is damaged, so the run resumes from step 6. Its next save
-    (step 9) must not prune step 6 and keep the damaged 8: the damaged one is set aside (for
+    """Steps 2 and 4 kept (keep 2); step 4 is damaged, so the run resumes from step 2. Its next save
+    (step 3) must not prune step 2 and keep the damaged 4: the damaged one is set aside (for
     inspection) and never counts toward keep-N."""
     from lmforge.train.checkpoint import list_checkpoints
 
     folder = tmp_path / "run"
-    make_trainer(tiny_data, folder, training_duration="8ba", save_interval="2ba").fit()
-    assert [s for s, _ in list_checkpoints(str(folder))] == [6, 8]
-    shard = sorted((folder / "checkpoints" / "step_00000008").glob("*.distcp"))[0]
+    small = {"eval.max_batches": 1, "eval.interval": "100ba"}
+    make_trainer(tiny_data, folder, training_duration="4ba", save_interval="2ba", **small).fit()
+    assert [s for s, _ in list_checkpoints(str(folder))] == [2, 4]
+    shard = sorted((folder / "checkpoints" / "step_00000004").glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
@@ -268,9 +269,9 @@ def test_keep_n_never_prunes_an_intact_checkpoint_for_a_damaged_one(tiny_data, t
         def on_checkpoint(self, path):
             Kept.seen[int(path.rsplit("_", 1)[-1])] = [s for s, _ in list_checkpoints(str(folder))]
 
-    trainer = make_trainer(tiny_data, folder, [Kept()], training_duration="12ba", save_interval="3ba")
+    trainer = make_trainer(tiny_data, folder, [Kept()], training_duration="6ba", save_interval="3ba", **small)
     result = trainer.fit()
     assert result.status == "completed" and trainer.resumed
-    assert Kept.seen[9] == [6, 9], Kept.seen
-    aside = [p.name for p in (folder / "checkpoints").iterdir() if p.name.startswith("step_00000008")]
-    assert len(aside) == 1 and aside[0].startswith("step_00000008.damaged"), aside
+    assert Kept.seen[3] == [2, 3], Kept.seen
+    aside = [p.name for p in (folder / "checkpoints").iterdir() if p.name.startswith("step_00000004")]
+    assert len(aside) == 1 and aside[0].startswith("step_00000004.damaged"), aside
