@@ -139,6 +139,10 @@ LONG_CONTEXT = {f"1b-{k}k-tokens": _model(M1, 32000, 1, part=5) | {"seq": k * 10
                                                                      "steps": steps}
                 for k, ac, steps in ((8, False, 5), (16, False, 4), (32, "selective", 3))}
 CONFIGS |= LONG_CONTEXT
+# [optimizers] Muon's step-time overhead against AdamW on llama-1b (`run_muon`): one model whose steps
+# alternate between the two optimizers (same shape, same forward/backward; compiled once), CUDA events
+# around the whole step and around the optimizer step alone.
+CONFIGS["1b-muon-overhead"] = _model(M1, 32000, 8, part=4, budget=120) | {"kind": "muon", "warmup": 2, "steps": 6}
 
 HEADLINE = [name for name, c in CONFIGS.items() if c["part"] == 0]
 # What each row is compared with (the "vs" column): FP8 with bf16, compiled with eager, FSDP with none.
@@ -148,7 +152,7 @@ BASELINES = {"1b-32k-compiled": "1b-32k-eager", "1b-128k-compiled": "1b-128k-eag
              "3b-fp8-tensorwise": "3b-bf16", "3b-fp8-rowwise": "3b-bf16",
              "1b-fsdp2-1-rank": "1b-no-fsdp", "trainer-60-steps": "trainer-60-steps/bench-loop",
              "3b-fp8-auto": "3b-bf16-auto", "8b-slice-fp8": "8b-slice-bf16", "moe-stack": "moe-twin",
-             "moe-stack-fp8-experts": "moe-twin-fp8"}
+             "moe-stack-fp8-experts": "moe-twin-fp8", "1b-muon-overhead/muon": "1b-muon-overhead/adamw"}
 DEFAULT_BUDGET = 300  # seconds a config may take when it names no budget
 MIN_BUDGET = 40  # a config is not started with less than this left
 WARMUP, STEPS = 3, 10
@@ -344,6 +348,87 @@ def kernel_breakdown(step) -> dict:
     return {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
 
 
+def run_muon(c: dict) -> list[dict]:
+    """Muon against AdamW on the same model (`CONFIGS["1b-muon-overhead"]`): both optimizers hold
+    the model's parameters and take turns (AdamW, Muon, Muon, AdamW, ...), so compilation happens
+    once and the forward and backward are the same work in both rows. Rows: one per optimizer,
+    with the optimizer step's own time and share of the step; "vs" is Muon's throughput over AdamW's.
+    MFU stays on the model's FLOPs: the optimizer's work is overhead, not model FLOPs."""
+    import torch
+
+    from lmforge.config.schema import ComputeConfig
+    from lmforge.data.batch import Batch
+    from lmforge.distributed.dist import DistInfo
+    from lmforge.distributed.parallelize import parallelize
+    from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token
+    from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
+    from lmforge.models import build_model
+    from lmforge.train.optim import build_optimizer
+
+    device = torch.device(c.get("device", "cuda"))
+    cuda = device.type == "cuda"
+    shape = model_shape(c)
+    compute = ComputeConfig(data_parallel="none", compile=c["compile"], loss_kernel=c["loss"])
+    torch.manual_seed(0)
+    model = build_model(shape, device=device)
+    step_forward = parallelize(model, compute, DistInfo(rank=0, world_size=1, local_rank=0, device=device),
+                               precision=c["precision"])
+    bf16 = c["precision"] == "bf16"
+    opts = {kind: build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
+                                  device_type=device.type, kind=kind) for kind in ("adamw", "muon")}
+    gen = torch.Generator().manual_seed(1)
+    batch = Batch.from_tokens(torch.randint(0, shape.vocab_size, (c["mb"], c["seq"]), generator=gen)).to(device)
+    n_targets = float(batch.num_targets())
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def step(kind: str) -> tuple[float, float]:
+        """(step s, optimizer step s)."""
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else None
+        t = [time.perf_counter()]
+        if cuda:
+            marks[0].record()
+        with autocast:
+            out = step_forward(batch.input_ids, batch.targets)
+        (out.ce_sum / n_targets).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if cuda:
+            marks[1].record()
+        t.append(time.perf_counter())
+        opts[kind].step()
+        opts[kind].zero_grad(set_to_none=True)
+        if cuda:
+            marks[2].record()
+            marks[2].synchronize()
+            return marks[0].elapsed_time(marks[2]) / 1e3, marks[1].elapsed_time(marks[2]) / 1e3
+        t.append(time.perf_counter())
+        return t[2] - t[0], t[2] - t[1]
+
+    t0 = time.perf_counter()
+    for kind in ("adamw", "muon") * c.get("warmup", WARMUP):
+        step(kind)
+    warm_s = time.perf_counter() - t0
+    times: dict[str, list[tuple[float, float]]] = {"adamw": [], "muon": []}
+    for i in range(c.get("steps", STEPS)):
+        for kind in (("adamw", "muon") if i % 2 == 0 else ("muon", "adamw")):
+            times[kind].append(step(kind))
+    spec = detect_device_spec(device)
+    peak = peak_flops(spec, "bf16" if (cuda or bf16) else "fp32")
+    tokens = c["mb"] * c["seq"]
+    rows = []
+    for kind, ts in times.items():
+        dt = statistics.median(s for s, _ in ts)
+        opt_s = statistics.median(o for _, o in ts)
+        tps = tokens / dt
+        rows.append({"name": f"1b-muon-overhead/{kind}", "tokens_per_s": tps, "step_ms": dt * 1e3,
+                     "opt_ms": opt_s * 1e3, "opt_share": opt_s / dt,
+                     "mfu": mfu(tps, mfu_flops_per_token(shape, c["seq"]), 1, peak),
+                     "mfu_6n": mfu(tps, flops_per_token(shape, c["seq"])["dense"], 1, peak),
+                     "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                     "warmup_s": warm_s, "device": spec.description, "mb": c["mb"], "accum": 1,
+                     "note": f"optimizer step {opt_s * 1e3:.0f} ms = {opt_s / dt:.0%} of the step"})
+    return rows
+
+
 def _timed(fn, n: int, cuda: bool) -> list[float]:
     """Seconds of each of n calls: CUDA events around each (the host never waits in between)."""
     import torch
@@ -535,6 +620,9 @@ def smoke(c: dict) -> dict:
     if c["kind"] == "trainer":
         return c | {"device": "cpu", "preset": "llama-tiny", "vocab": 512, "seq": 64, "mb": 2, "compile": False,
                     "steps": 12, "warmup": 1}
+    if c["kind"] == "muon":
+        return c | {"device": "cpu", "preset": "llama-tiny", "vocab": 512, "seq": 64, "mb": 2, "compile": False,
+                    "precision": "fp32", "warmup": 1, "steps": 2}
     if c["kind"] == "pytest":  # the tests are checked by the suite itself: here only the runner, on one file
         return c | {"files": ["tests/test_bench_gpu.py::test_the_table_compares_each_row_with_its_baseline"],
                     "marker": "not gpu"}
@@ -552,6 +640,8 @@ def run_config(name: str, c: dict) -> Iterator[dict]:
         rows = run_trainer(name, c)
     elif c["kind"] == "pytest":
         rows = [run_pytest(c) | {"name": name}]
+    elif c["kind"] == "muon":
+        rows = run_muon(c)
     else:
         rows = [run_model(c) | {"name": name}]
     for r in rows:

@@ -26,6 +26,10 @@ RUN_FILE = "run.json"  # a save folder's run identity and resolved config
 MODEL_CONFIG_FILE = "lmforge-model.json"  # an exported model's shape (`models.io`)
 DATASET_MARKER = "lmforge-dataset.json"  # a prepared dataset's summary, written last (`data.prepare`)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# A run's statuses, as the registry records them and a report reads them back.
+STATUSES = ("PENDING", "STARTING", "RUNNING", "TERMINATING", "COMPLETED", "FAILED", "STOPPED")
+ACTIVE = ("PENDING", "STARTING", "RUNNING", "TERMINATING")  # still going
+TERMINAL = ("COMPLETED", "FAILED", "STOPPED")  # ended
 
 
 def checkpoints_dir(save_folder: str) -> str:
@@ -43,6 +47,12 @@ def list_checkpoints(save_folder: str) -> list[tuple[int, str]]:
         if m and os.path.exists(os.path.join(root, name, STATE_FILE)):
             found.append((int(m.group(1)), os.path.join(root, name)))
     return sorted(found)
+
+
+def checkpoint_step(path: str) -> int | None:
+    """The step of a checkpoint folder ``.../step_00000100`` (None for any other name)."""
+    m = _STEP_DIR.match(os.path.basename(path.rstrip("/")))
+    return int(m.group(1)) if m else None
 
 
 def latest_checkpoint(save_folder: str) -> str | None:

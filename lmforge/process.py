@@ -106,6 +106,23 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def sibling_workers() -> list[int]:
+    """The other torchrun workers of this node: processes below our parent (the torchrun agent)
+    that lead a session of their own, as torchrun starts each worker (their data workers do not);
+    [] in a process torchrun did not start."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return []
+    me = os.getpid()
+    out = []
+    for pid in descendants(os.getppid()):
+        try:
+            if pid != me and os.getsid(pid) == pid:
+                out.append(pid)
+        except OSError:  # gone meanwhile
+            continue
+    return out
+
+
 def speaks_for_node() -> bool:
     """Whether this process speaks for its machine: the first torchrun rank of each node
     (LOCAL_RANK 0), or a process started without torchrun. It reports to the node's status file

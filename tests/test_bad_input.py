@@ -340,6 +340,31 @@ CASES = [
          files={"resume.yaml": resumed_config(), "x": lambda w, d: [
              (p / "lmforge-state.json").write_text("{") for p in (d / "run" / "checkpoints").iterdir()]},
          keep=["{dir}/run/final"]),
+    # --- issue 40: accepted without a word, or refused with a misleading line
+    Case("betas-out-of-range", ["train", "-f", "{cfg}", "--set", "parameters.betas=[1.5, 0.95]", "--dry-run"],
+         ["parameters.betas", "1.5", "[0, 1)"]),
+    Case("duration-fractional-steps", ["train", "-f", "{cfg}", "--training-duration", "3.7ba", "--dry-run"],
+         ["training_duration", "3.7ba", "whole number"]),
+    Case("interval-fractional-tokens", ["train", "-f", "{cfg}", "--set", "save_interval=10.5tok", "--dry-run"],
+         ["save_interval", "10.5tok", "whole number"]),
+    Case("estimate-seq-len-zero", ["estimate", "--model", "llama-tiny", "--seq-len", "0"], ["--seq-len", "'0'"]),
+    Case("name-with-a-path", ["train", "-f", "{cfg}", "--name", "a/../../b", "--dry-run"], ["name", "a/../../b", "'/'"]),
+    Case("name-empty", ["train", "-f", "{cfg}", "--name", "", "--dry-run"], ["name", "empty"]),
+    Case("nodes-without-endpoint", ["train", "-f", "{cfg}", "--nnodes", "2", "--dry-run"],
+         ["compute.nodes", "compute.rdzv_endpoint", "HOST:PORT"]),
+    Case("endpoint-not-a-host", ["train", "-f", "{cfg}", "--nnodes", "2", "--rdzv-endpoint", "not a host",
+                                 "--dry-run"], ["compute.rdzv_endpoint", "not a host", "HOST:PORT"]),
+    Case("tokenizer-train-vocab-tiny", ["train", "-f", "{dir}/c.yaml", "--dry-run"],
+         ["tokenizer.train.vocab_size", "at least 64"],
+         files={"c.yaml": lambda w, d: write_config(d / "c.yaml", w.config(tokenizer={"train": {"vocab_size": 5}}))}),
+    Case("train-data-one-mapping-with-a-missing-field", ["train", "-f", "{dir}/c.yaml", "--save-folder", "{dir}/r",
+                                                         "--no-supervisor"], ["docs.jsonl", 'no field "nosuch"'],
+         files={"docs.jsonl": "".join(json.dumps({"text": f"def f{i}(x): return x"}) + "\n" for i in range(50)),
+                "c.yaml": lambda w, d: write_config(d / "c.yaml", w.config(
+                    train_data={"path": str(d / "docs.jsonl"), "text_field": "nosuch"}))}),
+    Case("eval-checkpoint-missing", ["eval", "--checkpoint", "{dir}/none"], ["checkpoint", "none", "no such folder"]),
+    Case("eval-gauntlet-missing", ["eval", "--checkpoint", "{final}", "--gauntlet", "{dir}/nosuch.yaml"],
+         ["gauntlet", "nosuch.yaml"]),
     Case("resume-shard-bit-flip-only-checkpoint", ["train", "-f", "{dir}/resume.yaml", "--no-supervisor"],
          ["distcp", "sha256"],
          files={"resume.yaml": resumed_config(save_num_checkpoints_to_keep=1), "x": lambda w, d: [
@@ -428,6 +453,32 @@ def test_one_txt_file_trains_with_defaults(world, tmp_path):
     proc = cli("train", "-f", write_config(tmp_path / "c.yaml", cfg), "--no-supervisor", "--json", check=True)
     result = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert result["status"] == "completed" and result["eval"]["eval/loss"] > 0
+
+
+def test_a_hugging_face_dataset_is_not_checked_as_an_object_store(world, tmp_path, monkeypatch):
+    """hf://NAME/CONFIG:SPLIT is a dataset `datasets` loads, not a bucket: when it cannot load, the line
+    says so (before: a credentials check quoting the hub client's complaint about the repository id)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    proc = cli("train", "-f", world.cfg_path, "--train-data", "hf://nosuch/dataset:train", "--save-folder",
+               tmp_path / "r", "--no-supervisor")
+    assert_one_line_error(proc, "hf://nosuch/dataset:train", "Hugging Face dataset 'nosuch'", "offline")
+    assert "credentials" not in proc.stderr
+
+
+def test_undecodable_text_and_broken_records_are_said_on_the_terminal(world, tmp_path):
+    """Raw inputs a run prepares itself: bytes that are not UTF-8 and a JSONL line that is not JSON are
+    warnings on the terminal (as `data prepare` prints them), not only counts in the dataset card."""
+    text = (world.data.raw / "textwrap.py.txt").read_text()
+    (tmp_path / "latin1.txt").write_bytes(("# café déjà vu\n" * 40 + text).encode("latin-1", errors="replace"))
+    rows = [json.dumps({"text": text[i:i + 2000]}) for i in range(0, len(text), 2000)]
+    (tmp_path / "docs.jsonl").write_text("\n".join(rows[:2] + ['{"text": "cut short'] + rows[2:]) + "\n")
+    cfg = world.config(save_folder=str(tmp_path / "run"), training_duration="1ba", save_interval="1ba", name="warned",
+                       train_data=[str(tmp_path / "latin1.txt"), str(tmp_path / "docs.jsonl")])
+    out = cli("train", "-f", write_config(tmp_path / "c.yaml", cfg), "--no-supervisor", check=True).stdout
+    warnings = [ln for ln in out.splitlines() if ln.startswith("warning: data ")]
+    assert any("latin1.txt" in ln and "120 invalid UTF-8 sequences replaced" in ln for ln in warnings), out
+    assert any("docs.jsonl" in ln and "skipped 1 records" in ln and "docs.jsonl:3" in ln for ln in warnings), out
 
 
 def test_tail_holdout_when_documents_are_few(world, tmp_path):
@@ -536,6 +587,32 @@ def test_disk_full_is_one_line_naming_path_and_errno(world, small_disk):
     # Trackers that lose their file say so in a warning line each; the run ends with one error line.
     assert all(ln.startswith("warning: ") for ln in lines[:-1]), lines
     assert lines[-1].startswith("error: ") and "ENOSPC" in lines[-1] and str(small_disk / "run") in lines[-1]
+
+
+def test_a_write_that_fails_leaves_no_half_written_files(world, tmp_path):
+    """The kernel refuses every write past 1 MB of a file (RLIMIT_FSIZE, with SIGXFSZ ignored: EFBIG,
+    as a full disk refuses with ENOSPC; no mount needed): the first checkpoint fails, and so does the
+    report written as the run ends. One error line, and neither leaves its .tmp behind."""
+    import resource
+    import signal
+    import sys
+
+    from train_helpers import REPO, env
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    save = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", world.config(save_folder=str(save), name="small-files"))
+    proc = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--no-supervisor"],
+                          capture_output=True, text=True, env=env(), cwd=REPO, timeout=300, preexec_fn=small_files)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1].startswith("error: ") and "EFBIG" in lines[-1], lines
+    assert any("report" in ln for ln in lines[:-1]), lines  # the report tracker's own warning line
+    left = [str(p.relative_to(save)) for p in save.rglob("*") if ".tmp" in p.name]
+    assert not left, left
 
 
 @pytest.mark.e2e

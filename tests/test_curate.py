@@ -319,7 +319,39 @@ def test_stats_raw_and_prepared(corpus, tok, prepared, tmp_path, capsys):
     assert list(p["languages"]) == ["en"]  # the French page was filtered out
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     code, table, _ = cli(capsys, "data", "stats", prepared.out)
-    assert code == 0 and "exact-duplicate rate" in table and "languages" in table
+    assert code == 0 and "exact-duplicate rate" in table and "language en" in table
+
+
+def test_stats_of_one_document_read_cleanly(tok, tmp_path, capsys):
+    """One .txt file is one document: its length axis has distinct labels that do not overlap, the
+    duplicate-rate axis shows its zeros, the HTML page gives the numbers as a table (no JSON dump) and
+    a plot that fits the window, and no terminal table cell wraps mid-item (80 columns)."""
+    from lmforge.data.curate.stats import _figure, corpus_stats, print_stats
+
+    text = "".join(f"Line {i} of the one document, with words enough to make it long. " for i in range(4000))
+    (tmp_path / "one.txt").write_text(text)
+    s = corpus_stats([str(tmp_path / "one.txt")], tokenizer=str(tok))
+    assert s["documents"] == 1
+    fig = _figure(s)
+    fig.canvas.draw()
+    lengths, dups, _ = fig.axes
+    labels = [t for t in lengths.get_xticklabels() + lengths.get_xticklabels(minor=True)
+              if t.get_visible() and t.get_text() and lengths.get_xlim()[0] <= t.get_position()[0] <= lengths.get_xlim()[1]]
+    texts = [t.get_text() for t in labels]
+    assert 2 <= len(texts) == len(set(texts)), texts
+    boxes = sorted((t.get_window_extent() for t in labels), key=lambda b: b.x0)
+    assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), texts  # side by side, not on top of each other
+    assert {t.get_text() for t in dups.texts} >= {"0.00%"}  # the rates are written on the (empty) bars
+    assert dups.get_ylim()[0] == 0 and dups.get_ylim()[1] > 0
+    code, _, _ = cli(capsys, "data", "stats", tmp_path / "one.txt", "--tokenizer", tok, "--plot", tmp_path / "one.html")
+    page = (tmp_path / "one.html").read_text()
+    assert code == 0 and "<table" in page and "documents</td>" in page and '"doc_length"' not in page
+    assert "max-width:100%" in page
+    capsys.readouterr()
+    print_stats(s)
+    table = capsys.readouterr().out.split("document length histogram")[0]
+    continued = [ln for ln in table.splitlines() if ln.startswith("│") and ln.split("│")[1].strip() == ""]
+    assert not continued, table
 
 
 @pytest.mark.e2e

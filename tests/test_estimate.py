@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -213,6 +214,27 @@ def test_memory_does_not_fit():
         check_fits(big)
 
 
+def test_the_memory_verdict_names_the_data_parallel_mode_it_is_for():
+    """The verdict used to assume full sharding without saying so, while `lmforge train` defaults to
+    ddp: each mode has its own numbers, named next to them."""
+    cfg = get_preset("llama-1b")
+    plans = {dp: estimate_run(EstimateInputs(cfg, 1e9, gpus=8, gpu_type="h100-sxm", seq_len=2048, data_parallel=dp))
+             for dp in ("fsdp", "hsdp", "ddp")}
+    states = {dp: p["memory"]["states_bytes_per_gpu"] for dp, p in plans.items()}
+    assert states["ddp"] == pytest.approx(8 * states["fsdp"]) and states["hsdp"] == states["fsdp"]  # one node
+    two_nodes = estimate_run(EstimateInputs(cfg, 1e9, gpus=8, nodes=2, gpu_type="h100-sxm", data_parallel="hsdp"))["memory"]
+    assert two_nodes["states_bytes_per_gpu"] == pytest.approx(states["hsdp"])  # sharded within a node
+    assert estimate_run(EstimateInputs(cfg, 1e9, gpus=8, nodes=2, gpu_type="h100-sxm"))["memory"]["states_bytes_per_gpu"] == \
+        pytest.approx(states["fsdp"] / 2)  # fsdp: over all 16
+    assert plans["ddp"]["memory"]["data_parallel"] == "ddp" and plans["fsdp"]["memory"]["data_parallel"] == "fsdp"
+    for dp, plan in plans.items():
+        rows = {ln.split()[0]: ln for ln in format_plan(plan).splitlines() if ln.split()}
+        assert dp in rows["memory/GPU"] and dp in rows["fits"], (dp, rows["memory/GPU"], rows["fits"])
+    big = estimate_run(EstimateInputs(get_preset("llama-7b"), 1e9, gpus=8, gpu_type="a100-40g", data_parallel="ddp"))
+    with pytest.raises(UserError, match=r"under ddp.*compute.data_parallel fsdp"):
+        check_fits(big)
+
+
 def test_bad_plan_inputs():
     cfg = get_preset("llama-tiny")
     for kwargs, match in [({"mfu": 0.0}, "--mfu"), ({"mfu": 1.5}, "--mfu"), ({"tokens": 0}, "--tokens"),
@@ -279,6 +301,12 @@ def test_cli_cpu_estimate_uses_the_precision_training_would_use_here():
     assert plans["default"]["cluster"]["precision"] == here
     assert plans["default"]["time"]["seconds"] == pytest.approx(plans[here]["time"]["seconds"])
     assert plans["bf16"]["cluster"]["precision"] == "bf16"  # asked for: honored
+
+
+def test_cli_data_parallel_mode():
+    proc = _cli("--model", "llama-1b", "--gpus", "8", "--data-parallel", "ddp")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^\s*fits\s+.*ddp", proc.stdout, re.M), proc.stdout
 
 
 @pytest.mark.integration

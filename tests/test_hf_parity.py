@@ -154,3 +154,34 @@ def test_import_hf_mixtral(tmp_path):
     loaded, _ = load_pretrained(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS), expected)
+
+
+def test_generate_adds_bos_once_as_transformers_does(tmp_path, tiny_data):
+    """A Mistral/Gemma-style tokenizer: tokenizer_config.json asks for BOS (add_bos_token) and its
+    post-processor adds it too (lmforge's own `bos: true` tokenizers are made so). `lmforge generate`
+    starts the prompt as transformers' encoding does — one BOS — and so continues it as
+    transformers' greedy generate does."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from family_models import hf_model
+    from train_helpers import cli
+
+    from lmforge.data.tokenizer import load_tokenizer, train_tokenizer
+
+    folder = tmp_path / "mistral"
+    train_tokenizer([str(tiny_data.raw / "textwrap.py.txt")], 300, str(folder), add_bos=True)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = "def"  # short: the whole prompt is inside this model's sliding window (8), BOS included
+    ids = hf_tok(prompt)["input_ids"]
+    assert ids.count(hf_tok.bos_token_id) == 1 and ids[0] == hf_tok.bos_token_id
+    assert load_tokenizer(str(folder)).encode_prompt(prompt) == ids
+    hf = hf_model("mistral", vocab_size=len(hf_tok), seed=0)  # a model whose continuation a second BOS changes
+    hf.save_pretrained(folder)
+    with torch.no_grad():
+        new = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=hf_tok.eos_token_id,
+                          pad_token_id=hf_tok.pad_token_id, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    expected = prompt + hf_tok.decode(new[0, len(ids):], skip_special_tokens=True)
+    out = cli("generate", "--checkpoint", f"hf:{folder}", "--prompt", prompt, "--temperature", "0",
+              "--max-new-tokens", "12", "--device", "cpu", check=True).stdout
+    assert out == expected + "\n", (out, expected)

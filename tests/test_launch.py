@@ -321,6 +321,32 @@ def test_status_file_and_failure_reasons(tmp_path):
     assert failure_reason(4, hang) == ("hang detected on rank 1: no training step completed for 5s "
                                        "(compute.hang_timeout 5s)")
     assert failure_reason(-9, []) == "killed by SIGKILL"
+    # A crash: the exception's own line, not only "exit code 1" (the last of a chained traceback)
+    crash = ["Traceback (most recent call last):", '  File "a.py", line 1, in <module>', "KeyError: 'x'", "",
+             "During handling of the above exception, another exception occurred:", "",
+             "Traceback (most recent call last):", '  File "a.py", line 3, in <module>',
+             "    torch.optim.AdamW(params, betas=(1.5, 0.95))",
+             "ValueError: Invalid beta parameter at index 0: 1.5", "lmforge: something after it"]
+    assert failure_reason(1, crash) == "exit code 1: ValueError: Invalid beta parameter at index 0: 1.5"
+    ranked = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "a.py", line 3, in f',
+              "[rank1]: RuntimeError: CUDA error: out of memory", *torchrun]
+    assert failure_reason(1, ranked) == "rank 1 killed by SIGKILL: RuntimeError: CUDA error: out of memory"
+
+
+def test_runs_list_shows_why_a_run_failed(tmp_path, monkeypatch):
+    from train_helpers import cli
+
+    monkeypatch.setenv("LMFORGE_HOME", str(tmp_path))
+    error = ("gradient norm became nan at step 4 (loss 7.625); stopped without saving. Last good checkpoint: "
+             "none. Try a lower parameters.learning_rate (0.003 now)")
+    reg = Registry()
+    reg.put("broken", {"run_type": "pretrain", "status": "FAILED", "reason": error})
+    reg.put("fine", {"run_type": "pretrain", "status": "COMPLETED"})
+    out = cli("runs", "list", check=True).stdout.splitlines()
+    assert out[0].split()[-1] == "REASON"
+    row = next(ln for ln in out if ln.startswith("broken "))
+    assert "gradient norm became nan at step 4" in row and row.endswith("…") and len(row) < 180, row
+    assert next(ln for ln in out if ln.startswith("fine ")).split()[-1] != "…"
 
 
 @pytest.mark.e2e

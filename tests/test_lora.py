@@ -212,3 +212,15 @@ def _stderr_of(main, argv) -> str:
     with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(io.StringIO()):
         assert main(argv) == 2
     return buf.getvalue()
+
+
+def test_adapter_names_its_base_so_that_it_resolves_from_anywhere(tmp_path, monkeypatch):
+    """`custom_weights_path: hf:models/llama` typed relative to where training ran: the adapter records
+    the folder's absolute path (PEFT resolves it from any working directory); a hub name stays as is."""
+    from lmforge.models.lora import base_model_reference
+
+    (tmp_path / "models" / "llama").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert base_model_reference("hf:models/llama") == str(tmp_path / "models" / "llama")
+    assert base_model_reference("models/llama/") == str(tmp_path / "models" / "llama")
+    assert base_model_reference("hf:meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"

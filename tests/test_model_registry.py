@@ -141,3 +141,17 @@ def test_wandb_logs_the_final_model_as_an_artifact(finished_runs):
     final = run.folder / "final"
     assert contents == {p.name: p.stat().st_size for p in final.iterdir() if p.is_file()}
     assert {"model.safetensors", "tokenizer.json", "lmforge-model.json"} <= set(contents)
+
+
+def test_the_pyfunc_model_class_is_defined_without_mlflow_warnings():
+    """MLflow checks a PythonModel's `predict` when the class is defined (every run that registers a
+    model imports it): no "Add type hints" warning, in a fresh interpreter that shows every warning."""
+    import subprocess
+    import sys
+
+    from train_helpers import REPO, env
+
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", "import lmforge.tracking.mlflow_model"],
+                          capture_output=True, text=True, env=env(), cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "type hint" not in proc.stderr.lower(), proc.stderr[-2000:]

@@ -208,3 +208,103 @@ def test_report_renders_in_headless_chromium(both_page, tmp_path):
     pixels = list(small.get_flattened_data() if hasattr(small, "get_flattened_data") else small.getdata())
     not_white = sum(1 for p in pixels if sum(p) < 720) / len(pixels)
     assert not_white > 0.03 and len(set(pixels)) > 200, (not_white, len(set(pixels)))
+
+
+# --------------------------------------------------------------------------- runs that ended early
+
+
+def _train_tracked(tiny_data, folder, stop_at=None, **overrides):
+    """A tiny run in this process with the trackers a CLI run has (metrics.jsonl, report.html);
+    ``stop_at``: a SIGTERM (what `runs stop` sends) arrives while step ``stop_at`` is logged."""
+    import signal
+
+    import torch
+
+    from conftest import tiny_run_config
+    from lmforge.config.load import build_config
+    from lmforge.config.tracking import TrackerConfig
+    from lmforge.distributed.dist import DistInfo
+    from lmforge.tracking import TrackingCallback
+    from lmforge.train.callbacks import Callback
+    from lmforge.report import write_run_report
+    from lmforge.resolve import resolve
+    from lmforge.train.machine import process_machine
+    from lmforge.train.trainer import Trainer
+
+    class StopAt(Callback):
+        def on_metrics(self, metrics, step):
+            if step == stop_at and "train/loss" in metrics:
+                signal.raise_signal(signal.SIGTERM)
+
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    cfg = build_config(tiny_run_config(tiny_data, folder, **({"compute.async_checkpoint": False} | overrides)))
+    callbacks = [TrackingCallback(TrackerConfig(mlflow=None, console=False), render_report=write_run_report), StopAt()]
+    return Trainer(resolve(cfg, process_machine(one), log=lambda *_: None), one, callbacks=callbacks,
+                   log=lambda *_: None)
+
+
+def test_report_of_a_failed_run_says_why_in_its_summary(tiny_data, tmp_path):
+    """A run that diverges before its first eval: the error line is in the report's summary (not
+    only in a tooltip), the page does not blame empty eval.prompts (two are set), and the plan table
+    has no time "to finish" for a run that has ended."""
+    from lmforge.train.trainer import TrainingDiverged
+
+    trainer = _train_tracked(tiny_data, tmp_path / "run", training_duration="30ba", save_interval="10ba",
+                             **{"parameters.learning_rate": 1e30, "parameters.grad_clip": None,
+                                "parameters.warmup": "1ba", "eval.interval": "20ba",
+                                "eval.prompts": ["def a(", "def b("], "compute.price_per_gpu_hour": 1.0})
+    with pytest.raises(TrainingDiverged) as err:
+        trainer.fit()
+    page = (tmp_path / "run" / "report.html").read_text()
+    summary = page.split("<h2>Summary</h2>", 1)[1].split("<h2>", 1)[0]
+    assert "FAILED" in summary and html_escape(str(err.value)) in summary, summary
+    assert "eval.prompts is empty" not in page and "before its first eval" in page
+    plan = page.split("<h2>Plan against what happened</h2>", 1)[1].split("<h2>", 1)[0]
+    assert "to finish" not in plan, plan
+    chromium = find_chromium(wait_s=0)
+    if chromium is not None:  # as a reader sees it: the reason is a row of the summary table
+        with Browser(chromium) as b:
+            b.open((tmp_path / "run" / "report.html").as_uri())
+            rows = b.evaluate("Array.from(document.querySelectorAll('table')[0].rows).map(r => r.innerText)")
+        assert any(r.startswith("reason") and str(err.value) in r for r in rows), rows
+
+
+def test_a_stopped_run_reports_the_step_it_stopped_at(tiny_data, tmp_path):
+    """Stopped between two log steps (log_interval 5, the stop at step 5 takes effect after step 6):
+    the last logged step, the report's steps and the checkpoint all say 6."""
+    from lmforge.report import load_run
+    from lmforge.report.compare import summary
+
+    trainer = _train_tracked(tiny_data, tmp_path / "run", stop_at=5, training_duration="30ba", save_interval="20ba",
+                             log_interval=5, **{"eval.interval": "20ba"})
+    result = trainer.fit()
+    assert result.status == "stopped" and result.step == 6
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")] == ["step_00000006"]
+    assert max(r["step"] for r in metrics(tmp_path / "run") if "train/loss" in r) == 6
+    run = load_run(str(tmp_path / "run"))
+    assert summary(run)["steps"] == 6
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert "STOPPED" in page and "to finish" not in page
+
+
+def html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
+
+
+def test_compare_deltas_carry_their_units():
+    """B − A of a duration is a duration, of MFU percentage points that do not round to -0.0."""
+    from lmforge.report.compare import format_compare
+    from lmforge.report.load import RunData
+
+    def run(name, elapsed, mfu):
+        records = [{"step": s, "train/loss": 3.0, "throughput/mfu": mfu, "time/elapsed_s": elapsed * s / 2}
+                   for s in (1, 2)]
+        return RunData(name=name, folder=name, records=records, status="COMPLETED")
+
+    out = format_compare(run("a", 526.0, 0.1234), run("b", 510.73, 0.1230))
+    time_row = next(ln for ln in out.splitlines() if ln.strip().startswith("training time"))
+    assert time_row.split()[-2:] == ["-0:00:15", "(-2.9%)"], time_row
+    mfu_row = next(ln for ln in out.splitlines() if ln.strip().startswith("MFU"))
+    assert mfu_row.split()[-2:] == ["-0.04", "pts"], mfu_row

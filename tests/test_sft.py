@@ -161,3 +161,29 @@ def test_stream_resumes_exactly_and_partitions_ranks(tmp_path, tok):
     r0, r1 = (iter(SFTStream(rows, rank=r, world_size=2, **kw)) for r in (0, 1))
     two = [next(r0).input_ids, next(r0).input_ids, next(r1).input_ids, next(r1).input_ids]
     torch.testing.assert_close(torch.cat(two), torch.cat(seen[:4]))
+
+
+def test_prompt_response_rows_start_with_one_bos(tmp_path, tiny_data):
+    """Tokenizers whose post-processor adds BOS — with add_bos_token (Mistral/Gemma style) or without
+    (Llama 3 style): a prompt/response row is what transformers makes of its whole text, one BOS
+    first, then the eos lmforge appends to the response."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from lmforge.data.tokenizer import train_tokenizer
+
+    mistral, llama3 = tmp_path / "mistral", tmp_path / "llama3"
+    train_tokenizer([str(tiny_data.raw / "textwrap.py.txt")], 300, str(mistral), add_bos=True)
+    shutil.copytree(mistral, llama3)
+    config = json.loads((llama3 / "tokenizer_config.json").read_text())
+    (llama3 / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": False}))
+    row = {"prompt": "Question: what does wrap(text) return?", "response": " a list of lines"}
+    for folder in (mistral, llama3):
+        tok = load_tokenizer(str(folder))
+        ((ids, trained),) = examples(tmp_path, tok, rows=[row])
+        hf = transformers.AutoTokenizer.from_pretrained(folder)
+        whole = hf(row["prompt"] + row["response"])["input_ids"]
+        assert whole.count(hf.bos_token_id) == 1, folder
+        assert ids == whole + [tok.eos_id], (folder, ids, whole)
+        prompt_len = len(hf(row["prompt"])["input_ids"])
+        assert trained == [False] * prompt_len + [True] * (len(ids) - prompt_len)

@@ -62,7 +62,7 @@ class Recorder(Tracker):
     def log_metrics(self, metrics, step):
         self.seen.append((step, metrics))
 
-    def finish(self, status="completed"):
+    def finish(self, status="completed", error=None):
         self.seen.append(status)
 
 
@@ -316,6 +316,50 @@ def test_console_plain_lines_follow_the_steps_the_trainer_logs(log_interval, log
         c.log_metrics(_train(step, 2.0), step)
     printed = [int(line.split(" | ")[0].split()[1].split("/")[0]) for line in out.getvalue().splitlines()]
     assert printed == expected
+
+
+def test_console_bar_eta_follows_the_training_clock_and_its_lines_reach_a_log():
+    """On a terminal: the bar's ETA comes from the trainer's clock (rich's own went blank when log
+    updates were more than 30 s apart), the plain lines are printed above the bar, and what a
+    terminal keeps of it all (`runs.terminal_text`, the supervisor's log) is those lines and the
+    bar's last frame: no redraws, no escape codes."""
+    import re
+
+    from lmforge.runs.terminal_text import TerminalText
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    c = ConsoleTracker(total_steps=10, stream=out, width=100, log_every=5)
+    assert c.tty
+    frames = []
+    for step in range(1, 11):  # a step a minute, on the trainer's clock; a moment on the wall clock
+        c.log_metrics(_train(step, 2.0) | {"time/elapsed_s": 60.0 * step}, step)
+        frames.append(out.getvalue())
+    text = frames[4]  # after step 5 of 10: 5 more steps at a minute each
+    assert "ETA 0:05:00" in text and "-:--:--" not in text, text[-500:]
+    c.finish("completed")
+    kept = TerminalText()
+    lines = kept.feed(out.getvalue().encode()) + kept.close()
+    assert not any("\x1b" in ln or "\r" in ln for ln in lines), lines
+    assert [ln.split(" | ")[0] for ln in lines if re.match(r"step \d+/10 \|", ln)] == [
+        "step 1/10", "step 5/10", "step 10/10"]
+    assert len(lines) <= 4, lines  # and the bar's last frame
+
+
+def test_terminal_text_keeps_what_a_terminal_shows():
+    from lmforge.runs.terminal_text import TerminalText
+
+    t = TerminalText()
+    # a redrawn line with colours, a line printed above a live line (rich's sequence), an escape (a
+    # hyperlink) and a UTF-8 character cut by the ends of reads; a last line without its newline
+    got = t.feed(b"50%\r\x1b[2K\x1b[32m100%\x1b[0m\nbar 1\r\x1b[2Kabove\nbar 2\r\x1b[2Kbar 3\r\x1b")
+    got += t.feed(b"[2K\x1b]8;;http://x\x1b\\done \xc3")
+    got += t.feed(b"\xa9t\xc3\xa9\n\nlast")
+    assert got == ["100%", "above", "done été", ""], got
+    assert t.close() == ["last"]
 
 
 def test_console_progress_bar_on_a_tty():

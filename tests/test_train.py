@@ -108,7 +108,7 @@ def test_nan_loss_stops_with_a_clear_message(tmp_path, tiny_data):
                       **{"parameters.learning_rate": 1e30, "parameters.grad_clip": None,
                          "parameters.warmup": "1ba"})
     proc = lmforge("train", "-f", cfg)
-    assert_one_line_error(proc, "loss became", "Last good checkpoint", code=3)
+    assert_one_line_error(proc, "became", "Last good checkpoint", "parameters.learning_rate", code=3)
     assert not (folder / "final").exists()
 
 

@@ -185,7 +185,7 @@ class Recorder(Callback):
     def on_checkpoint(self, path):
         self.calls.append(f"checkpoint:{path.rsplit('_', 1)[-1].lstrip('0')}")
 
-    def on_end(self, status, final_dir):
+    def on_end(self, status, final_dir, error=None):
         self.calls.append(f"end:{status}:{final_dir is not None}")
 
 
@@ -207,11 +207,35 @@ def test_a_diverged_step_never_reaches_a_checkpoint(tiny_data, tmp_path):
     trainer = make_trainer(tiny_data, tmp_path / "run", training_duration="30ba", save_interval="3ba",
                            log_interval=100, **{"parameters.learning_rate": 1e30, "parameters.grad_clip": None,
                                                 "parameters.warmup": "1ba"})
-    with pytest.raises(TrainingDiverged, match=r"loss became \S+ at step (\d+)") as err:
+    with pytest.raises(TrainingDiverged) as err:
         trainer.fit()
-    bad = int(re.search(r"at step (\d+)", str(err.value)).group(1))
+    # The message names the value that went non-finite (the loss, or only the gradient norm while the
+    # loss stayed finite), the other one with 4 significant digits, and the usual remedies with this
+    # run's values.
+    msg = str(err.value)
+    m = re.match(r"(loss|gradient norm) became (nan|inf|-inf) at step (\d+) \((loss|gradient norm) (\S+)\)", msg)
+    assert m and m.group(1) != m.group(4), msg
+    other = m.group(5)
+    assert other in ("nan", "inf", "-inf") or (m.group(1) == "gradient norm" and float(other) == float(f"{float(other):.4g}"))
+    for remedy in ("parameters.learning_rate (1e+30 now)", "parameters.warmup (1 step now)",
+                   "parameters.grad_clip (off now)"):
+        assert remedy in msg, msg
+    assert "parameters.precision" not in msg  # fp32 already
+    bad = int(m.group(3))
     saved = [int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*")]
     assert all(step < bad for step in saved), (bad, saved)
+
+
+def test_divergence_message_names_the_non_finite_value():
+    """The case users met: a finite loss and a NaN gradient norm is not "loss became 7.62"."""
+    from lmforge.train.trainer import divergence_message, divergence_remedies
+
+    msg = divergence_message(4, 7.624619007110596, float("nan"), remedies="Try x")
+    assert msg.startswith("gradient norm became nan at step 4 (loss 7.625)"), msg
+    msg = divergence_message(9, float("inf"), 123456.0, remedies="Try x")
+    assert msg.startswith("loss became inf at step 9 (gradient norm 1.235e+05)"), msg
+    assert divergence_remedies(3e-3, 100, 1.0, "bf16").endswith(
+        "parameters.grad_clip (1 now) or parameters.precision fp32 (bf16 now)")
 
 
 @pytest.mark.gpu
@@ -233,3 +257,32 @@ def test_train_steps_never_wait_for_the_gpu(tiny_data, tmp_path):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert outs[-1].loss.is_cuda and all(torch.isfinite(o.loss) for o in outs)
+
+
+def test_keep_n_never_prunes_an_intact_checkpoint_for_a_damaged_one(tiny_data, tmp_path):
+    """Steps 2 and 4 kept (keep 2); step 4 is damaged, so the run resumes from step 2. Its next save
+    (step 3) must not prune step 2 and keep the damaged 4: the damaged one is set aside (for
+    inspection) and never counts toward keep-N."""
+    from lmforge.train.checkpoint import list_checkpoints
+
+    folder = tmp_path / "run"
+    small = {"eval.max_batches": 1, "eval.interval": "100ba"}
+    make_trainer(tiny_data, folder, training_duration="4ba", save_interval="2ba", **small).fit()
+    assert [s for s, _ in list_checkpoints(str(folder))] == [2, 4]
+    shard = sorted((folder / "checkpoints" / "step_00000004").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+    class Kept(Callback):
+        seen: dict = {}
+
+        def on_checkpoint(self, path):
+            Kept.seen[int(path.rsplit("_", 1)[-1])] = [s for s, _ in list_checkpoints(str(folder))]
+
+    trainer = make_trainer(tiny_data, folder, [Kept()], training_duration="6ba", save_interval="3ba", **small)
+    result = trainer.fit()
+    assert result.status == "completed" and trainer.resumed
+    assert Kept.seen[3] == [2, 3], Kept.seen
+    aside = [p.name for p in (folder / "checkpoints").iterdir() if p.name.startswith("step_00000004")]
+    assert len(aside) == 1 and aside[0].startswith("step_00000004.damaged"), aside

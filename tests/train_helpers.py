@@ -80,7 +80,10 @@ def cli(*args, check: bool = False) -> subprocess.CompletedProcess:
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse refuses an argument (`cli.common.OneLineParser`): exit 2
+            code = e.code
     if check and code != 0:
         raise AssertionError(f"lmforge {' '.join(map(str, args))} failed ({code}):\n{out.getvalue()}\n{err.getvalue()}")
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())

@@ -29,6 +29,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0 (so that 0 is refused, never read as "not given")."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return value
+
+
 def add_command(subparsers, name: str, help: str, description: str | None = None):
     """Add a subcommand whose --help shows defaults and whose errors are one line."""
     return subparsers.add_parser(

@@ -14,7 +14,7 @@ from lmforge.cli.common import OneLineParser, add_command, check_output_file
 from lmforge.data import remote
 from lmforge.data.executors import ExecutorSpec
 from lmforge.data.mds import MDSReader
-from lmforge.data.prepare import prepare, read_summary
+from lmforge.data.prepare import input_warnings, prepare, read_summary
 from lmforge.data.units import DEFAULT_UNIT_BYTES
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
@@ -236,14 +236,8 @@ def _print_summary(summary: dict, dest: str) -> None:
         console.print(summary["throughput"], highlight=False)
     if summary.get("curation"):
         print_curation(summary["curation"], console)
-    for s in summary.get("skipped_inputs") or []:
-        console.print(f"skipped {s['input']}: {s['reason']}", highlight=False)
-    if summary.get("skipped_lines"):
-        console.print(f"skipped {summary['skipped_lines']} records, e.g. {summary['skipped_line_examples'][0]}",
-                      highlight=False)
-    if summary.get("invalid_utf8_replacements"):
-        console.print(f"{summary['invalid_utf8_replacements']} invalid UTF-8 sequences replaced, in "
-                      f"{', '.join(summary.get('invalid_utf8_files') or [])}", highlight=False)
+    for line in input_warnings(summary):
+        console.print(line, highlight=False, markup=False)
 
 
 def print_curation(c: dict, console=None) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from lmforge.cli.common import add_command
+from lmforge.cli.common import add_command, positive_int
 from lmforge.config.load import load_yaml_text, read_text_file
 from lmforge.config.model import PRESETS, resolve_model
 from lmforge.errors import UserError
@@ -156,6 +156,7 @@ def run(args) -> int:
         micro_batch=args.micro_batch,
         expert_parallel=args.expert_parallel,
         context_parallel=args.context_parallel,
+        data_parallel=args.data_parallel,
     ))
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan), end="\n" if args.json else "")
     check_fits(plan)
@@ -167,9 +168,9 @@ def register(subparsers) -> None:
         subparsers, "estimate", "plan a run: FLOPs, tokens, time, cost and memory per GPU",
         description="Plan a training run before spending: parameters (total/active), FLOPs "
         "(6·N_active·D plus attention), Chinchilla tokens, time and cost at a given MFU on a "
-        "given cluster, memory per GPU under full sharding, the context-parallel degree and activation "
-        "checkpointing the context length needs, and for MoE models the expert traffic per GPU with and "
-        "without expert parallelism.",
+        "given cluster, memory per GPU (for --data-parallel, full sharding by default), the context-parallel "
+        "degree and activation checkpointing the context length needs, and for MoE models the expert traffic "
+        "per GPU with and without expert parallelism.",
     )
     p.add_argument("--model", metavar="PRESET_OR_YAML", help="preset name, a run YAML (its model: key), or auto "
                    "(the shape for the budget given by --tokens, --flops or --time)")
@@ -188,11 +189,15 @@ def register(subparsers) -> None:
                    "uses on this CPU (bf16 with AMX, else fp32)")
     p.add_argument("--mfu", type=float, default=0.4, help="model-FLOPs utilization to assume, in (0, 1]")
     p.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="P", help="price for the cost line")
-    p.add_argument("--seq-len", type=int, default=None, help="context length; unset = the model's max_seq_len (or the YAML's context_length)")
-    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary; unset = the model's, or 32000 where the model leaves it to the tokenizer")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="context length; unset = the model's max_seq_len (or the YAML's context_length)")
+    p.add_argument("--vocab-size", type=positive_int, default=None, help="vocabulary; unset = the model's, or 32000 where the model leaves it to the tokenizer")
     p.add_argument("--micro-batch", type=_micro_batch, default=None, metavar="N|auto",
                    help="micro-batch per GPU; unset = the largest power of two that fits; auto = the micro-batch "
                    "and activation-checkpointing mode `micro_batch_size: auto` chooses for speed (modelled)")
+    p.add_argument("--data-parallel", default="fsdp", choices=["fsdp", "hsdp", "ddp"],
+                   help="how the GPUs share the model, which the memory verdict is for: fsdp shards the model "
+                   "states over every GPU, hsdp over a node's, ddp keeps them whole on each (what `lmforge "
+                   "train` uses unless compute.data_parallel says otherwise; `train --dry-run` follows the run)")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="MoE: GPUs each layer's experts are split over (memory and all-to-all traffic)")
     p.add_argument("--context-parallel", type=int, default=1, metavar="N",

@@ -41,8 +41,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from lmforge.eval.gauntlet import gauntlet_scores, load_gauntlet  # torch, as below (lazy: `lmforge --help`)
+    from lmforge.eval.gauntlet import check_benchmarks, gauntlet_scores, load_gauntlet  # torch (lazy: `--help`)
     from lmforge.eval.icl import evaluate_icl, load_tasks
+    from lmforge.train.locate import locate
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be at least 1, got {args.limit}")
@@ -50,9 +51,13 @@ def run(args) -> int:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.data_root is not None and not Path(args.data_root).expanduser().is_dir():
         raise UserError(f"--data-root {args.data_root}: no such folder")
-    # Validate every input file before loading the (possibly large) model.
+    # Validate every input before loading the (possibly large) model: first the files named on the
+    # command line (a wrong --checkpoint or --gauntlet path is named as such), then the tasks' data.
+    locate(args.checkpoint)
+    gauntlet = load_gauntlet(args.gauntlet) if args.gauntlet else None
     tasks = load_tasks(args.tasks, data_root=args.data_root)
-    gauntlet = load_gauntlet(args.gauntlet, tasks=tasks) if args.gauntlet else None
+    if gauntlet is not None:
+        check_benchmarks(gauntlet, tasks)
     device = _device(args.device)
     model, tokenizer = _load_checkpoint(args.checkpoint, device)
 

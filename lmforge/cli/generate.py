@@ -76,7 +76,7 @@ def run(args) -> int:
 
         template = load_chat_template(tok.path)
         text = template.generation_prompt(text, tok) if template else chat_prompt(text)
-    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
+    ids = tok.encode_prompt(text)
     sys.stdout.write(text)
     sys.stdout.flush()
     new: list[int] = []

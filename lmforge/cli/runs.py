@@ -67,6 +67,17 @@ def status_text(run) -> str:
     return f"{run.status} ({run.reason})" if run.status == "FAILED" and run.reason == "lost" else run.status
 
 
+REASON_WIDTH = 60  # `runs list` shows the start of a failed run's reason; `runs describe` all of it
+
+
+def reason_text(run) -> str:
+    """Why a failed run ended, cut to REASON_WIDTH ("lost" is in its status already)."""
+    if run.status != "FAILED" or not run.reason or run.reason == "lost":
+        return ""
+    line = run.reason.splitlines()[0]
+    return line if len(line) <= REASON_WIDTH else line[:REASON_WIDTH - 1] + "…"
+
+
 def age(t: float | None) -> str:
     if not t:
         return "-"
@@ -97,12 +108,12 @@ def cmd_list(args) -> int:
     if not runs:
         print("no runs" + (f" with status {args.status.upper()}" if args.status else ""))
         return 0
-    rows = [("NAME", "TYPE", "STATUS", "MODEL", "PROGRESS", "LOSS", "TOK/S", "AGE")]
+    rows = [("NAME", "TYPE", "STATUS", "MODEL", "PROGRESS", "LOSS", "TOK/S", "AGE", "REASON")]
     for r in runs:
         m = r.latest_metrics
         rows.append((r.name, r.run_type, status_text(r), r.model or "-", progress_text(m),
                      f"{m['loss']:.4f}" if m.get("loss") is not None else "-", _human(m.get("tokens_per_s")),
-                     age(r.created_at)))
+                     age(r.created_at), reason_text(r)))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())

@@ -128,7 +128,7 @@ def print_summary(result, as_json: bool = False) -> None:
                           "eval": result.eval, "generations": result.generations,
                           "mlflow_ui": result.mlflow_ui}, indent=1, default=str)))
         return
-    c = Console(highlight=False)
+    c = Console(highlight=False, soft_wrap=True)  # a path is one line (a terminal wraps it; a log keeps it)
     c.print()
     c.print(f"[bold]{result.status}[/bold] after {result.step:,} steps ({result.tokens:,} tokens)")
     ev = result.eval

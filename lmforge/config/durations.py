@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from dataclasses import dataclass
 
 UNITS = {"tok": "tok", "ba": "ba", "sp": "sp", "ep": "ep", "s": "s", "min": "s", "h": "s", "flop": "flop",
          "flops": "flop"}
 _SECONDS = {"s": 1, "min": 60, "h": 3600}
+COUNTED = {"tok": "tokens", "ba": "steps", "sp": "samples"}  # units that count whole things
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 # Far beyond any real run (10^18 tokens, steps, samples, epochs or seconds), small enough that
 # step and token counts stay exact integers: a larger value is a typo, not a plan.
@@ -56,11 +58,16 @@ def parse_duration(text: str | int | float | Duration, what: str = "duration") -
     else:
         raise ValueError(f"unknown unit {rest!r} in {text!r}; expected one of tok, ba, sp, ep, flop, s, min, h "
                          "(optionally after K/M/B/T, e.g. '200B tok')")
-    value = float(number) * _SUFFIX[suffix]
+    exact = Decimal(number) * _SUFFIX[suffix]  # '1.1K' is 1100 exactly (in floats, 1100.0000000000002)
+    value = float(exact)
     if unit in _SECONDS:
         value *= _SECONDS[unit]
     if value <= 0:
         raise ValueError(f"{what} must be positive, got {text!r}")
     if not math.isfinite(value) or value > MAX_VALUE:
         raise ValueError(f"{what} {text!r} is too large (at most {MAX_VALUE:.0e} {UNITS[unit]})")
+    if UNITS[unit] in COUNTED and exact != exact.to_integral_value():
+        # A run cannot take 3.7 optimizer steps: rounding either way would train other than asked.
+        raise ValueError(f"{what} {text!r}: {COUNTED[UNITS[unit]]} are counted in whole numbers "
+                         f"(e.g. '{math.floor(value) or 1}{UNITS[unit]}'; epochs, FLOPs and times may be fractions)")
     return Duration(value=value, unit=UNITS[unit])

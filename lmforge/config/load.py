@@ -128,8 +128,11 @@ def _inner_model(annotation: Any) -> type[BaseModel] | None:
 def format_error(e: ValidationError, model: type[BaseModel] = RunConfig, source: str | None = None) -> str:
     """The first validation problem as one line naming the key, with a 'did you mean'."""
     errors = e.errors()
-    # A misspelt key also shows up as "missing <the right key>": report the misspelling.
-    err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
+    # A misspelt key also shows up as "missing <the right key>": report the misspelling. A value that
+    # fails every branch of a union (`tokenizer: PATH | {train: …}`) fails each in its own way: the
+    # branch that got furthest into the value says what is wrong with it, not "should be a string".
+    same_key = [x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]]
+    err = next((x for x in errors if x["type"] == "extra_forbidden"), max(same_key, key=lambda x: len(x["loc"])))
     loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and "[" in x and x not in ("",)))
     # Drop pydantic's union-branch tags such as 'str' or 'function-before[...]'.
     loc = tuple(x for x in loc if not (isinstance(x, str) and (x in ("str", "int", "list", "dict") or "(" in x)))
@@ -173,7 +176,7 @@ def load_raw(
             set_path(raw, key, value)
     for item in sets or []:
         set_path(raw, *parse_set(item))
-    if path and not raw.get("name"):
+    if path and raw.get("name") is None:  # an empty name given on purpose is refused, not replaced
         raw["name"] = os.path.splitext(os.path.basename(path))[0]
     return raw
 

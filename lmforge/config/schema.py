@@ -8,6 +8,7 @@ or ``"auto"`` are filled from the model size and the machine by ``lmforge.config
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator, model_validator
@@ -17,6 +18,7 @@ from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.model import ModelConfig, resolve_model
 from lmforge.config.storage import ObjectStoreConfig, SecretsConfig
 from lmforge.config.tracking import TrackerConfig
+from lmforge.errors import UserError
 
 HANG_TIMEOUT_MIN_S = 5.0  # shorter timeouts fire on ordinary pauses (GC, a slow read)
 
@@ -69,6 +71,30 @@ class Phase(_Strict):
             if p is not None and not p > 0:
                 raise ValueError(f"proportion of {name!r} must be > 0, got {p}")
         return v
+
+
+_ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?):([0-9]{1,5})$")
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (a name, an IPv4 address or a bracketed IPv6 one) → (host, port). Raises ValueError."""
+    m = _ENDPOINT.match(str(text).strip())
+    if not m or not 0 < int(m.group(3)) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT (e.g. node0.cluster:29500, 10.0.0.1:29500 or [fd00::1]:29500)")
+    return m.group(1).strip("[]"), int(m.group(3))
+
+
+def check_run_name(name: str) -> None:
+    """A run name becomes a folder (runs/<name>), a registry key and a rendezvous id: it must name one
+    thing, not a path. Raises ValueError."""
+    if not name.strip():
+        raise ValueError("a run name cannot be empty; leave `name` out for the config file's name")
+    bad = next((c for c in name if c in "/\\" or not c.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"{name!r} holds {bad!r}; a run name is one word of letters, digits, '.', '_' or '-' "
+                         "(save_folder sets where it is written)")
+    if name in (".", "..") or name != name.strip():
+        raise ValueError(f"{name!r} is not a usable run name (a path, or spaces at its ends)")
 
 
 def phase_end(text: str) -> tuple[str, float]:
@@ -163,7 +189,7 @@ class Parameters(_Strict):
         "adamw", description="adamw, or muon for the blocks' matrices (AdamW for embeddings, head, norms)")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (matrices only)")
     # [/recipe]
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null to turn off")
     precision: Literal["auto", "bf16", "fp32", "fp8"] = Field(
@@ -184,6 +210,14 @@ class Parameters(_Strict):
         "end at the tokenizer's end-of-text token in the packed samples); fine-tuning rows always are")
     seed: int = Field(17, description="seed for init, data order and sampling")
 
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v):
+        for i, b in enumerate(v):
+            if not 0 <= b < 1:  # torch's rule, checked before the run starts
+                raise ValueError(f"betas[{i}] is {b:g}; each AdamW beta is in [0, 1), e.g. [0.9, 0.95]")
+        return v
 
     @field_validator("global_batch_size")
     @classmethod
@@ -261,6 +295,23 @@ class ComputeConfig(_Strict):
     price_per_gpu_hour: float | None = Field(
         None, ge=0, description="price of one device (GPU, or CPU rank) per hour: the progress line, `runs describe` "
         "and the report show the cost so far and the estimated cost to finish")
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, v):
+        if v is not None:
+            parse_endpoint(v)
+        return v
+
+    def check_nodes(self) -> None:
+        """Several nodes need the rendezvous of node 0 and a node rank below their count. Not a
+        validator: `lmforge launch` checks a config for N nodes whose endpoint the job sets later.
+        Raises UserError."""
+        if self.nodes > 1 and not self.rdzv_endpoint:
+            raise UserError(f"compute.nodes: {self.nodes} nodes need compute.rdzv_endpoint (HOST:PORT of node 0), "
+                            "e.g. --rdzv-endpoint node0:29500")
+        if self.node_rank >= self.nodes:
+            raise UserError(f"compute.node_rank: {self.node_rank} is not below compute.nodes ({self.nodes})")
 
     @field_validator("activation_checkpointing")
     @classmethod
@@ -355,7 +406,8 @@ class PreferenceOptions(_Strict):
 
 
 class RunConfig(_Strict):
-    name: str | None = Field(None, description="run name; default: the config file's name, else model + timestamp")
+    name: str | None = Field(None, description="run name (a folder name and registry key: no '/'); default: the config file's "
+                                      "name, else model + timestamp")
     model: ModelConfig | Literal["auto"] = Field(
         ..., description="preset name, {preset: ..., overrides}, a full shape, or auto (the shape expected to "
         "reach the lowest loss for training_duration on this machine)")
@@ -394,11 +446,18 @@ class RunConfig(_Strict):
     max_retries: int = Field(2, ge=0, description="restarts after a crash or a hang, in all (by the supervisor or "
                              "torchrun); each resumes from the latest checkpoint")
     log_interval: int = Field(10, ge=1, description="steps between logged metrics (trackers, the progress bar); "
-                              "plain console lines (no terminal) thin them to ~20 a run, one at least every 100 steps")
+                              "plain console lines thin them to ~20 a run, one at least every 100 steps")
     # [object-store] remote save_folder / train_data settings (lmforge/config/storage.py)
     object_store: ObjectStoreConfig = Field(default_factory=ObjectStoreConfig, description="endpoint, retries")
     secrets: SecretsConfig | None = Field(None, description="credentials file or env var names (never values)")
 
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if v is not None:
+            check_run_name(v)
+        return v
 
     @field_validator("model", mode="before")
     @classmethod
@@ -446,9 +505,11 @@ class RunConfig(_Strict):
     @field_validator("train_data", mode="before")
     @classmethod
     def _train_data(cls, v):
-        """Accept 'path', ['a', 'b'], or {name: path | {path, proportion}}."""
+        """Accept 'path', {path, text_field, …}, ['a', 'b'], or {name: path | {path, proportion}}."""
         if isinstance(v, str):
             return [{"path": v}]
+        if isinstance(v, dict) and isinstance(v.get("path"), str) and set(v) <= set(DatasetEntry.model_fields):
+            return [v]  # one dataset written as a mapping ({path, text_field}), not a mix of datasets
         if isinstance(v, dict):
             out = []
             for name, entry in v.items():

@@ -340,6 +340,18 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
     return marker
 
 
+def input_warnings(summary: dict) -> list[str]:
+    """What reading the inputs skipped or replaced, one line each: `data prepare` prints them under its
+    table, and a run that prepares its raw data says them as warnings (not only in the dataset card)."""
+    lines = [f"skipped {s['input']}: {s['reason']}" for s in summary.get("skipped_inputs") or []]
+    if summary.get("skipped_lines"):
+        lines.append(f"skipped {summary['skipped_lines']} records, e.g. {summary['skipped_line_examples'][0]}")
+    if summary.get("invalid_utf8_replacements"):
+        lines.append(f"{summary['invalid_utf8_replacements']} invalid UTF-8 sequences replaced (U+FFFD), in "
+                     f"{', '.join(summary.get('invalid_utf8_files') or [])}: is it in another encoding?")
+    return lines
+
+
 def _write_index(out: str, split: str, entries: list[dict]) -> None:
     remote.put_bytes(remote.join(out, split, "index.json"),
                      json.dumps({"version": 2, "shards": entries}, sort_keys=True).encode())

@@ -45,9 +45,10 @@ def keep_inherited_clients() -> None:
 
 
 def is_remote(uri: str) -> bool:
-    """True for object-store URIs; plain paths and ``file://`` are local."""
+    """True for object-store URIs; plain paths and ``file://`` are local, and ``hf://`` names a
+    Hugging Face dataset (`data.sources` loads it with `datasets`), not a store to list or write."""
     scheme, sep, _ = str(uri).partition("://")
-    return bool(sep) and scheme not in ("file", "local", "")
+    return bool(sep) and scheme not in ("file", "local", "hf", "")
 
 
 def local_path(uri: str) -> str:

@@ -22,7 +22,7 @@ from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.data import remote
 from lmforge.data.batch import Batch, EvalSet, StreamLayout
 from lmforge.data.pieces import epoch_pieces, epoch_tokens, split_lines
-from lmforge.data.prepare import MARKER, summary_seq_len
+from lmforge.data.prepare import MARKER, input_warnings, summary_seq_len
 from lmforge.data.stream import DatasetSpec, StreamPhase, TokenStream, open_dataset
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
@@ -235,6 +235,8 @@ def _prepare_cached(inputs: list[str], tokenizer_path: str, seq_len: int, eval_f
     summary = prepare(inputs, tokenizer_path, out, seq_len, eval_fraction=eval_fraction,
                       workers=min(4, os.cpu_count() or 1), text_field=text_field, progress=None, curate=curate,
                       overwrite=True, flags=("eval.holdout_fraction", "parameters.context_length"))
+    for line in input_warnings(summary):  # every run that reads this data: it is the data's, not one run's
+        log(f"warning: data {', '.join(inputs)}: {line}")
     if curate is not None and not summary.get("already_prepared"):
         c = summary["curation"]
         log(f"data: curation kept {c['documents_kept']:,} of {c['documents_in']:,} documents"

@@ -158,15 +158,17 @@ def read_examples(paths: list[str], task: str, template=None) -> list[list[tuple
 
 def tokenize_example(segments: list[tuple[str, bool]], tokenizer) -> tuple[list[int], list[bool]]:
     """Token ids and, per token, whether it is trained on. Each trained segment ends with eos
-    (a tokenizer's own chat template writes its own end-of-turn tokens instead)."""
+    (a tokenizer's own chat template writes its own end-of-turn tokens instead). The example starts
+    as its whole text would (the post-processor's BOS, once); its segments are encoded as pieces, so
+    that no token straddles the prompt and the response (as LLM Foundry and TRL mask them)."""
     from lmforge.data.chat import Rendered, tokenize_rendered
 
     if isinstance(segments, Rendered):
         return tokenize_rendered(segments, tokenizer)
-    ids: list[int] = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    ids: list[int] = list(tokenizer.prefix_ids)
     trained: list[bool] = [False] * len(ids)
     for text, is_target in segments:
-        piece = tokenizer.encode(text) if text else []
+        piece = tokenizer.encode(text, add_special_tokens=False) if text else []
         if is_target:
             piece = piece + [tokenizer.eos_id]
         ids += piece

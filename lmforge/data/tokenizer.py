@@ -7,6 +7,7 @@ A saved tokenizer folder holds ``tokenizer.json`` (the HF ``tokenizers`` format)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -50,6 +51,24 @@ class Tokenizer:
         """Token ids of `text`; with `add_special_tokens` the tokenizer's post-processor adds what
         it adds to a document (e.g. BOS), exactly as ``transformers`` does for ``tokenizer(text)``."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def prefix_ids(self) -> list[int]:
+        """The special tokens the post-processor puts before a text (a BOS, or nothing): where a text
+        encoded in pieces (``add_special_tokens=False``) starts, as the whole text would."""
+        enc = self.backend.encode("a", add_special_tokens=True)
+        first_text = next((i for i, special in enumerate(enc.special_tokens_mask) if not special), 0)
+        return enc.ids[:first_text]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt to continue: the ids of `encode` — a BOS where the tokenizer's post-processor puts
+        one, once, as transformers' ``tokenizer(text)`` (``bos_id`` only says that it does; adding it
+        again gave Mistral/Gemma-style tokenizers two) — without an EOS a post-processor may append
+        (a prompt goes on); never empty (EOS alone starts a text, as in pretraining)."""
+        ids = self.encode(text)
+        if len(ids) > 1 and ids[-1] == self.eos_id:
+            ids = ids[:-1]
+        return ids or [self.eos_id]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch_fast skips offset tracking (tokenizers >= 0.21); same ids, less work.

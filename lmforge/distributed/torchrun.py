@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from lmforge.config.schema import parse_endpoint
 from lmforge.errors import UserError
 from lmforge.process import process_alive, read_status
 
@@ -58,10 +59,10 @@ def procs_per_node(compute) -> int:
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise UserError(f"compute.rdzv_endpoint: {endpoint!r} is not HOST:PORT (e.g. node0.cluster:29500)")
-    return host, int(port)
+    try:
+        return parse_endpoint(endpoint)
+    except ValueError as e:
+        raise UserError(f"compute.rdzv_endpoint: {e}") from None
 
 
 def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
@@ -88,20 +89,14 @@ def check_world(cfg, nproc: int) -> None:
     n_experts = 0 if cfg.model == "auto" else cfg.model.n_experts  # model: auto chooses a dense shape
     check_mesh(cfg.compute, nproc * cfg.compute.nodes, nproc, n_experts=n_experts)
     c = cfg.compute
-    if cfg.model != "auto" and cfg.parameters.context_length:  # (else the trainer checks the resolved length)
+    if cfg.model != "auto" and cfg.parameters.context_length:  # (else resolution checks the resolved length)
         from lmforge.config.schema import FINETUNE_TASKS
         from lmforge.estimate.context import check_context_parallel
 
         check_context_parallel(c.context_parallel, cfg.parameters.context_length, cfg.model,
                                packed_rows=cfg.parameters.document_masking or cfg.task_type in FINETUNE_TASKS,
                                device_type=resolve_device_kind(c.device))
-    if c.nodes > 1:
-        if not c.rdzv_endpoint:
-            raise UserError(f"compute.nodes: {c.nodes} nodes need compute.rdzv_endpoint (HOST:PORT of node 0), "
-                            "e.g. --rdzv-endpoint node0:29500")
-        if c.node_rank >= c.nodes:
-            raise UserError(f"compute.node_rank: {c.node_rank} is not below compute.nodes ({c.nodes})")
-        split_endpoint(c.rdzv_endpoint)
+    c.check_nodes()
 
 
 def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int, status_file: str | None = None

@@ -1,6 +1,8 @@
-"""Memory per GPU of a training run under full sharding (FSDP over every GPU).
+"""Memory per GPU of a training run, for the way its GPUs share the model (`compute.data_parallel`):
+``fsdp`` shards the model states over every GPU, ``hsdp`` over the GPUs of a shard group (a node),
+``ddp`` (what `lmforge train` uses unless told otherwise) and ``none`` keep all of them on every GPU.
 
-Model states, in bytes per parameter, sharded evenly over the N GPUs:
+Model states, in bytes per parameter (sharded evenly over the shard group's GPUs, or whole):
 
 | what                              | bytes |
 |-----------------------------------|------:|
@@ -15,7 +17,8 @@ Unsharded working set: FSDP all-gathers one unit (a block, or the embedding, or 
 output head) at a time in bf16 and prefetches the next one, and each unit's bf16
 gradient exists before it is reduce-scattered: 2 units × (2 + 2) bytes × the largest
 unit's parameters. With expert parallelism N a GPU gathers only its E/N experts of a
-block (model states stay sharded over all GPUs either way).
+block (model states stay sharded over all GPUs either way). DDP instead keeps its gradient
+buckets: a second fp32 copy of the gradients (4 bytes per parameter).
 
 Activations per sequence of T tokens (bf16, 2 bytes/element), counting the tensors
 autograd keeps for the backward pass, in the spirit of Korthikanti et al. 2022
@@ -76,6 +79,8 @@ RESERVED_BYTES = 1e9
 # Beyond a few tens of sequences per micro-batch a GPU is saturated; suggesting more
 # only makes the global batch needlessly large.
 MAX_SUGGESTED_MICRO_BATCH = 64
+REPLICATED = ("ddp", "none")  # data-parallel modes that keep every model state on every GPU
+DDP_BUCKET_BYTES = 4  # per parameter: DDP's fp32 gradient buckets
 
 
 def checkpointed_blocks(value, n_layers: int) -> tuple[str | None, list[int]]:
@@ -171,18 +176,26 @@ def memory_plan(
     activation_checkpointing=None,
     expert_parallel: int = 1,
     context_parallel: int = 1,
+    data_parallel: str = "fsdp",
+    shard_devices: int | None = None,
 ) -> dict:
-    """Per-GPU memory, fit check and micro-batch suggestion under full sharding.
+    """Per-GPU memory, fit check and micro-batch suggestion for ``data_parallel`` (fsdp: states
+    sharded over the ``n_devices``; hsdp: over ``shard_devices``, a node's GPUs; ddp/none: whole on
+    every GPU).
 
     ``cfg`` None (a nominal parameter count) estimates model states only.
     ``activation_checkpointing``: a `compute.activation_checkpointing` value (false, true/full,
     selective, N); None picks: off if micro-batch 1 fits without it, else full.
     ``context_parallel`` N: each GPU holds seq_len / N tokens of a row (its activations).
     """
+    sharded = data_parallel not in REPLICATED
+    shards = (shard_devices or n_devices) if data_parallel == "hsdp" else n_devices if sharded else 1
     states_total = float(total_params) * BYTES_PER_PARAM
-    states = states_total / n_devices
+    states = states_total / shards
     usable = usable_bytes(gpu_memory)
     out: dict = {
+        "data_parallel": data_parallel,
+        "shards": shards,
         "devices": n_devices,
         "bytes_per_param": dict(STATE_BYTES),
         "states_bytes_total": states_total,
@@ -198,10 +211,13 @@ def memory_plan(
                    max_micro_batch=None, activation_checkpointing=activation_checkpointing,
                    micro_batch=micro_batch, suggested_micro_batch=None,
                    total_bytes_per_gpu=states, fits=fits,
-                   min_gpus=math.ceil(states_total / usable) if usable > 0 else None)
+                   min_gpus=math.ceil(states_total / usable) if usable > 0 and sharded else None)
         return out
 
-    gathered = 2 * 4 * largest_unit_params(cfg, expert_parallel)
+    if sharded:
+        gathered = 2 * 4 * largest_unit_params(cfg, expert_parallel)
+    else:
+        gathered = DDP_BUCKET_BYTES * float(total_params) if data_parallel == "ddp" else 0.0
     loss = loss_workspace_bytes(cfg)
     tokens = seq_len // context_parallel
     act = {"no_ac": activation_bytes(cfg, tokens, False), "ac": activation_bytes(cfg, tokens, True)}
@@ -225,6 +241,6 @@ def memory_plan(
         suggested_micro_batch=suggested,
         total_bytes_per_gpu=total,
         fits=total <= usable,
-        min_gpus=math.ceil(states_total / room) if room > 0 else None,
+        min_gpus=math.ceil(states_total / room) if room > 0 and sharded else None,
     )
     return out

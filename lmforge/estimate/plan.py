@@ -16,7 +16,7 @@ from lmforge.estimate.comm import moe_traffic
 from lmforge.estimate.context import context_plan
 from lmforge.estimate.flops import DEFAULT_VOCAB, flops_per_token, param_counts
 from lmforge.estimate.hardware import GPUSpec, get_gpu_type, mfu_basis, peak_flops
-from lmforge.estimate.memory import memory_plan
+from lmforge.estimate.memory import REPLICATED, memory_plan
 from lmforge.estimate.micro_batch import Choice, checkpointing_label, choose
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
@@ -40,7 +40,9 @@ class EstimateInputs:
     ``expert_parallel`` (MoE): GPUs each layer's experts are split over; ``grad_accum``:
     micro-batches per optimizer step (for the MoE traffic per step); ``context_parallel``: GPUs
     each row is split over (activations per GPU), and the plan's ``context`` says which
-    context-parallel degree and checkpointing mode the length needs (`estimate.context`). A
+    context-parallel degree and checkpointing mode the length needs (`estimate.context`);
+    ``data_parallel``: how the GPUs share the model (fsdp, hsdp: sharded within a node, ddp/none:
+    replicated), which the memory verdict is for. A
     resolved run's plan gives them all (`resolve.plan.estimate_inputs`); `lmforge estimate` its flags.
     """
 
@@ -62,6 +64,7 @@ class EstimateInputs:
     expert_parallel: int = 1
     grad_accum: int = 1
     context_parallel: int = 1
+    data_parallel: str = "fsdp"
 
 
 def _check_inputs(x: EstimateInputs) -> None:
@@ -127,7 +130,7 @@ def estimate_run(x: EstimateInputs) -> dict:
         (x.micro_batch, x.activation_checkpointing)
     memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch,
                          activation_checkpointing=checkpointing, expert_parallel=x.expert_parallel,
-                         context_parallel=x.context_parallel)
+                         context_parallel=x.context_parallel, data_parallel=x.data_parallel, shard_devices=x.gpus)
     context = None if cfg is None else context_plan(cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch or 1,
                                                     expert_parallel=x.expert_parallel)
     return {
@@ -211,10 +214,13 @@ def check_fits(plan: dict) -> None:
     mem, cluster = plan["memory"], plan["cluster"]
     if mem["fits"]:
         return
-    where = f"{cluster['gpus']} × {cluster['gpu_type']}"
+    where = f"{cluster['gpus']} × {cluster['gpu_type']} under {mem['data_parallel']}"
     usable = _bytes(mem["usable_bytes"])
     states = _bytes(mem["states_bytes_per_gpu"])
-    more = f"at least {mem['min_gpus']} GPUs" if mem["min_gpus"] else "a shorter --seq-len"
+    if mem["data_parallel"] in REPLICATED:  # more GPUs of the same kind do not help: shard instead
+        more = "compute.data_parallel fsdp to shard the model states (--data-parallel fsdp for an estimate)"
+    else:
+        more = f"at least {mem['min_gpus']} GPUs" if mem["min_gpus"] else "a shorter --seq-len"
     if mem["activation_bytes_per_sample"] is None:
         raise UserError(f"model does not fit on {where}: model states need {states} per GPU of "
                         f"{usable} usable; use {more}")
@@ -229,10 +235,22 @@ def check_fits(plan: dict) -> None:
         hint = ("" if mem["activation_checkpointing"] else "enable activation checkpointing and ") + f"use {more}"
     raise UserError(
         f"model does not fit on {where} at micro-batch {mb}, seq {mem['seq_len']}: "
-        f"needs {_bytes(mem['total_bytes_per_gpu'])} per GPU{with_ac} (states {states}, gathered "
+        f"needs {_bytes(mem['total_bytes_per_gpu'])} per GPU{with_ac} (states {states}, {_unsharded(mem)} "
         f"{_bytes(mem['gathered_bytes_per_gpu'])}, activations {_bytes(act['no_ac'])} per sequence, "
         f"{_bytes(act['ac'])} with checkpointing) of {usable} usable; {hint}"
     )
+
+
+def _unsharded(mem: dict) -> str:
+    """What the memory beside the model states is, by data-parallel mode."""
+    return {"ddp": "gradient buckets", "none": "unsharded"}.get(mem["data_parallel"], "gathered")
+
+
+def _states_where(mem: dict) -> str:
+    dp, shards = mem["data_parallel"], mem["shards"]
+    if dp in REPLICATED:
+        return f"whole on each GPU: {dp}"
+    return f"over {shards} GPUs: {dp}" + (" within a node" if dp == "hsdp" else "")
 
 
 def _count(x: float | None) -> str:
@@ -297,8 +315,8 @@ def format_plan(plan: dict) -> str:
         ("GPU-hours", f"{tm['gpu_hours']:,.0f}"),
         ("cost", f"{plan['cost']['total']:,.0f} at {plan['cost']['price_per_gpu_hour']:g} per GPU-hour"
                  if plan["cost"]["total"] is not None else "— (give --price-per-gpu-hour)"),
-        ("memory/GPU", f"model states {_bytes(m['states_bytes_per_gpu'])} "
-                       f"(18 B/param over {m['devices']} GPUs), gathered {_bytes(m['gathered_bytes_per_gpu'])}, "
+        ("memory/GPU", f"model states {_bytes(m['states_bytes_per_gpu'])} (18 B/param {_states_where(m)}), "
+                       f"{_unsharded(m)} {_bytes(m['gathered_bytes_per_gpu'])}, "
                        f"loss {_bytes(m['loss_workspace_bytes'])}, "
                        f"usable {_bytes(m['usable_bytes'])} of {_bytes(m['gpu_memory_bytes'])}"),
     ]
@@ -327,7 +345,7 @@ def format_plan(plan: dict) -> str:
                                         "of the routed tokens"))
     if plan.get("context") is not None:
         rows.append(("long context", _context_text(plan["context"])))
-    verdict = "fits" if m["fits"] else "DOES NOT FIT"
+    verdict = ("fits" if m["fits"] else "DOES NOT FIT") + f" under {m['data_parallel']}"
     if plan.get("micro_batch_choice"):
         verdict += f"; micro-batch {m['micro_batch']} with {checkpointing_label(m['activation_checkpointing'])} (auto)"
     elif m["suggested_micro_batch"]:

@@ -26,8 +26,7 @@ def generations(model, tokenizer, cfg: RunConfig, compiled: bool) -> list[str]:
     stance = torch.compiler.set_stance("force_eager") if compiled else nullcontext()
     with stance:
         for i, prompt in enumerate(cfg.eval.prompts):
-            ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
-            new = generate(model, ids, cfg.eval.max_new_tokens, temperature=cfg.eval.temperature,
+            new = generate(model, tokenizer.encode_prompt(prompt), cfg.eval.max_new_tokens, temperature=cfg.eval.temperature,
                            top_k=cfg.eval.top_k, top_p=cfg.eval.top_p, eos_id=tokenizer.eos_id,
                            seed=cfg.parameters.seed + i)
             if new and new[-1] == tokenizer.eos_id:

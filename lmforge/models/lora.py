@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -177,10 +178,13 @@ def write_peft_adapter(tensors: dict[str, torch.Tensor], lora: LoRAConfig, out_d
 
 
 def base_model_reference(custom_weights_path: str | None) -> str | None:
-    """What the adapter names as its base: the Hugging Face folder it was trained on, if any."""
+    """What the adapter names as its base: the Hugging Face folder it was trained on, by its absolute
+    path (a relative one resolves only from where training ran), or a hub name as given."""
     if not custom_weights_path:
         return None
-    return custom_weights_path.removeprefix("hf:")
+    path = custom_weights_path.removeprefix("hf:")
+    local = os.path.expanduser(path)
+    return os.path.abspath(local) if os.path.isdir(local) else path
 
 
 def trainable_counts(model: nn.Module) -> tuple[int, int]:

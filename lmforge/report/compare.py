@@ -62,6 +62,7 @@ def summary(run: RunData) -> dict[str, float | str | None]:
     steps, _ = run.series("train/loss")
     out: dict[str, float | str | None] = {
         "status": run.status,
+        "reason": run.reason,
         "steps": steps[-1] if steps else None,
         "tokens": last.get("train/tokens"),
         "train loss (last)": last.get("train/loss"),
@@ -109,8 +110,13 @@ def _delta(a: Any, b: Any, key: str) -> str:
     if d == 0:
         return "="
     rel = f" ({100 * d / abs(a):+.1f}%)" if a else ""
-    if "MFU" in key:
-        return f"{100 * d:+.1f} pts"
+    if "MFU" in key:  # percentage points, to the first digit that is not 0 below 0.1
+        pts = 100 * d
+        return f"{pts:+.1f} pts" if abs(pts) >= 0.1 else f"{pts:+.1g} pts"
+    if key == "training time":  # h:mm:ss, as the values beside it
+        from lmforge.tracking.console import format_eta
+
+        return ("-" if d < 0 else "+") + format_eta(abs(d)) + rel
     return f"{d:+.4g}{rel}"
 
 

@@ -8,6 +8,7 @@ axes, one colour per run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import html
 import json
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 from lmforge.report.compare import config_differences, eval_prefixes, fmt, summary
 from lmforge.report.load import RunData
+from lmforge.layout import ACTIVE  # a run still going (any other status has ended)
 
 MAX_POINTS = 4000  # per curve; longer series are thinned evenly (the last point is kept)
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
@@ -171,7 +173,9 @@ def _run_header(runs: list[RunData]) -> list[str]:
 def summary_table(runs: list[RunData]) -> str:
     sums = [summary(r) for r in runs]
     keys = [k for k in dict.fromkeys(k for s in sums for k in s) if any(s.get(k) is not None for s in sums)]
-    rows = [[html.escape(k)] + [html.escape(fmt(s.get(k), k)) for s in sums] for k in keys]
+    # The reason a run ended is shown whole: it is the line that says what went wrong.
+    rows = [[html.escape(k)] + [html.escape(str(s[k]) if k == "reason" and s.get(k) else fmt(s.get(k), k))
+                                for s in sums] for k in keys]
     swatches = "".join(f'<span style="margin-right:14px"><span class="swatch" style="background:'
                        f'{PALETTE[i % len(PALETTE)]}"></span>{html.escape(r.name)}</span>' for i, r in enumerate(runs))
     return f"<div>{swatches}</div>" + _table(_run_header(runs), rows)
@@ -192,7 +196,7 @@ def plan_rows(run: RunData) -> list[tuple[str, str, str]]:
     tps, mfu = headline["tokens/s (median)"], headline["MFU (median)"]
     total_tokens = plan.get("total_tokens")
     remaining_s = None
-    if total_tokens and tokens is not None and tps and run.status not in ("COMPLETED",):
+    if total_tokens and tokens is not None and tps and run.status in ACTIVE:  # an ended run has nothing to finish
         remaining_s = max(total_tokens - tokens, 0) / tps
     rows = [
         ("devices", *[f"{plan.get('devices', '?')} × {plan.get('device', '?')}" if plan else "-"] * 2),
@@ -236,7 +240,13 @@ def differences_table(runs: list[RunData]) -> str:
 
 def generations_html(run: RunData) -> str:
     if not run.generations:
-        return f"<p>{html.escape(run.name)}: no generations logged (eval.prompts is empty).</p>"
+        if not (run.config.get("eval") or {}).get("prompts"):
+            why = "eval.prompts is empty"
+        elif run.status in ACTIVE:
+            why = "no eval has run yet"
+        else:
+            why = "the run ended before its first eval"
+        return f"<p>{html.escape(run.name)}: no generations logged ({why}).</p>"
     by_step: dict[int, list[dict]] = {}
     for g in run.generations:
         by_step.setdefault(int(g.get("step", 0)), []).append(g)
@@ -299,7 +309,12 @@ def write_report(runs: list[RunData], out: str) -> str:
     folder = os.path.dirname(os.path.abspath(out))
     os.makedirs(folder, exist_ok=True)
     tmp = f"{out}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(page)
-    os.replace(tmp, out)  # a browser (or the uploader) never sees half a page
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(tmp, out)  # a browser (or the uploader) never sees half a page
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk: no half page left behind
+            os.remove(tmp)
+        raise
     return out

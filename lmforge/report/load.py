@@ -35,6 +35,7 @@ class RunData:
     events: list[dict] = field(default_factory=list)  # {"time", "type", "message"}, by time
     resumptions: list[dict] = field(default_factory=list)  # {"idx", "started_at", "ended_at", "status", "reason"}
     status: str | None = None
+    reason: str | None = None  # why it ended (a failed run's error line), when it has ended early
     plan: dict | None = None  # plan.json
     _by_key: dict | None = field(default=None, repr=False, compare=False)
     _indexed: int = field(default=0, repr=False, compare=False)
@@ -193,6 +194,10 @@ def load_run(ref: str, *, name: str | None = None, status: str | None = None,
     folder_events = _jsonl(read(EVENTS_FILE))
     _fill_history(data, row, folder_events)
     data.status = status or (row or {}).get("status") or _status_from_events(folder_events)
+    if data.status in ("FAILED", "STOPPED"):
+        # The registry's reason is the supervisor's last word (a kill, a hang, retries used up);
+        # the trainer's own error line is in the folder before the registry has it.
+        data.reason = (row or {}).get("reason") or _error_from_events(folder_events)
     return data
 
 
@@ -204,6 +209,11 @@ def _same_folder(a: str | None, b: str) -> bool:
     if remote.is_remote(a) or remote.is_remote(b):
         return a.rstrip("/") == b.rstrip("/")
     return os.path.realpath(a) == os.path.realpath(remote.local_path(b))
+
+
+def _error_from_events(events: list[dict]) -> str | None:
+    last = next((e for e in reversed(events) if e.get("event") == "finished"), None)
+    return (last or {}).get("error")
 
 
 def _status_from_events(events: list[dict]) -> str | None:

@@ -355,4 +355,4 @@ def estimate_inputs(cfg: RunConfig, plan: TrainPlan, machine: Machine) -> Estima
                           micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
                           precision=mfu_basis(plan.precision),
                           expert_parallel=cfg.compute.expert_parallel if gpu else 1,
-                          context_parallel=cfg.compute.context_parallel)
+                          context_parallel=cfg.compute.context_parallel, data_parallel=cfg.compute.data_parallel)

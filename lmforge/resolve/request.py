@@ -61,4 +61,6 @@ def run_config(request: RunRequest) -> RunConfig:
     raw = dict(request.raw)
     if request.command == "finetune":
         raw.setdefault("task_type", FINETUNE_DEFAULT_TASK)
-    return with_default_names(build_config(fill_from_weights(raw), source=request.source))
+    cfg = with_default_names(build_config(fill_from_weights(raw), source=request.source))
+    cfg.compute.check_nodes()  # several nodes need their rendezvous: refused before anything runs, dry run too
+    return cfg

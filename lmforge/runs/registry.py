@@ -23,11 +23,9 @@ from contextlib import contextmanager
 
 from lmforge.errors import UserError
 from lmforge.home import lmforge_home
+from lmforge.layout import ACTIVE, STATUSES, TERMINAL  # noqa: F401 - a run's statuses (reports read them too)
 from lmforge.process import process_alive, read_status, this_host
 
-STATUSES = ("PENDING", "STARTING", "RUNNING", "TERMINATING", "COMPLETED", "FAILED", "STOPPED")
-ACTIVE = ("PENDING", "STARTING", "RUNNING", "TERMINATING")
-TERMINAL = ("COMPLETED", "FAILED", "STOPPED")
 SCHEMA_VERSION = 2  # 2: run_uid and lifecycle
 # A supervisor on another host cannot be probed; without a heartbeat for this long it is lost.
 REMOTE_HEARTBEAT_TIMEOUT_S = 600

@@ -379,7 +379,7 @@ class MirrorCallback(Callback):
     def on_checkpoint(self, path: str) -> None:
         self.store.checkpoint_saved(path)
 
-    def on_end(self, status: str, final_dir: str | None) -> None:
+    def on_end(self, status: str, final_dir: str | None, error: str | None = None) -> None:
         if status == "failed":
             self.store.abort()
         else:

@@ -4,7 +4,8 @@
 launch plan (``runs.plan``) saying "train" (one process) or "launch" (it becomes torchrun, whose
 ranks train). The supervisor
 
-- copies the child's output to its own (foreground) and to ``<logs>/resumption-<N>.log``;
+- copies the child's output to its own (foreground) and, as a terminal keeps it (lines, no redraws of
+  the live bar: `runs.terminal_text`), to ``<logs>/resumption-<N>.log``;
 - forwards SIGTERM/SIGINT to the child: the trainer, or torchrun, which passes the signal to
   every rank; each rank checkpoints at the same step and exits. The run is STOPPED once every
   process of it has exited (none holds the save folder's lock any more, `runs.lock`);
@@ -43,6 +44,7 @@ from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.progress import MetricsTail, metrics_path, summarize
 from lmforge.runs.registry import Registry
 from lmforge.runs.registry import status_file as status_path
+from lmforge.runs.terminal_text import TerminalText
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
@@ -89,11 +91,27 @@ _WORKER_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 HANG_MARK = "lmforge: hang detected"
 
 
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")  # torchrun's prefix of a rank's lines
+
+
+def last_exception(tail: list[str]) -> str | None:
+    """The exception line of the last Python traceback in ``tail`` (the first unindented line after
+    its "Traceback" header), or None."""
+    lines = [_RANK_PREFIX.sub("", ln) for ln in tail]
+    start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Traceback (most recent")), None)
+    if start is None:
+        return None
+    return next((ln.strip() for ln in lines[start + 1:] if ln.strip() and not ln[0].isspace()), None)
+
+
 def failure_reason(rc: int, tail: list[str]) -> str:
-    """What went wrong, from the output's last lines: a detected hang, the failed rank, or the exit."""
+    """What went wrong, from the output's last lines: a detected hang, or the failed rank (or the
+    exit) with the exception it raised."""
     hang = next((ln for ln in reversed(tail) if HANG_MARK in ln), None)
     if hang:
         return hang[hang.index(HANG_MARK) + len("lmforge: "):].split(";")[0]
+    exc = last_exception(tail)
+    why = f": {exc}" if exc else ""
     rank = code = None
     for ln in tail:
         if m := _WORKER_FAILED.search(ln):
@@ -103,8 +121,8 @@ def failure_reason(rc: int, tail: list[str]) -> str:
         elif (m := _WORKER_EXIT.match(ln)) and rank is not None:
             code = int(m.group(1))
     if rank is not None and code is not None:
-        return f"rank {rank} {describe_exit(code)}"
-    return describe_exit(rc)
+        return f"rank {rank} {describe_exit(code)}{why}"
+    return describe_exit(rc) + why
 
 
 class Supervisor:
@@ -366,7 +384,9 @@ class Supervisor:
         _note(f"run {self.name}: torchrun restarted the ranks ({self.restarts} of {self.max_retries} restarts used)")
 
     def _tee(self, fd: int, out, tail: deque) -> None:
-        partial = b""
+        """The child's output as it comes to the terminal (`out`), and as a terminal keeps it — its
+        lines, without the redraws and escape codes of a live bar — to the log file and the tail."""
+        text = TerminalText()
         while True:
             try:
                 chunk = os.read(fd, 65536)
@@ -374,26 +394,28 @@ class Supervisor:
                 break
             if not chunk:
                 break
-            with self._log_lock:
-                if self._log_error is None:
-                    try:
-                        self._log.write(chunk)
-                        self._log.flush()
-                    except OSError as e:  # a full disk must not hide the trainer's own error line
-                        self._log_error = e
-                        self.reg.event(self.name, "warning", f"writing the log stopped: "
-                                       f"{environment_error(e, where=self._log.name) or e}")
             if out is not None:
                 try:
                     out.buffer.write(chunk)
                     out.flush()
                 except (OSError, ValueError):
                     pass
-            lines = (partial + chunk).split(b"\n")
-            partial = lines.pop()
-            tail.extend(ln.decode(errors="replace").rstrip("\r") for ln in lines)
-        if partial:
-            tail.append(partial.decode(errors="replace"))
+            self._keep(text.feed(chunk), tail)
+        self._keep(text.close(), tail)
+
+    def _keep(self, lines: list[str], tail: deque) -> None:
+        if not lines:
+            return
+        with self._log_lock:
+            if self._log_error is None:
+                try:
+                    self._log.write("".join(ln + "\n" for ln in lines).encode())
+                    self._log.flush()
+                except OSError as e:  # a full disk must not hide the trainer's own error line
+                    self._log_error = e
+                    self.reg.event(self.name, "warning", f"writing the log stopped: "
+                                   f"{environment_error(e, where=self._log.name) or e}")
+        tail.extend(lines)
 
 
 def _copy_winsize(src: int, dst: int) -> None:

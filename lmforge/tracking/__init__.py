@@ -150,7 +150,7 @@ class TrackingCallback(Callback):
     def on_text(self, key: str, text: str, step: int) -> None:
         self.trackers.log_text(key, text, step)
 
-    def on_end(self, status: str, final_dir: str | None) -> None:
+    def on_end(self, status: str, final_dir: str | None, error: str | None = None) -> None:
         if status == "completed" and final_dir:
             self.trackers.log_model(final_dir)  # model registries (MLflow, W&B); a failure there is only a warning
-        self.trackers.finish(status)
+        self.trackers.finish(status, error)

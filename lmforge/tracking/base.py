@@ -32,8 +32,9 @@ class Tracker:
         so a failure here is its own warning line, never the end of the tracker or the run.
         """
 
-    def finish(self, status: str = "completed") -> None:
-        """Close the tracker; status is one of completed | failed | stopped."""
+    def finish(self, status: str = "completed", error: str | None = None) -> None:
+        """Close the tracker; status is one of completed | failed | stopped (``error``: what ended a
+        failed run, in one line)."""
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -125,13 +126,17 @@ class Trackers(Tracker):
     def log_model(self, final_dir: str) -> None:
         self._call("log_model", final_dir)
 
-    def finish(self, status: str = "completed") -> None:
+    def finish(self, status: str = "completed", error: str | None = None) -> None:
         if status not in FINISH_STATUSES:
             raise ValueError(f"finish status must be one of {FINISH_STATUSES}, got {status!r}")
         if self.finished:  # idempotent: the trainer and a context manager may both call it
             return
         self.finished = True
-        self._call("finish", status)
+        if error:
+            from lmforge.secrets import redact
+
+            error = redact(error)  # it reaches files and servers (events.jsonl, an MLflow tag)
+        self._call("finish", status, error)
 
     def __enter__(self) -> Trackers:
         return self
@@ -143,4 +148,4 @@ class Trackers(Tracker):
             status = "stopped"
         else:
             status = "failed"
-        self.finish(status)
+        self.finish(status, one_line(exc) if status == "failed" else None)

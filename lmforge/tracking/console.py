@@ -1,8 +1,10 @@
-"""The terminal view of a run: a live rich progress bar on a TTY, plain log lines otherwise.
+"""The terminal view of a run: plain log lines, and on a TTY a live rich progress bar below them.
 
-Plain lines (about every ``log_every`` steps, on the last step and on every eval)
-keep CI logs and detached runs (``nohup``, ``runs logs``) readable, where a
-redrawn bar would be noise.
+Plain lines (about every ``log_every`` steps, on the last step and on every eval) are what CI logs,
+detached runs and the log of a foreground run (``runs logs``) hold; on a terminal they scroll above
+a one-line bar that redraws in place (the supervisor's log keeps what a terminal keeps of it,
+`runs.terminal_text`: the lines, and the bar's last frame). The ETA of both is the trainer's own:
+the pace since the first logged step, on its training clock.
 """
 
 from __future__ import annotations
@@ -108,8 +110,9 @@ class ConsoleTracker(Tracker):
     # -- plain mode -----------------------------------------------------------------
     def _println(self, line: str) -> None:
         if self._progress is not None:
-            # Printed above the live bar; markup off so generated text is shown verbatim.
-            self._progress.console.print(line, markup=False, highlight=False)
+            # Printed above the live bar; markup off so generated text is shown verbatim, and soft-
+            # wrapped (by the terminal, not cut into lines): a log keeps it as one line.
+            self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
         else:
             print(line, file=self.stream, flush=True)
 
@@ -127,27 +130,33 @@ class ConsoleTracker(Tracker):
     # -- live mode ------------------------------------------------------------------
     def _start_bar(self, step: int, tokens: float) -> None:
         from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from rich.table import Column
 
         console = Console(file=self.stream, force_terminal=True, width=self.width)
+        # One line at any width: the fixed columns keep their width and the stats are cut to what is
+        # left (a bar that wraps is redrawn from above, which leaves its first frame in a log,
+        # `runs.terminal_text`). The ETA is the trainer's: rich's own goes blank when log updates are
+        # more than 30 s apart.
+        def fixed(width: int) -> Column:
+            return Column(no_wrap=True, width=width)
+
+        label = "step" if self.total_steps else "tokens"
+        total = self.total_steps or self.total_tokens
         self._progress = Progress(
-            TextColumn("step" if self.total_steps else "tokens"),
-            BarColumn(bar_width=20),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[stats]}"),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
+            TextColumn(label, table_column=fixed(len(label))),
+            BarColumn(bar_width=20, table_column=fixed(20)),
+            MofNCompleteColumn(table_column=fixed(2 * len(f"{total:,}") + 1)),
+            TextColumn("ETA {task.fields[eta]}", table_column=fixed(len("ETA 0:00:00"))),
+            TextColumn("{task.fields[stats]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
             console=console,
+            expand=True,
             refresh_per_second=4,
             transient=False,
         )
         self._progress.start()
-        # Created at the current position so a resumed run does not count the
-        # jump from 0 as speed in the ETA.
-        total = self.total_steps or self.total_tokens
         self._task = self._progress.add_task(
-            "train", total=total, completed=step if self.total_steps else tokens, stats="")
+            "train", total=total, completed=step if self.total_steps else tokens, stats="", eta="?")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         m = scalar_metrics(metrics)
@@ -156,16 +165,16 @@ class ConsoleTracker(Tracker):
         clock = m.get("time/elapsed_s")
         if is_train and self._first is None:
             self._first = (time.monotonic() if clock is None else clock, step)
+        eta = self._eta(step, clock) if is_train else None
         if self.tty and is_train:
             tokens = m.get("train/tokens", 0.0)
             if self._progress is None:
                 self._start_bar(step, tokens)
             self._progress.update(self._task, completed=step if self.total_steps else tokens,
-                                  stats=" | ".join(train_summary(m, self.total_tokens, self._eta(step, clock))))
-        elif is_train and self._plain_line_due(step):
+                                  stats=" | ".join(train_summary(m, self.total_tokens, eta)), eta=format_eta(eta))
+        if is_train and self._plain_line_due(step):
             self._printed = step
             head = f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"
-            eta = self._eta(step, clock)
             parts = [head, *train_summary(m, self.total_tokens, eta)]
             if self.total_steps:
                 parts.append(f"ETA {format_eta(eta)}")
@@ -186,7 +195,7 @@ class ConsoleTracker(Tracker):
     def log_text(self, key: str, text: str, step: int) -> None:
         self._println(f"--- {key} at step {step} ---\n{text.rstrip()}\n---")
 
-    def finish(self, status: str = "completed") -> None:
+    def finish(self, status: str = "completed", error: str | None = None) -> None:
         if self._progress is not None:
             self._progress.stop()  # stops the refresh thread and leaves the last frame
             self._progress = None

@@ -47,7 +47,7 @@ class JsonlTracker(Tracker):
         with open(self.text_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
-    def finish(self, status: str = "completed") -> None:
+    def finish(self, status: str = "completed", error: str | None = None) -> None:
         if not self._file.closed:
             self._file.close()
 

@@ -19,6 +19,7 @@ import warnings
 from importlib import metadata
 
 import mlflow.pyfunc
+import pandas as pd  # (an MLflow dependency) the type of `predict`'s input, which MLflow reads
 
 # What the serving side imports (see LmforgeTextGenerator.load_context).
 REQUIREMENTS = ("torch", "numpy", "pydantic", "tokenizers", "safetensors")
@@ -40,15 +41,17 @@ class LmforgeTextGenerator(mlflow.pyfunc.PythonModel):
         self.tokenizer = load_tokenizer(folder)
         check_tokenizer_fits(self.tokenizer, cfg, f"model {folder}")
 
-    def predict(self, context, model_input, params: dict | None = None) -> list[str]:
+    # Typed, so that MLflow does not warn at every import that it cannot infer a signature: a
+    # DataFrame is an input type from which it infers none, so the signature given when the model is
+    # saved (a `prompt` column, and `params`) stays the one checked and served.
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> list[str]:
         from lmforge.models import generate
 
         p = DEFAULT_PARAMS | (params or {})
         tok = self.tokenizer
         out = []
         for i, prompt in enumerate(_prompts(model_input)):
-            ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prompt)
-            new = generate(self.model, ids or [tok.eos_id], int(p["max_new_tokens"]),
+            new = generate(self.model, tok.encode_prompt(prompt), int(p["max_new_tokens"]),
                            temperature=float(p["temperature"]), top_k=int(p["top_k"]) or None,
                            top_p=float(p["top_p"]), eos_id=tok.eos_id, seed=int(p["seed"]) + i)
             if new and new[-1] == tok.eos_id:

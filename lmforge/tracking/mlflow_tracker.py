@@ -199,5 +199,7 @@ class MlflowTracker(Tracker):
         print(f"MLflow model registry: {self.registry_name} version {version} "
               f"(mlflow.pyfunc.load_model('models:/{self.registry_name}/{version}'))", flush=True)
 
-    def finish(self, status: str = "completed") -> None:
+    def finish(self, status: str = "completed", error: str | None = None) -> None:
+        if error:  # why a failed run ended, next to its status in the MLflow UI
+            self.client.set_tag(self.run_id, "lmforge.error", error[:5000])
         self.client.set_terminated(self.run_id, status=STATUS.get(status, "FINISHED"))

@@ -61,8 +61,8 @@ class ReportTracker(Tracker):
         if any(k.startswith(_EVAL_PREFIXES) for k in metrics):
             self.write()
 
-    def finish(self, status: str = "completed") -> None:
-        self._event({"event": "finished", "status": status})
+    def finish(self, status: str = "completed", error: str | None = None) -> None:
+        self._event({"event": "finished", "status": status} | ({"error": error} if error else {}))
         self.write(status.upper())
 
     def write(self, status: str = "RUNNING") -> None:

@@ -92,7 +92,7 @@ class WandbTracker(Tracker):
             print(f"warning: W&B: could not log the final model {final_dir} as an artifact ({one_line(exc)})",
                   file=sys.stderr, flush=True)
 
-    def finish(self, status: str = "completed") -> None:
+    def finish(self, status: str = "completed", error: str | None = None) -> None:
         import wandb
 
         try:

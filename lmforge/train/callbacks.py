@@ -49,8 +49,9 @@ class Callback:
     def on_checkpoint(self, path: str) -> None:
         """A checkpoint became complete (visible under its final name)."""
 
-    def on_end(self, status: str, final_dir: str | None) -> None:
-        """The run ended: ``completed`` (with its export in ``final_dir``), ``stopped`` or ``failed``."""
+    def on_end(self, status: str, final_dir: str | None, error: str | None = None) -> None:
+        """The run ended: ``completed`` (with its export in ``final_dir``), ``stopped`` or ``failed``
+        (``error``: what ended it, in one line)."""
 
 
 class Callbacks(Callback):
@@ -83,6 +84,6 @@ class Callbacks(Callback):
         for c in self.callbacks:
             c.on_checkpoint(path)
 
-    def on_end(self, status, final_dir):
+    def on_end(self, status, final_dir, error=None):
         for c in self.callbacks:
-            c.on_end(status, final_dir)
+            c.on_end(status, final_dir, error)

@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import random
+import resource
 import shutil
 import time
 import warnings
@@ -38,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from lmforge.checksums import DamagedFile, file_digests, verify_files
 from lmforge.distributed.dist import barrier
 from lmforge.errors import UserError
-from lmforge.layout import (RUN_FILE, STATE_FILE, checkpoints_dir, different_run_error, holds_saved_run,
-                            list_checkpoints, read_run_file, read_state)
+from lmforge.layout import (RUN_FILE, STATE_FILE, checkpoint_step, checkpoints_dir, different_run_error,
+                            holds_saved_run, list_checkpoints, read_run_file, read_state)
 
 # DCP warns on every single-process save/load that it "assumes the intent" — which it is.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -107,7 +108,9 @@ class PendingSave:
         try:
             digests = future.result()
         except (Exception, CheckpointException) as e:
-            raise _write_error(e, args[1]) from None
+            err = _write_error(e, args[1])
+            _discard(args[1], rank=args[4])
+            raise err from None
         return _complete(*args, digests=digests)
 
 
@@ -135,7 +138,9 @@ def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimiz
     try:
         torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     except (OSError, RuntimeError) as e:
-        raise _write_error(e, tmp) from None
+        err = _write_error(e, tmp)
+        _discard(tmp, rank)
+        raise err from None
     finish_args = (save_folder, tmp, final, state, rank, keep, on_complete)
     if pending is not None:
         # Returns once the state is staged (copied to CPU memory); the write continues in a thread.
@@ -145,8 +150,17 @@ def save_checkpoint(save_folder: str, step: int, model: torch.nn.Module, optimiz
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     except (Exception, CheckpointException) as e:
-        raise _write_error(e, tmp) from None
+        err = _write_error(e, tmp)
+        _discard(tmp, rank)
+        raise err from None
     return _finish(*finish_args)
+
+
+def _discard(tmp: str, rank: int) -> None:
+    """A checkpoint whose write failed: its half-written folder goes (rank 0), so that a full disk
+    gets back what it held and nothing of it is left to look like a checkpoint being written."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 FULL_BYTES = 1 << 20  # a write that failed with less free space than this ran out of it
@@ -169,6 +183,8 @@ def _write_error(e: BaseException, folder: str) -> BaseException:
         return e
     if st.f_bavail * st.f_frsize < FULL_BYTES:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), folder)
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:  # `ulimit -f`: a short write
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG), folder)
     return e
 
 
@@ -192,7 +208,10 @@ def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, ke
         if os.path.exists(final):  # same step saved before (e.g. final save after a periodic one)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for _, old in list_checkpoints(save_folder)[:-keep]:
+        # keep-N counts this checkpoint and those before it: one of a later step can only be left from
+        # before a fallback to an earlier one (`intact_checkpoint`), never a reason to drop an intact one.
+        step = checkpoint_step(final)
+        for _, old in [c for c in list_checkpoints(save_folder) if c[0] <= step][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         if on_complete is not None:
             on_complete(final)
@@ -221,18 +240,29 @@ def verify_checkpoint(path: str, checked: Collection[str] = ()) -> dict:
 
 def intact_checkpoint(save_folder: str, log=print) -> str | None:
     """The newest complete checkpoint whose files are intact. A corrupt newer one is skipped with a
-    warning line (it stays on disk for inspection); if none is intact, the newest one's error."""
+    warning line and, once an intact one is found, set aside as ``step_N.damaged-<time>`` (on disk for
+    inspection, but no longer a checkpoint: keep-N never counts it, a later resume never tries it);
+    if none is intact, the newest one's error and nothing is moved."""
     found = list_checkpoints(save_folder)
     first_error = None
+    damaged = []
     for _, path in reversed(found):
         try:
             verify_checkpoint(path)
         except CorruptCheckpoint as e:
             first_error = first_error or e
+            damaged.append(path)
             log(f"warning: {e}; trying the previous checkpoint")
             continue
         if first_error is not None:
             log(f"warning: resuming from {path}, the newest intact checkpoint")
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for bad in damaged:
+                try:
+                    os.replace(bad, f"{bad}.damaged-{stamp}")
+                    log(f"warning: set the damaged {os.path.basename(bad)} aside as {bad}.damaged-{stamp}")
+                except OSError:  # left where it is: keep-N counts only checkpoints up to the newest one
+                    pass
         return path
     if first_error is not None:
         raise UserError(f"{first_error}; no intact checkpoint is left: --no-autoresume starts fresh "

@@ -69,6 +69,34 @@ class TrainingDiverged(UserError):
     exit_code = 3
 
 
+def failure_line(e: BaseException) -> str:
+    """What ended a failed run, in one line: a UserError's own message, else the exception's type
+    and the first line of its message."""
+    if isinstance(e, UserError):
+        return str(e)
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def divergence_message(step: int, loss: float, grad_norm: float, remedies: str) -> str:
+    """The value that went non-finite at ``step`` first — the loss, else the gradient norm (the loss
+    can stay finite for a step while the backward pass overflows) — and the other one beside it."""
+    if math.isfinite(loss):
+        head = f"gradient norm became {grad_norm} at step {step} (loss {loss:.4g})"
+    else:
+        head = f"loss became {loss} at step {step} (gradient norm {grad_norm:.4g})"
+    return f"{head}; {remedies}"
+
+
+def divergence_remedies(learning_rate: float, warmup_steps: int, grad_clip: float | None, precision: str) -> str:
+    """The usual remedies for a diverged run, with this run's values."""
+    clip = "off" if grad_clip is None else f"{grad_clip:g}"
+    text = (f"Try a lower parameters.learning_rate ({learning_rate:.3g} now), a longer parameters.warmup "
+            f"({warmup_steps} step{'' if warmup_steps == 1 else 's'} now), parameters.grad_clip ({clip} now)")
+    wider = {"bf16": "fp32", "fp8": "bf16"}.get(precision)  # fewer mantissa bits: rounding can blow up
+    return text + (f" or parameters.precision {wider} ({precision} now)" if wider else "")
+
+
 # Across ranks, a stop asked on one (SIGTERM, Ctrl-C) is agreed on by an all-reduce, which waits
 # for the device: done at log steps, and at least every this many steps.
 STOP_CHECK_STEPS = 10
@@ -320,10 +348,11 @@ class Trainer:
         window.clear()
         for i, (loss, grad_norm) in enumerate(values):
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                raise TrainingDiverged(
-                    f"loss became {loss} at step {first_step + i} (grad norm {grad_norm:.3g}); stopped without "
-                    f"saving. Last good checkpoint: {latest_checkpoint(self.save_folder) or 'none'}. "
-                    "Try a lower parameters.learning_rate")
+                last = latest_checkpoint(self.save_folder) or "none"
+                raise TrainingDiverged(divergence_message(
+                    first_step + i, loss, grad_norm, f"stopped without saving. Last good checkpoint: {last}. "
+                    + divergence_remedies(self.plan.learning_rate, self.plan.warmup_steps,
+                                           self.cfg.parameters.grad_clip, self.plan.precision)))
         return values
 
     # ------------------------------------------------------------------ evaluation
@@ -432,8 +461,8 @@ class Trainer:
                 final_dir = self.export() if status == "completed" else None
                 barrier()
             self.callbacks.on_end(status, final_dir)
-        except BaseException:
-            self.callbacks.on_end("failed", None)
+        except BaseException as e:
+            self.callbacks.on_end("failed", None, error=failure_line(e))
             raise
         finally:
             self.stream.close()
@@ -467,8 +496,10 @@ class Trainer:
             if self.saver is not None:
                 self.saver.poll()  # rank 0 completes a background checkpoint as soon as it is written
             done = self._done()
-            log_now = state.step % self.cfg.log_interval == 0 or state.step == 1 or done
             stop = self._stop_requested()
+            # The last step is logged also when a stop ends the run: its checkpoint, the registry and
+            # the report then agree on where it stopped.
+            log_now = state.step % self.cfg.log_interval == 0 or state.step == 1 or done or stop
             save_now = (state.step % plan.save_interval == 0 and not done) or stop
             if log_now or save_now:  # the only points that wait for the device
                 first = state.step - len(window) + 1

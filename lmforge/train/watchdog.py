@@ -18,15 +18,17 @@ of this attempt, at least `DEFAULT_FLOOR_S`. The clock starts at the first compl
 first one compiles and warms up) and stops during evaluation and checkpoint writes, which are
 not steps (the process group's collective timeout still bounds those).
 
-Test hook: ``LMFORGE_TEST_HANG=RANK:STEP[:ATTEMPT]`` makes rank RANK sleep for good right after
-it completes step STEP (in torchrun attempt ATTEMPT only, when given) — the only way to show a
-real hang end to end, and how tests hold a run at a known step before killing it. Nothing else
-reads it.
+Test hook: ``LMFORGE_TEST_HANG=RANK:STEP[:ATTEMPT[:stop]]`` (several, comma-separated) makes rank
+RANK sleep for good right after it completes step STEP (in torchrun attempt ATTEMPT only, when
+given) — the only way to show a real hang end to end, and how tests hold a run at a known step
+before killing it; with ``stop`` the rank freezes instead (SIGSTOP to itself), as a process stuck in
+a driver call does: it can neither dump its stacks nor obey a SIGTERM. Nothing else reads it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -36,6 +38,7 @@ from collections import deque
 from contextlib import contextmanager
 
 from lmforge.distributed.elastic import restart_count
+from lmforge.process import sibling_workers
 
 EXIT_HUNG = 4
 STEP_MULTIPLE = 20
@@ -56,7 +59,12 @@ def stack_lines(rank: int) -> list[str]:
 
 
 def dump_and_exit(rank: int, silent_s: float, timeout_s: float) -> None:
-    """What a hang does by default: one line, every thread's stack, then exit for a restart."""
+    """What a hang does by default: one line, every thread's stack, then exit for a restart.
+
+    The other ranks of this node get `GRACE_S` to dump theirs, then this one kills them (each
+    torchrun worker's process group: the rank and its data workers). The run is declared hung: a
+    rank still there cannot finish a step, and one stuck in the kernel or a driver call (no Python
+    runs, a SIGTERM waits) would otherwise hold torchrun's restart for its 30 s grace and SIGKILL."""
     fd = sys.__stderr__.fileno()
     sys.__stderr__.flush()
     head = (f"lmforge: hang detected on rank {rank}: no training step completed for {silent_s:.0f}s "
@@ -65,6 +73,11 @@ def dump_and_exit(rank: int, silent_s: float, timeout_s: float) -> None:
     for line in [head, *stack_lines(rank)]:
         os.write(fd, line.encode(errors="replace")[:4000])  # whole, even when another rank writes too
     time.sleep(GRACE_S)
+    for pid in sibling_workers():
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:  # exited meanwhile (its own watchdog)
+            pass
     os._exit(EXIT_HUNG)
 
 
@@ -100,8 +113,10 @@ class HangWatchdog:
                 self._thread = threading.Thread(target=self._watch, name="lmforge-hang-watchdog", daemon=True)
                 self._thread.start()
             self._cv.notify()
-        if self._hang_at == step:
-            threading.Event().wait()  # the test hook: this rank hangs here, for good
+        if self._hang_at is not None and self._hang_at[0] == step:  # the test hook: this rank hangs here
+            if self._hang_at[1]:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            threading.Event().wait()
 
     @contextmanager
     def paused(self):
@@ -139,11 +154,10 @@ class HangWatchdog:
         self.on_hang(self.rank, silent, timeout)
 
 
-def _test_hang(rank: int) -> int | None:
-    spec = os.environ.get(TEST_HOOK)
-    if not spec:
-        return None
-    r, step, *attempt = spec.split(":")
-    if int(r) != rank or (attempt and int(attempt[0]) != restart_count()):
-        return None
-    return int(step)
+def _test_hang(rank: int) -> tuple[int, bool] | None:
+    """(step, frozen) of the test hook for this rank in this attempt, or None."""
+    for spec in filter(None, os.environ.get(TEST_HOOK, "").split(",")):
+        r, step, *rest = spec.split(":")
+        if int(r) == rank and (not rest or int(rest[0]) == restart_count()):
+            return int(step), rest[1:] == ["stop"]
+    return None

@@ -150,6 +150,23 @@ def corpus_stats(sources: list[str] | str, *, tokenizer: str | None = None, text
     return out
 
 
+def stat_rows(s: dict) -> list[tuple[str, str]]:
+    """(what, value) of the statistics, one short value per row (the terminal table and the HTML page)."""
+    def fmt(v):
+        return "-" if v is None else f"{v:,}" if isinstance(v, int) else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    rows = [(k.replace("_", " "), fmt(s.get(k))) for k in ("documents", "bytes", "tokens", "bytes_per_token")]
+    d, unit = s["doc_length"], s["length_unit"]
+    rows += [(f"doc length {k} ({unit})", f"{d[k]:,.0f}") for k in ("mean", "p50", "p90", "p99", "max")]
+    dup = s.get("duplicates") or {}
+    rows.append(("exact-duplicate rate", "-" if dup.get("exact_rate") is None else f"{dup['exact_rate']:.2%}"))
+    rows.append((f"exact-or-near duplicate rate (Jaccard ≥ {dup.get('near_threshold', '-')})",
+                 "-" if dup.get("near_rate") is None else f"{dup['near_rate']:.2%}"))
+    for lang, share in list((s.get("languages") or {}).items())[:6]:  # one row each: a list would wrap mid-item
+        rows.append((f"language {lang} (of {s['language_sample']:,} sampled)", f"{share:.0%}"))
+    return rows
+
+
 def print_stats(s: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -157,25 +174,11 @@ def print_stats(s: dict) -> None:
     console = Console()
     t = Table(title=f"{s['kind']} corpus {' '.join(s['source'])}", title_justify="left", show_header=False)
     t.add_column("what", no_wrap=True)
-    t.add_column("value", justify="right")
-
-    def fmt(v):
-        return "-" if v is None else f"{v:,}" if isinstance(v, int) else f"{v:.3f}" if isinstance(v, float) else str(v)
-
-    for k in ("documents", "bytes", "tokens", "bytes_per_token"):
-        t.add_row(k.replace("_", " "), fmt(s.get(k)))
-    d = s["doc_length"]
-    unit = s["length_unit"]
-    t.add_row(f"doc length ({unit}) mean / p50 / p90 / p99 / max",
-              f"{d['mean']:,.0f} / {d['p50']:,.0f} / {d['p90']:,.0f} / {d['p99']:,.0f} / {d['max']:,}")
-    dup = s.get("duplicates") or {}
-    t.add_row("exact-duplicate rate", "-" if dup.get("exact_rate") is None else f"{dup['exact_rate']:.2%}")
-    t.add_row(f"exact-or-near duplicate rate (Jaccard ≥ {dup.get('near_threshold', '-')})",
-              "-" if dup.get("near_rate") is None else f"{dup['near_rate']:.2%}")
-    if s.get("languages"):
-        top = list(s["languages"].items())[:6]
-        t.add_row(f"languages ({s['language_sample']:,} docs)", ", ".join(f"{k} {v:.0%}" for k, v in top))
+    t.add_column("value", justify="right", no_wrap=True)
+    for what, value in stat_rows(s):
+        t.add_row(what, value)
     console.print(t)
+    d, unit = s["doc_length"], s["length_unit"]
     h = d["histogram"]
     peak = max(h["counts"]) or 1
     console.print(f"document length histogram ({unit}, log bins):", highlight=False)
@@ -184,6 +187,28 @@ def print_stats(s: dict) -> None:
             console.print(f"  {lo:>9,.0f} – {hi:<9,.0f} {'█' * max(1, round(30 * c / peak))} {c:,}", highlight=False)
     if s.get("plot"):
         console.print(f"plots: {s['plot']}", highlight=False)
+
+
+def _log_axis(ax, lo: float, hi: float) -> tuple[float, float]:
+    """A log length axis at least a decade wide (one document's axis was a sliver whose every tick
+    read 3.89038×10^5), labelled 1, 2, 5 × 10^k in short numbers (200K) where it spans few decades."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    def short(x, _=None) -> str:
+        for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+            if x >= scale:
+                return f"{x / scale:g}{unit}"
+        return f"{x:g}"
+
+    if hi / lo < 10:
+        mid = (lo * hi) ** 0.5
+        lo, hi = mid / 10 ** 0.5, mid * 10 ** 0.5
+    ax.set_xscale("log")
+    ax.set_xlim(lo, hi)
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if hi / lo < 1e3 else (1.0,)))
+    ax.xaxis.set_major_formatter(FuncFormatter(short))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    return lo, hi
 
 
 def _figure(s: dict):
@@ -195,16 +220,22 @@ def _figure(s: dict):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     h = s["doc_length"]["histogram"]
     ax = axes[0]
-    ax.bar(h["edges"][:-1], h["counts"], width=np.diff(h["edges"]), align="edge", edgecolor="white")
-    ax.set_xscale("log")
+    edges = np.asarray(h["edges"], np.float64)
+    lo, hi = _log_axis(ax, edges[0], edges[-1])
+    # A bin narrower than 1/80 of the axis (one document's is a single length) is drawn that wide.
+    centers = np.sqrt(edges[:-1] * edges[1:])
+    half = np.maximum(np.sqrt(edges[1:] / edges[:-1]), (hi / lo) ** (1 / 160))
+    ax.bar(centers / half, h["counts"], width=centers * half - centers / half, align="edge", edgecolor="white")
     ax.set_xlabel(f"document length ({s['length_unit']})")
     ax.set_ylabel("documents")
-    ax.set_title(f"{s['documents']:,} documents")
+    ax.set_title(f"{s['documents']:,} document{'' if s['documents'] == 1 else 's'}")
     ax = axes[1]
     dup = s.get("duplicates") or {}
     names = ["exact", "exact or near"]
     vals = [dup.get("exact_rate") or 0, dup.get("near_rate") or 0]
-    ax.bar(names, [100 * v for v in vals], color=["#4c72b0", "#dd8452"])
+    bars = ax.bar(names, [100 * v for v in vals], color=["#4c72b0", "#dd8452"])
+    ax.bar_label(bars, labels=[f"{v:.2%}" for v in vals])  # a rate of 0 is a bar of no height: say it
+    ax.set_ylim(0, max(1.0, 125 * max(vals)))
     ax.set_ylabel("% of documents")
     ax.set_title("duplicate rate")
     ax = axes[2]
@@ -220,8 +251,6 @@ def _figure(s: dict):
 
 def write_plots(s: dict, path: str) -> str:
     """The plots as a PNG, or an HTML page with the PNG and the numbers (one self-contained file)."""
-    import json
-
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".png", ".html"):
         raise UserError(f"--plot {path}: expected a .png or .html file name")
@@ -237,10 +266,12 @@ def write_plots(s: dict, path: str) -> str:
             f.write(buf.getvalue())
         return path
     img = base64.b64encode(buf.getvalue()).decode()
-    shown = {k: v for k, v in s.items() if k not in ("plot",)}
+    rows = "".join(f"<tr><td>{escape(k)}</td><td class='num'>{escape(v)}</td></tr>" for k, v in stat_rows(s))
     html = (f"<!doctype html><meta charset='utf-8'><title>{MARK}</title>"
-            f"<h2>{s['kind']} corpus {' '.join(s['source'])}</h2><img src='data:image/png;base64,{img}'>"
-            f"<pre>{escape(json.dumps(shown, indent=2))}</pre>")
+            "<style>body{font-family:system-ui,sans-serif;margin:24px} table{border-collapse:collapse}"
+            "td{border:1px solid #ddd;padding:3px 8px} td.num{text-align:right}</style>"
+            f"<h2>{escape(s['kind'])} corpus {escape(' '.join(s['source']))}</h2>"
+            f"<img style='max-width:100%;height:auto' src='data:image/png;base64,{img}'><table>{rows}</table>")
     with open(path, "w") as f:
         f.write(html)
     return path
