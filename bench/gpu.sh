@@ -34,7 +34,11 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
-export LMFORGE_COMMIT=${LMFORGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .bench/COMMIT 2>/dev/null || echo unknown)}
+# The commit the rows are for: .bench/COMMIT first (write it here before a device call:
+# `git rev-parse --short HEAD > .bench/COMMIT`), since a device machine's copy of the checkout can
+# carry an older .git than the working tree it runs (seen 2026-11-26: rows labelled with the
+# session's first commit).
+export LMFORGE_COMMIT=${LMFORGE_COMMIT:-$(cat .bench/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p .bench
 "$PY" -c "import torch; print('#', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
 "$PY" -m lmforge --version >/dev/null  # lmforge and its dependencies import
