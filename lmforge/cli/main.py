@@ -21,6 +21,7 @@ from lmforge.errors import UserError, environment_error, say
 COMMAND_MODULES = [
     "lmforge.cli.train",
     "lmforge.cli.pipeline",
+    "lmforge.cli.scaling",
     "lmforge.cli.data",
     "lmforge.cli.tokenizer",
     "lmforge.cli.estimate",

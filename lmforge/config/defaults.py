@@ -15,8 +15,10 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only where a device is asked about: the size rules stay free of it (lmforge.scaling)
+    import torch
 
 # (non-embedding params, peak LR)
 LR_ANCHORS = [(5e6, 2e-3), (30e6, 1e-3), (125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4),
@@ -69,6 +71,8 @@ MAX_WARMUP_STEPS = 2000
 
 def bf16_supported(device: torch.device) -> bool:
     """bf16 autocast only where matmuls run natively in bf16 (else it is slower than fp32)."""
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
