@@ -26,6 +26,8 @@ FORBIDDEN = {
     "eval": ("train",) + OPERATIONS,
     "estimate": ("train", "runs", "cli", "tracking", "report"),
     "report": ("models", "train", "distributed", "cli"),  # reads a run's files; never trains
+    # plans, fits and predicts from numbers; running the ladder is `runs.ladder`'s
+    "scaling": ("data", "models", "train", "distributed", "eval", "runs", "cli", "tracking", "report"),
 }
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import yaml
 
-from train_helpers import assert_one_line_error, cli, lmforge
+from browser import Browser, browser_setup_note, find_chromium
+from train_helpers import assert_one_line_error, cli, lmforge, metrics
 
 from lmforge.errors import UserError
 from lmforge.scaling.config import LadderConfig, load_ladder
@@ -190,3 +191,83 @@ def test_scaling_package_is_torch_free():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------- a real ladder
+
+@pytest.fixture(scope="module")
+def ladder(tiny_data, tmp_path_factory):
+    """`lmforge scaling run` of a 4-run ladder (2 sizes × 2 compute levels, two at a time) on the tiny
+    corpus: (ladder file, its save folder, the command's output)."""
+    root = tmp_path_factory.mktemp("ladder")
+    spec = {"name": "tiny-ladder", "train_data": str(tiny_data.dataset), "tokenizer": str(tiny_data.tokenizer),
+            "save_folder": str(root / "lad"), "target": {"model": {"d_model": 128, "n_layers": 2, "n_heads": 4},
+                                                          "tokens": "40K"},
+            "budget": "3e10flop", "parameters": {"context_length": 64, "global_batch_size": 8, "warmup": "2ba"},
+            "ladder": {"sizes": 2, "levels": 2, "min_steps": 10, "parallel": 2, "threads": 1}}
+    path = root / "ladder.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    proc = lmforge("scaling", "run", "-f", path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return path, root / "lad", proc.stdout
+
+
+@pytest.mark.e2e
+def test_a_ladder_trains_registered_runs_fits_and_resumes(ladder):
+    from lmforge.config.load import build_config
+    from lmforge.runs.registry import Registry
+
+    path, folder, out = ladder
+    assert "law: L(N, D) =" in out and "target: " in out and "next: lmforge train -f" in out
+    pred = json.loads((folder / "prediction.json").read_text())
+    t = pred["target"]
+    assert t["loss_low"] < t["loss"] < t["loss_high"] and t["params"] > 4 * max(r["params"] for r in pred["runs"])
+    assert t["tokens"] == 40_000 and {"E", "A", "alpha", "B", "beta", "rms"} <= set(pred["fit"])
+    runs = pred["runs"]
+    assert len(runs) == 4 and {r["status"] for r in runs} == {"completed"}
+    assert len({r["params"] for r in runs}) == 2 and {r["level"] for r in runs} == {0, 1}
+    assert any("too few" in w for w in pred["warnings"])  # 4 runs cannot judge a 5-parameter law
+    for r in runs:  # each run is an ordinary registered run with its own config file
+        row = Registry().saved_in(r["save_folder"])
+        assert row and row[0]["status"] == "COMPLETED" and row[0]["name"] == f"tiny-ladder-{r['label']}"
+        assert r["loss"] == [m for m in metrics(Path(r["save_folder"])) if "eval/loss" in m][-1]["eval/loss"]
+    # target.yaml: a valid run config with the same recipe and the same held-out samples as the runs
+    target = build_config(yaml.safe_load((folder / "target.yaml").read_text()))
+    one = build_config(yaml.safe_load((folder / "runs" / f"{runs[0]['label']}.yaml").read_text()))
+    assert target.model.d_model == 128 and target.training_duration.value == 40_000
+    assert target.eval.max_batches == one.eval.max_batches and target.parameters.context_length == 64
+    assert target.parameters.micro_batch_size == one.parameters.micro_batch_size == 8
+    assert "lmforge-report" in (folder / "report.html").read_text()[:2000]
+    # `scaling show`: the same table, any time
+    shown = cli("scaling", "show", folder, check=True).stdout
+    assert "4 of 4 runs completed" in shown and f"{t['loss']:.4f}" in shown
+    # A re-run skips what is done and resumes what is not: one run's export removed, it continues
+    # from its last checkpoint; the others are not trained again.
+    redo = folder / "runs" / runs[-1]["label"]
+    shutil.rmtree(redo / "final")
+    again = lmforge("scaling", "run", "-f", path, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "continuing the ladder planned" in again.stdout and "3 of 4 runs already completed" in again.stdout
+    assert "resume: continuing from" in (redo / "logs" / "resumption-1.log").read_text()
+    assert (redo / "final").is_dir()
+
+
+@pytest.mark.e2e
+def test_ladder_report_renders_in_headless_chromium(ladder, tmp_path):
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip(f"Chromium is not installed {browser_setup_note()}".strip())
+    with Browser(chromium) as b:
+        b.open((ladder[1] / "report.html").as_uri())
+        plots = b.evaluate("document.querySelectorAll('.js-plotly-plot').length")
+        drawn = b.evaluate("Array.from(document.querySelectorAll('.js-plotly-plot'))"
+                           ".filter(d => d.querySelector('.main-svg .scatterlayer .trace')).length")
+        points = b.evaluate("document.querySelectorAll('#chart-tokens .scatterlayer .point').length")
+        error_bars = b.evaluate("document.querySelectorAll('#chart-tokens .errorbar').length")
+        text = b.evaluate("document.body.innerText")
+        png = b.screenshot()
+        problems = b.problems()
+    (tmp_path / "ladder.png").write_bytes(png)  # for a human to look at when this fails
+    assert problems == [] and plots == drawn == 2
+    assert points >= 4 + 1 and error_bars >= 1  # the runs and the prediction with its interval
+    assert "predicted held-out loss" in text and "Warnings" in text

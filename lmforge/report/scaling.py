@@ -16,6 +16,7 @@ import os
 import time
 
 from lmforge.report.html import CSS, MARK, PALETTE, _figure_html, _layout, _table
+from lmforge.estimate.auto import effective_tokens
 from lmforge.scaling.fit import FLOPS_PER_PARAM_TOKEN, Law
 from lmforge.scaling.plan import human
 
@@ -72,10 +73,9 @@ def isoflop_chart(pred: dict) -> dict:
     runs = [r for r in pred["runs"] if r.get("loss") is not None]
     traces = []
     levels = sorted({r["level"] for r in runs})
-    n_lo = min(r["params"] for r in runs) / 2
-    n_hi = max(r["params"] for r in runs) * 2
-    grid = _geom(n_lo, n_hi)
-    info = {round(math.log(lv["flops"]), 3): lv for lv in pred["isoflop"]["levels"]}
+    grid = _geom(min(r["params"] for r in runs) / 2, max(r["params"] for r in runs) * 2)
+    unique = (pred.get("ladder") or {}).get("unique_tokens")
+    minima = [lv for lv in pred["isoflop"]["levels"] if lv.get("n_opt")]
     for i, level in enumerate(levels):
         color = PALETTE[i % len(PALETTE)]
         mine = sorted((r for r in runs if r["level"] == level), key=lambda r: r["params"])
@@ -85,12 +85,12 @@ def isoflop_chart(pred: dict) -> dict:
                        "text": [r["label"] for r in mine], "marker": {"color": color, "size": 9},
                        "legendgroup": str(level)})
         traces.append({"type": "scatter", "mode": "lines", "x": grid,
-                       "y": [law.loss(n, c / (FLOPS_PER_PARAM_TOKEN * n)) for n in grid],
+                       "y": [law.loss(n, effective_tokens(c / (FLOPS_PER_PARAM_TOKEN * n), unique)) for n in grid],
                        "name": f"{c:.2g} FLOPs (law)", "line": {"color": color, "width": 1.5},
                        "legendgroup": str(level), "showlegend": False, "hoverinfo": "skip"})
-        lv = min(info.values(), key=lambda v: abs(math.log(v["flops"] / c))) if info else None
-        if lv and lv.get("n_opt"):
-            traces.append({"type": "scatter", "mode": "markers", "x": [lv["n_opt"]], "y": [lv["loss_min"]],
+        near = [lv for lv in minima if abs(math.log(lv["flops"] / c)) < 0.2]
+        if near:
+            traces.append({"type": "scatter", "mode": "markers", "x": [near[0]["n_opt"]], "y": [near[0]["loss_min"]],
                            "name": f"{c:.2g} FLOPs: parabola's minimum", "legendgroup": str(level),
                            "marker": {"color": color, "size": 12, "symbol": "x"}})
     layout = _layout("IsoFLOP: held-out loss against parameters, per compute level", "held-out loss (nats/token)",

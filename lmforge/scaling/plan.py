@@ -235,9 +235,10 @@ def plan_ladder(cfg: LadderConfig, *, vocab: int, context: int, unique_tokens: f
     per_size = [(m, params_of(m), shape_label(m), learning_rate(m)) for m in sizes]
     dumps: dict[str, dict] = {}
 
-    def points_at(c_top: float) -> list[Point]:
+    def points_at(c_top: float, levels: int = opts.levels) -> list[Point]:
+        """The grid under a top level of ``c_top`` FLOPs, its lowest levels dropped to keep ``levels``."""
         pts = []
-        for k in range(opts.levels):
+        for k in range(opts.levels - levels, opts.levels):
             c = c_top / opts.level_ratio ** (opts.levels - 1 - k)
             for m, n, label, lr in per_size:
                 d = c / (FLOPS_PER_PARAM_TOKEN * n)
@@ -257,23 +258,28 @@ def plan_ladder(cfg: LadderConfig, *, vocab: int, context: int, unique_tokens: f
             return sum(p.flops for p in pts)
         return makespan([p.seconds for p in pts], opts.parallel)
 
-    # Scan the top level's compute over a fine geometric grid; keep the plan that covers the most
+    # Scan the top level's compute over a fine geometric grid, with all levels and with the lowest
+    # ones dropped (a small budget buys fewer, larger runs); keep the plan that covers the most
     # sizes, then has the most points (up to what the fit needs), then the most compute.
     smallest = min(params_of(m) for m in sizes)
-    c = FLOPS_PER_PARAM_TOKEN * smallest * opts.min_steps * 1024
-    best, best_key = None, None
-    for _ in range(600):
-        pts = points_at(c)
-        if pts and cost(pts) <= cfg.budget.value and len(pts) >= 2:
-            key = (len({p.params for p in pts}), min(len(pts), WANTED_POINTS), c)
-            if best_key is None or key > best_key:
-                best, best_key = pts, key
-        c *= 1.05
-        if not pts and best is not None:
-            break
+    best, best_key, cheapest = None, None, math.inf
+    for levels in range(opts.levels, 0, -1):
+        c = FLOPS_PER_PARAM_TOKEN * smallest * opts.min_steps * 1024
+        seen = False
+        for _ in range(600):
+            pts = points_at(c, levels)
+            if len(pts) >= 2:
+                cheapest = min(cheapest, cost(pts))
+            if pts and cost(pts) <= cfg.budget.value and len(pts) >= 2:
+                key = (len({p.params for p in pts}), min(len(pts), WANTED_POINTS), c)
+                if best_key is None or key > best_key:
+                    best, best_key = pts, key
+            seen = seen or bool(pts)
+            if seen and not pts:
+                break
+            c *= 1.05
     if best is None:
-        raise UserError(_no_fit_reason(cfg, sizes, rates, overhead_s, max_tokens, unique_tokens, context,
-                                       points_at))
+        raise UserError(_no_fit_reason(cfg, sizes, rates, overhead_s, max_tokens, unique_tokens, context, cheapest))
     notes = []
     if len({p.params for p in best}) < len(sizes):
         left = [shape_label(m) for m in sizes if params_of(m) not in {p.params for p in best}]
@@ -287,25 +293,24 @@ def plan_ladder(cfg: LadderConfig, *, vocab: int, context: int, unique_tokens: f
 WANTED_POINTS = 9  # a 5-parameter law with a few degrees of freedom left to judge the fit
 
 
-def _no_fit_reason(cfg, sizes, rates, overhead_s, max_tokens, unique_tokens, context, points_at) -> str:
-    """Why no plan of two runs fits: the budget, or the data."""
+def _no_fit_reason(cfg, sizes, rates, overhead_s, max_tokens, unique_tokens, context, cheapest) -> str:
+    """Why no plan of two runs fits: the data, or the budget (and what the cheapest plan needs)."""
     opts = cfg.ladder
     m = sizes[0]
     b = run_batch_tokens(cfg, m, opts.min_steps * 2048, context)
     shortest = opts.min_steps * b
-    if shortest > max_tokens:
+    if shortest > max_tokens or cheapest == math.inf:
         return (f"train_data: {human(unique_tokens)} tokens is too small for the ladder: its shortest run "
                 f"({opts.min_steps} steps × {human(b)} tokens) would repeat it more than ladder.max_epochs = "
                 f"{opts.max_epochs:g} times; give more training data")
     if cfg.budget.unit == "flop":
-        need = 2 * FLOPS_PER_PARAM_TOKEN * params_of(m) * shortest
-        return (f"budget: {cfg.budget} cannot fit two ladder runs (the two shortest, {opts.min_steps} steps of "
-                f"{shape_label(m)}, need about {need:.2g} FLOPs): give a larger budget")
+        return (f"budget: {cfg.budget} cannot fit two ladder runs of at least {opts.min_steps} steps (the cheapest "
+                f"such ladder needs {cheapest:.2g} FLOPs): give a larger budget")
     one = shortest / rates[shape_label(m)] + overhead_s
-    need = one * (2 if opts.parallel < 2 else 1)
     return (f"budget: {cfg.budget} cannot fit two ladder runs on this machine now (the shortest, {opts.min_steps} "
             f"steps of {shape_label(m)} at {human(rates[shape_label(m)])} tokens/s measured, takes about {one:.0f}s "
-            f"with its start-up): give at least {math.ceil(need / 60)}min")
+            f"with its start-up; the cheapest ladder about {cheapest:.0f}s): give at least "
+            f"{math.ceil(cheapest / 60)}min")
 
 
 def makespan(seconds: list[float], parallel: int) -> float:

@@ -110,7 +110,7 @@ def predict(runs: list[dict], *, target_params: float | None, target_tokens: flo
 
     n_opt, d_opt = law.optimum(flops)
     opt_boot = np.array([b.optimum(flops)[0] for b in laws])
-    iso = isoflop_levels(n, d, loss, [r["level"] for r in runs])
+    iso = isoflop_levels(n, [r["tokens"] for r in runs], loss, [r["level"] for r in runs])
     trend = isoflop_trend(iso)
     iso_n = trend[1] * flops ** trend[0] if trend else None
     if iso_n is not None and not (1 / ISOFLOP_DISAGREES <= iso_n / n_opt <= ISOFLOP_DISAGREES):
