@@ -42,10 +42,13 @@ def isoflop_design(law: Law, flops=(1e17, 4e17, 1.6e18), spread=(0.25, 0.5, 1, 2
 
 def test_fit_recovers_a_known_law_and_its_optimum():
     n, d, _ = isoflop_design(CHINCHILLA)
-    exact = fit_law(n, d, CHINCHILLA.loss(n, d))
+    exact = fit_law(n, d, CHINCHILLA.loss(n, d), prior=None)
     for key in ("E", "A", "alpha", "B", "beta"):
         assert getattr(exact.law, key) == pytest.approx(getattr(CHINCHILLA, key), rel=1e-4), key
     assert exact.rms < 1e-6
+    # The exponents' weak prior moves a law the runs pin down by next to nothing.
+    held = fit_law(n, d, CHINCHILLA.loss(n, d))
+    assert held.law.alpha == pytest.approx(CHINCHILLA.alpha, rel=0.02) and held.rms < 1e-3
     assert exact.law.optimum(1e21)[0] == pytest.approx(CHINCHILLA.optimum(1e21)[0], rel=1e-3)
     # With 0.5% noise the far prediction (4× the largest size, 10× the compute) stays within 3%.
     noisy = CHINCHILLA.loss(n, d) * np.exp(np.random.default_rng(0).normal(0, 0.005, len(n)))
@@ -114,7 +117,7 @@ def _ladder(tmp_path, **over) -> LadderConfig:
     return load_ladder(str(path))
 
 
-RATES = {32: 40e3, 48: 30e3, 64: 20e3, 96: 10e3, 128: 6e3}
+RATES = {32: 40e3, 48: 30e3, 64: 20e3, 80: 15e3, 96: 10e3, 128: 6e3}
 
 
 def _plan(cfg, **kw):

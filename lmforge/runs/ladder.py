@@ -203,6 +203,8 @@ def target_config(cfg: LadderConfig, plan: LadderPlan, model: dict, tokens: floa
 def _recipe(raw: dict, plan: LadderPlan, lr: float, batch_tokens: int) -> None:
     params = raw.setdefault("parameters", {})
     params["context_length"] = plan.context
+    if plan.warmup_steps is not None:
+        params["warmup"] = f"{plan.warmup_steps}ba"
     params.setdefault("learning_rate", lr)
     params.setdefault("global_batch_size", f"{batch_tokens}tok")
     params.setdefault("micro_batch_size", plan.micro_batch)

@@ -4,7 +4,8 @@ uncertainty, and the IsoFLOP parabolas that cross-check it. numpy only.
 The law (Hoffmann et al. 2022, "approach 3"): L(N, D) = E + A / N^α + B / D^β with N the
 parameters and D the training tokens. Fitted as they did: on log-loss, the model written as
 log L = LSE(e, a − α·log N, b − β·log D) (E = eᵉ, A = eᵃ, B = eᵇ), a Huber objective on the
-residuals, from a grid of starts, keeping the best. Their δ = 10⁻³ treats almost every residual
+residuals (plus a weak prior on the exponents, `EXPONENT_PRIOR`), from a grid of starts, keeping
+the best. Their δ = 10⁻³ treats almost every residual
 of a small ladder as an outlier (an L1 fit that interpolates five of the points); ours is
 ``HUBER_DELTA`` = 1%, about one run's seed-to-seed scatter, so points are averaged and only a
 clearly broken run is discounted. The optimizer is Levenberg–Marquardt on the iteratively
@@ -31,6 +32,11 @@ import numpy as np
 HUBER_DELTA = 0.01  # on log-loss: 1% of the loss (see the module docstring)
 FLOPS_PER_PARAM_TOKEN = 6.0  # C = 6·N·D, the standard training-compute basis
 EXPONENT_BOUNDS = (0.02, 2.5)  # α, β stay here: outside, the form is describing noise
+# A weak prior on each exponent: log-normal around 0.35 (Hoffmann et al. 0.34 and 0.28; Besiroglu et
+# al.'s refit of their data 0.35 and 0.37), a factor 2 wide at one σ. It decides only what the runs
+# cannot: a small ladder's α and E trade off almost freely, and without it the same runs less one
+# size gave predictions 4% apart (BENCHMARKS.md, scaling ladder).
+EXPONENT_PRIOR = (0.35, math.log(2.0))
 N_PARAMS = 5
 
 
@@ -114,14 +120,33 @@ def _clip(theta: np.ndarray) -> np.ndarray:
     return theta
 
 
-def _refine(theta: np.ndarray, log_n, log_d, log_l, delta: float, iters: int = 400) -> tuple[np.ndarray, np.ndarray]:
-    """Levenberg–Marquardt on the Huber objective (IRLS weights), for a batch: ``theta`` (B, 5)
-    from its starts, ``log_l`` (B, n) (a batch of starts shares one row of losses, a bootstrap
-    has one per sample). Each row stops once an accepted step gains less than a part in 10⁹."""
+def _prior(theta: np.ndarray, prior, delta: float):
+    """The exponents' prior as a penalty: its value, gradient and (Gauss–Newton) Hessian per row."""
+    value = np.zeros(len(theta))
+    grad = np.zeros((len(theta), N_PARAMS))
+    hess = np.zeros((len(theta), N_PARAMS, N_PARAMS))
+    if prior is None:
+        return value, grad, hess
+    center, width = prior
+    weight = delta * delta / (width * width)  # as a Gaussian prior against residuals of scale δ
+    for i in (2, 4):
+        z = np.log(theta[:, i] / center)
+        value += 0.5 * weight * z * z
+        grad[:, i] = weight * z / theta[:, i]
+        hess[:, i, i] = weight / theta[:, i] ** 2
+    return value, grad, hess
+
+
+def _refine(theta: np.ndarray, log_n, log_d, log_l, delta: float, iters: int = 400,
+            prior=None) -> tuple[np.ndarray, np.ndarray]:
+    """Levenberg–Marquardt on the Huber objective (IRLS weights) plus the exponents' prior, for a
+    batch: ``theta`` (B, 5) from its starts, ``log_l`` (B, n) (a batch of starts shares one row of
+    losses, a bootstrap has one per sample). Each row stops once an accepted step gains less than
+    a part in 10⁹."""
     theta = _clip(np.atleast_2d(theta).astype(float))
     log_l = np.broadcast_to(log_l, (len(theta), len(log_n)))
     pred, jac = _predict_log(theta, log_n, log_d)
-    obj = _huber(pred - log_l, delta)
+    obj = _huber(pred - log_l, delta) + _prior(theta, prior, delta)[0]
     lam = np.full(len(theta), 1e-3)
     active = np.ones(len(theta), bool)
     eye = 1e-12 * np.eye(N_PARAMS)
@@ -131,12 +156,13 @@ def _refine(theta: np.ndarray, log_n, log_d, log_l, delta: float, iters: int = 4
         r = pred - log_l
         psi = np.clip(r, -delta, delta)  # the Huber loss's derivative
         w = np.minimum(1.0, delta / np.maximum(np.abs(r), 1e-300))
-        grad = np.einsum("bnk,bn->bk", jac, psi)
-        hess = np.einsum("bnk,bn,bnm->bkm", jac, w, jac)
+        _, p_grad, p_hess = _prior(theta, prior, delta)
+        grad = np.einsum("bnk,bn->bk", jac, psi) + p_grad
+        hess = np.einsum("bnk,bn,bnm->bkm", jac, w, jac) + p_hess
         damp = lam[:, None, None] * (hess.diagonal(axis1=1, axis2=2)[:, :, None] * np.eye(N_PARAMS) + eye)
         cand = _clip(theta + np.linalg.solve(hess + damp, -grad[:, :, None])[:, :, 0])
         cpred, cjac = _predict_log(cand, log_n, log_d)
-        cobj = _huber(cpred - log_l, delta)
+        cobj = _huber(cpred - log_l, delta) + _prior(cand, prior, delta)[0]
         better = active & (cobj < obj)
         gain = np.where(better, obj - cobj, 0.0)
         theta[better], pred[better], jac[better] = cand[better], cpred[better], cjac[better]
@@ -162,7 +188,8 @@ def _starts(log_n, log_d, loss) -> np.ndarray:
     return np.array(out)
 
 
-def fit_law(params, tokens, losses, *, delta: float = HUBER_DELTA, start: Law | None = None) -> Fit:
+def fit_law(params, tokens, losses, *, delta: float = HUBER_DELTA, start: Law | None = None,
+            prior=EXPONENT_PRIOR) -> Fit:
     """The law of least Huber objective on log-loss; ``start`` (e.g. the full ladder's fit, when
     refitting a bootstrap sample) replaces the grid of starts."""
     log_n, log_d = np.log(np.asarray(params, float)), np.log(np.asarray(tokens, float))
@@ -171,11 +198,11 @@ def fit_law(params, tokens, losses, *, delta: float = HUBER_DELTA, start: Law | 
         raise ValueError("fit_law needs at least two finite, positive losses")
     log_l = np.log(loss)
     if start is not None:
-        thetas, objs = _refine(np.array([_law_theta(start)]), log_n, log_d, log_l, delta)
+        thetas, objs = _refine(np.array([_law_theta(start)]), log_n, log_d, log_l, delta, prior=prior)
     else:  # every start a little way, then the best few to the end
-        thetas, objs = _refine(_starts(log_n, log_d, loss), log_n, log_d, log_l, delta, iters=30)
+        thetas, objs = _refine(_starts(log_n, log_d, loss), log_n, log_d, log_l, delta, iters=30, prior=prior)
         keep = np.argsort(objs)[:4]
-        thetas, objs = _refine(thetas[keep], log_n, log_d, log_l, delta)
+        thetas, objs = _refine(thetas[keep], log_n, log_d, log_l, delta, prior=prior)
     return _result(thetas[int(np.argmin(objs))], float(objs.min()), log_n, log_d, log_l)
 
 
@@ -187,7 +214,7 @@ def _result(theta: np.ndarray, obj: float, log_n, log_d, log_l) -> Fit:
 
 
 def bootstrap(fit: Fit, params, tokens, *, samples: int = 300, seed: int = 0,
-              delta: float = HUBER_DELTA) -> list[Law]:
+              delta: float = HUBER_DELTA, prior=EXPONENT_PRIOR) -> list[Law]:
     """Laws refitted to the fitted losses with resampled residuals (see the module docstring)."""
     n = len(fit.residuals)
     rng = np.random.default_rng(seed)
@@ -196,7 +223,8 @@ def bootstrap(fit: Fit, params, tokens, *, samples: int = 300, seed: int = 0,
     resid = (fit.residuals - fit.residuals.mean()) * inflate
     fake = np.log(base) + rng.choice(resid, size=(samples, n), replace=True)
     log_n, log_d = np.log(np.asarray(params, float)), np.log(np.asarray(tokens, float))
-    thetas, _ = _refine(np.repeat(_law_theta(fit.law)[None], samples, axis=0), log_n, log_d, fake, delta, iters=100)
+    thetas, _ = _refine(np.repeat(_law_theta(fit.law)[None], samples, axis=0), log_n, log_d, fake, delta, iters=100,
+                         prior=prior)
     return [_theta_law(t) for t in thetas]
 
 
@@ -217,14 +245,15 @@ class Backtest:
         return self.max_error * max(1.0, reach / step) if step > 0 else self.max_error
 
 
-def backtest(params, tokens, losses, *, delta: float = HUBER_DELTA, min_points: int = N_PARAMS) -> Backtest | None:
+def backtest(params, tokens, losses, *, delta: float = HUBER_DELTA, min_points: int = N_PARAMS,
+             prior=EXPONENT_PRIOR) -> Backtest | None:
     """None when the ladder without its largest size has fewer than ``min_points`` runs or one size."""
     n, d, loss = (np.asarray(x, float) for x in (params, tokens, losses))
     top = n.max()
     keep = n < top
     if keep.sum() < min_points or len(np.unique(n[keep])) < 2:
         return None
-    fit = fit_law(n[keep], d[keep], loss[keep], delta=delta)
+    fit = fit_law(n[keep], d[keep], loss[keep], delta=delta, prior=prior)
     errors = np.log(loss[~keep]) - np.log(fit.law.loss(n[~keep], d[~keep]))
     return Backtest(float(top), float(n[keep].max()), float(np.abs(errors).max()), [float(x) for x in errors])
 

@@ -18,7 +18,12 @@ parameter places it.
 
 Every run gets the same recipe (the ladder file's run-config keys) and lmforge's size-aware
 defaults, written out per run so the target's config says exactly what the law assumed: the
-learning rate from the size (`learning_rate`), the batch from the size and run length.
+learning rate from the size (`learning_rate`), the batch from the size and run length. One
+thing is held fixed instead of following each run: the warmup, in optimizer steps — the
+target's default (5% of its steps) for every run. A warmup that grows with the run would
+confound the token count with the warmup's length, and lmforge's 5% of a 100-step run (5 steps)
+left the wider ladder models unstable early: 4.4% worse than the law at 200 steps, on the law
+with a 24-step warmup (BENCHMARKS.md, scaling ladder). No run is shorter than four warmups.
 Pure: the throughput and the data's size come in as arguments.
 """
 
@@ -28,7 +33,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from lmforge.config.defaults import default_batch_tokens, default_learning_rate
+from lmforge.config.defaults import MAX_WARMUP_STEPS, WARMUP_FRACTION, default_batch_tokens, default_learning_rate
 from lmforge.config.model import ModelConfig, padded_vocab, resolve_model
 from lmforge.errors import UserError
 from lmforge.estimate.flops import param_counts
@@ -38,7 +43,7 @@ from lmforge.scaling.fit import FLOPS_PER_PARAM_TOKEN
 TOKENS_PER_PARAM = 20.0  # Chinchilla's compute-optimal ratio: the target's prior before any fit
 SMALL_CONTEXT = 256  # the context of a ladder whose target is small (as `model: auto`'s CPU shapes)
 LARGE_TARGET = 50e6  # parameters; a larger target's ladder trains at context 2048
-WIDTHS = (32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 2560, 3072,
+WIDTHS = (32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 2560, 3072,
           4096, 5120, 6144, 8192)
 EVAL_MICRO_BATCH = 8  # every run and the target evaluate the same held-out samples, in batches of this
 
@@ -108,6 +113,7 @@ class LadderPlan:
     micro_batch: int
     eval_batches: int  # held-out micro-batches every run evaluates (the same samples for all)
     unique_tokens: float  # training data tokens (one epoch)
+    warmup_steps: int | None  # every run's and the target's warmup (None: the ladder file sets one)
     budget: str
     estimated_seconds: float | None
     parallel: int
@@ -143,6 +149,16 @@ def run_batch_tokens(cfg: LadderConfig, model: ModelConfig, tokens: float, conte
         d = parse_duration(gbs)
         return int(d.value) if d.unit == "tok" else int(d.value) * context
     return int(gbs) * context
+
+
+def warmup_steps(cfg: LadderConfig, target: "TargetPlan", vocab: int, context: int) -> int | None:
+    """The one warmup of the ladder's recipe: lmforge's default for the target run (5% of its steps,
+    at most 2000); None when the ladder file gives ``parameters.warmup`` (then that one)."""
+    if cfg.base_config.parameters.warmup is not None:
+        return None
+    model = target_model(cfg, vocab, context) or family_shape(WIDTHS[0], vocab, context)
+    batch = run_batch_tokens(cfg, model, target.tokens, context)
+    return max(1, round(min(MAX_WARMUP_STEPS, WARMUP_FRACTION * target.tokens / batch)))
 
 
 def ladder_context(cfg: LadderConfig, target_params: float | None) -> int:
@@ -226,6 +242,8 @@ def plan_ladder(cfg: LadderConfig, *, vocab: int, context: int, unique_tokens: f
                         f"({target.tokens / unique_tokens:.1f} epochs, more than ladder.max_epochs = "
                         f"{opts.max_epochs:g}): give more training data or fewer target tokens")
     sizes = ladder_sizes(cfg, target, vocab, context)
+    warmup = warmup_steps(cfg, target, vocab, context)
+    min_steps = max(opts.min_steps, 4 * (warmup or 0))
     rates = {}
     if cfg.budget.unit == "s":
         if tokens_per_s is None:
@@ -245,7 +263,7 @@ def plan_ladder(cfg: LadderConfig, *, vocab: int, context: int, unique_tokens: f
                 b = run_batch_tokens(cfg, m, d, context)
                 steps = round(d / b)
                 tokens = steps * b
-                if steps < opts.min_steps or tokens > max_tokens:
+                if steps < min_steps or tokens > max_tokens:
                     continue
                 secs = tokens / rates[label] + overhead_s if rates else None
                 model = dumps.get(label) or dumps.setdefault(label, m.model_dump(mode="json"))
@@ -264,7 +282,7 @@ def plan_ladder(cfg: LadderConfig, *, vocab: int, context: int, unique_tokens: f
     smallest = min(params_of(m) for m in sizes)
     best, best_key, cheapest = None, None, math.inf
     for levels in range(opts.levels, 0, -1):
-        c = FLOPS_PER_PARAM_TOKEN * smallest * opts.min_steps * 1024
+        c = FLOPS_PER_PARAM_TOKEN * smallest * min_steps * 1024
         seen = False
         for _ in range(600):
             pts = points_at(c, levels)
@@ -279,35 +297,36 @@ def plan_ladder(cfg: LadderConfig, *, vocab: int, context: int, unique_tokens: f
                 break
             c *= 1.05
     if best is None:
-        raise UserError(_no_fit_reason(cfg, sizes, rates, overhead_s, max_tokens, unique_tokens, context, cheapest))
+        raise UserError(_no_fit_reason(cfg, sizes, rates, overhead_s, max_tokens, unique_tokens, context, cheapest,
+                                       min_steps))
     notes = []
     if len({p.params for p in best}) < len(sizes):
         left = [shape_label(m) for m in sizes if params_of(m) not in {p.params for p in best}]
-        notes.append(f"left out {', '.join(left)}: no run of them fits the budget with ≥ {opts.min_steps} steps")
+        notes.append(f"left out {', '.join(left)}: no run of them fits the budget with ≥ {min_steps} steps")
     est = makespan([p.seconds for p in best], opts.parallel) if rates else None
     return LadderPlan(cfg.name, sorted(best, key=lambda p: (p.level, p.params)), target, context, vocab, micro,
-                      eval_batches, unique_tokens, str(cfg.budget), est, opts.parallel, threads, rates, overhead_s,
-                      notes)
+                      eval_batches, unique_tokens, warmup, str(cfg.budget), est, opts.parallel, threads, rates,
+                      overhead_s, notes)
 
 
 WANTED_POINTS = 9  # a 5-parameter law with a few degrees of freedom left to judge the fit
 
 
-def _no_fit_reason(cfg, sizes, rates, overhead_s, max_tokens, unique_tokens, context, cheapest) -> str:
+def _no_fit_reason(cfg, sizes, rates, overhead_s, max_tokens, unique_tokens, context, cheapest, min_steps) -> str:
     """Why no plan of two runs fits: the data, or the budget (and what the cheapest plan needs)."""
     opts = cfg.ladder
     m = sizes[0]
-    b = run_batch_tokens(cfg, m, opts.min_steps * 2048, context)
-    shortest = opts.min_steps * b
+    b = run_batch_tokens(cfg, m, min_steps * 2048, context)
+    shortest = min_steps * b
     if shortest > max_tokens or cheapest == math.inf:
         return (f"train_data: {human(unique_tokens)} tokens is too small for the ladder: its shortest run "
-                f"({opts.min_steps} steps × {human(b)} tokens) would repeat it more than ladder.max_epochs = "
+                f"({min_steps} steps × {human(b)} tokens) would repeat it more than ladder.max_epochs = "
                 f"{opts.max_epochs:g} times; give more training data")
     if cfg.budget.unit == "flop":
-        return (f"budget: {cfg.budget} cannot fit two ladder runs of at least {opts.min_steps} steps (the cheapest "
+        return (f"budget: {cfg.budget} cannot fit two ladder runs of at least {min_steps} steps (the cheapest "
                 f"such ladder needs {cheapest:.2g} FLOPs): give a larger budget")
     one = shortest / rates[shape_label(m)] + overhead_s
-    return (f"budget: {cfg.budget} cannot fit two ladder runs on this machine now (the shortest, {opts.min_steps} "
+    return (f"budget: {cfg.budget} cannot fit two ladder runs on this machine now (the shortest, {min_steps} "
             f"steps of {shape_label(m)} at {human(rates[shape_label(m)])} tokens/s measured, takes about {one:.0f}s "
             f"with its start-up; the cheapest ladder about {cheapest:.0f}s): give at least "
             f"{math.ceil(cheapest / 60)}min")

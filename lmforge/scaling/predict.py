@@ -32,8 +32,8 @@ import numpy as np
 from lmforge.errors import UserError
 
 from lmforge.estimate.auto import effective_tokens
-from lmforge.scaling.fit import (FLOPS_PER_PARAM_TOKEN, HUBER_DELTA, N_PARAMS, Backtest, Law, backtest, bootstrap,
-                                 fit_law, isoflop_levels, isoflop_trend)
+from lmforge.scaling.fit import (EXPONENT_PRIOR, FLOPS_PER_PARAM_TOKEN, HUBER_DELTA, N_PARAMS, Backtest, Law,
+                                 backtest, bootstrap, fit_law, isoflop_levels, isoflop_trend)
 from lmforge.scaling.plan import human
 
 WEAK_FLOOR = 0.05  # the interval's least half-width (relative) when the ladder cannot judge its own fit
@@ -45,7 +45,8 @@ ISOFLOP_DISAGREES = 2.0  # factor between the law's and the IsoFLOP parabolas' c
 
 def predict(runs: list[dict], *, target_params: float | None, target_tokens: float | None,
             target_flops: float | None, unique_tokens: float, confidence: float = 0.9,
-            choose_model: Callable[[float], tuple[dict, float]] | None = None, samples: int = 300) -> dict:
+            choose_model: Callable[[float], tuple[dict, float]] | None = None, samples: int = 300,
+            prior=EXPONENT_PRIOR) -> dict:
     """``runs``: finished ladder runs, each {label, params, tokens, level, loss}. The target is
     (params, tokens), or tokens / FLOPs alone with ``choose_model`` mapping a parameter count to
     the nearest real shape (its config, its parameters)."""
@@ -54,7 +55,7 @@ def predict(runs: list[dict], *, target_params: float | None, target_tokens: flo
     n = np.array([r["params"] for r in runs], float)
     d = np.array([effective_tokens(r["tokens"], unique_tokens) for r in runs], float)
     loss = np.array([r["loss"] for r in runs], float)
-    fit = fit_law(n, d, loss)
+    fit = fit_law(n, d, loss, prior=prior)
     law = fit.law
     warnings: list[str] = []
 
@@ -71,14 +72,14 @@ def predict(runs: list[dict], *, target_params: float | None, target_tokens: flo
     d_target = effective_tokens(target_tokens, unique_tokens)
     center = math.log(law.loss(target_params, d_target))
 
-    laws = bootstrap(fit, n, d, samples=samples)
+    laws = bootstrap(fit, n, d, samples=samples, prior=prior)
     boot = np.log([b.loss(target_params, d_target) for b in laws])
     tail = (1 - confidence) / 2
     q_lo, q_hi = np.quantile(boot, [tail, 1 - tail])
     z = NormalDist().inv_cdf(1 - tail)
     dof = len(runs) - N_PARAMS
     scatter = fit.rms * math.sqrt(len(runs) / dof) if dof > 0 else 0.0
-    bt = backtest(n, d, loss)
+    bt = backtest(n, d, loss, prior=prior)
     misfit = bt.scaled(target_params) if bt else 0.0
     lo_w = math.sqrt(max(center - q_lo, 0.0) ** 2 + (z * scatter) ** 2 + misfit ** 2)
     hi_w = math.sqrt(max(q_hi - center, 0.0) ** 2 + (z * scatter) ** 2 + misfit ** 2)
@@ -127,7 +128,8 @@ def predict(runs: list[dict], *, target_params: float | None, target_tokens: flo
                             "params_high": float(np.nanquantile(opt_boot, 1 - tail)),
                             "tokens_per_param": d_opt / n_opt, "epochs": d_opt / unique_tokens},
         "fit": {"law": "L(N, D) = E + A/N^alpha + B/D^beta", **law.to_dict(), "rms": fit.rms,
-                "huber_delta": HUBER_DELTA, "runs": len(runs), "sizes": len(sizes),
+                "huber_delta": HUBER_DELTA,
+                "exponent_prior": list(prior) if prior else None, "runs": len(runs), "sizes": len(sizes),
                 "bootstrap_samples": samples, "interval_parts": {
                     "bootstrap": [center - float(q_lo), float(q_hi) - center], "scatter": z * scatter,
                     "extrapolation": misfit},
