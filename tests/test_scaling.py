@@ -135,7 +135,7 @@ def test_plan_keeps_its_rules(tmp_path):
     assert len({p.params for p in plan.points}) >= 3 and len(plan.points) >= 6
     assert plan.estimated_seconds <= 360
     for p in plan.points:
-        assert p.tokens % p.batch_tokens == 0 and p.tokens // p.batch_tokens >= 100  # ladder.min_steps
+        assert p.tokens % p.batch_tokens == 0 and p.tokens // p.batch_tokens >= 200  # ladder.min_steps
         assert p.tokens <= 4 * 500e3  # ladder.max_epochs
     by_level = {}
     for p in plan.points:  # each level is one IsoFLOP line (up to the rounding to whole steps)

@@ -62,7 +62,7 @@ def tokens_chart(pred: dict, actual: float | None) -> dict:
         traces.append({"type": "scatter", "mode": "markers", "x": [t["effective_tokens"]], "y": [actual],
                        "name": "target, trained", "marker": {"color": "#d62728", "size": 14, "symbol": "star"}})
     layout = _layout("Held-out loss against training tokens", "held-out loss (nats/token)", "tokens (effective)", 460)
-    layout["xaxis"]["type"] = "log"
+    layout["xaxis"] |= {"type": "log", "tickformat": ".2s"}
     layout["hovermode"] = "closest"
     return {"data": traces, "layout": layout}
 
@@ -95,7 +95,7 @@ def isoflop_chart(pred: dict) -> dict:
                            "marker": {"color": color, "size": 12, "symbol": "x"}})
     layout = _layout("IsoFLOP: held-out loss against parameters, per compute level", "held-out loss (nats/token)",
                      "parameters", 460)
-    layout["xaxis"]["type"] = "log"
+    layout["xaxis"] |= {"type": "log", "tickformat": ".2s"}
     layout["hovermode"] = "closest"
     return {"data": traces, "layout": layout}
 
@@ -118,7 +118,7 @@ def _prediction_rows(pred: dict, actual: float | None) -> list[list[str]]:
     bt = f.get("backtest")
     if bt:
         rows.append(["backtest", f"fitted without the {human(bt['held_out_params'])}-param runs, the law misses "
-                                 f"them by up to {bt['max_error']:.2%}"])
+                                 f"them by {bt['error']:.2%} (median)"])
     iso = pred.get("isoflop") or {}
     if iso.get("params_at_target"):
         rows.append(["IsoFLOP cross-check", f"N_opt ∝ C^{iso['exponent']:.2f}; at the target's compute "
@@ -142,14 +142,14 @@ def render(pred: dict, actual: float | None = None) -> str:
         f"<h1>lmforge scaling ladder: {html.escape(name)}</h1>",
         f"<div class='sub'>generated {time.strftime('%Y-%m-%d %H:%M:%S')} from "
         f"{html.escape(pred.get('ladder', {}).get('save_folder', ''))}</div>",
-        "<h2>Prediction</h2>", _table(["", ""], _prediction_rows(pred, actual)),
+        "<h2>Prediction</h2>", _table(["", "from the ladder's runs"], _prediction_rows(pred, actual), numeric_from=2),
         "<h2>Warnings</h2>", f"<ul class='warnings'>{warnings}</ul>" if warnings else "<p>None.</p>",
         "<h2>Charts</h2>",
         f"<div class='chart'>{_figure_html(tokens_chart(pred, actual), 'chart-tokens')}</div>",
         f"<div class='chart'>{_figure_html(isoflop_chart(pred), 'chart-isoflop')}</div>",
         "<h2>Runs</h2>",
         _table(["run", "params", "tokens", "FLOPs", "status", "held-out loss", "law", "residual", "seconds"],
-               run_rows),
+               run_rows, numeric_from=1),
     ]
     meta = html.escape(json.dumps({"ladder": name, "charts": 2}))
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"

@@ -83,20 +83,25 @@ def _data(cfg: LadderConfig, log) -> tuple[int, int, float, float]:
 def make_plan(cfg: LadderConfig, log=print) -> LadderPlan:
     """Measure what a time budget needs on this machine (each size's training rate now, a run's
     start-up) and plan."""
-    t0 = time.perf_counter()
-    import torch  # noqa: F401  (timed: every run pays this start-up, twice: supervisor and trainer)
-    import lmforge.train.trainer  # noqa: F401
-    startup = time.perf_counter() - t0
     vocab, context, train_tokens, val_tokens = _data(cfg, log)
     threads = run_threads(cfg)
-    rate = None
+    rate, overhead = None, 0.0
     if cfg.budget.unit == "s":
         rate = _rate_fn(cfg, context, threads, log)
-    # Start-up of the supervisor and the trainer, the final evaluation and the export.
-    overhead = 2 * startup + 3.0
-    plan = plan_ladder(cfg, vocab=vocab, context=context, unique_tokens=train_tokens, val_tokens=val_tokens,
+        overhead = run_overhead(threads)
+        log(f"scaling: a run's start-up, evaluation and export take about {overhead:.0f}s here now")
+    return plan_ladder(cfg, vocab=vocab, context=context, unique_tokens=train_tokens, val_tokens=val_tokens,
                        tokens_per_s=rate, overhead_s=overhead, threads=threads)
-    return plan
+
+
+def run_overhead(threads: int) -> float:
+    """What a run costs besides training: two interpreters importing torch and the trainer (its
+    supervisor and the trainer itself), timed as a fresh process here now, and a few seconds
+    for the final evaluation, the export and the exit."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, lmforge.train.trainer"], check=True,
+                   env=os.environ | {"OMP_NUM_THREADS": str(threads)})
+    return 2 * (time.perf_counter() - t0) + 5.0
 
 
 def _rate_fn(cfg: LadderConfig, context: int, threads: int, log):
@@ -114,19 +119,21 @@ def _rate_fn(cfg: LadderConfig, context: int, threads: int, log):
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
+            # The mean of 8 steps: on a shared machine a few steps catch a quiet moment or a busy one.
             tps = measure_tokens_per_s(m, context, EVAL_MICRO_BATCH, precision=precision,
-                                       optimizer=base.parameters.optimizer, device=device, steps=3, typical=True)
+                                       optimizer=base.parameters.optimizer, device=device, steps=8, typical=True)
         finally:
             torch.set_num_threads(before)
         log(f"scaling: {m.n_layers}x{m.d_model} ({human(params_of(m))} params) trains at {human(tps)} tokens/s "
-            f"here now ({threads} thread{'s' if threads > 1 else ''}, mean of 3 steps)")
+            f"here now ({threads} thread{'s' if threads > 1 else ''}, mean of 8 steps)")
         return tps
     return rate
 
 
 def load_or_make_plan(cfg: LadderConfig, log=print, *, write: bool = True) -> LadderPlan:
+    """The ladder's plan: made once (measuring this machine) and kept in plan.json."""
     path = os.path.join(cfg.save_folder, PLAN_FILE)
-    spec = cfg.model_dump(mode="json")
+    spec = cfg.model_dump(mode="json", exclude_defaults=True)  # what the file says, not this version's defaults
     if os.path.exists(path):
         with open(path) as f:
             record = json.load(f)
@@ -265,8 +272,12 @@ class _Started:
         return None
 
 
-def execute(cfg: LadderConfig, plan: LadderPlan, log=print) -> None:
-    """Train every run not finished yet, ``parallel`` at a time."""
+def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | None = None) -> list[str]:
+    """Train every run not finished yet, ``parallel`` at a time; returns the runs skipped.
+
+    With a ``deadline`` (a time budget's end), a run that would end after it is not started: its
+    time is the plan's estimate times how much longer than estimated the runs finished so far took
+    (the machine's load changes after it was measured). A re-run of the ladder trains them."""
     state = _read_json(os.path.join(cfg.save_folder, STATE_FILE)) or {}
     todo, active = [], []
     for p in plan.points:
@@ -284,10 +295,21 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print) -> None:
     if finished:
         log(f"scaling: {finished} of {total} runs already completed")
     env = os.environ | {"OMP_NUM_THREADS": str(plan.threads)}
+    slower: list[float] = []  # actual / estimated seconds of the runs finished here
+    skipped: list[str] = []
     try:
         while todo or active:
             while todo and len(active) < plan.parallel:
                 p = todo.pop(0)
+                if deadline is not None and p.seconds:
+                    factor = sorted(slower)[len(slower) // 2] if slower else 1.0
+                    if time.time() + factor * p.seconds > deadline:
+                        skipped.append(p.label)
+                        finished += 1
+                        log(f"scaling: {p.label} skipped: it would end after the budget (about "
+                            f"{factor * p.seconds:.0f}s, {max(0.0, deadline - time.time()):.0f}s left); re-run the "
+                            "ladder to train it")
+                        continue
                 active.append(_start(cfg, plan, p, env))
                 log(f"scaling: [{finished + len(active)}/{total}] {p.label}: {human(p.params)} params × "
                     f"{human(p.tokens)} tokens (lmforge train -f {_rel(_config_path(cfg, p))})")
@@ -302,6 +324,8 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print) -> None:
                 loss, _ = final_loss(run_folder(cfg.save_folder, s.point))
                 if code == 0 and _completed(run_folder(cfg.save_folder, s.point)):
                     state[s.point.label] = {"wall_s": wall} if s.proc is not None else state.get(s.point.label, {})
+                    if s.proc is not None and s.point.seconds:
+                        slower.append(wall / s.point.seconds)
                     _write_json(os.path.join(cfg.save_folder, STATE_FILE), state)
                     log(f"scaling: {s.point.label} completed in {wall:.0f}s, held-out loss {loss:.4f}")
                 else:
@@ -314,6 +338,7 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print) -> None:
             if s.proc is not None:
                 s.proc.wait()
         raise
+    return skipped
 
 
 def _config_path(cfg: LadderConfig, p: Point) -> str:
@@ -443,7 +468,9 @@ def run_ladder(cfg: LadderConfig, log=print) -> dict:
         t0 = time.time()
         plan = load_or_make_plan(cfg, log)
         log(format_plan(plan))
-        execute(cfg, plan, log)
+        # A time budget counts from this command's start, planning (measuring) included.
+        deadline = t0 + cfg.budget.value if cfg.budget.unit == "s" else None
+        execute(cfg, plan, log, deadline)
         pred = finish(cfg, plan, results(cfg.save_folder, plan), log)
         pred.setdefault("budget", {})["wall_s_this_invocation"] = time.time() - t0
         _write_json(os.path.join(cfg.save_folder, PREDICTION_FILE), pred)

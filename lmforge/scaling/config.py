@@ -97,8 +97,8 @@ class LadderOptions(BaseModel):
                               "the ladder's largest model")
     max_epochs: float = Field(4.0, gt=0, description="no run (ladder or target) repeats its data more often "
                               "(Muennighoff et al. 2023: up to ~4 epochs repeated tokens are worth nearly new ones)")
-    min_steps: int = Field(100, ge=10, description="a ladder run takes at least this many optimizer steps "
-                           "(shorter runs are still in their warmup transient, off the law)")
+    min_steps: int = Field(200, ge=10, description="a ladder run takes at least this many optimizer steps, and "
+                           "at least four warmups (shorter runs of the larger sizes fell off the law: BENCHMARKS.md)")
     parallel: int = Field(1, ge=1, description="ladder runs at once (each a separate `lmforge train`)")
     threads: int | Literal["auto"] = Field(
         "auto", description="CPU threads per run; auto: the cores divided by `parallel`, or 1 when the machine "

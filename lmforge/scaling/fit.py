@@ -234,7 +234,7 @@ class Backtest:
 
     held_out_params: float
     next_params: float  # the largest size it was fitted on
-    max_error: float  # the largest |log(observed / predicted)| of the held-out runs
+    error: float  # the median |log(observed / predicted)| of the held-out runs
     errors: list[float]
 
     def scaled(self, target_params: float) -> float:
@@ -242,7 +242,7 @@ class Backtest:
         past the ladder (an error in α costs Δα · Δlog N)."""
         step = math.log(self.held_out_params / self.next_params)
         reach = math.log(max(target_params, self.held_out_params) / self.held_out_params)
-        return self.max_error * max(1.0, reach / step) if step > 0 else self.max_error
+        return self.error * max(1.0, reach / step) if step > 0 else self.error
 
 
 def backtest(params, tokens, losses, *, delta: float = HUBER_DELTA, min_points: int = N_PARAMS,
@@ -255,7 +255,8 @@ def backtest(params, tokens, losses, *, delta: float = HUBER_DELTA, min_points: 
         return None
     fit = fit_law(n[keep], d[keep], loss[keep], delta=delta, prior=prior)
     errors = np.log(loss[~keep]) - np.log(fit.law.loss(n[~keep], d[~keep]))
-    return Backtest(float(top), float(n[keep].max()), float(np.abs(errors).max()), [float(x) for x in errors])
+    # The median, not the largest: one short, noisy run of the held-out size should not decide it.
+    return Backtest(float(top), float(n[keep].max()), float(np.median(np.abs(errors))), [float(x) for x in errors])
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,8 @@ def predict(runs: list[dict], *, target_params: float | None, target_tokens: flo
     if reach > FAR:
         warnings.append(f"the target has {reach:.0f}× the parameters of the ladder's largest run: a long "
                         "extrapolation, the law's form is trusted far beyond what was measured")
-    if bt and bt.max_error > POOR_FIT:
-        warnings.append(f"without its largest size the ladder mispredicts that size by {bt.max_error:.1%} "
+    if bt and bt.error > POOR_FIT:
+        warnings.append(f"without its largest size the ladder mispredicts that size by {bt.error:.1%} (median) "
                         f"(backtest): the interval carries {misfit:.1%} for the target's distance")
     if target_tokens > unique_tokens:
         warnings.append(f"the target repeats its data {target_tokens / unique_tokens:.1f} times; repeated tokens "
@@ -158,7 +158,7 @@ def _weaknesses(runs, n, sizes, bt: Backtest | None) -> list[str]:
 def _backtest_dict(bt: Backtest | None) -> dict | None:
     if bt is None:
         return None
-    return {"held_out_params": bt.held_out_params, "fitted_up_to": bt.next_params, "max_error": bt.max_error,
+    return {"held_out_params": bt.held_out_params, "fitted_up_to": bt.next_params, "error": bt.error,
             "errors": bt.errors}
 
 

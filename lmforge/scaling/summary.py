@@ -26,7 +26,7 @@ def format_prediction(pred: dict, actual: float | None = None) -> list[str]:
     bt = f.get("backtest")
     if bt:
         lines.append(f"backtest: fitted without the {human(bt['held_out_params'])}-param runs, the law misses them by "
-                     f"up to {bt['max_error']:.2%}")
+                     f"{bt['error']:.2%} (median)")
     iso = pred.get("isoflop") or {}
     if iso.get("params_at_target"):
         lines.append(f"IsoFLOP cross-check: N_opt ∝ C^{iso['exponent']:.2f}, {human(iso['params_at_target'])} params at "
