@@ -6,7 +6,6 @@ re-run resumes instead of starting over)."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from train_helpers import assert_one_line_error, cli, lmforge, metrics
 
 from lmforge.errors import UserError
 from lmforge.scaling.config import LadderConfig, load_ladder
-from lmforge.scaling.fit import Law, backtest, bootstrap, fit_law, isoflop_levels, isoflop_trend
+from lmforge.scaling.fit import Law, backtest, fit_law, isoflop_levels, isoflop_trend
 from lmforge.scaling.plan import plan_ladder
 from lmforge.scaling.predict import predict
 
@@ -186,6 +185,34 @@ def test_bad_ladder_files_are_one_line(tmp_path, spec, words):
     path.write_text(yaml.safe_dump(base | spec))
     proc = cli("scaling", "run", "-f", path, "--dry-run")
     assert_one_line_error(proc, *words)
+
+
+def test_a_ladder_plans_with_the_typical_step_and_caches_nothing(tmp_path, monkeypatch):
+    """`typical=True` (a time budget under the present load): the mean timed step, not the fastest,
+    and no cache entry (a clock whose first timed step is 10× slower than the others)."""
+    from lmforge.config.model import ModelConfig
+    from lmforge.train.throughput import cached_tokens_per_s, measure_tokens_per_s
+
+    monkeypatch.setenv("LMFORGE_HOME", str(tmp_path))
+    steps = iter([1.0, 0.1, 0.1])
+    now, started = [0.0], [False]
+
+    def clock():
+        if started[0]:
+            now[0] += next(steps)
+        started[0] = not started[0]
+        return now[0]
+
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16)
+    assert measure_tokens_per_s(cfg, 16, 2, steps=3, warmup=0, clock=clock, typical=True) == pytest.approx(2 * 16 / 0.4)
+    assert cached_tokens_per_s(cfg, 16, 2) is None
+
+
+def test_example_ladder_is_valid():
+    from conftest import REPO
+
+    cfg = load_ladder(str(REPO / "examples" / "scaling.yaml"))
+    assert cfg.budget.unit == "s" and cfg.target.tokens == 1e6 and cfg.ladder.parallel == 2
 
 
 @pytest.mark.e2e  # a fresh interpreter

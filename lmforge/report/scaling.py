@@ -19,6 +19,7 @@ from lmforge.report.html import CSS, MARK, PALETTE, _figure_html, _layout, _tabl
 from lmforge.estimate.auto import effective_tokens
 from lmforge.scaling.fit import FLOPS_PER_PARAM_TOKEN, Law
 from lmforge.scaling.plan import human
+from lmforge.scaling.summary import isoflop_line
 
 
 def _law(pred: dict) -> Law:
@@ -107,8 +108,9 @@ def _prediction_rows(pred: dict, actual: float | None) -> list[list[str]]:
                                         f"{t['loss_low']:.4f} – {t['loss_high']:.4f})"]]
     if actual is not None:
         inside = t["loss_low"] <= actual <= t["loss_high"]
-        rows.append(["trained target's held-out loss", f"{actual:.4f} ({(actual / t['loss'] - 1):+.1%} from the "
-                                                       f"prediction, {'inside' if inside else 'outside'} the interval)"])
+        where = "inside" if inside else "outside"
+        rows.append(["trained target's held-out loss",
+                     f"{actual:.4f} ({(actual / t['loss'] - 1):+.1%} from the prediction, {where} the interval)"])
     rows += [["compute-optimal for that compute",
               f"{human(opt['params'])} params ({human(opt['params_low'])} – {human(opt['params_high'])}) × "
               f"{human(opt['tokens'])} tokens ({opt['tokens_per_param']:.1f} tokens/param, {opt['epochs']:.1f} "
@@ -119,10 +121,7 @@ def _prediction_rows(pred: dict, actual: float | None) -> list[list[str]]:
     if bt:
         rows.append(["backtest", f"fitted without the {human(bt['held_out_params'])}-param runs, the law misses "
                                  f"them by {bt['error']:.2%} (median)"])
-    iso = pred.get("isoflop") or {}
-    if iso.get("params_at_target"):
-        rows.append(["IsoFLOP cross-check", f"N_opt ∝ C^{iso['exponent']:.2f}; at the target's compute "
-                                            f"{human(iso['params_at_target'])} params (law: {human(opt['params'])})"])
+    rows.append(["IsoFLOP cross-check", isoflop_line(pred).split(": ", 1)[1]])
     return [[html.escape(a), b if "<b>" in b else html.escape(b)] for a, b in rows]
 
 

@@ -272,8 +272,8 @@ class _Started:
         return None
 
 
-def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | None = None) -> list[str]:
-    """Train every run not finished yet, ``parallel`` at a time; returns the runs skipped.
+def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | None = None) -> int:
+    """Train every run not finished yet, ``parallel`` at a time; returns how many it started.
 
     With a ``deadline`` (a time budget's end), a run that would end after it is not started: its
     time is the plan's estimate times how much longer than estimated the runs finished so far took
@@ -296,7 +296,7 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | No
         log(f"scaling: {finished} of {total} runs already completed")
     env = os.environ | {"OMP_NUM_THREADS": str(plan.threads)}
     slower: list[float] = []  # actual / estimated seconds of the runs finished here
-    skipped: list[str] = []
+    started = 0
     try:
         while todo or active:
             while todo and len(active) < plan.parallel:
@@ -304,13 +304,13 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | No
                 if deadline is not None and p.seconds:
                     factor = sorted(slower)[len(slower) // 2] if slower else 1.0
                     if time.time() + factor * p.seconds > deadline:
-                        skipped.append(p.label)
                         finished += 1
                         log(f"scaling: {p.label} skipped: it would end after the budget (about "
                             f"{factor * p.seconds:.0f}s, {max(0.0, deadline - time.time()):.0f}s left); re-run the "
                             "ladder to train it")
                         continue
                 active.append(_start(cfg, plan, p, env))
+                started += 1
                 log(f"scaling: [{finished + len(active)}/{total}] {p.label}: {human(p.params)} params × "
                     f"{human(p.tokens)} tokens (lmforge train -f {_rel(_config_path(cfg, p))})")
             time.sleep(0.5)
@@ -338,7 +338,7 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | No
             if s.proc is not None:
                 s.proc.wait()
         raise
-    return skipped
+    return started
 
 
 def _config_path(cfg: LadderConfig, p: Point) -> str:
@@ -400,9 +400,10 @@ def finish(cfg: LadderConfig, plan: LadderPlan, runs: list[dict], log=print) -> 
     if failed:
         pred["warnings"].insert(0, f"{len(failed)} of {len(runs)} runs did not complete and are left out: "
                                    f"{', '.join(failed)}")
-    pred["budget"] = {"budget": plan.budget, "planned_s": plan.estimated_seconds,
+    state = _read_json(os.path.join(cfg.save_folder, STATE_FILE)) or {}
+    pred["budget"] = {"budget": plan.budget, "planned_s": plan.estimated_seconds, "wall_s": state.get("ladder_wall_s"),
                       "runs_s": sum(r["seconds"] or 0 for r in done), "parallel": plan.parallel,
-                      "threads": plan.threads, "tokens_per_s": plan.tokens_per_s}
+                      "threads": plan.threads, "tokens_per_s": plan.tokens_per_s, "overhead_s": plan.overhead_s}
     pred["ladder"] = {"name": cfg.name, "save_folder": os.path.abspath(cfg.save_folder), "context": plan.context,
                       "vocab": plan.vocab, "unique_tokens": plan.unique_tokens}
     pred["runs"] += [r for r in runs if r["status"] != "completed"]
@@ -470,11 +471,13 @@ def run_ladder(cfg: LadderConfig, log=print) -> dict:
         log(format_plan(plan))
         # A time budget counts from this command's start, planning (measuring) included.
         deadline = t0 + cfg.budget.value if cfg.budget.unit == "s" else None
-        execute(cfg, plan, log, deadline)
-        pred = finish(cfg, plan, results(cfg.save_folder, plan), log)
-        pred.setdefault("budget", {})["wall_s_this_invocation"] = time.time() - t0
-        _write_json(os.path.join(cfg.save_folder, PREDICTION_FILE), pred)
-        return pred
+        started = execute(cfg, plan, log, deadline)
+        if started:  # the ladder's wall-clock time: its invocations that trained something
+            state_path = os.path.join(cfg.save_folder, STATE_FILE)
+            state = _read_json(state_path) or {}
+            state["ladder_wall_s"] = state.get("ladder_wall_s", 0.0) + time.time() - t0
+            _write_json(state_path, state)
+        return finish(cfg, plan, results(cfg.save_folder, plan), log)
     finally:
         lock.close()
 

@@ -218,8 +218,8 @@ def ladder_sizes(cfg: LadderConfig, target: TargetPlan, vocab: int, context: int
         smallest = family(vocab, context)[1]
         what = "the target's model" if target.how == "given" else \
             f"the compute-optimal model for the target ({TOKENS_PER_PARAM:g} tokens per parameter)"
-        raise UserError(f"target: {what} has {human(target.params)} parameters, less than {gap:g}× the ladder's second "
-                        f"smallest model ({shape_label(smallest)}, {human(params_of(smallest))} with this "
+        raise UserError(f"target: {what} has {human(target.params)} parameters, less than {gap:g}× the ladder's "
+                        f"second smallest model ({shape_label(smallest)}, {human(params_of(smallest))} with this "
                         f"{vocab}-token vocabulary): a ladder needs at least two sizes below the target; give a "
                         "bigger target (more tokens or FLOPs, or a bigger model)")
     return below[-cfg.ladder.sizes:]
@@ -240,9 +240,9 @@ def plan_ladder(cfg: LadderConfig, *, vocab: int, context: int, unique_tokens: f
                         "eval.holdout_fraction)")
     max_tokens = opts.max_epochs * unique_tokens
     if target.tokens > max_tokens:
-        raise UserError(f"train_data: {human(unique_tokens)} tokens is too small for the target's {human(target.tokens)} "
-                        f"({target.tokens / unique_tokens:.1f} epochs, more than ladder.max_epochs = "
-                        f"{opts.max_epochs:g}): give more training data or fewer target tokens")
+        raise UserError(f"train_data: {human(unique_tokens)} tokens is too small for the target's "
+                        f"{human(target.tokens)} ({target.tokens / unique_tokens:.1f} epochs, more than "
+                        f"ladder.max_epochs = {opts.max_epochs:g}): give more training data or fewer target tokens")
     sizes = ladder_sizes(cfg, target, vocab, context)
     warmup = warmup_steps(cfg, target, vocab, context)
     min_steps = max(opts.min_steps, 4 * (warmup or 0))

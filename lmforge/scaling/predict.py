@@ -6,7 +6,7 @@ The interval (at ``confidence``, 90% by default) adds three parts in quadrature,
 - the fit's own uncertainty: percentiles of the target's prediction over a residual bootstrap
   of the law (`fit.bootstrap`);
 - one run's scatter around the law: the target is one run too (the residuals' RMS, corrected for
-  the five fitted parameters, times the normal quantile);
+  the five fitted parameters, and never less than ``SEED_SCATTER``, times the normal quantile);
 - the form's extrapolation error: the ladder without its largest size mispredicts that size by
   some amount (`fit.backtest`); the target is further out, and that error is scaled by the
   distance in log N (`Backtest.scaled`).
@@ -37,7 +37,11 @@ from lmforge.scaling.fit import (EXPONENT_PRIOR, FLOPS_PER_PARAM_TOKEN, HUBER_DE
 from lmforge.scaling.plan import human
 
 WEAK_FLOOR = 0.05  # the interval's least half-width (relative) when the ladder cannot judge its own fit
-NOISE_FLOOR = 0.003  # ... and otherwise: one run's seed-to-seed scatter is never zero
+NOISE_FLOOR = 0.003  # ... and otherwise
+# One run's held-out loss moves with its seed by about this much (1σ, relative) at a few hundred
+# steps: on tinyshakespeare two seeds of the 870K target differed by 1.9%, of a 200K model by 0.5%
+# (BENCHMARKS.md, scaling ladder). A fit's residuals understate it (five parameters absorb some).
+SEED_SCATTER = 0.01
 POOR_FIT = 0.02  # RMS misfit of the runs above which the fit is called poor
 FAR = 16.0  # extrapolating further than this many times the ladder's largest size earns a warning
 ISOFLOP_DISAGREES = 2.0  # factor between the law's and the IsoFLOP parabolas' compute-optimal size
@@ -78,7 +82,7 @@ def predict(runs: list[dict], *, target_params: float | None, target_tokens: flo
     q_lo, q_hi = np.quantile(boot, [tail, 1 - tail])
     z = NormalDist().inv_cdf(1 - tail)
     dof = len(runs) - N_PARAMS
-    scatter = fit.rms * math.sqrt(len(runs) / dof) if dof > 0 else 0.0
+    scatter = max(fit.rms * math.sqrt(len(runs) / dof) if dof > 0 else 0.0, SEED_SCATTER)
     bt = backtest(n, d, loss, prior=prior)
     misfit = bt.scaled(target_params) if bt else 0.0
     lo_w = math.sqrt(max(center - q_lo, 0.0) ** 2 + (z * scatter) ** 2 + misfit ** 2)
@@ -105,6 +109,11 @@ def predict(runs: list[dict], *, target_params: float | None, target_tokens: flo
     if bt and bt.error > POOR_FIT:
         warnings.append(f"without its largest size the ladder mispredicts that size by {bt.error:.1%} (median) "
                         f"(backtest): the interval carries {misfit:.1%} for the target's distance")
+    ratios = d / n
+    if d_target / target_params < ratios.min() / 2:
+        warnings.append(f"the target trains on {d_target / target_params:.2g} tokens per parameter, fewer than half "
+                        f"the fewest of any ladder run ({ratios.min():.2g}): the law has not seen a model this "
+                        "over-sized for its data (with repeated data, the extra parameters are worth less too)")
     if target_tokens > unique_tokens:
         warnings.append(f"the target repeats its data {target_tokens / unique_tokens:.1f} times; repeated tokens "
                         f"count as {d_target / target_tokens:.0%} of new ones (Muennighoff et al.)")

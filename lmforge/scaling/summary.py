@@ -27,12 +27,9 @@ def format_prediction(pred: dict, actual: float | None = None) -> list[str]:
     if bt:
         lines.append(f"backtest: fitted without the {human(bt['held_out_params'])}-param runs, the law misses them by "
                      f"{bt['error']:.2%} (median)")
-    iso = pred.get("isoflop") or {}
-    if iso.get("params_at_target"):
-        lines.append(f"IsoFLOP cross-check: N_opt ∝ C^{iso['exponent']:.2f}, {human(iso['params_at_target'])} params at "
-                     f"the target's compute (law: {human(opt['params'])})")
-    lines.append(f"target: {human(t['params'])} params × {human(t['tokens'])} tokens → held-out loss {t['loss']:.4f} "
-                 f"({t['confidence']:.0%} interval {t['loss_low']:.4f} – {t['loss_high']:.4f})")
+    lines.append(isoflop_line(pred))
+    lines.append(f"target: {human(t['params'])} params × {human(t['tokens'])} tokens → held-out loss "
+                 f"{t['loss']:.4f} ({t['confidence']:.0%} interval {t['loss_low']:.4f} – {t['loss_high']:.4f})")
     if actual is not None:
         inside = t["loss_low"] <= actual <= t["loss_high"]
         lines.append(f"  trained: {actual:.4f} ({actual / t['loss'] - 1:+.2%} from the prediction, "
@@ -42,3 +39,17 @@ def format_prediction(pred: dict, actual: float | None = None) -> list[str]:
                  f"({opt['tokens_per_param']:.1f} tokens/param, {opt['epochs']:.1f} epochs of the data)")
     lines += [f"warning: {w}" for w in pred.get("warnings", [])]
     return lines
+
+
+def isoflop_line(pred: dict) -> str:
+    """The IsoFLOP cross-check in one line: the trend through the levels' minima, or why there is none."""
+    iso = pred.get("isoflop") or {}
+    opt = pred["compute_optimal"]
+    if iso.get("params_at_target"):
+        return (f"IsoFLOP cross-check: N_opt ∝ C^{iso['exponent']:.2f}, {human(iso['params_at_target'])} params at "
+                f"the target's compute (law: {human(opt['params'])})")
+    found = [lv for lv in iso.get("levels", []) if lv.get("n_opt")]
+    notes = "; ".join(f"{lv['flops']:.2g} FLOPs: " + (f"minimum at {human(lv['n_opt'])} params" if lv.get("n_opt")
+                                                       else lv["note"]) for lv in iso.get("levels", []))
+    return (f"IsoFLOP cross-check: {'one level' if found else 'no level'} has its minimum inside the sizes run, "
+            f"no trend to compare ({notes})")
