@@ -187,6 +187,7 @@ def test_bad_ladder_files_are_one_line(tmp_path, spec, words):
     assert_one_line_error(proc, *words)
 
 
+@pytest.mark.integration  # builds and steps a tiny model
 def test_a_ladder_plans_with_the_typical_step_and_caches_nothing(tmp_path, monkeypatch):
     """`typical=True` (a time budget under the present load): the mean timed step, not the fastest,
     and no cache entry (a clock whose first timed step is 10× slower than the others)."""

@@ -40,8 +40,9 @@ def _run(args) -> int:
 
     cfg = load_ladder(args.file)
     if args.detach:
-        from lmforge.runs.ladder import LOG_FILE, detach
+        from lmforge.runs.ladder import LOG_FILE, detach, existing_plan
 
+        existing_plan(cfg)  # a changed ladder file is refused here, not in the background's log
         pid = detach(args.file, cfg.save_folder)
         print(f"ladder {cfg.name} running in the background (pid {pid}); output: "
               f"{os.path.join(cfg.save_folder, LOG_FILE)}; progress: lmforge scaling show {cfg.save_folder}")

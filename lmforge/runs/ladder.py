@@ -130,23 +130,33 @@ def _rate_fn(cfg: LadderConfig, context: int, threads: int, log):
     return rate
 
 
+def existing_plan(cfg: LadderConfig) -> LadderPlan | None:
+    """The plan in the ladder's plan.json, if any; refused when the ladder file changed since."""
+    path = os.path.join(cfg.save_folder, PLAN_FILE)
+    record = _read_json(path)
+    if record is None:
+        return None
+    if record.get("spec") != _spec(cfg):
+        raise UserError(f"{path} was planned from a different ladder file; keep the file as it was, choose "
+                        f"another save_folder, or delete {path} to plan again (runs of the same shape and "
+                        "tokens are reused)")
+    return LadderPlan.from_dict(record["plan"])
+
+
+def _spec(cfg: LadderConfig) -> dict:
+    return cfg.model_dump(mode="json", exclude_defaults=True)  # what the file says, not this version's defaults
+
+
 def load_or_make_plan(cfg: LadderConfig, log=print, *, write: bool = True) -> LadderPlan:
     """The ladder's plan: made once (measuring this machine) and kept in plan.json."""
-    path = os.path.join(cfg.save_folder, PLAN_FILE)
-    spec = cfg.model_dump(mode="json", exclude_defaults=True)  # what the file says, not this version's defaults
-    if os.path.exists(path):
-        with open(path) as f:
-            record = json.load(f)
-        if record.get("spec") != spec:
-            raise UserError(f"{path} was planned from a different ladder file; keep the file as it was, choose "
-                            f"another save_folder, or delete {path} to plan again (runs of the same shape and "
-                            "tokens are reused)")
-        log(f"scaling: continuing the ladder planned in {path}")
-        return LadderPlan.from_dict(record["plan"])
+    plan = existing_plan(cfg)
+    if plan is not None:
+        log(f"scaling: continuing the ladder planned in {os.path.join(cfg.save_folder, PLAN_FILE)}")
+        return plan
     plan = make_plan(cfg, log)
     if write:
         os.makedirs(cfg.save_folder, exist_ok=True)
-        _write_json(path, {"spec": spec, "plan": plan.to_dict()})
+        _write_json(os.path.join(cfg.save_folder, PLAN_FILE), {"spec": _spec(cfg), "plan": plan.to_dict()})
     return plan
 
 
