@@ -22,6 +22,7 @@ from lmforge.say import say
 COMMAND_MODULES = [
     "lmforge.cli.train",
     "lmforge.cli.pipeline",
+    "lmforge.cli.scaling",
     "lmforge.cli.data",
     "lmforge.cli.tokenizer",
     "lmforge.cli.estimate",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 
-
 # (non-embedding params, peak LR)
 LR_ANCHORS = [(5e6, 2e-3), (30e6, 1e-3), (125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4),
               (3e9, 1.6e-4), (7e9, 1.2e-4), (13e9, 1e-4), (30e9, 1e-4), (70e9, 8e-5)]

@@ -79,18 +79,21 @@ def cached_tokens_per_s(cfg: ModelConfig, context_length: int, micro_batch: int,
 
 def measure_tokens_per_s(cfg: ModelConfig, context_length: int, micro_batch: int, *, precision: str = "fp32",
                          optimizer: str = "adamw", device="cpu", steps: int = 3, warmup: int = 1,
-                         use_cache: bool = True, clock=time.perf_counter) -> float:
+                         use_cache: bool = True, clock=time.perf_counter, typical: bool = False) -> float:
     """Training tokens/s of one process on ``device``: the fastest of ``steps`` timed steps after
     ``warmup`` untimed ones (cached per machine and shape).
 
     ``clock`` is wall time; bench/sweep.py passes `time.process_time` (CPU time of a one-thread
-    process) to compare shapes on a busy shared machine without using the cache."""
+    process) to compare shapes on a busy shared machine without using the cache. ``typical``: the
+    mean step instead of the fastest, never cached — what a wall-clock budget buys under the
+    machine's present load (`lmforge scaling` plans its ladder with it)."""
     import torch
 
     from lmforge.data.batch import Batch
     from lmforge.models import build_model
     from lmforge.train.optim import build_optimizer
 
+    use_cache = use_cache and not typical
     if use_cache:
         hit = cached_tokens_per_s(cfg, context_length, micro_batch, precision=precision, optimizer=optimizer,
                                   device=device)
@@ -128,12 +131,13 @@ def measure_tokens_per_s(cfg: ModelConfig, context_length: int, micro_batch: int
     # or the trackers starting beside a run's first seconds) slows some steps, never speeds one
     # up. With the mean of 3, the quickstart once timed its shape at 5.0K tokens/s and then
     # trained it at 11–13K (BENCHMARKS.md, session 7).
-    seconds = float("inf")
+    times = []
     for _ in range(steps):
         t0 = clock()
         step()
         sync()
-        seconds = min(seconds, clock() - t0)
+        times.append(clock() - t0)
+    seconds = sum(times) / len(times) if typical else min(times)
     tps = micro_batch * context_length / seconds
     if use_cache:
         record = {"tokens_per_s": tps, "step_s": seconds, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
