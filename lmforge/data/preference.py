@@ -25,14 +25,12 @@ long to leave room for both answers is refused, naming the row.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
-from functools import partial
 
 import torch
 
-from lmforge.data.batch import IGNORE, Batch, EvalSet, StreamLayout
-from lmforge.data.sft import SFTStream, eval_batches, open_lines, row_segments, tokenize_example
+from lmforge.data.batch import IGNORE, Batch
+from lmforge.data.sft import SFTData, json_rows, row_segments, tokenize_example
 from lmforge.errors import UserError
 
 PREFERENCE_TASK = "preference"
@@ -113,17 +111,7 @@ def pair_segments(row, where: str, template=None) -> tuple[list, list]:
 def read_pairs(paths: list[str], template=None) -> list[tuple[list, list, str]]:
     """Every row of every file as (chosen segments, rejected segments, "file:line"); the first bad
     row stops with its file:line. ``template``: the tokenizer's own chat template, or None."""
-    pairs = []
-    for path in paths:
-        for name, i, line in open_lines(path, ROW_FIELDS + " rows"):
-            if not line.strip():
-                continue
-            where = f"{name}:{i}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not valid JSON ({e.msg})") from None
-            pairs.append((*pair_segments(row, where, template), where))
+    pairs = [(*pair_segments(row, where, template), where) for row, where in json_rows(paths, ROW_FIELDS + " rows")]
     if not pairs:
         raise UserError(f"{', '.join(paths)}: no pairs (expected JSONL rows with {ROW_FIELDS})")
     return pairs
@@ -282,13 +270,12 @@ def load_pairs(paths: list[str], tokenizer, seq_len: int, *, packing: bool, seed
 # --------------------------------------------------------------------------- the data the trainer sees
 
 @dataclass
-class PreferenceData:
+class PreferenceData(SFTData):
     """Pairs (and held-out pairs): a `TrainingData` of kind ``"preference"``. Its batches are
-    `PreferenceBatch`es, read in the same deterministic, resumable order as SFT rows
-    (`data.sft.SFTStream`); the trainer's objective for this kind is the preference loss
+    `PreferenceBatch`es, read as SFT rows are (`data.sft.SFTData`: the same deterministic,
+    resumable order); the trainer's objective for this kind is the preference loss
     (`train.objective`)."""
 
-    tokenizer_path: str
     rows: PreferenceRows
     eval_rows: PreferenceRows | None
     chat_template: str | None = None
@@ -298,17 +285,6 @@ class PreferenceData:
         """The same data with the reference log-probs of every pair attached to its batches."""
         eval_rows = None if self.eval_rows is None else replace(self.eval_rows, ref_logps=held_out)
         return replace(self, rows=replace(self.rows, ref_logps=train), eval_rows=eval_rows)
-
-    def train_stream(self, layout: StreamLayout) -> SFTStream:
-        return SFTStream(self.rows, micro_batch_size=layout.micro_batch, global_batch_size=layout.global_batch,
-                         rank=layout.rank, world_size=layout.world_size, seed=layout.seed,
-                         pin_memory=layout.pin_memory)
-
-    def eval_sets(self, layout: StreamLayout, max_batches: int) -> list[EvalSet]:
-        if self.eval_rows is None:
-            return []
-        return [EvalSet("eval", partial(eval_batches, self.eval_rows, layout.micro_batch, layout.rank,
-                                        layout.world_size, max_batches))]
 
 
 def load_preference_data(train_paths: list[str], eval_path: str | None, tokenizer, seq_len: int, *, packing: bool,

@@ -71,6 +71,20 @@ def task_data(rows: str) -> str:
             "(`lmforge train` pretrains on raw text or prepared data)")
 
 
+def json_rows(paths: list[str], rows: str = SFT_ROWS):
+    """(row, "file:line") of every non-blank line of the JSONL files at ``paths``; a line that is
+    not JSON stops with its file:line. ``rows``: what a row holds, for the error lines."""
+    for path in paths:
+        for name, i, line in open_lines(path, rows):
+            if not line.strip():
+                continue
+            where = f"{name}:{i}"
+            try:
+                yield json.loads(line), where
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+
+
 def open_lines(path: str, rows: str = SFT_ROWS):
     """(file, line number, line) of every line of the JSONL file(s) at ``path``; ``rows``: what
     a row holds, for the error lines."""
@@ -138,17 +152,7 @@ def row_segments(row, where: str, task: str, template=None) -> list[tuple[str, b
 def read_examples(paths: list[str], task: str, template=None) -> list[list[tuple[str, bool]]]:
     """Every row of every file as template segments; the first bad row stops with file:line.
     `template`: the tokenizer's own chat template (`lmforge.data.chat`), or None for ours."""
-    examples = []
-    for path in paths:
-        for name, i, line in open_lines(path):
-            if not line.strip():
-                continue
-            where = f"{name}:{i}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not valid JSON ({e.msg})") from None
-            examples.append(row_segments(row, where, task, template))
+    examples = [row_segments(row, where, task, template) for row, where in json_rows(paths)]
     if not examples:
         raise UserError(f"{', '.join(paths)}: no examples (expected JSONL rows with prompt/response or messages)")
     return examples
