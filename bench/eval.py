@@ -26,7 +26,7 @@ from lmforge.eval.icl import evaluate_icl, load_tasks
 from lmforge.models import build_model
 
 REPO = Path(__file__).resolve().parent.parent
-TASKS = [  # (label, file, type, extra task keys), as in lmforge/eval/tasks.yaml
+TASKS = [  # (label, file, type, extra task keys), as in lmforge/tasks/tasks.yaml
     ("copa", "commonsense_reasoning/copa.jsonl", "multiple_choice", {}),
     ("piqa", "commonsense_reasoning/piqa.jsonl", "multiple_choice", {"continuation_delimiter": "\nAnswer: "}),
     ("arc_easy", "world_knowledge/arc_easy.jsonl", "multiple_choice", {"continuation_delimiter": "\nAnswer: "}),

@@ -241,7 +241,7 @@ def main() -> None:
 
     from lmforge.cli.eval import _load_checkpoint
     from lmforge.eval.icl import score_task
-    from lmforge.eval.icl_tasks import load_tasks
+    from lmforge.tasks.icl import load_tasks
 
     from lmforge.train.export import export
 
