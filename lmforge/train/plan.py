@@ -149,10 +149,6 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
                    flops_per_token=fpt)
     time_limit = cfg.training_duration.value if cfg.training_duration.unit == "s" else None
 
-    if p.optimizer == "muon" and cfg.compute.data_parallel in ("fsdp", "hsdp"):
-        raise UserError("parameters.optimizer: muon needs whole matrices; use compute.data_parallel ddp or none "
-                        "(not fsdp/hsdp)")
-
     step_s, fastest_s = step_seconds(cfg, ctx, gbs, micro, world_size, precision, device)
     if time_limit is not None and fastest_s >= time_limit:
         raise UserError(f"training_duration: {cfg.training_duration} is shorter than one optimizer step of this model "

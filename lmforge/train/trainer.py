@@ -163,9 +163,12 @@ class Trainer:
         resume_from, checked = self._claim_save_folder(overwrite)
         self.model, self.train_forward = self._build_model(from_weights=not resume_from)
         p = self.cfg.parameters
+        # Muon's Newton–Schulz iterations run in the run's matmul dtype (bf16 on GPUs, fp32 on most CPUs).
+        ns_dtype = torch.bfloat16 if self.plan.precision in ("bf16", "fp8") else torch.float32
         self.optimizer = build_optimizer(self.model, lr=self.plan.learning_rate, weight_decay=p.weight_decay,
                                          betas=tuple(p.betas), eps=p.eps, device_type=self.device.type,
-                                         kind=p.optimizer)
+                                         kind=p.optimizer, muon_momentum=p.muon_momentum,
+                                         muon_weight_decay=p.muon_weight_decay, ns_dtype=ns_dtype)
         self._schedule_signature = self.plan.schedule.signature(self.plan.learning_rate)
         self.layout = StreamLayout(
             seq_len=self.plan.context_length, micro_batch=self.plan.micro_batch,
