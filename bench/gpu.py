@@ -12,6 +12,7 @@ time of each; llama-1b at seq 2048, micro-batch 8, vocab 32k and 128k, eager vs 
 llama-3b (micro-batch 2: what fits an 80 GB GPU without activation checkpointing). Part 3: the
 real `lmforge train` loop for 60 steps against the same step run by this script (their gap is
 the trainer's own overhead: data loading, bookkeeping, logging), and FSDP2 on one rank vs none.
+Part 4: Muon's step-time overhead against AdamW on llama-1b (`run_muon`; ≈1 min with compilation).
 
 Every config runs the trainer's pieces: `parallelize` (activation checkpointing → FP8 →
 compile → FSDP2, as in training), `build_optimizer` (fused AdamW), the model's training loss,
@@ -79,6 +80,12 @@ BASELINES = {"1b-32k-compiled": "1b-32k-eager", "1b-128k-compiled": "1b-128k-eag
              "3b-fp8-tensorwise": "3b-bf16", "3b-fp8-rowwise": "3b-bf16",
              "1b-fsdp2-1-rank": "1b-no-fsdp", "trainer-60-steps": "trainer-60-steps/bench-loop"}
 WARMUP, STEPS = 3, 10
+
+# --- Muon's step-time overhead (issue 38; `run_muon`): llama-1b, compiled bf16, one model whose
+# steps alternate between AdamW and Muon (same shape, same forward/backward), CUDA events around
+# the whole step and around the optimizer step alone.
+CONFIGS["1b-muon-overhead"] = _model(M1, 32000, 8, part=4) | {"kind": "muon", "steps": 6}
+BASELINES["1b-muon-overhead/muon"] = "1b-muon-overhead/adamw"
 
 
 # --------------------------------------------------------------------------- one config, in-process
@@ -152,6 +159,90 @@ def run_model(c: dict) -> dict:
             "mfu_6n": mfu(tps, flops_per_token(shape, c["seq"])["dense"], 1, peak),
             "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
             "warmup_s": warm_s, "loss": float(last["loss"]) / (c["mb"] * c["seq"]), "device": spec.description}
+
+
+def run_muon(c: dict) -> list[dict]:
+    """Muon against AdamW on the same model (`CONFIGS["1b-muon-overhead"]`): both optimizers hold
+    the model's parameters and take turns (AdamW, Muon, Muon, AdamW, ...), so compilation happens
+    once and the forward and backward are the same work in both rows. Muon's Newton–Schulz runs in
+    bf16 (what the trainer uses for a bf16 run). Rows: one per optimizer, the optimizer step's own
+    time and share in the note; the "vs" column is Muon's throughput over AdamW's."""
+    import torch
+
+    from lmforge.config.model import get_preset
+    from lmforge.config.schema import ComputeConfig
+    from lmforge.data.batch import Batch
+    from lmforge.distributed.dist import DistInfo
+    from lmforge.distributed.parallelize import parallelize
+    from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token
+    from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
+    from lmforge.models import build_model
+    from lmforge.train.optim import build_optimizer
+
+    device = torch.device(c.get("device", "cuda"))
+    cuda = device.type == "cuda"
+    shape = get_preset(c["preset"]).model_copy(update={"vocab_size": c["vocab"], "max_seq_len": c["seq"]})
+    compute = ComputeConfig(data_parallel="none", compile=c["compile"], loss_kernel=c["loss"])
+    torch.manual_seed(0)
+    model = build_model(shape, device=device)
+    step_forward = parallelize(model, compute, DistInfo(rank=0, world_size=1, local_rank=0, device=device),
+                               precision=c["precision"])
+    bf16 = c["precision"] == "bf16"
+    ns_dtype = torch.bfloat16 if bf16 else torch.float32
+    opts = {kind: build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
+                                  device_type=device.type, kind=kind, ns_dtype=ns_dtype) for kind in ("adamw", "muon")}
+    gen = torch.Generator().manual_seed(1)
+    batch = Batch.from_tokens(torch.randint(0, shape.vocab_size, (c["mb"], c["seq"]), generator=gen)).to(device)
+    n_targets = float(batch.num_targets())
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else None
+
+    def step(kind: str) -> tuple[float, float]:
+        """(step s, optimizer step s)."""
+        t = [time.perf_counter()]
+        if cuda:
+            marks[0].record()
+        with autocast:
+            out = step_forward(batch.input_ids, batch.targets)
+        (out.ce_sum / n_targets).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if cuda:
+            marks[1].record()
+        t.append(time.perf_counter())
+        opts[kind].step()
+        opts[kind].zero_grad(set_to_none=True)
+        if cuda:
+            marks[2].record()
+            torch.cuda.synchronize()
+            return marks[0].elapsed_time(marks[2]) / 1e3, marks[1].elapsed_time(marks[2]) / 1e3
+        t.append(time.perf_counter())
+        return t[2] - t[0], t[2] - t[1]
+
+    t0 = time.perf_counter()
+    for kind in ("adamw", "muon") * c.get("warmup", WARMUP):
+        step(kind)
+    warm_s = time.perf_counter() - t0
+    times: dict[str, list[tuple[float, float]]] = {"adamw": [], "muon": []}
+    for i in range(c.get("steps", STEPS)):
+        for kind in (("adamw", "muon") if i % 2 == 0 else ("muon", "adamw")):
+            times[kind].append(step(kind))
+    spec = detect_device_spec(device)
+    peak = peak_flops(spec, "bf16" if (cuda or bf16) else "fp32")
+    tokens = c["mb"] * c["seq"]
+    rows = []
+    for kind, ts in times.items():
+        dt = statistics.median(s for s, _ in ts)
+        opt_s = statistics.median(o for _, o in ts)
+        tps = tokens / dt
+        rows.append({"name": f"1b-muon-overhead/{kind}", "tokens_per_s": tps, "step_ms": dt * 1e3,
+                     "opt_ms": opt_s * 1e3, "opt_share": opt_s / dt,
+                     "mfu": mfu(tps, mfu_flops_per_token(shape, c["seq"]), 1, peak),
+                     "mfu_6n": mfu(tps, flops_per_token(shape, c["seq"])["dense"], 1, peak),
+                     "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                     "warmup_s": warm_s, "device": spec.description,
+                     "note": f"optimizer step {opt_s * 1e3:.0f} ms = {opt_s / dt:.0%} of the step; "
+                             f"{c['mb']}×{c['seq']} tokens/step"})
+    return rows
 
 
 def _timed(fn, n: int, cuda: bool) -> list[float]:
@@ -295,7 +386,7 @@ def run_trainer(c: dict) -> Iterator[dict]:
 
 def smoke(c: dict) -> dict:
     """The same config at toy size on the CPU: checks the script itself (tests/test_bench_gpu.py)."""
-    if c["kind"] == "model":
+    if c["kind"] in ("model", "muon"):
         return c | {"device": "cpu", "preset": "llama-tiny", "vocab": 512, "seq": 64, "mb": 2, "compile": False,
                     "precision": "fp32" if c["precision"] == "bf16" else c["precision"], "warmup": 1, "steps": 2}
     if c["kind"] == "trainer":
@@ -313,6 +404,8 @@ def run_config(name: str, c: dict) -> Iterator[dict]:
         rows = run_sdpa(c)
     elif c["kind"] == "trainer":
         rows = run_trainer(c)
+    elif c["kind"] == "muon":
+        rows = run_muon(c)
     else:
         rows = [run_model(c) | {"name": name}]
     for r in rows:

@@ -5,9 +5,10 @@
 For each layout lmforge shards a model into — FSDP2 over 4 ranks with expert parallelism 2 (the
 experts' FSDP shards are strided inside EP's), HSDP 2 × 2 with expert parallelism 2, and plain
 FSDP2 over 4 ranks (2-D weights split on rows, unevenly where 4 does not divide them) — a tiny MoE
-model and an unsharded copy get the same gradients for three Muon + AdamW steps; the sharded
-Muon weights and momentum buffers, gathered, must equal the unsharded ones bitwise: every matrix
-was orthogonalized whole.
+model and an unsharded copy get the same gradients for three Muon + AdamW steps, with the
+row-sharded matrices' work spread over the ranks (each orthogonalizes 1/W of them) and gathered on
+every rank; the sharded Muon weights and momentum buffers, gathered, must equal the unsharded ones
+bitwise: every matrix was orthogonalized whole.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ def optimizer(model):
                            kind="muon")
 
 
-def check(layout: dict, dist) -> None:
+def check(layout: dict, spread: bool, dist) -> None:
     torch.manual_seed(0)
     whole = build_model(CFG)
     sharded = copy.deepcopy(whole)
     parallelize(sharded, ComputeConfig(**layout), dist)
     opt_whole, opt_sharded = optimizer(whole), optimizer(sharded)
+    opt_sharded[0].spread = spread
     params = dict(sharded.named_parameters())
     matrices = sum(1 for g in opt_sharded[0].param_groups for _ in g["params"])
     assert matrices == 2 * (4 + 2), matrices  # per block: wq wk wv wo, the experts' w13 and w2
@@ -69,8 +71,9 @@ def check(layout: dict, dist) -> None:
 if __name__ == "__main__":
     dist = init_distributed("cpu")
     for layout in LAYOUTS:
-        check(layout, dist)
+        for spread in (True, False):
+            check(layout, spread, dist)
     td.barrier()
     if dist.is_main:
-        print(f"muon: {len(LAYOUTS)} sharded layouts equal the whole model bitwise")
+        print(f"muon: {len(LAYOUTS)} sharded layouts × (spread, gathered) equal the whole model bitwise")
     td.destroy_process_group()

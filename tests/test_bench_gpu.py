@@ -41,3 +41,10 @@ def test_the_table_compares_each_row_with_its_baseline(tmp_path):
     table = proc.stdout
     assert "| 2 | 3b-fp8-tensorwise | 1,400 | 56.0% | 49.0% | 6 | 60.0 | 1.40× 3b-bf16 |" in table
     assert "skipped: out of this call's time budget" in table and table.startswith("# H100")
+
+
+def test_the_muon_overhead_config_times_both_optimizers_on_one_model():
+    rows = {r["name"]: r for r in _config("1b-muon-overhead")}
+    adamw, muon = rows["1b-muon-overhead/adamw"], rows["1b-muon-overhead/muon"]
+    assert 0 < adamw["opt_ms"] < muon["opt_ms"] and 0 < muon["opt_share"] < 1  # Newton–Schulz costs more
+    assert muon["mfu"] > 0 and "optimizer step" in muon["note"]

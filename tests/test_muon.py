@@ -128,7 +128,7 @@ def test_every_sharded_layout_orthogonalizes_whole_matrices():
                            str(REPO / "tests" / "muon_worker.py")], capture_output=True, text=True, env=env(),
                           cwd=REPO, timeout=300)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    assert "muon: 3 sharded layouts equal the whole model bitwise" in proc.stdout
+    assert "muon: 3 sharded layouts × (spread, gathered) equal the whole model bitwise" in proc.stdout
 
 
 @contextmanager

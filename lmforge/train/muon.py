@@ -12,7 +12,8 @@ NS₅ maps the update to (roughly) the nearest semi-orthogonal matrix; its entri
 of about 1/√max(A, B). **The learning-rate rule is Moonshot's RMS matching** (Liu et al. 2025,
 §2.2): scaling by 0.2·√max(A, B) gives every matrix's update the RMS ≈ 0.2 of a typical AdamW
 update, so one peak learning rate and one decoupled weight decay serve the Muon matrices and the
-AdamW parameters alike (not Keller Jordan's √max(1, A/B), which needs its own, ~50× larger, LR).
+AdamW parameters alike (not Keller Jordan's √max(1, A/B), which needs its own, much larger LR:
+0.02 in his recipe against AdamW's ~3e-4).
 
 Whole matrices, whatever the layout:
 
@@ -21,17 +22,17 @@ Whole matrices, whatever the layout:
   fused gate | up ``w13`` [E, d, 2h], declared by `GroupedExperts.FUSED_COLUMNS`) is k·E of them —
   each orthogonalized on its own, as the same projections of a dense model are;
 - under FSDP2/HSDP a parameter is a DTensor sharded on its first dimension. Where that dimension
-  is one of the matrix's own (every 2-D weight), the update is all-gathered over the sharded mesh
-  dimensions, orthogonalized whole on every rank, and each rank keeps its own rows (a local slice:
-  no second exchange). Where the shards only split the stack (expert weights, sharded on the
-  expert dimension by FSDP and by expert parallelism), every rank already holds whole matrices
-  and orthogonalizes its own, with no communication at all;
+  is one of the matrix's own (every 2-D weight), the matrices are spread over the W ranks of the
+  shard group (`orthogonalize_spread`): matrix i goes whole to rank i mod W (one all-to-all for
+  all of them), which orthogonalizes it and sends every rank its rows back (one more) — each
+  rank does 1/W of the Newton–Schulz work, as in Dion and torchtitan's distributed Muon. (Any
+  other layout that splits a matrix is all-gathered and orthogonalized on every rank,
+  `orthogonalize_sharded`; both give the bits a single process gives.) Where the shards only
+  split the stack (expert weights, sharded on the expert dimension by FSDP and by expert
+  parallelism), every rank already holds whole matrices and orthogonalizes its own, with no
+  communication at all;
 - the momentum buffer has the parameter's layout, so DCP saves and reshards it as it does
   AdamW's moments.
-
-Gathering on every rank repeats the Newton–Schulz work on each of them (W times on W ranks): the
-simplest exact scheme. torchtitan and Dion instead give each matrix to one rank and scatter the
-result; BENCHMARKS.md has the measured overhead.
 
 The iterations run in ``ns_dtype``: bf16 where the run's matmuls are bf16 (GPUs, as torch's and
 modded-nanogpt's always do), fp32 otherwise — torch's version always casts to bf16, which on a CPU
@@ -41,6 +42,7 @@ without bf16 units costs ~5× a whole training step.
 from __future__ import annotations
 
 import torch
+import torch.distributed as td
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP's shard of an already-sharded dim (EP)
 
@@ -112,6 +114,69 @@ def orthogonalize_sharded(update: torch.Tensor, steps: int, dtype: torch.dtype, 
     return out.redistribute(placements=update.placements) if full is not update else out
 
 
+def row_shards(rows: int, ranks: int) -> list[int]:
+    """Rows each rank holds of a dimension of ``rows`` sharded over ``ranks`` (DTensor's and FSDP2's
+    `torch.chunk` split: ⌈rows/ranks⌉ each, the last ones short or empty)."""
+    per = -(-rows // ranks)
+    return [max(0, min(per, rows - r * per)) for r in range(ranks)]
+
+
+def spread_dim(update: torch.Tensor) -> int | None:
+    """The mesh dimension to spread a DTensor matrix's work over: where ``update`` is 2-D and split
+    by rows over exactly one mesh dimension (FSDP2's and HSDP's layout), else None."""
+    if not isinstance(update, DTensor) or update.dim() != 2:
+        return None
+    dims = [i for i, p in enumerate(update.placements) if not isinstance(p, Replicate)]
+    if len(dims) != 1 or type(update.placements[dims[0]]) is not Shard or update.placements[dims[0]].dim != 0:
+        return None
+    return dims[0]
+
+
+def orthogonalize_spread(updates: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """`orthogonalize_sharded` for row-sharded DTensor matrices on one mesh dimension (`spread_dim`),
+    with the work spread over its W ranks instead of repeated on each: matrix i belongs to rank
+    i mod W, which receives its rows from every rank, orthogonalizes it whole, and sends each rank
+    its rows back — one all-to-all each way for all the matrices, each rank doing 1/W of the
+    Newton–Schulz work (the scheme of Dion and torchtitan's distributed Muon). The same bits as
+    gathering everywhere."""
+    first = updates[0]
+    mesh, dim = first.device_mesh, spread_dim(first)
+    group, ranks, me = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+    owner = [i % ranks for i in range(len(updates))]
+    mine = [i for i in range(len(updates)) if owner[i] == me]
+    split = [row_shards(u.shape[0], ranks) for u in updates]
+    local = [u.to_local() for u in updates]
+    for i, t in enumerate(local):
+        if t.shape[0] != split[i][me]:
+            raise RuntimeError(f"unexpected shard of a {tuple(updates[i].shape)} matrix: {t.shape[0]} rows here")
+    # Out: my rows of every matrix, grouped by owner. In: every rank's rows of my matrices.
+    send = torch.cat([local[i].reshape(-1) for r in range(ranks) for i in range(len(updates)) if owner[i] == r])
+    send_sizes = [sum(local[i].numel() for i in range(len(updates)) if owner[i] == r) for r in range(ranks)]
+    recv_sizes = [sum(split[i][r] * updates[i].shape[1] for i in mine) for r in range(ranks)]
+    recv = send.new_empty(sum(recv_sizes))
+    td.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    pieces = [iter(chunk.split([split[i][r] * updates[i].shape[1] for i in mine]))
+              for r, chunk in enumerate(recv.split(recv_sizes))]
+    done = {}
+    for i in mine:
+        whole = torch.cat([next(pieces[r]).view(split[i][r], -1) for r in range(ranks)])
+        done[i] = orthogonalize(whole, steps, dtype)
+    # Back: each rank's rows of my matrices; in: my rows of every matrix, grouped by owner.
+    back = torch.cat([done[i][sum(split[i][:r]):sum(split[i][:r + 1])].reshape(-1) for r in range(ranks)
+                      for i in mine]) if mine else send.new_empty(0)
+    mine_back = send.new_empty(send.numel())
+    td.all_to_all_single(mine_back, back, send_sizes, recv_sizes, group=group)
+    rows = iter(mine_back.split([local[i].numel() for r in range(ranks) for i in range(len(updates))
+                                 if owner[i] == r]))
+    order = [i for r in range(ranks) for i in range(len(updates)) if owner[i] == r]
+    out: list[torch.Tensor | None] = [None] * len(updates)
+    for i in order:
+        u = updates[i]
+        out[i] = DTensor.from_local(next(rows).view(local[i].shape), mesh, u.placements, run_check=False,
+                                    shape=u.shape, stride=u.stride())
+    return out
+
+
 class Muon(torch.optim.Optimizer):
     """Muon (see the module docstring) for ≥2-D parameters whose last two dimensions are matrices.
 
@@ -120,12 +185,13 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, weight_decay: float = 0.1, momentum: float = 0.95, ns_steps: int = 5,
-                 ns_dtype: torch.dtype = torch.float32):
+                 ns_dtype: torch.dtype = torch.float32, spread: bool = True):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"Muon momentum must be in [0, 1), got {momentum}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
                                       column_blocks=1))
         self.ns_dtype = ns_dtype
+        self.spread = spread  # row-sharded matrices: each rank orthogonalizes 1/W of them (else all, gathered)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dim() < 2 or p.shape[-1] % group["column_blocks"]:
@@ -136,6 +202,8 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             lr, wd, mom, k = group["lr"], group["weight_decay"], group["momentum"], group["column_blocks"]
+            steps = group["ns_steps"]
+            spread: dict[tuple, list] = {}  # row-sharded matrices, by (mesh, mesh dim, dtype)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -144,6 +212,18 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mom)
-                update = orthogonalize_sharded(p.grad.lerp(buf, mom), group["ns_steps"], self.ns_dtype, k)
-                p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-lr * rms_matching_scale(p.shape[-2], p.shape[-1] // k))
+                update = p.grad.lerp(buf, mom)
+                dim = spread_dim(update) if k == 1 and self.spread else None
+                if dim is None:
+                    self._apply(p, orthogonalize_sharded(update, steps, self.ns_dtype, k), lr, wd, k)
+                else:
+                    spread.setdefault((update.device_mesh, dim, update.dtype), []).append((p, update))
+            for items in spread.values():
+                updates = orthogonalize_spread([u for _, u in items], steps, self.ns_dtype)
+                for (p, _), update in zip(items, updates):
+                    self._apply(p, update, lr, wd, k)
+
+    @staticmethod
+    def _apply(p: torch.Tensor, update: torch.Tensor, lr: float, wd: float, k: int) -> None:
+        p.mul_(1 - lr * wd)
+        p.add_(update, alpha=-lr * rms_matching_scale(p.shape[-2], p.shape[-1] // k))
