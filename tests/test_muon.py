@@ -118,6 +118,35 @@ def test_muon_has_its_own_momentum_and_weight_decay():
     assert {(g["momentum"], g["weight_decay"]) for g in muon.param_groups} == {(0.95, 0.1)}  # the config's defaults
 
 
+# ---------------------------------------------------------------------------- the default
+
+def test_auto_is_muon_where_the_sweep_measured_it_to_win(tiny_data, tmp_path):
+    """From scratch and ≤5M non-embedding parameters: muon at its own tuned LR; a bigger model, or
+    weights to fine-tune, stay on AdamW; a choice given is kept."""
+    from lmforge.config.defaults import default_learning_rate
+    from lmforge.config.load import build_config
+    from lmforge.train.plan import make_plan
+
+    def plan(**overrides):
+        raw = tiny_run_config(tiny_data, tmp_path / "run", **{"parameters.learning_rate": None,
+                                                               "parameters.optimizer": "auto"} | overrides)
+        cfg = build_config(raw)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": 512})})
+        return make_plan(cfg, world_size=1, device=torch.device("cpu"), samples_per_epoch=None, data_seq_len=64)
+
+    tiny = plan()
+    assert (tiny.optimizer, tiny.learning_rate) == ("muon", 4e-3)
+    assert (plan(**{"parameters.optimizer": "adamw"}).optimizer, plan(**{"parameters.optimizer": "adamw"})
+            .learning_rate) == ("adamw", 2e-3)
+    big = plan(model={"d_model": 512, "n_layers": 4, "n_heads": 8, "max_seq_len": 64})  # 12.6M non-embedding
+    assert big.optimizer == "adamw" and big.params["non_embedding"] > 5e6
+    assert plan(custom_weights_path=str(tmp_path / "w")).optimizer == "adamw"  # fine-tuning AdamW-trained weights
+    assert plan(**{"parameters.optimizer": "muon", "parameters.learning_rate": 1e-3}).learning_rate == 1e-3
+    # above the measured size Muon's LR joins AdamW's anchors (Moonshot's RMS matching reuses them)
+    assert default_learning_rate(125e6, "muon") == default_learning_rate(125e6, "adamw") == 6e-4
+    assert 1e-3 < default_learning_rate(12e6, "muon") < 4e-3
+
+
 # ---------------------------------------------------------------------------- sharded, end to end
 
 @pytest.mark.slow
@@ -231,3 +260,33 @@ def test_bad_muon_settings_are_one_line(tmp_path, tiny_data, sets, needles):
     args = [a for s in sets for a in ("--set", s.format(dir=tmp_path))]
     assert_one_line_error(cli("train", "-f", cfg, *args, "--dry-run"), *needles)
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_muon_trains_under_fsdp_on_a_gpu(tiny_data, tmp_path, precision):
+    """The GPU paths the CPU cannot take: Newton–Schulz in bf16, and (fp8) torchao's FP8 weights
+    under FSDP2, whose wrapped shards Muon updates in place; the run learns and resumes."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    import torch.distributed as td
+
+    def fit(duration):
+        train_here(tiny_run_config(tiny_data, tmp_path / "run", training_duration=duration, save_interval="4ba",
+                                   **{"parameters.precision": precision, "parameters.optimizer": "muon",
+                                      "compute.device": "cuda", "compute.data_parallel": "fsdp",
+                                      "compute.async_checkpoint": False, "eval.prompts": []}))
+
+    try:
+        fit("8ba")
+        fit("12ba")  # resumes at step 8
+    finally:
+        if td.is_initialized():  # FSDP's one-rank process group
+            td.destroy_process_group()
+    losses = train_losses(tmp_path / "run")
+    assert sorted(losses) == list(range(1, 13)) and losses[12] < losses[1] - 0.5
+    assert all(v == v for v in losses.values())  # no NaN

@@ -157,10 +157,11 @@ class Parameters(_Strict):
         "cosine, linear, constant")
     decay_fraction: float = Field(0.2, gt=0, lt=1, description="wsd: share of the run spent decaying the LR")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final LR as a fraction of the peak (wsd/cosine/linear)")
-    optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="adamw, or muon for the blocks' weight matrices (each expert's separately; AdamW "
-        "for embeddings, head, norms, biases, MoE routers) at the same LR (update RMS matched to AdamW's: "
-        "0.2·√max(rows, cols), Liu et al. 2025)")
+    optimizer: Literal["auto", "adamw", "muon"] = Field(
+        "auto", description="adamw, or muon for the blocks' weight matrices (each expert's separately; AdamW "
+        "for embeddings, head, norms, biases, MoE routers; update RMS matched to AdamW's: 0.2·√max(rows, cols), "
+        "Liu et al. 2025); auto: muon for a model trained from scratch with ≤5M non-embedding parameters "
+        "(where the sweep measured it to win), else adamw")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (matrices only)")
     muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: Nesterov momentum of the matrices' updates")
     muon_weight_decay: float | None = Field(

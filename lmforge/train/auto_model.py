@@ -14,7 +14,7 @@ import os
 import torch
 
 from lmforge.config.defaults import auto_vocab, bf16_supported, default_batch_tokens, estimated_bytes_per_token, \
-    micro_batch_for
+    micro_batch_for, run_optimizer
 from lmforge.config.durations import parse_duration
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import RunConfig, TokenizerSpec
@@ -145,7 +145,8 @@ def _auto_model(cfg: RunConfig, device: torch.device, log) -> RunConfig:
     unique = data_tokens
     if unique is None and data_bytes:
         unique = data_bytes / estimated_bytes_per_token(vocab or cands[0].model.vocab_size)
-    measure = _throughput_fn(device, precision, p.optimizer, log)
+    measure = _throughput_fn(device, precision, lambda m: run_optimizer(cfg, param_counts(m)["non_embedding"]),
+                             log)  # [optimizers] each candidate timed with the optimizer it would train with
     best, reason = choose(budget, cands, unique_tokens=unique, tokens_per_s=measure,
                           flops_per_s_guess=_flops_guess(device, precision))
     log(reason)
@@ -173,12 +174,13 @@ def _flops_guess(device: torch.device, precision: str) -> float:
     return 0.4 * peak_flops(detect_device_spec(device), mfu_basis(precision))
 
 
-def _throughput_fn(device: torch.device, precision: str, optimizer: str, log):
+def _throughput_fn(device: torch.device, precision: str, optimizer_of, log):
     from lmforge.train.throughput import cached_tokens_per_s, measure_tokens_per_s
 
     def tokens_per_s(c: Candidate) -> float:
         micro = micro_batch_for(max(1, c.batch_tokens // c.context_length), 8 if device.type == "cpu" else 64)
         m = c.model
+        optimizer = optimizer_of(m)
         hit = cached_tokens_per_s(m, c.context_length, micro, precision=precision, optimizer=optimizer, device=device)
         if hit:
             return hit

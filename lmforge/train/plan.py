@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, auto_precision, bf16_supported,
-                                     default_batch_tokens, default_learning_rate, micro_batch_for)
+                                     default_batch_tokens, default_learning_rate, micro_batch_for,
+                                     run_optimizer)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.schema import RunConfig, phase_end
 from lmforge.distributed.float8 import check_fp8_supported
@@ -45,6 +46,7 @@ class TrainPlan:
     step_time_s: float  # expected seconds per optimizer step: measured on this machine, else estimated
     phase_steps: list[int] | None = None  # curriculum: the optimizer step at which each phase but the last ends
     model_flops_per_token: float = 0.0  # the dense term alone: 6·N_active (LoRA: 4·N_active + 6·N_adapters)
+    optimizer: str = "adamw"  # "adamw" | "muon": parameters.optimizer with auto resolved
 
     @property
     def tokens_per_step(self) -> int:
@@ -110,6 +112,7 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
     p = cfg.parameters
     model = cfg.model
     counts = param_counts(model)
+    optimizer = run_optimizer(cfg, counts["non_embedding"])  # [optimizers] auto → muon | adamw
     ctx = p.context_length or (min(model.max_seq_len, data_seq_len) if data_seq_len else model.max_seq_len)
     check_context(ctx, data_seq_len)
 
@@ -177,7 +180,7 @@ def make_plan(cfg: RunConfig, *, world_size: int, device: torch.device,
     return TrainPlan(
         context_length=ctx, global_batch=gbs, micro_batch=micro, grad_accum=grad_accum,
         world_size=world_size, total_steps=total, time_limit_s=time_limit, warmup_steps=warmup,
-        learning_rate=p.learning_rate or default_learning_rate(counts["non_embedding"]),
+        learning_rate=p.learning_rate or default_learning_rate(counts["non_embedding"], optimizer), optimizer=optimizer,
         eval_interval=eval_every, save_interval=save_every, icl_interval=icl_every,
         precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
         phase_steps=phase_steps, model_flops_per_token=flops_per_token(model, ctx, cfg.lora)["dense"],
@@ -219,7 +222,8 @@ def step_seconds(cfg: RunConfig, ctx: int, gbs: int, micro: int, world_size: int
     measured = None
     if cfg.model.vocab_size:
         measured = cached_tokens_per_s(cfg.model, ctx, micro, precision=precision,
-                                       optimizer=cfg.parameters.optimizer, device=device)
+                                       optimizer=run_optimizer(cfg, param_counts(cfg.model)["non_embedding"]),
+                                       device=device)  # [optimizers] ^ auto resolved
     if measured:
         return tokens / measured, tokens / measured
     peak = peak_flops(detect_device_spec(device), mfu_basis(precision))

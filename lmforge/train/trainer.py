@@ -167,7 +167,7 @@ class Trainer:
         ns_dtype = torch.bfloat16 if self.plan.precision in ("bf16", "fp8") else torch.float32
         self.optimizer = build_optimizer(self.model, lr=self.plan.learning_rate, weight_decay=p.weight_decay,
                                          betas=tuple(p.betas), eps=p.eps, device_type=self.device.type,
-                                         kind=p.optimizer, muon_momentum=p.muon_momentum,
+                                         kind=self.plan.optimizer, muon_momentum=p.muon_momentum,
                                          muon_weight_decay=p.muon_weight_decay, ns_dtype=ns_dtype)
         self._schedule_signature = self.plan.schedule.signature(self.plan.learning_rate)
         self.layout = StreamLayout(
@@ -577,7 +577,7 @@ class Trainer:
         self.log(f"  batch {plan.global_batch} × {plan.context_length} tokens = micro-batch {plan.micro_batch} × "
                  f"{plan.grad_accum} accumulation × {self.dist.world_size} rank(s); lr {plan.learning_rate:.3g}, "
                  f"warmup {_span(plan.schedule.warmup, plan.schedule.warmup_unit)}, {_schedule_text(plan.schedule)}; "
-                 f"{cfg.parameters.optimizer}; {plan.precision} on {self.device}")
+                 f"{plan.optimizer}; {plan.precision} on {self.device}")
         self.log(f"  checkpoints and metrics: {cfg.save_folder}")
 
 
