@@ -125,14 +125,16 @@ def test_auto_is_muon_where_the_sweep_measured_it_to_win(tiny_data, tmp_path):
     weights to fine-tune, stay on AdamW; a choice given is kept."""
     from lmforge.config.defaults import default_learning_rate
     from lmforge.config.load import build_config
-    from lmforge.train.plan import make_plan
+    from lmforge.train.plan import make_plan, resolved_config
 
     def plan(**overrides):
         raw = tiny_run_config(tiny_data, tmp_path / "run", **{"parameters.learning_rate": None,
                                                                "parameters.optimizer": "auto"} | overrides)
         cfg = build_config(raw)
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": 512})})
-        return make_plan(cfg, world_size=1, device=torch.device("cpu"), samples_per_epoch=None, data_seq_len=64)
+        plan = make_plan(cfg, world_size=1, device=torch.device("cpu"), samples_per_epoch=None, data_seq_len=64)
+        assert resolved_config(cfg, plan).parameters.optimizer == plan.optimizer  # what --dry-run prints
+        return plan
 
     tiny = plan()
     assert (tiny.optimizer, tiny.learning_rate) == ("muon", 4e-3)

@@ -285,7 +285,8 @@ def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
     data["parameters"].update(
         learning_rate=plan.learning_rate, context_length=plan.context_length,
         global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
-        warmup=_warmup_text(plan.schedule), precision=plan.precision)
+        warmup=_warmup_text(plan.schedule), precision=plan.precision,
+        optimizer=plan.optimizer)  # [optimizers] auto resolved
     data["eval"]["interval"] = f"{plan.eval_interval}ba"
     if plan.icl_interval:
         data["eval"]["icl_interval"] = f"{plan.icl_interval}ba"
