@@ -25,7 +25,9 @@ time of each; llama-1b at seq 2048, micro-batch 8, vocab 32k and 128k, eager vs 
 (and the two loss kernels at 128k). Part 2: FP8 tensorwise and rowwise vs bf16 on llama-1b and
 llama-3b (micro-batch 2, one micro-batch per step). Part 3: the real `lmforge train` loop for
 60 steps against the same step run by this script (their gap is the trainer's own overhead:
-data loading, bookkeeping, logging), and FSDP2 on one rank vs none. Part 5: llama-1b on long rows (8k, 16k, 32k tokens) with the checkpointing each needs.
+data loading, bookkeeping, logging), and FSDP2 on one rank vs none. Part 4: Muon's step-time
+overhead against AdamW on llama-1b (`run_muon`). Part 5: llama-1b on long rows (8k, 16k, 32k
+tokens) with the checkpointing each needs.
 
 Every model config runs the trainer's pieces: `parallelize` (activation checkpointing → FP8 →
 compile → FSDP2, as in training), `build_optimizer` (fused AdamW), the model's training loss
@@ -374,8 +376,9 @@ def run_muon(c: dict) -> list[dict]:
     step_forward = parallelize(model, compute, DistInfo(rank=0, world_size=1, local_rank=0, device=device),
                                precision=c["precision"])
     bf16 = c["precision"] == "bf16"
+    ns_dtype = torch.bfloat16 if bf16 else torch.float32  # Newton–Schulz as the trainer runs it
     opts = {kind: build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
-                                  device_type=device.type, kind=kind) for kind in ("adamw", "muon")}
+                                  device_type=device.type, kind=kind, ns_dtype=ns_dtype) for kind in ("adamw", "muon")}
     gen = torch.Generator().manual_seed(1)
     batch = Batch.from_tokens(torch.randint(0, shape.vocab_size, (c["mb"], c["seq"]), generator=gen)).to(device)
     n_targets = float(batch.num_targets())

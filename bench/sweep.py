@@ -3,6 +3,7 @@ budgets on two corpora, one factor at a time around a base recipe.
 
     python bench/sweep.py throughput            # tokens/s of every shape in the grid (waits for a quiet machine)
     python bench/sweep.py run --stage lr --jobs 2
+    python bench/sweep.py run --stage optimizer --corpus python --budget 3min --where optimizer=muon
     python bench/sweep.py one --corpus shakespeare --budget 60s --set learning_rate=3e-3
     python bench/sweep.py table                 # the markdown table of bench/sweep-results.jsonl
 
@@ -68,11 +69,28 @@ STAGES: dict[str, tuple[tuple[str, ...], list[dict]]] = {
     "shape": (("60s",), [dict(d_model=192, n_layers=4, n_heads=4), dict(d_model=128, n_layers=6, n_heads=4),
                          dict(d_model=96, n_layers=4, n_heads=4)]),
     "context": (("60s",), [{"context_length": 128, "micro_batch_size": 16}]),
-    "optimizer": (("60s",), [{"optimizer": "muon"}]),
+    # AdamW vs Muon, each at its own LR grid, at the tokens each gets in the budget on the quiet
+    # machine (`QUIET_STAGES`); run per corpus: shakespeare 70s and 5min, python 3min.
+    "optimizer": (("70s", "5min", "3min"),
+                  [{"optimizer": "adamw", "learning_rate": lr, "vocab": 1024} for lr in (1e-3, 2e-3, 4e-3, 8e-3)]
+                  + [{"optimizer": "muon", "learning_rate": lr, "vocab": 1024}
+                     for lr in (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2)]),
     "schedule": (("60s",), [{"schedule": "cosine", "min_lr_ratio": 0.1}, {"decay_fraction": 0.4}]),
     "regularize": (("60s",), [{"weight_decay": 0.0}, {"warmup": "0ba"}, {"warmup": "15%"}]),
     "arch": (("60s",), [{"tie_embeddings": False}, {"qk_norm": "head"}]),
 }
+
+
+# Stages whose token budgets come from the quiet machine's measured wall-clock rate (below), not
+# from each configuration's CPU-time throughput.
+QUIET_STAGES = {"optimizer"}
+# Tokens/s of the default recipe's shape (4 × 128, vocab 1,024, 2,048 tokens/step, AdamW) in the
+# real wall-clock runs on the quiet machine (BENCHMARKS.md, "The defaults against the targets",
+# 2 threads, load < 2): 604,160 tokens in 70 s on tinyshakespeare, 1,904,640 in the quickstart's
+# 3 min on the built-in corpus. A Muon point gets that × its step-time ratio to AdamW (`ab_ratio`,
+# measured interleaved in one process by bench/muon.py --record): the tokens it would have had in
+# the same wall-clock time. (Wall-clock budgets on this shared machine are not fair between runs.)
+QUIET_TOKENS_PER_S = {"shakespeare": 604_160 / 70, "python": 1_904_640 / 180}
 
 
 def knob_key(knobs: dict) -> str:
@@ -117,6 +135,18 @@ def tokens_for(knobs: dict, budget: str, table: dict) -> tuple[int, float, str]:
     return max(step, int(round(BUDGETS[budget] * tps / step)) * step), tps, source
 
 
+def quiet_tokens_for(corpus: str, knobs: dict, budget: str, table: dict) -> tuple[int, float, str]:
+    """Token budget of a `QUIET_STAGES` point: (tokens, tokens/s, source)."""
+    tps, source = QUIET_TOKENS_PER_S[corpus], "quiet machine, wall clock (AdamW)"
+    if knobs.get("optimizer") == "muon":
+        ratio = table.get(throughput_key(knobs), {}).get("ab_ratio")
+        if ratio is None:
+            raise SystemExit(f"no Muon/AdamW step-time ratio for {throughput_key(knobs)}: run bench/muon.py --record")
+        tps, source = tps * ratio, f"quiet machine (AdamW) × {ratio:.3f} (bench/muon.py)"
+    step = knobs["batch_tokens"]
+    return max(step, int(round(BUDGETS[budget] * tps / step)) * step), tps, source
+
+
 def _save_table(update) -> None:
     table = load_throughput()
     update(table)
@@ -150,9 +180,9 @@ def wait_for_quiet(log=print) -> float:
 
 
 def all_points() -> list[tuple[str, str, dict]]:
-    """(corpus, budget, knobs) of every stage."""
+    """(corpus, budget, knobs) of every stage timed by its own throughput."""
     out = []
-    for budgets, overrides in STAGES.values():
+    for budgets, overrides in (v for name, v in STAGES.items() if name not in QUIET_STAGES):
         for corpus in CORPORA:
             for budget in budgets:
                 for o in overrides:
@@ -265,20 +295,28 @@ def results() -> dict[str, dict]:
     return {r["key"]: r for r in rows}
 
 
-def is_done(key: str, tokens: int, done: dict) -> bool:
-    """Done, at a token budget within 15% of the one the current throughput table gives."""
+def is_done(key: str, tokens: int, done: dict, tolerance: float = 0.15) -> bool:
+    """Done, at a token budget within ``tolerance`` of the one the current throughput table gives
+    (15%: CPU-time rates wander with the load; 1% for `QUIET_STAGES`, whose budgets change only
+    when a measured rate or ratio does)."""
     r = done.get(key)
-    return r is not None and abs(r["tokens"] - tokens) <= 0.15 * tokens
+    return r is not None and abs(r["tokens"] - tokens) <= tolerance * tokens
 
 
 def point_key(corpus: str, budget: str, knobs: dict) -> str:
     return f"{corpus}|{budget}|{knob_key(knobs)}"
 
 
-def run_point(corpus: str, budget: str, knobs: dict, table: dict) -> dict | None:
+def budget_tokens(stage: str, corpus: str, budget: str, knobs: dict, table: dict) -> tuple[int, float, str]:
+    if stage in QUIET_STAGES:
+        return quiet_tokens_for(corpus, knobs, budget, table)
+    return tokens_for(knobs, budget, table)
+
+
+def run_point(corpus: str, budget: str, knobs: dict, table: dict, stage: str = "") -> dict | None:
     """Train one point in a one-thread subprocess; it appends its own result line (so a result
     survives this process being stopped)."""
-    tokens, tps, source = tokens_for(knobs, budget, table)
+    tokens, tps, source = budget_tokens(stage, corpus, budget, knobs, table)
     meta = {"key": point_key(corpus, budget, knobs), "corpus": corpus, "budget": budget, "knobs": knobs,
             "tokens_per_s": round(tps, 1), "throughput": source}
     proc = JOBS.run([sys.executable, __file__, "_train", corpus, json.dumps(knobs), f"{tokens}tok",
@@ -297,12 +335,29 @@ def _commit() -> str:
         return ""
 
 
+def matches(knobs: dict, where: list[str]) -> bool:
+    """``--where KEY=V1,V2``: the knob is one of the values (numbers as numbers: 8e-3 == 0.008);
+    several --where: all hold."""
+    def value(v: str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+
+    for item in where:
+        k, values = item.split("=", 1)
+        if knobs.get(k) not in [value(v) for v in values.split(",")]:
+            return False
+    return True
+
+
 def cmd_run(args) -> int:
     candidates = [(c, b, BASE[c] | o) for stage in args.stage for c in (args.corpus or CORPORA)
                   for b in (args.budget or STAGES[stage][0]) for o in STAGES[stage][1]]
     table = load_throughput()
+    quiet_only = set(args.stage) <= QUIET_STAGES
     for key, knobs in {throughput_key(k): k for _, _, k in candidates}.items():
-        if key not in table:
+        if key not in table and not quiet_only:
             measure_cpu(knobs)
     table = load_throughput()
     done = results()
@@ -313,21 +368,27 @@ def cmd_run(args) -> int:
             for budget in args.budget or budgets:
                 for o in overrides:
                     knobs = BASE[corpus] | o
+                    if not matches(knobs, args.where):
+                        continue
                     key = point_key(corpus, budget, knobs)
-                    if key not in seen and not is_done(key, tokens_for(knobs, budget, table)[0], done):
-                        points.append((corpus, budget, knobs))
+                    tokens = budget_tokens(stage, corpus, budget, knobs, table)[0]
+                    tolerance = 0.01 if stage in QUIET_STAGES else 0.15
+                    if key not in seen and not is_done(key, tokens, done, tolerance):
+                        points.append((corpus, budget, knobs, stage))
                     seen.add(key)
     print(f"{len(points)} point(s) to run, {args.jobs} at a time")
 
     def one(p):
-        rec = run_point(*p, table)
+        corpus, budget, knobs, stage = p
+        rec = run_point(corpus, budget, knobs, table, stage)
         if rec:
             print(f"  {rec['corpus']:11s} {rec['budget']:5s} bpb {rec['bpb']:.4f}  {rec['tokens']:>9,} tok "
                   f"{rec['steps']:>5} steps  {_diff(rec['corpus'], rec['knobs'])}  ({rec['train_s']:.0f}s)", flush=True)
 
     stop = threading.Event()
-    watcher = threading.Thread(target=watch_and_measure, args=(points, stop), daemon=True)
-    watcher.start()
+    if not quiet_only:
+        watcher = threading.Thread(target=watch_and_measure, args=([p[:3] for p in points], stop), daemon=True)
+        watcher.start()
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(one, points))
     stop.set()
@@ -385,6 +446,8 @@ def main() -> int:
     r.add_argument("--corpus", nargs="*", choices=CORPORA)
     r.add_argument("--budget", nargs="*", choices=list(BUDGETS))
     r.add_argument("--jobs", type=int, default=2)
+    r.add_argument("--where", action="append", default=[], metavar="KNOB=V1,V2",
+                   help="only the stage's points whose knob takes one of these values (repeatable: all must hold)")
     o = sub.add_parser("one")
     o.add_argument("--corpus", choices=CORPORA, required=True)
     o.add_argument("--budget", choices=list(BUDGETS), default="60s")

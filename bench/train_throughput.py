@@ -104,7 +104,7 @@ def main():
           f"micro-batch {args.micro_batch} × seq {args.seq}, vocab {args.vocab}")
     print(f"# device: {name}; peak per {detect_device_spec(device).description or detect_device_spec(device).name}; "
           f"torch {torch.__version__}")
-    print(f"| mode | step (s) | tokens/s | MFU | warm-up (s) | peak mem (GB) |")
+    print("| mode | step (s) | tokens/s | MFU | warm-up (s) | peak mem (GB) |")
     print("|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
         kind, precision = mode.split(":")

@@ -116,3 +116,10 @@ def test_long_context_rows_checkpoint_as_the_estimate_says():
         shape = get_preset(c["preset"]).model_copy(update={"vocab_size": c["vocab"]})
         choice = context_plan(shape, c["seq"], 1, 80e9, micro_batch=c["mb"])["choice"]
         assert (choice["context_parallel"], choice["checkpointing"]) == (1, checkpointing_mode(c["ac"]))
+
+
+def test_the_muon_overhead_config_times_both_optimizers_on_one_model():
+    rows = {r["name"]: r for r in _config("1b-muon-overhead")}
+    adamw, muon = rows["1b-muon-overhead/adamw"], rows["1b-muon-overhead/muon"]
+    assert 0 < adamw["opt_ms"] < muon["opt_ms"] and 0 < muon["opt_share"] < 1  # Newton–Schulz costs more
+    assert muon["mfu"] > 0 and "optimizer step" in muon["note"]

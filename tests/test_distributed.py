@@ -16,9 +16,7 @@ import torch
 
 from conftest import tiny_run_config
 from train_helpers import (REPO, assert_one_line_error, communicate, env, final_weights, free_port, lmforge,
-                           train_losses, write_config)
-
-from lmforge.process import descendants
+                           train_losses, worker_with_rank, write_config)
 
 
 def run(tmp_path, tiny_data, name, **overrides):
@@ -155,18 +153,6 @@ def test_two_nodes_on_one_machine_train_together(tmp_path, tiny_data, single_ref
     assert_same_losses(train_losses(single_ref), train_losses(folder), range(1, 7))
 
 
-def _worker_with_rank(pid: int, rank: int) -> int | None:
-    for d in descendants(pid):
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                envs = f.read().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in envs and b"TORCHELASTIC_RESTART_COUNT=0" in envs:
-            return d
-    return None
-
-
 @pytest.mark.e2e
 def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, single_ref):
     """SIGKILL one of two DDP workers mid-run: torchelastic (max_retries 1 → --max-restarts 1)
@@ -184,7 +170,7 @@ def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, 
     while victim is None:  # find rank 1's process first, so that the kill itself is immediate
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline
-        victim = _worker_with_rank(proc.pid, 1)
+        victim = worker_with_rank(proc.pid, 1)
     while not (folder / "checkpoints" / "step_00000003").exists() or max(train_losses(folder), default=0) < 4:
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline

@@ -1,5 +1,5 @@
 """The default recipe: budget-aware LR schedules, `model: auto`, the model options the sweep
-measures (QK-norm, ReLU², soft-capping, z-loss), Muon, and their bad input. Seconds each."""
+measures (QK-norm, ReLU², soft-capping, z-loss), and their bad input (Muon: tests/test_muon.py). Seconds each."""
 
 from __future__ import annotations
 
@@ -19,12 +19,10 @@ from lmforge.errors import UserError
 from lmforge.estimate.auto import SMALL_SHAPES, TOKENS_PER_PARAM, Budget, candidates, choose, effective_tokens
 from lmforge.estimate.flops import param_counts
 from lmforge.models import build_model
-from lmforge.resolve.schedule import Schedule
-from lmforge.train.optim import Muon, build_optimizer
-from lmforge.resolve.plan import make_plan
-from lmforge.train.machine import local_machine
 from lmforge.resolve import resolve
-from lmforge.train.machine import process_machine
+from lmforge.resolve.plan import make_plan
+from lmforge.resolve.schedule import Schedule
+from lmforge.train.machine import local_machine, process_machine
 from lmforge.train.trainer import Trainer
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -174,7 +172,7 @@ def test_resume_with_the_same_schedule_continues_exactly(tiny_data, tmp_path):
     assert b.state.lr_blend is None and run_steps(b, 1) == expected
 
 
-# ---------------------------------------------------------------------------- model options, Muon
+# ---------------------------------------------------------------------------- model options
 
 OPTIONS = [{"qk_norm": "head"}, {"tie_embeddings": True}, {"qk_norm": "head", "tie_embeddings": True}]
 
@@ -194,53 +192,6 @@ def test_model_options_train_and_count_their_parameters(opts):
     # forward and training loss agree
     ce = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), reduction="sum")
     assert ce.item() == pytest.approx(out.ce_sum.item(), rel=1e-4)
-
-
-def test_muon_steps_hidden_matrices_and_adamw_the_rest():
-    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32)
-    model = build_model(cfg)
-    opt = build_optimizer(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device_type="cpu",
-                          kind="muon")
-    muon, adamw = opt
-    assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
-    in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
-    assert id(model.blocks[0].attn.wq.weight) in in_muon and id(model.tok_embeddings.weight) not in in_muon
-    assert len(opt.param_groups) == len(muon.param_groups) + len(adamw.param_groups)
-
-
-@pytest.mark.integration
-def test_muon_matches_torch_muon_update():
-    """Ours in fp32 against torch's (bf16 iterations) with the AdamW-matched scale: same update."""
-    torch.manual_seed(0)
-    w = torch.randn(48, 32)
-    grads = [torch.randn(48, 32) for _ in range(3)]
-    ours, theirs = w.clone().requires_grad_(), w.clone().requires_grad_()
-    a = Muon([ours], lr=0.02, weight_decay=0.1)
-    b = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    for g in grads:
-        ours.grad, theirs.grad = g.clone(), g.clone()
-        a.step()
-        b.step()
-    assert torch.allclose(ours, theirs, atol=2e-3), (ours - theirs).abs().max()
-    assert not torch.allclose(ours, w, atol=1e-2)
-
-
-@pytest.mark.e2e
-def test_muon_run_checkpoints_and_resumes_bitwise(tiny_data, tmp_path):
-    a = make_trainer(tiny_data, tmp_path / "run", **{"parameters.optimizer": "muon"})
-    it = iter(a.stream)
-    for _ in range(2):
-        a.train_step([next(it) for _ in range(a.plan.grad_accum)])
-    a.save()
-    expected = a.train_step([next(it) for _ in range(a.plan.grad_accum)])
-    b = make_trainer(tiny_data, tmp_path / "run", **{"parameters.optimizer": "muon"})
-    got = b.train_step([next(iter(b.stream)) for _ in range(b.plan.grad_accum)])
-    assert got.loss == expected.loss and got.grad_norm == expected.grad_norm
-
-
-def test_muon_refuses_sharded_data_parallel(tiny_data, tmp_path):
-    with pytest.raises(UserError, match=r"^parameters\.optimizer: muon"):
-        plan_of(tiny_data, tmp_path, **{"parameters.optimizer": "muon", "compute.data_parallel": "fsdp"})
 
 
 # ---------------------------------------------------------------------------- model: auto

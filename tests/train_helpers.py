@@ -137,3 +137,18 @@ def train_killed_at(cfg_path: Path, save_folder: Path, step: int, timeout: float
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def worker_with_rank(pid: int, rank: int) -> int | None:
+    """The pid of torchrun's first-attempt worker of ``rank`` under process ``pid``, once it exists."""
+    from lmforge.process import descendants
+
+    for d in descendants(pid):
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                envs = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in envs and b"TORCHELASTIC_RESTART_COUNT=0" in envs:
+            return d
+    return None

@@ -2,11 +2,13 @@
 
 | default | rule | where it comes from |
 |---|---|---|
-| learning_rate | log-linear in non-embedding params between the anchors below | MPT/LLM Foundry recipes (125M 6e-4, 350M 3e-4, 760M 2.5e-4, 1B 2e-4, 3B 1.6e-4, 7B 1.2e-4, 13B 1e-4, 30B 1e-4, 70B 8e-5, as published by MosaicML and Meta); ≤5M 2e-3 from bench/sweep.py |
+| learning_rate | log-linear in non-embedding params between the anchors below | MPT/LLM Foundry recipes (125M 6e-4, 350M 3e-4, 760M 2.5e-4, 1B 2e-4, 3B 1.6e-4, 7B 1.2e-4, 13B 1e-4, 30B 1e-4, 70B 8e-5, as published by MosaicML and Meta); ≤5M 2e-3 from bench/sweep.py; Muon: ≤5M 4e-3 (bench/sweep.py), AdamW's from 30M |
 | global batch | tokens per step by size (≤30M: 8K; ≤200M: 0.5M; ≤2B: 1M; ≤20B: 2M; else 4M), at most run tokens / 1000 (a power of two, at least 2,048) for a run of known length, converted to samples | MPT recipes (256–512 × 2048) and Llama 2 (4M tokens); the short-run cap from quickstart runs and bench/sweep.py (BENCHMARKS.md) |
 | warmup | 5% of the run in its own unit (steps, or seconds of a wall-clock run), at most 2000 steps | common practice (torchtitan, nanoGPT use fixed ~2k for long runs) |
 | schedule | wsd: warmup, constant, linear decay to 0 over the last 20% | MiniCPM (Hu et al. 2024), Hägele et al. 2024; bench/sweep.py (beat cosine at 60 s) |
+| optimizer | auto: Muon from scratch up to 5M non-embedding params, else AdamW | bench/sweep.py's optimizer stage (BENCHMARKS.md) |
 | AdamW | β (0.9, 0.95), ε 1e-8, weight decay 0.1 on matrices only | GPT-3, Llama |
+| Muon | momentum 0.95 (Nesterov), 5 Newton–Schulz steps, update scaled 0.2·√max(A, B), AdamW's weight decay | Jordan et al. 2024; Liu et al. 2025 |
 | grad clip | 1.0 | GPT-3, Llama |
 | precision | bf16 autocast if the device runs bf16 matmuls fast (CUDA with bf16; CPUs with AMX), else fp32 | |
 | tokens | compute-optimal ≈ 20 × params (shown by `--dry-run` / `estimate`) | Chinchilla (Hoffmann et al. 2022) |
@@ -19,6 +21,17 @@ import math
 # (non-embedding params, peak LR)
 LR_ANCHORS = [(5e6, 2e-3), (30e6, 1e-3), (125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4),
               (3e9, 1.6e-4), (7e9, 1.2e-4), (13e9, 1e-4), (30e9, 1e-4), (70e9, 8e-5)]
+# The optimizer (`parameters.optimizer: auto`): Muon where bench/sweep.py's optimizer stage measured
+# it to win — training from scratch, models up to MUON_MAX_PARAMS non-embedding parameters (the
+# sweep's ~0.8M-parameter shape, which `model: auto` picks on CPUs: tinyshakespeare 70 s and 5 min,
+# the built-in corpus 3 min, each optimizer at its own tuned LR and at the tokens it gets in the
+# budget; BENCHMARKS.md). Above that, and for fine-tuning weights trained with AdamW, AdamW until
+# measured.
+MUON_MAX_PARAMS = 5e6
+# Muon's peak LR: at the small end the sweep's choice over its three budgets (2× AdamW's there: the
+# best at 3 min, within 0.03 bits per byte of the best, 8e-3, at the others); AdamW's anchors from
+# 30M up, which Moonshot's RMS-matched update is made to reuse (Liu et al. 2025); log-linear between.
+MUON_LR_ANCHORS = [(5e6, 4e-3)] + LR_ANCHORS[1:]
 # (upper bound of non-embedding params, tokens per optimizer step)
 BATCH_TOKENS = [(30e6, 8192), (200e6, 524288), (2e9, 1048576), (20e9, 2097152), (math.inf, 4194304)]
 
@@ -33,22 +46,31 @@ TASK_LR_FACTOR = {"instruction_finetune": 0.1, "chat_completion": 0.1, "preferen
 LORA_LR_MULTIPLIER = 10
 
 
-def task_learning_rate(non_embedding_params: float, task_type: str, lora: bool) -> float:
-    """The default peak LR of a run of this task (see TASK_LR_FACTOR)."""
-    lr = default_learning_rate(non_embedding_params)
+def task_learning_rate(non_embedding_params: float, task_type: str, lora: bool, optimizer: str = "adamw") -> float:
+    """The default peak LR of a run of this task (see TASK_LR_FACTOR) with this optimizer."""
+    lr = default_learning_rate(non_embedding_params, optimizer)
     factor = TASK_LR_FACTOR.get(task_type)
     if factor is None:  # pretraining and continued pretraining
         return lr
     return float(f"{lr * min(1.0, factor * (LORA_LR_MULTIPLIER if lora else 1)):.3g}")
 
 
-def default_learning_rate(non_embedding_params: float) -> float:
+def run_optimizer(optimizer: str, non_embedding_params: float, from_scratch: bool) -> str:
+    """``parameters.optimizer`` made concrete: ``auto`` is muon for a model trained from scratch
+    (no ``custom_weights_path``) with at most MUON_MAX_PARAMS non-embedding parameters, else adamw."""
+    if optimizer != "auto":
+        return optimizer
+    return "muon" if from_scratch and non_embedding_params <= MUON_MAX_PARAMS else "adamw"
+
+
+def default_learning_rate(non_embedding_params: float, optimizer: str = "adamw") -> float:
+    anchors = MUON_LR_ANCHORS if optimizer == "muon" else LR_ANCHORS
     x = math.log(max(non_embedding_params, 1.0))
-    pts = [(math.log(n), math.log(lr)) for n, lr in LR_ANCHORS]
+    pts = [(math.log(n), math.log(lr)) for n, lr in anchors]
     if x <= pts[0][0]:
-        return LR_ANCHORS[0][1]
+        return anchors[0][1]
     if x >= pts[-1][0]:
-        return LR_ANCHORS[-1][1]
+        return anchors[-1][1]
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
         if x0 <= x <= x1:
             return float(f"{math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0)):.3g}")

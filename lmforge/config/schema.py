@@ -185,9 +185,15 @@ class Parameters(_Strict):
         "cosine, linear, constant")
     decay_fraction: float = Field(0.2, gt=0, lt=1, description="wsd: share of the run spent decaying the LR")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final LR as a fraction of the peak (wsd/cosine/linear)")
-    optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="adamw, or muon for the blocks' matrices (AdamW for embeddings, head, norms)")
+    optimizer: Literal["auto", "adamw", "muon"] = Field(
+        "auto", description="adamw, or muon for the blocks' weight matrices (each expert's separately; AdamW "
+        "for embeddings, head, norms, biases, MoE routers; update RMS matched to AdamW's: 0.2·√max(rows, cols), "
+        "Liu et al. 2025); auto: muon for a model trained from scratch with ≤5M non-embedding parameters "
+        "(where the sweep measured it to win), else adamw")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (matrices only)")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: Nesterov momentum of the matrices' updates")
+    muon_weight_decay: float | None = Field(
+        None, ge=0, description="muon: decoupled weight decay of the Muon matrices; default: weight_decay")
     # [/recipe]
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
@@ -531,6 +537,9 @@ class RunConfig(_Strict):
         if dense_only and self.model.is_moe:
             raise ValueError(f"lora.targets: {dense_only[0]} matches no module of this model (mixture-of-experts "
                              "layers have no dense MLP projections; target q_proj, k_proj, v_proj, o_proj)")
+        if self.lora is not None and self.parameters.optimizer == "muon":
+            raise ValueError("parameters.optimizer: muon trains whole weight matrices, and with lora they are frozen "
+                             "(the adapters are low-rank factors Muon is not defined for); use optimizer: adamw")
         if self.lora is not None and isinstance(self.tokenizer, TokenizerSpec) and self.tokenizer.extend:
             raise ValueError("lora: cannot be combined with tokenizer.extend (new embedding rows must be trained)")
         if self.preference != PreferenceOptions() and self.task_type != "preference":

@@ -298,6 +298,10 @@ class GroupedExperts(nn.Module):
     computes the rank's own E/N experts; it never communicates.
     """
 
+    # Parameters holding several matrices side by side in their last dimension (w13: gate | up).
+    # Optimizers that treat each matrix as a whole (Muon) split them there.
+    FUSED_COLUMNS = {"w13": 2}
+
     def __init__(self, n_experts: int, d_model: int, hidden: int):
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))

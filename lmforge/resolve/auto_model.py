@@ -21,6 +21,7 @@ from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_c
 from lmforge.estimate.hardware import mfu_basis, peak_flops
 from lmforge.layout import RUN_FILE
 from lmforge.resolve.machine import Machine
+from lmforge.resolve.plan import plan_optimizer
 
 
 def resolve_auto(cfg: RunConfig, machine: Machine, log=print) -> RunConfig:
@@ -148,7 +149,8 @@ def _auto_model(cfg: RunConfig, machine: Machine, log) -> RunConfig:
     unique = data_tokens
     if unique is None and data_bytes:
         unique = data_bytes / estimated_bytes_per_token(vocab or cands[0].model.vocab_size)
-    measure = _throughput_fn(machine, precision, p.optimizer, log)
+    measure = _throughput_fn(machine, precision, log,  # each candidate timed with the optimizer it would get
+                             lambda m: plan_optimizer(cfg, m))
     best, reason = choose(budget, cands, unique_tokens=unique, tokens_per_s=measure,
                           flops_per_s_guess=_flops_guess(machine, precision))
     log(reason)
@@ -176,10 +178,11 @@ def _flops_guess(machine: Machine, precision: str) -> float:
     return 0.4 * peak_flops(machine.spec, mfu_basis(precision))
 
 
-def _throughput_fn(machine: Machine, precision: str, optimizer: str, log):
+def _throughput_fn(machine: Machine, precision: str, log, optimizer_of):
     def tokens_per_s(c: Candidate) -> float:
         micro = micro_batch_for(max(1, c.batch_tokens // c.context_length), 8 if machine.device == "cpu" else 64)
         m = c.model
+        optimizer = optimizer_of(m)
         hit = machine.probe.tokens_per_s(m, c.context_length, micro, precision=precision, optimizer=optimizer,
                                          measure=False)
         if hit:

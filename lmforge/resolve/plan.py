@@ -12,8 +12,9 @@ import math
 from dataclasses import dataclass
 
 from lmforge.config.defaults import (MAX_WARMUP_STEPS, WARMUP_FRACTION, auto_precision, default_batch_tokens,
-                                     micro_batch_for, task_learning_rate)
+                                     micro_batch_for, run_optimizer, task_learning_rate)
 from lmforge.config.durations import Duration, parse_duration
+from lmforge.config.model import ModelConfig
 from lmforge.config.schema import FINETUNE_TASKS, RunConfig, phase_end
 from lmforge.data.pieces import training_context
 from lmforge.errors import UserError
@@ -49,6 +50,7 @@ class TrainPlan:
     model_flops_per_token: float = 0.0  # the dense term alone: 6·N_active (LoRA: 4·N_active + 6·N_adapters)
     activation_checkpointing: bool | str | int = False  # the mode `parallelize` applies (`auto` resolved)
     micro_batch_reason: str | None = None  # the line saying how micro-batch and checkpointing were chosen
+    optimizer: str = "adamw"  # "adamw" | "muon": parameters.optimizer with auto resolved
 
     @property
     def tokens_per_step(self) -> int:
@@ -155,6 +157,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     p = cfg.parameters
     world = replicas(cfg, machine)
     counts = param_counts(cfg.model)
+    optimizer = plan_optimizer(cfg)
     ctx = training_context(p.context_length, cfg.model.max_seq_len, data_seq_len)
     check_context(ctx, data_seq_len)
     check_context_parallel(cfg.compute.context_parallel, ctx, cfg.model, device_type=machine.device,
@@ -172,9 +175,6 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
 
     total = steps(cfg.training_duration, "training_duration")
     time_limit = cfg.training_duration.value if cfg.training_duration.unit == "s" else None
-    if p.optimizer == "muon" and cfg.compute.data_parallel in ("fsdp", "hsdp"):
-        raise UserError("parameters.optimizer: muon needs whole matrices; use compute.data_parallel ddp or none "
-                        "(not fsdp/hsdp)")
     step_s, fastest_s = step_seconds(cfg, ctx, gbs, micro, machine, precision)
     if time_limit is not None and fastest_s >= time_limit:
         raise UserError(f"training_duration: {cfg.training_duration} is shorter than one optimizer step of this model "
@@ -185,7 +185,9 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     return TrainPlan(
         context_length=ctx, global_batch=gbs, micro_batch=micro, grad_accum=gbs // (micro * world),
         world_size=world, total_steps=total, time_limit_s=time_limit, warmup_steps=warmup,
-        learning_rate=p.learning_rate or task_learning_rate(counts["non_embedding"], cfg.task_type, cfg.lora is not None),
+        learning_rate=p.learning_rate or task_learning_rate(counts["non_embedding"], cfg.task_type, cfg.lora is not None,
+                                                            optimizer),
+        optimizer=optimizer,
         eval_interval=_interval(cfg.eval.interval, "eval.interval", max(1, nominal // 10), steps),
         save_interval=_interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)), steps),
         icl_interval=_interval(cfg.eval.icl_interval, "eval.icl_interval", 0, steps) or None,
@@ -259,6 +261,14 @@ def _tokens_per_s(cfg: RunConfig, ctx: int, machine: Machine, precision: str) ->
     return micro * ctx * machine.world_size / step_s
 
 
+def plan_optimizer(cfg: RunConfig, model: ModelConfig | None = None) -> str:
+    """``parameters.optimizer`` with ``auto`` resolved for ``model`` (default: the run's) by
+    `config.defaults.run_optimizer`: Muon's evidence is for pretraining from scratch, so weights to
+    continue from, LoRA and the fine-tuning tasks keep AdamW."""
+    from_scratch = not cfg.custom_weights_path and cfg.lora is None and cfg.task_type not in FINETUNE_TASKS
+    return run_optimizer(cfg.parameters.optimizer, param_counts(model or cfg.model)["non_embedding"], from_scratch)
+
+
 def step_seconds(cfg: RunConfig, ctx: int, gbs: int, micro: int, machine: Machine,
                  precision: str) -> tuple[float, float]:
     """(expected, fastest possible) seconds per optimizer step. Expected: this machine's cached
@@ -268,7 +278,7 @@ def step_seconds(cfg: RunConfig, ctx: int, gbs: int, micro: int, machine: Machin
     measured = None
     if cfg.model.vocab_size:
         measured = machine.probe.tokens_per_s(cfg.model, ctx, micro, precision=precision,
-                                              optimizer=cfg.parameters.optimizer, measure=False)
+                                              optimizer=plan_optimizer(cfg), measure=False)
     if measured:
         return tokens / measured, tokens / measured
     peak = peak_flops(machine.spec, mfu_basis(precision))
@@ -330,7 +340,8 @@ def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
     data["parameters"].update(
         learning_rate=plan.learning_rate, context_length=plan.context_length,
         global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
-        warmup=_warmup_text(plan.schedule), precision=plan.precision)
+        warmup=_warmup_text(plan.schedule), precision=plan.precision,
+        optimizer=plan.optimizer)
     data["eval"]["interval"] = f"{plan.eval_interval}ba"
     if plan.icl_interval:
         data["eval"]["icl_interval"] = f"{plan.icl_interval}ba"

@@ -108,6 +108,7 @@ def _rate_fn(cfg: LadderConfig, context: int, threads: int, log):
     import torch
 
     from lmforge.config.defaults import auto_precision
+    from lmforge.resolve.plan import plan_optimizer
     from lmforge.train.machine import bf16_supported
     from lmforge.train.throughput import measure_tokens_per_s
 
@@ -122,7 +123,7 @@ def _rate_fn(cfg: LadderConfig, context: int, threads: int, log):
         try:
             # The mean of 8 steps: on a shared machine a few steps catch a quiet moment or a busy one.
             tps = measure_tokens_per_s(m, context, EVAL_MICRO_BATCH, precision=precision,
-                                       optimizer=base.parameters.optimizer, device=device, steps=8, typical=True)
+                                       optimizer=plan_optimizer(base, m), device=device, steps=8, typical=True)
         finally:
             torch.set_num_threads(before)
         log(f"scaling: {m.n_layers}x{m.d_model} ({human(params_of(m))} params) trains at {human(tps)} tokens/s "

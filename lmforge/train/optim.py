@@ -1,12 +1,18 @@
-"""The optimizer (AdamW, or Muon for the hidden matrices) and the learning rate a resumed run
-blends in with (the schedule itself is `resolve.schedule`).
+"""The optimizer (AdamW, or Muon for the hidden matrices: `train.muon`) and the learning rate a
+resumed run blends in with (the schedule itself is `resolve.schedule`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from lmforge.config.schema import Parameters
+from lmforge.models.lora import LoRALinear
+from lmforge.models.moe import GroupedExperts, MoE
 from lmforge.resolve.schedule import Schedule
+from lmforge.train.muon import Muon
+
+_DEFAULTS = Parameters.model_fields  # the config is where defaults live
 
 
 class Optimizers(list):
@@ -37,76 +43,55 @@ def _adamw(groups: list[dict], *, lr: float, betas, eps: float, device_type: str
         return torch.optim.AdamW(groups, foreach=device_type == "cuda", **kwargs)
 
 
-class Muon(torch.optim.Optimizer):
-    """Muon for 2-D matrices: SGD momentum (Nesterov), each update orthogonalized by five
-    Newton–Schulz iterations, scaled by 0.2·√max(rows, cols) so its RMS matches AdamW's and the
-    same LR and decoupled weight decay serve both (Jordan et al. 2024; Liu et al. 2025,
-    "Muon is scalable for LLM training").
+def muon_matrices(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, int]]:
+    """The parameters Muon trains, each with the number of matrices side by side in its last
+    dimension (see `train.muon`): every trainable ≥2-D weight of the transformer blocks —
+    attention and MLP projections, and each MoE expert's matrices (gate and up separately).
 
-    The same update as `torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`, except that the
-    iterations run in bf16 only where bf16 matmuls are native (GPUs): torch's version always
-    casts to bf16, which on a CPU without bf16 units is ~5× slower than the whole training step.
-    """
-
-    NS = (3.4445, -4.7750, 2.0315)  # quintic coefficients of Jordan et al.
-
-    def __init__(self, params, lr: float, weight_decay: float = 0.0, momentum: float = 0.95, ns_steps: int = 5):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps))
-
-    @staticmethod
-    def orthogonalize(g: torch.Tensor, steps: int) -> torch.Tensor:
-        a, b, c = Muon.NS
-        x = g.bfloat16() if g.is_cuda else g.float()
-        tall = x.size(0) > x.size(1)
-        if tall:
-            x = x.T
-        x = x / x.norm().clamp(min=1e-7)
-        for _ in range(steps):
-            gram = x @ x.T
-            x = a * x + (b * gram + c * gram @ gram) @ x
-        return (x.T if tall else x).to(g.dtype)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].get("momentum_buffer")
-                if buf is None:
-                    buf = self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-                buf.lerp_(p.grad, 1 - mom)
-                update = self.orthogonalize(p.grad.lerp(buf, mom), group["ns_steps"])
-                p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
+    On AdamW instead, as in the public recipes (Jordan et al.; Moonlight; torchtitan): embeddings,
+    the output head, norms and biases (not hidden matrices), the MoE router (a softmax classifier
+    over the experts: the same role as the head) and LoRA adapters (low-rank factors, not weight
+    matrices; `RunConfig` refuses muon with lora, since Muon would then train nothing)."""
+    skip = set()
+    for module in model.modules():
+        if isinstance(module, MoE):
+            skip.update(id(p) for p in module.router.parameters())
+        elif isinstance(module, LoRALinear):
+            skip.update((id(module.lora_A), id(module.lora_B)))
+    out = []
+    for block in model.blocks:
+        for module in block.modules():
+            fused = module.FUSED_COLUMNS if isinstance(module, GroupedExperts) else {}
+            for name, p in module.named_parameters(recurse=False):
+                if p.requires_grad and p.dim() >= 2 and id(p) not in skip:
+                    out.append((p, fused.get(name, 1)))
+    return out
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                    eps: float, device_type: str, kind: str = "adamw") -> Optimizers:
+                    eps: float, device_type: str, kind: str = "adamw",
+                    muon_momentum: float = _DEFAULTS["muon_momentum"].default, muon_weight_decay: float | None = None,
+                    ns_dtype: torch.dtype = torch.float32) -> Optimizers:
     """AdamW: decay 2-D+ weights (matmuls, embeddings), never norms or other vectors.
 
-    ``muon``: the transformer blocks' matrices go to `Muon` (orthogonalized momentum, as in
-    modded-nanogpt) with the AdamW-matched scale, so one peak LR and weight decay serve both;
-    embeddings, the output head and every vector stay on AdamW.
+    ``muon``: `muon_matrices` go to `Muon` (its own momentum and weight decay — by default the
+    AdamW one —, Newton–Schulz in ``ns_dtype``) at the same peak LR, which Moonshot's RMS-matching
+    scale makes right for both; the rest stays on AdamW.
     """
-    hidden = set()
-    if kind == "muon":
-        blocks = getattr(model, "blocks", None) or []
-        hidden = {id(p) for p in blocks.parameters() if p.requires_grad and p.dim() == 2}
-    decay, no_decay, muon = [], [], []
+    muon = muon_matrices(model) if kind == "muon" else []
+    in_muon = {id(p) for p, _ in muon}
+    decay, no_decay = [], []
     for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if id(p) in hidden:
-            muon.append(p)
-        else:
+        if p.requires_grad and id(p) not in in_muon:
             (decay if p.dim() >= 2 else no_decay).append(p)
     adamw = _adamw([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                    lr=lr, betas=betas, eps=eps, device_type=device_type)
     if not muon:
         return Optimizers([adamw])
-    return Optimizers([Muon(muon, lr=lr, weight_decay=weight_decay), adamw])
+    groups = [{"params": [p for p, k in muon if k == blocks], "column_blocks": blocks}
+              for blocks in sorted({k for _, k in muon})]
+    wd = weight_decay if muon_weight_decay is None else muon_weight_decay
+    return Optimizers([Muon(groups, lr=lr, weight_decay=wd, momentum=muon_momentum, ns_dtype=ns_dtype), adamw])
 
 
 def blended_lr(lr: float, blend: dict | None, schedule: Schedule, step: int, elapsed_s: float,

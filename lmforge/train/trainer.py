@@ -185,9 +185,12 @@ class Trainer:
         self.sequence_group = self.model.sequence_group  # context parallelism: the ranks a row is split over
         self.objective = objective_for(self.data, self.cfg, self.model)  # by the data's kind: next token, pairs
         p = self.cfg.parameters
+        # Muon's Newton–Schulz iterations run in the run's matmul dtype (bf16 on GPUs, fp32 on most CPUs).
+        ns_dtype = torch.bfloat16 if self.plan.precision in ("bf16", "fp8") else torch.float32
         self.optimizer = build_optimizer(self.model, lr=self.plan.learning_rate, weight_decay=p.weight_decay,
                                          betas=tuple(p.betas), eps=p.eps, device_type=self.device.type,
-                                         kind=p.optimizer)
+                                         kind=self.plan.optimizer, muon_momentum=p.muon_momentum,
+                                         muon_weight_decay=p.muon_weight_decay, ns_dtype=ns_dtype)
         self._schedule_signature = self.plan.schedule.signature(self.plan.learning_rate)
         replica, replicas = data_parallel_replica(dist.rank, dist.world_size, self.cfg.compute.context_parallel)  # a row's ranks read the same rows
         self.layout = StreamLayout(
@@ -609,7 +612,7 @@ class Trainer:
         self.log(f"  batch {plan.global_batch} × {plan.context_length} tokens = micro-batch {plan.micro_batch} × "
                  f"{plan.grad_accum} accumulation × {ranks}; lr {plan.learning_rate:.3g}, "
                  f"warmup {_span(plan.schedule.warmup, plan.schedule.warmup_unit)}, {_schedule_text(plan.schedule)}; "
-                 f"{cfg.parameters.optimizer}; {plan.precision} on {self.device}")
+                 f"{plan.optimizer}; {plan.precision} on {self.device}")
         self.log(f"  checkpoints and metrics: {cfg.save_folder}")
 
 
