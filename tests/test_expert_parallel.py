@@ -6,13 +6,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from contextlib import contextmanager
 
 import pytest
-import torch
 
 from conftest import REPO, tiny_run_config
-from train_helpers import assert_one_line_error, env, lmforge, metrics, train_losses, write_config
+from train_helpers import assert_one_line_error, env, lmforge, metrics, train_here, train_losses, write_config
 
 MOE = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64,
        "n_experts": 4, "top_k": 2, "expansion_ratio": 1.0}
@@ -20,27 +18,6 @@ MOE = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len
 COMMON = {"model": MOE, "training_duration": "6ba", "save_interval": "3ba", "eval.interval": "100ba",
           "eval.max_new_tokens": 4, "parameters.micro_batch_size": 2}
 EP2 = {"compute.ranks": 2, "compute.data_parallel": "fsdp", "compute.expert_parallel": 2}
-
-
-@contextmanager
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks (OMP_NUM_THREADS=1): the same float reductions
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def train_here(cfg: dict) -> list[str]:
-    """`lmforge train`'s training job, in this process (one rank); returns its log lines."""
-    from lmforge.config.load import load_config
-    from lmforge.runs.job import run_job
-
-    lines: list[str] = []
-    with one_thread():
-        run_job(load_config(data=cfg), log=lines.append)
-    return lines
 
 
 def assert_same_losses(expected: dict, got: dict, steps) -> None:

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from lmforge.models import build_model
 from lmforge.models.lora import apply_lora
 from lmforge.train.muon import Muon, orthogonalize
 from lmforge.train.optim import build_optimizer
-from train_helpers import (REPO, assert_one_line_error, cli, communicate, env, metrics, train_losses,
+from train_helpers import (REPO, assert_one_line_error, cli, communicate, env, metrics, train_here, train_losses,
                            worker_with_rank, write_config)
 
 DENSE = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32)
@@ -161,26 +160,6 @@ def test_every_sharded_layout_orthogonalizes_whole_matrices():
                           cwd=REPO, timeout=300)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "muon: 3 sharded layouts × (spread, gathered) equal the whole model bitwise" in proc.stdout
-
-
-@contextmanager
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks (OMP_NUM_THREADS=1): the same float reductions
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def train_here(cfg: dict) -> list[str]:
-    from lmforge.config.load import load_config
-    from lmforge.runs.job import run_job
-
-    lines: list[str] = []
-    with one_thread():
-        run_job(load_config(data=cfg), log=lines.append)
-    return lines
 
 
 def losses_by_attempt(folder) -> dict[int, list[float]]:

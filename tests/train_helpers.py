@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -152,3 +153,26 @@ def worker_with_rank(pid: int, rank: int) -> int | None:
         if f"RANK={rank}".encode() in envs and b"TORCHELASTIC_RESTART_COUNT=0" in envs:
             return d
     return None
+
+
+@contextmanager
+def one_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks (OMP_NUM_THREADS=1): the same float reductions
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_here(cfg: dict) -> list[str]:
+    """`lmforge train`'s training job, in this process (one rank); returns its log lines."""
+    from lmforge.config.load import load_config
+    from lmforge.runs.job import run_job
+
+    lines: list[str] = []
+    with one_thread():
+        run_job(load_config(data=cfg), log=lines.append)
+    return lines
