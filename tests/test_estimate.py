@@ -319,6 +319,37 @@ def test_cli_yaml_model(tmp_path):
     _assert_one_line_error(_cli("--model", "missing.yaml", cwd=tmp_path), "missing.yaml")
 
 
+@pytest.mark.e2e
+def test_cli_run_yaml_is_planned_as_train_resolves_it(tiny_data, tmp_path):
+    """A run config (it has train_data) is resolved as `lmforge train` resolves it: on this CPU the
+    estimate is the one `train --dry-run` prints; on a GPU type its tokens, context and
+    data-parallel mode come from the run, and the flags given override them."""
+    from conftest import tiny_run_config
+
+    cfg = tiny_run_config(tiny_data, tmp_path / "run", training_duration="6ba",
+                          compute={"data_parallel": "ddp"}, **{"parameters.global_batch_size": 64})
+    (tmp_path / "run.yaml").write_text(json.dumps(cfg))
+    dry = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", "run.yaml", "--dry-run", "--json"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    here = _cli("--model", "run.yaml", "--gpu-type", "cpu", "--json", cwd=tmp_path)
+    assert here.returncode == 0, here.stderr
+    assert json.loads(here.stdout) == json.loads(dry.stdout[dry.stdout.index("{"):])["plan"]
+
+    gpus = _cli("--model", "run.yaml", "--gpus", "8", "--json", cwd=tmp_path)
+    assert gpus.returncode == 0, gpus.stderr
+    plan = json.loads(gpus.stdout)
+    assert plan["tokens"]["tokens"] == 6 * 64 * 64  # 6 steps × 64 samples × context 64: the run's own
+    assert plan["memory"]["seq_len"] == 64 and plan["memory"]["data_parallel"] == "ddp"
+    assert plan["cluster"]["gpus"] == 8
+    given = json.loads(_cli("--model", "run.yaml", "--gpus", "8", "--tokens", "1M", "--data-parallel", "fsdp",
+                            "--json", cwd=tmp_path).stdout)
+    assert given["tokens"]["tokens"] == 1e6 and given["memory"]["data_parallel"] == "fsdp"
+    cfg["parameters"]["learning_rate"] = -1
+    (tmp_path / "bad.yaml").write_text(json.dumps(cfg))
+    _assert_one_line_error(_cli("--model", "bad.yaml", cwd=tmp_path), "parameters.learning_rate")
+
+
 @pytest.mark.integration
 def test_cli_bad_input():
     _assert_one_line_error(_cli("--params", "7B", "--gpu-type", "v100"), "a100-40g, a100-80g")

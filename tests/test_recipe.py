@@ -312,3 +312,20 @@ def test_auto_with_an_epoch_budget_on_raw_data_exits_2_naming_the_key(tiny_data,
     out = lmforge("train", "-f", "auto.yaml", "--dry-run", home=tmp_path / "home", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.startswith("error: training_duration: model: auto needs a budget")
     assert out.stderr.strip().count("\n") == 0
+
+
+def test_auto_sizes_a_wall_clock_budget_for_every_gpu(tiny_data, tmp_path):
+    """A wall-clock budget on 8 GPUs buys 8 GPUs' tokens: `model: auto` picks a bigger shape than
+    on one (its rate is one device's; the line says how many it counted)."""
+    from lmforge.resolve.machine import nominal_machine
+    from lmforge.resolve.request import RunRequest
+
+    chosen, lines = {}, []
+    for gpus in (1, 8):
+        raw = tiny_run_config(tiny_data, tmp_path / "run", model="auto", training_duration="10min")
+        raw["parameters"] = {"precision": "bf16"}
+        run = resolve(RunRequest.from_mapping("train", raw), nominal_machine("h100-sxm", gpus), until="plan",
+                      log=lines.append)
+        chosen[gpus] = run.plan.params["total"]
+    assert chosen[8] > chosen[1]
+    assert "× 8 GPUs" in lines[-1] and "× 8 GPUs" not in lines[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -48,6 +50,49 @@ def _load_model(value: str):
     params = doc.get("parameters")
     seq = params.get("context_length") if isinstance(params, dict) else None
     return cfg, (int(seq) if isinstance(seq, int) else None)
+
+
+def _run_yaml(value: str) -> dict | None:
+    """The mapping of ``value`` when it names a run config (a YAML with ``train_data``): `estimate`
+    then plans that run as `lmforge train` resolves it. None for a preset or a model-only YAML."""
+    if value in PRESETS or not value.endswith((".yaml", ".yml")) or not Path(value).is_file():
+        return None
+    doc = load_yaml_text(read_text_file(value, "--model"), value)
+    return doc if isinstance(doc, dict) and "train_data" in doc else None
+
+
+def _resolved_inputs(doc: dict, source: str, args) -> EstimateInputs:
+    """A run config resolved (`resolve`, up to the plan) for the cluster the flags name, measuring
+    nothing: its model, tokens, context, batch, precision and data-parallel mode; the flags given
+    override them."""
+    from lmforge.resolve import resolve
+    from lmforge.resolve.machine import nominal_machine
+    from lmforge.resolve.plan import estimate_inputs
+    from lmforge.resolve.request import RunRequest
+
+    cpu = args.gpu_type == "cpu"
+    if cpu:  # this machine, measured as `train --dry-run` measures it (model: auto times its candidates)
+        import torch
+
+        from lmforge.train.machine import local_machine
+
+        machine = local_machine(torch.device("cpu"))
+    else:
+        machine = nominal_machine(args.gpu_type, args.gpus * args.nodes)
+    log = (lambda line: print(line, file=sys.stderr)) if args.json else print  # --json: stdout is the JSON alone
+    run = resolve(RunRequest.from_mapping("train", doc, source), machine, until="plan", log=log)
+    given = {"tokens": parse_count(args.tokens, "--tokens") if args.tokens is not None else None}
+    if args.tokens is None and not args.chinchilla:
+        given.pop("tokens")  # the run's own
+    flags = {"seq_len": args.seq_len, "price": args.price_per_gpu_hour, "precision": args.precision,
+             "micro_batch": args.micro_batch, "data_parallel": args.data_parallel,
+             "vocab_size": args.vocab_size, "expert_parallel": args.expert_parallel,
+             "context_parallel": args.context_parallel}
+    given |= {k: v for k, v in flags.items() if v is not None}
+    if args.seq_len is not None or args.micro_batch is not None:
+        given |= {"grad_accum": 1}  # the run's accumulation was for its own micro-batch and context
+    return replace(estimate_inputs(run.config, run.plan, machine), gpus=1 if cpu else args.gpus,
+                   nodes=1 if cpu else args.nodes, mfu=args.mfu, **given)
 
 
 def _micro_batch(text: str):
@@ -134,6 +179,9 @@ def run(args) -> int:
                         "(and without --tokens)")
     seq_len = args.seq_len
     tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
+    run_doc = _run_yaml(args.model) if args.model is not None else None
+    if run_doc is not None:
+        return _print_plan(_resolved_inputs(run_doc, args.model, args), args)
     if args.model == "auto":
         model, tokens, seq_len = _auto(args, tokens)
     elif args.model is not None:
@@ -141,7 +189,7 @@ def run(args) -> int:
         seq_len = seq_len or yaml_seq
     else:
         model = parse_count(args.params, "--params")
-    plan = estimate_run(EstimateInputs(
+    inputs = EstimateInputs(
         model,
         tokens=tokens,
         gpus=args.gpus,
@@ -154,10 +202,15 @@ def run(args) -> int:
         vocab_size=args.vocab_size,
         precision=_precision(args),
         micro_batch=args.micro_batch,
-        expert_parallel=args.expert_parallel,
-        context_parallel=args.context_parallel,
-        data_parallel=args.data_parallel,
-    ))
+        expert_parallel=args.expert_parallel or 1,
+        context_parallel=args.context_parallel or 1,
+        data_parallel=args.data_parallel or "fsdp",
+    )
+    return _print_plan(inputs, args)
+
+
+def _print_plan(inputs: EstimateInputs, args) -> int:
+    plan = estimate_run(inputs)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan), end="\n" if args.json else "")
     check_fits(plan)
     return 0
@@ -172,11 +225,14 @@ def register(subparsers) -> None:
         "degree and activation checkpointing the context length needs, and for MoE models the expert traffic "
         "per GPU with and without expert parallelism.",
     )
-    p.add_argument("--model", metavar="PRESET_OR_YAML", help="preset name, a run YAML (its model: key), or auto "
+    p.add_argument("--model", metavar="PRESET_OR_YAML", help="preset name; a run YAML with train_data (the run "
+                   "planned as `lmforge train` resolves it, on the cluster named here: its model, tokens, context, "
+                   "batch and data-parallel mode, which the flags given override); a YAML's model: key; or auto "
                    "(the shape for the budget given by --tokens, --flops or --time)")
     p.add_argument("--params", metavar="COUNT", help="nominal parameter count instead of a shape, e.g. 7B")
     p.add_argument("--active-params", metavar="COUNT", help="nominal active parameters (MoE), with --params")
-    p.add_argument("--tokens", metavar="COUNT", help="training tokens, e.g. 200B; unset = Chinchilla, 20 × params")
+    p.add_argument("--tokens", metavar="COUNT", help="training tokens, e.g. 200B; unset = a run YAML's "
+                   "training_duration, else Chinchilla, 20 × params")
     p.add_argument("--flops", metavar="COUNT", help="--model auto: a budget of training FLOPs, e.g. 1e18")
     p.add_argument("--time", metavar="DURATION", help="--model auto: a wall-clock budget, e.g. 70s or 5min "
                    "(--gpu-type cpu: timed on this machine)")
@@ -194,13 +250,13 @@ def register(subparsers) -> None:
     p.add_argument("--micro-batch", type=_micro_batch, default=None, metavar="N|auto",
                    help="micro-batch per GPU; unset = the largest power of two that fits; auto = the micro-batch "
                    "and activation-checkpointing mode `micro_batch_size: auto` chooses for speed (modelled)")
-    p.add_argument("--data-parallel", default="fsdp", choices=["fsdp", "hsdp", "ddp"],
+    p.add_argument("--data-parallel", default=None, choices=["fsdp", "hsdp", "ddp"],
                    help="how the GPUs share the model, which the memory verdict is for: fsdp shards the model "
                    "states over every GPU, hsdp over a node's, ddp keeps them whole on each (what `lmforge "
-                   "train` uses unless compute.data_parallel says otherwise; `train --dry-run` follows the run)")
-    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   "train` uses unless compute.data_parallel says otherwise); unset = a run YAML's own, else fsdp")
+    p.add_argument("--expert-parallel", type=int, default=None, metavar="N",
                    help="MoE: GPUs each layer's experts are split over (memory and all-to-all traffic)")
-    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+    p.add_argument("--context-parallel", type=int, default=None, metavar="N",
                    help="GPUs each row's tokens are split over (activation memory); the `long context` line says "
                    "which degree and checkpointing mode --seq-len needs")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

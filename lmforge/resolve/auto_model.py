@@ -151,8 +151,11 @@ def _auto_model(cfg: RunConfig, machine: Machine, log) -> RunConfig:
         unique = data_bytes / estimated_bytes_per_token(vocab or cands[0].model.vocab_size)
     measure = _throughput_fn(machine, precision, log,  # each candidate timed with the optimizer it would get
                              lambda m: plan_optimizer(cfg, m))
+    note = "measured here" if machine.probe.measures else f"40% of the peak of {machine.spec.name}"
+    if _devices(machine) > 1:
+        note += f", × {_devices(machine)} GPUs"
     best, reason = choose(budget, cands, unique_tokens=unique, tokens_per_s=measure,
-                          flops_per_s_guess=_flops_guess(machine, precision))
+                          flops_per_s_guess=_flops_guess(machine, precision), rate_note=note)
     log(reason)
     out = cfg.model_copy(update={"model": best.model})
     if p.context_length is None:
@@ -175,7 +178,13 @@ def _budget_tokens(budget: Budget, m: ModelConfig, ctx: int, machine: Machine, p
 
 def _flops_guess(machine: Machine, precision: str) -> float:
     """Sustained FLOP/s to pre-rank candidates of a wall-clock budget before timing a few."""
-    return 0.4 * peak_flops(machine.spec, mfu_basis(precision))
+    return 0.4 * peak_flops(machine.spec, mfu_basis(precision)) * _devices(machine)
+
+
+def _devices(machine: Machine) -> int:
+    """Devices a wall-clock budget buys tokens on at once: every GPU (a rate is one device's);
+    CPU ranks share one machine's cores, whose measured rate already counts them all."""
+    return machine.world_size if machine.device == "cuda" else 1
 
 
 def _throughput_fn(machine: Machine, precision: str, log, optimizer_of):
@@ -186,12 +195,12 @@ def _throughput_fn(machine: Machine, precision: str, log, optimizer_of):
         hit = machine.probe.tokens_per_s(m, c.context_length, micro, precision=precision, optimizer=optimizer,
                                          measure=False)
         if hit:
-            return hit
+            return hit * _devices(machine)
         # Too big to time casually, or a machine that is only described: 40% of the peak.
         if param_counts(m)["total"] > 2e9 or not machine.probe.measures:
             return _flops_guess(machine, precision) / flops_per_token(m, c.context_length)["total"]
         log(f"model: auto: timing {m.n_layers}×{m.d_model} (vocab {m.vocab_size}) on {machine.device} "
             "(cached for next time)")
         return machine.probe.tokens_per_s(m, c.context_length, micro, precision=precision, optimizer=optimizer,
-                                          measure=True)
+                                          measure=True) * _devices(machine)
     return tokens_per_s
