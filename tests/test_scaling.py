@@ -146,6 +146,22 @@ def test_plan_keeps_its_rules(tmp_path):
     assert plan.eval_batches == int(50e3 // 256) // 8
 
 
+def test_every_run_and_the_target_train_with_one_optimizer(tmp_path):
+    """`optimizer: auto` changes optimizer at 5M parameters; a ladder pins one for all its runs and
+    its target (AdamW for auto, else the file's) with that optimizer's LR rule."""
+    from lmforge.config.defaults import default_learning_rate
+    from lmforge.runs.ladder import run_config, target_config
+
+    for given, expected in ((None, "adamw"), ("auto", "adamw"), ("muon", "muon")):
+        cfg = _ladder(tmp_path, **({"parameters": {"optimizer": given}} if given else {}))
+        plan = _plan(cfg)
+        raws = [run_config(cfg, plan, p) for p in plan.points]
+        raws.append(target_config(cfg, plan, plan.target.model, 1e6))
+        assert {r["parameters"]["optimizer"] for r in raws} == {expected}
+        small = min(plan.points, key=lambda p: p.params)  # well under 5M: the small end's anchor of each rule
+        assert small.learning_rate == default_learning_rate(1.0, expected) == {"adamw": 2e-3, "muon": 4e-3}[expected]
+
+
 @pytest.mark.parametrize("change, words", [
     ({"target": {"model": {"d_model": 64, "n_layers": 2, "n_heads": 2}, "tokens": "1M"}},
      ["less than 4× the ladder's second smallest model", "give a bigger target"]),
@@ -268,6 +284,7 @@ def test_a_ladder_trains_registered_runs_fits_and_resumes(ladder):
     assert target.model.d_model == 128 and target.training_duration.value == 40_000
     assert target.eval.max_batches == one.eval.max_batches and target.parameters.context_length == 64
     assert target.parameters.micro_batch_size == one.parameters.micro_batch_size == 8
+    assert target.parameters.optimizer == one.parameters.optimizer == "adamw"  # one recipe: auto would switch at 5M
     assert "lmforge-report" in (folder / "report.html").read_text()[:2000]
     # `scaling show`: the same table, any time
     shown = cli("scaling", "show", folder, check=True).stdout

@@ -108,7 +108,6 @@ def _rate_fn(cfg: LadderConfig, context: int, threads: int, log):
     import torch
 
     from lmforge.config.defaults import auto_precision
-    from lmforge.resolve.plan import plan_optimizer
     from lmforge.train.machine import bf16_supported
     from lmforge.train.throughput import measure_tokens_per_s
 
@@ -123,7 +122,7 @@ def _rate_fn(cfg: LadderConfig, context: int, threads: int, log):
         try:
             # The mean of 8 steps: on a shared machine a few steps catch a quiet moment or a busy one.
             tps = measure_tokens_per_s(m, context, EVAL_MICRO_BATCH, precision=precision,
-                                       optimizer=plan_optimizer(base, m), device=device, steps=8, typical=True)
+                                       optimizer=cfg.optimizer, device=device, steps=8, typical=True)
         finally:
             torch.set_num_threads(before)
         log(f"scaling: {m.n_layers}x{m.d_model} ({human(params_of(m))} params) trains at {human(tps)} tokens/s "
@@ -197,7 +196,7 @@ def run_config(cfg: LadderConfig, plan: LadderPlan, point: Point) -> dict:
     raw["model"] = _compact_model(point.model)
     raw["training_duration"] = f"{point.tokens}tok"
     raw["save_folder"] = run_folder(cfg.save_folder, point)
-    _recipe(raw, plan, point.learning_rate, point.batch_tokens)
+    _recipe(raw, plan, point.learning_rate, point.batch_tokens, cfg.optimizer)
     ev = raw.setdefault("eval", {})
     ev["interval"] = f"{point.tokens}tok"  # one evaluation, at the end: that loss is what is fitted
     raw.setdefault("save_interval", f"{max(point.batch_tokens, point.tokens // 2)}tok")
@@ -215,12 +214,13 @@ def target_config(cfg: LadderConfig, plan: LadderPlan, model: dict, tokens: floa
     raw["model"] = _compact_model(model)
     raw["training_duration"] = f"{tokens}tok"
     raw["save_folder"] = os.path.join(os.path.abspath(cfg.save_folder), "target")
-    _recipe(raw, plan, learning_rate(m), run_batch_tokens(cfg, m, tokens, plan.context))
+    _recipe(raw, plan, learning_rate(m, cfg.optimizer), run_batch_tokens(cfg, m, tokens, plan.context), cfg.optimizer)
     return raw
 
 
-def _recipe(raw: dict, plan: LadderPlan, lr: float, batch_tokens: int) -> None:
+def _recipe(raw: dict, plan: LadderPlan, lr: float, batch_tokens: int, optimizer: str) -> None:
     params = raw.setdefault("parameters", {})
+    params["optimizer"] = optimizer  # one for every run and the target (LadderConfig.optimizer)
     params["context_length"] = plan.context
     if plan.warmup_steps is not None:
         params["warmup"] = f"{plan.warmup_steps}ba"

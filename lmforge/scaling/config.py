@@ -127,6 +127,13 @@ class LadderConfig(BaseModel):
                              f"('3e14flop'), got {v!r}")
         return d
 
+    @property
+    def optimizer(self) -> str:
+        """The one optimizer of every run and the target: the file's, or AdamW for ``auto`` (whose
+        rule changes optimizer at 5M parameters, which would split the ladder's law in two)."""
+        value = self.base_config.parameters.optimizer
+        return "adamw" if value == "auto" else value
+
     @functools.cached_property
     def base_config(self) -> RunConfig:
         """The shared keys as a validated run config (with a placeholder model and duration)."""

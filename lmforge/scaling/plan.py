@@ -76,9 +76,9 @@ def shape_label(model: ModelConfig) -> str:
     return f"{model.n_layers}x{model.d_model}"
 
 
-def learning_rate(model: ModelConfig) -> float:
+def learning_rate(model: ModelConfig, optimizer: str = "adamw") -> float:
     """The peak LR a ladder run (and the target) trains with: lmforge's default for the size."""
-    return default_learning_rate(param_counts(model)["non_embedding"])
+    return default_learning_rate(param_counts(model)["non_embedding"], optimizer)
 
 
 @dataclass
@@ -256,7 +256,7 @@ def plan_ladder(cfg: LadderConfig, *, vocab: int, context: int, unique_tokens: f
             fastest = min(fastest, float(tokens_per_s(m)))
             rates[shape_label(m)] = fastest
 
-    per_size = [(m, params_of(m), shape_label(m), learning_rate(m)) for m in sizes]
+    per_size = [(m, params_of(m), shape_label(m), learning_rate(m, cfg.optimizer)) for m in sizes]
     dumps: dict[str, dict] = {}
 
     def points_at(c_top: float, levels: int = opts.levels) -> list[Point]:
