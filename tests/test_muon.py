@@ -21,8 +21,8 @@ from lmforge.models import build_model
 from lmforge.models.lora import apply_lora
 from lmforge.train.muon import Muon, orthogonalize
 from lmforge.train.optim import build_optimizer
-from train_helpers import (REPO, assert_one_line_error, cli, communicate, env, metrics, train_here, train_losses,
-                           worker_with_rank, write_config)
+from train_helpers import (REPO, assert_one_line_error, cli, communicate, env, lmforge, metrics, train_here,
+                           train_losses, worker_with_rank, write_config)
 
 DENSE = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32)
 MOE = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32, n_experts=4,
@@ -242,6 +242,25 @@ def test_bad_muon_settings_are_one_line(tmp_path, tiny_data, sets, needles):
     args = [a for s in sets for a in ("--set", s.format(dir=tmp_path))]
     assert_one_line_error(cli("train", "-f", cfg, *args, "--dry-run"), *needles)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.e2e
+def test_a_resume_under_another_optimizer_or_batch_is_one_line(tmp_path, tiny_data):
+    """A run continued with another optimizer (say, one started with AdamW before `auto` picked
+    Muon for its size) or batch is refused before anything loads: one line naming the key and the
+    checkpoint's value; the checkpoints stay as they were."""
+    folder = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", tiny_run_config(tiny_data, folder, training_duration="4ba",
+                                                             **{"eval.prompts": []}))
+    lmforge("train", "-f", cfg, check=True)
+    before = sorted(os.listdir(folder / "checkpoints"))
+    for sets, needles in ((["parameters.optimizer=auto"], ["parameters.optimizer resolves to muon",
+                                                           "trained with adamw", "parameters.optimizer: adamw"]),
+                          (["parameters.global_batch_size=16"], ["parameters.global_batch_size is 16",
+                                                                 "set it back to 8"])):
+        args = [a for s in sets + ["training_duration=8ba"] for a in ("--set", s)]
+        assert_one_line_error(lmforge("train", "-f", cfg, *args), *needles)
+        assert sorted(os.listdir(folder / "checkpoints")) == before
 
 
 # ---------------------------------------------------------------------------- on a GPU

@@ -147,9 +147,9 @@ class TrainResult:
     mlflow_ui: str | None = None  # filled in by the operations layer when MLflow tracks the run
 
 
-def check_same_batch(state: dict, cfg, path: str) -> None:
-    """A resumed run keeps its global batch and context length: the data position, the step count
-    and a token-based duration are all measured in them."""
+def check_resumable(state: dict, cfg, path: str) -> None:
+    """A resumed run keeps its global batch and context length (the data position, the step count
+    and a token-based duration are all measured in them) and its optimizer (whose state it loads)."""
     old = (state.get("config") or {}).get("parameters") or {}
     new = cfg.parameters
     for key in ("global_batch_size", "context_length"):
@@ -158,6 +158,12 @@ def check_same_batch(state: dict, cfg, path: str) -> None:
             raise UserError(f"parameters.{key} is {now}, but the checkpoint {path} was trained with {was}; a run "
                             f"resumes with the batch it started with: set it back to {was}, or start a new run "
                             "(--no-autoresume, or another --save-folder)")
+    was = old.get("optimizer")
+    if was not in (None, "auto") and was != new.optimizer:  # (checkpoints record the optimizer resolved)
+        raise UserError(f"parameters.optimizer resolves to {new.optimizer}, but the checkpoint {path} was trained with "
+                        f"{was} and holds its state (auto: Muon for a model trained from scratch with ≤5M "
+                        f"non-embedding parameters, else AdamW); set parameters.optimizer: {was} to continue it, or "
+                        "start a new run (--no-autoresume, or another --save-folder)")
 
 
 def _silent(*_args, **_kwargs) -> None:
@@ -408,7 +414,7 @@ class Trainer:
     def load(self, path: str, checked: Collection[str] = ()) -> None:
         """Model, optimizer and this rank's RNG from ``path``; then counters and data position.
         ``checked``: its files whose digests were verified already (by rank 0, choosing it)."""
-        check_same_batch(read_state(path), self.cfg, path)
+        check_resumable(read_state(path), self.cfg, path)
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, rank=self.dist.rank, checked=checked)
         self.stream.load_state_dict(state["data"])
         self.state.load_state_dict(state)
