@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_run_config
-from test_expert_parallel import assert_same_losses, train_here
-from train_helpers import assert_one_line_error, cli, env, metrics, train_losses, write_config
+from test_expert_parallel import assert_same_losses
+from train_helpers import assert_one_line_error, cli, env, metrics, train_here, train_losses, write_config
 
 SEQ = 1024
 MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128, "max_seq_len": SEQ}

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_run_config
-from test_expert_parallel import one_thread
-from train_helpers import assert_one_line_error, cli, metrics, train_in_process, write_config
+from train_helpers import assert_one_line_error, cli, metrics, one_thread, train_in_process, write_config
 
 SHAPE = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128, "max_seq_len": 256}
 YARN = {"type": "yarn", "factor": 4.0, "original_max_seq_len": 256}
