@@ -705,5 +705,5 @@ def test_bad_data_on_two_nodes_is_one_line_on_each(world, tmp_path):
     for p in procs:
         out, err = communicate(p, 120)
         errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
-        assert p.returncode == 2 and len(errors) == 1 and "binary" in errors[0], (out[-2000:], err[-3000:])
+        assert p.returncode == 2 and len(errors) == 1 and "binary" in errors[0], (p.args[-1], out[-4000:], err[-3000:])
         assert err.strip() == errors[0], err[-3000:]  # nothing else: no traceback, no torchrun warning

@@ -192,18 +192,29 @@ def agent_main(argv: list[str]) -> int:
         logging.getLogger(name).addFilter(_QuietShutdown(status_file))
     watcher = _StopAtFinalFailure(status_file) if status_file else None
     try:
-        main(argv)
+        try:
+            main(argv)
+        except Exception:  # noqa: BLE001 - e.g. ChildFailedError: no restart left (max_retries: 0) before
+            # the watcher saw the report; or the rendezvous lost: another node, stopped first, hosted it
+            if isinstance(sys.exc_info()[1], SignalException):
+                raise
+            final = read_status(status_file) if status_file else {}
+            if final.get("status") != "failed":
+                raise
+            return int(final.get("exit_code") or 1)
     except SignalException as e:
+        # A stop: the user's, or the watcher's at a reported failure — which can also land while
+        # torchrun's own end (a ChildFailedError) is being handled above, hence out here.
         if watcher is not None and watcher.exit_code is not None:
             return watcher.exit_code  # the rank has printed why
-        return 128 + int(e.sigval)
-    except Exception:  # noqa: BLE001 - e.g. ChildFailedError: no restart left (max_retries: 0) before
-        # the watcher saw the report; or the rendezvous lost: another node, stopped first, hosted it
         final = read_status(status_file) if status_file else {}
-        if final.get("status") != "failed":
-            raise
-        return int(final.get("exit_code") or 1)
+        if final.get("status") == "failed":
+            return int(final.get("exit_code") or 1)
+        return 128 + int(e.sigval)
     finally:
+        # Decided: a stop from here on (the watcher's, arriving late) must not turn the exit code
+        # into an uncaught SignalException's 1.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if status_file:
             with contextlib.suppress(OSError):
                 os.remove(status_file)

@@ -108,11 +108,13 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
         err = e if isinstance(e, UserError) else environment_error(e, where=f"save_folder {cfg.save_folder}")
         if err is None:
             raise
-        # Said now, not at exit after the teardown below: with several nodes, a node that stops first
-        # can take the rendezvous with it, and this node's torchrun then stops this rank mid-teardown.
-        say(err)
+        # Recorded and said now, not at exit after the teardown below: with several nodes, a node that
+        # stops first can take the rendezvous with it, and this node's torchrun then stops this rank
+        # mid-teardown. The status first (one small file): without it the supervisor sees only
+        # torchrun's exit code and takes bad input for a crash.
         report_status(plan, "failed", error=secrets.redact(str(err)), exit_code=err.exit_code, attempt=restart_count(),
                       pid=os.getpid())
+        say(err)
         if err is e:
             raise
         raise err from None
