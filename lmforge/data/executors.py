@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from lmforge.data import remote
-from lmforge.data.job import Job, Stage, StageTask, WorkDir, run_items
+from lmforge.data.job import Job, Stage, StageTask, TaskDied, WorkDir, run_items
 from lmforge.errors import UserError
 
 EXECUTORS = ("local", "slurm", "ray")
@@ -61,13 +61,6 @@ def check_executor(spec: ExecutorSpec | None) -> None:
             raise UserError("--executor ray: needs ray: pip install 'lmforge[ray]'") from None
     if spec.kind == "slurm" and not spec.partition:
         raise UserError("--executor slurm: needs --partition NAME (the Slurm partition the tasks run on)")
-
-
-class TaskDied(UserError):
-    """A task's process ended before its items were done (killed, out of memory): the job stops,
-    and the same command finishes it. Not bad input: what the job wrote stays."""
-
-    exit_code = 1
 
 
 @dataclass
@@ -128,13 +121,6 @@ def _check_done(job: Job, stage: Stage) -> None:
 # ----------------------------------------------------------------------------- datatrove
 
 
-def _datafolder(uri: str):
-    from datatrove.io import DataFolder
-
-    fs, path = remote.fs_and_path(uri)
-    return DataFolder(path, fs=fs)
-
-
 @contextlib.contextmanager
 def _task_output_to_file(job: Job):
     """The executors' tasks log to their log files and to stderr; on this command's stderr that
@@ -166,7 +152,7 @@ def _task_output_to_file(job: Job):
 
 def _run_on_executor(job: Job, stage: Stage, spec: ExecutorSpec) -> None:
     tasks = min(spec.tasks, stage.items)
-    logs = _datafolder(WorkDir(job.out).uri("logs", stage.name))
+    logs = remote.datatrove_folder(WorkDir(job.out).uri("logs", stage.name))
     with _task_output_to_file(job):
         if spec.kind == "local":
             from datatrove.executor import LocalPipelineExecutor
@@ -258,7 +244,7 @@ def slurm_executors(job: Job, stages: list[Stage], spec: ExecutorSpec) -> list:
         prev = SlurmPipelineExecutor(
             [StageTask(job, stage, spec.cpus_per_task)], tasks=min(spec.tasks, stage.items), time=spec.time,
             partition=spec.partition, cpus_per_task=spec.cpus_per_task, job_name=f"lmforge-{stage.name}",
-            logging_dir=_datafolder(WorkDir(job.out).uri("logs", stage.name)), depends=prev, skip_completed=False,
+            logging_dir=remote.datatrove_folder(WorkDir(job.out).uri("logs", stage.name)), depends=prev, skip_completed=False,
             venv_path=activate if os.path.exists(activate) else None, qos="")
         chain.append((stage, prev))
     return chain

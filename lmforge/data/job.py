@@ -104,6 +104,14 @@ class WorkDir:
                 remote.remove_tree(self.uri(name))
 
 
+class TaskDied(UserError):
+    """A task's process ended before its items were done (killed, out of memory), or a unit is
+    not done: the job stops, and the same command finishes it. Not bad input: what the job
+    wrote stays."""
+
+    exit_code = 1
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str  # signatures | duplicates | clusters | units | finalize
@@ -349,7 +357,7 @@ def unit_markers(job: Job) -> list[dict]:
         out = list(pool.map(lambda u: wd.read_json(f"units/{u:06d}.json"), range(len(job.units))))
     for u, m in enumerate(out):
         if m is None:
-            raise UserError(f"--out {job.out}: unit {u} is not done; re-run the command to finish it")
+            raise TaskDied(f"--out {job.out}: unit {u} is not done; re-run the command to finish it")
     return out
 
 

@@ -227,7 +227,8 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
     except (TaskDied, remote.StoreError):
         raise  # not the data's fault: what the job wrote stays, and the same command finishes it
     except UserError:
-        remote.remove_tree(out)  # bad input: the job cannot finish; what it wrote goes
+        if _existing_marker(out) is None:  # a dataset with its marker is complete: it stays
+            remote.remove_tree(out)  # bad input: the job cannot finish; what it wrote goes
         raise
 
 

@@ -300,3 +300,12 @@ def _empty_folders(fs, path: str) -> set[str]:
                 out.add(name)
                 todo.append(name)
     return out
+
+
+def datatrove_folder(uri: str):
+    """``uri`` (local or on an object store) as datatrove's DataFolder (its executors' logs, its
+    MinHash steps' inputs and outputs)."""
+    from datatrove.io import DataFolder
+
+    fs, path = fs_and_path(uri)
+    return DataFolder(path, fs=fs)

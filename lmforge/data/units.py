@@ -37,10 +37,6 @@ class Slice:
     def to_json(self) -> list:
         return [self.uri] if self.start is None else [self.uri, self.start, self.end]
 
-    @classmethod
-    def from_json(cls, v: list) -> "Slice":
-        return cls(*v)
-
 
 @dataclass(frozen=True)
 class Unit:
@@ -51,9 +47,6 @@ class Unit:
     def to_json(self) -> dict:
         return {"slices": [s.to_json() for s in self.slices], "bytes": self.bytes}
 
-    @classmethod
-    def from_json(cls, index: int, v: dict) -> "Unit":
-        return cls(index, tuple(Slice.from_json(s) for s in v["slices"]), v["bytes"])
 
 
 def plan_units(sources: list[Source], unit_bytes: int = DEFAULT_UNIT_BYTES) -> list[Unit]:

@@ -35,6 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from lmforge.config.curation import DedupConfig
+from lmforge.data import remote
 from lmforge.errors import UserError
 
 EXACT = np.dtype([("hi", "<u8"), ("lo", "<u8"), ("doc", "<u4")])
@@ -174,15 +175,6 @@ def _find_exact(store: Store, part: int) -> None:
         _save(store, f"dedup/exact-removed/{int(u):06d}/{part:03d}.npy", out)
 
 
-def _datafolder(uri: str):
-    from datatrove.io import DataFolder
-
-    from lmforge.data import remote
-
-    fs, path = remote.fs_and_path(uri)
-    return DataFolder(path, fs=fs)
-
-
 def _minhash_config(plan: DedupPlan):
     from datatrove.pipeline.dedup.minhash import MinhashConfig
     from datatrove.utils.hashing import HashConfig
@@ -199,8 +191,8 @@ def _find_candidates(store: Store, plan: DedupPlan, band: int) -> None:
 
     if not store.names(f"dedup/bands/bucket_{band:03d}"):
         return  # no document has a signature
-    step = MinhashDedupBuckets(input_folder=_datafolder(store.uri("dedup/bands")),
-                               output_folder=_datafolder(store.uri("dedup/pairs")), config=_minhash_config(plan))
+    step = MinhashDedupBuckets(input_folder=remote.datatrove_folder(store.uri("dedup/bands")),
+                               output_folder=remote.datatrove_folder(store.uri("dedup/pairs")), config=_minhash_config(plan))
     logger.disable("datatrove")  # its progress lines are for its own executors' task logs
     try:
         step.run(None, rank=band, world_size=plan.bands)
