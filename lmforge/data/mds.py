@@ -28,13 +28,13 @@ import gzip
 import hashlib
 import json
 import os
-import tempfile
 from decimal import Decimal
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from lmforge.data.remote import write_local_atomic
 from lmforge.errors import UserError
 from lmforge.home import cache_dir as lmforge_cache
 
@@ -233,22 +233,6 @@ def _hashes(algos: list[str], data) -> dict[str, str]:
     return {a: h for a in algos if (h := _hash(a, data)) is not None}
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temp file + rename so readers never see a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        # mkstemp creates 0600; a dataset should be readable like any file this user writes.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 # ----------------------------------------------------------------------------- writer
 
 
@@ -357,9 +341,9 @@ class MDSWriter:
             zipped = _compress(self.compression, raw)
             zip_name = f"{raw_name}.{_compression_ext(self.compression)}"
             zip_info = {"basename": zip_name, "bytes": len(zipped), "hashes": _hashes(self.hashes, zipped)}
-            _write_atomic(self.out_dir / zip_name, zipped)
+            write_local_atomic(self.out_dir / zip_name, zipped)
         else:
-            _write_atomic(self.out_dir / raw_name, raw)
+            write_local_atomic(self.out_dir / raw_name, raw)
         self.shards.append({"samples": n, "raw_data": raw_info, "zip_data": zip_info} | self._config())
         self._samples, self._size = [], 0
 
@@ -370,7 +354,7 @@ class MDSWriter:
         if self._samples:
             self._flush()
         index = {"version": 2, "shards": self.shards}
-        _write_atomic(self.out_dir / INDEX, json.dumps(index, sort_keys=True).encode("utf-8"))
+        write_local_atomic(self.out_dir / INDEX, json.dumps(index, sort_keys=True).encode("utf-8"))
         self._finished = True
 
     @property
@@ -520,7 +504,7 @@ class MDSReader:
             dest_dir = self.local_dir if self._fetch is not None else self.cache_dir
             dest_dir.mkdir(parents=True, exist_ok=True)
             path = dest_dir / raw["basename"]
-            _write_atomic(path, data)
+            write_local_atomic(path, data)
             del blob, data
             mm = np.memmap(path, np.uint8, mode="r")
         else:

@@ -198,19 +198,23 @@ def put_bytes(uri: str, data: bytes, retries: int = 5, backoff: float = 0.5) -> 
     """Write ``data`` as the whole object/file ``uri`` (an object-store PUT is atomic; a local file is
     written beside and renamed), retrying."""
     if not is_remote(uri):
-        _write_local_atomic(Path(local_path(uri)), data)
+        write_local_atomic(Path(local_path(uri)), data)
         return
     fs, path = fs_and_path(uri)
     _retry(uri, lambda: fs.pipe_file(path, data), retries, backoff)
 
 
-def _write_local_atomic(dest: Path, data: bytes) -> None:
+def write_local_atomic(dest: Path, data: bytes) -> None:
+    """Write via a temp file and a rename, so that readers never see a half-written file."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o644)
+        # mkstemp creates 0600; a dataset should be readable like any file this user writes.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
