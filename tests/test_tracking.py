@@ -373,3 +373,13 @@ def test_console_progress_bar_on_a_tty():
     assert "10/10" in text and "loss 2.0000" in text and "MFU 40.0%" in text
     assert "eval step 10 | loss 1.9000" in text
     assert c._progress is None  # the refresh thread was stopped
+
+
+def test_console_progress_bar_of_a_wall_clock_run_has_no_total():
+    """A run bounded by time knows neither its steps nor its tokens: the bar counts tokens alone."""
+    out = io.StringIO()
+    c = ConsoleTracker(stream=out, tty=True, width=160)
+    for step in range(1, 4):
+        c.log_metrics(_train(step, 2.0), step)
+    c.finish("completed")
+    assert "tokens" in out.getvalue() and "loss 2.0000" in out.getvalue()

@@ -146,7 +146,8 @@ class ConsoleTracker(Tracker):
         self._progress = Progress(
             TextColumn(label, table_column=fixed(len(label))),
             BarColumn(bar_width=20, table_column=fixed(20)),
-            MofNCompleteColumn(table_column=fixed(2 * len(f"{total:,}") + 1)),
+            # A wall-clock run has no total: its count alone (rich shows "N/?").
+            MofNCompleteColumn(table_column=fixed(2 * len(f"{total:,}") + 1) if total else Column(no_wrap=True)),
             TextColumn("ETA {task.fields[eta]}", table_column=fixed(len("ETA 0:00:00"))),
             TextColumn("{task.fields[stats]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
             console=console,
