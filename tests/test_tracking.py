@@ -360,6 +360,9 @@ def test_terminal_text_keeps_what_a_terminal_shows():
     got += t.feed(b"\xa9t\xc3\xa9\n\nlast")
     assert got == ["100%", "above", "done été", ""], got
     assert t.close() == ["last"]
+    # erase to the cursor (ESC[1K) blanks up to and including the cursor's column; the rest stays put
+    t = TerminalText()
+    assert t.feed(b"abcdef\x1b[3D\x1b[1K\n") == ["    ef"]
 
 
 def test_console_progress_bar_on_a_tty():

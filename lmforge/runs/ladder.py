@@ -339,7 +339,9 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | No
                     if s.proc is not None and s.point.seconds:
                         slower.append(wall / s.point.seconds)
                     _write_json(os.path.join(cfg.save_folder, STATE_FILE), state)
-                    log(f"scaling: {s.point.label} completed in {wall:.0f}s, held-out loss {loss:.4f}")
+                    held_out = f"held-out loss {loss:.4f}" if loss is not None else \
+                        "no held-out loss in its metrics (left out of the fit)"
+                    log(f"scaling: {s.point.label} completed in {wall:.0f}s, {held_out}")
                 else:
                     log(f"scaling: {s.point.label} did not complete (exit {code}); see {_rel(s.out) or 'its logs'}; "
                         "it is left out of the fit (re-run the ladder to resume it)")

@@ -96,7 +96,7 @@ class TerminalText:
         line = self._lines[self._row]
         if final == "K":  # erase in line: 0 to its end, 1 to the cursor, 2 all of it
             self._lines[self._row] = (line[:self._col] if not n else
-                                      " " * self._col + line[self._col + 1:] if n == 1 else "")
+                                      " " * (self._col + 1) + line[self._col + 1:] if n == 1 else "")
         elif final == "J":  # erase in display: 0 below the cursor, 2 and 3 everything (here: what is held)
             if n in (2, 3):
                 self._lines = [""] * len(self._lines)
