@@ -203,6 +203,14 @@ def test_bad_ladder_files_are_one_line(tmp_path, spec, words):
     assert_one_line_error(proc, *words)
 
 
+@pytest.mark.parametrize("content", ['{"plan": {"points": []}}', '["a list"]', '{"plan": 3}'])
+def test_a_plan_file_this_version_cannot_read_is_one_line(tmp_path, content):
+    """`scaling show` of a folder whose plan.json was edited by hand or written by another version."""
+    (tmp_path / "plan.json").write_text(content)
+    assert_one_line_error(cli("scaling", "show", tmp_path), "plan.json: not a ladder plan this version can read",
+                          "delete it to plan again")
+
+
 @pytest.mark.integration  # builds and steps a tiny model
 def test_a_ladder_plans_with_the_typical_step_and_caches_nothing(tmp_path, monkeypatch):
     """`typical=True` (a time budget under the present load): the mean timed step, not the fastest,

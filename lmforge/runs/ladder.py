@@ -137,11 +137,21 @@ def existing_plan(cfg: LadderConfig) -> LadderPlan | None:
     record = _read_json(path)
     if record is None:
         return None
-    if record.get("spec") != _spec(cfg):
+    if not isinstance(record, dict) or record.get("spec") != _spec(cfg):
         raise UserError(f"{path} was planned from a different ladder file; keep the file as it was, choose "
                         f"another save_folder, or delete {path} to plan again (runs of the same shape and "
                         "tokens are reused)")
-    return LadderPlan.from_dict(record["plan"])
+    return _plan_of(record, path)
+
+
+def _plan_of(record, path: str) -> LadderPlan:
+    """The plan a plan.json holds; one line when it is not one this version reads (edited by hand,
+    or written by another version)."""
+    try:
+        return LadderPlan.from_dict(record["plan"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path}: not a ladder plan this version can read ({type(e).__name__}: {e}); delete it "
+                        "to plan again (runs of the same shape and tokens are reused)") from None
 
 
 def _spec(cfg: LadderConfig) -> dict:
@@ -450,7 +460,7 @@ def read_ladder(folder: str) -> tuple[LadderPlan, dict | None]:
     if record is None:
         raise UserError(f"{folder}: not a ladder folder (no {PLAN_FILE}); give the save_folder of a ladder file "
                         "that `lmforge scaling run` has started")
-    return LadderPlan.from_dict(record["plan"]), _read_json(os.path.join(folder, PREDICTION_FILE))
+    return _plan_of(record, os.path.join(folder, PLAN_FILE)), _read_json(os.path.join(folder, PREDICTION_FILE))
 
 
 class LadderLock:
