@@ -440,5 +440,14 @@ def test_cli_long_context_line_and_context_parallel():
     split = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768, context_parallel=2))["memory"]
     whole = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768))["memory"]
     assert split["activation_bytes_per_sample"]["no_ac"] == pytest.approx(whole["activation_bytes_per_sample"]["no_ac"] / 2)
+    # the verdict (micro-batch 1, each mode) counts a rank's half of the row too, not the whole row
+    for ac in (False, True):
+        one = dict(micro_batch=1, activation_checkpointing=ac)
+        halves = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768, context_parallel=2,
+                                             **one))["memory"]
+        rows = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768, **one))["memory"]
+        key = "ac" if ac else "no_ac"
+        assert rows["total_bytes_per_gpu"] - halves["total_bytes_per_gpu"] == pytest.approx(
+            rows["activation_bytes_per_sample"][key] - halves["activation_bytes_per_sample"][key])
     _assert_one_line_error(cli("estimate", "--model", "llama-1b", "--gpus", "4", "--context-parallel", "3"),
                            "--context-parallel: 3 does not divide the 4 GPUs")

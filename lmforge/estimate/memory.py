@@ -225,7 +225,7 @@ def memory_plan(
     max_mb = {k: _max_batch(free, v) for k, v in act.items()}
     if activation_checkpointing is None:
         activation_checkpointing = max_mb["no_ac"] < 1
-    chosen = activation_bytes(cfg, seq_len, activation_checkpointing)
+    chosen = activation_bytes(cfg, tokens, activation_checkpointing)  # a rank's share of the row
     suggested = min(_pow2_floor(_max_batch(free, chosen)), MAX_SUGGESTED_MICRO_BATCH) or None
     mb = micro_batch or suggested or 1
     total = states + gathered + loss + mb * chosen
