@@ -55,6 +55,19 @@ def test_auto_takes_the_fastest_candidate_that_fits():
     assert choice.checkpointing is not False and choice.micro_batch > 1, choice.reason
 
 
+def test_ddp_replicas_leave_room_for_their_gradient_buckets():
+    """Several DDP replicas hold fp32 gradient buckets (4 B per parameter) beside their whole
+    states: every candidate's footprint counts them, as `lmforge estimate`'s verdict does."""
+    alone, replicated = _choose(), _choose(ddp_ranks=8)
+    params = param_counts(LLAMA_3B)["total"]
+    by_mode = {c.checkpointing: c for c in alone.candidates}
+    for c in replicated.candidates:
+        assert c.bytes_per_gpu <= usable_bytes(H100.memory_bytes)
+        assert c.micro_batch <= by_mode[c.checkpointing].micro_batch
+    assert sum(c.micro_batch for c in replicated.candidates) < sum(c.micro_batch for c in alone.candidates)
+    assert fixed_bytes(params, LLAMA_3B, 1, ddp_ranks=8) - fixed_bytes(params, LLAMA_3B, 1) == 4 * params
+
+
 def test_a_probe_decides_among_the_models_first_candidates():
     timed = []
 

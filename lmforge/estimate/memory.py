@@ -134,11 +134,14 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, checkpointing=False) -> flo
     return float(per_token * seq_len)
 
 
-def fixed_bytes(total_params: int | float, cfg: ModelConfig, n_devices: int, expert_parallel: int = 1) -> float:
-    """Bytes per GPU that do not depend on the micro-batch: sharded model states, the gathered
-    FSDP units and the loss's workspace."""
+def fixed_bytes(total_params: int | float, cfg: ModelConfig, n_devices: int, expert_parallel: int = 1,
+                ddp_ranks: int = 1) -> float:
+    """Bytes per GPU that do not depend on the micro-batch: the model states (sharded over
+    ``n_devices``), the gathered FSDP units, the loss's workspace, and DDP's gradient buckets when
+    ``ddp_ranks`` > 1 replicas are wrapped in DDP (`memory_plan` counts them as well)."""
+    buckets = DDP_BUCKET_BYTES * float(total_params) if ddp_ranks > 1 else 0.0
     return (float(total_params) * BYTES_PER_PARAM / n_devices + 2 * 4 * largest_unit_params(cfg, expert_parallel)
-            + loss_workspace_bytes(cfg))
+            + loss_workspace_bytes(cfg) + buckets)
 
 
 def loss_workspace_bytes(cfg: ModelConfig) -> float:

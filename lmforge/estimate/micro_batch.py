@@ -120,10 +120,10 @@ def _micro_batches(per_rank: int | None) -> list[int]:
 
 def candidates(cfg: ModelConfig, seq_len: int, *, n_devices: int, gpu_memory: float, peak_flops: float,
                per_rank: int | None = None, micro_batch: int | None = None, checkpointing="auto",
-               expert_parallel: int = 1) -> list[Candidate]:
+               expert_parallel: int = 1, ddp_ranks: int = 1) -> list[Candidate]:
     """One candidate per checkpointing mode: the largest micro-batch of it that fits (see the
     module docstring); empty when nothing fits."""
-    fixed = fixed_bytes(param_counts(cfg)["total"], cfg, n_devices, expert_parallel)
+    fixed = fixed_bytes(param_counts(cfg)["total"], cfg, n_devices, expert_parallel, ddp_ranks)
     usable = usable_bytes(gpu_memory)
     modes = MODES if checkpointing == "auto" else (checkpointing,)
     out = []
@@ -154,16 +154,16 @@ def _rank(cands: list[Candidate], rate: Callable[[Candidate], float]) -> list[Ca
 def choose(cfg: ModelConfig, seq_len: int, *, n_devices: int, gpu_memory: float, peak_flops: float,
            where: str, per_rank: int | None = None, micro_batch: int | None = None, checkpointing="auto",
            expert_parallel: int = 1, measure: Callable[[Candidate], float | None] | None = None,
-           measured_as: str = "measured") -> Choice:
+           measured_as: str = "measured", ddp_ranks: int = 1) -> Choice:
     """The micro-batch and checkpointing mode with the most tokens/s that fit, and the line that
     says so. ``where`` names the devices ("1 × NVIDIA H100 80GB HBM3"); ``measure`` (a probe)
     returns a candidate's tokens/s, or None when it cannot run it; ``measured_as`` says how."""
     cands = candidates(cfg, seq_len, n_devices=n_devices, gpu_memory=gpu_memory, peak_flops=peak_flops,
                        per_rank=per_rank, micro_batch=micro_batch, checkpointing=checkpointing,
-                       expert_parallel=expert_parallel)
+                       expert_parallel=expert_parallel, ddp_ranks=ddp_ranks)
     if not cands:
         raise UserError(_nothing_fits(cfg, seq_len, n_devices, gpu_memory, where, micro_batch, checkpointing,
-                                      expert_parallel))
+                                      expert_parallel, ddp_ranks))
     ranked = _rank(cands, lambda c: c.modelled_tokens_per_s)
     measured = False
     if measure is not None and len(ranked) > 1:
@@ -191,10 +191,10 @@ def choose(cfg: ModelConfig, seq_len: int, *, n_devices: int, gpu_memory: float,
 
 
 def _nothing_fits(cfg: ModelConfig, seq_len: int, n_devices: int, gpu_memory: float, where: str,
-                  micro_batch: int | None, checkpointing, expert_parallel: int) -> str:
+                  micro_batch: int | None, checkpointing, expert_parallel: int, ddp_ranks: int = 1) -> str:
     """One line: the smallest footprint found, and what would make the run fit."""
     total_params = param_counts(cfg)["total"]
-    fixed = fixed_bytes(total_params, cfg, n_devices, expert_parallel)
+    fixed = fixed_bytes(total_params, cfg, n_devices, expert_parallel, ddp_ranks)
     modes = MODES if checkpointing == "auto" else (checkpointing,)
     mb = micro_batch or 1
     mode = min(modes, key=lambda m: activation_bytes(cfg, seq_len, m))

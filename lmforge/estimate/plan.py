@@ -166,10 +166,11 @@ def _auto_micro_batch(x: EstimateInputs, cfg: ModelConfig | None, seq_len: int, 
     """--micro-batch auto: the micro-batch and checkpointing mode a run would choose here (modelled)."""
     if cfg is None:
         raise UserError("--micro-batch auto: needs a model shape (--model), not a nominal --params")
-    return choose(cfg, seq_len, n_devices=n, gpu_memory=spec.memory_bytes,
-                  peak_flops=peak_flops(spec, mfu_basis(x.precision)), where=f"{n} × {spec.name}",
+    return choose(cfg, seq_len, n_devices=n if x.data_parallel in ("fsdp", "hsdp") else 1,  # ddp: whole states
+                  gpu_memory=spec.memory_bytes, peak_flops=peak_flops(spec, mfu_basis(x.precision)),
+                  where=f"{n} × {spec.name}",
                   checkpointing="auto" if x.activation_checkpointing is None else x.activation_checkpointing,
-                  expert_parallel=x.expert_parallel)
+                  expert_parallel=x.expert_parallel, ddp_ranks=n if x.data_parallel == "ddp" else 1)
 
 
 def _moe_traffic(cfg: ModelConfig | None, memory: dict, seq_len: int, x: EstimateInputs, n: int) -> dict | None:

@@ -114,7 +114,8 @@ def micro_batch_and_checkpointing(cfg: RunConfig, ctx: int, gbs: int, machine: M
                     where=f"{devices} × {machine.spec.description or machine.spec.name}", per_rank=gbs // world,
                     micro_batch=None if auto_micro else int(p.micro_batch_size), checkpointing=c.activation_checkpointing,
                     expert_parallel=c.expert_parallel, measure=measure if auto_micro and machine.probe.measures else None,
-                    measured_as="measured (a slice of the model, scaled to it)")
+                    measured_as="measured (a slice of the model, scaled to it)",
+                    ddp_ranks=machine.world_size if c.data_parallel == "ddp" else 1)
     return choice.micro_batch, choice.checkpointing, choice.reason
 
 
