@@ -181,3 +181,41 @@ def test_a_gpu_run_probes_its_candidates():
     micro, _, reason = micro_batch_and_checkpointing(cfg, 512, 64, local_machine(torch.device("cuda")), "bf16")
     assert "measured" in reason and 64 % micro == 0, reason
     assert torch.cuda.memory_allocated() < 2**30  # the probe's models are gone
+
+
+def _on_main_worker(rank: int, init: str, out: str) -> None:
+    import torch.distributed as td
+
+    from lmforge.distributed.dist import DistInfo
+    from lmforge.errors import PeerUserError, UserError
+    from lmforge.train.machine import LocalProbe
+
+    td.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    probe = LocalProbe(torch.device("cpu"), DistInfo(rank=rank, world_size=2, local_rank=rank,
+                                                     device=torch.device("cpu")))
+    seen = []
+    for fail in (None, UserError("bad data"), RuntimeError("kernel failed")):
+        def fn():
+            if fail is not None:
+                raise fail
+            return 42
+        try:
+            seen.append(probe.on_main(fn))
+        except (UserError, PeerUserError, RuntimeError) as e:
+            seen.append(f"{type(e).__name__}: {e}")
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(seen, f)
+    td.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_what_rank_0_decides_or_fails_at_reaches_every_rank(tmp_path):
+    """`LocalProbe.on_main` on 2 gloo ranks: rank 0's result, its bad-input line, and any other
+    failure reach rank 1 (which would otherwise wait at the broadcast until the timeout)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_on_main_worker, args=(f"file://{tmp_path}/store", str(tmp_path / "seen")), nprocs=2)
+    zero, one = (json.loads((tmp_path / f"seen.{r}").read_text()) for r in (0, 1))
+    assert zero == [42, "UserError: bad data", "RuntimeError: kernel failed"]
+    assert one[0] == 42 and one[1] == "PeerUserError: bad data"
+    assert one[2].startswith("RuntimeError: rank 0 failed") and "kernel failed" in one[2]

@@ -75,13 +75,17 @@ class LocalProbe:
         if self.dist.is_main:
             try:
                 result = fn()
-            except UserError as e:
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
                 error = e
-        result, message = broadcast_object((result, None if error is None else str(error)))
+        user = isinstance(error, UserError)
+        result, message, peer_user = broadcast_object(
+            (result, None if error is None else f"{type(error).__name__}: {error}" if not user else str(error), user))
         if error is not None:
             raise error
-        if message:
+        if message and peer_user:
             raise PeerUserError(message)
+        if message:
+            raise RuntimeError(f"rank 0 failed while resolving the run ({message})")
         return result
 
 
