@@ -348,6 +348,8 @@ def test_cli_run_yaml_is_planned_as_train_resolves_it(tiny_data, tmp_path):
     cfg["parameters"]["learning_rate"] = -1
     (tmp_path / "bad.yaml").write_text(json.dumps(cfg))
     _assert_one_line_error(_cli("--model", "bad.yaml", cwd=tmp_path), "parameters.learning_rate")
+    for flag in ("--gpus", "--nodes", "--context-parallel", "--expert-parallel"):  # refused before resolving
+        _assert_one_line_error(_cli("--model", "run.yaml", flag, "0", cwd=tmp_path), f"{flag}: expected a whole number")
 
 
 @pytest.mark.integration

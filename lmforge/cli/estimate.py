@@ -57,8 +57,10 @@ def _run_yaml(value: str) -> dict | None:
     then plans that run as `lmforge train` resolves it. None for a preset or a model-only YAML."""
     if value in PRESETS or not value.endswith((".yaml", ".yml")) or not Path(value).is_file():
         return None
-    doc = load_yaml_text(read_text_file(value, "--model"), value)
-    return doc if isinstance(doc, dict) and "train_data" in doc else None
+    from lmforge.config.load import load_raw
+
+    doc = load_raw(value)  # as `lmforge train -f` reads it (the run's name from the file's stem, ...)
+    return doc if "train_data" in doc else None
 
 
 def _resolved_inputs(doc: dict, source: str, args) -> EstimateInputs:
@@ -71,16 +73,17 @@ def _resolved_inputs(doc: dict, source: str, args) -> EstimateInputs:
     from lmforge.resolve.request import RunRequest
 
     cpu = args.gpu_type == "cpu"
+    cfg = resolve(RunRequest("train", doc, source), until="config").config
     if cpu:  # this machine, measured as `train --dry-run` measures it (model: auto times its candidates)
         import torch
 
         from lmforge.train.machine import local_machine
 
-        machine = local_machine(torch.device("cpu"))
+        machine = local_machine(torch.device("cpu"), cfg.compute.ranks or 1)
     else:
         machine = nominal_machine(args.gpu_type, args.gpus * args.nodes)
     log = (lambda line: print(line, file=sys.stderr)) if args.json else print  # --json: stdout is the JSON alone
-    run = resolve(RunRequest.from_mapping("train", doc, source), machine, until="plan", log=log)
+    run = resolve(cfg, machine, until="plan", log=log)
     given = {"tokens": parse_count(args.tokens, "--tokens") if args.tokens is not None else None}
     if args.tokens is None and not args.chinchilla:
         given.pop("tokens")  # the run's own
@@ -100,8 +103,8 @@ def _micro_batch(text: str):
     if text == "auto":
         return text
     try:
-        return int(text)
-    except ValueError:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}") from None
 
 
@@ -237,8 +240,8 @@ def register(subparsers) -> None:
     p.add_argument("--time", metavar="DURATION", help="--model auto: a wall-clock budget, e.g. 70s or 5min "
                    "(--gpu-type cpu: timed on this machine)")
     p.add_argument("--chinchilla", action="store_true", help="use the compute-optimal 20 tokens per parameter")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
-    p.add_argument("--nodes", type=int, default=1, help="nodes")
+    p.add_argument("--gpus", type=positive_int, default=8, help="GPUs per node")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes")
     p.add_argument("--gpu-type", default="h100-sxm", help=f"one of: {', '.join(gpu_type_names())}")
     p.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp32"],
                    help="peak FLOP/s used; unset = bf16 on GPUs, and on `--gpu-type cpu` what `lmforge train` "
@@ -254,9 +257,9 @@ def register(subparsers) -> None:
                    help="how the GPUs share the model, which the memory verdict is for: fsdp shards the model "
                    "states over every GPU, hsdp over a node's, ddp keeps them whole on each (what `lmforge "
                    "train` uses unless compute.data_parallel says otherwise); unset = a run YAML's own, else fsdp")
-    p.add_argument("--expert-parallel", type=int, default=None, metavar="N",
+    p.add_argument("--expert-parallel", type=positive_int, default=None, metavar="N",
                    help="MoE: GPUs each layer's experts are split over (memory and all-to-all traffic)")
-    p.add_argument("--context-parallel", type=int, default=None, metavar="N",
+    p.add_argument("--context-parallel", type=positive_int, default=None, metavar="N",
                    help="GPUs each row's tokens are split over (activation memory); the `long context` line says "
                    "which degree and checkpointing mode --seq-len needs")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -169,7 +169,7 @@ def dry_run(request: RunRequest, args) -> int:
     if device.type == "cuda":
         world = (torch.cuda.device_count() if cfg.compute.gpus == "auto" else cfg.compute.gpus) * cfg.compute.nodes
     machine = local_machine(device, world)
-    run = resolve(request, machine, until="plan")
+    run = resolve(cfg, machine, until="plan")  # the config resolved above: its default name (a time) kept
     plan = run.plan
     resolved = secrets.redact_config(run.config.model_dump(mode="json"))
     est = estimate_run(estimate_inputs(run.config, plan, machine))
