@@ -8,7 +8,6 @@ shape it started with from its save folder, so re-measuring never changes a run'
 
 from __future__ import annotations
 
-import json
 import os
 
 from lmforge.config.defaults import auto_vocab, default_batch_tokens, estimated_bytes_per_token, micro_batch_for
@@ -19,7 +18,7 @@ from lmforge.errors import UserError
 from lmforge.estimate.auto import SMALL_CONTEXT, Budget, Candidate, candidates, choose
 from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
 from lmforge.estimate.hardware import mfu_basis, peak_flops
-from lmforge.layout import RUN_FILE
+from lmforge.layout import read_run_file
 from lmforge.resolve.machine import Machine
 from lmforge.resolve.plan import plan_optimizer
 
@@ -87,12 +86,7 @@ def _recorded_shape(cfg: RunConfig) -> dict | None:
     """The resolved config a previous start of this run wrote to its save folder (resume)."""
     if not (cfg.autoresume and cfg.save_folder):
         return None
-    path = os.path.join(cfg.save_folder, RUN_FILE)
-    try:
-        with open(path) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
+    record = read_run_file(cfg.save_folder) or {}
     if (record.get("identity") or {}).get("name") != cfg.name:
         return None
     return record.get("config")

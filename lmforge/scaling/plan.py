@@ -38,11 +38,11 @@ from typing import Callable
 from lmforge.config.defaults import MAX_WARMUP_STEPS, WARMUP_FRACTION, default_batch_tokens, default_learning_rate
 from lmforge.config.model import ModelConfig, padded_vocab, resolve_model
 from lmforge.errors import UserError
+from lmforge.estimate.auto import TOKENS_PER_PARAM  # Chinchilla's ratio: the target's prior before any fit
 from lmforge.estimate.flops import param_counts
 from lmforge.scaling.config import LadderConfig
 from lmforge.scaling.fit import FLOPS_PER_PARAM_TOKEN
 
-TOKENS_PER_PARAM = 20.0  # Chinchilla's compute-optimal ratio: the target's prior before any fit
 SMALL_CONTEXT = 256  # the context of a ladder whose target is small (as `model: auto`'s CPU shapes)
 LARGE_TARGET = 50e6  # parameters; a larger target's ladder trains at context 2048
 WIDTHS = (32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 2560, 3072,
