@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from lmforge.config.checked import Strict
 
 FILTER_NAMES = ("c4", "fineweb", "language", "gopher_quality", "gopher_repetition")  # the order they run in
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+_Strict = Strict  # unknown keys, booleans as numbers and inf/nan refused (`config.checked`)
 
 
 def _on(v):
