@@ -544,6 +544,8 @@ class RunConfig(_Strict):
         if isinstance(v, dict):
             out = []
             for name, entry in v.items():
+                if not isinstance(entry, (str, dict)) and entry is not None:
+                    raise ValueError(f"train_data.{name}: expected a path or {{path, proportion}}, got {entry!r}")
                 entry = {"path": entry} if isinstance(entry, str) else dict(entry or {})
                 entry.setdefault("name", name)
                 out.append(entry)

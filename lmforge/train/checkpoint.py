@@ -237,6 +237,10 @@ def verify_checkpoint(path: str, checked: Collection[str] = ()) -> dict:
             state = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt ({STATE_FILE}: {e})") from None
+    files = state.get("files") if isinstance(state, dict) else None
+    if not isinstance(state, dict) or not isinstance(files or {}, dict) or \
+            not all(isinstance(d, dict) for d in (files or {}).values()):
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt ({STATE_FILE} is not a checkpoint's state)")
     try:
         verify_files(path, {n: d for n, d in (state.get("files") or {}).items() if n not in checked}, "checkpoint")
     except DamagedFile as e:
