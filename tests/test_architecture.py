@@ -60,7 +60,7 @@ FORBIDDEN = {
 SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say", "uri", "guard")
 # Modules that must load without torch: `lmforge --help`, `estimate` and a run's resolution up
 # to its config stay light, and the rules live in one torch-free layer that torch code imports.
-TORCH_FREE = ["lmforge.cli.main", "lmforge.layout", "lmforge.resolve", "lmforge.resolve.plan",
+TORCH_FREE = ["lmforge.cli.main", "lmforge.layout", "lmforge.guard", "lmforge.config.limits", "lmforge.resolve", "lmforge.resolve.plan",
               "lmforge.resolve.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
               "lmforge.resolve.auto_model", "lmforge.resolve.schedule", "lmforge.tasks.icl",
               "lmforge.estimate.plan", "lmforge.estimate.auto", "lmforge.estimate.memory",
