@@ -249,7 +249,7 @@ CASES = [
                                       "{dir}/r", "--no-supervisor"],
          ["parameters.context_length", "larger than the data"], files={"short.txt": "just a few words\n"}),
     Case("prepare-eval-fraction", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{tok}", "--out", "{dir}/o",
-                                   "--seq-len", "64", "--eval-fraction", "1.5"], ["--eval-fraction", "[0, 1)"]),
+                                   "--seq-len", "64", "--eval-fraction", "1.5"], ["--eval-fraction", "below 1"]),
     Case("prepare-seq-len-zero", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{tok}", "--out", "{dir}/o",
                                   "--seq-len", "0"], ["--seq-len"]),
     Case("prepare-nothing-to-hold-out", ["data", "prepare", "--input", "{dir}/one.txt", "--tokenizer", "{tok}",

@@ -43,12 +43,14 @@ def _shown(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
-def bounded(kind: type, low: float | None = None, high: float | None = None, *, above: bool = False):
+def bounded(kind: type, low: float | None = None, high: float | None = None, *, above: bool = False,
+            below: bool = False):
     """An argparse type: a finite ``int`` or ``float`` in [low, high] (``above``: low itself
-    excluded). The refusal names the flag (argparse adds it) and the range expected."""
+    excluded; ``below``: high itself excluded). The refusal names the flag (argparse adds it) and the
+    range expected."""
     word = "a whole number" if kind is int else "a number"
     lo = "" if low is None else (f"above {_shown(low)}" if above else f"at least {_shown(low)}")
-    hi = "" if high is None else f"at most {_shown(high)}"
+    hi = "" if high is None else (f"below {_shown(high)}" if below else f"at most {_shown(high)}")
     expected = f"{word} {' and '.join(p for p in (lo, hi) if p)}".strip()
 
     def parse(text: str):
@@ -57,7 +59,7 @@ def bounded(kind: type, low: float | None = None, high: float | None = None, *, 
         except ValueError:
             value = None
         if (value is None or not math.isfinite(value) or (low is not None and (value < low or (above and value == low)))
-                or (high is not None and value > high)):
+                or (high is not None and (value > high or (below and value == high)))):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
 

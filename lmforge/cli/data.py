@@ -34,7 +34,7 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", required=True, metavar="TOK", help="tokenizer folder (tokenizer.json) or HF name")
     p.add_argument("--out", required=True, metavar="DEST", help="output folder or object-store URI")
     p.add_argument("--seq-len", type=bounded(int, 2, MAX_SEQ_LEN), required=True, metavar="N", help="tokens per sample")
-    p.add_argument("--eval-fraction", type=bounded(float, 0, 1), default=0.0, metavar="F",
+    p.add_argument("--eval-fraction", type=bounded(float, 0, 1, below=True), default=0.0, metavar="F",
                    help="fraction of documents held out in DEST/val (chosen by a hash of their content); "
                    "too few documents for one val sample: that fraction of the samples, from the end")
     p.add_argument("--workers", type=bounded(int, 1, 4096), default=min(4, os.cpu_count() or 1),

@@ -131,7 +131,7 @@ class TokenizerTrain(_Strict):
     @classmethod
     def _vocab(cls, v):
         if isinstance(v, int) and not 64 <= v <= MAX_VOCAB:
-            raise ValueError(f"must be in [64, {MAX_VOCAB}] or 'auto'")
+            raise ValueError(f"must be at least 64 (and at most {MAX_VOCAB}) or 'auto'")
         return v
     bos: bool = Field(False, description="also add a beginning-of-text token")
 
