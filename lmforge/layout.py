@@ -21,11 +21,20 @@ import re
 
 from lmforge.errors import UserError
 
+DAMAGED = ".damaged-"  # a damaged checkpoint set aside: step_N.damaged-<time>
 STATE_FILE = "lmforge-state.json"  # a checkpoint's JSON state, written last: its presence completes it
 RUN_FILE = "run.json"  # a save folder's run identity and resolved config
 MODEL_CONFIG_FILE = "lmforge-model.json"  # an exported model's shape (`models.io`)
 DATASET_MARKER = "lmforge-dataset.json"  # a prepared dataset's summary, written last (`data.prepare`)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Every name a run writes at the top of its save folder (the trainer, the trackers, the report, the
+# supervisor's lock and logs, a remote run's staging): a folder holding anything else, and no
+# run.json, is not a run's (`guard.check_save_folder`).
+RUN_FOLDER_NAMES = frozenset({
+    RUN_FILE, RUN_FILE + ".tmp", "checkpoints", "final", "logs", "metrics.jsonl", "generations.jsonl",
+    "events.jsonl", "plan.json", "plan.json.tmp", "report.html", "report.html.tmp", "trackers.json",
+    "trackers.json.tmp", ".lmforge.lock", "reference-logps.safetensors", "reference-logps.safetensors.tmp",
+    ".reference", ".uploads", "wandb"})
 # A run's statuses, as the registry records them and a report reads them back.
 STATUSES = ("PENDING", "STARTING", "RUNNING", "TERMINATING", "COMPLETED", "FAILED", "STOPPED")
 ACTIVE = ("PENDING", "STARTING", "RUNNING", "TERMINATING")  # still going
@@ -47,6 +56,15 @@ def list_checkpoints(save_folder: str) -> list[tuple[int, str]]:
         if m and os.path.exists(os.path.join(root, name, STATE_FILE)):
             found.append((int(m.group(1)), os.path.join(root, name)))
     return sorted(found)
+
+
+def damaged_checkpoints(save_folder: str) -> list[tuple[int, str]]:
+    """Checkpoints set aside as damaged (``step_N.damaged-<time>``, `train.checkpoint.intact_checkpoint`),
+    oldest step first."""
+    root = checkpoints_dir(save_folder)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    found = [(m, name) for name in names if DAMAGED in name and (m := _STEP_DIR.match(name.split(DAMAGED)[0]))]
+    return sorted((int(m.group(1)), os.path.join(root, name)) for m, name in found)
 
 
 def checkpoint_step(path: str) -> int | None:

@@ -151,11 +151,16 @@ def _forget_cached_clients() -> None:
         pass
 
 
-_USERINFO = re.compile(r"(://)[^/@\s:]+:[^/@\s]+@")
+# Credentials a URI carries: its userinfo (``scheme://user:pass@``, ``https://TOKEN@``) and secret
+# query parameters (``?token=``, a presigned URL's ``X-Amz-Signature=``).
+_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s'\"]+@")
+_SECRET_QUERY = re.compile(r"([?&](?:[\w.-]*(?:password|passwd|pwd|token|secret|signature|credential|api[_-]?key|"
+                           r"access[_-]?key)[\w.-]*)=)[^&#\s'\"]+", re.I)
 
 
 def redact(text: str) -> str:
-    """``text`` with every known secret value, and URL passwords (``scheme://user:pass@``), masked."""
+    """``text`` with every known secret value, and the credentials of every URI in it (its userinfo,
+    secret query parameters), masked: the one redaction of whatever lmforge prints or stores."""
     text = str(text)
     for var in SECRET_ENV:  # values that arrived after apply() (e.g. set by a library)
         if os.environ.get(var):
@@ -163,7 +168,7 @@ def redact(text: str) -> str:
     for value in sorted(_known, key=len, reverse=True):
         if len(value) >= 4:  # never mask trivial strings (they would garble everything)
             text = text.replace(value, MASK)
-    return _USERINFO.sub(rf"\1{MASK}@", text)
+    return _SECRET_QUERY.sub(rf"\1{MASK}", _USERINFO.sub(rf"\1{MASK}@", text))
 
 
 def redact_config(obj):

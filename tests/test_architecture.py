@@ -4,7 +4,8 @@ Data flows one way — config → resolved run → data → models → train —
 `data`, `train`, `distributed`) never reaches out to the operations around it (`runs`, `cli`,
 the trackers, reports). The layers, from the bottom:
 
-    errors, home, layout, checksums, process, secrets, say     (small shared modules)
+    errors, home, layout, checksums, process, secrets, say,   (small shared modules)
+    uri, guard
     config · tasks                                              torch-free: the rules and constants
     estimate                                                    torch-free: FLOPs, memory, time
     scaling                                                     torch-free: scaling-law ladders planned, fitted
@@ -56,10 +57,10 @@ FORBIDDEN = {
     "report": ("models", "train", "distributed", "runs", "cli"),  # reads a run's files; never trains
     "runs": ("cli",),
 }
-SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say")
+SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say", "uri", "guard")
 # Modules that must load without torch: `lmforge --help`, `estimate` and a run's resolution up
 # to its config stay light, and the rules live in one torch-free layer that torch code imports.
-TORCH_FREE = ["lmforge.cli.main", "lmforge.layout", "lmforge.resolve", "lmforge.resolve.plan",
+TORCH_FREE = ["lmforge.cli.main", "lmforge.layout", "lmforge.guard", "lmforge.config.limits", "lmforge.resolve", "lmforge.resolve.plan",
               "lmforge.resolve.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
               "lmforge.resolve.auto_model", "lmforge.resolve.schedule", "lmforge.tasks.icl",
               "lmforge.estimate.plan", "lmforge.estimate.auto", "lmforge.estimate.memory",

@@ -249,7 +249,7 @@ CASES = [
                                       "{dir}/r", "--no-supervisor"],
          ["parameters.context_length", "larger than the data"], files={"short.txt": "just a few words\n"}),
     Case("prepare-eval-fraction", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{tok}", "--out", "{dir}/o",
-                                   "--seq-len", "64", "--eval-fraction", "1.5"], ["--eval-fraction", "[0, 1)"]),
+                                   "--seq-len", "64", "--eval-fraction", "1.5"], ["--eval-fraction", "below 1"]),
     Case("prepare-seq-len-zero", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{tok}", "--out", "{dir}/o",
                                   "--seq-len", "0"], ["--seq-len"]),
     Case("prepare-nothing-to-hold-out", ["data", "prepare", "--input", "{dir}/one.txt", "--tokenizer", "{tok}",
@@ -365,12 +365,44 @@ CASES = [
     Case("eval-checkpoint-missing", ["eval", "--checkpoint", "{dir}/none"], ["checkpoint", "none", "no such folder"]),
     Case("eval-gauntlet-missing", ["eval", "--checkpoint", "{final}", "--gauntlet", "{dir}/nosuch.yaml"],
          ["gauntlet", "nosuch.yaml"]),
+    # --- issue 47: --overwrite deleted the command's own input
+    Case("prepare-out-is-the-tokenizer", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{dir}/tok", "--out",
+                                          "{dir}/tok", "--seq-len", "64", "--overwrite"], ["--out", "is the tokenizer"],
+         files={"tok": lambda w, d: shutil.copytree(w.data.tokenizer, d / "tok")}, keep=["{dir}/tok"]),
+    Case("prepare-out-is-the-input", ["data", "prepare", "--input", "{dir}/in", "--tokenizer", "{tok}", "--out",
+                                      "{dir}/in", "--seq-len", "64", "--overwrite"], ["--out", "is the input"],
+         files={"in": lambda w, d: shutil.copytree(w.data.raw, d / "in")}, keep=["{dir}/in"]),
+    Case("export-out-is-the-run", ["export", "--checkpoint", "{dir}/run", "--out", "{dir}/run", "--overwrite"],
+         ["--out", "is the checkpoint"], files={"run": run_copy}, keep=["{dir}/run"]),
+    Case("export-out-is-final", ["export", "--checkpoint", "{dir}/run/final", "--out", "{dir}/run/final",
+                                 "--overwrite"], ["--out", "is the checkpoint"], files={"run": run_copy},
+         keep=["{dir}/run/final"]),
+    Case("train-data-corrupt-gz", ["train", "-f", "{cfg}", "--train-data", "{dir}/bad.txt.gz", "--save-folder",
+                                   "{dir}/r", "--no-supervisor"], ["bad.txt.gz", "corrupt"],
+         files={"bad.txt.gz": lambda w, d: (d / "bad.txt.gz").write_bytes(_damaged_gzip())}, was_traceback=True),
+    Case("preference-rejected-null", ["finetune", "-f", "{dir}/p.yaml", "--no-supervisor"],
+         ["p.jsonl:1", "'rejected' is null"],
+         files={"p.jsonl": json.dumps({"prompt": "2 + 3 =", "chosen": " 5", "rejected": None}) + "\n",
+                "p.yaml": lambda w, d: write_config(d / "p.yaml", w.config(
+                    task_type="preference", custom_weights_path=str(w.run / "final"), save_folder=str(d / "ft"),
+                    train_data=str(d / "p.jsonl")))}),
+    Case("finetune-raw-text", ["finetune", "-f", "{cfg}", "--train-data", "{dir}/a.txt", "--weights", "{final}",
+                               "--save-folder", "{dir}/ft", "--no-supervisor"], ["a.txt", "raw text", "JSONL"],
+         files={"a.txt": "plain words of a story\n" * 20}),
     Case("resume-shard-bit-flip-only-checkpoint", ["train", "-f", "{dir}/resume.yaml", "--no-supervisor"],
          ["distcp", "sha256"],
          files={"resume.yaml": resumed_config(save_num_checkpoints_to_keep=1), "x": lambda w, d: [
              _flip(f) for f in sorted((d / "run" / "checkpoints").glob("*/*.distcp"))]},
          keep=["{dir}/run/final"]),
 ]
+
+
+def _damaged_gzip() -> bytes:
+    import gzip
+
+    b = bytearray(gzip.compress(("hello world " * 4000).encode()))
+    b[40] ^= 0x5A  # inside the deflate stream: zlib's "invalid ..." error, not a short read
+    return bytes(b)
 
 
 def _truncate(path: Path) -> None:
@@ -520,7 +552,9 @@ def world_tokens(world, text: str) -> list[int]:
 
 @pytest.mark.e2e
 def test_corrupt_latest_checkpoint_falls_back(world, tmp_path):
-    """A damaged newest checkpoint: a warning line, and the run resumes from the previous one."""
+    """A damaged newest checkpoint: a warning line, and the run resumes from the previous one; the
+    damaged one is pruned once an intact later one exists, and a completed run whose checkpoints
+    are all damaged reports itself complete (exit 0) from its intact final model."""
     run_copy(world, tmp_path)
     ckpts = sorted((tmp_path / "run" / "checkpoints").iterdir())
     assert len(ckpts) == 2
@@ -530,6 +564,20 @@ def test_corrupt_latest_checkpoint_falls_back(world, tmp_path):
     assert "warning: checkpoint" in proc.stdout and "sha256" in proc.stdout
     assert f"resume: continuing from {ckpts[0]} (step 2" in proc.stdout
     assert "completed after 6 steps" in proc.stdout
+    # Issue 47: the damaged one, set aside, goes once an intact checkpoint of its step or later exists.
+    assert not [p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if ".damaged-" in p.name]
+    # A completed run stays complete when every checkpoint of it is damaged: its final/ is intact.
+    # (a copy, and a process of its own: this process holds the first folder's lock)
+    done = tmp_path / "done"
+    shutil.copytree(tmp_path / "run", done, ignore=shutil.ignore_patterns("*.lock", "logs"))
+    final = _digest(done / "final")
+    for ckpt in (done / "checkpoints").iterdir():
+        _flip(sorted(ckpt.glob("*.distcp"))[0])
+    cfg = write_config(tmp_path / "d.yaml", world.config(save_folder=str(done), training_duration="6ba"))
+    again = lmforge("train", "-f", cfg, "--no-supervisor")
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-2000:]
+    assert "its final model" in again.stdout and "nothing to train" in again.stdout, again.stdout[-2000:]
+    assert "completed after 6 steps" in again.stdout and _digest(done / "final") == final
 
 
 @pytest.mark.e2e

@@ -81,7 +81,7 @@ def test_a_plan_travels_as_one_argument_and_replaces_the_old_one(tiny_data, tmp_
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--max-retries", "-1"], "max_retries"),
+    (["--max-retries", "-1"], "--max-retries"),  # refused by the flag's own bound
     (["--set", "compute.hang_timeout=2"], "hang_timeout: 2s is below the floor of 5s"),
     (["--set", "compute.hang_timeout=10ba"], "hang_timeout"),
 ])
@@ -90,7 +90,11 @@ def test_bad_retry_and_hang_settings_are_one_line(tiny_data, tmp_path, capsys, a
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps(tiny_run_config(tiny_data, tmp_path / "r")))
-    assert main(["train", "-f", str(cfg), *argv]) == 2
+    try:
+        code = main(["train", "-f", str(cfg), *argv])
+    except SystemExit as e:  # argparse refuses a flag's value (`cli.common.OneLineParser`)
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
     assert not (tmp_path / "r").exists()
@@ -171,6 +175,15 @@ def test_watchdog_fires_after_the_timeout_not_while_paused():
     rank, silent, timeout = got[0]
     assert rank == 3 and silent >= 2.0 and timeout == 2.0
     dog.close()
+
+
+def test_the_hang_line_promises_a_restart_only_when_one_is_allowed():
+    from lmforge.runs.supervisor import HANG_MARK
+    from lmforge.train.watchdog import hang_line
+
+    assert HANG_MARK in hang_line(0, 400, 300) and "restarts from its latest checkpoint" in hang_line(0, 400, 300)
+    line = hang_line(1, 400, 300, restarts=False)
+    assert "max_retries is 0" in line and "not restarted" in line and "restarts from" not in line
 
 
 def test_watchdog_default_is_a_multiple_of_the_median_step_with_a_floor():

@@ -180,7 +180,9 @@ def test_unreachable_mlflow_degrades_to_warning(tmp_path, home, monkeypatch, cap
     # Registered so the timeouts the tracker sets do not leak into other tests.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    cfg = TrackerConfig(mlflow=MLflowConfig(tracking_uri="http://127.0.0.1:9"), console=False, report=False)
+    # A password in the URI (issue 47: it was printed in the warning, and so kept in the run's log).
+    cfg = TrackerConfig(mlflow=MLflowConfig(tracking_uri="http://user:hunter2pw@127.0.0.1:9"), console=False,
+                        report=False)
     assert mlflow_ui_command(cfg) is None
     import mlflow  # noqa: F401 - imported before the clock starts: a cold import takes seconds on a busy machine
 
@@ -189,11 +191,23 @@ def test_unreachable_mlflow_degrades_to_warning(tmp_path, home, monkeypatch, cap
     assert time.monotonic() - start < 30  # no retry loop: MLflow's default retries would take minutes
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: mlflow tracking disabled (")
+    assert "hunter2pw" not in err[0]
     assert [x.name for x in t] == ["jsonl"]
     t.log_metrics({"train/loss": 2.0}, 1)
     t.finish()
     assert read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["train/loss"] == 2.0
     assert "mlflow" not in read_state(tmp_path / "run")
+    assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file() and b"hunter2pw" in p.read_bytes()]
+
+
+def test_one_redaction_masks_credentials_of_any_uri():
+    from lmforge.secrets import redact
+
+    assert redact("to http://u:pw@h:5000/api failed") == "to http://***@h:5000/api failed"
+    assert redact("https://TOKEN@github.com/x") == "https://***@github.com/x"
+    assert redact("https://s3/b/k?X-Amz-Signature=abc&X-Amz-Date=1") == "https://s3/b/k?X-Amz-Signature=***&X-Amz-Date=1"
+    for kept in ("s3://bucket/key", "git@github.com:x.git", "sqlite:////root/mlflow.db", "a=b"):
+        assert redact(kept) == kept
 
 
 def _wandb_records(path: Path) -> list[bytes]:

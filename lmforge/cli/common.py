@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 
 from lmforge.errors import UserError
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage + error on bad arguments; we print one line and exit 2."""
+    """argparse prints usage + error on bad arguments; we print one line and exit 2.
+
+    A value that starts with a minus and a digit (``-1``, ``-1ba``, ``-5min``, ``-7B``) is a value,
+    never an option: argparse's own rule takes only bare numbers, so ``--time -5min`` was "expected
+    one argument" instead of the flag's own refusal of a negative time."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?[0-9].*$")
 
     def error(self, message: str):  # argparse API
         sys.stderr.write(f"error: {self.prog}: {message} (see `{self.prog} --help`)\n")
@@ -29,15 +39,35 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number above 0 (so that 0 is refused, never read as "not given")."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
-    return value
+def _shown(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def bounded(kind: type, low: float | None = None, high: float | None = None, *, above: bool = False,
+            below: bool = False):
+    """An argparse type: a finite ``int`` or ``float`` in [low, high] (``above``: low itself
+    excluded; ``below``: high itself excluded). The refusal names the flag (argparse adds it) and the
+    range expected."""
+    word = "a whole number" if kind is int else "a number"
+    lo = "" if low is None else (f"above {_shown(low)}" if above else f"at least {_shown(low)}")
+    hi = "" if high is None else (f"below {_shown(high)}" if below else f"at most {_shown(high)}")
+    expected = f"{word} {' and '.join(p for p in (lo, hi) if p)}".strip()
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if (value is None or not math.isfinite(value) or (low is not None and (value < low or (above and value == low)))
+                or (high is not None and (value > high or (below and value == high)))):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+positive_int = bounded(int, 1)  # 0 refused, never read as "not given"
 
 
 def add_command(subparsers, name: str, help: str, description: str | None = None):

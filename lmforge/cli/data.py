@@ -10,7 +10,8 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-from lmforge.cli.common import OneLineParser, add_command, check_output_file
+from lmforge.cli.common import OneLineParser, add_command, bounded, check_output_file
+from lmforge.config.limits import MAX_SEQ_LEN
 from lmforge.data import remote
 from lmforge.data.executors import ExecutorSpec
 from lmforge.data.mds import MDSReader
@@ -32,11 +33,11 @@ def register(subparsers) -> None:
                    help="files, folders, globs, URIs, hf://NAME[/CONFIG][:SPLIT] or builtin:python-stdlib")
     p.add_argument("--tokenizer", required=True, metavar="TOK", help="tokenizer folder (tokenizer.json) or HF name")
     p.add_argument("--out", required=True, metavar="DEST", help="output folder or object-store URI")
-    p.add_argument("--seq-len", type=int, required=True, metavar="N", help="tokens per sample")
-    p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
+    p.add_argument("--seq-len", type=bounded(int, 2, MAX_SEQ_LEN), required=True, metavar="N", help="tokens per sample")
+    p.add_argument("--eval-fraction", type=bounded(float, 0, 1, below=True), default=0.0, metavar="F",
                    help="fraction of documents held out in DEST/val (chosen by a hash of their content); "
                    "too few documents for one val sample: that fraction of the samples, from the end")
-    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+    p.add_argument("--workers", type=bounded(int, 1, 4096), default=min(4, os.cpu_count() or 1),
                    help="tokenizer processes (without --executor; with one, --tasks)")
     p.add_argument("--compression", default="zstd", help="shard compression: zstd, zstd:LEVEL or none")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
@@ -55,7 +56,7 @@ def register(subparsers) -> None:
                    help="files, folders, globs, URIs, hf://NAME[/CONFIG][:SPLIT] or builtin:python-stdlib")
     p.add_argument("--out", required=True, metavar="DEST", help="output folder")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
-    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+    p.add_argument("--workers", type=bounded(int, 1, 4096), default=min(4, os.cpu_count() or 1),
                    help="worker processes (without --executor; with one, --tasks)")
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it holds other output")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -70,7 +71,7 @@ def register(subparsers) -> None:
     p.add_argument("source", metavar="SRC|DEST", nargs="+", help="raw inputs, or one prepared dataset folder")
     p.add_argument("--tokenizer", metavar="TOK", help="count tokens of raw text with this tokenizer")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
-    p.add_argument("--max-docs", type=int, default=None, metavar="N", help="read at most N documents")
+    p.add_argument("--max-docs", type=bounded(int, 1), default=None, metavar="N", help="read at most N documents")
     p.add_argument("--plot", metavar="FILE",
                    help="write the plots to FILE.png or FILE.html (replaces earlier plots there, nothing else)")
     p.add_argument("--overwrite", action="store_true", help="replace the --plot FILE even if lmforge did not write it")
@@ -80,7 +81,7 @@ def register(subparsers) -> None:
     p = add_command(sub, "inspect", "show a prepared dataset's summary and its first sample")
     p.add_argument("dest", metavar="DEST", help="prepared dataset folder or URI")
     p.add_argument("--json", action="store_true", help="print as JSON")
-    p.add_argument("--chars", type=int, default=600, help="characters of the first sample to show (0: all)")
+    p.add_argument("--chars", type=bounded(int, 0), default=600, help="characters of the first sample to show (0: all)")
     p.set_defaults(func=_inspect)
     group.set_defaults(func=lambda args: (group.print_help(), 2)[1])
 
@@ -92,7 +93,7 @@ def add_curation_args(p, dedup_default: str | None) -> None:
     g = p.add_argument_group("curation (docs/curation.md)")
     g.add_argument("--dedup", default=dedup_default, metavar="KINDS",
                    help="exact, near, exact,near or none: remove duplicate documents")
-    g.add_argument("--near-threshold", type=float, metavar="J", help="near-dup Jaccard threshold (default 0.8)")
+    g.add_argument("--near-threshold", type=bounded(float, 0, 1, above=True), metavar="J", help="near-dup Jaccard threshold (default 0.8)")
     g.add_argument("--filter", action="append", default=[], metavar="NAME",
                    help=f"quality/language filter with its default thresholds (repeatable or comma-separated): "
                         f"{FILTERS_HELP}")
@@ -111,13 +112,13 @@ def add_executor_args(p) -> None:
     g.add_argument("--executor", metavar="KIND",
                    help="run as --tasks tasks on datatrove's local, slurm or ray executor (default: this process "
                         "and --workers processes)")
-    g.add_argument("--tasks", type=int, metavar="N", help="how many tasks (implies --executor local)")
-    g.add_argument("--unit-mb", type=float, default=DEFAULT_UNIT_BYTES / (1 << 20), metavar="MB",
+    g.add_argument("--tasks", type=bounded(int, 1, 1_000_000), metavar="N", help="how many tasks (implies --executor local)")
+    g.add_argument("--unit-mb", type=bounded(float, 0, 1 << 20, above=True), default=DEFAULT_UNIT_BYTES / (1 << 20), metavar="MB",
                    help="input per work unit (default %(default).0f): each unit is packed on its own, whatever "
                         "the number of tasks")
     g.add_argument("--partition", metavar="NAME", help="slurm: the partition the tasks run on")
     g.add_argument("--time", default="24:00:00", metavar="HH:MM:SS", help="slurm: a task's time limit")
-    g.add_argument("--cpus-per-task", type=int, default=1, metavar="N", help="slurm and ray: cores per task")
+    g.add_argument("--cpus-per-task", type=bounded(int, 1, 4096), default=1, metavar="N", help="slurm and ray: cores per task")
 
 
 def executor_from_args(args) -> ExecutorSpec | None:

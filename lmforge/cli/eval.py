@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from lmforge.cli.common import add_command
+from lmforge.cli.common import add_command, bounded
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
@@ -33,8 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--tasks", default="default", metavar="TASKS.yaml", help="ICL task definitions, or `default`")
     p.add_argument("--gauntlet", default=None, metavar="G.yaml", help="gauntlet definition, or `default`")
     p.add_argument("--data-root", default=None, metavar="DIR", help="folder that relative dataset_uri paths resolve against")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="evaluate only the first N examples of each task")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass")
+    p.add_argument("--limit", type=bounded(int, 1), default=None, metavar="N", help="evaluate only the first N examples of each task")
+    p.add_argument("--batch-size", type=bounded(int, 1, 1 << 16), default=8, metavar="B", help="sequences per forward pass")
     p.add_argument("--device", default="auto", metavar="D", help="torch device: auto, cpu, cuda, cuda:1, mps")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=run)

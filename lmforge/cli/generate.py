@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from lmforge.cli.common import add_command
+from lmforge.cli.common import add_command, bounded
+from lmforge.config.limits import MAX_NEW_TOKENS, MAX_SEED
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
@@ -18,11 +19,11 @@ def register(sub) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--file", metavar="F", help="read the prompt from this file ('-' for stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold (1 = off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--max-new-tokens", type=bounded(int, 1, MAX_NEW_TOKENS), default=100, help="tokens to generate at most")
+    p.add_argument("--temperature", type=bounded(float, 0, 100), default=1.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-k", type=bounded(int, 0), default=50, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=bounded(float, 0, 1, above=True), default=0.95, help="nucleus sampling threshold (1 = off)")
+    p.add_argument("--seed", type=bounded(int, 0, MAX_SEED), default=None, help="sampling seed (default: random)")
     p.add_argument("--tokenizer", metavar="DIR", help="default: the tokenizer stored with the checkpoint")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     p.set_defaults(func=run)

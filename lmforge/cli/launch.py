@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from lmforge.cli.common import OneLineParser, add_command, check_output_file
+from lmforge.cli.common import OneLineParser, add_command, bounded, check_output_file
+from lmforge.config.limits import MAX_NODES
 from lmforge.config.load import load_config
 from lmforge.distributed.cluster import K8S_MARK, SLURM_MARK, k8s_name, pytorchjob_manifest, sbatch_script
 from lmforge.errors import UserError
@@ -19,8 +20,8 @@ def register(subparsers) -> None:
 
     def common(p):
         p.add_argument("-f", "--file", required=True, metavar="YAML", help="run config")
-        p.add_argument("--nodes", type=int, required=True, metavar="N", help="number of nodes")
-        p.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="GPUs (ranks) per node")
+        p.add_argument("--nodes", type=bounded(int, 1, MAX_NODES), required=True, metavar="N", help="number of nodes")
+        p.add_argument("--gpus-per-node", type=bounded(int, 1, 1024), required=True, metavar="G", help="GPUs (ranks) per node")
         p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                        help="config override passed on to `lmforge train` (repeatable)")
         p.add_argument("-o", "--output", metavar="FILE",

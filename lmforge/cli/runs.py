@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from lmforge.cli.common import add_command
+from lmforge.cli.common import add_command, bounded
 from lmforge.errors import UserError
 from lmforge.runs.run import get_run, get_runs
 from lmforge.tracking.console import format_eta, human
@@ -33,14 +33,14 @@ def register(sub) -> None:
     c = add_command(rs, "logs", "print a run's training output")
     c.add_argument("name")
     c.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
-    c.add_argument("--resumption", type=int, metavar="N", help="this resumption instead of the latest")
+    c.add_argument("--resumption", type=bounded(int, 0), metavar="N", help="this resumption instead of the latest")
     c.set_defaults(func=cmd_logs)
 
     c = add_command(rs, "stop", "stop a run: checkpoint at the next step, then exit")
     c.add_argument("name")
     c.add_argument("--force", action="store_true", help="kill at once (no checkpoint)")
     c.add_argument("--no-wait", action="store_true", help="return without waiting for the run to stop")
-    c.add_argument("--timeout", type=float, default=600, help="seconds to wait for the run to stop")
+    c.add_argument("--timeout", type=bounded(float, 0, 7 * 86400), default=600, help="seconds to wait for the run to stop")
     c.set_defaults(func=cmd_stop)
 
     c = add_command(rs, "delete", "remove a run from the registry")

@@ -6,8 +6,10 @@ import os
 import shutil
 import time
 
-from lmforge.cli.common import OneLineParser, add_command, check_output_folder
+from lmforge.cli.common import OneLineParser, add_command, bounded, check_output_folder
+from lmforge.config.limits import MAX_VOCAB
 from lmforge.data.tokenizer import train_tokenizer
+from lmforge.guard import check_target
 
 
 def register(subparsers) -> None:
@@ -18,11 +20,11 @@ def register(subparsers) -> None:
                     "The folder loads with lmforge and with transformers.AutoTokenizer.")
     p.add_argument("--input", nargs="+", required=True, metavar="SRC",
                    help="files, folders, globs, URIs, hf://NAME[/CONFIG][:SPLIT] or builtin:python-stdlib")
-    p.add_argument("--vocab-size", type=int, required=True, metavar="N", help="vocabulary size incl. special tokens")
+    p.add_argument("--vocab-size", type=bounded(int, 1, MAX_VOCAB), required=True, metavar="N", help="vocabulary size incl. special tokens")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
     p.add_argument("--bos", action="store_true", help="add a <|bos|> token, prepended to every encoded text")
-    p.add_argument("--min-frequency", type=int, default=2, help="minimum pair count for a merge")
+    p.add_argument("--min-frequency", type=bounded(int, 0), default=2, help="minimum pair count for a merge")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     p.set_defaults(func=_train)
     group.set_defaults(func=lambda args: (group.print_help(), 2)[1])
@@ -32,6 +34,7 @@ def _train(args) -> int:
 
     start = time.perf_counter()
     out = os.path.abspath(args.out)
+    check_target(args.out, "--out", [("the input", i) for i in args.input])
     existed = check_output_folder(out, "--out", args.overwrite)
     # Trained into a sibling folder, then moved into place: a failed run leaves --out as it was,
     # and --overwrite leaves no file of the old folder behind (e.g. a model's weights).

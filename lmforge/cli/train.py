@@ -21,7 +21,8 @@ import yaml
 from rich.console import Console
 
 from lmforge import secrets
-from lmforge.cli.common import add_command
+from lmforge.cli.common import add_command, bounded
+from lmforge.config.limits import MAX_NODES, MAX_RETRIES
 from lmforge.config.reference import render_text
 from lmforge.estimate.plan import estimate_run, format_plan
 from lmforge.resolve import resolve
@@ -59,7 +60,7 @@ def add_run_arguments(p) -> None:
     p.add_argument("--training-duration", metavar="DUR", help="override, e.g. 10000tok, 500ba, 2ep, 30min")
     p.add_argument("--save-folder", metavar="DIR", help="override `save_folder`")
     p.add_argument("--name", help="override `name`")
-    p.add_argument("--price-per-gpu-hour", type=float, metavar="P",
+    p.add_argument("--price-per-gpu-hour", type=bounded(float, 0, 1e6), metavar="P",
                    help="override `compute.price_per_gpu_hour`: show the cost so far and to finish")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override any key, e.g. --set parameters.learning_rate=3e-4 (repeatable)")
@@ -68,10 +69,10 @@ def add_run_arguments(p) -> None:
     p.add_argument("--no-autoresume", action="store_true", help="do not continue from an existing checkpoint")
     p.add_argument("--json", action="store_true", help="print the final summary (or the dry-run plan) as JSON")
     # multi-node (docs/scale-out.md): same as compute.nodes / node_rank / rdzv_endpoint and max_retries
-    p.add_argument("--nnodes", type=int, metavar="N", help="override `compute.nodes`")
-    p.add_argument("--node-rank", type=int, metavar="R", help="override `compute.node_rank` (0 … N-1)")
+    p.add_argument("--nnodes", type=bounded(int, 1, MAX_NODES), metavar="N", help="override `compute.nodes`")
+    p.add_argument("--node-rank", type=bounded(int, 0, MAX_NODES - 1), metavar="R", help="override `compute.node_rank` (0 … N-1)")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="override `compute.rdzv_endpoint` (node 0's address)")
-    p.add_argument("--max-retries", "--max-restarts", dest="max_retries", type=int, metavar="N",
+    p.add_argument("--max-retries", "--max-restarts", dest="max_retries", type=bounded(int, 0, MAX_RETRIES), metavar="N",
                    help="override `max_retries` (restarts after a failure, in all)")
     p.add_argument("--check-credentials", action="store_true",
                    help="only check read access to remote data and write access to a remote save_folder, then exit")
@@ -130,7 +131,8 @@ def print_summary(result, as_json: bool = False) -> None:
         return
     c = Console(highlight=False, soft_wrap=True)  # a path is one line (a terminal wraps it; a log keeps it)
     c.print()
-    c.print(f"[bold]{result.status}[/bold] after {result.step:,} steps ({result.tokens:,} tokens)")
+    tokens = f" ({result.tokens:,} tokens)" if result.tokens is not None else ""
+    c.print(f"[bold]{result.status}[/bold] after {result.step:,} steps{tokens}")
     ev = result.eval
     keys = [k for k in ev if k.endswith(("/loss", "/bits_per_byte", "/perplexity")) or k.startswith(("icl/", "gauntlet/"))]
     for k in keys:

@@ -9,15 +9,17 @@ C4: Raffel et al. 2020, FineWeb: Penedo et al. 2024, as datatrove implements the
 
 from __future__ import annotations
 
+import difflib
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from lmforge.config.checked import Strict
 
 FILTER_NAMES = ("c4", "fineweb", "language", "gopher_quality", "gopher_repetition")  # the order they run in
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+_Strict = Strict  # unknown keys, booleans as numbers and inf/nan refused (`config.checked`)
 
 
 def _on(v):
@@ -91,8 +93,31 @@ class FineWebConfig(_Strict):
     new_line_ratio: float = Field(0.3, ge=0, description="max newlines per word (list-like pages)")
 
 
+# The 176 languages fastText's lid.176 tells apart (its labels): a code outside them never matches,
+# so every document would be removed as off-language.
+LID176_LANGUAGES = frozenset("""
+af als am an ar arz as ast av az azb ba bar bcl be bg bh bn bo bpy br bs bxr ca cbk ce ceb ckb co cs
+cv cy da de diq dsb dty dv el eml en eo es et eu fa fi fr frr fy ga gd gl gn gom gu gv he hi hif hr
+hsb ht hu hy ia id ie ilo io is it ja jbo jv ka kk km kn ko krc ku kv kw ky la lb lez li lmo lo lrc
+lt lv mai mg mhr min mk ml mn mr mrj ms mt mwl my myv mzn nah nap nds ne new nl nn no oc or os pa
+pam pfl pl pms pnb ps pt qu rm ro ru rue sa sah sc scn sco sd sh si sk sl so sq sr su sv sw ta te tg
+th tk tl tr tt tyv ug uk ur uz vec vep vi vls vo wa war wuu xal xmf yi yo yue zh
+""".split())
+
+
 class LanguageConfig(_Strict):
     languages: list[str] = Field(["en"], min_length=1, description="ISO 639-1 codes to keep")
+
+    @field_validator("languages")
+    @classmethod
+    def _known(cls, v):
+        for code in v:
+            if code not in LID176_LANGUAGES:
+                close = difflib.get_close_matches(code, sorted(LID176_LANGUAGES), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"unknown language {code!r}{hint}; expected ISO 639 codes the lid.176 model tells "
+                                 "apart, e.g. en, fr, de, zh")
+        return v
     min_score: float = Field(0.65, ge=0, le=1, description="keep when the fastText lid.176 score of one of "
                              "`languages` exceeds this")
 

@@ -46,6 +46,8 @@ def parse_duration(text: str | int | float | Duration, what: str = "duration") -
         raise ValueError(
             f"{text!r} has no unit; write e.g. '{text}tok', '{text}ba', '{text}sp', '{text}ep' or '{text}min'")
     m = _PATTERN.match(text)
+    if not m and _PATTERN.match(text.strip().removeprefix("-")):
+        raise ValueError(f"{what} must be positive, got {text!r}")
     if not m:
         raise ValueError(f"cannot read {text!r} as a {what}; expected a number and a unit, "
                          "e.g. '10000tok', '200B tok', '500ba', '2ep', '30min'")

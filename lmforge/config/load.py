@@ -150,6 +150,8 @@ def format_error(e: ValidationError, model: type[BaseModel] = RunConfig, source:
         msg = msg.replace(p, "")
     given = err.get("input")
     shown = "" if isinstance(given, (dict, list)) else f" (got {given!r})"
+    if len(shown) > 90:  # a pasted paragraph is named by its start, on the one line
+        shown = shown[:80] + "…)"
     if not key:  # a whole-config check: its message names the keys itself
         return f"{prefix}{msg}"
     return f"{prefix}{key}: {msg}{shown}"

@@ -11,8 +11,10 @@ from __future__ import annotations
 import difflib
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from lmforge.config.checked import Checked
+from lmforge.config.limits import MAX_ROPE_FACTOR, MAX_SEQ_LEN, MAX_VOCAB
 from lmforge.errors import UserError
 
 # Hugging Face architectures lmforge imports and exports; their specs: lmforge/models/families.py.
@@ -30,16 +32,15 @@ UNSUPPORTED_ROPE = {
 }
 
 
-class RopeScaling(BaseModel):
+class RopeScaling(Checked):
     """Long-context RoPE frequency scaling, as published with Llama 3.1+ (llama3), Qwen (yarn)
     and older fine-tunes (linear). Values are Hugging Face's `rope_parameters` of the same name."""
 
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["linear", "llama3", "yarn"] = Field(..., description="how the frequencies are rescaled")
-    factor: float = Field(..., gt=0, description="context extension factor")
+    factor: float = Field(..., gt=0, le=MAX_ROPE_FACTOR, description="context extension factor")
     original_max_seq_len: int | None = Field(
-        None, gt=0, description="llama3/yarn: context length of the original pretraining")
+        None, gt=0, le=MAX_SEQ_LEN, description="llama3/yarn: context length of the original pretraining")
     low_freq_factor: float = Field(1.0, gt=0, description="llama3: wavelengths above original/low are scaled")
     high_freq_factor: float = Field(4.0, gt=0, description="llama3: wavelengths below original/high are kept")
     beta_fast: float = Field(32.0, gt=0, description="yarn: high-frequency boundary (rotations)")
@@ -58,6 +59,9 @@ class RopeScaling(BaseModel):
     def _check(self) -> "RopeScaling":
         if self.type in ("llama3", "yarn") and self.original_max_seq_len is None:
             raise ValueError(f"rope_scaling type {self.type} needs original_max_seq_len")
+        if self.factor < 1:
+            raise ValueError(f"rope_scaling: factor {self.factor:g} would shorten the context; it extends it "
+                             "(the new length over original_max_seq_len, e.g. 4 for 4,096 → 16,384)")
         if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError("rope_scaling: high_freq_factor must be larger than low_freq_factor")
         return self
@@ -71,24 +75,23 @@ def padded_vocab(tokenizer_vocab: int) -> int:
     return VOCAB_MULTIPLE * -(-tokenizer_vocab // VOCAB_MULTIPLE)
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(Checked):
     """A Llama-style decoder, optionally with mixture-of-experts feed-forward layers."""
 
-    model_config = ConfigDict(extra="forbid")
 
     preset: str | None = Field(None, description="preset this shape started from (informational)")
-    d_model: int = Field(..., gt=0, description="hidden size")
-    n_layers: int = Field(..., gt=0, description="transformer blocks")
-    n_heads: int = Field(..., gt=0, description="query heads")
+    d_model: int = Field(..., gt=0, le=1 << 20, description="hidden size")
+    n_layers: int = Field(..., gt=0, le=1 << 14, description="transformer blocks")
+    n_heads: int = Field(..., gt=0, le=1 << 14, description="query heads")
     n_kv_heads: int | None = Field(None, gt=0, description="key/value heads (GQA); default n_heads")
     head_dim: int | None = Field(None, gt=0, description="per-head size; default d_model // n_heads")
     ffn_hidden: int | None = Field(
         None, gt=0, description="SwiGLU hidden size of dense blocks; default ~8/3·d_model rounded to 256"
     )
     vocab_size: int | None = Field(
-        None, gt=0, description="vocabulary; default: the tokenizer's, rounded up to a multiple of 64"
+        None, gt=0, le=MAX_VOCAB, description="vocabulary; default: the tokenizer's, rounded up to a multiple of 64"
     )
-    max_seq_len: int = Field(2048, gt=0, description="longest context the model is built for")
+    max_seq_len: int = Field(2048, gt=0, le=MAX_SEQ_LEN, description="longest context the model is built for")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
     tie_embeddings: bool = Field(False, description="share input embedding and output head")
@@ -126,7 +129,7 @@ class ModelConfig(BaseModel):
     logit_softcap: float | None = Field(
         None, gt=0, description="output logits become cap·tanh(logit/cap) (Gemma 2: 30)")
     # Mixture of experts (n_experts == 0 means a dense model).
-    n_experts: int = Field(0, ge=0, description="experts per MoE layer; 0 = dense")
+    n_experts: int = Field(0, ge=0, le=1 << 16, description="experts per MoE layer; 0 = dense")
     top_k: int = Field(0, ge=0, description="experts each token is routed to")
     expansion_ratio: float = Field(1.75, gt=0, description="expert SwiGLU hidden = ratio · d_model")
     moe_aux_loss_coef: float = Field(0.01, ge=0, description="load-balancing loss weight")
@@ -151,6 +154,11 @@ class ModelConfig(BaseModel):
         if self.n_experts and self.mlp_activation != "silu":
             raise ValueError(f"mlp_activation {self.mlp_activation} is for dense blocks; "
                              "the experts are SwiGLU (silu)")
+        scaling = self.rope_scaling
+        if scaling is not None and (scaling.original_max_seq_len or 0) > self.max_seq_len:
+            raise ValueError(f"rope_scaling.original_max_seq_len ({scaling.original_max_seq_len}) is above max_seq_len "
+                             f"({self.max_seq_len}): RoPE scaling extends a context; set max_seq_len to the extended "
+                             "length")
         if self.n_experts and not (0 < self.top_k <= self.n_experts):
             raise ValueError(f"top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
         return self

@@ -11,9 +11,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator, model_validator
+from pydantic import BeforeValidator, Field, PlainSerializer, field_validator, model_validator
 
+from lmforge.config.checked import Strict
 from lmforge.config.curation import CurateConfig
+from lmforge.config.limits import (MAX_BATCH_TOKENS, MAX_GRAD_CLIP, MAX_LEARNING_RATE, MAX_NAME, MAX_NEW_TOKENS,
+                                    MAX_NODES, MAX_RANKS, MAX_RETRIES, MAX_SEED, MAX_SEQ_LEN, MAX_VOCAB,
+                                    MAX_WEIGHT_DECAY)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.model import ModelConfig, resolve_model
 from lmforge.config.storage import ObjectStoreConfig, SecretsConfig
@@ -21,10 +25,10 @@ from lmforge.config.tracking import TrackerConfig
 from lmforge.errors import UserError
 
 HANG_TIMEOUT_MIN_S = 5.0  # shorter timeouts fire on ordinary pauses (GC, a slow read)
+HANG_TIMEOUT_MAX_S = 7 * 86400.0
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+_Strict = Strict  # unknown keys, booleans as numbers and inf/nan refused (`config.checked`)
 
 
 # Durations are written and shown as strings ("500ba"), parsed into Duration objects.
@@ -93,6 +97,9 @@ def check_run_name(name: str) -> None:
     if bad is not None:
         raise ValueError(f"{name!r} holds {bad!r}; a run name is one word of letters, digits, '.', '_' or '-' "
                          "(save_folder sets where it is written)")
+    if len(name) > MAX_NAME:
+        raise ValueError(f"a run name of {len(name)} characters is too long (at most {MAX_NAME}): it names a "
+                         "folder, a registry entry and a rendezvous")
     if name in (".", "..") or name != name.strip():
         raise ValueError(f"{name!r} is not a usable run name (a path, or spaces at its ends)")
 
@@ -123,14 +130,14 @@ class TokenizerTrain(_Strict):
     @field_validator("vocab_size")
     @classmethod
     def _vocab(cls, v):
-        if isinstance(v, int) and v < 64:
-            raise ValueError("must be at least 64 or 'auto'")
+        if isinstance(v, int) and not 64 <= v <= MAX_VOCAB:
+            raise ValueError(f"must be at least 64 (and at most {MAX_VOCAB}) or 'auto'")
         return v
     bos: bool = Field(False, description="also add a beginning-of-text token")
 
 
 class TokenizerExtend(_Strict):
-    vocab_size: int = Field(..., gt=0, description="vocabulary size after extension (more than the base tokenizer's)")
+    vocab_size: int = Field(..., gt=0, le=MAX_VOCAB, description="vocabulary size after extension (more than the base tokenizer's)")
     base: str | None = Field(None, description="tokenizer folder to extend; default: the one with custom_weights_path")
 
 
@@ -153,11 +160,11 @@ class EvalConfig(_Strict):
         0.01, ge=0, lt=1, description="share of raw-text documents held out for eval when lmforge prepares the data; "
         "too few documents for one held-out sample (one .txt file): that share of the packed tokens, from the end")
     interval: DurationField | None = Field(None, description="how often to evaluate, e.g. '500ba' or '1M tok'; default: ~10 evals per run")
-    max_batches: int = Field(20, gt=0, description="held-out micro-batches per evaluation")
+    max_batches: int = Field(20, gt=0, le=1 << 30, description="held-out micro-batches per evaluation")
     prompts: list[str] = Field(default_factory=list, description="prompts to generate from at each evaluation")
-    max_new_tokens: int = Field(64, gt=0, description="tokens generated per prompt")
-    temperature: float = Field(0.8, ge=0, description="sampling temperature for prompts (0 = greedy)")
-    top_k: int | None = Field(50, gt=0, description="sample from the k most likely tokens")
+    max_new_tokens: int = Field(64, gt=0, le=MAX_NEW_TOKENS, description="tokens generated per prompt")
+    temperature: float = Field(0.8, ge=0, le=100, description="sampling temperature for prompts (0 = greedy)")
+    top_k: int | None = Field(50, gt=0, le=MAX_VOCAB, description="sample from the k most likely tokens")
     top_p: float | None = Field(0.95, gt=0, le=1, description="nucleus sampling threshold")
     icl_tasks: str | list[dict] | None = Field(None, description="ICL task YAML (or a list of tasks)")
     gauntlet: str | None = Field(None, description="gauntlet YAML grouping the ICL tasks")
@@ -168,8 +175,8 @@ class EvalConfig(_Strict):
 
 
 class Parameters(_Strict):
-    learning_rate: float | None = Field(None, gt=0, description="peak LR; default from model size")
-    context_length: int | None = Field(None, gt=1, description="tokens per training sample; prepared samples "
+    learning_rate: float | None = Field(None, gt=0, le=MAX_LEARNING_RATE, description="peak LR; default from model size")
+    context_length: int | None = Field(None, gt=1, le=MAX_SEQ_LEN, description="tokens per training sample; prepared samples "
                                        "longer than this are split into pieces of it, all trained; default: model "
                                        "max_seq_len, at most the prepared samples' length")
     global_batch_size: int | str | None = Field(
@@ -190,14 +197,14 @@ class Parameters(_Strict):
         "for embeddings, head, norms, biases, MoE routers; update RMS matched to AdamW's: 0.2·√max(rows, cols), "
         "Liu et al. 2025); auto: muon for a model trained from scratch with ≤5M non-embedding parameters "
         "(where the sweep measured it to win), else adamw")
-    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (matrices only)")
+    weight_decay: float = Field(0.1, ge=0, le=MAX_WEIGHT_DECAY, description="decoupled weight decay (matrices only)")
     muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: Nesterov momentum of the matrices' updates")
     muon_weight_decay: float | None = Field(
-        None, ge=0, description="muon: decoupled weight decay of the Muon matrices; default: weight_decay")
+        None, ge=0, le=MAX_WEIGHT_DECAY, description="muon: decoupled weight decay of the Muon matrices; default: weight_decay")
     # [/recipe]
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
-    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null to turn off")
+    eps: float = Field(1e-8, gt=0, le=1, description="AdamW epsilon")
+    grad_clip: float | None = Field(1.0, gt=0, le=MAX_GRAD_CLIP, description="max global grad norm; null to turn off")
     precision: Literal["auto", "bf16", "fp32", "fp8"] = Field(
         "auto", description="bf16 autocast where the hardware runs it fast (GPUs with bf16, CPUs with AMX), else "
         "fp32; fp8: FP8 matmuls in the linear layers (torchao, lmforge[gpu]; GPUs of compute capability 8.9+), "
@@ -214,7 +221,7 @@ class Parameters(_Strict):
     document_masking: bool = Field(
         False, description="pretraining: a token attends only to earlier tokens of its own document (documents "
         "end at the tokenizer's end-of-text token in the packed samples); fine-tuning rows always are")
-    seed: int = Field(17, description="seed for init, data order and sampling")
+    seed: int = Field(17, ge=0, le=MAX_SEED, description="seed for init, data order and sampling")
 
 
     @field_validator("betas")
@@ -232,15 +239,17 @@ class Parameters(_Strict):
             d = parse_duration(v, "global_batch_size")
             if d.unit not in ("tok", "sp"):
                 raise ValueError("expected samples (an integer) or tokens like '1M tok'")
+            if d.value > MAX_BATCH_TOKENS:  # as samples or tokens: no step of it would ever be taken
+                raise ValueError(f"{v!r} is too large for one optimizer step (at most {MAX_BATCH_TOKENS:.0e})")
             return str(d)
-        if v is not None and v <= 0:
-            raise ValueError("must be positive")
+        if v is not None and not 0 < v <= MAX_BATCH_TOKENS:
+            raise ValueError(f"must be positive and at most {MAX_BATCH_TOKENS:.0e} samples")
         return v
 
     @field_validator("micro_batch_size")
     @classmethod
     def _mbs(cls, v):
-        if isinstance(v, int) and v <= 0:
+        if isinstance(v, int) and not 0 < v <= MAX_BATCH_TOKENS:
             raise ValueError("must be a positive integer or 'auto'")
         return v
 
@@ -253,24 +262,24 @@ class Parameters(_Strict):
 
 class ComputeConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to train")
-    gpus: int | Literal["auto"] = Field("auto", description="GPUs per node to use")
-    nodes: int = Field(1, ge=1, description="number of nodes")
-    ranks: int | None = Field(None, ge=1, description="CPU only: run N gloo ranks (for tests / no-GPU users)")
+    gpus: int | Literal["auto"] = Field("auto", description="GPUs per node to use (at least 1)")
+    nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
+    ranks: int | None = Field(None, ge=1, le=1024, description="CPU only: run N gloo ranks (for tests / no-GPU users)")
     data_parallel: Literal["ddp", "fsdp", "hsdp", "none"] = Field("ddp", description="how ranks share the model")
     # --- scale-out (lmforge.distributed; see docs/scale-out.md)
-    shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (default: ranks per node)")
+    shard_size: int | None = Field(None, ge=1, le=MAX_RANKS, description="hsdp: ranks per shard group (default: ranks per node)")
     expert_parallel: int = Field(
-        1, ge=1, description="MoE, fsdp/hsdp: split each layer's experts over N ranks (E/N each), tokens sent to "
+        1, ge=1, le=MAX_RANKS, description="MoE, fsdp/hsdp: split each layer's experts over N ranks (E/N each), tokens sent to "
         "them by all-to-all; N divides n_experts and the ranks of a shard group")
     context_parallel: int = Field(
-        1, ge=1, description="split every row's tokens over N ranks (long context; causal load balancing: rank r "
+        1, ge=1, le=MAX_RANKS, description="split every row's tokens over N ranks (long context; causal load balancing: rank r "
         "holds chunks r and 2N-1-r of 2N); N divides the ranks (of a shard group, hsdp) and the context length in "
         "2N chunks; CUDA: torch's ring attention, plain causal rows only (docs/long-context.md)")
     reshard_after_forward: bool = Field(
         True, description="fsdp/hsdp: free gathered weights after forward (less memory, one more all-gather)")
-    node_rank: int = Field(0, ge=0, description="multi-node: this node's index (0 … nodes-1)")
+    node_rank: int = Field(0, ge=0, lt=MAX_NODES, description="multi-node: this node's index (0 … nodes-1)")
     rdzv_endpoint: str | None = Field(None, description="multi-node: HOST:PORT of the torchrun c10d rendezvous")
-    rdzv_timeout_s: int = Field(300, gt=0, description="multi-node: seconds to wait for every node to join")
+    rdzv_timeout_s: int = Field(300, gt=0, le=7 * 86400, description="multi-node: seconds to wait for every node to join")
     activation_checkpointing: bool | Literal["auto", "full", "selective"] | int = Field(
         "auto", description="recompute activations in backward: true/full (every block), selective (keep matmul "
         "outputs, recompute the rest), N (every N-th block), false; auto: on GPUs chosen with micro_batch_size auto "
@@ -282,7 +291,7 @@ class ComputeConfig(_Strict):
     loss_kernel: Literal["auto", "chunked", "liger"] = Field(
         "auto", description="output head + cross-entropy without whole logits: liger-kernel's fused kernel (CUDA, "
         "lmforge[gpu]) or lmforge's chunked one; auto: liger where installed on CUDA, else chunked")
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+    num_workers: int = Field(0, ge=0, le=1024, description="DataLoader worker processes per rank")
     hang_timeout: float | None = Field(
         None, description="seconds (or '10min') without a completed training step before every rank dumps its "
         "stacks and the run restarts; default: 20× the median step time, at least 5 minutes")
@@ -297,9 +306,11 @@ class ComputeConfig(_Strict):
             v = d.value
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v < HANG_TIMEOUT_MIN_S:
             raise ValueError(f"{v:g}s is below the floor of {HANG_TIMEOUT_MIN_S:g}s")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > HANG_TIMEOUT_MAX_S:
+            raise ValueError(f"{v:g}s is above {HANG_TIMEOUT_MAX_S:g}s (a week); leave it out for the default")
         return v
     price_per_gpu_hour: float | None = Field(
-        None, ge=0, description="price of one device (GPU, or CPU rank) per hour: the progress line, `runs describe` "
+        None, ge=0, le=1e6, description="price of one device (GPU, or CPU rank) per hour: the progress line, `runs describe` "
         "and the report show the cost so far and the estimated cost to finish")
 
     @field_validator("rdzv_endpoint")
@@ -319,6 +330,13 @@ class ComputeConfig(_Strict):
         if self.node_rank >= self.nodes:
             raise UserError(f"compute.node_rank: {self.node_rank} is not below compute.nodes ({self.nodes})")
 
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v):
+        if isinstance(v, int) and not 1 <= v <= MAX_RANKS:
+            raise ValueError("expected auto or a whole number of GPUs, at least 1 (on a CPU: compute.ranks)")
+        return v
+
     @field_validator("activation_checkpointing")
     @classmethod
     def _ac(cls, v):
@@ -334,8 +352,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class LoRAConfig(_Strict):
     """Low-rank adapters on a frozen base model (lmforge/models/lora.py). Defaults: README,
     "Where the defaults come from" (all seven projections at rank 4: < 2% of llama-tiny)."""
-    rank: int = Field(4, gt=0, description="rank r of each adapter")
-    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / rank")
+    rank: int = Field(4, gt=0, le=1 << 16, description="rank r of each adapter")
+    alpha: float = Field(16.0, gt=0, le=1e6, description="the update is scaled by alpha / rank")
     dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapter's input")
     targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS),
                                description="projections to adapt: " + ", ".join(LORA_TARGETS))
@@ -376,12 +394,12 @@ class PreferenceOptions(_Strict):
         "simpo (Meng et al. 2024: reference-free, length-normalized, with a margin), orpo (Hong et al. 2024: "
         "reference-free, the chosen answer's NLL plus an odds-ratio term)")
     beta: float | None = Field(
-        None, gt=0, description="dpo: β, the strength of the pull toward the reference (0.1); ipo: τ (0.1); "
+        None, gt=0, le=1e3, description="dpo: β, the strength of the pull toward the reference (0.1); ipo: τ (0.1); "
         "simpo: β (2.0); orpo: λ, the weight of the odds-ratio term (0.1)")
     label_smoothing: float = Field(
         0.0, ge=0, lt=0.5, description="dpo: the probability that a pair's label is flipped (conservative DPO); "
         "0 = plain DPO")
-    gamma: float | None = Field(None, ge=0, description="simpo: the target reward margin γ (1.0)")
+    gamma: float | None = Field(None, ge=0, le=1e3, description="simpo: the target reward margin γ (1.0)")
     reference: Literal["precomputed", "live"] | None = Field(
         None, description="dpo/ipo: the reference model's log-probs: precomputed (once, before the first step, "
         "from the starting weights; stored in save_folder as reference-logps.safetensors) or live (the base "
@@ -428,7 +446,7 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation while training")
     save_folder: str | None = Field(None, description="checkpoints, metrics, exports; default runs/<name>")
     save_interval: DurationField | None = Field(None, description="checkpoint every …; default: ~5 per run")
-    save_num_checkpoints_to_keep: int = Field(2, ge=1, description="older checkpoints are deleted")
+    save_num_checkpoints_to_keep: int = Field(2, ge=1, le=1 << 20, description="older checkpoints are deleted")
     training_duration: DurationField = Field(..., description="e.g. '10000tok', '200B tok', '500ba', '2ep', '30min'")
     parameters: Parameters = Field(default_factory=Parameters, description="optimization hyperparameters")
     compute: ComputeConfig = Field(default_factory=ComputeConfig, description="devices and parallelism")
@@ -449,9 +467,9 @@ class RunConfig(_Strict):
         None, description="train low-rank adapters on the frozen custom_weights_path model instead of all weights "
         "({rank, alpha, dropout, targets}); the final model is merged, final/adapter is a PEFT adapter")
     autoresume: bool = Field(True, description="continue from the latest checkpoint in save_folder")
-    max_retries: int = Field(2, ge=0, description="restarts after a crash or a hang, in all (by the supervisor or "
+    max_retries: int = Field(2, ge=0, le=MAX_RETRIES, description="restarts after a crash or a hang, in all (by the supervisor or "
                              "torchrun); each resumes from the latest checkpoint")
-    log_interval: int = Field(10, ge=1, description="steps between logged metrics (trackers, the progress bar); "
+    log_interval: int = Field(10, ge=1, le=1 << 30, description="steps between logged metrics (trackers, the progress bar); "
                               "plain console lines thin them to ~20 a run, one at least every 100 steps")
     # [object-store] remote save_folder / train_data settings (lmforge/config/storage.py)
     object_store: ObjectStoreConfig = Field(default_factory=ObjectStoreConfig, description="endpoint, retries")
@@ -463,6 +481,13 @@ class RunConfig(_Strict):
     def _name(cls, v):
         if v is not None:
             check_run_name(v)
+        return v
+
+    @field_validator("save_folder")
+    @classmethod
+    def _save_folder(cls, v):
+        if v is not None and not v.strip():
+            raise ValueError("empty; leave save_folder out for the default runs/<name>")
         return v
 
     @field_validator("model", mode="before")
@@ -519,6 +544,8 @@ class RunConfig(_Strict):
         if isinstance(v, dict):
             out = []
             for name, entry in v.items():
+                if not isinstance(entry, (str, dict)) and entry is not None:
+                    raise ValueError(f"train_data.{name}: expected a path or {{path, proportion}}, got {entry!r}")
                 entry = {"path": entry} if isinstance(entry, str) else dict(entry or {})
                 entry.setdefault("name", name)
                 out.append(entry)
@@ -531,6 +558,9 @@ class RunConfig(_Strict):
     def _names(self):
         if not self.train_data:
             raise ValueError("train_data: at least one dataset is required")
+        if self.model != "auto" and self.model.rope_scaling is not None and not self.custom_weights_path:
+            raise ValueError("model.rope_scaling: extends the context of trained weights and needs custom_weights_path; "
+                             "a model trained from scratch at max_seq_len needs none (leave rope_scaling out)")
         if self.lora is not None and not self.custom_weights_path:
             raise ValueError("lora: needs custom_weights_path (the frozen model the adapters are trained on)")
         dense_only = [t for t in (self.lora.targets if self.lora else []) if t in ("gate_proj", "up_proj", "down_proj")]

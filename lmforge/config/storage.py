@@ -6,11 +6,12 @@ keys live, so the resolved config (run.json, tracker params, --dry-run) can be s
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from lmforge.config.checked import Checked
 
 
-class ObjectStoreConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ObjectStoreConfig(Checked):
 
     endpoint_url: str | None = Field(
         None, description="S3-compatible endpoint (R2, MinIO, SeaweedFS, ...); default: $AWS_ENDPOINT_URL or AWS")
@@ -19,10 +20,9 @@ class ObjectStoreConfig(BaseModel):
     upload_backoff_s: float = Field(0.5, gt=0, description="first retry delay; doubles on each retry")
 
 
-class SecretsConfig(BaseModel):
+class SecretsConfig(Checked):
     """Where credentials come from, besides the backend's own env/profile mechanisms."""
 
-    model_config = ConfigDict(extra="forbid")
 
     file: str | None = Field(
         None, description="YAML/JSON/KEY=VALUE file with access_key_id, secret_access_key, session_token, "

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import posixpath
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from lmforge.config.checked import Checked
 
 
-class MLflowConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MLflowConfig(Checked):
 
     experiment_path: str | None = Field(
         None, description="MLflow experiment name; default 'lmforge'")
@@ -36,16 +37,14 @@ class MLflowConfig(BaseModel):
         return v
 
 
-class WandbConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class WandbConfig(Checked):
 
     project: str = Field("lmforge", description="W&B project")
     entity: str | None = Field(None, description="W&B team or user")
     mode: str | None = Field(None, description="online | offline | disabled; default: $WANDB_MODE or online")
 
 
-class TrackerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TrackerConfig(Checked):
 
     mlflow: MLflowConfig | None = Field(
         default_factory=MLflowConfig, description="MLflow tracking; null to turn off")

@@ -90,6 +90,14 @@ def pair_segments(row, where: str, template=None) -> tuple[list, list]:
             hint = " (a prompt/response row: task_type instruction_finetune)" if "response" in row else ""
             raise UserError(f"{where}: missing field {key!r} (each row needs {ROW_FIELDS}){hint}")
     chosen, rejected = row["chosen"], row["rejected"]
+    for key, v in (("chosen", chosen), ("rejected", rejected)):  # each field blamed for itself
+        if not isinstance(v, (str, list)):
+            got = "null" if v is None else type(v).__name__
+            raise UserError(f"{where}: field {key!r} is {got}; expected a string or a non-empty list of "
+                            "{role, content} messages")
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        raise UserError(f"{where}: 'chosen' is a {type(chosen).__name__} and 'rejected' a {type(rejected).__name__}; "
+                        "give both answers of a row in the same form (strings, or lists of messages)")
     if chosen == rejected:
         raise UserError(f"{where}: 'chosen' and 'rejected' are identical; a pair needs two different answers")
     if isinstance(chosen, str) and isinstance(rejected, str):

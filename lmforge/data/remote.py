@@ -18,6 +18,7 @@ from pathlib import Path
 import fsspec
 
 from lmforge.errors import UserError
+from lmforge.uri import is_remote, local_path  # noqa: F401 - the data layer's names for them
 
 
 # Clients inherited from the parent by a forked process, kept alive on purpose (see below).
@@ -42,19 +43,6 @@ def keep_inherited_clients() -> None:
         cache = cls.__dict__.get("_cache")
         if cache and cls.__dict__.get("_pid") != os.getpid():
             _inherited.extend(cache.values())
-
-
-def is_remote(uri: str) -> bool:
-    """True for object-store URIs; plain paths and ``file://`` are local, and ``hf://`` names a
-    Hugging Face dataset (`data.sources` loads it with `datasets`), not a store to list or write."""
-    scheme, sep, _ = str(uri).partition("://")
-    return bool(sep) and scheme not in ("file", "local", "hf", "")
-
-
-def local_path(uri: str) -> str:
-    """A local path for a plain path or ``file://`` URI."""
-    uri = str(uri)
-    return uri[len("file://"):] if uri.startswith("file://") else uri
 
 
 def join(uri: str, *parts: str) -> str:

@@ -82,7 +82,16 @@ def json_rows(paths: list[str], rows: str = SFT_ROWS):
             try:
                 yield json.loads(line), where
             except json.JSONDecodeError as e:
+                if _raw_text_name(name):  # raw text given to a fine-tuning run: say so, not "bad JSON"
+                    raise UserError(f"{name}: raw text, but {task_data(rows)}; for continued pretraining on "
+                                    "it use `lmforge train` (task_type continued_pretrain)") from None
                 raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+
+
+def _raw_text_name(name: str) -> bool:
+    """A file named as raw text (``.txt``, ``.md``, compressed or not)."""
+    base = name.lower().removesuffix(".gz").removesuffix(".zst")
+    return base.endswith((".txt", ".text", ".md"))
 
 
 def open_lines(path: str, rows: str = SFT_ROWS):

@@ -19,6 +19,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -473,7 +474,7 @@ def read_source(src: Source, text_field: str = "text", stats: SourceStats | None
             yield from _read_text_file(src, compression, stats)
     except FileNotFoundError:
         raise UserError(f"{src.uri}: no such file (it disappeared while reading)") from None
-    except (EOFError, gzip.BadGzipFile) as e:
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # zlib: a gzip stream damaged past its header
         raise UserError(f"{src.uri}: corrupt or truncated {compression or 'file'} ({_one_line(e)})") from None
     except OSError as e:
         raise UserError(f"{src.uri}: cannot read it ({type(e).__name__}: {_one_line(e)})") from None

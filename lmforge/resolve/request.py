@@ -17,6 +17,7 @@ from lmforge.config.identity import with_default_names
 from lmforge.config.load import build_config, load_raw
 from lmforge.config.schema import RunConfig
 from lmforge.errors import UserError
+from lmforge.guard import check_save_folder, checkpoint_reads
 from lmforge.resolve.weights import fill_from_weights
 
 COMMANDS = ("train", "finetune")
@@ -61,6 +62,18 @@ def run_config(request: RunRequest) -> RunConfig:
     raw = dict(request.raw)
     if request.command == "finetune":
         raw.setdefault("task_type", FINETUNE_DEFAULT_TASK)
+    if request.command == "finetune" and raw.get("model") is None and not raw.get("custom_weights_path"):
+        raise UserError("custom_weights_path: missing; `lmforge finetune` starts from trained weights (a run folder, "
+                        "its final/, a checkpoint or hf:/path): set it in the config or pass --weights")
     cfg = with_default_names(build_config(fill_from_weights(raw), source=request.source))
     cfg.compute.check_nodes()  # several nodes need their rendezvous: refused before anything runs, dry run too
+    check_save_folder(cfg.save_folder, reads=run_reads(cfg))  # a run writes, resumes and prunes there
     return cfg
+
+
+def run_reads(cfg: RunConfig) -> list:
+    """What a run reads, which its save folder must not be, hold or lie inside."""
+    reads = [("the training data", d.path) for d in cfg.train_data] + [("eval.data_path", cfg.eval.data_path)]
+    if isinstance(cfg.tokenizer, str):
+        reads.append(("the tokenizer", cfg.tokenizer))
+    return reads + checkpoint_reads(cfg.custom_weights_path)

@@ -25,8 +25,10 @@ import yaml
 
 from lmforge.config.load import read_yaml
 from lmforge.errors import UserError
+from lmforge.guard import check_run_folder, check_target
 from lmforge.home import lmforge_home
 from lmforge.process import process_alive, this_host
+from lmforge.uri import is_remote
 from lmforge.resolve import resolve
 from lmforge.resolve.request import RunRequest
 from lmforge.runs.lock import probe
@@ -148,11 +150,17 @@ class Run:
                 raise UserError(f"run {self.name} is {self.status}; stop it first (`lmforge runs stop {self.name}`) "
                                 "or delete with --force")
             self.stop(force=True)
+        doomed = [p for p in (self.save_folder, self.log_dir) if purge and p and not is_remote(p) and os.path.isdir(p)]
+        flag = f"runs delete {self.name} --purge"
+        for path in doomed:  # before anything goes: a refused folder leaves the run registered
+            if path == self.save_folder:
+                check_run_folder(path, flag)
+            else:
+                check_target(path, flag)
         Registry().delete(self.name)
-        if purge:
-            for path in (self.save_folder, self.log_dir):
-                if path and "://" not in path and os.path.isdir(path):
-                    shutil.rmtree(path)
+        for path in doomed:
+            if os.path.isdir(path):  # the logs of a local run went with its save folder
+                shutil.rmtree(path)
 
     def log_path(self, resumption: int | None = None) -> str:
         if not self.resumptions:

@@ -36,6 +36,7 @@ from lmforge.runs.plan import LaunchPlan, new_run_uid, with_plan
 from lmforge.runs.registry import ACTIVE, Registry
 from lmforge.runs.store import local_folder, upload_logs
 from lmforge.runs.supervisor import EXIT_USER_ERROR, Supervisor
+from lmforge.secrets import redact_config
 from lmforge.layout import list_checkpoints, read_run_file
 
 
@@ -154,7 +155,7 @@ def register(reg: Registry, cfg, args, slot: RunSlot, plan: LaunchPlan) -> None:
         "run_uid": slot.run_uid,
         "run_type": "finetune" if cfg.task_type in FINETUNE_TASKS else "pretrain",
         "status": "STARTING", "reason": None, "started_at": time.time(),
-        "completed_at": None, "model": model_label(cfg), "config": cfg.model_dump(mode="json"),
+        "completed_at": None, "model": model_label(cfg), "config": redact_config(cfg.model_dump(mode="json")),
         "identity": identity(cfg, slot.name, slot.save_folder), "save_folder": slot.save_folder,
         "log_dir": slot.log_dir, "command": child_argv(args, slot.name, slot.save_folder, first=False),
         "cwd": os.getcwd(), "host": this_host(), "supervisor_pid": os.getpid(),
@@ -197,7 +198,7 @@ def start(cfg, args, plan: LaunchPlan) -> int:
                          argv=child_argv(args, slot.name, slot.save_folder, first=True),
                          retry_argv=child_argv(args, slot.name, slot.save_folder, first=False), cwd=os.getcwd(),
                          save_folder=slot.save_folder, local_folder=local, log_dir=slot.log_dir,
-                         max_retries=cfg.max_retries, config=cfg.model_dump(mode="json"),
+                         max_retries=cfg.max_retries, config=redact_config(cfg.model_dump(mode="json")),
                          echo=not plan.detached, after_resumption=after)
         rc = sup.run()
         forget_if_rejected(reg, slot, plan)

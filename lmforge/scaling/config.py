@@ -26,6 +26,7 @@ from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.load import build_config, format_error, read_yaml
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.errors import UserError
+from lmforge.guard import check_target
 
 LADDER_KEYS = ("name", "save_folder", "target", "budget", "ladder")
 # Run-config keys a ladder sets per run, or that have no place in a ladder of fresh models.
@@ -162,6 +163,8 @@ def load_ladder(path: str) -> LadderConfig:
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     _check_tokenizer(base, path)
+    # Its runs, plan and report are written there, and a re-run replaces what it planned.
+    check_target(cfg.save_folder, f"{path}: save_folder", [("the training data", d.path) for d in base.train_data])
     return cfg
 
 

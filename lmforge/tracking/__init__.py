@@ -23,6 +23,7 @@ from lmforge.tracking.console import ConsoleTracker
 from lmforge.tracking.jsonl import JsonlTracker, read_metrics
 from lmforge.tracking.mlflow_tracker import default_tracking_uri, mlflow_ui_command
 from lmforge.tracking.report import Render, ReportTracker
+from lmforge.secrets import redact
 
 STATE_FILE = "trackers.json"
 
@@ -86,13 +87,13 @@ def build_trackers(cfg: TrackerConfig, *, run_name: str, run_dir: str,
             from lmforge.tracking.mlflow_tracker import MlflowTracker
 
             stored = state.get("mlflow", {})
-            uri = cfg.mlflow.tracking_uri or default_tracking_uri()
+            uri = redact(cfg.mlflow.tracking_uri or default_tracking_uri())  # kept in trackers.json: no password
             # A stored run id only means something in the store that holds it.
             run_id = stored.get("run_id") if stored.get("tracking_uri") == uri else None
             tracker = MlflowTracker(cfg.mlflow, run_name, run_id=run_id,
                                     tags={"lmforge.run_dir": str(directory.resolve())})
             trackers.append(tracker)
-            new_state["mlflow"] = {"tracking_uri": tracker.tracking_uri,
+            new_state["mlflow"] = {"tracking_uri": redact(tracker.tracking_uri),
                                    "experiment_id": tracker.experiment_id,
                                    "run_id": tracker.run_id}
         except UserError:  # a model_registry_path the registry refuses: bad input, before training

@@ -7,6 +7,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from lmforge.secrets import redact
+
 # Statuses a run can finish with; each backend maps them to its own vocabulary.
 FINISH_STATUSES = ("completed", "failed", "stopped")
 
@@ -76,7 +78,9 @@ def one_line(exc: BaseException) -> str:
 
 def warn_disabled(name: str, exc: BaseException, stream: TextIO | None = None) -> None:
     """The single warning line printed when a tracker is switched off."""
-    print(f"warning: {name} tracking disabled ({one_line(exc)})",
+    # The error of a client often quotes its URI (http://user:PASSWORD@host/): printed, then kept in
+    # the run's log.
+    print(redact(f"warning: {name} tracking disabled ({one_line(exc)})"),
           file=stream or sys.stderr, flush=True)
 
 
@@ -133,7 +137,6 @@ class Trackers(Tracker):
             return
         self.finished = True
         if error:
-            from lmforge.secrets import redact
 
             error = redact(error)  # it reaches files and servers (events.jsonl, an MLflow tag)
         self._call("finish", status, error)

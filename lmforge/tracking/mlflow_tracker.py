@@ -22,6 +22,7 @@ from lmforge.home import lmforge_home
 from lmforge.config.tracking import MLflowConfig, TrackerConfig
 from lmforge.errors import UserError
 from lmforge.tracking.base import Tracker, flatten_params, one_line, scalar_metrics
+from lmforge.secrets import redact
 
 DEFAULT_EXPERIMENT = "lmforge"
 # MLflow limits (mlflow.utils.validation); copied so the module imports without mlflow.
@@ -58,7 +59,7 @@ def mlflow_ui_command(cfg: TrackerConfig) -> str | None:
     uri = resolve_tracking_uri(cfg.mlflow)
     if _local_store_dir(uri) is None:
         return None  # a tracking server is its own UI
-    return f"mlflow ui --backend-store-uri {uri}"
+    return redact(f"mlflow ui --backend-store-uri {uri}")
 
 
 def metric_key(name: str) -> str:

@@ -36,11 +36,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from lmforge.checksums import DamagedFile, file_digests, verify_files
+from lmforge.checksums import EXPORT_FILE, DamagedFile, file_digests, verify_export, verify_files
 from lmforge.distributed.dist import barrier
 from lmforge.errors import UserError
-from lmforge.layout import (RUN_FILE, STATE_FILE, checkpoint_step, checkpoints_dir, different_run_error,
-                            holds_saved_run, list_checkpoints, read_run_file, read_state)
+from lmforge.guard import remove_inside
+from lmforge.layout import (DAMAGED, RUN_FILE, STATE_FILE, checkpoint_step, checkpoints_dir, damaged_checkpoints,
+                            different_run_error, holds_saved_run, list_checkpoints, read_run_file, read_state)
 
 # DCP warns on every single-process save/load that it "assumes the intent" — which it is.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -212,7 +213,12 @@ def _complete(save_folder: str, tmp: str, final: str, state: dict, rank: int, ke
         # before a fallback to an earlier one (`intact_checkpoint`), never a reason to drop an intact one.
         step = checkpoint_step(final)
         for _, old in [c for c in list_checkpoints(save_folder) if c[0] <= step][:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_inside(old, checkpoints_dir(save_folder))
+        # Damaged checkpoints set aside (`intact_checkpoint`) go once an intact one of their step or
+        # later exists: this one. Kept until then for inspection, they are never resumed from.
+        for bad_step, bad in damaged_checkpoints(save_folder):
+            if bad_step <= step:
+                remove_inside(bad, checkpoints_dir(save_folder))
         if on_complete is not None:
             on_complete(final)
     return final
@@ -231,6 +237,10 @@ def verify_checkpoint(path: str, checked: Collection[str] = ()) -> dict:
             state = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt ({STATE_FILE}: {e})") from None
+    files = state.get("files") if isinstance(state, dict) else None
+    if not isinstance(state, dict) or not isinstance(files or {}, dict) or \
+            not all(isinstance(d, dict) for d in (files or {}).values()):
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt ({STATE_FILE} is not a checkpoint's state)")
     try:
         verify_files(path, {n: d for n, d in (state.get("files") or {}).items() if n not in checked}, "checkpoint")
     except DamagedFile as e:
@@ -259,8 +269,8 @@ def intact_checkpoint(save_folder: str, log=print) -> str | None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for bad in damaged:
                 try:
-                    os.replace(bad, f"{bad}.damaged-{stamp}")
-                    log(f"warning: set the damaged {os.path.basename(bad)} aside as {bad}.damaged-{stamp}")
+                    os.replace(bad, f"{bad}{DAMAGED}{stamp}")
+                    log(f"warning: set the damaged {os.path.basename(bad)} aside as {bad}{DAMAGED}{stamp}")
                 except OSError:  # left where it is: keep-N counts only checkpoints up to the newest one
                     pass
         return path
@@ -268,6 +278,22 @@ def intact_checkpoint(save_folder: str, log=print) -> str | None:
         raise UserError(f"{first_error}; no intact checkpoint is left: --no-autoresume starts fresh "
                         "(keeping them aside)")
     return None
+
+
+def completed_final(save_folder: str, previous: dict | None, duration: str) -> str | None:
+    """The intact ``final/`` of a run that already completed this very ``training_duration``
+    (``previous``: the folder's run.json before this start), else None. Such a run is complete
+    even when every checkpoint of it is damaged: only its final model was still to be used."""
+    final = os.path.join(save_folder, "final")
+    if not previous or (previous.get("config") or {}).get("training_duration") != duration:
+        return None
+    if not os.path.isfile(os.path.join(final, EXPORT_FILE)):
+        return None
+    try:
+        verify_export(final)
+    except (DamagedFile, UserError):
+        return None
+    return final
 
 
 def files_here(path: str) -> list[str]:
@@ -325,11 +351,8 @@ def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, auto
         return False
     same = existing.get("identity") == identity
     if overwrite:
-        shutil.rmtree(checkpoints_dir(save_folder), ignore_errors=True)
-        shutil.rmtree(os.path.join(save_folder, "final"), ignore_errors=True)
-        for name in ("metrics.jsonl", "trackers.json", RUN_FILE):
-            if os.path.exists(os.path.join(save_folder, name)):
-                os.remove(os.path.join(save_folder, name))
+        for name in ("checkpoints", "final", "metrics.jsonl", "trackers.json", RUN_FILE):
+            remove_inside(os.path.join(save_folder, name), save_folder)
         return False
     if not same and all_local and not holds_saved_run(save_folder):
         # An earlier start that failed before its first checkpoint: nothing of it to protect.

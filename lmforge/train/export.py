@@ -20,6 +20,7 @@ from transformers import GenerationConfig
 
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
+from lmforge.guard import check_target, checkpoint_reads
 from lmforge.models.hf import to_hf_config, to_hf_state_dict
 from lmforge.models.io import _copy_tokenizer, _state_dict, save_pretrained
 from lmforge.checksums import write_export_digests
@@ -33,6 +34,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None = None, dtype: str = "float32",
            max_shard_size: str = "5GB", allow_clip_qkv: bool = False, overwrite: bool = False) -> Path:
     out_path = Path(out)
+    check_target(out, "--out", [*checkpoint_reads(checkpoint), ("the tokenizer", tokenizer)])
     if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not overwrite:
         raise UserError(f"--out {out}: already exists and is not empty; choose another folder or pass --overwrite")
     if dtype not in DTYPES:

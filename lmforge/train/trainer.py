@@ -30,6 +30,7 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Collection, Sequence
 
 import torch
@@ -46,7 +47,7 @@ from lmforge.distributed.float8 import FP8Options, after_optimizer_step
 from lmforge.distributed.parallelize import (SHARDED, clip_grad_norm, compile_enabled, device_value, full_state_dict,
                                              is_sharded, materialize, no_grad_sync, parallelize)
 from lmforge.errors import UserError
-from lmforge.layout import latest_checkpoint, read_state
+from lmforge.layout import latest_checkpoint, list_checkpoints, read_run_file, read_state
 from lmforge.estimate.hardware import detect_device_spec, mfu, mfu_basis, peak_flops
 from lmforge.eval.in_training import generations, load_icl, run_icl
 from lmforge.models import build_model, save_pretrained
@@ -62,7 +63,7 @@ from lmforge.train.expert_health import ExpertHealth
 from lmforge.train.locate import load_model
 from lmforge.train.objective import objective_for
 from lmforge.train.optim import blended_lr, build_optimizer
-from lmforge.train.watchdog import HangWatchdog
+from lmforge.train.watchdog import HangWatchdog, dump_and_exit
 
 
 class TrainingDiverged(UserError):
@@ -135,11 +136,14 @@ class StepOutput:
     stats: dict = field(default_factory=dict)  # the objective's step means, e.g. preference rewards
 
 
+COMPLETE = "<complete>"  # what a completed run with damaged checkpoints resumes from: nothing
+
+
 @dataclass
 class TrainResult:
     status: str  # completed | stopped
     step: int
-    tokens: int
+    tokens: int | None  # None: not known (a run found complete with only damaged checkpoints)
     save_folder: str
     final_dir: str | None
     eval: dict = field(default_factory=dict)
@@ -187,6 +191,9 @@ class Trainer:
         self.expert_health = ExpertHealth() if self.cfg.model.is_moe else None
 
         resume_from, checked = self._claim_save_folder(overwrite)
+        self.complete = resume_from == COMPLETE
+        if self.complete:
+            return  # completed before, its checkpoints damaged: `fit` says so, nothing is built
         self.model, self.train_forward = self._build_model(from_weights=not resume_from)
         self.sequence_group = self.model.sequence_group  # context parallelism: the ranks a row is split over
         self.objective = objective_for(self.data, self.cfg, self.model)  # by the data's kind: next token, pairs
@@ -216,7 +223,8 @@ class Trainer:
         self.saver = ckpt.PendingSave() if self.cfg.compute.async_checkpoint else None
         self.peak_flops = peak_flops(detect_device_spec(self.device), mfu_basis(self.plan.precision))
         self._stop_asked = False
-        self.watchdog = HangWatchdog(self.cfg.compute.hang_timeout, rank=dist.rank)
+        self.watchdog = HangWatchdog(self.cfg.compute.hang_timeout, rank=dist.rank,
+                                     on_hang=partial(dump_and_exit, restarts=self.cfg.max_retries > 0))
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
         self._elapsed0 = 0.0
 
@@ -226,6 +234,7 @@ class Trainer:
         """Same run in the folder → the latest checkpoint to resume from and the files whose
         digests rank 0 checked in choosing it; another run → refuse."""
         identity = run_identity(self.cfg)
+        previous = read_run_file(self.save_folder) if self.dist.is_main else None
         if self.dist.is_main:
             self.callbacks.before_resume(self.save_folder)
             can_resume = ckpt.check_save_folder(self.save_folder, identity, overwrite=overwrite,
@@ -236,8 +245,16 @@ class Trainer:
         barrier()
         latest, checked = None, []
         if self.cfg.autoresume and self.dist.is_main:  # rank 0 checks the digests; every rank loads its pick
-            latest = ckpt.intact_checkpoint(self.save_folder, self.log)
-            checked = ckpt.files_here(latest) if latest else []
+            try:
+                latest = ckpt.intact_checkpoint(self.save_folder, self.log)
+            except UserError:
+                final = ckpt.completed_final(self.save_folder, previous, str(self.cfg.training_duration))
+                if final is None:
+                    raise
+                self.log(f"warning: no checkpoint of run {self.cfg.name} is intact, but it completed and its final "
+                         f"model {final} is: nothing to train")
+                latest = COMPLETE
+            checked = ckpt.files_here(latest) if latest and latest != COMPLETE else []
         return broadcast_object((latest, checked))
 
     def _build_model(self, from_weights: bool) -> tuple[Transformer, torch.nn.Module]:
@@ -455,6 +472,10 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Train until the duration is reached or a stop is asked; then evaluate, checkpoint and
         (when completed) export. Every rank calls it."""
+        if self.complete:
+            found = list_checkpoints(self.save_folder)
+            return TrainResult(status="completed", step=found[-1][0] if found else 0, tokens=None,
+                               save_folder=self.cfg.save_folder, final_dir=os.path.join(self.save_folder, "final"))
         self.callbacks.on_start(self._run_info())
         self._announce()
         try:

@@ -58,7 +58,16 @@ def stack_lines(rank: int) -> list[str]:
     return [f"[rank {rank}] {ln}\n" for ln in lines]
 
 
-def dump_and_exit(rank: int, silent_s: float, timeout_s: float) -> None:
+def hang_line(rank: int, silent_s: float, timeout_s: float, restarts: bool = True) -> str:
+    """The one line a hang starts with; it promises a restart only where ``max_retries`` allows one."""
+    then = ("exiting so that the run restarts from its latest checkpoint (as max_retries allows)" if restarts else
+            "exiting; max_retries is 0, so the run is not restarted (the same command resumes it from its latest "
+            "checkpoint)")
+    return (f"lmforge: hang detected on rank {rank}: no training step completed for {silent_s:.0f}s "
+            f"(compute.hang_timeout {timeout_s:.0f}s); Python stacks of its threads follow; {then}\n")
+
+
+def dump_and_exit(rank: int, silent_s: float, timeout_s: float, restarts: bool = True) -> None:
     """What a hang does by default: one line, every thread's stack, then exit for a restart.
 
     The other ranks of this node get `GRACE_S` to dump theirs, then this one kills them (each
@@ -67,10 +76,7 @@ def dump_and_exit(rank: int, silent_s: float, timeout_s: float) -> None:
     runs, a SIGTERM waits) would otherwise hold torchrun's restart for its 30 s grace and SIGKILL."""
     fd = sys.__stderr__.fileno()
     sys.__stderr__.flush()
-    head = (f"lmforge: hang detected on rank {rank}: no training step completed for {silent_s:.0f}s "
-            f"(compute.hang_timeout {timeout_s:.0f}s); Python stacks of its threads follow; exiting so that "
-            "the run restarts from its latest checkpoint\n")
-    for line in [head, *stack_lines(rank)]:
+    for line in [hang_line(rank, silent_s, timeout_s, restarts), *stack_lines(rank)]:
         os.write(fd, line.encode(errors="replace")[:4000])  # whole, even when another rank writes too
     time.sleep(GRACE_S)
     for pid in sibling_workers():

@@ -23,6 +23,7 @@ from lmforge.data.job import Job, WorkDir, removed_samples, source_stats, unit_m
 from lmforge.data.sources import SourceStats, list_files, no_documents_message
 from lmforge.data.units import DEFAULT_UNIT_BYTES, plan_units
 from lmforge.errors import UserError
+from lmforge.guard import check_target
 
 MARKER = "curation.json"
 
@@ -44,6 +45,7 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
         raise UserError(f"--out {out}: `data dedup` writes to a local folder")
     if removed_out is not None and os.path.isfile(removed_out):
         raise UserError(f"--removed-out {removed_out}: exists and is not a folder")
+    check_target(out, "--out", [("the input", i) for i in inputs] + [("--removed-out", removed_out)])
     stats = SourceStats()
     sources = list_files(inputs, stats)
     identity = {"inputs": inputs, "input_fingerprint": input_fingerprint(sources), "text_field": text_field,

@@ -1,0 +1,57 @@
+"""The base of every config section: unknown keys refused, numbers finite and never booleans.
+
+YAML reads ``true`` as a boolean, and pydantic's lax mode would take it as the number 1
+(``learning_rate: true`` trained at an LR of 1); ``.inf`` and ``.nan`` are floats YAML writes
+without a word. Both are refused here, once, for every field of every section, naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+
+def _parts(annotation: Any) -> list[Any]:
+    """The types a union (or ``Annotated``) annotation is made of; the annotation itself otherwise."""
+    origin = get_origin(annotation)
+    if origin is Union or (origin is not None and type(annotation).__name__ in ("UnionType", "_AnnotatedAlias")):
+        return [p for a in get_args(annotation) for p in _parts(a)]
+    return [annotation]
+
+
+def takes_number(annotation: Any) -> bool:
+    return any(a in (int, float) for a in _parts(annotation))
+
+
+def takes_bool(annotation: Any) -> bool:
+    """Whether a field of this annotation accepts a boolean as one (``bool``, ``Any``, a union or
+    ``Annotated`` holding one); a number field does not."""
+    if annotation is bool or annotation is Any:
+        return True
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return any(isinstance(v, bool) for v in get_args(annotation))
+    if origin is Union or (origin is not None and type(annotation).__name__ in ("UnionType", "_AnnotatedAlias")):
+        return any(takes_bool(a) for a in get_args(annotation))
+    return False
+
+
+class Checked(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, v, info: ValidationInfo):
+        field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if isinstance(v, bool) and field is not None and takes_number(field.annotation) \
+                and not takes_bool(field.annotation):
+            raise ValueError(f"expected a number, not the boolean {str(v).lower()}")
+        return v
+
+
+class Strict(Checked):
+    """A section whose fields are checked again when set (the config is filled in after loading)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
+
