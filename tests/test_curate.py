@@ -265,7 +265,7 @@ def test_dedup_command_same_for_any_worker_count(corpus, tmp_path, capsys):
 @pytest.mark.parametrize("flags, needle", [
     (["--filter", "gopher"], "--filter gopher: unknown filter (expected one of c4, fineweb, language"),
     (["--dedup", "fuzzy"], "--dedup fuzzy: expected exact, near"),
-    (["--dedup", "near", "--near-threshold", "1.5"], "curate.dedup.threshold: Input should be less than 1"),
+    (["--dedup", "near", "--near-threshold", "1.5"], "--near-threshold: expected a number above 0 and at most 1"),
     (["--curate", "CUR"], "curate.filters.c4.min_sentences: Input should be greater than or equal to 0"),
     (["--curate", "UNKNOWN"], "unknown config key 'curate.filters.perplexity'"),
 ])

@@ -232,7 +232,7 @@ def test_bad_executor_input_is_one_line_and_writes_nothing(corpus, tok, plain, t
     out = tmp_path / "new"
     base = _args(corpus, tok, out)
     assert "--executor spark: unknown executor (expected local, slurm or ray)" in error(*base, "--executor", "spark")
-    assert "--tasks 0: expected a positive integer" in error(*base, "--tasks", "0")
+    assert "--tasks: expected a whole number at least 1" in error(*base, "--tasks", "0")
     assert "--executor slurm: needs --partition NAME" in error(*base, "--executor", "slurm")
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the package were not installed
     assert "--executor ray: needs ray: pip install 'lmforge[ray]'" in error(*base, "--executor", "ray", "--tasks", "2")

@@ -276,13 +276,17 @@ def test_keep_n_never_prunes_an_intact_checkpoint_for_a_damaged_one(tiny_data, t
 
     class Kept(Callback):
         seen: dict = {}
+        aside: dict = {}
 
         def on_checkpoint(self, path):
             Kept.seen[int(path.rsplit("_", 1)[-1])] = [s for s, _ in list_checkpoints(str(folder))]
+            Kept.aside[int(path.rsplit("_", 1)[-1])] = sorted(
+                p.name for p in (folder / "checkpoints").iterdir() if p.name.startswith("step_00000004"))
 
     trainer = make_trainer(tiny_data, folder, [Kept()], training_duration="6ba", save_interval="3ba", **small)
     result = trainer.fit()
     assert result.status == "completed" and trainer.resumed
     assert Kept.seen[3] == [2, 3], Kept.seen
-    aside = [p.name for p in (folder / "checkpoints").iterdir() if p.name.startswith("step_00000004")]
-    assert len(aside) == 1 and aside[0].startswith("step_00000004.damaged"), aside
+    # set aside while no intact checkpoint of its step or later exists; pruned once step 6 is written
+    assert len(Kept.aside[3]) == 1 and Kept.aside[3][0].startswith("step_00000004.damaged"), Kept.aside
+    assert Kept.aside[6] == [], Kept.aside
