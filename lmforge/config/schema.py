@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSeriali
 
 from lmforge.config.curation import CurateConfig
 from lmforge.config.durations import Duration, parse_duration
+from lmforge.config.goodput import GoodputConfig
 from lmforge.config.model import ModelConfig, resolve_model
 from lmforge.config.storage import ObjectStoreConfig, SecretsConfig
 from lmforge.config.tracking import TrackerConfig
@@ -449,6 +450,9 @@ class RunConfig(_Strict):
         None, description="train low-rank adapters on the frozen custom_weights_path model instead of all weights "
         "({rank, alpha, dropout, targets}); the final model is merged, final/adapter is a PEFT adapter")
     autoresume: bool = Field(True, description="continue from the latest checkpoint in save_folder")
+    goodput: GoodputConfig = Field(
+        default_factory=GoodputConfig, description="stragglers, GPU health, the conditions that checkpoint, "
+        "diagnose, cordon and resume (docs/goodput.md)")
     max_retries: int = Field(2, ge=0, description="restarts after a crash or a hang, in all (by the supervisor or "
                              "torchrun); each resumes from the latest checkpoint")
     log_interval: int = Field(10, ge=1, description="steps between logged metrics (trackers, the progress bar); "
@@ -559,6 +563,7 @@ class RunConfig(_Strict):
                                  "against; set eval.icl_tasks or curate.decontaminate.tasks")
         if self.curriculum:
             self._check_curriculum()
+        self.goodput.check(nodes=self.compute.nodes, autoresume=self.autoresume, max_retries=self.max_retries)
         return self
 
     def _check_curriculum(self) -> None:

@@ -124,5 +124,8 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
     if store is not None and result.final_dir:
         result.final_dir = remote_join(cfg.save_folder, "final")  # the store's copy, not the staging one
     result.mlflow_ui = mlflow_ui_command(cfg.experiment_tracker)
-    report_status(plan, result.status, step=result.step, tokens=result.tokens, attempt=restart_count())
+    if result.reshape is not None:  # a goodput condition: the supervisor resumes on the nodes left
+        report_status(plan, "reshape", step=result.step, attempt=restart_count(), **result.reshape)
+    else:
+        report_status(plan, result.status, step=result.step, tokens=result.tokens, attempt=restart_count())
     return result
