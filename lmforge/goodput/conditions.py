@@ -21,6 +21,15 @@ HEALTH = ("xid", "ecc_uncorrected", "remap_failed", "throttle", "temperature_c",
 ROW = (*SECTIONS, "wall", "steps", *HEALTH)
 
 
+def scored_sections(data_parallel: str, context_parallel: int = 1) -> tuple[str, ...]:
+    """The sections that hold no collective, whose time is the rank's own: a section that waits in one
+    (DDP's backward syncs the gradients) shows the *fast* ranks waiting for the slow one. FSDP/HSDP
+    gather parameters in forward, context parallelism exchanges keys and values there."""
+    if data_parallel in ("fsdp", "hsdp") or context_parallel > 1:
+        return ("data",)
+    return ("data", "forward")
+
+
 def peer_medians(times: list[float]) -> list[float]:
     """For each rank, the median of the other ranks' times: with two ranks the plain median is their
     mean, which would score a rank at half speed 1.33 instead of 2."""
@@ -75,6 +84,7 @@ class Conditions:
 
     cfg: GoodputConfig
     nodes: list[str]  # the node of each rank
+    scored: tuple[str, ...] = ("data", "forward")  # `scored_sections`
     _straggler_run: dict[int, int] = field(default_factory=dict)  # rank → intervals in a row flagged
     _step_times: list[float] = field(default_factory=list)  # post-warm-up step times (the MFU baseline)
     _intervals: int = 0
@@ -110,6 +120,8 @@ class Conditions:
         flagged: dict[int, Flag] = {}
         worst = [1.0] * len(rows)
         for s, name in enumerate(SECTIONS):
+            if name not in self.scored:
+                continue
             times = [r[s] / steps for r in rows]
             for rank, (t, med, score) in enumerate(zip(times, peer_medians(times), scores(times))):
                 worth = t - med >= self.cfg.straggler.min_share * step_med  # microsecond sections are noise

@@ -17,9 +17,10 @@ The loop calls, on every rank, in this order:
   (`distributed.diagnose`), the cordon list, the events; returns what the job reports to the
   supervisor, which resumes on the nodes left.
 
-Under DDP the forward section holds no collective, so a slow rank shows there (its backward waits
-for nobody, the others' backward waits for it). Under FSDP every section holds all-gathers, which
-hide a slow rank from its peers' timing: the MFU-drop condition and the sweep remain.
+Only sections without a collective are scored (`goodput.conditions.scored_sections`): under DDP the
+data wait and the forward (the backward syncs gradients: there the *fast* ranks wait for the slow
+one); under FSDP/HSDP the data wait alone (all-gathers hide a slow rank from its peers' timing: the
+MFU-drop condition and the sweep remain).
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ class _Timer:
 
 
 class Telemetry:
-    def __init__(self, cfg: GoodputConfig, dist, *, folder: str, log, environ=None):
+    def __init__(self, cfg: GoodputConfig, dist, *, folder: str, log, scored: tuple[str, ...] = SECTIONS,
+                 environ=None):
         import os
 
         environ = os.environ if environ is None else environ
-        self.cfg, self.dist, self.folder, self.log = cfg, dist, folder, log
+        self.cfg, self.dist, self.folder, self.log, self.scored = cfg, dist, folder, log, scored
         self.node = node_name()
         self.timer = _Timer(dist.device)
         local_rank = int(environ.get("LOCAL_RANK", "0"))
@@ -111,7 +113,7 @@ class Telemetry:
         else:
             nodes = [self.node]
         self.nodes = nodes
-        self.conditions = Conditions(self.cfg, nodes)
+        self.conditions = Conditions(self.cfg, nodes, self.scored)
         self._loop_t0 = self._interval_t0 = time.perf_counter()
         self.step = step
         self.ledger.write("start", process_start=round(self.ledger.process_start, 3), step=step,
@@ -156,7 +158,8 @@ class Telemetry:
         """At a log step, on every rank: (metrics, a decision to act or None)."""
         now = time.perf_counter()
         sections = self.timer.read()
-        health = self.health.latest() if self.health is not None else None
+        # An injected fault reports at a step: sampled now, not at the sampler's next tick.
+        health = None if self.health is None else self.health.poll() if self.faults.active else self.health.latest()
         blocked = sum(self._blocked.values())
         row = [sections[s] for s in SECTIONS] + [now - self._interval_t0 - (blocked - self._blocked_mark), self._steps]
         row += health.row() if health is not None else [0.0] * (len(ROW) - len(row))

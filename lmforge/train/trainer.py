@@ -63,6 +63,7 @@ from lmforge.train.expert_health import ExpertHealth
 from lmforge.train.locate import load_model
 from lmforge.train.objective import objective_for
 from lmforge.train.optim import blended_lr, build_optimizer
+from lmforge.goodput.conditions import scored_sections
 from lmforge.train.telemetry import Telemetry
 from lmforge.train.watchdog import HangWatchdog
 
@@ -220,7 +221,9 @@ class Trainer:
         self.peak_flops = peak_flops(detect_device_spec(self.device), mfu_basis(self.plan.precision))
         self._stop_asked = False
         self.watchdog = HangWatchdog(self.cfg.compute.hang_timeout, rank=dist.rank)
-        self.telemetry = Telemetry(self.cfg.goodput, dist, folder=self.save_folder, log=self.log)
+        self.telemetry = Telemetry(self.cfg.goodput, dist, folder=self.save_folder, log=self.log,
+                                   scored=scored_sections(self.cfg.compute.data_parallel,
+                                                          self.cfg.compute.context_parallel))
         self.reshape: dict | None = None
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
         self._elapsed0 = 0.0
