@@ -190,6 +190,13 @@ def test_straggler_flagged_and_sick_node_cordoned_then_run_resumes_on_the_node_l
     assert abs(sum(acc["parts"][k] for k in PARTS) - acc["wall_s"]) < 0.01
     assert acc["parts"]["recovery"] > 0 and acc["parts"]["lost"] == 0  # resumed at the step it stopped
     assert [(r["step"], r["steps_redone"]) for r in acc["resumptions"]] == [(3, 0)]
+    described = lmforge("runs", "describe", record.name, check=True).stdout
+    assert "goodput    " in described and "cordoned   node1 at step 3: fatal health event on node1: XID 79" in described
+    from lmforge.report.html import goodput_table
+    from lmforge.report.load import load_run
+
+    assert "resumed at step 3 (0 step(s) redone) after fatal health event on node1" in goodput_table(
+        [load_run(str(folder))])
 
 
 @pytest.mark.e2e
