@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from lmforge.errors import UserError
+from lmforge.goodput.ledger import read_jsonl
 
 FAULT_ENV = "LMFORGE_FAULT"
 FAULTS_FILE = "faults.jsonl"
@@ -140,17 +141,4 @@ def fired(folder: str | None) -> set[str]:
 
 
 def read_faults(folder: str | None) -> list[dict]:
-    if not folder:
-        return []
-    try:
-        with open(os.path.join(folder, FAULTS_FILE)) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return read_jsonl(os.path.join(folder, FAULTS_FILE)) if folder else []

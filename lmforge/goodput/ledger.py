@@ -52,9 +52,10 @@ class Ledger:
             pass
 
 
-def read_ledger(folder: str) -> list[dict]:
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSONL file a run appends to ([] when missing; a half-written line skipped)."""
     try:
-        with open(os.path.join(folder, LEDGER_FILE)) as f:
+        with open(path) as f:
             lines = f.read().splitlines()
     except OSError:
         return []
@@ -62,11 +63,15 @@ def read_ledger(folder: str) -> list[dict]:
     for line in lines:
         try:
             rec = json.loads(line)
-        except ValueError:  # a half-written last line
+        except ValueError:
             continue
-        if isinstance(rec, dict) and "attempt" in rec and "time" in rec:
+        if isinstance(rec, dict):
             out.append(rec)
     return out
+
+
+def read_ledger(folder: str) -> list[dict]:
+    return [r for r in read_jsonl(os.path.join(folder, LEDGER_FILE)) if "attempt" in r and "time" in r]
 
 
 @dataclass
