@@ -181,9 +181,9 @@ def test_straggler_flagged_and_sick_node_cordoned_then_run_resumes_on_the_node_l
     assert any(e["event"] == "straggler" and e["node"] == "node1" and e["score"] > 1.5 for e in events), events
     assert [e["cordoned"] for e in events if e["event"] == "goodput_action"] == [["node1"]]
     assert_same_losses(train_losses(single_ref), train_losses(folder), range(1, 7))
-    import lmforge
+    from lmforge import get_run
 
-    record = lmforge.get_run(json.loads((folder / "run.json").read_text())["identity"]["name"])
+    record = get_run(json.loads((folder / "run.json").read_text())["identity"]["name"])
     assert [r["status"] for r in record.resumptions] == ["STOPPED", "COMPLETED"]
     assert "cordoned node1" in record.resumptions[0]["reason"]
     acc = account(read_ledger(str(folder)))
