@@ -18,6 +18,16 @@ counted apart.
 
     python bench/faults.py --kills 20 --stops 5           # 1 and 2 ranks, 10 kills each; 5 timed stops
     python bench/faults.py --kills 2 --ranks 1 --json     # what the CI test runs
+    python bench/faults.py --kills 0 --goodput            # goodput faults on 2 nodes × 2 ranks (below)
+    python bench/faults.py --kills 0 --overhead 3         # telemetry on/off, interleaved, 3 pairs
+
+``--goodput`` runs a 2-node × 2-rank gloo job on this machine (two `lmforge train --node-rank R`
+processes, ``LMFORGE_NODE=node0|node1``) once without faults (the reference, and its false flags),
+then once through each fault of ``LMFORGE_FAULT`` (docs/goodput.md), and prints: detected after
+(from the fault to the condition's record; for a crash, to the restarted attempt's start), the
+action, recovered after (detection to the first step of the next attempt), steps lost, goodput,
+and whether the final weights equal the reference's — or, where the run resumed on fewer ranks,
+an uninterrupted run from the same checkpoint on that layout (bitwise where the resume is exact).
 """
 
 from __future__ import annotations
@@ -245,6 +255,169 @@ def stop_latency(n: int, work: Path, data: Path, tok: Path) -> dict:
             "seconds_median": round(times[len(times) // 2], 2), "seconds_max": round(times[-1], 2)}
 
 
+GOODPUT_FAULTS = {  # name → (LMFORGE_FAULT, config overrides)
+    "slow rank (half speed)": ("slow:node=node1:local_rank=0:factor=2:from=4", {}),
+    "killed rank": ("kill:node=node1:local_rank=1:step=7", {}),
+    "stopped rank": ("stop:node=node1:local_rank=1:step=7", {"compute": {"hang_timeout": 15}}),
+    "fatal XID on node1": ("xid:node=node1:step=7:code=79", {}),
+    "node1 fails its diagnostic": ("slow:node=node1:factor=3:from=4,diag:node=node1",
+                                   {"goodput": {"straggler": {"action": "diagnose"}}}),
+    "NaN": ("nan:rank=0:step=7", {}),
+}
+
+
+def node_config(work: Path, name: str, data: Path, tok: Path, steps: int, extra: dict, nodes: int = 2) -> Path:
+    """A 2 × 2 DDP run on localhost (or 1 × 2: a reference on the layout a cordon leaves)."""
+    cfg = config(work / f"{name}.yaml", name, work / name, data, tok, 2, steps, 3)
+    doc = yaml.safe_load(cfg.read_text())
+    doc["parameters"]["micro_batch_size"] = 1
+    doc["compute"] |= {"nodes": nodes, "data_parallel": "ddp", "async_checkpoint": False}
+    if nodes > 1:
+        doc["compute"] |= {"rdzv_endpoint": f"127.0.0.1:{_free_port()}", "rdzv_timeout_s": 120}
+    for key, value in extra.items():
+        doc[key] = (doc.get(key) or {}) | value
+    cfg.write_text(yaml.safe_dump(doc))
+    return cfg
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_nodes(cfg: Path, work: Path, home: Path, fault: str, nodes: int = 2) -> list[int]:
+    e = env(home) | {"LMFORGE_FAULT": fault}
+    with open(work / f"{cfg.stem}.out", "ab") as logs:
+        procs = [subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--node-rank", str(r)],
+                                  env=e | {"LMFORGE_NODE": f"node{r}"}, cwd=REPO, stdout=logs, stderr=subprocess.STDOUT)
+                 for r in range(nodes)]
+        return [p.wait(timeout=900) for p in procs]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
+
+
+def goodput_row(name: str, folder: Path) -> dict:
+    """What happened to one faulted run, from its ledger, events and fault records."""
+    from lmforge.goodput.ledger import account, read_ledger
+
+    ledger, events, fired = read_ledger(str(folder)), _jsonl(folder / "events.jsonl"), _jsonl(folder / "faults.jsonl")
+    acc = account(ledger) or {"goodput": 0.0, "resumptions": [], "wall_s": 0.0}
+    starts = [r for r in ledger if r["kind"] == "start"]
+    flagged = [e for e in events if e.get("event") in ("straggler", "health", "goodput_action")]
+    detected = [r["time"] for r in ledger if r["kind"] == "detected"]
+    if fired:
+        t_fault = fired[0]["time"]
+    else:  # slow: from the first step it applies to (the tick before it)
+        t_fault = next((r["time"] for r in ledger if r["kind"] == "tick" and r["step"] >= 3), None)
+    if detected:
+        t_detect = detected[0]
+    elif flagged and name.startswith("slow"):
+        t_detect = flagged[0]["time"]
+    else:
+        t_detect = starts[1]["process_start"] if len(starts) > 1 else None
+    nxt = next((r for r in ledger if r["kind"] == "tick" and len(starts) > 1 and r["attempt"] == starts[1]["attempt"]),
+               None)
+    action = next((f"{e['action']} ({', '.join(e['cordoned']) or 'no node cordoned'})" for e in events
+                   if e.get("event") == "goodput_action"), None)
+    if action is None:
+        action = "restart (torchrun)" if any(e.get("event") == "elastic_restart" for e in events) else \
+            "flagged (action log)" if flagged else "stop (diverged, exit 3)" if name == "NaN" else "restart"
+    flag_steps = [e["step"] for e in events if e.get("event") == "straggler"]
+    return {"fault": name, "detected_s": None if t_detect is None or t_fault is None else round(t_detect - t_fault, 1),
+            "flagged_at_step": flag_steps[0] if flag_steps else None, "action": action,
+            "recovered_s": round(nxt["time"] - t_detect, 1) if nxt and t_detect else None,
+            "steps_lost": sum(r["steps_redone"] for r in acc["resumptions"]), "goodput": round(acc["goodput"], 3),
+            "wall_s": round(acc["wall_s"], 1), "completed": (folder / "final" / "model.safetensors").exists()}
+
+
+def same_weights(a: Path, b: Path) -> str:
+    if not (a / "final" / "model.safetensors").exists() or not (b / "final" / "model.safetensors").exists():
+        return "-"
+    x, y = load_file(str(a / "final" / "model.safetensors")), load_file(str(b / "final" / "model.safetensors"))
+    if x.keys() == y.keys() and all(bool((x[k] == y[k]).all()) for k in x):
+        return "bitwise equal"
+    diff = max(float((x[k] - y[k]).abs().max()) for k in x)
+    return f"DIFFERENT (max |Δ| {diff:.2g})"
+
+
+def goodput_faults(work: Path, data: Path, tok: Path, steps: int, only: list[str] | None) -> list[dict]:
+    import shutil
+
+    from lmforge.goodput.cordon import read_cordon
+
+    home = work / "home"
+    run_nodes(node_config(work, "gp-reference", data, tok, steps, {}), work, home, "")
+    ref = work / "gp-reference"
+    clean = goodput_row("none", ref)
+    clean_flags = sum(1 for e in _jsonl(ref / "events.jsonl") if e.get("event") == "straggler")
+    rows = [clean | {"fault": "none (reference)", "false_flags": clean_flags, "weights": "-"}]
+    for i, (name, (fault, extra)) in enumerate(GOODPUT_FAULTS.items()):
+        if only and not any(o in name for o in only):
+            continue
+        cfg = node_config(work, f"gp-{i}", data, tok, steps, extra)
+        codes = run_nodes(cfg, work, home, fault)
+        folder = work / f"gp-{i}"
+        row = goodput_row(name, folder) | {"exit": codes}
+        cordon = read_cordon(str(folder))
+        if cordon:  # resumed on 1 × 2: the reference is an uninterrupted run from that checkpoint, on that layout
+            step = min(v["step"] for v in cordon.values())
+            twin = work / f"gp-{i}-twin"
+            ckpt = folder / "checkpoints" / f"step_{step:08d}"
+            twin_cfg = node_config(work, f"gp-{i}-twin", data, tok, steps, extra, nodes=1)
+            (twin / "checkpoints").mkdir(parents=True, exist_ok=True)
+            if ckpt.exists():
+                shutil.copytree(ckpt, twin / "checkpoints" / ckpt.name)
+            run_nodes(twin_cfg, work, home, "", nodes=1)
+            row["weights"] = same_weights(folder, twin) + " (vs 1 × 2 from the cordon checkpoint)"
+        else:
+            row["weights"] = same_weights(folder, ref)
+        rows.append(row)
+    return rows
+
+
+def telemetry_overhead(pairs: int, work: Path, data: Path, tok: Path, steps: int) -> dict:
+    """Step time with goodput.telemetry on and off, alternating, on one node × 2 ranks."""
+    from lmforge.goodput.ledger import read_ledger
+
+    home, out = work / "home", {True: [], False: []}
+    for i in range(pairs):
+        for on in (True, False):
+            name = f"overhead-{i}-{'on' if on else 'off'}"
+            cfg = node_config(work, name, data, tok, steps, {"goodput": {"telemetry": on}}, nodes=1)
+            run_nodes(cfg, work, home, "", nodes=1)
+            end = [r for r in read_ledger(str(work / name)) if r["kind"] == "end"][-1]
+            out[on].append(end["steps_s"] / end["step"])
+    on, off = sorted(out[True])[pairs // 2], sorted(out[False])[pairs // 2]
+    return {"pairs": pairs, "step_ms_on": round(1000 * on, 2), "step_ms_off": round(1000 * off, 2),
+            "overhead": round(on / off - 1, 4)}
+
+
+def print_goodput(rows: list[dict], overhead: dict | None) -> None:
+    if rows:
+        print("\n| fault | detected after (s) | action | recovered after (s) | steps lost | goodput | wall (s) | "
+              "final weights |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            flag = f" (flagged at step {r['flagged_at_step']})" if r.get("flagged_at_step") and \
+                r["fault"].startswith("slow") else ""
+            extra = f"; false flags: {r['false_flags']}" if "false_flags" in r else ""
+            print(f"| {r['fault']}{extra} | {r['detected_s'] if r['detected_s'] is not None else '-'}{flag} | "
+                  f"{r['action'] if not r['fault'].startswith('none') else '-'} | "
+                  f"{r['recovered_s'] if r['recovered_s'] is not None else '-'} | {r['steps_lost']} | "
+                  f"{100 * r['goodput']:.1f}% | {r['wall_s']} | {r['weights']} |")
+    if overhead:
+        print(f"\ntelemetry on/off ({overhead['pairs']} interleaved pairs, medians): step {overhead['step_ms_on']} ms "
+              f"vs {overhead['step_ms_off']} ms: {100 * overhead['overhead']:+.2f}%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=20, help="SIGKILLs in all (split over the rank counts)")
@@ -255,6 +428,10 @@ def main() -> None:
     ap.add_argument("--data", help="a prepared dataset (default: built from the standard library)")
     ap.add_argument("--tokenizer", help="its tokenizer folder (with --data)")
     ap.add_argument("--stops", type=int, default=0, help="also time N stops (SIGTERM) of a 2-rank run")
+    ap.add_argument("--goodput", nargs="*", metavar="FAULT",
+                    help="run the goodput faults on 2 nodes × 2 ranks (optionally only those whose name has FAULT)")
+    ap.add_argument("--goodput-steps", type=int, default=14, help="steps of each goodput run")
+    ap.add_argument("--overhead", type=int, default=0, metavar="PAIRS", help="telemetry on/off, interleaved")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(2**31)
@@ -268,9 +445,13 @@ def main() -> None:
         results = [faults(r, k, args.steps or 12 + 6 * k, work, data, tok, rng)
                    for r, k in zip(ranks, per_run) if k]
         stops = stop_latency(args.stops, work, data, tok) if args.stops else None
+        gp = goodput_faults(work, data, tok, args.goodput_steps, args.goodput) if args.goodput is not None else []
+        overhead = telemetry_overhead(args.overhead, work, data, tok, 40) if args.overhead else None
     if args.json:
-        print(json.dumps({"seed": seed, "results": results, "stop": stops}, indent=1))
+        print(json.dumps({"seed": seed, "results": results, "stop": stops, "goodput": gp, "overhead": overhead},
+                         indent=1))
         return
+    print_goodput(gp, overhead)
     print(f"seed {seed}")
     print("| ranks | SIGKILLs | in a checkpoint write | after training ended | restarts recorded | final weights | "
           "orphans | half-written visible | wall (s) |")

@@ -18,12 +18,23 @@ import os
 import signal
 import socket
 import sys
+import time
 
 _PR_SET_PDEATHSIG = 1
 
 
 def this_host() -> str:
     return socket.gethostname()
+
+
+NODE_ENV = "LMFORGE_NODE"
+
+
+def node_name() -> str:
+    """This machine's name in a run's cordon list (`goodput.cordon`): ``$LMFORGE_NODE`` when set — the
+    k8s job sets it to the Kubernetes node, and two "nodes" on one machine (tests, the fault bench)
+    each get their own — else the host name (Slurm's node names)."""
+    return os.environ.get(NODE_ENV) or this_host()
 
 
 @functools.cache
@@ -80,6 +91,18 @@ def process_start(pid: int | None) -> str | None:
     except OSError:
         boot = ""
     return f"{boot}:{fields[19]}"
+
+
+def process_started_at(pid: int | None = None) -> float | None:
+    """When ``pid`` (default: this process) started, as a Unix time (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:  # (centiseconds; /proc/stat's btime is whole seconds)
+            boot = time.time() - float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def process_alive(pid: int | None, start: str | None) -> bool:

@@ -9,6 +9,7 @@ the trackers, reports). The layers, from the bottom:
     config · tasks                                              torch-free: the rules and constants
     estimate                                                    torch-free: FLOPs, memory, time
     scaling                                                     torch-free: scaling-law ladders planned, fitted
+    goodput                                                     torch-free: conditions, health, cordon, ledger, faults
     resolve (machine, plan, request, weights, auto_model)       torch-free: one run resolved
     data · models · distributed · eval                          the torch core
     resolve.steps                                               resolution past the config stage
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "lmforge"
-EVERYTHING = ("config", "tasks", "estimate", "scaling", "resolve", "data", "models", "distributed", "eval", "train",
+EVERYTHING = ("config", "tasks", "estimate", "scaling", "goodput", "resolve", "data", "models", "distributed", "eval", "train",
               "tracking", "report", "runs", "cli")
 
 
@@ -47,6 +48,8 @@ FORBIDDEN = {
     "estimate": above("estimate"),
     # plans, fits and predicts from numbers; running the ladder is `runs.ladder`'s
     "scaling": above("scaling"),
+    # the rules of a run's goodput (no torch): the trainer, the supervisor and the report read them
+    "goodput": above("goodput"),
     "resolve": ("eval", "train", "tracking", "report", "runs", "cli"),
     "data": ("models", "distributed", "eval", "train", "tracking", "report", "runs", "cli", "resolve"),
     "models": ("distributed", "eval", "train", "tracking", "report", "runs", "cli", "resolve"),
@@ -65,7 +68,9 @@ TORCH_FREE = ["lmforge.cli.main", "lmforge.layout", "lmforge.guard", "lmforge.co
               "lmforge.resolve.auto_model", "lmforge.resolve.schedule", "lmforge.tasks.icl",
               "lmforge.estimate.plan", "lmforge.estimate.auto", "lmforge.estimate.memory",
               "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.scaling.plan",
-              "lmforge.scaling.fit", "lmforge.scaling.predict"]
+              "lmforge.scaling.fit", "lmforge.scaling.predict", "lmforge.goodput.conditions",
+              "lmforge.goodput.health", "lmforge.goodput.diagnosis", "lmforge.goodput.cordon",
+              "lmforge.goodput.ledger", "lmforge.goodput.faults"]
 
 
 def imports_of(path: Path) -> set[str]:

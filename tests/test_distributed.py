@@ -154,6 +154,52 @@ def test_two_nodes_on_one_machine_train_together(tmp_path, tiny_data, single_ref
 
 
 @pytest.mark.e2e
+def test_straggler_flagged_and_sick_node_cordoned_then_run_resumes_on_the_node_left(tmp_path, tiny_data, single_ref):
+    """Two "nodes" on localhost (LMFORGE_NODE names them), one gloo rank each, with fault injection:
+    node1's rank runs at a quarter speed from step 1 (flagged as a straggler: an event naming it),
+    and its health source reports a fatal XID after step 3. The run checkpoints at step 3, cordons
+    node1 (cordon.json), stops, and node 0's supervisor resumes on node 0 alone (--nnodes 1: the same
+    global batch re-planned, 4× accumulation); the losses of steps 1–6 are the single process's, and
+    the goodput ledger's parts add up to its wall time."""
+    from lmforge.goodput.ledger import PARTS, account, read_ledger
+
+    cfg, folder = run(tmp_path, tiny_data, "cordon", **COMMON, **{
+        "compute.data_parallel": "ddp", "compute.nodes": 2, "compute.rdzv_endpoint": f"127.0.0.1:{free_port()}",
+        "compute.rdzv_timeout_s": 60, "max_retries": 1, "compute.async_checkpoint": False,
+        "goodput.straggler.intervals": 1})
+    fault = "slow:node=node1:factor=4,xid:node=node1:step=3:code=79"
+    procs = [subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--node-rank", str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env=env(LMFORGE_NODE=f"node{r}", LMFORGE_FAULT=fault, LMFORGE_RETRY_DELAY="0"))
+             for r in (0, 1)]
+    outs = [communicate(p, 300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, (out[-2000:], err[-3000:])
+    assert "cordoned node1 (fatal health event on node1: XID 79)" in outs[0][0] + outs[1][0]
+    assert json.loads((folder / "cordon.json").read_text())["nodes"]["node1"]["step"] == 3
+    events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "straggler" and e["node"] == "node1" and e["score"] > 1.5 for e in events), events
+    assert [e["cordoned"] for e in events if e["event"] == "goodput_action"] == [["node1"]]
+    assert_same_losses(train_losses(single_ref), train_losses(folder), range(1, 7))
+    from lmforge import get_run
+
+    record = get_run(json.loads((folder / "run.json").read_text())["identity"]["name"])
+    assert [r["status"] for r in record.resumptions] == ["STOPPED", "COMPLETED"]
+    assert "cordoned node1" in record.resumptions[0]["reason"]
+    acc = account(read_ledger(str(folder)))
+    assert abs(sum(acc["parts"][k] for k in PARTS) - acc["wall_s"]) < 0.01
+    assert acc["parts"]["recovery"] > 0 and acc["parts"]["lost"] == 0  # resumed at the step it stopped
+    assert [(r["step"], r["steps_redone"]) for r in acc["resumptions"]] == [(3, 0)]
+    described = lmforge("runs", "describe", record.name, check=True).stdout
+    assert "goodput    " in described and "cordoned   node1 at step 3: fatal health event on node1: XID 79" in described
+    from lmforge.report.html import goodput_table
+    from lmforge.report.load import load_run
+
+    assert "resumed at step 3 (0 step(s) redone) after fatal health event on node1" in goodput_table(
+        [load_run(str(folder))])
+
+
+@pytest.mark.e2e
 def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, single_ref):
     """SIGKILL one of two DDP workers mid-run: torchelastic (max_retries 1 → --max-restarts 1)
     restarts both, they resume from the latest complete checkpoint and finish; the restart is

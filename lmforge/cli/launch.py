@@ -56,6 +56,18 @@ def _checked(args):
     return cfg, name
 
 
+def _cordoned(cfg, name: str) -> dict:
+    """The nodes the run (its save folder, here) has cordoned: the job keeps off them."""
+    from lmforge.goodput.cordon import read_cordon
+    from lmforge.resolve import resolve
+
+    folder = resolve(cfg.model_copy(update={"name": name}), until="config").config.save_folder
+    nodes = read_cordon(folder)
+    if nodes:
+        print(f"cordoned nodes kept out (from {folder}): {', '.join(sorted(nodes))}")
+    return nodes
+
+
 def _write(path: str, text: str, mode: int = 0o644) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -70,7 +82,7 @@ def run_slurm(args) -> int:
     check_output_file(out, "-o", args.overwrite, SLURM_MARK)
     _write(out, sbatch_script(name=name, config_path=os.path.abspath(args.file), nodes=args.nodes,
                               gpus_per_node=args.gpus_per_node, python=sys.executable, partition=args.partition,
-                              time=args.time, sets=args.set), 0o755)
+                              time=args.time, sets=args.set, cordoned=_cordoned(cfg, name)), 0o755)
     print(f"wrote {out} ({args.nodes} node(s) × {args.gpus_per_node} GPU(s))")
     print(f"submit with:  sbatch {out}")
     return 0
@@ -84,7 +96,7 @@ def run_k8s(args) -> int:
         config_text = f.read()
     _write(out, pytorchjob_manifest(name=name, config_text=config_text, nodes=args.nodes,
                                     gpus_per_node=args.gpus_per_node, image=args.image,
-                                    namespace=args.namespace, sets=args.set))
+                                    namespace=args.namespace, sets=args.set, cordoned=_cordoned(cfg, name)))
     print(f"wrote {out} (PyTorchJob {k8s_name(name)}: {args.nodes} pod(s) × {args.gpus_per_node} GPU(s))")
     print(f"submit with:  kubectl apply -f {out}")
     return 0

@@ -134,7 +134,7 @@ def _when(t: float | None) -> str:
 def cmd_describe(args) -> int:
     run = get_run(args.name)
     if args.json:
-        print(json.dumps(run.to_dict(), indent=1, default=str))
+        print(json.dumps(run.to_dict() | _goodput(run.save_folder), indent=1, default=str))
         return 0
     cfg = run.config
     print(f"run        {run.name} ({run.run_type})   run_uid {run.run_uid}")
@@ -167,6 +167,7 @@ def cmd_describe(args) -> int:
             if price is not None:
                 line += f"  ({format_cost(m.get('cost_per_hour'))} per hour at {price:g} per device-hour)"
             print(line)
+    _goodput_lines(run.save_folder)
     print("resumptions")
     for r in run.resumptions:
         code = f" exit {r['exit_code']}" if r["exit_code"] is not None else ""
@@ -180,6 +181,26 @@ def cmd_describe(args) -> int:
         for line in rest:
             print(f"  {'':19}  {'':8} {line}")
     return 0
+
+
+def _goodput(save_folder: str) -> dict:
+    """{"goodput": where the wall time went, "cordoned": the nodes cut out} from a local save folder."""
+    from lmforge.goodput.cordon import read_cordon
+    from lmforge.goodput.ledger import account, read_ledger
+
+    local = save_folder and "://" not in save_folder
+    return {"goodput": account(read_ledger(save_folder)) if local else None,
+            "cordoned": read_cordon(save_folder) if local else {}}
+
+
+def _goodput_lines(save_folder: str) -> None:
+    from lmforge.goodput.ledger import format_goodput
+
+    found = _goodput(save_folder)
+    if found["goodput"] is not None:
+        print(f"goodput    {format_goodput(found['goodput'])}")
+    for node, why in found["cordoned"].items():
+        print(f"cordoned   {node} at step {why.get('step')}: {why.get('reason')}")
 
 
 def cmd_logs(args) -> int:

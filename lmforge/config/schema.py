@@ -19,6 +19,7 @@ from lmforge.config.limits import (MAX_BATCH_TOKENS, MAX_GRAD_CLIP, MAX_LEARNING
                                     MAX_NODES, MAX_RANKS, MAX_RETRIES, MAX_SEED, MAX_SEQ_LEN, MAX_VOCAB,
                                     MAX_WEIGHT_DECAY)
 from lmforge.config.durations import Duration, parse_duration
+from lmforge.config.goodput import GoodputConfig
 from lmforge.config.model import ModelConfig, resolve_model
 from lmforge.config.storage import ObjectStoreConfig, SecretsConfig
 from lmforge.config.tracking import TrackerConfig
@@ -467,6 +468,9 @@ class RunConfig(_Strict):
         None, description="train low-rank adapters on the frozen custom_weights_path model instead of all weights "
         "({rank, alpha, dropout, targets}); the final model is merged, final/adapter is a PEFT adapter")
     autoresume: bool = Field(True, description="continue from the latest checkpoint in save_folder")
+    goodput: GoodputConfig = Field(
+        default_factory=GoodputConfig, description="stragglers, GPU health, the conditions that checkpoint, "
+        "diagnose, cordon and resume (docs/goodput.md)")
     max_retries: int = Field(2, ge=0, le=MAX_RETRIES, description="restarts after a crash or a hang, in all (by the supervisor or "
                              "torchrun); each resumes from the latest checkpoint")
     log_interval: int = Field(10, ge=1, le=1 << 30, description="steps between logged metrics (trackers, the progress bar); "
@@ -589,6 +593,7 @@ class RunConfig(_Strict):
                                  "against; set eval.icl_tasks or curate.decontaminate.tasks")
         if self.curriculum:
             self._check_curriculum()
+        self.goodput.check(nodes=self.compute.nodes, autoresume=self.autoresume, max_retries=self.max_retries)
         return self
 
     def _check_curriculum(self) -> None:

@@ -12,6 +12,9 @@ import shlex
 
 import yaml
 
+from lmforge.goodput.cordon import k8s_affinity, slurm_exclude
+from lmforge.process import NODE_ENV
+
 RDZV_PORT = 29500
 
 # The first comment of each job file: `lmforge launch` replaces such a file, nothing else.
@@ -28,8 +31,9 @@ def _train_args(config_path: str, gpus_per_node: int, nodes: int, sets: list[str
 
 def sbatch_script(*, name: str, config_path: str, nodes: int, gpus_per_node: int, python: str,
                   partition: str | None = None, time: str | None = None, sets: list[str] = (),
-                  port: int = RDZV_PORT) -> str:
-    """One task per node (srun); the first node of the allocation hosts the rendezvous."""
+                  port: int = RDZV_PORT, cordoned: dict | None = None) -> str:
+    """One task per node (srun); the first node of the allocation hosts the rendezvous; the run's
+    cordoned nodes (`goodput.cordon`) are excluded."""
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name={name}",
              f"#SBATCH --nodes={nodes}",
@@ -40,6 +44,7 @@ def sbatch_script(*, name: str, config_path: str, nodes: int, gpus_per_node: int
         lines.append(f"#SBATCH --partition={partition}")
     if time:
         lines.append(f"#SBATCH --time={time}")
+    lines += slurm_exclude(cordoned or {})
     train = " ".join(shlex.quote(a) for a in [python, "-m", "lmforge", *_train_args(config_path, gpus_per_node,
                                                                                        nodes, list(sets))])
     lines += [
@@ -62,12 +67,14 @@ def k8s_name(name: str) -> str:
 
 
 def pytorchjob_manifest(*, name: str, config_text: str, nodes: int, gpus_per_node: int, image: str,
-                        namespace: str | None = None, sets: list[str] = ()) -> str:
+                        namespace: str | None = None, sets: list[str] = (), cordoned: dict | None = None) -> str:
     """A ConfigMap holding the run config and a PyTorchJob (kubeflow.org/v1) with one pod per node.
 
     The training operator sets RANK (the pod's index), MASTER_ADDR and MASTER_PORT in every
     pod; they become --node-rank and --rdzv-endpoint. WORLD_SIZE/RANK are then unset so that
-    `lmforge train` starts torchrun itself instead of taking the pod for a worker.
+    `lmforge train` starts torchrun itself instead of taking the pod for a worker. Each pod names
+    itself by its Kubernetes node (``LMFORGE_NODE``, what a cordon list holds), and a node affinity
+    keeps the pods off the run's cordoned nodes.
     """
     kname = k8s_name(name)
     meta = {"name": kname} | ({"namespace": namespace} if namespace else {})
@@ -79,8 +86,10 @@ def pytorchjob_manifest(*, name: str, config_text: str, nodes: int, gpus_per_nod
               f'exec {train} --node-rank "$NODE_RANK" --rdzv-endpoint "$ENDPOINT"')
 
     def replica(count: int) -> dict:
-        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": {
+        spec = {"affinity": k8s_affinity(cordoned or {})} if cordoned else {}
+        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": spec | {
             "containers": [{"name": "pytorch", "image": image, "command": ["bash", "-c", script],
+                            "env": [{"name": NODE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
                             "resources": {"limits": {"nvidia.com/gpu": gpus_per_node}},
                             "volumeMounts": [{"name": "config", "mountPath": "/etc/lmforge"},
                                              {"name": "dshm", "mountPath": "/dev/shm"}]}],

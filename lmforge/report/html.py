@@ -230,6 +230,23 @@ def plan_table(runs: list[RunData]) -> str:
     return note + "".join(parts)
 
 
+def goodput_table(runs: list[RunData]) -> str:
+    """Where each run's wall time went (the parts add up to it), and its resumptions with their cause."""
+    from lmforge.goodput.ledger import PARTS
+
+    shown = [r for r in runs if r.goodput]
+    if not shown:
+        return "<p>No goodput ledger (goodput.jsonl) in the save folder.</p>"
+    rows = [[html.escape(r.name), f"{100 * r.goodput['goodput']:.1f}%", f"{r.goodput['wall_s']:.1f}"]
+            + [f"{r.goodput['parts'][k]:.1f}" for k in PARTS] for r in shown]
+    out = _table(["run", "goodput", "wall (s)", *[f"{k} (s)" for k in PARTS]], rows)
+    for r in shown:
+        for res in r.goodput["resumptions"]:
+            out += (f"<div class='sub'>{html.escape(r.name)}: resumed at step {res['step']} "
+                    f"({res['steps_redone']} step(s) redone) after {html.escape(str(res['cause']))}</div>")
+    return out
+
+
 def differences_table(runs: list[RunData]) -> str:
     diffs = config_differences(runs)
     if not diffs:
@@ -288,6 +305,7 @@ def render(runs: list[RunData]) -> str:
         "<h2>Timeline</h2>",
         _figure_html(timeline, "timeline") if timeline is not None else "<p>No events recorded.</p>",
         "<h2>Plan against what happened</h2>", plan_table(runs),
+        "<h2>Goodput</h2>", goodput_table(runs),
     ]
     if len(runs) > 1:
         sections += ["<h2>Config differences</h2>", differences_table(runs)]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lmforge.errors import UserError
+from lmforge.goodput.ledger import LEDGER_FILE, account
 
 METRICS_FILE = "metrics.jsonl"
 GENERATIONS_FILE = "generations.jsonl"
@@ -37,6 +38,7 @@ class RunData:
     status: str | None = None
     reason: str | None = None  # why it ended (a failed run's error line), when it has ended early
     plan: dict | None = None  # plan.json
+    goodput: dict | None = None  # where the wall time went (`goodput.ledger.account` of goodput.jsonl)
     _by_key: dict | None = field(default=None, repr=False, compare=False)
     _indexed: int = field(default=0, repr=False, compare=False)
 
@@ -190,7 +192,8 @@ def load_run(ref: str, *, name: str | None = None, status: str | None = None,
         if candidate is not None and (name is not None or _same_folder(candidate.get("save_folder"), folder)):
             row = candidate
     data = RunData(name=run_name, folder=folder, config=config, records=records,
-                   generations=_jsonl(read(GENERATIONS_FILE)), plan=_json(read(PLAN_FILE)))
+                   generations=_jsonl(read(GENERATIONS_FILE)), plan=_json(read(PLAN_FILE)),
+                   goodput=account([r for r in _jsonl(read(LEDGER_FILE)) if "attempt" in r and "time" in r]))
     folder_events = _jsonl(read(EVENTS_FILE))
     _fill_history(data, row, folder_events)
     data.status = status or (row or {}).get("status") or _status_from_events(folder_events)

@@ -24,8 +24,9 @@ from lmforge.distributed.dist import destroy, init_distributed
 from lmforge.distributed.elastic import restart_count
 from lmforge.distributed.torchrun import torchrun_command, wait_for_endpoint
 from lmforge.errors import UserError, environment_error
+from lmforge.goodput.cordon import CORDON_FILE, read_cordon
 from lmforge.say import say
-from lmforge.process import die_with_parent
+from lmforge.process import die_with_parent, node_name
 from lmforge.runs.lock import SaveFolderLock
 from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.store import MirrorCallback, local_folder, open_store
@@ -55,6 +56,11 @@ def launch(cfg: RunConfig, plan: LaunchPlan, argv: list[str]) -> int:
     the lock, dies with the supervisor, and passes SIGTERM / SIGINT on to every rank."""
     if plan.parent_pid:
         die_with_parent(plan.parent_pid)
+    cordoned = read_cordon(local_folder(cfg.save_folder)).get(node_name())
+    if cordoned and cfg.compute.nodes > 1:
+        raise UserError(f"this node ({node_name()}) is cordoned for run {cfg.name} since step {cordoned.get('step')}: "
+                        f"{cordoned.get('reason')}; it does not join (remove it from "
+                        f"{os.path.join(local_folder(cfg.save_folder), CORDON_FILE)} once it is serviced)")
     if cfg.compute.nodes > 1 and cfg.compute.node_rank > 0:
         wait_for_endpoint(cfg.compute.rdzv_endpoint, cfg.compute.rdzv_timeout_s)
     lock = hold_lock(cfg, plan)
@@ -124,5 +130,8 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
     if store is not None and result.final_dir:
         result.final_dir = remote_join(cfg.save_folder, "final")  # the store's copy, not the staging one
     result.mlflow_ui = mlflow_ui_command(cfg.experiment_tracker)
-    report_status(plan, result.status, step=result.step, tokens=result.tokens, attempt=restart_count())
+    if result.reshape is not None:  # a goodput condition: the supervisor resumes on the nodes left
+        report_status(plan, "reshape", step=result.step, attempt=restart_count(), **result.reshape)
+    else:
+        report_status(plan, result.status, step=result.step, tokens=result.tokens, attempt=restart_count())
     return result

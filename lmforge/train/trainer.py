@@ -41,6 +41,7 @@ from lmforge.data.batch import Batch, StreamLayout
 from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
 from lmforge.distributed.context_parallel import data_parallel_replica, shard_rows
+from lmforge.distributed.diagnose import EXPECTED_SHARE_OF_PEAK
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.float8 import FP8Options, after_optimizer_step
@@ -63,6 +64,8 @@ from lmforge.train.expert_health import ExpertHealth
 from lmforge.train.locate import load_model
 from lmforge.train.objective import objective_for
 from lmforge.train.optim import blended_lr, build_optimizer
+from lmforge.goodput.conditions import scored_sections
+from lmforge.train.telemetry import Telemetry
 from lmforge.train.watchdog import HangWatchdog, dump_and_exit
 
 
@@ -149,6 +152,7 @@ class TrainResult:
     eval: dict = field(default_factory=dict)
     generations: list[str] = field(default_factory=list)
     mlflow_ui: str | None = None  # filled in by the operations layer when MLflow tracks the run
+    reshape: dict | None = None  # a goodput condition stopped the run to resume it (`Telemetry.act`)
 
 
 def check_resumable(state: dict, cfg, path: str) -> None:
@@ -225,6 +229,10 @@ class Trainer:
         self._stop_asked = False
         self.watchdog = HangWatchdog(self.cfg.compute.hang_timeout, rank=dist.rank,
                                      on_hang=partial(dump_and_exit, restarts=self.cfg.max_retries > 0))
+        self.telemetry = Telemetry(self.cfg.goodput, dist, folder=self.save_folder, log=self.log,
+                                   scored=scored_sections(self.cfg.compute.data_parallel,
+                                                          self.cfg.compute.context_parallel))
+        self.reshape: dict | None = None
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
         self._elapsed0 = 0.0
 
@@ -327,23 +335,25 @@ class Trainer:
             batch = batch.to(self.device)
             skip_sync = i < len(batches) - 1 and self.dist.distributed
             with no_grad_sync(self.train_forward, skip=skip_sync), shard_rows(self.sequence_group, batch) as batch:
-                with self.autocast():
+                with self.autocast(), self.telemetry.section("forward"):
                     out = self.objective(self.train_forward, batch)
                 loss = out.loss_sum / norm
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss / len(batches)
                     moe = out.moe
                     self.expert_health.add(out.moe)
-                loss.backward()
+                with self.telemetry.section("backward"):
+                    loss.backward()
             sums = torch.stack([out.loss_sum.detach().float(), *out.stats.values()])
             totals = sums if totals is None else totals + sums
         clip = self.cfg.parameters.grad_clip or float("inf")
-        # FSDP: a replicated DTensor holding the norm over all shards.
-        grad_norm = device_value(clip_grad_norm(self.model.parameters(), clip))
-        totals = all_reduce_sum(totals) / (norm * self.dist.world_size)  # one all-reduce: loss and statistics
+        with self.telemetry.section("optimizer"):
+            # FSDP: a replicated DTensor holding the norm over all shards.
+            grad_norm = device_value(clip_grad_norm(self.model.parameters(), clip))
+            totals = all_reduce_sum(totals) / (norm * self.dist.world_size)  # one all-reduce: loss and statistics
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         loss, stats = totals[0], dict(zip(out.stats, totals[1:]))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.state.lr, self.state.schedule = lr, self._schedule_signature
         after_optimizer_step(self.model)  # FP8 under FSDP: next step's weight scales, in one all-reduce
         self.state.step += 1
@@ -485,11 +495,16 @@ class Trainer:
                     status = self._loop()
                 finally:
                     self.watchdog.close()  # the end of the run is not timed
-                last_eval = self._finish() if status == "completed" else {}
-                if self.saver is not None:
-                    self.saver.wait()  # the last checkpoint is complete before the run reports success
-                final_dir = self.export() if status == "completed" else None
+                with self.telemetry.blocked("evaluation"):
+                    last_eval = self._finish() if status == "completed" else {}
+                with self.telemetry.blocked("checkpoint"):
+                    if self.saver is not None:
+                        self.saver.wait()  # the last checkpoint is complete before the run reports success
+                    final_dir = self.export() if status == "completed" else None
                 barrier()
+                goodput = self.telemetry.close(status)
+                if goodput:
+                    self.callbacks.on_metrics(goodput, self.state.step)
             self.callbacks.on_end(status, final_dir)
         except BaseException as e:
             self.callbacks.on_end("failed", None, error=failure_line(e))
@@ -498,7 +513,8 @@ class Trainer:
             self.stream.close()
         gens = last_eval.pop("_generations", [])
         return TrainResult(status=status, step=self.state.step, tokens=self.state.tokens,
-                           save_folder=self.cfg.save_folder, final_dir=final_dir, eval=last_eval, generations=gens)
+                           save_folder=self.cfg.save_folder, final_dir=final_dir, eval=last_eval, generations=gens,
+                           reshape=self.reshape)
 
     def _finish(self) -> dict:
         """The end of a completed run: a last evaluation, checkpoint and ICL pass."""
@@ -513,6 +529,7 @@ class Trainer:
             self.log(f"run {self.cfg.name} already completed {state.step} steps; nothing to train")
         batches = iter(self.stream)
         self._start_clock()
+        self.telemetry.start(state.step)
         meter = _Meter(state.tokens)
         self.train_forward.train()
         phase = None
@@ -521,7 +538,10 @@ class Trainer:
             if self.stream.phase() not in (None, phase):  # a curriculum phase begins (or the run resumes in one)
                 phase = self.stream.phase()
                 self.log(f"data: {phase} from step {state.step}")
-            out = self.train_step([next(batches) for _ in range(plan.grad_accum)])
+            with self.telemetry.section("data"):
+                micro = [next(batches) for _ in range(plan.grad_accum)]
+            out = self.train_step(micro)
+            self.telemetry.after_step(state.step, self.model)
             window.append(out)
             if self.saver is not None:
                 self.saver.poll()  # rank 0 completes a background checkpoint as soon as it is written
@@ -531,6 +551,7 @@ class Trainer:
             # the report then agree on where it stopped.
             log_now = state.step % self.cfg.log_interval == 0 or state.step == 1 or done or stop
             save_now = (state.step % plan.save_interval == 0 and not done) or stop
+            decision = None
             if log_now or save_now:  # the only points that wait for the device
                 first = state.step - len(window) + 1
                 values = self._read(window)  # raises on a non-finite loss: never saved
@@ -539,20 +560,36 @@ class Trainer:
                 if log_now:
                     loss, grad_norm = values[-1]
                     read = StepOutput(loss=loss, grad_norm=grad_norm, lr=out.lr, moe=out.moe, stats=out.stats)
-                    self.callbacks.on_metrics(self._step_metrics(read, meter.tokens_per_s(state.tokens)), state.step)
-            if state.step % plan.eval_interval == 0 and not done:
-                with self.watchdog.paused():
+                    goodput, decision = self.telemetry.interval()  # every rank: the same decision
+                    self.callbacks.on_metrics(self._step_metrics(read, meter.tokens_per_s(state.tokens)) | goodput,
+                                              state.step)
+                    save_now = save_now or (decision is not None and not done)  # checkpoint, then act
+            if state.step % plan.eval_interval == 0 and not done and decision is None:
+                with self.watchdog.paused(), self.telemetry.blocked("evaluation"):
                     self.evaluate()
-            if plan.icl_interval and state.step % plan.icl_interval == 0 and not done:
-                with self.watchdog.paused():
+            if plan.icl_interval and state.step % plan.icl_interval == 0 and not done and decision is None:
+                with self.watchdog.paused(), self.telemetry.blocked("evaluation"):
                     self.evaluate_icl()
             if save_now:
-                with self.watchdog.paused():
+                with self.watchdog.paused(), self.telemetry.blocked("checkpoint"):
                     self.save()
             self.watchdog.beat(state.step)
+            if save_now and decision is not None:
+                return self._act(decision)
             if stop:
                 return "stopped"
         return "completed"
+
+    def _act(self, decision) -> str:
+        """A goodput condition holds: with its checkpoint written, diagnose and cordon as it asks; the
+        job then reports it and the supervisor resumes on the nodes left."""
+        with self.watchdog.paused():
+            if self.saver is not None:
+                with self.telemetry.blocked("checkpoint"):
+                    self.saver.wait()  # the checkpoint the run resumes from is complete first
+            expected = self.peak_flops * EXPECTED_SHARE_OF_PEAK / 1e12 if self.device.type == "cuda" else None
+            self.reshape = self.telemetry.act(decision, expected_tflops=expected)
+        return "stopped"
 
     def _stop_requested(self) -> bool:
         """Whether to stop after this step. One process: its own flag, every step. Several ranks:

@@ -1,0 +1,253 @@
+"""Per-rank telemetry, node health, conditions and their actions: the trainer's goodput hooks.
+
+The loop calls, on every rank, in this order:
+
+- `start` when it begins (the node of each rank is all-gathered once; the ledger's ``start``);
+- `section(name)` around a step's data wait, forward, backward and optimizer: timed with
+  ``perf_counter`` on CPUs, with CUDA events on GPUs (recorded without a host sync, read at the
+  log step, where the loop waits for the device anyway). Fault injection's ``slow`` stretches a
+  rank's forward and backward here;
+- `after_step` after each step: injected faults due now;
+- `interval` at each log step: one all-gather of every rank's row (`goodput.conditions.ROW`:
+  section seconds and its node's health), the conditions of `config.goodput` on it — the same
+  numbers on every rank, so the same decision — flagged ranks as events (rank 0 writes
+  ``events.jsonl``), scores and health as metrics, and the `Decision` to act, if any;
+- `blocked(kind)` around checkpoint writes and evaluation (for the goodput ledger);
+- `act(decision)` after the checkpoint a decision asks for: the diagnostic sweep
+  (`distributed.diagnose`), the cordon list, the events; returns what the job reports to the
+  supervisor, which resumes on the nodes left.
+
+Only sections without a collective are scored (`goodput.conditions.scored_sections`): under DDP the
+data wait and the forward (the backward syncs gradients: there the *fast* ranks wait for the slow
+one); under FSDP/HSDP the data wait alone (all-gathers hide a slow rank from its peers' timing: the
+MFU-drop condition and the sweep remain).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+
+import torch
+
+from lmforge.config.goodput import GoodputConfig
+from lmforge.distributed.elastic import append_event
+from lmforge.goodput import ledger
+from lmforge.goodput.conditions import ROW, SECTIONS, Conditions, Decision
+from lmforge.goodput.cordon import add_to_cordon
+from lmforge.goodput.diagnosis import verdict
+from lmforge.goodput.faults import FAULT_ENV, Injector, parse_faults
+from lmforge.goodput.health import HealthSampler, InjectedHealth, open_source
+from lmforge.process import node_name, process_started_at
+
+
+class _Timer:
+    """Seconds per section over the current log interval: perf_counter on CPUs, CUDA events on GPUs."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals = dict.fromkeys(SECTIONS, 0.0)
+        self.pending: list[tuple[str, object, object]] = []  # CUDA: (section, start event, end event)
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def add(self, name: str, start, end) -> float:
+        """The section's seconds now on CPUs (0.0 on GPUs: read at `read`)."""
+        if self.cuda:
+            self.pending.append((name, start, end))
+            return 0.0
+        self.totals[name] += end - start
+        return end - start
+
+    def read(self) -> dict[str, float]:
+        """This interval's totals (CUDA: waits for its last event only), and starts the next interval."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for name, a, b in self.pending:
+                self.totals[name] += a.elapsed_time(b) / 1000.0
+        out, self.totals, self.pending = self.totals, dict.fromkeys(SECTIONS, 0.0), []
+        return out
+
+
+class Telemetry:
+    def __init__(self, cfg: GoodputConfig, dist, *, folder: str, log, scored: tuple[str, ...] = SECTIONS,
+                 environ=None):
+        import os
+
+        environ = os.environ if environ is None else environ
+        self.cfg, self.dist, self.folder, self.log, self.scored = cfg, dist, folder, log, scored
+        self.node = node_name()
+        self.timer = _Timer(dist.device)
+        local_rank = int(environ.get("LOCAL_RANK", "0"))
+        injected = InjectedHealth() if local_rank == 0 else None
+        self.faults = Injector(parse_faults(environ.get(FAULT_ENV)), rank=dist.rank, local_rank=local_rank,
+                               node=self.node, folder=folder, health=injected)
+        sources = []
+        if local_rank == 0:  # one sampler per node
+            real = open_source(cfg.health.source, dist.device.type, cfg.health.fatal_xids, log)
+            sources = [s for s in (real, injected) if s is not None]
+        self.health = HealthSampler(sources, cfg.health.interval_s) if sources else None
+        self.ledger = ledger.Ledger(folder if dist.is_main else None, process_started_at() or time.time())
+        self.nodes: list[str] = [self.node]
+        self.conditions: Conditions | None = None
+        self._interval_t0 = 0.0
+        self._steps = 0
+        self._last_backward = 0.0
+        self._blocked = {"checkpoint": 0.0, "evaluation": 0.0}
+        self._blocked_mark = 0.0  # blocked seconds at the start of this interval
+        self._loop_t0 = 0.0
+        self.step = 0
+
+    # ------------------------------------------------------------------ the loop's hooks
+
+    def start(self, step: int) -> None:
+        nodes = [None] * self.dist.world_size
+        if self.dist.distributed:
+            torch.distributed.all_gather_object(nodes, self.node)
+        else:
+            nodes = [self.node]
+        self.nodes = nodes
+        self.conditions = Conditions(self.cfg, nodes, self.scored)
+        self._loop_t0 = self._interval_t0 = time.perf_counter()
+        self.step = step
+        self.ledger.write("start", process_start=round(self.ledger.process_start, 3), step=step,
+                          world_size=self.dist.world_size, nodes=sorted(set(nodes)))
+
+    @contextmanager
+    def section(self, name: str):
+        if not (self.cfg.telemetry or self.faults.active):  # off: nothing timed (the health exchange stays)
+            yield
+            return
+        slow = self.faults.slow_factor(self.step + 1) if self.faults.active else 1.0
+        if slow > 1 and name == "backward":  # before the backward: its gradients (and the sync) come late
+            time.sleep((slow - 1) * self._last_backward)
+        start = self.timer.mark()
+        yield
+        took = self.timer.add(name, start, self.timer.mark())
+        if name == "backward":
+            self._last_backward = took
+        if slow > 1 and name == "forward":
+            time.sleep((slow - 1) * took)
+
+    def after_step(self, step: int, model: torch.nn.Module) -> None:
+        self.step = step
+        self._steps += 1
+        if self.faults.active and self.faults.after_step(step):
+            with torch.no_grad():
+                next(p for p in model.parameters() if p.requires_grad).fill_(math.nan)
+
+    @contextmanager
+    def blocked(self, kind: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._blocked[kind] += time.perf_counter() - t0
+
+    def tick(self, kind: str = "tick", **fields) -> None:
+        """A ledger record with this attempt's time so far (rank 0)."""
+        loop = time.perf_counter() - self._loop_t0
+        self.ledger.write(kind, step=self.step, steps_s=round(loop - sum(self._blocked.values()), 3),
+                          checkpoint_s=round(self._blocked["checkpoint"], 3),
+                          evaluation_s=round(self._blocked["evaluation"], 3), **fields)
+
+    def interval(self) -> tuple[dict[str, float], Decision | None]:
+        """At a log step, on every rank: (metrics, a decision to act or None)."""
+        now = time.perf_counter()
+        sections = self.timer.read()
+        # An injected fault reports at a step: sampled now, not at the sampler's next tick.
+        health = None if self.health is None else self.health.poll() if self.faults.active else self.health.latest()
+        blocked = sum(self._blocked.values())
+        row = [sections[s] for s in SECTIONS] + [now - self._interval_t0 - (blocked - self._blocked_mark), self._steps]
+        row += health.row() if health is not None else [0.0] * (len(ROW) - len(row))
+        rows = self._gather(row)
+        self._interval_t0, self._steps, self._blocked_mark = now, 0, blocked
+        flags, decision, metrics = self.conditions.update(rows)
+        for f in flags:
+            self.log(f"goodput: {f.text()}")
+            if self.dist.is_main:
+                append_event(self.folder, f.event() | {"step": self.step})
+        self.tick()
+        return metrics | self._health_metrics(rows), decision
+
+    # ------------------------------------------------------------------ acting on a decision
+
+    def act(self, decision: Decision, *, expected_tflops: float | None = None) -> dict:
+        """After the decision's checkpoint, on every rank: diagnose (when asked), cordon, record.
+        Returns the report for the supervisor: {"action", "cause", "cordon": [nodes]}."""
+        self.log(f"goodput: {decision.reason}; action: {decision.action}")
+        self.ledger.write("detected", step=self.step, cause=decision.reason, action=decision.action)
+        cordon = dict.fromkeys(decision.nodes, decision.reason) if decision.action == "cordon" else {}
+        if decision.action == "diagnose":
+            cordon = self._diagnose(decision, expected_tflops)
+        if self.dist.is_main:
+            if cordon:
+                add_to_cordon(self.folder, cordon, self.step)
+            append_event(self.folder, {"event": "goodput_action", "action": decision.action,
+                                       "condition": decision.condition, "cause": decision.reason,
+                                       "cordoned": sorted(cordon), "step": self.step})
+        if cordon:
+            self.log(f"goodput: cordoned {', '.join(f'{n} ({why})' for n, why in cordon.items())}; the run "
+                     "resumes on the nodes left from this step's checkpoint")
+        self.tick("tick")
+        return {"action": decision.action, "cause": decision.reason, "cordon": sorted(cordon)}
+
+    def _diagnose(self, decision: Decision, expected_tflops: float | None) -> dict[str, str]:
+        from lmforge.distributed.diagnose import sweep
+
+        t0 = time.perf_counter()
+        if self.dist.distributed:
+            result = sweep(self.nodes, self.dist.rank, self.dist.device, self.cfg.diagnose.seconds,
+                           slow_factor=self.faults.diag_factor(), expected_tflops=expected_tflops)
+        else:  # one process: the matmul test alone
+            from lmforge.distributed.diagnose import matmul_tflops
+            from lmforge.goodput.diagnosis import Sweep
+
+            result = Sweep({self.node: [matmul_tflops(self.dist.device, self.cfg.diagnose.seconds,
+                                                      self.faults.diag_factor())]}, expected_tflops=expected_tflops)
+        failing, notes = verdict(result, self.cfg.diagnose)
+        self.log(f"goodput: diagnostic sweep ({time.perf_counter() - t0:.1f}s): "
+                 + ("; ".join(f"{n} fails: {why}" for n, why in failing.items()) or "every node passes")
+                 + "".join(f"; {n}" for n in notes))
+        if self.dist.is_main:
+            append_event(self.folder, {"event": "diagnosis", "failing": failing, "notes": notes,
+                                       "step": self.step} | result.summary())
+        return failing
+
+    def close(self, status: str) -> dict[str, float]:
+        """The attempt's last ledger record; rank 0 returns the run's goodput so far as metrics."""
+        if self.health is not None:
+            self.health.close()
+        self.tick("end", status=status)
+        acc = ledger.account(ledger.read_ledger(self.folder)) if self.dist.is_main else None
+        if acc is not None:
+            self.log(f"goodput: {ledger.format_goodput(acc)}")
+        return ledger.metrics(acc) if acc is not None else {}
+
+    # ------------------------------------------------------------------ helpers
+
+    def _gather(self, row: list[float]) -> list[list[float]]:
+        if not self.dist.distributed:
+            return [row]
+        device = self.dist.device
+        mine = torch.tensor(row, dtype=torch.float64, device=device)
+        out = [torch.zeros_like(mine) for _ in range(self.dist.world_size)]
+        torch.distributed.all_gather(out, mine)
+        return torch.stack(out).tolist()
+
+    def _health_metrics(self, rows: list[list[float]]) -> dict[str, float]:
+        """Each node's GPU temperature, power and SM clock as system metrics (when measured)."""
+        out = {}
+        for rank, r in enumerate(rows):
+            h = dict(zip(ROW, r))
+            if h["temperature_c"] or h["power_w"]:
+                node = self.nodes[rank]
+                out |= {f"system/{node}/gpu_temperature_c": h["temperature_c"],
+                        f"system/{node}/gpu_power_w": h["power_w"], f"system/{node}/gpu_sm_clock_mhz": h["sm_clock_mhz"]}
+        return out

@@ -1,0 +1,182 @@
+"""Goodput's rules as units: straggler scores, conditions and their decisions, config bounds, the
+diagnostic verdict, the cordon list as cluster arguments, the ledger's accounting, fault specs.
+(The processes — a slow rank flagged, a node cordoned and the run resumed on the node left — are in
+tests/test_distributed.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmforge.config.goodput import DiagnoseRule, GoodputConfig
+from lmforge.config.load import build_config, parse_set, set_path
+from lmforge.errors import UserError
+from lmforge.goodput.conditions import ROW, Conditions, scored_sections, scores
+from lmforge.goodput.cordon import add_to_cordon, k8s_affinity, read_cordon, slurm_exclude
+from lmforge.goodput.diagnosis import Sweep, neighbour_links, verdict
+from lmforge.goodput.faults import Injector, parse_faults
+from lmforge.goodput.health import HealthSample, HealthSampler, InjectedHealth
+from lmforge.goodput.ledger import PARTS, account, format_goodput
+
+
+def row(forward=0.1, data=0.01, wall=0.4, steps=1, **health) -> list[float]:
+    r = dict.fromkeys(ROW, 0.0) | {"data": data, "forward": forward, "backward": 0.2, "optimizer": 0.05,
+                                   "wall": wall, "steps": steps} | health
+    return [r[k] for k in ROW]
+
+
+def test_scores_are_against_the_peers_median():
+    assert scores([1.0, 2.0]) == [0.5, 2.0]  # two ranks: each against the other (not their mean)
+    assert scores([1.0, 1.0, 1.0, 2.0]) == [1.0, 1.0, 1.0, 2.0]
+
+
+def test_a_half_speed_rank_is_flagged_after_k_intervals_and_then_acts():
+    cfg = GoodputConfig.model_validate({"straggler": {"intervals": 3, "action": "diagnose"}})
+    c = Conditions(cfg, ["a", "a", "b", "b"])
+    rows = [row(), row(), row(), row(forward=0.2)]
+    results = [c.update(rows) for _ in range(3)]
+    assert [r[0] for r in results[:2]] == [[], []] and results[0][1] is None
+    flags, decision, metrics = results[2]
+    assert [(f.rank, f.node, f.section, round(f.score, 2)) for f in flags] == [(3, "b", "forward", 2.0)]
+    assert decision.action == "diagnose" and decision.nodes == ("b",)
+    assert metrics["straggler/score_rank3"] == 2.0 and metrics["straggler/max_score"] == 2.0
+    assert c.update(rows)[0] == []  # one event per streak
+
+
+def test_noise_in_tiny_or_unscored_sections_is_no_straggler():
+    c = Conditions(GoodputConfig(), ["a", "b"], scored_sections("ddp"))
+    for _ in range(5):  # a data wait 10× the peer's, but 0.1 ms of a 400 ms step; backward holds the sync
+        flags, decision, _ = c.update([row(data=0.00001), row(data=0.0001)])
+        assert flags == [] and decision is None
+    assert scored_sections("fsdp") == ("data",) and scored_sections("ddp", context_parallel=2) == ("data",)
+
+
+def test_mfu_drop_against_the_runs_own_median_after_warmup():
+    cfg = GoodputConfig.model_validate({"mfu_drop": {"fraction": 0.5, "intervals": 2, "warmup_intervals": 1,
+                                                     "action": "restart"}})
+    c = Conditions(cfg, ["a"])
+    assert c.update([row(wall=5.0)])[1] is None  # warm-up (compiling): not the baseline
+    for _ in range(3):
+        assert c.update([row(wall=1.0)])[1] is None
+    assert c.update([row(wall=1.9)])[1] is None  # 53% of the median MFU: above the fraction
+    assert c.update([row(wall=2.5)])[1] is None  # 40%: once
+    flags, decision, _ = c.update([row(wall=2.5)])
+    assert decision.action == "restart" and decision.condition == "mfu_drop"
+    assert [f.condition for f in flags] == ["mfu_drop"]
+
+
+def test_a_fatal_health_event_cordons_its_node_at_once_and_throttling_is_an_event():
+    c = Conditions(GoodputConfig(), ["a", "a", "b", "b"])
+    flags, decision, _ = c.update([row(throttle=0x40), row(), row(xid=79), row()])
+    assert {(f.condition, f.node) for f in flags} == {("health", "b"), ("throttle", "a")}
+    assert "thermal (hardware)" in next(f.detail for f in flags if f.condition == "throttle")
+    assert decision.action == "cordon" and decision.nodes == ("b",) and "XID 79" in decision.reason
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["goodput.straggler.threshold=1"], "goodput.straggler.threshold"),
+    (["goodput.mfu_drop.fraction=1.5"], "goodput.mfu_drop.fraction"),
+    (["goodput.straggler.intervals=0"], "goodput.straggler.intervals"),
+    (["goodput.health.interval_s=0"], "goodput.health.interval_s"),
+    (["goodput.straggler.action=diagnose", "max_retries=0"], "needs autoresume: true and max_retries ≥ 1"),
+    (["goodput.mfu_drop.action=cordon"], "cordon names no node"),
+    (["goodput.telemetry=false", "goodput.straggler.action=restart"], "needs goodput.telemetry: true"),
+    (["goodput.min_nodes=3", "compute.nodes=2"], "more than the run's compute.nodes"),
+    (["goodput.straggler.action=reboot"], "goodput.straggler.action"),
+])
+def test_bad_goodput_settings_are_one_clear_line(sets, needle):
+    base = {"model": "llama-tiny", "train_data": "x", "training_duration": "10ba"}
+    for item in sets:
+        set_path(base, *parse_set(item))
+    with pytest.raises(UserError) as e:
+        build_config(base)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_default_health_action_does_not_refuse_a_run_that_cannot_resume():
+    cfg = build_config({"model": "llama-tiny", "train_data": "x", "training_duration": "10ba", "max_retries": 0})
+    assert cfg.goodput.health.action == "cordon"
+
+
+def test_diagnosis_fails_the_slow_node_and_a_node_whose_links_all_fail():
+    rule = DiagnoseRule()
+    sweep = Sweep({"a": [10.0, 10.0], "b": [10.0, 4.0], "c": [9.5, 10.0]},
+                  links={("a", "b"): 10.0, ("b", "c"): 10.0, ("c", "a"): 10.0})
+    failing, notes = verdict(sweep, rule)
+    assert list(failing) == ["b"] and "40% of its peers' median" in failing["b"] and notes == []
+    assert neighbour_links(["a", "b", "c"]) == [("a", "b"), ("b", "c"), ("c", "a")]
+    assert neighbour_links(["a", "b"]) == [("a", "b")]
+    links = {("a", "b"): 1.0, ("b", "c"): 10.0, ("c", "d"): 10.0, ("d", "a"): 1.0}
+    failing, _ = verdict(Sweep({n: [10.0] for n in "abcd"}, links=links), rule)
+    assert list(failing) == ["a"]
+    failing, notes = verdict(Sweep({"a": [10.0], "b": [10.0]}, links={("a", "b"): 1.0}, expected_tflops=20.0), rule)
+    assert set(failing) == {"a", "b"} and "expected" in failing["a"]  # below the GPU's expected rate
+
+
+def test_the_cordon_list_is_kept_and_becomes_slurm_and_k8s_arguments(tmp_path):
+    assert read_cordon(str(tmp_path)) == {} and slurm_exclude({}) == [] and k8s_affinity({}) == {}
+    add_to_cordon(str(tmp_path), {"gpu-07": "XID 79"}, step=12)
+    nodes = add_to_cordon(str(tmp_path), {"gpu-03": "matmul 40%"}, step=30)
+    assert read_cordon(str(tmp_path)) == nodes and nodes["gpu-07"]["step"] == 12
+    assert slurm_exclude(nodes) == ["#SBATCH --exclude=gpu-03,gpu-07"]
+    term = k8s_affinity(nodes)["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term == [{"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn",
+                                           "values": ["gpu-03", "gpu-07"]}]}]
+    from lmforge.distributed.cluster import pytorchjob_manifest, sbatch_script
+
+    script = sbatch_script(name="r", config_path="/r.yaml", nodes=2, gpus_per_node=8, python="python", cordoned=nodes)
+    assert "#SBATCH --exclude=gpu-03,gpu-07\n" in script
+    manifest = pytorchjob_manifest(name="r", config_text="a: 1", nodes=2, gpus_per_node=8, image="i", cordoned=nodes)
+    assert "operator: NotIn" in manifest and "fieldPath: spec.nodeName" in manifest
+
+
+def _ledger(*records):
+    return [dict(r, attempt=a) for a, rs in records for r in rs]
+
+
+def test_goodput_parts_add_up_to_the_wall_and_redone_steps_are_lost_work():
+    first = [{"kind": "start", "time": 110.0, "process_start": 100.0, "step": 0},
+             {"kind": "tick", "time": 150.0, "step": 40, "steps_s": 30.0, "checkpoint_s": 6.0, "evaluation_s": 4.0}]
+    second = [{"kind": "start", "time": 175.0, "process_start": 160.0, "step": 30},  # resumed at 30: 10 redone
+              {"kind": "end", "time": 255.0, "step": 100, "steps_s": 70.0, "checkpoint_s": 5.0, "evaluation_s": 5.0,
+               "status": "completed"}]
+    acc = account(_ledger(("1", first), ("2", second)))
+    p = acc["parts"]
+    assert acc["wall_s"] == 155.0 and sum(p[k] for k in PARTS) == pytest.approx(155.0)
+    assert p["startup"] == 25.0 and p["recovery"] == 10.0 and p["lost"] == 7.5  # 10 of 40 steps' 30 s
+    assert p["productive"] == 92.5 and p["checkpoint"] == 11.0 and p["evaluation"] == 9.0 and p["other"] == 0
+    assert acc["goodput"] == pytest.approx(92.5 / 155.0)
+    assert acc["resumptions"][0]["steps_redone"] == 10 and "without a record" in acc["resumptions"][0]["cause"]
+    assert format_goodput(acc).startswith("59.7% of 155.0s wall (steps 92.5s, start-up 25.0s")
+    assert account([]) is None
+
+
+def test_fault_specs_parse_target_and_fire_once(tmp_path):
+    faults = parse_faults("slow:node=n1:local_rank=0:factor=2:from=5,xid:node=n1:step=3,nan:rank=2:step=4")
+    health = InjectedHealth()
+    mine = Injector(faults, rank=0, local_rank=0, node="n1", folder=str(tmp_path), health=health)
+    assert mine.slow_factor(4) == 1.0 and mine.slow_factor(5) == 2.0
+    assert not mine.after_step(2) and health.sample().xid == 0
+    assert not mine.after_step(3) and health.sample().xid == 79
+    again = Injector(faults, rank=0, local_rank=0, node="n1", folder=str(tmp_path), health=InjectedHealth())
+    assert not again.after_step(3) and again.health.sample().xid == 0  # fired once per run (faults.jsonl)
+    assert json.loads((tmp_path / "faults.jsonl").read_text())["kind"] == "xid"
+    other = Injector(faults, rank=2, local_rank=1, node="n0", folder=str(tmp_path))
+    assert other.slow_factor(10) == 1.0 and other.after_step(4) is True  # nan: the trainer poisons its weights
+    for bad, needle in [("boom", "unknown fault 'boom'"), ("slow:speed=2", "is not KEY=VALUE"),
+                        ("kill:step=x", "expected a number"), ("slow:factor=0.5", "at least 1")]:
+        with pytest.raises(UserError, match=needle):
+            parse_faults(bad)
+
+
+def test_the_sampler_keeps_a_fatal_xid_once_seen():
+    source = InjectedHealth()
+    sampler = HealthSampler([source], interval_s=3600)
+    try:
+        source.report(xid=79, temperature_c=80.0)
+        assert sampler.poll().xid == 79
+        source.report(xid=0, temperature_c=70.0)
+        assert sampler.poll() == HealthSample(xid=79, temperature_c=70.0)
+    finally:
+        sampler.close()
