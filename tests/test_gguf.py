@@ -1,0 +1,220 @@
+"""`lmforge export --format gguf`: the rules (units), then llama.cpp itself (llama-cpp-python)
+reading the files: the same token ids as lmforge's tokenizers, the same logits as our models
+within a stated tolerance per dtype, and the same chat prompt.
+
+Tolerances (max |Δlogit| over every position, in units of the reference logits' standard
+deviation; measured on these tiny models, BENCHMARKS.md): f32 1e-3 (float sums in another
+order), f16 2e-2, bf16 6e-2, q8_0 6e-2.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from family_models import family_tokenizer, hf_model
+from lmforge.config.model import ModelConfig
+from lmforge.data.gguf_vocab import CONTROL, NORMAL, UNUSED, gguf_vocab, pre_tokenizer_name
+from lmforge.errors import UserError
+from lmforge.models.gguf import check
+from train_helpers import assert_one_line_error, cli
+
+TOLERANCE = {"f32": 1e-3, "f16": 2e-2, "bf16": 6e-2, "q8_0": 6e-2}
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# What a tokenizer meets: code, prose, runs of spaces and newlines, contractions, digits, non-ASCII
+# letters and symbols, and special tokens inside text.
+SAMPLES = [
+    "Hello   world\n\n\n\tx  = 1\r\n",
+    "don't I'll WE'RE they've   'quoted'",
+    "12345 3.14159 1,000,000 2026-11-27",
+    "naïve café – 東京 😀 Ünïcödé ελληνικά",
+    "<|endoftext|>def f(a, b):\n    return a ** b<|endoftext|>",
+    "  leading and trailing spaces   ",
+]
+
+
+def corpus_sample() -> list[str]:
+    """SAMPLES plus pieces of source the tokenizers were not trained on."""
+    text = (STDLIB / "json" / "decoder.py").read_text() + (STDLIB / "this.py").read_text()
+    return SAMPLES + [text[i:i + 700] for i in range(0, len(text), 700)]
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    return [(STDLIB / n).read_text()[:20000] for n in ("textwrap.py", "fractions.py", "argparse.py")]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory, texts):
+    """kind → a saved tokenizer: lmforge's own (with and without BOS), Llama 3's and Qwen 2's kinds."""
+    from lmforge.data.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("gguf-tok")
+    for t in texts:
+        (root / f"{len(t)}.txt").write_text(t)
+    toks = {"gpt-2": train_tokenizer([str(root)], 400, str(root / "gpt-2")),
+            "gpt-2-bos": train_tokenizer([str(root)], 400, str(root / "gpt-2-bos"), add_bos=True)}
+    for kind in ("llama-bpe", "qwen2"):
+        toks[kind] = family_tokenizer(kind, texts, root / kind)
+    return toks
+
+
+# --------------------------------------------------------------------------------------------- units
+
+def test_each_kind_of_tokenizer_gets_its_llama_cpp_pre_tokenizer(tokenizers):
+    for kind, tok in tokenizers.items():
+        assert pre_tokenizer_name(json.loads(tok.to_json())) == kind.removesuffix("-bos")
+
+
+def test_vocabulary_fields(tokenizers):
+    tok = tokenizers["gpt-2"]
+    v = gguf_vocab(tok, 448)
+    assert len(v.tokens) == len(v.types) == 448  # the model's rows, past the tokenizer's 400
+    assert v.tokens[400:] == [f"[PAD{i}]" for i in range(400, 448)] and set(v.types[400:]) == {UNUSED}
+    assert v.types[tok.eos_id] == v.types[tok.pad_id] == CONTROL and v.types[300] == NORMAL
+    assert len(v.merges) == 400 - 256 - 2 and all(len(m.split(" ")) == 2 for m in v.merges)
+    # no BOS of its own: texts start with the end-of-text token, nothing added
+    assert (v.bos_id, v.add_bos, v.add_eos) == (tok.eos_id, False, False)
+    bos = gguf_vocab(tokenizers["gpt-2-bos"], 400)
+    assert bos.add_bos and bos.tokens[bos.bos_id] == "<|bos|>"
+    llama = gguf_vocab(tokenizers["llama-bpe"], 400)
+    assert llama.add_bos and llama.tokens[llama.bos_id] == "<|begin_of_text|>"
+    with pytest.raises(UserError, match="more than the model's vocabulary of 300"):
+        gguf_vocab(tok, 300)
+
+
+def test_tokenizers_llama_cpp_would_read_differently_are_refused(tokenizers):
+    spec = json.loads(tokenizers["gpt-2"].to_json())
+    cases = {
+        "adds a prefix space": spec | {"pre_tokenizer": spec["pre_tokenizer"] | {"add_prefix_space": True}},
+        "Metaspace": spec | {"pre_tokenizer": {"type": "Metaspace", "replacement": "▁"}},
+        "Whitespace then Digits": spec | {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Whitespace"}, {"type": "Digits", "individual_digits": True}]}},
+    }
+    for needle, broken in cases.items():
+        with pytest.raises(UserError, match=needle):
+            pre_tokenizer_name(broken)
+    from tokenizers import Tokenizer as Backend
+
+    from lmforge.data.tokenizer import Tokenizer
+
+    def wrap(spec):
+        return Tokenizer(Backend.from_str(json.dumps(spec)), eos_token="<|endoftext|>")
+
+    with pytest.raises(UserError, match="byte fallback"):
+        gguf_vocab(wrap(spec | {"model": spec["model"] | {"byte_fallback": True}}), 400)
+    with pytest.raises(UserError, match="normalizer .Lowercase."):
+        gguf_vocab(wrap(spec | {"normalizer": {"type": "Lowercase"}}), 400)
+
+
+def test_llama_arch_rows_turn_rotate_half_into_adjacent_pairs():
+    """llama.cpp's llama architecture rotates (x[2i], x[2i+1]); ours (x[i], x[i+d/2]). With the
+    export's q/k row order, the adjacent-pair rotation of the reordered projection equals the
+    reordered rotate-half one, so q·k (what attention sees) is unchanged."""
+    from lmforge.models.gguf import _layout
+
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64)
+    rng = np.random.default_rng(0)
+    wq, x = rng.normal(size=(32, 32)), rng.normal(size=32)
+    angles = rng.uniform(0, 6, size=8)  # one per pair of a 16-dim head
+    cos, sin = np.cos(angles), np.sin(angles)
+
+    def rotate_half(v):  # ours, per head
+        a, b = v[:8], v[8:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin])
+
+    def rotate_pairs(v):  # llama.cpp's "normal" RoPE, per head
+        a, b = v[0::2], v[1::2]
+        out = np.empty_like(v)
+        out[0::2], out[1::2] = a * cos - b * sin, b * cos + a * sin
+        return out
+
+    ours = (wq @ x).reshape(2, 16)
+    theirs = (_layout("attn.wq.weight", wq, cfg, "llama") @ x).reshape(2, 16)
+    for h in range(2):
+        expected = rotate_half(ours[h])
+        np.testing.assert_allclose(rotate_pairs(theirs[h]), np.stack([expected[:8], expected[8:]], 1).ravel())
+    assert _layout("attn.wq.weight", wq, cfg, "qwen2") is wq  # NeoX RoPE is rotate-half: no reorder
+
+
+def model_config(**kw) -> ModelConfig:
+    return ModelConfig(**dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=64) | kw)
+
+
+def test_models_llama_cpp_cannot_compute_are_refused():
+    from lmforge.config.model import RopeScaling
+
+    assert check(model_config()) == "llama" and check(model_config(n_experts=4, top_k=2)) == "llama"
+    assert check(model_config(family="gemma3_text", qk_norm="head", norm_position="sandwich", mlp_activation="gelu_tanh",
+                              scale_embeddings=True, tie_embeddings=True)) == "gemma3"
+    assert check(model_config(family="mistral", sliding_window=64)) == "llama"  # a window as long as the context
+    refused = {
+        "llama.cpp's llama architecture attends to the whole context": model_config(family="mistral", sliding_window=8),
+        "head_dim 24 × 4 heads ≠ d_model 64": model_config(family="qwen2", qkv_bias=True, head_dim=24),
+        "always uses the embedding": model_config(family="gemma", mlp_activation="gelu_tanh", scale_embeddings=True),
+        "clip_qkv": model_config(clip_qkv=8.0),
+        "scales queries by 1/√16": model_config(
+            family="gemma2", mlp_activation="gelu_tanh", scale_embeddings=True, norm_position="sandwich", head_dim=16,
+            attn_scale_dim=20, tie_embeddings=True),
+        "llama architecture only": model_config(family="qwen3", qk_norm="head", rope_scaling=RopeScaling(
+            type="llama3", factor=8, original_max_seq_len=16)),
+        "beta_fast 16.0": model_config(rope_scaling=RopeScaling(type="yarn", factor=4, original_max_seq_len=16,
+                                                                beta_fast=16)),
+    }
+    for needle, cfg in refused.items():
+        with pytest.raises(UserError, match=needle.replace("(", r"\(")):
+            check(cfg)
+
+
+def test_chat_formats_are_recognised_by_what_they_render():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from lmforge.data.modelfile import chat_format, modelfile
+    from lmforge.data.sft import CHAT_TEMPLATE
+
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    llama3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+              "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+              "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    other = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+    def render(template):
+        t = ImmutableSandboxedEnvironment().from_string(template)
+        return lambda m: t.render(messages=m, add_generation_prompt=True, eos_token="</s>", bos_token="<s>")
+
+    assert chat_format(render(CHAT_TEMPLATE), "</s>", None).name == "lmforge"
+    assert chat_format(render(chatml), "</s>", None).name == "chatml"
+    assert chat_format(render(llama3), "</s>", "<s>").name == "llama3"  # its BOS is llama.cpp's to add
+    assert chat_format(render(other), "</s>", None) is None
+    text = modelfile("model-f16.gguf", chat_format(render(chatml), "</s>", None), "</s>", True)
+    assert text.startswith("FROM ./model-f16.gguf\n") and 'TEMPLATE """{{- range .Messages }}<|im_start|>' in text
+    assert 'PARAMETER stop "</s>"' in text and 'PARAMETER stop "<|im_end|>"' in text
+    plain = modelfile("m.gguf", chat_format(render(CHAT_TEMPLATE), "</s>", None), "</s>", True)
+    assert "### Assistant:\n{{ .Content }}</s>" in plain and plain.count("PARAMETER stop") == 1
+    assert "TEMPLATE \"\"\"" not in modelfile("m.gguf", None, "</s>", True)
+
+
+@pytest.mark.integration  # imports the exporter (transformers, huggingface_hub): seconds on a cold process
+def test_export_gguf_bad_input_is_one_line(tmp_path, tokenizers):
+    from lmforge.models import build_model, save_pretrained
+
+    ckpt = tmp_path / "ckpt"
+    save_pretrained(build_model(model_config(vocab_size=448)), model_config(vocab_size=448), ckpt,
+                    tokenizer_dir=tokenizers["gpt-2"].path)
+    base = ["export", "--checkpoint", ckpt, "--format", "gguf", "--out", tmp_path / "out"]
+    assert_one_line_error(cli(*base, "--dtype", "q4_k"), "--dtype 'q4_k'", "f32, f16, bf16, q8_0")
+    assert_one_line_error(cli(*base, "--dtype", "float16"), "for --format gguf")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(cli("export", "--checkpoint", tmp_path / "empty", "--format", "gguf", "--out",
+                              tmp_path / "out"), "holds no model")
+    bare = tmp_path / "bare"
+    save_pretrained(build_model(model_config()), model_config(), bare)
+    assert_one_line_error(cli("export", "--checkpoint", bare, "--format", "gguf", "--out", tmp_path / "out"),
+                          "holds no tokenizer", "--tokenizer")
+    assert not (tmp_path / "out").exists()
