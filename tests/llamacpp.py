@@ -20,6 +20,9 @@ def llama_cpp(wait_s: float = 1800):
         deadline = time.monotonic() + wait_s
         while not os.path.exists(os.path.join(setup, "done")) and time.monotonic() < deadline:
             time.sleep(1)
+    import importlib
+
+    importlib.invalidate_caches()  # installed while this process ran
     try:
         import llama_cpp as lib
     except ImportError:
@@ -31,12 +34,12 @@ def llama_cpp(wait_s: float = 1800):
     return lib
 
 
-def load(path, **kw):
+def load(lib, path, **kw):
     """A `llama_cpp.Llama` for a small model: one thread (the tests share two cores), every
-    position's logits kept, quiet."""
-    lib = llama_cpp()
+    position's logits kept, an fp32 KV cache (llama.cpp's default, f16, would round every key and
+    value: the comparisons are of the model file, not of the cache), quiet."""
     return lib.Llama(model_path=str(path), n_ctx=kw.pop("n_ctx", 64), n_threads=1, n_threads_batch=1,
-                     logits_all=True, verbose=False, **kw)
+                     logits_all=True, verbose=False, type_k=lib.GGML_TYPE_F32, type_v=lib.GGML_TYPE_F32, **kw)
 
 
 def logits(llm, ids: list[int]):

@@ -100,6 +100,34 @@ def test_export_hf_parity_and_generate(base, tmp_path):
 
 
 @pytest.mark.e2e
+def test_export_gguf_continues_like_lmforge_generate_in_llama_cpp(base, tmp_path, llama_cpp):
+    """`lmforge export --format gguf` of the pretrained run: llama.cpp's greedy continuations (its own
+    sampler at temperature 0) are `lmforge generate`'s, token for token, in f16 (the default) and f32."""
+    from llamacpp import greedy, load
+    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.models import generate
+    from lmforge.train.export import export
+    from lmforge.train.locate import load_model
+
+    lmforge("export", "--checkpoint", base, "--format", "gguf", "--out", tmp_path / "gguf", check=True)
+    export(str(base), str(tmp_path / "f32"), fmt="gguf", dtype="f32")  # the CLI's code, in-process
+    files = [tmp_path / "gguf" / "model-f16.gguf", tmp_path / "f32" / "model-f32.gguf"]
+    assert (tmp_path / "gguf" / "Modelfile").read_text().startswith("FROM ./model-f16.gguf\n")
+    ours, _, _ = load_model(str(base))
+    tok = load_tokenizer(base / "final")
+    prompts = ["def main(argv):\n    parser = ", "class Fraction(", "        if not isinstance("]
+    for prompt in prompts:
+        ids = tok.encode_prompt(prompt)
+        want = generate(ours, ids, 16, temperature=0)
+        assert [greedy(load(llama_cpp, f), ids, 16) for f in files] == [want, want], prompt
+    # ... and `lmforge generate` prints that continuation (the same function, as a process)
+    proc = lmforge("generate", "--checkpoint", base, "--prompt", prompts[0], "--temperature", "0",
+                   "--max-new-tokens", "16", check=True)
+    got = greedy(load(llama_cpp, files[0]), tok.encode_prompt(prompts[0]), 16)
+    assert proc.stdout.rstrip("\n") == prompts[0] + tok.decode(got[:got.index(tok.eos_id)] if tok.eos_id in got else got)
+
+
+@pytest.mark.e2e
 def test_import_hf_llama_for_continued_pretraining(base, tmp_path, tiny_data):
     """CPT from an imported HF folder: step-1 loss = the source model's loss on that batch."""
     from lmforge.data.stream import DatasetSpec, TokenStream

@@ -114,6 +114,8 @@ def write_gguf(model: torch.nn.Module, cfg: ModelConfig, vocab: GGUFVocab, path:
 
 
 def _hyperparameters(w, cfg: ModelConfig, arch: str) -> None:
+    import gguf
+
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.d_model)
     w.add_block_count(cfg.n_layers)
@@ -130,10 +132,10 @@ def _hyperparameters(w, cfg: ModelConfig, arch: str) -> None:
         w.add_expert_used_count(cfg.top_k)
     s = cfg.rope_scaling
     if s is not None and s.type == "linear":
-        w.add_rope_scaling_type("linear")
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(s.factor)
     elif s is not None and s.type == "yarn":
-        w.add_rope_scaling_type("yarn")
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(s.factor)
         w.add_rope_scaling_orig_ctx_len(s.original_max_seq_len)
         # llama.cpp multiplies cos/sin by 0.1·ln(factor)+1 itself; only a different factor is written
