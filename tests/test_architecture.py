@@ -63,7 +63,7 @@ TORCH_FREE = ["lmforge.cli.main", "lmforge.layout", "lmforge.resolve", "lmforge.
               "lmforge.resolve.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
               "lmforge.resolve.auto_model", "lmforge.resolve.schedule", "lmforge.tasks.icl",
               "lmforge.estimate.plan", "lmforge.estimate.auto", "lmforge.estimate.memory",
-              "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.scaling.plan",
+              "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.data.gguf_vocab", "lmforge.scaling.plan",
               "lmforge.scaling.fit", "lmforge.scaling.predict"]
 
 

@@ -224,6 +224,9 @@ def test_export_gguf_bad_input_is_one_line(tmp_path, tokenizers):
     save_pretrained(build_model(model_config()), model_config(), bare)
     assert_one_line_error(cli("export", "--checkpoint", bare, "--format", "gguf", "--out", tmp_path / "out"),
                           "holds no tokenizer", "--tokenizer")
+    mistral = checkpoint(tmp_path, tokenizers["gpt-2"], "mistral")  # its window (8) is shorter than the context
+    assert_one_line_error(cli("export", "--checkpoint", mistral, "--format", "gguf", "--out", tmp_path / "out"),
+                          "sliding_window 8", "attends to the whole context")
     assert not (tmp_path / "out").exists()
 
 

@@ -36,5 +36,9 @@ def run(args) -> int:
     out = export(args.checkpoint, args.out, fmt=args.format, tokenizer=args.tokenizer, dtype=args.dtype,
                  max_shard_size=args.max_shard_size, allow_clip_qkv=args.allow_clip_qkv, overwrite=args.overwrite,
                  merge=args.merge)
-    print(f"exported {args.checkpoint} → {out} ({args.format})")
+    if args.format == "gguf":
+        gguf = next(out.glob("*.gguf"))
+        print(f"exported {args.checkpoint} → {gguf} (llama.cpp); Ollama: ollama create NAME -f {out / 'Modelfile'}")
+    else:
+        print(f"exported {args.checkpoint} → {out} ({args.format})")
     return 0
