@@ -21,10 +21,12 @@ from s3server import S3Server, weed_binary  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA: skipped (with the reason shown) on machines without it.
-    Tests of llama.cpp (the `llama_cpp` fixture) run last: scripts/test.sh builds it beside the others."""
+    The files with tests of llama.cpp (the `llama_cpp` fixture) run last, whole (their module fixtures
+    built once): scripts/test.sh builds llama.cpp beside the other tests."""
     import torch
 
-    items.sort(key=lambda item: "llama_cpp" in getattr(item, "fixturenames", ()))  # stable: the rest keep their order
+    late = {item.path for item in items if "llama_cpp" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: item.path in late)  # stable: everything keeps its order otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
