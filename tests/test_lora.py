@@ -139,6 +139,10 @@ def test_lora_run_learns_resumes_and_exports_for_peft(tmp_path, hf_base):
 
     gguf = {t.name: t.data for t in GGUFReader(tmp_path / "gguf" / "model-f32.gguf").tensors}
     assert np.array_equal(gguf["blk.1.attn_v.weight"], merged["blocks.1.attn.wv.weight"].numpy())
+    export(str(middle), str(tmp_path / "gguf-12"), fmt="gguf", dtype="f32", merge=True)  # a checkpoint's adapters
+    at_12 = {t.name: t.data for t in GGUFReader(tmp_path / "gguf-12" / "model-f32.gguf").tensors}
+    assert np.array_equal(at_12["token_embd.weight"], base["model.embed_tokens.weight"].numpy())  # frozen
+    assert not np.array_equal(at_12["blk.1.attn_v.weight"], gguf["blk.1.attn_v.weight"])  # step 12, not 24
     hf_dir = tmp_path / "merged-hf"
     export(str(folder), str(hf_dir))
     merged_hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()

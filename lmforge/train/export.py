@@ -33,7 +33,7 @@ from lmforge.train.locate import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = ("hf", "lmforge", "peft", "gguf")
-GGUF_DEFAULT_DTYPE = "f16"  # half the size of f32 for the same greedy text (tests/test_gguf.py)
+GGUF_DEFAULT_DTYPE = "f16"  # half the size of f32 for the same greedy text (tests/test_ladder.py)
 
 
 def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None = None, dtype: str | None = None,
