@@ -15,6 +15,9 @@
 #   bash bench/gpu.sh 3               # `lmforge train` 60 steps vs the bench loop; FSDP2 on one rank vs none
 #   bash bench/gpu.sh 4               # MoE: the GPU MoE tests and bench/moe.py's moe-9b-shaped stack vs its dense twin
 #   bash bench/gpu.sh 5               # [long-context] llama-1b at 8k, 16k and 32k tokens per row (about 3 minutes)
+#   bash bench/gpu.sh vllm            # [run-anywhere] vLLM loads the HF export of a dense and a MoE model
+#                                     # and its greedy output equals lmforge's (bench/vllm_check.py; needs
+#                                     # vLLM on the machine: the GPU image has none, see the script)
 #   bash bench/gpu.sh all             # everything in one go (no time budget)
 #   bash bench/gpu.sh only NAME,...   # chosen configs (`python bench/gpu.py list`)
 #
@@ -68,5 +71,11 @@ case "$what" in
   all) gpu_tests; for p in 1 2 3 5; do "$PY" bench/gpu.py part "$p" --budget 100000; done; moe ;;
   only) "$PY" bench/gpu.py only "${2:?usage: bash bench/gpu.sh only NAME,... (python bench/gpu.py list)}" --budget "${BUDGET:-540}" ;;
   table) "$PY" bench/gpu.py table ;;
-  *) echo "usage: bash bench/gpu.sh headline [NAME,...]|1|2|3|4|5|all|only NAME,...|table" >&2; exit 2 ;;
+  vllm)
+    if "$PY" -c "import vllm" 2>/dev/null; then
+      timeout "${BUDGET:-560}" "$PY" bench/vllm_check.py || echo "# bench/vllm_check.py: exit $?"
+    else
+      echo "# vLLM is not installed for $PY: the vLLM check cannot run here (bench/vllm_check.py)"
+    fi ;;
+  *) echo "usage: bash bench/gpu.sh headline [NAME,...]|1|2|3|4|5|vllm|all|only NAME,...|table" >&2; exit 2 ;;
 esac

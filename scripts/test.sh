@@ -24,6 +24,15 @@ if [ "${tier[*]:-}" = "-m not e2e" ]; then
 else
   { bash scripts/install-browser.sh >"$LMFORGE_BROWSER_SETUP/log" 2>&1; touch "$LMFORGE_BROWSER_SETUP/done"; } &
 fi
+# llama.cpp for the GGUF export's checks (tests/test_gguf.py, end to end): llama-cpp-python compiles
+# llama.cpp on a machine whose pip wheel cache lacks it (minutes), so it too builds alongside the tests,
+# which run those checks last and wait for "$LMFORGE_LLAMACPP_SETUP/done" (output in .../log).
+export LMFORGE_LLAMACPP_SETUP="$(mktemp -d "${TMPDIR:-/tmp}/lmforge-llamacpp.XXXXXX")"
+if [ "${tier[*]:-}" = "-m not e2e" ]; then
+  touch "$LMFORGE_LLAMACPP_SETUP/done"
+else
+  { bash scripts/install-llamacpp.sh >"$LMFORGE_LLAMACPP_SETUP/log" 2>&1; touch "$LMFORGE_LLAMACPP_SETUP/done"; } &
+fi
 . .venv/bin/activate
 # Two test processes (pytest-xdist), work-stealing: most end-to-end tests wait on their
 # subprocesses and servers rather than use a core, so two halve the wall time on 2 cores

@@ -20,9 +20,13 @@ from s3server import S3Server, weed_binary  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: skipped (with the reason shown) on machines without it."""
+    """Tests marked `gpu` need CUDA: skipped (with the reason shown) on machines without it.
+    The files with tests of llama.cpp (the `llama_cpp` fixture) run last, whole (their module fixtures
+    built once): scripts/test.sh builds llama.cpp beside the other tests."""
     import torch
 
+    late = {item.path for item in items if "llama_cpp" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: item.path in late)  # stable: everything keeps its order otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -59,6 +63,14 @@ def s3_env(s3_server, monkeypatch):
     for cls in (fsspec.get_filesystem_class("s3"),):
         cls.clear_instance_cache()
     yield s3_server
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """The llama_cpp module (llama-cpp-python), once scripts/test.sh's build of it is done (tests/llamacpp.py)."""
+    from llamacpp import llama_cpp as wait_for_llama_cpp
+
+    return wait_for_llama_cpp()
 
 
 # --------------------------------------------------------------------------- training fixtures

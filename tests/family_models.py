@@ -58,3 +58,46 @@ def hf_model(family: str, vocab_size: int = 101, seed: int = 0):
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
     return model
+
+
+# Tiny byte-level BPE tokenizers with the pre-tokenizer, special tokens and BOS habit of the
+# families' own (trained here on a few kilobytes: no download), for the GGUF export's checks.
+# "gpt-2" is lmforge's own kind (`train_tokenizer`).
+TOKENIZERS = {
+    # Llama 3: its regex, a BOS on every text, BPE that takes a whole word found in the vocabulary
+    "llama-bpe": dict(bos="<|begin_of_text|>", eos="<|end_of_text|>", specials=["<|eot_id|>"],
+                      ignore_merges=True, nfc=False),
+    # Qwen 2/3: its regex, NFC, no BOS, ChatML's turn tokens
+    "qwen2": dict(bos=None, eos="<|endoftext|>", specials=["<|im_start|>", "<|im_end|>"], ignore_merges=False,
+                  nfc=True),
+}
+
+
+def family_tokenizer(kind: str, texts: list[str], out, vocab_size: int = 400):
+    """A `lmforge.data.tokenizer.Tokenizer` saved to ``out``, with ``kind``'s pre-tokenizer."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as Backend
+
+    from lmforge.data.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX
+    from lmforge.data.tokenizer import Tokenizer
+
+    spec = TOKENIZERS[kind]
+    backend = Backend(models.BPE(ignore_merges=spec["ignore_merges"]))
+    regex = LLAMA3_REGEX if kind == "llama-bpe" else QWEN2_REGEX
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if spec["nfc"]:
+        backend.normalizer = normalizers.NFC()
+    backend.decoder = decoders.ByteLevel()
+    specials = [t for t in (spec["bos"], spec["eos"], *spec["specials"]) if t]
+    backend.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    if spec["bos"]:
+        bos_id = backend.token_to_id(spec["bos"])
+        backend.post_processor = processors.TemplateProcessing(single=f"{spec['bos']} $A",
+                                                               special_tokens=[(spec["bos"], bos_id)])
+    tok = Tokenizer(backend, eos_token=spec["eos"], bos_token=spec["bos"])
+    tok.save(str(out))
+    return tok

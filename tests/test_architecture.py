@@ -67,7 +67,8 @@ TORCH_FREE = ["lmforge.cli.main", "lmforge.layout", "lmforge.guard", "lmforge.co
               "lmforge.resolve.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
               "lmforge.resolve.auto_model", "lmforge.resolve.schedule", "lmforge.tasks.icl",
               "lmforge.estimate.plan", "lmforge.estimate.auto", "lmforge.estimate.memory",
-              "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.scaling.plan",
+              "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.data.gguf_vocab",
+              "lmforge.scaling.plan",
               "lmforge.scaling.fit", "lmforge.scaling.predict", "lmforge.goodput.conditions",
               "lmforge.goodput.health", "lmforge.goodput.diagnosis", "lmforge.goodput.cordon",
               "lmforge.goodput.ledger", "lmforge.goodput.faults"]

@@ -100,6 +100,52 @@ def test_export_hf_parity_and_generate(base, tmp_path):
 
 
 @pytest.mark.e2e
+def test_export_gguf_continues_like_lmforge_generate_in_llama_cpp(base, tmp_path, llama_cpp):
+    """The pretrained run as GGUF: llama.cpp's greedy continuations (its own sampler at temperature 0)
+    are lmforge's (`generate`, what `lmforge generate` prints: test_export_hf_parity_and_generate),
+    token for token, in f32 and f16. (The CLI itself: test_run_your_model_page.)"""
+    from llamacpp import greedy, load
+    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.models import generate
+    from lmforge.train.export import export
+    from lmforge.train.locate import load_model
+
+    files = [export(str(base), str(tmp_path / d), fmt="gguf", dtype=d) / f"model-{d}.gguf" for d in ("f32", "f16")]
+    ours, _, _ = load_model(str(base))
+    tok = load_tokenizer(base / "final")
+    for prompt in ("def main(argv):\n    parser = ", "class Fraction(", "        if not isinstance("):
+        ids = tok.encode_prompt(prompt)
+        want = generate(ours, ids, 16, temperature=0)
+        assert [greedy(load(llama_cpp, f), ids, 16) for f in files] == [want, want], prompt
+
+
+@pytest.mark.e2e
+def test_run_your_model_page(base, tmp_path, llama_cpp):
+    """docs/run-your-model.md: each `lmforge` command it shows runs on a trained run (its save
+    folder for `runs/my-model`), and its llama-cpp-python snippet prints `lmforge generate`'s text."""
+    import contextlib
+    import io
+    import re
+    import shlex
+
+    from conftest import REPO
+
+    page = (REPO / "docs" / "run-your-model.md").read_text()
+    blocks = re.findall(r"```(bash|python)\n(.*?)```", page, re.S)
+    commands = [ln for lang, body in blocks if lang == "bash" for ln in body.splitlines() if ln.startswith("lmforge ")]
+    assert [c.split()[1] for c in commands] == ["export", "export", "generate", "export"], commands
+    (tmp_path / "my-model").symlink_to(base)
+    here = lambda text: text.replace("runs/my-model", str(tmp_path / "my-model"))  # noqa: E731
+    printed = [cli(*shlex.split(here(c))[1:], check=True).stdout for c in commands]
+    assert (tmp_path / "my-model-q8" / "model-q8_0.gguf").is_file() and (tmp_path / "my-model-hf" / "config.json").is_file()
+    snippet = next(body for lang, body in blocks if lang == "python")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(here(snippet), {})
+    assert out.getvalue() == printed[2]
+
+
+@pytest.mark.e2e
 def test_import_hf_llama_for_continued_pretraining(base, tmp_path, tiny_data):
     """CPT from an imported HF folder: step-1 loss = the source model's loss on that batch."""
     from lmforge.data.stream import DatasetSpec, TokenStream

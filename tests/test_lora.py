@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,6 +130,19 @@ def test_lora_run_learns_resumes_and_exports_for_peft(tmp_path, hf_base):
     a = load_file(adapter_from_ckpt / "adapter_model.safetensors")
     b = load_file(final / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # GGUF: a LoRA run (its final/ or a checkpoint) only with --merge, then with the merged weights
+    for path in (folder, middle):
+        with pytest.raises(UserError, match="a LoRA run; pass --merge"):
+            export(str(path), str(tmp_path / "gguf"), fmt="gguf")
+    export(str(folder), str(tmp_path / "gguf"), fmt="gguf", dtype="f32", merge=True)
+    from gguf import GGUFReader
+
+    gguf = {t.name: t.data for t in GGUFReader(tmp_path / "gguf" / "model-f32.gguf").tensors}
+    assert np.array_equal(gguf["blk.1.attn_v.weight"], merged["blocks.1.attn.wv.weight"].numpy())
+    export(str(middle), str(tmp_path / "gguf-12"), fmt="gguf", dtype="f32", merge=True)  # a checkpoint's adapters
+    at_12 = {t.name: t.data for t in GGUFReader(tmp_path / "gguf-12" / "model-f32.gguf").tensors}
+    assert np.array_equal(at_12["token_embd.weight"], base["model.embed_tokens.weight"].numpy())  # frozen
+    assert not np.array_equal(at_12["blk.1.attn_v.weight"], gguf["blk.1.attn_v.weight"])  # step 12, not 24
     hf_dir = tmp_path / "merged-hf"
     export(str(folder), str(hf_dir))
     merged_hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()

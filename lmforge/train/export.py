@@ -1,17 +1,21 @@
-"""Export any checkpoint (see `locate`) to a Hugging Face folder or to our own layout.
+"""Export any checkpoint (see `locate`) to a Hugging Face folder, our own layout, a LoRA run's
+PEFT adapter, or a GGUF file for llama.cpp / Ollama (`lmforge.models.gguf`, with a Modelfile).
 
 HF: ``config.json`` (the model's family, see ``families.py``: LlamaForCausalLM, Qwen2ForCausalLM, …
 for dense models, MixtralForCausalLM for MoE — our experts are Mixtral's top-k softmax experts,
 so the layout is exact), ``model.safetensors`` or
 shards ``model-0000i-of-0000n.safetensors`` + index when larger than ``max_shard_size``, the
 tokenizer files (with the chat template of a fine-tuned model), ``generation_config.json``.
-The folder is written next to ``out`` and renamed into place when complete.
+GGUF: ``model-<dtype>.gguf`` (weights, hyperparameters, tokenizer and chat template in one
+file) and an Ollama ``Modelfile`` beside it (`lmforge.data.modelfile`).
+Every folder is written next to ``out`` and renamed into place when complete.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,14 +33,24 @@ from lmforge.resolve.weights import check_tokenizer_fits, locate, lora_config_of
 from lmforge.train.locate import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FORMATS = ("hf", "lmforge", "peft", "gguf")
+GGUF_DEFAULT_DTYPE = "f16"  # half the size of f32 for the same greedy text (tests/test_ladder.py)
 
 
-def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None = None, dtype: str = "float32",
-           max_shard_size: str = "5GB", allow_clip_qkv: bool = False, overwrite: bool = False) -> Path:
+def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None = None, dtype: str | None = None,
+           max_shard_size: str = "5GB", allow_clip_qkv: bool = False, overwrite: bool = False,
+           merge: bool = False) -> Path:
+    """``dtype``: float32 / bfloat16 / float16 (default float32); for gguf f32 / f16 / bf16 / q8_0 (default f16).
+    ``merge``: a LoRA run's adapters merged into the GGUF's weights (required for such a run)."""
     out_path = Path(out)
     check_target(out, "--out", [*checkpoint_reads(checkpoint), ("the tokenizer", tokenizer)])
     if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not overwrite:
         raise UserError(f"--out {out}: already exists and is not empty; choose another folder or pass --overwrite")
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if fmt == "gguf":
+        return _export_gguf(checkpoint, out_path, tokenizer, dtype or GGUF_DEFAULT_DTYPE, merge)
+    dtype = dtype or "float32"
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if fmt == "peft":
@@ -49,26 +63,80 @@ def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None 
         check_tokenizer_fits(tok, cfg, f"checkpoint {checkpoint}")
         if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
             tok_dir = None  # a hub name or a bare tokenizer.json file: save a folder below
-    tmp = out_path.with_name(out_path.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with _staged(out_path) as tmp:
         if fmt == "lmforge":
             save_pretrained(model, cfg, tmp, tokenizer_dir=tok_dir)
-        elif fmt == "hf":
+        else:
             _save_hf(model, cfg, tmp, tok, allow_clip_qkv=allow_clip_qkv, max_shard_size=max_shard_size)
             if tok_dir:
                 _copy_tokenizer(tok_dir, tmp)
-        else:
-            raise UserError(f"--format {fmt!r}: expected hf, lmforge or peft")
         if tok is not None and not tok_dir:
             tok.save(str(tmp))
         write_export_digests(str(tmp))
-        if out_path.exists():
-            shutil.rmtree(out_path)
-        os.replace(tmp, out_path)
+    return out_path
+
+
+@contextmanager
+def _staged(out: Path):
+    """A fresh folder beside ``out`` to write into; it replaces ``out`` once the block ends without an
+    error, and is removed otherwise (``out`` is then left as it was)."""
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_path
+
+
+def _export_gguf(checkpoint: str, out: Path, tokenizer: str | None, dtype: str, merge: bool) -> Path:
+    """``model-<dtype>.gguf`` and its Ollama Modelfile. Everything that can be refused (the dtype, a
+    LoRA run without --merge, a tokenizer or an architecture llama.cpp cannot represent) is, before
+    the weights are read."""
+    from lmforge.data.chat import load_chat_template
+    from lmforge.data.gguf_vocab import gguf_vocab
+    from lmforge.data.modelfile import chat_format, modelfile
+    from lmforge.models.gguf import DTYPES as GGUF_DTYPES, check, write_gguf
+    from lmforge.resolve.weights import model_config_of
+
+    if dtype not in GGUF_DTYPES:
+        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(GGUF_DTYPES)} for --format gguf")
+    loc = locate(checkpoint)
+    lora = (loc.kind == "dcp" and lora_config_of(loc.path) is not None) or \
+        (loc.kind == "lmforge" and os.path.isdir(os.path.join(loc.path, "adapter")))
+    if lora and not merge:
+        raise UserError(f"checkpoint {checkpoint}: a LoRA run; pass --merge to export its adapters merged into the "
+                        "weights (or --format peft for the adapter alone)")
+    cfg = model_config_of(loc.path)
+    check(cfg)
+    tok_dir = tokenizer or loc.tokenizer_dir
+    if not tok_dir:
+        raise UserError(f"checkpoint {checkpoint}: holds no tokenizer, and a GGUF carries one; pass --tokenizer DIR")
+    tok = load_tokenizer(tok_dir)
+    check_tokenizer_fits(tok, cfg, f"checkpoint {checkpoint}")
+    template = load_chat_template(tok_dir)
+    text = None if template is None else template.text
+    vocab = gguf_vocab(tok, cfg.vocab_size, text.get("default") if isinstance(text, dict) else text)
+    model, cfg, loc = load_model(loc.path)
+    name = f"model-{dtype}.gguf"
+    fmt = None if template is None else chat_format(
+        lambda m: template.render(m, add_generation_prompt=True), tok.eos_token, template.hf.bos_token)
+    with _staged(out) as tmp:
+        write_gguf(model, cfg, vocab, tmp / name, dtype=dtype, name=_model_name(loc.path))
+        (tmp / "Modelfile").write_text(modelfile(name, fmt, tok.eos_token, template is not None))
+        write_export_digests(str(tmp))
+    return out
+
+
+def _model_name(path: str) -> str:
+    """What the GGUF calls the model (general.name): its run's folder for a final/ or step_N."""
+    p = Path(path).resolve()
+    while p.parent != p and (p.name in ("final", "checkpoints") or p.name.startswith("step_")):
+        p = p.parent
+    return p.name
 
 
 def _export_adapter(checkpoint: str, out: Path) -> Path:
@@ -77,11 +145,9 @@ def _export_adapter(checkpoint: str, out: Path) -> Path:
     from lmforge.models.lora import adapter_tensors, base_model_reference, write_peft_adapter
 
     loc = locate(checkpoint)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with _staged(out) as tmp:
         if loc.kind == "lmforge" and os.path.isfile(os.path.join(loc.path, "adapter", "adapter_config.json")):
-            shutil.copytree(os.path.join(loc.path, "adapter"), tmp)
+            shutil.copytree(os.path.join(loc.path, "adapter"), tmp, dirs_exist_ok=True)
         elif loc.kind == "dcp" and (lora := lora_config_of(loc.path)) is not None:
             model, _, _ = load_model(loc.path, merge_lora=False)
             base = (read_state(loc.path).get("config") or {}).get("custom_weights_path")
@@ -89,11 +155,6 @@ def _export_adapter(checkpoint: str, out: Path) -> Path:
         else:
             raise UserError(f"checkpoint {checkpoint}: holds no LoRA adapter (--format peft needs a run trained "
                             "with lora:)")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
