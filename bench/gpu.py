@@ -183,8 +183,8 @@ def auto_micro_batch(c: dict, device):
     picks (modelled) for the whole model it names on ``gpus`` GPUs like this one (an H100's
     figures where there is none: the CPU smoke test), its other candidates ranked after it."""
     from lmforge.config.model import ModelConfig, get_preset
-    from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec, peak_flops
-    from lmforge.estimate.micro_batch import choose
+    from lmforge.plan.hardware import GPU_TYPES, detect_device_spec, peak_flops
+    from lmforge.plan.micro_batch import choose
 
     a = c["auto"]
     whole = get_preset(a["preset"]).model_copy(update={"vocab_size": a["vocab_size"]}) if a.get("preset") \
@@ -250,9 +250,9 @@ def _run_model(c: dict, shape, mb: int, ac) -> dict:
     from lmforge.distributed.dist import DistInfo
     from lmforge.distributed.float8 import FP8Options, after_optimizer_step
     from lmforge.distributed.parallelize import materialize, parallelize
-    from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
-    from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
-    from lmforge.estimate.memory import activation_bytes, fixed_bytes
+    from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
+    from lmforge.plan.hardware import detect_device_spec, mfu, peak_flops
+    from lmforge.plan.memory import activation_bytes, fixed_bytes
     from lmforge.models import build_model
     from lmforge.models.transformer import Transformer
     from lmforge.train.optim import build_optimizer
@@ -362,8 +362,8 @@ def run_muon(c: dict) -> list[dict]:
     from lmforge.data.batch import Batch
     from lmforge.distributed.dist import DistInfo
     from lmforge.distributed.parallelize import parallelize
-    from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token
-    from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
+    from lmforge.plan.flops import flops_per_token, mfu_flops_per_token
+    from lmforge.plan.hardware import detect_device_spec, mfu, peak_flops
     from lmforge.models import build_model
     from lmforge.train.optim import build_optimizer
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "lmforge"
-EVERYTHING = ("config", "tasks", "estimate", "scaling", "resolve", "data", "models", "distributed", "eval", "train",
+EVERYTHING = ("config", "tasks", "plan", "scaling", "resolve", "data", "models", "distributed", "eval", "train",
               "tracking", "report", "runs", "cli")
 
 
@@ -43,7 +43,7 @@ def above(package: str) -> tuple[str, ...]:
 FORBIDDEN = {
     "config": above("config"),
     "tasks": tuple(p for p in above("config") if p != "tasks"),  # beside config: read by eval and curation alike
-    "estimate": above("estimate"),
+    "plan": above("plan"),
     # plans, fits and predicts from numbers; running the ladder is `runs.ladder`'s
     "scaling": above("scaling"),
     "resolve": ("eval", "train", "tracking", "report", "runs", "cli"),
@@ -59,10 +59,10 @@ FORBIDDEN = {
 SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say")
 # Modules that must load without torch: `lmforge --help`, `estimate` and a run's resolution up
 # to its config stay light, and the rules live in one torch-free layer that torch code imports.
-TORCH_FREE = ["lmforge.cli.main", "lmforge.layout", "lmforge.resolve", "lmforge.resolve.plan",
-              "lmforge.resolve.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
-              "lmforge.resolve.auto_model", "lmforge.resolve.schedule", "lmforge.tasks.icl",
-              "lmforge.estimate.plan", "lmforge.estimate.auto", "lmforge.estimate.memory",
+TORCH_FREE = ["lmforge.cli.main", "lmforge.layout", "lmforge.resolve", "lmforge.plan.run",
+              "lmforge.plan.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
+              "lmforge.resolve.auto_model", "lmforge.plan.schedule", "lmforge.tasks.icl",
+              "lmforge.plan.estimate", "lmforge.plan.auto", "lmforge.plan.memory",
               "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.scaling.plan",
               "lmforge.scaling.fit", "lmforge.scaling.predict"]
 
@@ -228,7 +228,7 @@ def test_no_function_is_longer_than_80_lines():
 def test_trainer_does_not_depend_on_resolution_steps():
     """The trainer takes a resolved run; it never resolves one itself."""
     mods = imports_of(PKG / "train" / "trainer.py")
-    assert not any(m.startswith(("lmforge.resolve.steps", "lmforge.resolve.plan.make_plan")) for m in mods), mods
+    assert not any(m.startswith(("lmforge.resolve.steps", "lmforge.plan.run.make_plan")) for m in mods), mods
 
 
 def test_core_never_branches_on_attributes():

@@ -11,7 +11,7 @@ import pytest
 
 from lmforge.config.model import ModelConfig, get_preset, resolve_model
 from lmforge.errors import UserError
-from lmforge.estimate import (
+from lmforge.plan import (
     GPU_TYPES,
     EstimateInputs,
     check_fits,
@@ -25,9 +25,9 @@ from lmforge.estimate import (
     peak_flops,
 )
 from lmforge.config.schema import LORA_TARGETS, LoRAConfig
-from lmforge.estimate.flops import lora_adapter_params
-from lmforge.estimate.hardware import _match_cuda_name, cpu_spec
-from lmforge.estimate.memory import BYTES_PER_PARAM
+from lmforge.plan.flops import lora_adapter_params
+from lmforge.plan.hardware import _match_cuda_name, cpu_spec
+from lmforge.plan.memory import BYTES_PER_PARAM
 
 DAY = 86400
 
@@ -391,7 +391,7 @@ def test_expert_parallel_trades_expert_gathers_for_token_all_to_all():
 def test_context_plan_picks_the_fewest_gpus_per_row_then_the_least_recompute():
     """llama-1b on one H100 (71 GB usable): 8k rows fit as they are, 32k with selective
     checkpointing, 128k only with full; llama-7b at 128k on 8 GPUs needs rows split in two."""
-    from lmforge.estimate.context import context_plan
+    from lmforge.plan.context import context_plan
 
     def choice(model, seq, gpus):
         c = context_plan(get_preset(model), seq, gpus, 80e9)["choice"]
@@ -414,7 +414,7 @@ def test_context_plan_picks_the_fewest_gpus_per_row_then_the_least_recompute():
 def test_context_fit_error_names_what_to_set():
     """The preflight line: None when the run's own pair fits, else the pair to set (only what
     changes), or how many GPUs it takes."""
-    from lmforge.estimate.context import context_fit_error
+    from lmforge.plan.context import context_fit_error
 
     llama = get_preset("llama-1b")
     assert context_fit_error(llama, 32768, 1, 80e9, "h100-sxm", activation_checkpointing="selective") is None

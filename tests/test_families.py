@@ -9,7 +9,7 @@ import torch
 from family_models import CASES, SHAPE, hf_config, hf_model
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.estimate.flops import param_counts
+from lmforge.plan.flops import param_counts
 from lmforge.models import build_model, generate, load_pretrained, num_params, save_hf
 from lmforge.models.hf import from_hf_config, from_hf_state_dict, to_hf_config
 

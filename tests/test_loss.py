@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from lmforge.config.model import get_preset
 from lmforge.data.batch import IGNORE
-from lmforge.estimate import memory
-from lmforge.estimate.flops import param_counts
-from lmforge.estimate.hardware import GPU_TYPES
+from lmforge.plan import memory
+from lmforge.plan.flops import param_counts
+from lmforge.plan.hardware import GPU_TYPES
 from lmforge.models import loss as loss_module
 from lmforge.models.loss import CHUNK_ELEMENTS, next_token_loss
 

@@ -11,10 +11,10 @@ import torch
 
 from lmforge.config.model import ModelConfig, get_preset
 from lmforge.errors import UserError
-from lmforge.estimate.hardware import GPU_TYPES
-from lmforge.estimate.flops import param_counts
-from lmforge.estimate.memory import MARGIN, RESERVED_BYTES, activation_bytes, fixed_bytes, usable_bytes
-from lmforge.estimate.micro_batch import MODES, PROBED, choose
+from lmforge.plan.hardware import GPU_TYPES
+from lmforge.plan.flops import param_counts
+from lmforge.plan.memory import MARGIN, RESERVED_BYTES, activation_bytes, fixed_bytes, usable_bytes
+from lmforge.plan.micro_batch import MODES, PROBED, choose
 from train_helpers import lmforge
 
 H100 = GPU_TYPES["h100-sxm"]
@@ -100,7 +100,7 @@ def test_nothing_fits_says_the_smallest_footprint_and_the_remedy():
 
 
 def test_estimate_shows_the_choice_without_a_gpu():
-    from lmforge.estimate.plan import EstimateInputs, estimate_run, format_plan
+    from lmforge.plan.estimate import EstimateInputs, estimate_run, format_plan
 
     plan = estimate_run(EstimateInputs(LLAMA_3B, 1e9, gpus=1, gpu_type="h100-sxm", seq_len=2048, micro_batch="auto"))
     choice = choose(LLAMA_3B, 2048, n_devices=1, gpu_memory=H100.memory_bytes, peak_flops=H100.bf16,
@@ -122,7 +122,7 @@ def test_estimate_cli_micro_batch_auto():
 
 def test_a_cpu_run_keeps_todays_rule():
     from lmforge.config.schema import RunConfig
-    from lmforge.resolve.plan import micro_batch_and_checkpointing
+    from lmforge.plan.run import micro_batch_and_checkpointing
     from lmforge.train.machine import local_machine
 
     cpu = local_machine(torch.device("cpu"))
@@ -137,8 +137,8 @@ def test_a_described_gpu_machine_models_its_choice():
     """`--dry-run` planned for GPUs that are only described: the choice is modelled, said in one line,
     and written into the resolved config's compute.activation_checkpointing."""
     from lmforge.config.schema import RunConfig
-    from lmforge.resolve.machine import nominal_machine
-    from lmforge.resolve.plan import make_plan, resolved_config
+    from lmforge.plan.machine import nominal_machine
+    from lmforge.plan.run import make_plan, resolved_config
 
     cfg = RunConfig.model_validate({"model": {"preset": "llama-3b", "vocab_size": 32000}, "train_data": "data",
                                     "training_duration": "100ba",
@@ -172,7 +172,7 @@ def test_a_gpu_run_probes_its_candidates():
     """On CUDA: the candidates are timed (bf16; eager here, to keep the test short: a run compiles
     them as it will train) and the choice says it was measured."""
     from lmforge.config.schema import RunConfig
-    from lmforge.resolve.plan import micro_batch_and_checkpointing
+    from lmforge.plan.run import micro_batch_and_checkpointing
     from lmforge.train.machine import local_machine
 
     cfg = RunConfig.model_validate({"model": {"d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,

@@ -16,12 +16,12 @@ from lmforge.config.load import build_config
 from lmforge.config.model import ModelConfig
 from lmforge.distributed.dist import DistInfo
 from lmforge.errors import UserError
-from lmforge.estimate.auto import SMALL_SHAPES, TOKENS_PER_PARAM, Budget, candidates, choose, effective_tokens
-from lmforge.estimate.flops import param_counts
+from lmforge.plan.auto import SMALL_SHAPES, TOKENS_PER_PARAM, Budget, candidates, choose, effective_tokens
+from lmforge.plan.flops import param_counts
 from lmforge.models import build_model
 from lmforge.resolve import resolve
-from lmforge.resolve.plan import make_plan
-from lmforge.resolve.schedule import Schedule
+from lmforge.plan.run import make_plan
+from lmforge.plan.schedule import Schedule
 from lmforge.train.machine import local_machine, process_machine
 from lmforge.train.trainer import Trainer
 
@@ -229,7 +229,7 @@ def test_auto_step_budget_costs_every_shape_at_one_batch():
 def test_auto_wall_clock_budget_uses_the_measured_rate():
     """The same seconds buy more tokens on a faster machine, so a faster one gets a bigger model."""
     def rate(flops_per_s):
-        from lmforge.estimate.flops import flops_per_token
+        from lmforge.plan.flops import flops_per_token
         return lambda c: flops_per_s / flops_per_token(c.model, c.context_length)["total"]
 
     slow, _ = choose(Budget("s", 60), small_cands(), tokens_per_s=rate(5e10), flops_per_s_guess=5e10)
@@ -317,7 +317,7 @@ def test_auto_with_an_epoch_budget_on_raw_data_exits_2_naming_the_key(tiny_data,
 def test_auto_sizes_a_wall_clock_budget_for_every_gpu(tiny_data, tmp_path):
     """A wall-clock budget on 8 GPUs buys 8 GPUs' tokens: `model: auto` picks a bigger shape than
     on one (its rate is one device's; the line says how many it counted)."""
-    from lmforge.resolve.machine import nominal_machine
+    from lmforge.plan.machine import nominal_machine
     from lmforge.resolve.request import RunRequest
 
     chosen, lines = {}, []

@@ -15,8 +15,8 @@ from lmforge.cli.common import add_command, positive_int
 from lmforge.config.load import load_yaml_text, read_text_file
 from lmforge.config.model import PRESETS, resolve_model
 from lmforge.errors import UserError
-from lmforge.estimate.hardware import gpu_type_names
-from lmforge.estimate.plan import EstimateInputs, check_fits, estimate_run, format_plan
+from lmforge.plan.hardware import gpu_type_names
+from lmforge.plan.estimate import EstimateInputs, check_fits, estimate_run, format_plan
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _COUNT = re.compile(r"^\s*([0-9][0-9_]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*(?:tok|tokens)?\s*$", re.I)
@@ -68,8 +68,8 @@ def _resolved_inputs(doc: dict, source: str, args) -> EstimateInputs:
     nothing: its model, tokens, context, batch, precision and data-parallel mode; the flags given
     override them."""
     from lmforge.resolve import resolve
-    from lmforge.resolve.machine import nominal_machine
-    from lmforge.resolve.plan import estimate_inputs
+    from lmforge.plan.machine import nominal_machine
+    from lmforge.plan.run import estimate_inputs
     from lmforge.resolve.request import RunRequest
 
     cpu = args.gpu_type == "cpu"
@@ -130,9 +130,9 @@ def _auto(args, tokens: float | None):
     assumes --mfu of that GPU's peak on every GPU."""
     from lmforge.config.durations import parse_duration
     from lmforge.config.defaults import default_batch_tokens
-    from lmforge.estimate.auto import Budget, candidates, choose
-    from lmforge.estimate.flops import flops_per_token, param_counts
-    from lmforge.estimate.hardware import get_gpu_type, peak_flops
+    from lmforge.plan.auto import Budget, candidates, choose
+    from lmforge.plan.flops import flops_per_token, param_counts
+    from lmforge.plan.hardware import get_gpu_type, peak_flops
 
     if tokens is not None:
         budget = Budget("tok", tokens)

@@ -158,7 +158,7 @@ def cmd_describe(args) -> int:
               f"{_human(m.get('tokens_per_s'))} tok/s  MFU {mfu}  progress {progress_text(m)}  "
               f"ETA {format_eta(m.get('eta_s')) if not run.is_terminal else '-'}")
         if m.get("cost") is not None:
-            from lmforge.estimate.cost import format_cost
+            from lmforge.plan.cost import format_cost
 
             line = f"cost       {format_cost(m['cost'])} so far"
             if not run.is_terminal and m.get("cost_to_finish") is not None:

@@ -23,9 +23,9 @@ from rich.console import Console
 from lmforge import secrets
 from lmforge.cli.common import add_command
 from lmforge.config.reference import render_text
-from lmforge.estimate.plan import estimate_run, format_plan
+from lmforge.plan.estimate import estimate_run, format_plan
 from lmforge.resolve import resolve
-from lmforge.resolve.plan import estimate_inputs
+from lmforge.plan.run import estimate_inputs
 from lmforge.resolve.request import RunRequest
 from lmforge.runs.plan import launch_plan, started_by_user
 from lmforge.runs.preflight import preflight

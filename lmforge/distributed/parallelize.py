@@ -59,7 +59,7 @@ from lmforge.distributed.context_parallel import sequence_group
 from lmforge.distributed.dist import DistInfo
 from lmforge.distributed.float8 import FP8Options, apply_float8, check_fp8_supported
 from lmforge.errors import UserError
-from lmforge.estimate.memory import checkpointed_blocks
+from lmforge.plan.memory import checkpointed_blocks
 
 SHARDED = ("fsdp", "hsdp")
 

@@ -91,7 +91,7 @@ def check_world(cfg, nproc: int) -> None:
     c = cfg.compute
     if cfg.model != "auto" and cfg.parameters.context_length:  # (else resolution checks the resolved length)
         from lmforge.config.schema import FINETUNE_TASKS
-        from lmforge.estimate.context import check_context_parallel
+        from lmforge.plan.context import check_context_parallel
 
         check_context_parallel(c.context_parallel, cfg.parameters.context_length, cfg.model,
                                packed_rows=cfg.parameters.document_masking or cfg.task_type in FINETUNE_TASKS,

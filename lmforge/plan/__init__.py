@@ -1,8 +1,8 @@
 """Plan before spending: parameter counts, FLOPs, MFU, time, cost and memory per GPU."""
 
-from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
-from lmforge.estimate.hardware import GPU_TYPES, GPUSpec, detect_device_spec, mfu, peak_flops
-from lmforge.estimate.plan import EstimateInputs, check_fits, estimate_run, format_plan
+from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
+from lmforge.plan.hardware import GPU_TYPES, GPUSpec, detect_device_spec, mfu, peak_flops
+from lmforge.plan.estimate import EstimateInputs, check_fits, estimate_run, format_plan
 
 __all__ = [
     "EstimateInputs", "GPU_TYPES", "GPUSpec", "check_fits", "detect_device_spec", "flops_per_token", "format_plan",

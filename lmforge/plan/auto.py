@@ -37,7 +37,7 @@ from lmforge.config.defaults import auto_vocab
 from lmforge.config.durations import Duration
 from lmforge.config.model import PRESETS, ModelConfig, padded_vocab
 from lmforge.errors import UserError
-from lmforge.estimate.flops import mfu_flops_per_token, param_counts
+from lmforge.plan.flops import mfu_flops_per_token, param_counts
 
 TOKENS_PER_PARAM = 20.0  # Chinchilla; all parameters counted (see the module docstring)
 REPEAT_HALF_LIFE = 15.4  # R* of Muennighoff et al. 2023

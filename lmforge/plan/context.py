@@ -27,9 +27,9 @@ import math
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.estimate.memory import (ACT_BYTES, BYTES_PER_PARAM, largest_unit_params, layer_activation_elements,
+from lmforge.plan.memory import (ACT_BYTES, BYTES_PER_PARAM, largest_unit_params, layer_activation_elements,
                                      loss_workspace_bytes, usable_bytes)
-from lmforge.estimate.flops import param_counts
+from lmforge.plan.flops import param_counts
 
 MODES = ("none", "selective", "full")
 MAX_GPUS = 4096  # where the search for "how many GPUs would it take" gives up

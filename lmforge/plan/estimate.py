@@ -12,12 +12,12 @@ from dataclasses import KW_ONLY, dataclass
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.estimate.comm import moe_traffic
-from lmforge.estimate.context import context_plan
-from lmforge.estimate.flops import DEFAULT_VOCAB, flops_per_token, param_counts
-from lmforge.estimate.hardware import GPUSpec, get_gpu_type, mfu_basis, peak_flops
-from lmforge.estimate.memory import REPLICATED, memory_plan
-from lmforge.estimate.micro_batch import Choice, checkpointing_label, choose
+from lmforge.plan.comm import moe_traffic
+from lmforge.plan.context import context_plan
+from lmforge.plan.flops import DEFAULT_VOCAB, flops_per_token, param_counts
+from lmforge.plan.hardware import GPUSpec, get_gpu_type, mfu_basis, peak_flops
+from lmforge.plan.memory import REPLICATED, memory_plan
+from lmforge.plan.micro_batch import Choice, checkpointing_label, choose
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
 DEFAULT_SEQ_LEN = 2048

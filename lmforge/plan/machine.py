@@ -19,7 +19,7 @@ from typing import Protocol, TypeVar
 
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import RunConfig
-from lmforge.estimate.hardware import GPUSpec, get_gpu_type
+from lmforge.plan.hardware import GPUSpec, get_gpu_type
 
 T = TypeVar("T")
 NO_FP8 = ("parameters.precision: fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: H100, "

@@ -63,7 +63,7 @@ from __future__ import annotations
 import math
 
 from lmforge.config.model import ModelConfig
-from lmforge.estimate.flops import block_counts, vocab_of
+from lmforge.plan.flops import block_counts, vocab_of
 
 STATE_BYTES = {"bf16_params": 2, "fp32_master": 4, "fp32_grads": 4, "adam_m": 4, "adam_v": 4}
 BYTES_PER_PARAM = sum(STATE_BYTES.values())

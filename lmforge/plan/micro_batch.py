@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.estimate.flops import block_counts, mfu_flops_per_token, param_counts
-from lmforge.estimate.memory import (BYTES_PER_PARAM, MAX_SUGGESTED_MICRO_BATCH, activation_bytes, checkpointed_blocks,
+from lmforge.plan.flops import block_counts, mfu_flops_per_token, param_counts
+from lmforge.plan.memory import (BYTES_PER_PARAM, MAX_SUGGESTED_MICRO_BATCH, activation_bytes, checkpointed_blocks,
                                      fixed_bytes, usable_bytes)
 
 # The modes tried, least recompute first: none, selective, every 2nd block (full), full.

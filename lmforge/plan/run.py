@@ -18,13 +18,13 @@ from lmforge.config.model import ModelConfig
 from lmforge.config.schema import FINETUNE_TASKS, RunConfig, phase_end
 from lmforge.data.pieces import training_context
 from lmforge.errors import UserError
-from lmforge.estimate.context import check_context_parallel, context_fit_error
-from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
-from lmforge.estimate.hardware import mfu_basis, peak_flops
-from lmforge.estimate.micro_batch import choose
-from lmforge.estimate.plan import EstimateInputs
-from lmforge.resolve.machine import Machine
-from lmforge.resolve.schedule import Schedule
+from lmforge.plan.context import check_context_parallel, context_fit_error
+from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
+from lmforge.plan.hardware import mfu_basis, peak_flops
+from lmforge.plan.micro_batch import choose
+from lmforge.plan.estimate import EstimateInputs
+from lmforge.plan.machine import Machine
+from lmforge.plan.schedule import Schedule
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,7 @@ def summary_table(runs: list[RunData]) -> str:
 
 def plan_rows(run: RunData) -> list[tuple[str, str, str]]:
     """(what, planned, actual) for the plan-vs-actual table."""
-    from lmforge.estimate.cost import cost_to_finish, format_cost
+    from lmforge.plan.cost import cost_to_finish, format_cost
     from lmforge.tracking.console import format_eta, human
 
     plan = run.plan or {}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from lmforge.config.identity import with_default_names
 from lmforge.config.schema import RunConfig
-from lmforge.resolve.machine import Machine
+from lmforge.plan.machine import Machine
 from lmforge.resolve.request import RunRequest, run_config
 from lmforge.resolve.resolved import ResolvedRun, Stage
 

@@ -15,12 +15,12 @@ from lmforge.config.durations import parse_duration
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.errors import UserError
-from lmforge.estimate.auto import SMALL_CONTEXT, Budget, Candidate, candidates, choose
-from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
-from lmforge.estimate.hardware import mfu_basis, peak_flops
+from lmforge.plan.auto import SMALL_CONTEXT, Budget, Candidate, candidates, choose
+from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
+from lmforge.plan.hardware import mfu_basis, peak_flops
 from lmforge.layout import read_run_file
-from lmforge.resolve.machine import Machine
-from lmforge.resolve.plan import plan_optimizer
+from lmforge.plan.machine import Machine
+from lmforge.plan.run import plan_optimizer
 
 
 def resolve_auto(cfg: RunConfig, machine: Machine, log=print) -> RunConfig:

@@ -19,8 +19,8 @@ from lmforge.data.stream import StreamPhase, open_dataset
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.errors import UserError
 from lmforge.resolve.auto_model import resolve_auto
-from lmforge.resolve.machine import Machine
-from lmforge.resolve.plan import TrainPlan, make_plan, resolved_config
+from lmforge.plan.machine import Machine
+from lmforge.plan.run import TrainPlan, make_plan, resolved_config
 from lmforge.resolve.resolved import ResolvedRun, Stage
 from lmforge.resolve.weights import check_tokenizer_fits, locate
 

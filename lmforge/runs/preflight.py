@@ -24,9 +24,9 @@ from lmforge.config.model import ModelConfig, padded_vocab
 from lmforge.config.schema import FINETUNE_TASKS, RunConfig
 from lmforge.data.remote import is_remote, local_path
 from lmforge.errors import UserError, environment_error
-from lmforge.estimate.memory import TRAINED_BYTES_PER_PARAM
+from lmforge.plan.memory import TRAINED_BYTES_PER_PARAM
 from lmforge.layout import DATASET_MARKER, different_run_error, holds_saved_run, read_run_file
-from lmforge.resolve.plan import check_batch_split, check_context
+from lmforge.plan.run import check_batch_split, check_context
 
 
 
@@ -221,7 +221,7 @@ def check_family(cfg: RunConfig) -> None:
 def check_memory(cfg: RunConfig) -> None:
     import torch
 
-    from lmforge.estimate.flops import param_counts
+    from lmforge.plan.flops import param_counts
 
     model = cfg.model
     vocab = model.vocab_size or _tokenizer_vocab(cfg) or 0

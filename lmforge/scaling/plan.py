@@ -38,8 +38,8 @@ from typing import Callable
 from lmforge.config.defaults import MAX_WARMUP_STEPS, WARMUP_FRACTION, default_batch_tokens, default_learning_rate
 from lmforge.config.model import ModelConfig, padded_vocab, resolve_model
 from lmforge.errors import UserError
-from lmforge.estimate.auto import TOKENS_PER_PARAM  # Chinchilla's ratio: the target's prior before any fit
-from lmforge.estimate.flops import param_counts
+from lmforge.plan.auto import TOKENS_PER_PARAM  # Chinchilla's ratio: the target's prior before any fit
+from lmforge.plan.flops import param_counts
 from lmforge.scaling.config import LadderConfig
 from lmforge.scaling.fit import FLOPS_PER_PARAM_TOKEN
 

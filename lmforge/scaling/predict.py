@@ -31,7 +31,7 @@ import numpy as np
 
 from lmforge.errors import UserError
 
-from lmforge.estimate.auto import effective_tokens
+from lmforge.plan.auto import effective_tokens
 from lmforge.scaling.fit import (EXPONENT_PRIOR, FLOPS_PER_PARAM_TOKEN, HUBER_DELTA, N_PARAMS, Backtest, Law,
                                  backtest, bootstrap, fit_law, isoflop_levels, isoflop_trend)
 from lmforge.scaling.plan import human

@@ -64,7 +64,7 @@ def train_summary(m: dict[str, float], total_tokens: int | None = None, eta_s: f
     if "memory/max_allocated_gb" in m:
         parts.append(f"mem {m['memory/max_allocated_gb']:.1f}GB")
     if "cost/so_far" in m:
-        from lmforge.estimate.cost import cost_to_finish, format_cost
+        from lmforge.plan.cost import cost_to_finish, format_cost
 
         rest = cost_to_finish(m.get("cost/per_hour"), eta_s)
         parts.append(f"cost {format_cost(m['cost/so_far'])}" + (f" (+{format_cost(rest)} to finish)" if rest else ""))

@@ -91,7 +91,7 @@ def run_plan(params: dict) -> dict:
     """plan.json: the trainer's plan (steps, tokens, devices) and what `lmforge estimate`
     makes of it on this machine's device at its default MFU."""
     from lmforge.config.model import ModelConfig
-    from lmforge.estimate.plan import EstimateInputs, estimate_run
+    from lmforge.plan.estimate import EstimateInputs, estimate_run
 
     plan = params.get("plan") or {}
     p = params.get("parameters") or {}
@@ -126,7 +126,7 @@ def _device_spec(kind: str):
     """The spec of the device rank 0 trains on (the trainer has already picked and set it)."""
     import torch
 
-    from lmforge.estimate.hardware import detect_device_spec
+    from lmforge.plan.hardware import detect_device_spec
 
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         return detect_device_spec(torch.device("cuda", torch.cuda.current_device()))

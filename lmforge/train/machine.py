@@ -16,8 +16,8 @@ from lmforge.distributed.dist import DistInfo, broadcast_object
 from lmforge.config.schema import RunConfig
 from lmforge.distributed.float8 import FP8Options, check_fp8_supported
 from lmforge.errors import PeerUserError, UserError
-from lmforge.estimate.hardware import detect_device_spec
-from lmforge.resolve.machine import Machine
+from lmforge.plan.hardware import detect_device_spec
+from lmforge.plan.machine import Machine
 from lmforge.train.micro_batch import probe_tokens_per_s
 from lmforge.train.throughput import cached_tokens_per_s, measure_tokens_per_s
 

@@ -24,7 +24,7 @@ from contextlib import nullcontext
 
 from lmforge.config.model import ModelConfig
 from lmforge.distributed.float8 import FP8Options
-from lmforge.estimate.flops import mfu_flops_per_token
+from lmforge.plan.flops import mfu_flops_per_token
 from lmforge.home import cache_dir
 from lmforge.train.throughput import machine_key
 

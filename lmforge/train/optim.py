@@ -9,7 +9,7 @@ import torch
 from lmforge.config.schema import Parameters
 from lmforge.models.lora import LoRALinear
 from lmforge.models.moe import GroupedExperts, MoE
-from lmforge.resolve.schedule import Schedule
+from lmforge.plan.schedule import Schedule
 from lmforge.train.muon import Muon
 
 _DEFAULTS = Parameters.model_fields  # the config is where defaults live

@@ -47,7 +47,7 @@ from lmforge.distributed.parallelize import (SHARDED, clip_grad_norm, compile_en
                                              is_sharded, materialize, no_grad_sync, parallelize)
 from lmforge.errors import UserError
 from lmforge.layout import latest_checkpoint, read_state
-from lmforge.estimate.hardware import detect_device_spec, mfu, mfu_basis, peak_flops
+from lmforge.plan.hardware import detect_device_spec, mfu, mfu_basis, peak_flops
 from lmforge.eval.in_training import generations, load_icl, run_icl
 from lmforge.models import build_model, save_pretrained
 from lmforge.models.io import write_chat_template
