@@ -86,7 +86,7 @@ def test_sequence_rules():
     """One line for each thing a split row cannot have (a torch-free rule); the CUDA refusals (ring attention is
     plain causal), checked on the rule itself since this machine has no GPU."""
     from lmforge.config.model import ModelConfig
-    from lmforge.plan.context import check_context_parallel
+    from lmforge.plan.checks import check_context_parallel
     from lmforge.errors import UserError
 
     model = ModelConfig(**MODEL)

@@ -11,19 +11,9 @@ import pytest
 
 from lmforge.config.model import ModelConfig, get_preset, resolve_model
 from lmforge.errors import UserError
-from lmforge.plan import (
-    GPU_TYPES,
-    EstimateInputs,
-    check_fits,
-    detect_device_spec,
-    flops_per_token,
-    format_plan,
-    estimate_run,
-    mfu,
-    mfu_flops_per_token,
-    param_counts,
-    peak_flops,
-)
+from lmforge.plan.estimate import EstimateInputs, check_fits, estimate_run, format_plan
+from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
+from lmforge.plan.hardware import GPU_TYPES, detect_device_spec, mfu, peak_flops
 from lmforge.config.schema import LORA_TARGETS, LoRAConfig
 from lmforge.plan.flops import lora_adapter_params
 from lmforge.plan.hardware import _match_cuda_name, cpu_spec
@@ -210,7 +200,7 @@ def test_memory_does_not_fit():
     # a given micro-batch too large for an otherwise fitting run
     big = estimate_run(EstimateInputs(get_preset("llama-7b"), 1e9, gpus=8, gpu_type="h100-sxm", micro_batch=64))
     assert not big["memory"]["fits"]
-    with pytest.raises(UserError, match=r"micro-batch of at most \d+ \(\d+ with activation checkpointing\)"):
+    with pytest.raises(UserError, match=r"use --micro-batch \d+ --activation-checkpointing full \(\d+\.\d GB per GPU\)"):  # the largest that fits
         check_fits(big)
 
 
@@ -231,7 +221,7 @@ def test_the_memory_verdict_names_the_data_parallel_mode_it_is_for():
         rows = {ln.split()[0]: ln for ln in format_plan(plan).splitlines() if ln.split()}
         assert dp in rows["memory/GPU"] and dp in rows["fits"], (dp, rows["memory/GPU"], rows["fits"])
     big = estimate_run(EstimateInputs(get_preset("llama-7b"), 1e9, gpus=8, gpu_type="a100-40g", data_parallel="ddp"))
-    with pytest.raises(UserError, match=r"under ddp.*compute.data_parallel fsdp"):
+    with pytest.raises(UserError, match=r"under ddp.*use --data-parallel fsdp"):
         check_fits(big)
 
 
@@ -378,7 +368,7 @@ def test_expert_parallel_trades_expert_gathers_for_token_all_to_all():
     assert plan["memory"]["gathered_bytes_per_gpu"] < estimate_run(EstimateInputs(
         cfg, 1e9, gpus=8, seq_len=2048, micro_batch=8))["memory"]["gathered_bytes_per_gpu"]
     assert "expert parallel 8: all-to-all" in format_plan(plan)
-    for bad, needle in ((3, "does not divide the model's 16 experts"), (16, "does not divide the 8 GPUs")):
+    for bad, needle in ((3, "does not divide the model's 16 experts"), (16, "does not divide the 8 ranks")):
         with pytest.raises(UserError, match=needle):
             estimate_run(EstimateInputs(cfg, 1e9, gpus=8, expert_parallel=bad))
     with pytest.raises(UserError, match="needs a mixture-of-experts model"):
@@ -392,43 +382,45 @@ def test_context_plan_picks_the_fewest_gpus_per_row_then_the_least_recompute():
     """llama-1b on one H100 (71 GB usable): 8k rows fit as they are, 32k with selective
     checkpointing, 128k only with full; llama-7b at 128k on 8 GPUs needs rows split in two."""
     from lmforge.plan.context import context_plan
+    from lmforge.plan.memory import Sharding
 
     def choice(model, seq, gpus):
-        c = context_plan(get_preset(model), seq, gpus, 80e9)["choice"]
+        c = context_plan(get_preset(model), seq, Sharding("fsdp", gpus), 80e9)["choice"]
         return c["context_parallel"], c["checkpointing"]
 
     assert choice("llama-1b", 8192, 1) == (1, "none")
     assert choice("llama-1b", 32768, 1) == (1, "selective")
     assert choice("llama-1b", 131072, 1) == (1, "full")
     assert choice("llama-7b", 131072, 8) == (2, "full")
-    plan = context_plan(get_preset("llama-1b"), 32768, 4, 80e9)
+    plan = context_plan(get_preset("llama-1b"), 32768, Sharding("fsdp", 4), 80e9)
     by = {(o["context_parallel"], o["checkpointing"]): o["bytes_per_gpu"] for o in plan["options"]}
     assert sorted({cp for cp, _ in by}) == [1, 2, 4]
     for cp in (1, 2, 4):  # less kept, less memory; more ranks per row, less each
         assert by[cp, "none"] > by[cp, "selective"] > by[cp, "full"]
     assert by[1, "none"] > by[2, "none"] > by[4, "none"]
-    hopeless = context_plan(get_preset("llama-70b"), 1 << 20, 8, 80e9)
+    hopeless = context_plan(get_preset("llama-70b"), 1 << 20, Sharding("fsdp", 8), 80e9)
     assert hopeless["choice"] is None and hopeless["min_gpus"] > 8
 
 
-def test_context_fit_error_names_what_to_set():
-    """The preflight line: None when the run's own pair fits, else the pair to set (only what
-    changes), or how many GPUs it takes."""
-    from lmforge.plan.context import context_fit_error
+def test_the_remedy_names_the_least_change_that_fits():
+    """What a plan that does not fit says to change (`plan.fit.remedy`): another checkpointing mode,
+    then another context-parallel degree, sharding, more GPUs — in config keys for a run, in flags
+    for an estimate; the run's own checkpointing kept where it fits."""
+    from lmforge.plan.fit import FLAGS, remedy
+    from lmforge.plan.memory import Sharding
 
-    llama = get_preset("llama-1b")
-    assert context_fit_error(llama, 32768, 1, 80e9, "h100-sxm", activation_checkpointing="selective") is None
-    line = context_fit_error(llama, 32768, 1, 80e9, "h100-sxm")
-    assert line.startswith("llama-1b does not fit at 32768 tokens per row") and "71.0 GB usable" in line
-    assert line.endswith("set compute.activation_checkpointing: selective (62.6 GB per GPU)"), line
-    line = context_fit_error(get_preset("llama-7b"), 131072, 8, 80e9, "h100-sxm", activation_checkpointing=True)
-    assert line.endswith("set compute.context_parallel: 2 (47.2 GB per GPU)"), line
-    line = context_fit_error(get_preset("llama-70b"), 1 << 20, 8, 80e9, "h100-sxm")
-    assert "use at least" in line and "GPUs or a shorter context" in line
-    # DDP keeps every state on every GPU (state_shards 1): what fits sharded over 8 may not
-    assert context_fit_error(get_preset("llama-7b"), 8192, 8, 80e9, "h100-sxm", activation_checkpointing=True) is None
-    assert context_fit_error(get_preset("llama-7b"), 8192, 8, 80e9, "h100-sxm", activation_checkpointing=True,
-                             state_shards=1) is not None
+    def fix(model, seq, sharding, ac, names=None, micro=1):
+        r = remedy(get_preset(model), seq, sharding, 80e9, context_parallel=1, checkpointing=ac, micro_batch=micro)
+        return r.text(names) if names else r.text()
+
+    assert fix("llama-1b", 32768, Sharding("fsdp", 1), False) == \
+        "set compute.activation_checkpointing: selective (64.1 GB per GPU)"
+    assert fix("llama-7b", 131072, Sharding("fsdp", 8), True) == "set compute.context_parallel: 2 (47.2 GB per GPU)"
+    assert fix("llama-7b", 131072, Sharding("fsdp", 8), True, FLAGS) == "use --context-parallel 2 (47.2 GB per GPU)"
+    assert fix("llama-7b", 8192, Sharding("ddp", 8), True) == "set compute.data_parallel: fsdp (21.9 GB per GPU)"
+    assert fix("llama-1b", 8192, Sharding("fsdp", 1), False, micro=64).startswith("set parameters.micro_batch_size: ")
+    line = fix("llama-70b", 1 << 20, Sharding("fsdp", 8), False, FLAGS)
+    assert line.startswith("use at least ") and "GPUs (--gpus × --nodes) with --context-parallel" in line
 
 
 def test_cli_long_context_line_and_context_parallel():
@@ -438,7 +430,7 @@ def test_cli_long_context_line_and_context_parallel():
     plan = json.loads(proc.stdout)
     assert plan["context"]["choice"]["checkpointing"] == "selective"
     text = format_plan(plan)
-    assert "long context" in text and "context_parallel 1 with selective activation" in text
+    assert "long context" in text and "fits first with --context-parallel 1 and selective" in text
     split = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768, context_parallel=2))["memory"]
     whole = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768))["memory"]
     assert split["activation_bytes_per_sample"]["no_ac"] == pytest.approx(whole["activation_bytes_per_sample"]["no_ac"] / 2)
@@ -452,4 +444,4 @@ def test_cli_long_context_line_and_context_parallel():
         assert rows["total_bytes_per_gpu"] - halves["total_bytes_per_gpu"] == pytest.approx(
             rows["activation_bytes_per_sample"][key] - halves["activation_bytes_per_sample"][key])
     _assert_one_line_error(cli("estimate", "--model", "llama-1b", "--gpus", "4", "--context-parallel", "3"),
-                           "--context-parallel: 3 does not divide the 4 GPUs")
+                           "--context-parallel 3 does not divide the 4 ranks")

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lmforge.data.mds import MDSWriter
-from lmforge.data.pieces import epoch_pieces, epoch_tokens, pieces_per_sample, split_lines, training_context
+from lmforge.data.pieces import epoch_pieces, epoch_tokens, pieces_per_sample, split_lines
+from lmforge.plan.batch import training_context
 from lmforge.data.stream import DatasetSpec, TokenStream
 from lmforge.errors import UserError
 

@@ -17,7 +17,7 @@ FILTER_NAMES = ("c4", "fineweb", "language", "gopher_quality", "gopher_repetitio
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)  # a config is a value: changed by model_copy, never in place
 
 
 def _on(v):

@@ -34,7 +34,7 @@ class RopeScaling(BaseModel):
     """Long-context RoPE frequency scaling, as published with Llama 3.1+ (llama3), Qwen (yarn)
     and older fine-tunes (linear). Values are Hugging Face's `rope_parameters` of the same name."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["linear", "llama3", "yarn"] = Field(..., description="how the frequencies are rescaled")
     factor: float = Field(..., gt=0, description="context extension factor")
@@ -74,7 +74,7 @@ def padded_vocab(tokenizer_vocab: int) -> int:
 class ModelConfig(BaseModel):
     """A Llama-style decoder, optionally with mixture-of-experts feed-forward layers."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     preset: str | None = Field(None, description="preset this shape started from (informational)")
     d_model: int = Field(..., gt=0, description="hidden size")

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ObjectStoreConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     endpoint_url: str | None = Field(
         None, description="S3-compatible endpoint (R2, MinIO, SeaweedFS, ...); default: $AWS_ENDPOINT_URL or AWS")
@@ -22,7 +22,7 @@ class ObjectStoreConfig(BaseModel):
 class SecretsConfig(BaseModel):
     """Where credentials come from, besides the backend's own env/profile mechanisms."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     file: str | None = Field(
         None, description="YAML/JSON/KEY=VALUE file with access_key_id, secret_access_key, session_token, "

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class MLflowConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     experiment_path: str | None = Field(
         None, description="MLflow experiment name; default 'lmforge'")
@@ -37,7 +37,7 @@ class MLflowConfig(BaseModel):
 
 
 class WandbConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     project: str = Field("lmforge", description="W&B project")
     entity: str | None = Field(None, description="W&B team or user")
@@ -45,7 +45,7 @@ class WandbConfig(BaseModel):
 
 
 class TrackerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     mlflow: MLflowConfig | None = Field(
         default_factory=MLflowConfig, description="MLflow tracking; null to turn off")

@@ -1,10 +1,8 @@
-"""Plan before spending: parameter counts, FLOPs, MFU, time, cost and memory per GPU."""
+"""The planner: every decision about a run before it spends anything, in one torch-free package.
 
-from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
-from lmforge.plan.hardware import GPU_TYPES, GPUSpec, detect_device_spec, mfu, peak_flops
-from lmforge.plan.estimate import EstimateInputs, check_fits, estimate_run, format_plan
-
-__all__ = [
-    "EstimateInputs", "GPU_TYPES", "GPUSpec", "check_fits", "detect_device_spec", "flops_per_token", "format_plan",
-    "estimate_run", "mfu", "mfu_flops_per_token", "param_counts", "peak_flops",
-]
+flops (`flops`), device peaks (`hardware`), memory (`memory`), long context (`context`), MoE traffic
+(`comm`), cost (`cost`), micro-batch and checkpointing (`micro_batch`), `model: auto` (`auto`), the
+machine a run is planned for (`machine`), batch and speed (`batch`), the checks (`checks`), the
+memory verdict and its remedy (`fit`), the run plan (`run`), the LR schedule (`schedule`), and the
+estimate as a view of a plan (`estimate`). Commands reach it through `resolve` (`lmforge.resolve`).
+"""

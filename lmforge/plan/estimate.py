@@ -1,8 +1,13 @@
-"""A training plan: parameters, FLOPs, tokens, time, cost and memory, as one dict.
+"""The estimate of a run: parameters, FLOPs, tokens, time, cost and memory, as one dict — a view of
+its plan.
 
-`estimate_run` computes every number (JSON-ready), `format_plan` renders it as a table,
-`check_fits` turns a plan that cannot run into a one-line UserError. Used by
-`lmforge estimate` and `lmforge train --dry-run`.
+`plan_view` turns a resolved run's plan (`plan.run.make_plan`, reached through `resolve`) into the
+dict: nothing is decided again, the micro-batch, checkpointing, speed and memory verdict are the
+plan's. Every command that shows an estimate shows this view: `lmforge estimate` (every form but a
+nominal `--params`, which has no shape to plan), `train --dry-run`, and the run itself, which
+saves it for the report (`plan.json`). `estimate_run` computes the dict from plain inputs (the
+nominal path; `plan_view` fills its inputs from the plan), `format_plan` renders it as a table,
+`check_fits` turns a nominal plan that cannot run into a one-line UserError.
 """
 
 from __future__ import annotations
@@ -10,16 +15,22 @@ from __future__ import annotations
 import io
 from dataclasses import KW_ONLY, dataclass
 
+from lmforge.config.counts import human
 from lmforge.config.model import ModelConfig
+from lmforge.config.schema import ComputeConfig, RunConfig
 from lmforge.errors import UserError
+from lmforge.plan.auto import TOKENS_PER_PARAM
+from lmforge.plan.checks import check_context_parallel, check_mesh
 from lmforge.plan.comm import moe_traffic
-from lmforge.plan.context import context_plan
+from lmforge.plan.context import checkpointing_label, checkpointing_mode, context_plan, setting
+from lmforge.plan.fit import FLAGS, KEYS, remedy
 from lmforge.plan.flops import DEFAULT_VOCAB, flops_per_token, param_counts
 from lmforge.plan.hardware import GPUSpec, get_gpu_type, mfu_basis, peak_flops
-from lmforge.plan.memory import REPLICATED, memory_plan
-from lmforge.plan.micro_batch import Choice, checkpointing_label, choose
+from lmforge.plan.machine import ASSUMED_MFU
+from lmforge.plan.memory import REPLICATED, Sharding, memory_plan
+from lmforge.plan.micro_batch import Choice, choose
+from lmforge.plan.run import TrainPlan
 
-CHINCHILLA_TOKENS_PER_PARAM = 20
 DEFAULT_SEQ_LEN = 2048
 DAY = 86400.0
 
@@ -39,11 +50,10 @@ class EstimateInputs:
     ``mfu`` in (0, 1]; ``price`` per GPU-hour; ``seq_len`` defaults to the model's max_seq_len.
     ``expert_parallel`` (MoE): GPUs each layer's experts are split over; ``grad_accum``:
     micro-batches per optimizer step (for the MoE traffic per step); ``context_parallel``: GPUs
-    each row is split over (activations per GPU), and the plan's ``context`` says which
-    context-parallel degree and checkpointing mode the length needs (`estimate.context`);
-    ``data_parallel``: how the GPUs share the model (fsdp, hsdp: sharded within a node, ddp/none:
-    replicated), which the memory verdict is for. A
-    resolved run's plan gives them all (`resolve.plan.estimate_inputs`); `lmforge estimate` its flags.
+    each row is split over (activations per GPU); ``data_parallel``: how the GPUs share the model
+    (fsdp, hsdp: sharded within a node, ddp/none: replicated), which the memory verdict is for.
+    The keyword-only fields after ``plan`` come from a plan (`plan_view`): its memory verdict,
+    speed, batch and what it says, shown as they are.
     """
 
     model: ModelConfig | int | float
@@ -51,7 +61,7 @@ class EstimateInputs:
     gpus: int = 1
     nodes: int = 1
     gpu_type: str = "h100-sxm"
-    mfu: float = 0.4
+    mfu: float = ASSUMED_MFU
     price: float | None = None
     seq_len: int | None = None
     _: KW_ONLY
@@ -65,6 +75,16 @@ class EstimateInputs:
     grad_accum: int = 1
     context_parallel: int = 1
     data_parallel: str = "fsdp"
+    shard_size: int | None = None  # hsdp: GPUs of a shard group (default: a node's)
+    # --- from a plan
+    memory: dict | None = None  # its memory verdict
+    tokens_per_s: float | None = None  # its expected speed, all devices: the time comes from it
+    rate_source: str | None = None  # where that speed comes from
+    compute_devices: int | None = None  # devices whose peaks add up (CPU ranks share one); default every GPU
+    batch: dict | None = None  # its batch split
+    micro_batch_reason: str | None = None
+    remedy: str | None = None  # what makes a plan that does not fit fit, in the reader's words
+    said: tuple[str, ...] = ()  # what the plan says (RoPE scaling, ...)
 
 
 def _check_inputs(x: EstimateInputs) -> None:
@@ -103,7 +123,42 @@ def _model_side(x: EstimateInputs) -> tuple[ModelConfig | None, dict, int, dict,
     per_token = {"dense": 6.0 * active, "attention": 0.0, "total": 6.0 * active}
     notes = ["nominal --params: no shape, so no attention FLOPs, embedding split or "
              "activation memory; use --model for exact numbers"]
-    return None, counts, x.seq_len or DEFAULT_SEQ_LEN, per_token, f"{_count(total)} parameters (nominal)", notes
+    return None, counts, x.seq_len or DEFAULT_SEQ_LEN, per_token, f"{human(total)} parameters (nominal)", notes
+
+
+def plan_view(cfg: RunConfig, plan: TrainPlan, *, names: dict = FLAGS) -> dict:
+    """The estimate of a resolved run: its plan's numbers (nothing decided again). A wall-clock run's
+    tokens are what its expected speed buys. ``names``: how a remedy names its settings."""
+    c = cfg.compute
+    gpu = plan.device == "cuda"
+    tokens = plan.total_tokens or (plan.time_limit_s or 0) * plan.tokens_per_s
+    return estimate_run(EstimateInputs(
+        cfg.model, tokens=tokens, gpus=plan.ranks // c.nodes, nodes=c.nodes, price=c.price_per_gpu_hour,
+        seq_len=plan.context_length, spec=plan.spec, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+        activation_checkpointing=plan.activation_checkpointing, precision=mfu_basis(plan.precision),
+        expert_parallel=c.expert_parallel if gpu else 1, context_parallel=c.context_parallel,
+        data_parallel=c.data_parallel, shard_size=plan.sharding.shard_size, memory=plan.memory,
+        tokens_per_s=plan.tokens_per_s, rate_source=plan.rate_source, compute_devices=plan.ranks if gpu else 1,
+        batch={"global_batch": plan.global_batch, "context_length": plan.context_length,
+               "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "replicas": plan.replicas,
+               "ranks": plan.ranks},
+        micro_batch_reason=plan.micro_batch_reason, remedy=plan.remedy.text(names) if plan.remedy else None,
+        said=plan.notes))
+
+
+def run_record(cfg: RunConfig, plan: TrainPlan) -> dict:
+    """What a run saves of its plan for its report (``plan.json``): the headline numbers of its view
+    (`plan_view`, named in config keys) and the view itself. The report reads it as it is."""
+    view = plan_view(cfg, plan, names=KEYS)
+    return {"device": plan.spec.name, "device_description": plan.spec.description, "devices": plan.ranks,
+            "precision": plan.precision, "total_steps": plan.total_steps, "total_tokens": plan.total_tokens,
+            "tokens_per_step": plan.tokens_per_step, "params_total": plan.params["total"],
+            "params_active": plan.params["active"], "price_per_gpu_hour": cfg.compute.price_per_gpu_hour,
+            "training_duration": str(cfg.training_duration),
+            "estimate": {"mfu": view["time"]["mfu"], "rate_source": view["time"]["rate_source"],
+                         "seconds": view["time"]["seconds"], "tokens_per_second": view["time"]["tokens_per_second"],
+                         "flops": view["flops"]["total"], "cost": view["cost"]["total"]},
+            "view": view}
 
 
 def estimate_run(x: EstimateInputs) -> dict:
@@ -112,27 +167,38 @@ def estimate_run(x: EstimateInputs) -> dict:
     _check_inputs(x)
     spec = x.spec or get_gpu_type(x.gpu_type)
     cfg, counts, seq_len, per_token, name, notes = _model_side(x)
-    chinchilla = CHINCHILLA_TOKENS_PER_PARAM * counts["total"]
+    chinchilla = TOKENS_PER_PARAM * counts["total"]
     tokens, tokens_source = x.tokens, "given"
     if tokens is None:
-        tokens, tokens_source = chinchilla, f"Chinchilla-optimal ({CHINCHILLA_TOKENS_PER_PARAM} × parameters)"
+        tokens, tokens_source = chinchilla, f"Chinchilla-optimal ({TOKENS_PER_PARAM:g} × parameters)"
     n = x.gpus * x.nodes
-    _check_expert_parallel(x.expert_parallel, cfg, n)
-    _check_context_parallel(x.context_parallel, n, seq_len)
+    sharding = Sharding(x.data_parallel, n, x.shard_size or x.gpus, x.expert_parallel)
+    if x.memory is None:
+        _check_layout(x, cfg, n, seq_len)
     peak = peak_flops(spec, x.precision)
-    training_flops = per_token["dense"] * tokens
-    attention_flops = per_token["attention"] * tokens
-    # MFU is on the standard basis (6·N_active + attention), as the trainer logs it.
-    seconds = (training_flops + attention_flops) / (x.mfu * peak * n)
+    training_flops, attention_flops = per_token["dense"] * tokens, per_token["attention"] * tokens
+    devices = x.compute_devices or n
+    if x.tokens_per_s:  # a plan's speed: measured here, or its machine's assumed MFU
+        seconds = tokens / x.tokens_per_s
+        mfu = x.tokens_per_s * per_token["total"] / (peak * devices)
+    else:  # MFU is on the standard basis (6·N_active + attention), as the trainer logs it
+        seconds = (training_flops + attention_flops) / (x.mfu * peak * devices)
+        mfu = x.mfu
     gpu_hours = seconds * n / 3600
-    choice = _auto_micro_batch(x, cfg, seq_len, spec, n) if x.micro_batch == "auto" else None
+    choice = _auto_micro_batch(x, cfg, seq_len, spec, sharding) if x.micro_batch == "auto" and x.memory is None \
+        else None
     micro_batch, checkpointing = (choice.micro_batch, choice.checkpointing) if choice else \
         (x.micro_batch, x.activation_checkpointing)
-    memory = memory_plan(counts["total"], cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch,
-                         activation_checkpointing=checkpointing, expert_parallel=x.expert_parallel,
-                         context_parallel=x.context_parallel, data_parallel=x.data_parallel, shard_devices=x.gpus)
-    context = None if cfg is None else context_plan(cfg, seq_len, n, spec.memory_bytes, micro_batch=micro_batch or 1,
-                                                    expert_parallel=x.expert_parallel)
+    memory = x.memory or memory_plan(counts["total"], cfg, seq_len, sharding, spec.memory_bytes,
+                                     micro_batch=micro_batch, activation_checkpointing=checkpointing,
+                                     context_parallel=x.context_parallel)
+    context = None if cfg is None else context_plan(cfg, seq_len, sharding, spec.memory_bytes,
+                                                    micro_batch=micro_batch or 1)
+    fix = x.remedy
+    if fix is None and cfg is not None and not memory["fits"]:  # the remedy a plan would give (`plan.fit`)
+        fix = remedy(cfg, seq_len, sharding, spec.memory_bytes, context_parallel=x.context_parallel,
+                     checkpointing=memory["activation_checkpointing"], micro_batch=memory["micro_batch"] or 1,
+                     auto_checkpointing=False).text(FLAGS)
     return {
         "model": {"name": name, "shape": cfg.model_dump(exclude_none=True) if cfg else None,
                   "vocab_size": cfg.vocab_size if cfg else None},
@@ -146,31 +212,45 @@ def estimate_run(x: EstimateInputs) -> dict:
         },
         "cluster": {"gpu_type": spec.name, "description": spec.description, "gpus_per_node": x.gpus,
                     "nodes": x.nodes, "gpus": n, "precision": x.precision,
-                    "peak_flops_per_gpu": peak, "peak_flops": peak * n},
+                    "peak_flops_per_gpu": peak, "peak_flops": peak * devices},
         "time": {
-            "mfu": x.mfu, "seconds": seconds, "hours": seconds / 3600, "days": seconds / DAY,
-            "days_at_100pct_mfu": seconds * x.mfu / DAY, "gpu_hours": gpu_hours,
-            "tokens_per_second": tokens / seconds, "tokens_per_second_per_gpu": tokens / seconds / n,
+            "mfu": mfu, "rate_source": x.rate_source or "assumed", "seconds": seconds,
+            "hours": seconds / 3600, "days": seconds / DAY, "days_at_100pct_mfu": seconds * mfu / DAY,
+            "gpu_hours": gpu_hours, "tokens_per_second": tokens / seconds, "tokens_per_second_per_gpu": tokens / seconds / n,
         },
         "cost": {"price_per_gpu_hour": x.price, "total": gpu_hours * x.price if x.price is not None else None},
+        "batch": x.batch,
         "memory": memory,
-        "micro_batch_choice": choice.reason if choice else None,
+        "remedy": fix,
+        "micro_batch_choice": choice.reason if choice else x.micro_batch_reason,
         "context": context,
         "moe_traffic": _moe_traffic(cfg, memory, seq_len, x, n),
-        "notes": notes,
+        "notes": list(x.said) + notes,
     }
 
 
+def _check_layout(x: EstimateInputs, cfg: ModelConfig | None, n: int, seq_len: int) -> None:
+    """The layout's rules (`plan.checks`) for inputs that come without a plan."""
+    if x.expert_parallel != 1 and (cfg is None or not cfg.is_moe):
+        raise UserError(f"--expert-parallel: {x.expert_parallel} needs a mixture-of-experts model (--model with "
+                        "n_experts > 0)")
+    if cfg is None:
+        return
+    compute = ComputeConfig(data_parallel=x.data_parallel, context_parallel=x.context_parallel,
+                            expert_parallel=x.expert_parallel, shard_size=x.shard_size)
+    check_mesh(compute, n, x.gpus, n_experts=cfg.n_experts)
+    check_context_parallel(x.context_parallel, seq_len, cfg, packed_rows=False, device_type="cpu")
+
+
 def _auto_micro_batch(x: EstimateInputs, cfg: ModelConfig | None, seq_len: int, spec: GPUSpec,
-                      n: int) -> Choice:
+                      sharding: Sharding) -> Choice:
     """--micro-batch auto: the micro-batch and checkpointing mode a run would choose here (modelled)."""
     if cfg is None:
         raise UserError("--micro-batch auto: needs a model shape (--model), not a nominal --params")
-    return choose(cfg, seq_len, n_devices=n if x.data_parallel in ("fsdp", "hsdp") else 1,  # ddp: whole states
-                  gpu_memory=spec.memory_bytes, peak_flops=peak_flops(spec, mfu_basis(x.precision)),
-                  where=f"{n} × {spec.name}",
+    return choose(cfg, seq_len // x.context_parallel, sharding=sharding, gpu_memory=spec.memory_bytes,
+                  peak_flops=peak_flops(spec, mfu_basis(x.precision)), where=f"{sharding.devices} × {spec.name}",
                   checkpointing="auto" if x.activation_checkpointing is None else x.activation_checkpointing,
-                  expert_parallel=x.expert_parallel, ddp_ranks=n if x.data_parallel == "ddp" else 1)
+                  context_parallel=x.context_parallel)
 
 
 def _moe_traffic(cfg: ModelConfig | None, memory: dict, seq_len: int, x: EstimateInputs, n: int) -> dict | None:
@@ -185,61 +265,34 @@ def _moe_traffic(cfg: ModelConfig | None, memory: dict, seq_len: int, x: Estimat
             "without_ep": moe_traffic(cfg, expert_parallel=1, **common)}
 
 
-def _check_expert_parallel(ep: int, cfg: ModelConfig | None, n_devices: int) -> None:
-    if ep == 1:
-        return
-    if ep < 1:
-        raise UserError(f"--expert-parallel: expected a number >= 1, got {ep}")
-    if cfg is None or not cfg.is_moe:
-        raise UserError(f"--expert-parallel: {ep} needs a mixture-of-experts model (--model with n_experts > 0)")
-    if cfg.n_experts % ep:
-        raise UserError(f"--expert-parallel: {ep} does not divide the model's {cfg.n_experts} experts")
-    if n_devices % ep:
-        raise UserError(f"--expert-parallel: {ep} does not divide the {n_devices} GPUs")
-
-
-def _check_context_parallel(cp: int, n_devices: int, seq_len: int) -> None:
-    if cp == 1:
-        return
-    if cp < 1:
-        raise UserError(f"--context-parallel: expected a number >= 1, got {cp}")
-    if n_devices % cp:
-        raise UserError(f"--context-parallel: {cp} does not divide the {n_devices} GPUs")
-    if seq_len % (2 * cp):
-        raise UserError(f"--context-parallel: {cp} does not divide --seq-len {seq_len} into {2 * cp} equal chunks "
-                        f"(2 per GPU); expected a multiple of {2 * cp}")
-
-
 def check_fits(plan: dict) -> None:
-    """Raise a one-line UserError, with the numbers, when the plan cannot run at all."""
+    """Raise a one-line UserError, with the numbers, when an estimate computed without a plan (a
+    nominal --params, or direct inputs) cannot run at all."""
     mem, cluster = plan["memory"], plan["cluster"]
     if mem["fits"]:
         return
     where = f"{cluster['gpus']} × {cluster['gpu_type']} under {mem['data_parallel']}"
-    usable = _bytes(mem["usable_bytes"])
-    states = _bytes(mem["states_bytes_per_gpu"])
+    states, usable = _bytes(mem["states_bytes_per_gpu"]), _bytes(mem["usable_bytes"])
     if mem["data_parallel"] in REPLICATED:  # more GPUs of the same kind do not help: shard instead
-        more = "compute.data_parallel fsdp to shard the model states (--data-parallel fsdp for an estimate)"
+        more = "--data-parallel fsdp (compute.data_parallel: fsdp) to shard the model states"
     else:
         more = f"at least {mem['min_gpus']} GPUs" if mem["min_gpus"] else "a shorter --seq-len"
     if mem["activation_bytes_per_sample"] is None:
-        raise UserError(f"model does not fit on {where}: model states need {states} per GPU of "
-                        f"{usable} usable; use {more}")
-    act = mem["activation_bytes_per_sample"]
-    mb = mem["micro_batch"] or 1
-    with_ac = " with activation checkpointing" if mem["activation_checkpointing"] else ""
+        raise UserError(f"model does not fit on {where}: model states need {states} per GPU of {usable} usable; "
+                        f"use {more}")
+    raise UserError(f"model does not fit on {where} at micro-batch {mem['micro_batch'] or 1}, seq {mem['seq_len']}: "
+                    f"needs {_bytes(mem['total_bytes_per_gpu'])} per GPU (states {states}) of {usable} usable; "
+                    + plan["remedy"])
+
+
+def _max_micro_text(mem: dict) -> str:
+    """The largest micro-batches that fit, with and without activation checkpointing, in words."""
     top = mem["max_micro_batch"]
-    if top["ac"] >= 1:  # only the chosen micro-batch is too large
-        hint = (f"use a micro-batch of at most {top['no_ac']} ({top['ac']} with activation checkpointing)"
-                if top["no_ac"] else f"use a micro-batch of at most {top['ac']} with activation checkpointing")
-    else:
-        hint = ("" if mem["activation_checkpointing"] else "enable activation checkpointing and ") + f"use {more}"
-    raise UserError(
-        f"model does not fit on {where} at micro-batch {mb}, seq {mem['seq_len']}: "
-        f"needs {_bytes(mem['total_bytes_per_gpu'])} per GPU{with_ac} (states {states}, {_unsharded(mem)} "
-        f"{_bytes(mem['gathered_bytes_per_gpu'])}, activations {_bytes(act['no_ac'])} per sequence, "
-        f"{_bytes(act['ac'])} with checkpointing) of {usable} usable; {hint}"
-    )
+    if top["ac"] < 1:
+        return "no micro-batch fits, not even 1 with activation checkpointing"
+    if top["no_ac"] < 1:
+        return f"max micro-batch {top['ac']} with activation checkpointing (none fits without)"
+    return f"max micro-batch {top['no_ac']} without activation checkpointing, {top['ac']} with"
 
 
 def _unsharded(mem: dict) -> str:
@@ -251,16 +304,7 @@ def _states_where(mem: dict) -> str:
     dp, shards = mem["data_parallel"], mem["shards"]
     if dp in REPLICATED:
         return f"whole on each GPU: {dp}"
-    return f"over {shards} GPUs: {dp}" + (" within a node" if dp == "hsdp" else "")
-
-
-def _count(x: float | None) -> str:
-    if x is None:
-        return "—"
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(x) >= div:
-            return f"{x / div:.3g}{unit}"
-    return f"{x:.3g}"
+    return f"over {shards} GPUs: {dp}" + (" within a shard group" if dp == "hsdp" else "")
 
 
 def _bytes(x: float | None) -> str:
@@ -278,7 +322,7 @@ def _duration(seconds: float) -> str:
 
 
 def _context_text(ctx: dict) -> str:
-    """The context plan in one cell: the pair that fits first and the other modes at its degree."""
+    """The context plan in one cell: the pair that fits first, in flags, and the other modes at its degree."""
     choice = ctx["choice"]
     where = f"{ctx['seq_len']} tokens per row (micro-batch {ctx['micro_batch']})"
     if choice is None:
@@ -287,8 +331,28 @@ def _context_text(ctx: dict) -> str:
     cp = choice["context_parallel"]
     modes = ", ".join(f"{o['checkpointing']} {_bytes(o['bytes_per_gpu'])}" for o in ctx["options"]
                       if o["context_parallel"] == cp)
-    return (f"{where}: context_parallel {cp} with {choice['checkpointing']} activation checkpointing "
-            f"({_bytes(choice['bytes_per_gpu'])} per GPU; at CP {cp}: {modes})")
+    return (f"{where}: fits first with --context-parallel {cp} and {checkpointing_label(setting(choice['checkpointing']))}"
+            f" ({_bytes(choice['bytes_per_gpu'])} per GPU; at CP {cp}: {modes})")
+
+
+def _verdict(plan: dict) -> str:
+    """The one verdict: fits (with what), or does not (with what makes it fit)."""
+    m = plan["memory"]
+    label = checkpointing_label(setting(checkpointing_mode(m["activation_checkpointing"])))
+    if "host" in m:  # a CPU: the model states of every rank in this machine's memory
+        h = m["host"]
+        state = "fits" if m["fits"] else "DOES NOT FIT"
+        return (f"{state}: {h['what']} need {_bytes(h['need_bytes'])} of this machine's {_bytes(h['host_bytes'])} "
+                f"({plan['batch']['ranks'] if plan.get('batch') else 1} rank(s) under {m['data_parallel']})")
+    mb = m["micro_batch"] or m["suggested_micro_batch"]
+    if not m["fits"]:
+        fix = plan.get("remedy") or _max_micro_text(m) if m["activation_bytes_per_sample"] else plan.get("remedy")
+        return (f"DOES NOT FIT under {m['data_parallel']} at micro-batch {mb or 1} with {label}: "
+                f"{_bytes(m['total_bytes_per_gpu'])} per GPU of {_bytes(m['usable_bytes'])} usable"
+                + (f"; {fix}" if fix else ""))
+    how = " (auto)" if plan.get("micro_batch_choice") else ""
+    at = f"; micro-batch {mb} with {label}{how}" if mb else ""
+    return f"fits under {m['data_parallel']}{at}; total {_bytes(m['total_bytes_per_gpu'])} per GPU"
 
 
 def format_plan(plan: dict) -> str:
@@ -302,17 +366,22 @@ def format_plan(plan: dict) -> str:
     table.add_column("", style="bold")
     table.add_column("")
     rows = [
-        ("parameters", f"{_count(p['total'])} total, {_count(p['active'])} active"
-                       + (f" ({_count(p['embedding'])} embedding, {_count(p['non_embedding'])} non-embedding)"
+        ("parameters", f"{human(p['total'])} total, {human(p['active'])} active"
+                       + (f" ({human(p['embedding'])} embedding, {human(p['non_embedding'])} non-embedding)"
                           if p["embedding"] is not None else "")),
-        ("tokens", f"{_count(t['tokens'])} ({t['source']}; {t['tokens_per_param']:.1f} per parameter, "
-                   f"Chinchilla {_count(t['chinchilla_tokens'])})"),
-        ("FLOPs", f"{f['training']:.3g} (6·N_active·D) + attention {f['attention']:.3g} "
-                  f"= {f['total']:.3g}"),
+        ("tokens", f"{human(t['tokens'])} ({t['source']}; {t['tokens_per_param']:.1f} per parameter, "
+                   f"Chinchilla {human(t['chinchilla_tokens'])})"),
+        ("FLOPs", f"{f['training']:.3g} (6·N_active·D) + attention {f['attention']:.3g} = {f['total']:.3g}"),
         ("cluster", f"{c['gpus']} × {c['gpu_type']} ({c['nodes']} node(s)), {c['precision']} peak "
                     f"{c['peak_flops_per_gpu'] / 1e12:.4g} TFLOP/s per device"),
-        ("time", f"{_duration(tm['seconds'])} at {tm['mfu']:.1%} MFU "
-                 f"({tm['days_at_100pct_mfu']:.2f} days at 100%); {tm['tokens_per_second']:.3g} tokens/s"),
+    ]
+    if plan.get("batch"):
+        b = plan["batch"]
+        rows.append(("batch", f"{b['global_batch']} × {b['context_length']} tokens = micro-batch {b['micro_batch']} × "
+                              f"{b['grad_accum']} accumulation × {b['replicas']} replica(s) of {b['ranks']} rank(s)"))
+    rows += [
+        ("time", f"{_duration(tm['seconds'])} at {tm['mfu']:.1%} MFU, {tm['rate_source']}; "
+                 f"{human(tm['tokens_per_second'])} tokens/s ({tm['days_at_100pct_mfu']:.2f} days at 100% MFU)"),
         ("GPU-hours", f"{tm['gpu_hours']:,.0f}"),
         ("cost", f"{plan['cost']['total']:,.0f} at {plan['cost']['price_per_gpu_hour']:g} per GPU-hour"
                  if plan["cost"]["total"] is not None else "— (give --price-per-gpu-hour)"),
@@ -326,33 +395,11 @@ def format_plan(plan: dict) -> str:
         split = f" ({m['seq_len'] // m['context_parallel']} per GPU, context parallel {m['context_parallel']})" \
             if m.get("context_parallel", 1) > 1 else ""
         rows.append(("activations", f"{_bytes(act['no_ac'])} per sequence of {m['seq_len']}{split} "
-                                    f"({_bytes(act['ac'])} with activation checkpointing); max micro-batch "
-                                    f"{m['max_micro_batch']['no_ac']} ({m['max_micro_batch']['ac']} with)"))
-    moe = plan.get("moe_traffic")
-    if moe is not None:
-        ep, no = moe["with_ep"], moe["without_ep"]
-        per = (f"per GPU and step ({moe['grad_accum']} micro-batch(es) of {moe['micro_batch']} × {m['seq_len']} "
-               "tokens)")
-        without = (f"expert all-gather {_bytes(no['expert_all_gather_bytes'])}, reduce-scatter "
-                   f"{_bytes(no['expert_reduce_scatter_bytes'])}")
-        if ep["expert_parallel"] > 1:
-            rows.append(("MoE traffic", f"expert parallel {ep['expert_parallel']}: all-to-all "
-                                        f"{_bytes(ep['all_to_all_bytes'])}, expert all-gather "
-                                        f"{_bytes(ep['expert_all_gather_bytes'])}, reduce-scatter "
-                                        f"{_bytes(ep['expert_reduce_scatter_bytes'])} {per}"))
-            rows.append(("", f"without expert parallelism: {without}"))
-        else:
-            rows.append(("MoE traffic", f"{without} {per}; --expert-parallel N trades them for an all-to-all "
-                                        "of the routed tokens"))
+                                    f"({_bytes(act['ac'])} with activation checkpointing); {_max_micro_text(m)}"))
+    rows += _moe_rows(plan.get("moe_traffic"), m["seq_len"])
     if plan.get("context") is not None:
         rows.append(("long context", _context_text(plan["context"])))
-    verdict = ("fits" if m["fits"] else "DOES NOT FIT") + f" under {m['data_parallel']}"
-    if plan.get("micro_batch_choice"):
-        verdict += f"; micro-batch {m['micro_batch']} with {checkpointing_label(m['activation_checkpointing'])} (auto)"
-    elif m["suggested_micro_batch"]:
-        verdict += (f"; suggested micro-batch {m['suggested_micro_batch']}"
-                    f"{' with activation checkpointing' if m['activation_checkpointing'] else ''}")
-    rows.append(("fits", f"{verdict}; total {_bytes(m['total_bytes_per_gpu'])} per GPU"))
+    rows.append(("fits", _verdict(plan)))
     for key, value in rows:
         table.add_row(key, value)
     buf = io.StringIO()
@@ -364,3 +411,18 @@ def format_plan(plan: dict) -> str:
         text += f"note: {note}\n"
     return text
 
+
+def _moe_rows(moe: dict | None, seq_len: int) -> list[tuple[str, str]]:
+    """An MoE model's expert traffic, with and without expert parallelism."""
+    if moe is None:
+        return []
+    ep, no = moe["with_ep"], moe["without_ep"]
+    per = f"per GPU and step ({moe['grad_accum']} micro-batch(es) of {moe['micro_batch']} × {seq_len} tokens)"
+    without = (f"expert all-gather {_bytes(no['expert_all_gather_bytes'])}, reduce-scatter "
+               f"{_bytes(no['expert_reduce_scatter_bytes'])}")
+    if ep["expert_parallel"] > 1:
+        return [("MoE traffic", f"expert parallel {ep['expert_parallel']}: all-to-all {_bytes(ep['all_to_all_bytes'])}, "
+                                f"expert all-gather {_bytes(ep['expert_all_gather_bytes'])}, reduce-scatter "
+                                f"{_bytes(ep['expert_reduce_scatter_bytes'])} {per}"),
+                ("", f"without expert parallelism: {without}")]
+    return [("MoE traffic", f"{without} {per}; --expert-parallel N trades them for an all-to-all of the routed tokens")]
