@@ -54,25 +54,37 @@ def run(args) -> int:
     _check_args(args)
     if args.params is not None:
         return _nominal(args)
-    doc, source = run_document(args)
-    from lmforge.plan.estimate import format_plan, plan_view
+    from lmforge.plan.estimate import plan_view
     from lmforge.plan.fit import FLAGS
     from lmforge.plan.run import DoesNotFit
+
+    log = (lambda line: print(line, file=sys.stderr)) if args.json else print  # --json: stdout is the JSON alone
+    try:
+        config, plan = planned(args, log)
+    except DoesNotFit as e:  # shown in full, then refused with the change that makes it fit
+        _print(plan_view(e.config, e.plan), args)
+        raise UserError(e.text(FLAGS)) from None
+    _print(plan_view(config, plan), args)
+    return 0
+
+
+def planned(args, log=print):
+    """(resolved config, plan) of the run the flags describe, planned as `lmforge train` plans it:
+    `resolve` up to the plan on `estimate_machine` (DoesNotFit, with the plan, when it cannot fit)."""
     from lmforge.resolve import resolve
     from lmforge.resolve.request import RunRequest
 
-    log = (lambda line: print(line, file=sys.stderr)) if args.json else print  # --json: stdout is the JSON alone
+    doc, source = run_document(args)
     with _flags_named(args):
         cfg = resolve(RunRequest("train", doc, source), until="config").config
-        try:
-            resolved = resolve(cfg, estimate_machine(args, cfg), until="plan", log=log)
-        except DoesNotFit as e:  # shown in full, then refused with the change that makes it fit
-            view = plan_view(e.config, e.plan)
-            print(json.dumps(view, indent=2) if args.json else format_plan(view), end="\n" if args.json else "")
-            raise UserError(e.text(FLAGS)) from None
-    view = plan_view(resolved.config, resolved.plan)
+        run = resolve(cfg, estimate_machine(args, cfg), until="plan", log=log)
+    return run.config, run.plan
+
+
+def _print(view: dict, args) -> None:
+    from lmforge.plan.estimate import format_plan
+
     print(json.dumps(view, indent=2) if args.json else format_plan(view), end="\n" if args.json else "")
-    return 0
 
 
 def _check_args(args) -> None:
@@ -240,7 +252,7 @@ def _run_yaml(value: str) -> dict | None:
 
 def _nominal(args) -> int:
     """`--params COUNT`: no shape to plan, so the estimate of the count alone."""
-    from lmforge.plan.estimate import EstimateInputs, check_fits, estimate_run, format_plan
+    from lmforge.plan.estimate import EstimateInputs, check_fits, estimate_run
 
     if args.model is not None or args.micro_batch == "auto":
         raise UserError("--micro-batch auto: needs a model shape (--model), not a nominal --params")
@@ -249,7 +261,7 @@ def _nominal(args) -> int:
         gpus=_gpus(args), nodes=args.nodes, gpu_type=args.gpu_type, mfu=args.mfu, price=args.price_per_gpu_hour,
         seq_len=args.seq_len, active_params=count(args.active_params, "--active-params") if args.active_params else None,
         precision=args.precision or "bf16", micro_batch=args.micro_batch, data_parallel=args.data_parallel or "fsdp"))
-    print(json.dumps(plan, indent=2) if args.json else format_plan(plan), end="\n" if args.json else "")
+    _print(plan, args)
     check_fits(plan)
     return 0
 

@@ -10,7 +10,8 @@ import time
 from lmforge.cli.common import add_command
 from lmforge.errors import UserError
 from lmforge.runs.run import get_run, get_runs
-from lmforge.tracking.console import format_eta, human
+from lmforge.config.counts import human
+from lmforge.tracking.console import format_eta
 
 
 def register(sub) -> None:

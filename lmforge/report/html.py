@@ -184,7 +184,8 @@ def summary_table(runs: list[RunData]) -> str:
 def plan_rows(run: RunData) -> list[tuple[str, str, str]]:
     """(what, planned, actual) for the plan-vs-actual table."""
     from lmforge.plan.cost import cost_to_finish, format_cost
-    from lmforge.tracking.console import format_eta, human
+    from lmforge.config.counts import human
+    from lmforge.tracking.console import format_eta
 
     plan = run.plan or {}
     est = plan.get("estimate") or {}

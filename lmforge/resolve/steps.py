@@ -20,7 +20,7 @@ from lmforge.errors import UserError
 from lmforge.plan.batch import training_context
 from lmforge.plan.machine import Machine
 from lmforge.plan.run import TrainPlan, make_plan, resolved_config
-from lmforge.resolve.auto_model import prepared_facts, resolve_auto, without_data
+from lmforge.resolve.auto_model import resolve_auto, without_data
 from lmforge.resolve.resolved import ResolvedRun, Stage
 from lmforge.resolve.weights import check_tokenizer_fits, locate
 

@@ -34,7 +34,7 @@ from lmforge.errors import UserError
 from lmforge.plan.auto import effective_tokens
 from lmforge.scaling.fit import (EXPONENT_PRIOR, FLOPS_PER_PARAM_TOKEN, HUBER_DELTA, N_PARAMS, Backtest, Law,
                                  backtest, bootstrap, fit_law, isoflop_levels, isoflop_trend)
-from lmforge.scaling.plan import human
+from lmforge.config.counts import human
 
 WEAK_FLOOR = 0.05  # the interval's least half-width (relative) when the ladder cannot judge its own fit
 NOISE_FLOOR = 0.003  # ... and otherwise

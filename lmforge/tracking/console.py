@@ -14,15 +14,8 @@ import time
 from datetime import timedelta
 from typing import TextIO
 
+from lmforge.config.counts import human
 from lmforge.tracking.base import Tracker, scalar_metrics
-
-
-def human(n: float) -> str:
-    """1234567 -> "1.23M"."""
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:.0f}" if float(n).is_integer() else f"{n:.3g}"
 
 
 def format_eta(seconds: float | None) -> str:
