@@ -10,7 +10,7 @@ master weights, bf16 autocast, every block compiled (fullgraph), fused AdamW, gr
 The dense twin replaces each MoE layer with one SwiGLU MLP of hidden top_k × expert hidden, so one
 token meets the same parameters. MFU is on active parameters on the standard basis
 (`lmforge.plan.flops.mfu_flops_per_token`: 6·N_active + 12·L·H·Dh·T) against the device's
-dense bf16 peak (fp32 peak on the CPU, `estimate.hardware.cpu_spec`).
+dense bf16 peak (fp32 peak on the CPU, `plan.hardware.cpu_spec`).
 
 CPU: moe-tiny (d 256, 8 experts of hidden 256, top-2) in fp32, eager, at two micro-batch shapes:
 4 × 256, and 8 × 512 — what a default moe-tiny run uses on the CPU (context_length defaults to the
@@ -216,7 +216,7 @@ def main() -> None:
         shapes = [(args.batch or 4, args.seq or 256)]
     else:
         # A small micro-batch, then the one a default moe-tiny run uses on the CPU: context_length
-        # defaults to the model's max_seq_len (512), the CPU micro-batch to 8 (`resolve.plan`).
+        # defaults to the model's max_seq_len (512), the CPU micro-batch to 8 (`plan.run`).
         shapes = [(4, 256), (8, 512)]
     iters = args.iters
     peak = peak_flops(detect_device_spec(device), "bf16" if gpu else "fp32")

@@ -1,5 +1,5 @@
 """`parameters.micro_batch_size: auto` on GPUs: the micro-batch and the checkpointing mode chosen
-together from the memory model, then by measured speed (`estimate.micro_batch`, `train.micro_batch`)."""
+together from the memory model, then by measured speed (`plan.micro_batch`, `train.micro_batch`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from lmforge.plan.hardware import GPU_TYPES
 from lmforge.plan.flops import param_counts
 from lmforge.plan.memory import MARGIN, RESERVED_BYTES, Sharding, activation_bytes, fixed_bytes, usable_bytes
 from lmforge.plan.micro_batch import MODES, PROBED, choose
-from train_helpers import lmforge
+from train_helpers import cli
 
 H100 = GPU_TYPES["h100-sxm"]
 LLAMA_3B = get_preset("llama-3b").model_copy(update={"vocab_size": 32000})
@@ -112,13 +112,12 @@ def test_estimate_shows_the_choice_without_a_gpu():
     assert plan["micro_batch_choice"] == choice.reason and choice.reason in format_plan(plan)
 
 
-@pytest.mark.e2e
 def test_estimate_cli_micro_batch_auto():
-    proc = lmforge("estimate", "--model", "llama-3b", "--gpu-type", "h100-sxm", "--gpus", "1", "--seq-len", "2048",
-                   "--micro-batch", "auto", "--json")
+    proc = cli("estimate", "--model", "llama-3b", "--gpu-type", "h100-sxm", "--gpus", "1", "--seq-len", "2048",
+               "--micro-batch", "auto", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["micro_batch_choice"].startswith("parameters.micro_batch_size: auto → ")
-    proc = lmforge("estimate", "--model", "llama-3b", "--micro-batch", "many")
+    proc = cli("estimate", "--model", "llama-3b", "--micro-batch", "many")
     assert proc.returncode == 2 and "expected a positive integer or auto" in proc.stderr
 
 

@@ -87,7 +87,8 @@ def test_resume_in_the_middle_of_a_split_sample_is_exact(tmp_path):
     assert seen & left, "the cut should fall between pieces of one stored sample"
     resumed = stream(a, tmp_path)
     resumed.load_state_dict(state)
-    assert all(torch.equal(x, y) for x, y in zip(rows(resumed, 20), after))
+    again = rows(resumed, 20)
+    assert len(again) == len(after) == 20 * 2 and all(torch.equal(x, y) for x, y in zip(again, after))
     # A stream split differently (another context) does not take this state, nor one saved when the
     # samples were cut to their head (before they were split), which says so.
     with pytest.raises(UserError, match="does not match the data"):

@@ -243,6 +243,7 @@ def _train_tracked(tiny_data, folder, stop_at=None, **overrides):
                    log=lambda *_: None)
 
 
+@pytest.mark.integration
 def test_report_of_a_failed_run_says_why_in_its_summary(tiny_data, tmp_path):
     """A run that diverges before its first eval: the error line is in the report's summary (not
     only in a tooltip), the page does not blame empty eval.prompts (two are set), and the plan table
@@ -269,6 +270,7 @@ def test_report_of_a_failed_run_says_why_in_its_summary(tiny_data, tmp_path):
         assert any(r.startswith("reason") and str(err.value) in r for r in rows), rows
 
 
+@pytest.mark.integration
 def test_a_stopped_run_reports_the_step_it_stopped_at(tiny_data, tmp_path):
     """Stopped between two log steps (log_interval 5, the stop at step 5 takes effect after step 6):
     the last logged step, the report's steps and the checkpoint all say 6."""

@@ -176,6 +176,7 @@ def test_mlflow_sqlite_store_and_resume(tmp_path, home):
     assert other != run.info.run_id and client.get_run(other).info.status == "FAILED"
 
 
+@pytest.mark.integration
 def test_unreachable_mlflow_degrades_to_warning(tmp_path, home, monkeypatch, capsys):
     # Registered so the timeouts the tracker sets do not leak into other tests.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")

@@ -203,10 +203,10 @@ def _budget(args) -> str:
     if args.time is not None:
         try:
             d = parse_duration(args.time, "--time")
-        except ValueError as e:
-            raise UserError(f"--time: {e}") from None
-        if d.unit != "s":
-            raise UserError(f"--time: expected a wall-clock duration such as 70s, 5min or 2h, got {args.time!r}")
+        except ValueError:
+            d = None
+        if d is None or d.unit != "s":
+            raise UserError(f"--time: expected a wall-clock duration above 0 such as 70s, 5min or 2h, got {args.time!r}")
         return f"{d.value:g}s"
     raise UserError("--model auto: give a budget to size the model for: --tokens, --flops or --time")
 

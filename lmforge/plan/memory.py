@@ -91,7 +91,7 @@ def checkpointed_blocks(value, n_layers: int) -> tuple[str | None, list[int]]:
 
     ``false``: none; ``true``/``full``: every block; ``selective``: every block, keeping matmul
     and attention outputs (recomputing only the cheap element-wise ops); ``N``: every N-th block
-    (full). ``auto`` is resolved before training (`estimate.micro_batch`); left unresolved (a
+    (full). ``auto`` is resolved before training (`plan.micro_batch`); left unresolved (a
     model built outside a run) it means none.
     """
     if value is False or value is None or value == "auto":

@@ -2,7 +2,7 @@
 mode (`compute.activation_checkpointing`) chosen together, for the most training tokens/s that
 fit in memory.
 
-1. **Memory first** (`estimate.memory`). For each checkpointing mode — none, selective, every
+1. **Memory first** (`plan.memory`). For each checkpointing mode — none, selective, every
    2nd block, full — the largest micro-batch that fits one GPU: one that divides the rank's share
    of the global batch (when it is known, else a power of two), at most
    `memory.MAX_SUGGESTED_MICRO_BATCH`. A mode or a micro-batch the user set is the only one
@@ -17,7 +17,7 @@ fit in memory.
 
 The model: seconds per token = FLOPs per token × (1 + recompute) / (peak × efficiency), with
 
-- FLOPs per token on the standard basis (6·N_active + 12·L·H·Dh·T, `estimate.flops`);
+- FLOPs per token on the standard basis (6·N_active + 12·L·H·Dh·T, `plan.flops`);
 - recompute: full checkpointing of a block runs its forward again in backward, 2·N_block +
   4·H·Dh·T more FLOPs per token (the forward third of the attention term); selective
   recomputes only element-wise ops (norms, RoPE, SwiGLU's product), memory-bound work worth

@@ -17,7 +17,7 @@ at least ±5%; a poor fit, exponents at their bounds, a long extrapolation or an
 cross-check that disagrees get a warning each.
 
 Repeated data counts less (Muennighoff et al. 2023): every D here, the ladder's and the target's,
-is the *effective* token count of `estimate.auto.effective_tokens` — equal to the tokens trained
+is the *effective* token count of `plan.auto.effective_tokens` — equal to the tokens trained
 while they fit in one epoch.
 """
 

@@ -1,4 +1,4 @@
-"""The machine this process trains on, as resolution sees it (`resolve.machine.Machine`).
+"""The machine this process trains on, as resolution sees it (`plan.machine.Machine`).
 
 Facts come from torch (the device, its memory, whether bf16 and FP8 run natively); the probe
 measures a shape's training speed here (`train.throughput`, cached per machine) and runs a step

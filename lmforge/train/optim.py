@@ -1,5 +1,5 @@
 """The optimizer (AdamW, or Muon for the hidden matrices: `train.muon`) and the learning rate a
-resumed run blends in with (the schedule itself is `resolve.schedule`).
+resumed run blends in with (the schedule itself is `plan.schedule`).
 """
 
 from __future__ import annotations
