@@ -182,7 +182,8 @@ def _print_dry_run(config, plan, view: dict, as_json: bool) -> None:
         return
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     print("---")
-    print(f"steps: {plan.total_steps}  batch: {plan.global_batch} × {plan.context_length} tokens "
+    steps = plan.total_steps or f"≈{plan.time_limit_s / plan.step_time_s:,.0f} in {plan.time_limit_s:g}s"
+    print(f"steps: {steps}  batch: {plan.global_batch} × {plan.context_length} tokens "
           f"(micro-batch {plan.micro_batch} × {plan.grad_accum} accumulation × {plan.replicas} replica(s) of "
           f"{plan.ranks} rank(s))")
     print(format_plan(view), end="")

@@ -85,6 +85,7 @@ class EstimateInputs:
     micro_batch_reason: str | None = None
     remedy: str | None = None  # what makes a plan that does not fit fit, in the reader's words
     said: tuple[str, ...] = ()  # what the plan says (RoPE scaling, ...)
+    tokens_source: str | None = None  # where ``tokens`` come from, when not given by hand
 
 
 def _check_inputs(x: EstimateInputs) -> None:
@@ -132,8 +133,10 @@ def plan_view(cfg: RunConfig, plan: TrainPlan, *, names: dict = FLAGS) -> dict:
     c = cfg.compute
     gpu = plan.device == "cuda"
     tokens = plan.total_tokens or (plan.time_limit_s or 0) * plan.tokens_per_s
+    source = f"the run's: {plan.total_steps:,} steps of {plan.tokens_per_step:,} tokens" if plan.total_steps else \
+        f"what {cfg.training_duration} buys at the plan's speed"
     return estimate_run(EstimateInputs(
-        cfg.model, tokens=tokens, gpus=plan.ranks // c.nodes, nodes=c.nodes, price=c.price_per_gpu_hour,
+        cfg.model, tokens=tokens, tokens_source=source, gpus=plan.ranks // c.nodes, nodes=c.nodes, price=c.price_per_gpu_hour,
         seq_len=plan.context_length, spec=plan.spec, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
         activation_checkpointing=plan.activation_checkpointing, precision=mfu_basis(plan.precision),
         expert_parallel=c.expert_parallel if gpu else 1, context_parallel=c.context_parallel,
@@ -168,7 +171,7 @@ def estimate_run(x: EstimateInputs) -> dict:
     spec = x.spec or get_gpu_type(x.gpu_type)
     cfg, counts, seq_len, per_token, name, notes = _model_side(x)
     chinchilla = TOKENS_PER_PARAM * counts["total"]
-    tokens, tokens_source = x.tokens, "given"
+    tokens, tokens_source = x.tokens, x.tokens_source or "given"
     if tokens is None:
         tokens, tokens_source = chinchilla, f"Chinchilla-optimal ({TOKENS_PER_PARAM:g} × parameters)"
     n = x.gpus * x.nodes
