@@ -110,12 +110,3 @@ def min_gpus(cfg: ModelConfig, seq_len: int, sharding: Sharding, usable: float, 
             return n, fits[0]
         n *= 2
     return None
-
-
-def describe(cp: int, mode: str | int, *, was: tuple[int, str | int] | None = None) -> str:
-    """How a pair reads in a config (``compute.context_parallel: 2, compute.activation_checkpointing:
-    selective``); given the pair it replaces (``was``), only the settings that change."""
-    ac = {"none": "false"}.get(mode, mode) if isinstance(mode, str) else str(mode)
-    parts = [f"compute.context_parallel: {cp}" if was is None or was[0] != cp else None,
-             f"compute.activation_checkpointing: {ac}" if was is None or was[1] != mode else None]
-    return ", ".join(p for p in parts if p)

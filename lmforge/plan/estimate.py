@@ -22,7 +22,7 @@ from lmforge.errors import UserError
 from lmforge.plan.auto import TOKENS_PER_PARAM
 from lmforge.plan.checks import check_context_parallel, check_mesh
 from lmforge.plan.comm import moe_traffic
-from lmforge.plan.context import checkpointing_label, checkpointing_mode, context_plan, setting
+from lmforge.plan.context import checkpointing_label, context_plan, setting
 from lmforge.plan.fit import FLAGS, KEYS, remedy
 from lmforge.plan.flops import DEFAULT_VOCAB, flops_per_token, param_counts
 from lmforge.plan.hardware import GPUSpec, get_gpu_type, mfu_basis, peak_flops
@@ -341,7 +341,7 @@ def _context_text(ctx: dict) -> str:
 def _verdict(plan: dict) -> str:
     """The one verdict: fits (with what), or does not (with what makes it fit)."""
     m = plan["memory"]
-    label = checkpointing_label(setting(checkpointing_mode(m["activation_checkpointing"])))
+    label = checkpointing_label(m["activation_checkpointing"])
     if "host" in m:  # a CPU: the model states of every rank in this machine's memory
         h = m["host"]
         state = "fits" if m["fits"] else "DOES NOT FIT"
@@ -349,7 +349,7 @@ def _verdict(plan: dict) -> str:
                 f"({plan['batch']['ranks'] if plan.get('batch') else 1} rank(s) under {m['data_parallel']})")
     mb = m["micro_batch"] or m["suggested_micro_batch"]
     if not m["fits"]:
-        fix = plan.get("remedy") or _max_micro_text(m) if m["activation_bytes_per_sample"] else plan.get("remedy")
+        fix = plan.get("remedy")  # (a nominal count's: `check_fits` says it)
         return (f"DOES NOT FIT under {m['data_parallel']} at micro-batch {mb or 1} with {label}: "
                 f"{_bytes(m['total_bytes_per_gpu'])} per GPU of {_bytes(m['usable_bytes'])} usable"
                 + (f"; {fix}" if fix else ""))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from lmforge.config.counts import gb
 from lmforge.config.model import ModelConfig
-from lmforge.plan.context import checkpointing_label, checkpointing_mode, context_plan, min_gpus, setting
+from lmforge.plan.context import checkpointing_label, checkpointing_mode, context_plan, min_gpus
 from lmforge.plan.memory import TRAINED_BYTES_PER_PARAM, Sharding, usable_bytes
 
 # How each setting is named: in a run config, or on `lmforge estimate`'s command line.
@@ -105,7 +105,7 @@ def does_not_fit_line(model: ModelConfig, memory: dict, where: str, fix: Remedy,
     chosen = act["ac"] if memory["activation_checkpointing"] else act["no_ac"]
     cp = memory["context_parallel"]
     row = f"{memory['seq_len']} tokens per row" + (f" ({memory['seq_len'] // cp} per GPU)" if cp > 1 else "")
-    label = checkpointing_label(setting(checkpointing_mode(memory["activation_checkpointing"])))
+    label = checkpointing_label(memory["activation_checkpointing"])
     return (f"{model.label()} does not fit on {where} under {memory['data_parallel']} at micro-batch {mb}, {row}, "
             f"with {label}: {gb(memory['total_bytes_per_gpu'])} per GPU (model states "
             f"{gb(memory['states_bytes_per_gpu'])}, activations {gb(mb * chosen)}), "
