@@ -26,8 +26,8 @@ from lmforge.config.schema import ComputeConfig
 from lmforge.data.batch import Batch
 from lmforge.distributed.dist import init_distributed
 from lmforge.distributed.parallelize import materialize, parallelize
-from lmforge.estimate.flops import mfu_flops_per_token
-from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
+from lmforge.plan.flops import mfu_flops_per_token
+from lmforge.plan.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.models import build_model
 from lmforge.models.transformer import Transformer
 

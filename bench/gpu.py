@@ -9,7 +9,7 @@
 
 **Headline** (`HEADLINE`, most important first; one device call of ≤ 9 minutes, compilation
 included): llama-3b in bf16 and FP8 at the micro-batch and checkpointing mode
-`micro_batch_size: auto` chooses (`estimate.micro_batch`, modelled: one GPU, no sharding); a
+`micro_batch_size: auto` chooses (`plan.micro_batch`, modelled: one GPU, no sharding); a
 4-layer slice of llama-8b's shape (d 4096, 32 heads / 8 KV heads, hidden 14336, vocabulary
 16,384: 128,256 × 4/32, so that the head weighs in the slice what it weighs in the 32-layer
 model) in bf16 and FP8, at the micro-batch and mode auto chooses for the whole llama-8b on 8
@@ -34,7 +34,7 @@ compile → FSDP2, as in training), `build_optimizer` (fused AdamW), the model's
 (with the MoE's auxiliary loss), bf16 autocast, gradient clipping, and `after_optimizer_step`.
 Data are random tokens resident on the GPU (never zeros). Each step is timed with CUDA events
 after warm-up steps (compilation happens there); the table shows the median step. MFU is on
-the standard basis (6·N_active + 12·L·H·Dh·T per token, `estimate.flops.mfu_flops_per_token`)
+the standard basis (6·N_active + 12·L·H·Dh·T per token, `plan.flops.mfu_flops_per_token`)
 against the bf16 dense peak (FP8 rows too, so that their speed-up reads directly); "MFU 6N"
 counts 6·N_active alone. Every row records its micro-batch × accumulation, its checkpointing
 mode, the peak memory allocated (and reserved) and what the memory model expected.
@@ -71,7 +71,7 @@ def _model(preset, vocab, mb, *, compile_=True, precision="bf16", recipe="tensor
            accum=1, part, note="", **extra):
     """A model config. ``extra``: shape (ModelConfig fields over the preset's), twin (the MoE's dense
     twin), auto ({"shape": the whole model, "gpus": N}: micro-batch and checkpointing from
-    `estimate.micro_batch`), ac, tokens_per_step (accumulate micro-batches up to it), seq,
+    `plan.micro_batch`), ac, tokens_per_step (accumulate micro-batches up to it), seq,
     fp8_experts, profile (where the kernel time goes), warmup, steps, budget (seconds)."""
     return {"kind": "model", "preset": preset, "vocab": vocab, "seq": 2048, "mb": mb, "accum": accum,
             "compile": compile_, "precision": precision, "recipe": recipe, "loss": loss, "fsdp": fsdp,
@@ -133,7 +133,7 @@ CONFIGS = {
     "1b-fsdp2-1-rank": _model(M1, 32000, 8, fsdp=True, part=3),
 }
 # [long-context] Part 5: llama-1b on rows of 8k, 16k and 32k tokens on one GPU (context_parallel 1,
-# micro-batch 1, compiled bf16), with the activation checkpointing `estimate.context.context_plan`
+# micro-batch 1, compiled bf16), with the activation checkpointing `plan.context.context_plan`
 # picks for an 80 GB GPU: none at 8k and 16k, selective at 32k. MFU's attention term grows with
 # the row (12·L·H·Dh·T per token: at 32k it is 2.7× the 6·N term). Few steps each: the three fit
 # in about 3 minutes with compilation.
@@ -179,12 +179,13 @@ def model_shape(c: dict):
 
 
 def auto_micro_batch(c: dict, device):
-    """`estimate.micro_batch.Choice` for a config with ``auto``: what `micro_batch_size: auto`
+    """`plan.micro_batch.Choice` for a config with ``auto``: what `micro_batch_size: auto`
     picks (modelled) for the whole model it names on ``gpus`` GPUs like this one (an H100's
     figures where there is none: the CPU smoke test), its other candidates ranked after it."""
     from lmforge.config.model import ModelConfig, get_preset
-    from lmforge.estimate.hardware import GPU_TYPES, detect_device_spec, peak_flops
-    from lmforge.estimate.micro_batch import choose
+    from lmforge.plan.hardware import GPU_TYPES, detect_device_spec, peak_flops
+    from lmforge.plan.memory import Sharding
+    from lmforge.plan.micro_batch import choose
 
     a = c["auto"]
     whole = get_preset(a["preset"]).model_copy(update={"vocab_size": a["vocab_size"]}) if a.get("preset") \
@@ -196,8 +197,8 @@ def auto_micro_batch(c: dict, device):
     else:
         spec = GPU_TYPES["h100-sxm"]
         memory = spec.memory_bytes
-    return choose(whole, c["seq"], n_devices=a["gpus"], gpu_memory=memory, peak_flops=peak_flops(spec, "bf16"),
-                  where=f"{a['gpus']} × {spec.name}")
+    return choose(whole, c["seq"], sharding=Sharding("fsdp", a["gpus"]), gpu_memory=memory,
+                  peak_flops=peak_flops(spec, "bf16"), where=f"{a['gpus']} × {spec.name}")
 
 
 def ac_label(value) -> str:
@@ -250,9 +251,9 @@ def _run_model(c: dict, shape, mb: int, ac) -> dict:
     from lmforge.distributed.dist import DistInfo
     from lmforge.distributed.float8 import FP8Options, after_optimizer_step
     from lmforge.distributed.parallelize import materialize, parallelize
-    from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token, param_counts
-    from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
-    from lmforge.estimate.memory import activation_bytes, fixed_bytes
+    from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
+    from lmforge.plan.hardware import detect_device_spec, mfu, peak_flops
+    from lmforge.plan.memory import Sharding, activation_bytes, fixed_bytes
     from lmforge.models import build_model
     from lmforge.models.transformer import Transformer
     from lmforge.train.optim import build_optimizer
@@ -309,7 +310,8 @@ def _run_model(c: dict, shape, mb: int, ac) -> dict:
     tps = tokens / dt
     spec = detect_device_spec(device)
     peak = peak_flops(spec, "bf16" if (cuda or bf16) else "fp32")
-    expected = fixed_bytes(param_counts(shape)["total"], shape, 1) + mb * activation_bytes(shape, c["seq"], ac)
+    expected = (fixed_bytes(param_counts(shape)["total"], shape, Sharding("fsdp", 1))
+                + mb * activation_bytes(shape, c["seq"], ac))
     row = {"tokens_per_s": tps, "step_ms": dt * 1e3, "step_ms_spread": (max(times) - min(times)) * 1e3,
            "mfu": mfu(tps, mfu_flops_per_token(shape, c["seq"]), 1, peak),
            "mfu_6n": mfu(tps, flops_per_token(shape, c["seq"])["dense"], 1, peak),
@@ -362,8 +364,8 @@ def run_muon(c: dict) -> list[dict]:
     from lmforge.data.batch import Batch
     from lmforge.distributed.dist import DistInfo
     from lmforge.distributed.parallelize import parallelize
-    from lmforge.estimate.flops import flops_per_token, mfu_flops_per_token
-    from lmforge.estimate.hardware import detect_device_spec, mfu, peak_flops
+    from lmforge.plan.flops import flops_per_token, mfu_flops_per_token
+    from lmforge.plan.hardware import detect_device_spec, mfu, peak_flops
     from lmforge.models import build_model
     from lmforge.train.optim import build_optimizer
 

@@ -9,8 +9,8 @@ state do not fit one GPU without sharding — trained as `lmforge train` trains 
 master weights, bf16 autocast, every block compiled (fullgraph), fused AdamW, gradient clipping.
 The dense twin replaces each MoE layer with one SwiGLU MLP of hidden top_k × expert hidden, so one
 token meets the same parameters. MFU is on active parameters on the standard basis
-(`lmforge.estimate.flops.mfu_flops_per_token`: 6·N_active + 12·L·H·Dh·T) against the device's
-dense bf16 peak (fp32 peak on the CPU, `estimate.hardware.cpu_spec`).
+(`lmforge.plan.flops.mfu_flops_per_token`: 6·N_active + 12·L·H·Dh·T) against the device's
+dense bf16 peak (fp32 peak on the CPU, `plan.hardware.cpu_spec`).
 
 CPU: moe-tiny (d 256, 8 experts of hidden 256, top-2) in fp32, eager, at two micro-batch shapes:
 4 × 256, and 8 × 512 — what a default moe-tiny run uses on the CPU (context_length defaults to the
@@ -47,8 +47,8 @@ from lmforge.data.batch import Batch  # noqa: E402
 from lmforge.distributed.dist import DistInfo  # noqa: E402
 from lmforge.distributed.host_memory import keep_freed_memory  # noqa: E402
 from lmforge.distributed.parallelize import parallelize  # noqa: E402
-from lmforge.estimate.flops import mfu_flops_per_token, param_counts  # noqa: E402
-from lmforge.estimate.hardware import detect_device_spec, peak_flops  # noqa: E402
+from lmforge.plan.flops import mfu_flops_per_token, param_counts  # noqa: E402
+from lmforge.plan.hardware import detect_device_spec, peak_flops  # noqa: E402
 from lmforge.models import build_model  # noqa: E402
 from lmforge.train.optim import build_optimizer  # noqa: E402
 
@@ -216,7 +216,7 @@ def main() -> None:
         shapes = [(args.batch or 4, args.seq or 256)]
     else:
         # A small micro-batch, then the one a default moe-tiny run uses on the CPU: context_length
-        # defaults to the model's max_seq_len (512), the CPU micro-batch to 8 (`resolve.plan`).
+        # defaults to the model's max_seq_len (512), the CPU micro-batch to 8 (`plan.run`).
         shapes = [(4, 256), (8, 512)]
     iters = args.iters
     peak = peak_flops(detect_device_spec(device), "bf16" if gpu else "fp32")

@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 from lmforge.config.model import ModelConfig, padded_vocab  # noqa: E402
 from lmforge.data.batch import Batch  # noqa: E402
 from lmforge.distributed.host_memory import keep_freed_memory  # noqa: E402
-from lmforge.estimate.flops import mfu_flops_per_token  # noqa: E402
-from lmforge.estimate.hardware import detect_device_spec, peak_flops  # noqa: E402
+from lmforge.plan.flops import mfu_flops_per_token  # noqa: E402
+from lmforge.plan.hardware import detect_device_spec, peak_flops  # noqa: E402
 from lmforge.models import build_model  # noqa: E402
 from lmforge.train.optim import build_optimizer  # noqa: E402
 

@@ -5,7 +5,7 @@
 
 Each mode builds the model fresh, runs warm-up steps (compilation happens there), then times
 `--steps` full optimizer steps (forward, backward, clip, fused AdamW) exactly as the trainer runs
-them. MFU uses lmforge.estimate's FLOPs (`mfu_flops_per_token`: 6 × active params + 12·L·H·Dh·T
+them. MFU uses lmforge.plan's FLOPs (`mfu_flops_per_token`: 6 × active params + 12·L·H·Dh·T
 attention per token) and the device's peak.
 """
 
@@ -26,8 +26,8 @@ from lmforge.config.model import get_preset  # noqa: E402
 from lmforge.data.batch import Batch  # noqa: E402
 from lmforge.distributed.host_memory import keep_freed_memory  # noqa: E402
 from lmforge.distributed.parallelize import apply_compile  # noqa: E402
-from lmforge.estimate.flops import mfu_flops_per_token, param_counts  # noqa: E402
-from lmforge.estimate.hardware import detect_device_spec, peak_flops  # noqa: E402
+from lmforge.plan.flops import mfu_flops_per_token, param_counts  # noqa: E402
+from lmforge.plan.hardware import detect_device_spec, peak_flops  # noqa: E402
 from lmforge.models import build_model  # noqa: E402
 from lmforge.train.optim import build_optimizer  # noqa: E402
 

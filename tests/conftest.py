@@ -19,6 +19,19 @@ sys.path.insert(0, str(Path(__file__).parent))  # so test files can `import s3se
 from s3server import S3Server, weed_binary  # noqa: E402
 
 
+def pytest_sessionstart(session):
+    """Import what tests import inside their bodies once, first: a unit test is timed by the CPU it
+    spends (`_unit_tests_take_under_a_second`), not by the imports an earlier test happened to pay for."""
+    import importlib
+
+    for name in ("lmforge.models", "lmforge.models.lora", "lmforge.train.trainer", "lmforge.runs.job",
+                 "lmforge.cli.main", "lmforge.report.html", "lmforge.plan.estimate"):
+        importlib.import_module(name)
+    from lmforge.cli.main import build_parser
+
+    build_parser()  # every command's module
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA: skipped (with the reason shown) on machines without it.
     The files with tests of llama.cpp (the `llama_cpp` fixture) run last, whole (their module fixtures
@@ -33,6 +46,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# An unmarked test is a unit test: it tests a rule against pure functions, in well under a second.
+# One that trains a model or starts processes belongs to the `integration` or `e2e` tier (the fast
+# tier keeps the first). Measured in CPU seconds of this process and the children it waited for, not
+# wall time: a loaded machine slows every test alike, and must not fail one.
+UNIT_CPU_SECONDS = 1.0
+TIERS = ("integration", "e2e", "gpu")
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_take_under_a_second(request):
+    if any(request.node.get_closest_marker(tier) for tier in TIERS):
+        yield
+        return
+    start = _cpu_seconds()
+    yield
+    spent = _cpu_seconds() - start
+    if spent > UNIT_CPU_SECONDS:
+        pytest.fail(f"an unmarked (unit) test took {spent:.1f} CPU seconds, more than {UNIT_CPU_SECONDS:g}: make it "
+                    "fast, or mark it integration (trains in this process, talks to a server) or e2e (starts "
+                    "processes)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,12 @@ the trackers, reports). The layers, from the bottom:
     errors, home, layout, checksums, process, secrets, say,   (small shared modules)
     uri, guard
     config · tasks                                              torch-free: the rules and constants
-    estimate                                                    torch-free: FLOPs, memory, time
+    plan                                                        torch-free: the one planner (FLOPs, memory,
+                                                                batch, checks, model: auto, the run plan,
+                                                                schedule, the estimate as its view)
     scaling                                                     torch-free: scaling-law ladders planned, fitted
     goodput                                                     torch-free: conditions, health, cordon, ledger, faults
-    resolve (machine, plan, request, weights, auto_model)       torch-free: one run resolved
+    resolve (request, weights, auto_model)                      torch-free: one run resolved, through plan
     data · models · distributed · eval                          the torch core
     resolve.steps                                               resolution past the config stage
     train                                                       the trainer
@@ -31,7 +33,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "lmforge"
-EVERYTHING = ("config", "tasks", "estimate", "scaling", "goodput", "resolve", "data", "models", "distributed", "eval", "train",
+EVERYTHING = ("config", "tasks", "plan", "scaling", "goodput", "resolve", "data", "models", "distributed", "eval", "train",
               "tracking", "report", "runs", "cli")
 
 
@@ -45,7 +47,7 @@ def above(package: str) -> tuple[str, ...]:
 FORBIDDEN = {
     "config": above("config"),
     "tasks": tuple(p for p in above("config") if p != "tasks"),  # beside config: read by eval and curation alike
-    "estimate": above("estimate"),
+    "plan": above("plan"),
     # plans, fits and predicts from numbers; running the ladder is `runs.ladder`'s
     "scaling": above("scaling"),
     # the rules of a run's goodput (no torch): the trainer, the supervisor and the report read them
@@ -63,12 +65,14 @@ FORBIDDEN = {
 SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say", "uri", "guard")
 # Modules that must load without torch: `lmforge --help`, `estimate` and a run's resolution up
 # to its config stay light, and the rules live in one torch-free layer that torch code imports.
-TORCH_FREE = ["lmforge.cli.main", "lmforge.layout", "lmforge.guard", "lmforge.config.limits", "lmforge.resolve", "lmforge.resolve.plan",
-              "lmforge.resolve.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
-              "lmforge.resolve.auto_model", "lmforge.resolve.schedule", "lmforge.tasks.icl",
-              "lmforge.estimate.plan", "lmforge.estimate.auto", "lmforge.estimate.memory",
-              "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.data.gguf_vocab",
-              "lmforge.scaling.plan",
+TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.layout", "lmforge.guard", "lmforge.config.limits", "lmforge.resolve", "lmforge.plan.run",
+              "lmforge.plan.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
+              "lmforge.resolve.auto_model", "lmforge.plan.schedule", "lmforge.tasks.icl",
+              "lmforge.plan.estimate", "lmforge.plan.auto", "lmforge.plan.memory", "lmforge.plan.batch",
+              "lmforge.plan.checks", "lmforge.plan.fit", "lmforge.plan.context", "lmforge.plan.micro_batch",
+              "lmforge.plan.flops", "lmforge.plan.hardware", "lmforge.plan.comm", "lmforge.plan.cost",
+              "lmforge.config.counts",
+              "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.data.gguf_vocab", "lmforge.scaling.plan",
               "lmforge.scaling.fit", "lmforge.scaling.predict", "lmforge.goodput.conditions",
               "lmforge.goodput.health", "lmforge.goodput.diagnosis", "lmforge.goodput.cordon",
               "lmforge.goodput.ledger", "lmforge.goodput.faults"]
@@ -209,10 +213,10 @@ def test_the_rules_layer_loads_without_torch():
 
 def test_one_function_resolves_a_run():
     """`resolve` is the only path to a run's plan: nothing outside lmforge/resolve makes one, sizes
-    `model: auto` or names a run."""
+    `model: auto` or names a run (the planner defines them; `resolve` calls them)."""
     import re
 
-    calls = re.compile(r"\b(make_plan|resolve_auto|with_default_names)\(")
+    calls = re.compile(r"(?<!def )\b(make_plan|resolve_auto|with_default_names)\(")
     bad = []
     for path in sorted(PKG.rglob("*.py")):
         if path.is_relative_to(PKG / "resolve") or path == PKG / "config" / "identity.py":
@@ -235,7 +239,7 @@ def test_no_function_is_longer_than_80_lines():
 def test_trainer_does_not_depend_on_resolution_steps():
     """The trainer takes a resolved run; it never resolves one itself."""
     mods = imports_of(PKG / "train" / "trainer.py")
-    assert not any(m.startswith(("lmforge.resolve.steps", "lmforge.resolve.plan.make_plan")) for m in mods), mods
+    assert not any(m.startswith(("lmforge.resolve.steps", "lmforge.plan.run.make_plan")) for m in mods), mods
 
 
 def test_core_never_branches_on_attributes():

@@ -487,6 +487,7 @@ def test_one_txt_file_trains_with_defaults(world, tmp_path):
     assert result["status"] == "completed" and result["eval"]["eval/loss"] > 0
 
 
+@pytest.mark.integration
 def test_a_hugging_face_dataset_is_not_checked_as_an_object_store(world, tmp_path, monkeypatch):
     """hf://NAME/CONFIG:SPLIT is a dataset `datasets` loads, not a bucket: when it cannot load, the line
     says so (before: a credentials check quoting the hub client's complaint about the repository id)."""
@@ -498,6 +499,7 @@ def test_a_hugging_face_dataset_is_not_checked_as_an_object_store(world, tmp_pat
     assert "credentials" not in proc.stderr
 
 
+@pytest.mark.integration
 def test_undecodable_text_and_broken_records_are_said_on_the_terminal(world, tmp_path):
     """Raw inputs a run prepares itself: bytes that are not UTF-8 and a JSONL line that is not JSON are
     warnings on the terminal (as `data prepare` prints them), not only counts in the dataset card."""
@@ -595,6 +597,7 @@ def test_failed_first_start_does_not_block_a_fixed_config(world, tmp_path):
     assert "completed after 2 steps" in cli("train", "-f", good, "--no-supervisor", check=True).stdout
 
 
+@pytest.mark.integration
 def test_explicit_max_seq_len_below_context_length_warns(world, tmp_path):
     cfg = world.config(save_folder=str(tmp_path / "run"), training_duration="1ba", save_interval="1ba")
     cfg["model"]["max_seq_len"] = 32
@@ -637,6 +640,7 @@ def test_disk_full_is_one_line_naming_path_and_errno(world, small_disk):
     assert lines[-1].startswith("error: ") and "ENOSPC" in lines[-1] and str(small_disk / "run") in lines[-1]
 
 
+@pytest.mark.integration
 def test_a_write_that_fails_leaves_no_half_written_files(world, tmp_path):
     """The kernel refuses every write past 1 MB of a file (RLIMIT_FSIZE, with SIGXFSZ ignored: EFBIG,
     as a full disk refuses with ENOSPC; no mount needed): the first checkpoint fails, and so does the

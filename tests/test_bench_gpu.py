@@ -78,6 +78,7 @@ def test_the_headline_configs_run_at_toy_size():
     assert rows["gpu-tests"]["passed"] == 1 and rows["gpu-tests"]["failed"] == 0
 
 
+@pytest.mark.e2e
 def test_a_config_past_its_budget_is_stopped_with_its_subprocesses(tmp_path):
     """run_part's guard: the config's whole process group is killed (a trainer or pytest below it
     would otherwise hold the GPU into the next config)."""
@@ -106,7 +107,8 @@ def test_long_context_rows_checkpoint_as_the_estimate_says():
     import importlib.util
 
     from lmforge.config.model import get_preset
-    from lmforge.estimate.context import checkpointing_mode, context_plan
+    from lmforge.plan.context import checkpointing_mode, context_plan
+    from lmforge.plan.memory import Sharding
 
     spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
     gpu = importlib.util.module_from_spec(spec)
@@ -114,10 +116,11 @@ def test_long_context_rows_checkpoint_as_the_estimate_says():
     assert sorted(c["seq"] for c in gpu.LONG_CONTEXT.values()) == [8192, 16384, 32768]
     for c in gpu.LONG_CONTEXT.values():
         shape = get_preset(c["preset"]).model_copy(update={"vocab_size": c["vocab"]})
-        choice = context_plan(shape, c["seq"], 1, 80e9, micro_batch=c["mb"])["choice"]
+        choice = context_plan(shape, c["seq"], Sharding("fsdp", 1), 80e9, micro_batch=c["mb"])["choice"]
         assert (choice["context_parallel"], choice["checkpointing"]) == (1, checkpointing_mode(c["ac"]))
 
 
+@pytest.mark.integration
 def test_the_muon_overhead_config_times_both_optimizers_on_one_model():
     rows = {r["name"]: r for r in _config("1b-muon-overhead")}
     adamw, muon = rows["1b-muon-overhead/adamw"], rows["1b-muon-overhead/muon"]

@@ -15,7 +15,7 @@ from lmforge.data.sft import read_examples, tokenize_example
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a required dependency: a broken install fails here, it is not skipped
 
 # Two template styles, each written twice: as shipped (what lmforge reads) and with
 # {% generation %} around what should be trained (transformers' oracle for the mask; the tags
@@ -104,6 +104,7 @@ def test_roles_the_template_does_not_know(tmp_path, tiny_data):
                       load_chat_template(str(strict)))
 
 
+@pytest.mark.integration
 def test_sft_run_keeps_the_tokenizers_template(tmp_path, tiny_data):
     """A chat SFT run (in-process) on a model whose tokenizer has a Qwen-style template: rows and
     eval prompts use it, and the final model keeps it."""

@@ -28,6 +28,7 @@ def _explain(fn, *args):
     return out.graph_count, out.graph_break_count, [r.reason for r in out.break_reasons]
 
 
+@pytest.mark.integration
 def test_a_dense_block_traces_as_one_graph(model):
     ids = torch.randint(0, CFG.vocab_size, (2, 32))
     h = model.tok_embeddings(ids)

@@ -52,6 +52,8 @@ def test_two_context_parallel_ranks_match_one_rank_and_resume_on_one(tmp_path, t
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "masks: sharded rows match whole rows" in proc.stdout
     assert "micro-batch 2 × 2 accumulation × 1 replica(s) of 2 context-parallel ranks" in proc.stdout
+    # the plan the ranks printed is the dry run's (tests/test_plan_agreement.py: the functions, over a grid)
+    assert "(micro-batch 2 × 2 accumulation × 1 replica(s) of 2 rank(s))" in cli("train", "-f", cp_yaml, "--dry-run").stdout
     assert "FutureWarning" not in proc.stderr  # (torch 2.13's renamed collectives)
     assert_same_losses(train_losses(ref), train_losses(cp), range(1, 7))
     ref_rows = {r["step"]: r for r in metrics(ref) if "train/loss" in r}
@@ -86,7 +88,7 @@ def test_sequence_rules():
     """One line for each thing a split row cannot have (a torch-free rule); the CUDA refusals (ring attention is
     plain causal), checked on the rule itself since this machine has no GPU."""
     from lmforge.config.model import ModelConfig
-    from lmforge.estimate.context import check_context_parallel
+    from lmforge.plan.checks import check_context_parallel
     from lmforge.errors import UserError
 
     model = ModelConfig(**MODEL)

@@ -322,6 +322,7 @@ def test_stats_raw_and_prepared(corpus, tok, prepared, tmp_path, capsys):
     assert code == 0 and "exact-duplicate rate" in table and "language en" in table
 
 
+@pytest.mark.integration
 def test_stats_of_one_document_read_cleanly(tok, tmp_path, capsys):
     """One .txt file is one document: its length axis has distinct labels that do not overlap, the
     duplicate-rate axis shows its zeros, the HTML page gives the numbers as a table (no JSON dump) and

@@ -144,7 +144,7 @@ def test_config_errors(train_data, duration, needle):
 def test_plan_checks_end_points_in_steps():
     import torch as _t
 
-    from lmforge.resolve.plan import make_plan
+    from lmforge.plan.run import make_plan
     from lmforge.train.machine import local_machine
 
     # 1M tokens = 62 steps of 8 × 2048 tokens, past a 50-step run: only the plan can tell.

@@ -364,6 +364,7 @@ def test_cli_bad_input(checkpoint, suite, tmp_path):
         assert expected in err, (args, err)
 
 
+@pytest.mark.integration
 def test_cli_takes_a_run_folder_like_generate_and_export(checkpoint, suite, tmp_path, capsys):
     """A run's save folder (its final/ inside) is found by the same locator as generate and export."""
     import shutil

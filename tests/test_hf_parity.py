@@ -12,7 +12,7 @@ from lmforge.errors import UserError
 from lmforge.models import build_model, generate, load_pretrained, save_hf, save_pretrained
 from lmforge.models.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a required dependency: a broken install fails here, it is not skipped
 
 CASES = [(False, 2), (True, 2), (True, 4)]  # (tie_embeddings, n_kv_heads) with 4 query heads
 

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from lmforge.config.model import get_preset
 from lmforge.data.batch import IGNORE
-from lmforge.estimate import memory
-from lmforge.estimate.flops import param_counts
-from lmforge.estimate.hardware import GPU_TYPES
+from lmforge.plan import memory
+from lmforge.plan.flops import param_counts
+from lmforge.plan.hardware import GPU_TYPES
 from lmforge.models import loss as loss_module
 from lmforge.models.loss import CHUNK_ELEMENTS, next_token_loss
 
@@ -81,7 +81,8 @@ def test_the_planner_uses_the_loss_chunk_and_fits_a_128k_vocabulary_at_micro_bat
     assert memory.LOSS_CHUNK_ELEMENTS == CHUNK_ELEMENTS
     for vocab in (32000, 128256):
         cfg = get_preset("llama-1b").model_copy(update={"vocab_size": vocab})
-        plan = memory.memory_plan(param_counts(cfg)["total"], cfg, 2048, 1, GPU_TYPES["h100-sxm"].memory_bytes,
+        plan = memory.memory_plan(param_counts(cfg)["total"], cfg, 2048, memory.Sharding("fsdp", 1),
+                                  GPU_TYPES["h100-sxm"].memory_bytes,
                                   micro_batch=8, activation_checkpointing=False)
         assert plan["fits"] and plan["max_micro_batch"]["no_ac"] >= 8, (vocab, plan["max_micro_batch"])
         # nothing per token scales with the vocabulary any more: only the fixed workspace does

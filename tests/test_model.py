@@ -67,6 +67,7 @@ def test_rope_relative_positions():
     assert abs(score(5, 2) - score(5, 4)) > 1e-3  # and it does depend on the offset
 
 
+@pytest.mark.integration
 def test_kv_cache_matches_full_recompute():
     model = make(tiny())
     prompt = [3, 14, 15, 92, 65, 35]

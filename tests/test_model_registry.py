@@ -143,6 +143,7 @@ def test_wandb_logs_the_final_model_as_an_artifact(finished_runs):
     assert {"model.safetensors", "tokenizer.json", "lmforge-model.json"} <= set(contents)
 
 
+@pytest.mark.e2e
 def test_the_pyfunc_model_class_is_defined_without_mlflow_warnings():
     """MLflow checks a PythonModel's `predict` when the class is defined (every run that registers a
     model imports it): no "Add type hints" warning, in a fresh interpreter that shows every warning."""

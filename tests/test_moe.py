@@ -394,7 +394,7 @@ def test_selective_checkpointing_keeps_expert_gemm_outputs(grouped):
 ])
 def test_expert_parallel_that_does_not_fit_is_refused(compute, world, n_experts, needle):
     from lmforge.config.schema import ComputeConfig
-    from lmforge.distributed.parallelize import check_mesh
+    from lmforge.plan.checks import check_mesh
     from lmforge.errors import UserError
 
     with pytest.raises(UserError, match=re.escape(needle)):

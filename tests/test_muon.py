@@ -124,7 +124,7 @@ def test_auto_is_muon_where_the_sweep_measured_it_to_win(tiny_data, tmp_path):
     weights to fine-tune, stay on AdamW; a choice given is kept."""
     from lmforge.config.defaults import default_learning_rate
     from lmforge.config.load import build_config
-    from lmforge.resolve.plan import make_plan, resolved_config
+    from lmforge.plan.run import make_plan, resolved_config
     from lmforge.train.machine import local_machine
 
     def plan(**overrides):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lmforge.data.mds import MDSWriter
-from lmforge.data.pieces import epoch_pieces, epoch_tokens, pieces_per_sample, split_lines, training_context
+from lmforge.data.pieces import epoch_pieces, epoch_tokens, pieces_per_sample, split_lines
+from lmforge.plan.batch import training_context
 from lmforge.data.stream import DatasetSpec, TokenStream
 from lmforge.errors import UserError
 
@@ -86,7 +87,8 @@ def test_resume_in_the_middle_of_a_split_sample_is_exact(tmp_path):
     assert seen & left, "the cut should fall between pieces of one stored sample"
     resumed = stream(a, tmp_path)
     resumed.load_state_dict(state)
-    assert all(torch.equal(x, y) for x, y in zip(rows(resumed, 20), after))
+    again = rows(resumed, 20)
+    assert len(again) == len(after) == 20 * 2 and all(torch.equal(x, y) for x, y in zip(again, after))
     # A stream split differently (another context) does not take this state, nor one saved when the
     # samples were cut to their head (before they were split), which says so.
     with pytest.raises(UserError, match="does not match the data"):

@@ -4,24 +4,23 @@ measures (QK-norm, ReLU², soft-capping, z-loss), and their bad input (Muon: tes
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import tiny_run_config
+from train_helpers import cli
 from lmforge.config.durations import parse_duration
 from lmforge.config.load import build_config
 from lmforge.config.model import ModelConfig
 from lmforge.distributed.dist import DistInfo
 from lmforge.errors import UserError
-from lmforge.estimate.auto import SMALL_SHAPES, TOKENS_PER_PARAM, Budget, candidates, choose, effective_tokens
-from lmforge.estimate.flops import param_counts
+from lmforge.plan.auto import SMALL_SHAPES, TOKENS_PER_PARAM, Budget, candidates, choose, effective_tokens
+from lmforge.plan.flops import param_counts
 from lmforge.models import build_model
 from lmforge.resolve import resolve
-from lmforge.resolve.plan import make_plan
-from lmforge.resolve.schedule import Schedule
+from lmforge.plan.run import make_plan
+from lmforge.plan.schedule import Schedule
 from lmforge.train.machine import local_machine, process_machine
 from lmforge.train.trainer import Trainer
 
@@ -114,7 +113,6 @@ def test_plan_sizes_the_default_batch_for_the_run(tiny_data, tmp_path):
     assert 2048 <= timed.tokens_per_step <= 8192
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("override, message", [
     ({"parameters.decay_fraction": 1.0}, "parameters.decay_fraction: Input should be less than 1"),
     ({"training_duration": "0.01s", "model": {"d_model": 512, "n_layers": 8, "n_heads": 8, "max_seq_len": 64},
@@ -123,7 +121,7 @@ def test_plan_sizes_the_default_batch_for_the_run(tiny_data, tmp_path):
 ])
 def test_recipe_bad_input_exits_2_with_one_line(tiny_data, tmp_path, override, message):
     (tmp_path / "bad.yaml").write_text(json.dumps(tiny_run_config(tiny_data, tmp_path / "run", **override)))
-    out = lmforge("train", "-f", "bad.yaml", "--dry-run", home=tmp_path / "home", cwd=tmp_path)
+    out = cli("train", "-f", tmp_path / "bad.yaml", "--dry-run")
     assert out.returncode == 2 and out.stderr.startswith("error: ") and message in out.stderr, out.stderr
     assert out.stderr.strip().count("\n") == 0 and not (tmp_path / "run").exists()
 
@@ -229,7 +227,7 @@ def test_auto_step_budget_costs_every_shape_at_one_batch():
 def test_auto_wall_clock_budget_uses_the_measured_rate():
     """The same seconds buy more tokens on a faster machine, so a faster one gets a bigger model."""
     def rate(flops_per_s):
-        from lmforge.estimate.flops import flops_per_token
+        from lmforge.plan.flops import flops_per_token
         return lambda c: flops_per_s / flops_per_token(c.model, c.context_length)["total"]
 
     slow, _ = choose(Budget("s", 60), small_cands(), tokens_per_s=rate(5e10), flops_per_s_guess=5e10)
@@ -281,35 +279,28 @@ def test_measured_throughput_is_the_fastest_step():
     assert tps == pytest.approx(2 * 16 / 0.1)  # the mean step (0.4 s) would say 80 tokens/s
 
 
-def lmforge(*args, home, cwd):
-    return subprocess.run([sys.executable, "-m", "lmforge", *args], capture_output=True, text=True, cwd=cwd,
-                          env={"LMFORGE_HOME": str(home), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
-
-
-@pytest.mark.e2e
 def test_auto_dry_run_and_estimate_print_the_choice_in_one_line(tiny_data, tmp_path):
     cfg = tiny_run_config(tiny_data, tmp_path / "run", model="auto", training_duration="3M tok")
     cfg.pop("parameters")
     (tmp_path / "auto.yaml").write_text(json.dumps(cfg))
-    out = lmforge("train", "-f", "auto.yaml", "--dry-run", "--json", home=tmp_path / "home", cwd=tmp_path)
+    out = cli("train", "-f", tmp_path / "auto.yaml", "--dry-run", "--json")
     assert out.returncode == 0, out.stderr
     line = out.stdout.splitlines()[0]
     assert line.startswith("model: auto → ") and "3M tokens" in line
     resolved = json.loads(out.stdout[out.stdout.index("{"):])["config"]
     assert resolved["model"]["d_model"] in {d for d, _, _ in SMALL_SHAPES}
     assert resolved["parameters"]["context_length"] == 64  # no longer than the prepared samples
-    est = lmforge("estimate", "--model", "auto", "--flops", "1e18", home=tmp_path / "home", cwd=tmp_path)
+    est = cli("estimate", "--model", "auto", "--flops", "1e18")
     assert est.returncode == 0 and est.stdout.startswith("model: auto → ") and "Plan:" in est.stdout
-    bad = lmforge("estimate", "--model", "auto", home=tmp_path / "home", cwd=tmp_path)
+    bad = cli("estimate", "--model", "auto")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--tokens, --flops or --time" in bad.stderr
 
 
-@pytest.mark.e2e
 def test_auto_with_an_epoch_budget_on_raw_data_exits_2_naming_the_key(tiny_data, tmp_path):
     cfg = tiny_run_config(tiny_data, tmp_path / "run", model="auto", training_duration="2ep",
                           train_data=str(tiny_data.raw), tokenizer={"train": {}})
     (tmp_path / "auto.yaml").write_text(json.dumps(cfg))
-    out = lmforge("train", "-f", "auto.yaml", "--dry-run", home=tmp_path / "home", cwd=tmp_path)
+    out = cli("train", "-f", tmp_path / "auto.yaml", "--dry-run")
     assert out.returncode == 2 and out.stderr.startswith("error: training_duration: model: auto needs a budget")
     assert out.stderr.strip().count("\n") == 0
 
@@ -317,7 +308,7 @@ def test_auto_with_an_epoch_budget_on_raw_data_exits_2_naming_the_key(tiny_data,
 def test_auto_sizes_a_wall_clock_budget_for_every_gpu(tiny_data, tmp_path):
     """A wall-clock budget on 8 GPUs buys 8 GPUs' tokens: `model: auto` picks a bigger shape than
     on one (its rate is one device's; the line says how many it counted)."""
-    from lmforge.resolve.machine import nominal_machine
+    from lmforge.plan.machine import nominal_machine
     from lmforge.resolve.request import RunRequest
 
     chosen, lines = {}, []

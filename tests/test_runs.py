@@ -118,6 +118,7 @@ def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     assert "already ended: COMPLETED" in again.stdout
 
 
+@pytest.mark.e2e
 def test_a_foreground_run_on_a_terminal_logs_plain_lines(tmp_path, tiny_data):
     """`lmforge train` on a terminal: the supervisor gives the trainer a terminal too (the live bar),
     and the run's log — as `lmforge runs logs` prints it — holds what a terminal keeps: the plain
@@ -227,6 +228,7 @@ def test_two_rank_run_stops_on_every_rank_and_dies_with_its_supervisor(tmp_path,
     assert_one_line_error(cli("runs", "describe", "stopper"), "no run named")
 
 
+@pytest.mark.e2e
 def test_exceeding_max_retries_fails_with_the_reason(tmp_path, tiny_data):
     cfg, _ = config(tmp_path, tiny_data, "doomed", training_duration="2000ba", max_retries=1)
     detach(cfg)

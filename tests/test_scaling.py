@@ -57,6 +57,23 @@ def test_fit_recovers_a_known_law_and_its_optimum():
     assert 0.2 < fit.law.alpha < 0.5 and 0.15 < fit.law.beta < 0.45
 
 
+def test_the_prediction_is_the_known_laws_value():
+    """Runs that lie on a known law predict a target 4× the largest run at that law's loss: within
+    1% (the exponents' weak prior moves it by ~0.6%), so a prediction biased by 3% fails here —
+    the interval checks alone do not see a bias their width covers."""
+    n, d, levels = isoflop_design(CHINCHILLA, flops=(1e17, 4e17, 1.6e18), spread=(0.5, 1, 2))
+    runs = [{"label": str(i), "params": float(a), "tokens": float(b), "level": lv, "loss": float(c)}
+            for i, (a, b, lv, c) in enumerate(zip(n, d, levels, CHINCHILLA.loss(n, d)))]
+    target_n, target_d = 4 * n.max(), 2 * d.max()
+    out = predict(runs, target_params=target_n, target_tokens=target_d, target_flops=None, unique_tokens=1e30,
+                  samples=8)
+    t = out["target"]
+    assert t["loss"] == pytest.approx(CHINCHILLA.loss(target_n, target_d), rel=0.01)
+    assert t["loss_low"] < t["loss"] < t["loss_high"]
+    optimum = CHINCHILLA.optimum(out["compute_optimal"]["flops"])[0]
+    assert out["compute_optimal"]["params"] == pytest.approx(optimum, rel=0.05)
+
+
 @pytest.mark.e2e  # a few seconds of fitting
 def test_intervals_cover_the_true_loss():
     """Over independent noisy ladders, the 90% interval of predict() holds the true loss of a

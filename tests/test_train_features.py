@@ -26,7 +26,7 @@ def test_moe_run_trains_logs_router_stats_and_resumes_bitwise(tmp_path, tiny_dat
     assert all(0 < r["train/moe_max_expert_share"] <= 1 for r in rows)
     # MFU is computed from *active* parameters (shared with `lmforge estimate`)
     from lmforge.config.model import ModelConfig
-    from lmforge.estimate.flops import param_counts
+    from lmforge.plan.flops import param_counts
 
     counts = param_counts(ModelConfig(**MOE, vocab_size=512))
     assert counts["active"] < counts["total"]

@@ -260,6 +260,7 @@ def test_train_steps_never_wait_for_the_gpu(tiny_data, tmp_path):
     assert outs[-1].loss.is_cuda and all(torch.isfinite(o.loss) for o in outs)
 
 
+@pytest.mark.integration
 def test_keep_n_never_prunes_an_intact_checkpoint_for_a_damaged_one(tiny_data, tmp_path):
     """Steps 2 and 4 kept (keep 2); step 4 is damaged, so the run resumes from step 2. Its next save
     (step 3) must not prune step 2 and keep the damaged 4: the damaged one is set aside (for

@@ -49,7 +49,7 @@ def _checked(args):
     if not os.path.exists(args.file):
         raise UserError(f"launch: config file {args.file} does not exist")
     cfg = load_config(args.file, sets=[*args.set, f"compute.nodes={args.nodes}", f"compute.gpus={args.gpus_per_node}"])
-    from lmforge.distributed.parallelize import check_mesh  # torch (lazy: `lmforge --help` stays light)
+    from lmforge.plan.checks import check_mesh
 
     check_mesh(cfg.compute, args.nodes * args.gpus_per_node, args.gpus_per_node)
     name = cfg.name or os.path.splitext(os.path.basename(args.file))[0]

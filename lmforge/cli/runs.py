@@ -10,7 +10,8 @@ import time
 from lmforge.cli.common import add_command, bounded
 from lmforge.errors import UserError
 from lmforge.runs.run import get_run, get_runs
-from lmforge.tracking.console import format_eta, human
+from lmforge.config.counts import human
+from lmforge.tracking.console import format_eta
 
 
 def register(sub) -> None:
@@ -158,7 +159,7 @@ def cmd_describe(args) -> int:
               f"{_human(m.get('tokens_per_s'))} tok/s  MFU {mfu}  progress {progress_text(m)}  "
               f"ETA {format_eta(m.get('eta_s')) if not run.is_terminal else '-'}")
         if m.get("cost") is not None:
-            from lmforge.estimate.cost import format_cost
+            from lmforge.plan.cost import format_cost
 
             line = f"cost       {format_cost(m['cost'])} so far"
             if not run.is_terminal and m.get("cost_to_finish") is not None:

@@ -24,9 +24,9 @@ from lmforge import secrets
 from lmforge.cli.common import add_command, bounded
 from lmforge.config.limits import MAX_NODES, MAX_RETRIES
 from lmforge.config.reference import render_text
-from lmforge.estimate.plan import estimate_run, format_plan
+from lmforge.errors import UserError
+from lmforge.plan.estimate import format_plan
 from lmforge.resolve import resolve
-from lmforge.resolve.plan import estimate_inputs
 from lmforge.resolve.request import RunRequest
 from lmforge.runs.plan import launch_plan, started_by_user
 from lmforge.runs.preflight import preflight
@@ -159,28 +159,33 @@ def print_summary(result, as_json: bool = False) -> None:
 
 
 def dry_run(request: RunRequest, args) -> int:
-    """Resolve every default for this machine without training; data preparation is not started."""
-    import torch  # (lazy, like the two below: `lmforge --help` stays free of torch)
-
-    from lmforge.distributed.dist import pick_device
-    from lmforge.train.machine import local_machine
+    """Resolve every default for this machine without training; data preparation is not started.
+    The plan is the one the run's ranks will make (its machine: `compute.ranks` on a CPU, every GPU
+    of every node); one that does not fit is shown, then refused with what makes it fit."""
+    from lmforge.plan.estimate import plan_view
+    from lmforge.plan.fit import KEYS
+    from lmforge.plan.run import DoesNotFit
+    from lmforge.train.machine import planned_machine  # torch (lazy: `lmforge --help` stays light)
 
     cfg = resolve(request, until="config").config
-    device = pick_device(cfg.compute.device, 0)
-    world = cfg.compute.ranks or 1
-    if device.type == "cuda":
-        world = (torch.cuda.device_count() if cfg.compute.gpus == "auto" else cfg.compute.gpus) * cfg.compute.nodes
-    machine = local_machine(device, world)
-    run = resolve(cfg, machine, until="plan")  # the config resolved above: its default name (a time) kept
-    plan = run.plan
-    resolved = secrets.redact_config(run.config.model_dump(mode="json"))
-    est = estimate_run(estimate_inputs(run.config, plan, machine))
-    if args.json:
-        print(json.dumps({"config": resolved, "plan": est}, indent=1, default=str))
-        return 0
+    try:
+        run = resolve(cfg, planned_machine(cfg.compute), until="plan")  # the config above: its default name kept
+    except DoesNotFit as e:
+        _print_dry_run(e.config, e.plan, plan_view(e.config, e.plan, names=KEYS), args.json)
+        raise UserError(str(e)) from None
+    _print_dry_run(run.config, run.plan, plan_view(run.config, run.plan, names=KEYS), args.json)
+    return 0
+
+
+def _print_dry_run(config, plan, view: dict, as_json: bool) -> None:
+    resolved = secrets.redact_config(config.model_dump(mode="json"))
+    if as_json:
+        print(json.dumps({"config": resolved, "plan": view}, indent=1, default=str))
+        return
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     print("---")
-    print(f"steps: {plan.total_steps}  batch: {plan.global_batch} × {plan.context_length} tokens "
-          f"(micro-batch {plan.micro_batch} × {plan.grad_accum} accumulation × {world} rank(s))")
-    print(format_plan(est))
-    return 0
+    steps = plan.total_steps or f"≈{plan.time_limit_s / plan.step_time_s:,.0f} in {plan.time_limit_s:g}s"
+    print(f"steps: {steps}  batch: {plan.global_batch} × {plan.context_length} tokens "
+          f"(micro-batch {plan.micro_batch} × {plan.grad_accum} accumulation × {plan.replicas} replica(s) of "
+          f"{plan.ranks} rank(s))")
+    print(format_plan(view), end="")

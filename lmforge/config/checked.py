@@ -38,7 +38,8 @@ def takes_bool(annotation: Any) -> bool:
 
 
 class Checked(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # frozen: a config is a value, changed by model_copy (which validates again), never in place
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -51,7 +52,5 @@ class Checked(BaseModel):
 
 
 class Strict(Checked):
-    """A section whose fields are checked again when set (the config is filled in after loading)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
+    """A section of the run config (the same rules; kept as its own name for the schema's sections)."""
 

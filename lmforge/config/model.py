@@ -2,7 +2,7 @@
 
 A `model:` value may be a preset name (``llama-1b``), a mapping with a preset plus
 overrides (``{preset: llama-125m, n_layers: 6}``), or a full custom shape. Shapes are
-plain data; `lmforge.models` builds modules from them and `lmforge.estimate` counts
+plain data; `lmforge.models` builds modules from them and `lmforge.plan` counts
 their parameters and FLOPs.
 """
 

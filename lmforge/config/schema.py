@@ -584,9 +584,7 @@ class RunConfig(_Strict):
                              "copy of the model)")
         if isinstance(self.tokenizer, TokenizerSpec) and self.tokenizer.extend and not self.custom_weights_path:
             raise ValueError("tokenizer.extend: needs custom_weights_path (the model whose vocabulary is extended)")
-        for i, entry in enumerate(self.train_data):
-            if entry.name is None:
-                entry.name = f"d{i}"
+        for entry in self.train_data:
             cur = entry.curate
             if cur and cur.decontaminate and not cur.decontaminate.tasks and not self.eval.icl_tasks:
                 raise ValueError(f"train_data.{entry.name}.curate.decontaminate: no ICL tasks to decontaminate "
@@ -595,6 +593,12 @@ class RunConfig(_Strict):
             self._check_curriculum()
         self.goodput.check(nodes=self.compute.nodes, autoresume=self.autoresume, max_retries=self.max_retries)
         return self
+
+    @field_validator("train_data")
+    @classmethod
+    def _dataset_names(cls, v: list[DatasetEntry]) -> list[DatasetEntry]:
+        """Datasets without a name are named by position (d0, d1, …): what mixes and metrics call them."""
+        return [e if e.name is not None else e.model_copy(update={"name": f"d{i}"}) for i, e in enumerate(v)]
 
     def _check_curriculum(self) -> None:
         """What can be checked before the plan: names, and end points increasing within a unit."""

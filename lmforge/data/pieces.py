@@ -19,14 +19,6 @@ from __future__ import annotations
 from typing import Iterable
 
 
-def training_context(context_length: int | None, max_seq_len: int, data_seq_len: int | None) -> int:
-    """The context a pretraining run trains at: ``parameters.context_length``, else the model's
-    ``max_seq_len`` capped by the prepared samples' length (``None``: not known here)."""
-    if context_length:
-        return context_length
-    return min(max_seq_len, data_seq_len) if data_seq_len else max_seq_len
-
-
 def pieces_per_sample(sample_len: int, ctx: int) -> int:
     """Training samples of ``ctx`` tokens one stored sample of ``sample_len`` tokens gives
     (0 when the sample is shorter than the context: that is an error the plan reports)."""

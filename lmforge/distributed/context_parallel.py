@@ -14,7 +14,7 @@ shards the same way; tests check the two agree). The tokens keep their global po
 masks): `data.batch.Batch.part`.
 
 The rules a split row must follow (sizes, what ring attention takes) are torch-free:
-`estimate.context.check_context_parallel`.
+`plan.checks.check_context_parallel`.
 
 **Attention** (`models.sharded_attention`): on CUDA torch's `context_parallel` turns the
 blocks' SDPA into ring attention (plain causal rows only); elsewhere each rank all-gathers K/V

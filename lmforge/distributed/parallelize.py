@@ -58,10 +58,8 @@ from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.context_parallel import sequence_group
 from lmforge.distributed.dist import DistInfo
 from lmforge.distributed.float8 import FP8Options, apply_float8, check_fp8_supported
-from lmforge.errors import UserError
-from lmforge.estimate.memory import checkpointed_blocks
-
-SHARDED = ("fsdp", "hsdp")
+from lmforge.plan.checks import check_mesh
+from lmforge.plan.memory import SHARDED, checkpointed_blocks
 
 
 # --------------------------------------------------------------------------- activation checkpointing
@@ -175,60 +173,6 @@ def ensure_process_group(dist: DistInfo) -> None:
     if not td.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if dist.device.type == "cuda" else "gloo"
         td.init_process_group(backend, store=td.HashStore(), rank=0, world_size=1)
-
-
-def check_mesh(compute: ComputeConfig, world_size: int, local_world_size: int | None = None, *,
-               n_experts: int = 0) -> tuple[int, int]:
-    """(replicate, shard) sizes for the run's data parallelism; raises UserError when they do not
-    fit, or when ``compute.expert_parallel`` does not fit them or the model's ``n_experts``."""
-    if compute.data_parallel != "hsdp":
-        if compute.shard_size is not None and compute.shard_size != world_size and compute.data_parallel == "fsdp":
-            raise UserError(f"compute.shard_size: {compute.shard_size} is for data_parallel: hsdp; fsdp shards "
-                            f"over all {world_size} ranks (set data_parallel: hsdp or remove shard_size)")
-        replicate, shard = 1, world_size
-    else:
-        shard = compute.shard_size or local_world_size or world_size
-        if shard > world_size or world_size % shard:
-            raise UserError(f"compute.shard_size: {shard} does not divide the {world_size} ranks; expected a "
-                            f"divisor of {world_size} (ranks per shard group)")
-        replicate = world_size // shard
-    _check_expert_parallel(compute, shard, n_experts)
-    _check_context_parallel(compute, world_size, shard)
-    return replicate, shard
-
-
-def _check_context_parallel(compute: ComputeConfig, world_size: int, shard: int) -> None:
-    """The sizes context parallelism needs (the sequence's own rules: `context_parallel.check_context_parallel`)."""
-    cp = compute.context_parallel
-    if cp == 1:
-        return
-    key = f"compute.context_parallel: {cp}"
-    if compute.data_parallel == "none":
-        raise UserError(f"{key} needs data_parallel ddp, fsdp or hsdp: its gradients are reduced over the ranks "
-                        "that share a row (got none)")
-    if world_size % cp:
-        raise UserError(f"{key} does not divide the {world_size} ranks; expected a divisor of {world_size}")
-    if compute.data_parallel == "hsdp" and shard % cp:
-        raise UserError(f"{key} does not divide the {shard} ranks of a shard group (compute.shard_size); expected "
-                        f"a divisor of {shard}")
-
-
-def _check_expert_parallel(compute: ComputeConfig, shard: int, n_experts: int) -> None:
-    ep = compute.expert_parallel
-    if ep == 1:
-        return
-    key = f"compute.expert_parallel: {ep}"
-    if not n_experts:
-        raise UserError(f"{key} needs a mixture-of-experts model (model.n_experts > 0); this model is dense "
-                        "(remove expert_parallel)")
-    if n_experts % ep:
-        raise UserError(f"{key} does not divide the model's {n_experts} experts (model.n_experts); expected a "
-                        f"divisor of {n_experts}")
-    if compute.data_parallel not in SHARDED:
-        raise UserError(f"{key} needs data_parallel: fsdp or hsdp (got {compute.data_parallel})")
-    if shard % ep:
-        what = "ranks of a shard group (compute.shard_size)" if compute.data_parallel == "hsdp" else "ranks"
-        raise UserError(f"{key} does not divide the {shard} {what}; expected a divisor of {shard}")
 
 
 @dataclass

@@ -84,14 +84,14 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
 
 def check_world(cfg, nproc: int) -> None:
     """Mesh checks that need only sizes: fail before any process starts."""
-    from lmforge.distributed.parallelize import check_mesh
+    from lmforge.plan.checks import check_mesh
 
     n_experts = 0 if cfg.model == "auto" else cfg.model.n_experts  # model: auto chooses a dense shape
     check_mesh(cfg.compute, nproc * cfg.compute.nodes, nproc, n_experts=n_experts)
     c = cfg.compute
     if cfg.model != "auto" and cfg.parameters.context_length:  # (else resolution checks the resolved length)
         from lmforge.config.schema import FINETUNE_TASKS
-        from lmforge.estimate.context import check_context_parallel
+        from lmforge.plan.checks import check_context_parallel
 
         check_context_parallel(c.context_parallel, cfg.parameters.context_length, cfg.model,
                                packed_rows=cfg.parameters.document_masking or cfg.task_type in FINETUNE_TASKS,

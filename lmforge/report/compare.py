@@ -95,7 +95,7 @@ def fmt(value: Any, key: str = "") -> str:
 
         return format_eta(value)
     if "cost" in key:
-        from lmforge.estimate.cost import format_cost
+        from lmforge.plan.cost import format_cost
 
         return format_cost(value)
     if isinstance(value, int) or float(value).is_integer() and abs(value) >= 1:

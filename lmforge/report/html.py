@@ -183,8 +183,9 @@ def summary_table(runs: list[RunData]) -> str:
 
 def plan_rows(run: RunData) -> list[tuple[str, str, str]]:
     """(what, planned, actual) for the plan-vs-actual table."""
-    from lmforge.estimate.cost import cost_to_finish, format_cost
-    from lmforge.tracking.console import format_eta, human
+    from lmforge.plan.cost import cost_to_finish, format_cost
+    from lmforge.config.counts import human
+    from lmforge.tracking.console import format_eta
 
     plan = run.plan or {}
     est = plan.get("estimate") or {}
@@ -202,7 +203,7 @@ def plan_rows(run: RunData) -> list[tuple[str, str, str]]:
         ("devices", *[f"{plan.get('devices', '?')} × {plan.get('device', '?')}" if plan else "-"] * 2),
         ("steps", f"{plan['total_steps']:,}" if plan.get("total_steps") else "-", f"{steps[-1]:,}" if steps else "-"),
         ("tokens", human(total_tokens) if total_tokens else "-", human(tokens) if tokens is not None else "-"),
-        ("MFU", f"{100 * est['mfu']:.0f}% (assumed)" if est.get("mfu") else "-",
+        ("MFU", f"{100 * est['mfu']:.0f}% ({est.get('rate_source') or 'assumed'})" if est.get("mfu") else "-",
          f"{100 * mfu:.1f}% (median)" if mfu is not None else "-"),
         ("tokens/s", human(est["tokens_per_second"]) if est.get("tokens_per_second") else "-",
          human(tps) + " (median)" if tps else "-"),
@@ -224,9 +225,10 @@ def plan_table(runs: list[RunData]) -> str:
     for run in runs:
         rows = [[html.escape(a), html.escape(b), html.escape(c)] for a, b, c in plan_rows(run)]
         parts.append(f"<h3 style='font-size:14px;margin:10px 0 2px'>{html.escape(run.name)}</h3>"
-                     + _table(["", "plan (lmforge estimate at the start)", "what happened"], rows))
-    note = ("<p class='sub'>The plan is what <code>lmforge estimate</code> gives for this run's model, tokens "
-            "and devices at the assumed MFU; time and cost count training wall time (carried over resumes).</p>")
+                     + _table(["", "plan (the run's own, at its start)", "what happened"], rows))
+    note = ("<p class='sub'>The plan is the one the run made at its start, as <code>lmforge estimate</code> shows "
+            "it: its speed measured on this machine where it was, else assumed (the MFU row says which); time and "
+            "cost count training wall time (carried over resumes).</p>")
     return note + "".join(parts)
 
 

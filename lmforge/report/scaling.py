@@ -16,9 +16,9 @@ import os
 import time
 
 from lmforge.report.html import CSS, MARK, PALETTE, _figure_html, _layout, _table
-from lmforge.estimate.auto import effective_tokens
+from lmforge.plan.auto import effective_tokens
 from lmforge.scaling.fit import FLOPS_PER_PARAM_TOKEN, Law
-from lmforge.scaling.plan import human
+from lmforge.config.counts import human
 from lmforge.scaling.summary import isoflop_line
 
 

@@ -11,7 +11,7 @@ benches — and nothing changes a config after it. The steps, in order:
 3. the data: raw text tokenized, curated and packed into the cache by rank 0 first (its bad-input
    error reaches every rank); fine-tuning rows packed at the context;       (stage ``"run"`` only)
 4. the model's vocabulary from the tokenizer, its context from the run's;
-5. the plan (`resolve.plan.make_plan`): batch, steps, LR, schedule, intervals, precision;
+5. the plan (`plan.run.make_plan`): batch, steps, LR, schedule, intervals, precision;
    a curriculum's phases put on optimizer steps;                          → stage ``"plan"``/``"run"``
 6. the resolved config: every default written in (what `--dry-run` prints, checkpoints keep).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from lmforge.config.identity import with_default_names
 from lmforge.config.schema import RunConfig
-from lmforge.resolve.machine import Machine
+from lmforge.plan.machine import Machine
 from lmforge.resolve.request import RunRequest, run_config
 from lmforge.resolve.resolved import ResolvedRun, Stage
 

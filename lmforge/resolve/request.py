@@ -21,6 +21,9 @@ from lmforge.guard import check_save_folder, checkpoint_reads
 from lmforge.resolve.weights import fill_from_weights
 
 COMMANDS = ("train", "finetune")
+# The train_data of a run planned without any (`lmforge estimate` of a preset or `--model auto`):
+# resolution then knows nothing of the data's size or vocabulary, and reads no files.
+NO_DATA = "(no data: planned by lmforge estimate)"
 FINETUNE_DEFAULT_TASK = "instruction_finetune"  # `lmforge finetune` without a task_type
 # Command-line flags that set a config key (beside -f, --model, ... and --set).
 FLAG_KEYS = (("nnodes", "compute.nodes"), ("node_rank", "compute.node_rank"),

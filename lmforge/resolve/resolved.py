@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from lmforge.config.schema import RunConfig
-from lmforge.resolve.plan import TrainPlan
+from lmforge.plan.run import TrainPlan
 
 if TYPE_CHECKING:  # the data layer imports torch: only the stages past "config" need it
     from lmforge.data.batch import TrainingData

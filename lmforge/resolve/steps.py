@@ -11,16 +11,16 @@ from dataclasses import replace
 from lmforge.config.model import padded_vocab
 from lmforge.config.schema import FINETUNE_TASKS, RunConfig, TokenizerSpec
 from lmforge.data.chat import load_chat_template
-from lmforge.data.pieces import training_context
 from lmforge.data.resolve import ResolvedData, resolve_data
 from lmforge.data.preference import PREFERENCE_TASK, PreferenceData, load_preference_data
 from lmforge.data.sft import ASSISTANT_HEADER, CHAT_TEMPLATE, SFTData, chat_prompt, load_rows
 from lmforge.data.stream import StreamPhase, open_dataset
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.errors import UserError
-from lmforge.resolve.auto_model import resolve_auto
-from lmforge.resolve.machine import Machine
-from lmforge.resolve.plan import TrainPlan, make_plan, resolved_config
+from lmforge.plan.batch import training_context
+from lmforge.plan.machine import Machine
+from lmforge.plan.run import TrainPlan, make_plan, resolved_config
+from lmforge.resolve.auto_model import resolve_auto, without_data
 from lmforge.resolve.resolved import ResolvedRun, Stage
 from lmforge.resolve.weights import check_tokenizer_fits, locate
 
@@ -41,9 +41,11 @@ def _pretrain(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
     """Pretraining and continued pretraining: raw text or prepared MDS datasets."""
     cfg = _with_extension_base(cfg)
     cfg = machine.probe.on_main(lambda: resolve_auto(cfg, machine, log=log))
+    _check_family(cfg)
     if until == "plan":
         cfg = _with_vocab(cfg, _known_tokenizer_vocab(cfg))
-        plan = make_plan(cfg, machine, samples_per_epoch=None, data_seq_len=None)
+        data_seq_len, samples = _planned_data(cfg)
+        plan = make_plan(cfg, machine, samples_per_epoch=samples, data_seq_len=data_seq_len)
         return ResolvedRun(resolved_config(cfg, plan), plan)
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     # Rank 0 prepares the data first and the others then hit its cache; its UserError (bad data)
@@ -61,12 +63,47 @@ def _pretrain(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
     samples = data.epoch_pieces(ctx) if cfg.training_duration.unit == "ep" else None  # every piece once
     # Rank 0 plans (on a GPU it may time micro-batch candidates); every rank takes its plan.
     plan = machine.probe.on_main(lambda: make_plan(cfg, machine, samples_per_epoch=samples, data_seq_len=data_seq_len))
-    said = [plan.micro_batch_reason] if plan.micro_batch_reason else []  # how the micro-batch was chosen (GPUs)
-    for line in said + data.split_lines(plan.context_length):  # + samples longer than the context (`data.pieces`)
+    for line in said_lines(plan) + data.split_lines(plan.context_length):  # + samples longer than the context
         log(line)
     if cfg.curriculum:
         data = replace(data, phases=_stream_phases(cfg, plan))
     return ResolvedRun(resolved_config(cfg, plan), plan, data, tokenizer)
+
+
+def said_lines(plan: TrainPlan) -> list[str]:
+    """What a run says about its plan at its start: how the micro-batch was chosen (GPUs), RoPE scaling."""
+    return ([plan.micro_batch_reason] if plan.micro_batch_reason else []) + list(plan.notes)
+
+
+def _planned_data(cfg: RunConfig) -> tuple[int | None, int | None]:
+    """(sample length, training samples per epoch) the run will have, as far as they are known
+    before anything is prepared: prepared datasets say both; raw text will be prepared at the
+    run's context (or the model's length), and its epoch is not known yet. Only local data is
+    looked at (a dry run needs no credentials for an object store)."""
+    from lmforge.data.remote import is_remote
+
+    if without_data(cfg) or any(is_remote(d.path) for d in cfg.train_data):
+        return None, None
+    from lmforge.data.prepare import summary_seq_len
+    from lmforge.data.resolve import _read_summary, is_prepared, prepared_epoch_tokens
+
+    seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
+    lengths = [summary_seq_len(_read_summary(d.path)) if is_prepared(d.path) else seq_len for d in cfg.train_data]
+    data_seq_len = min((n for n in lengths if n), default=None)
+    if cfg.training_duration.unit != "ep" or data_seq_len is None:
+        return data_seq_len, None
+    ctx = training_context(cfg.parameters.context_length, cfg.model.max_seq_len, data_seq_len)
+    tokens = prepared_epoch_tokens([d.path for d in cfg.train_data], ctx)
+    return data_seq_len, tokens // ctx if tokens else None
+
+
+def _check_family(cfg: RunConfig) -> None:
+    """A pinned model.family must fit the model's features: else the refusal would come only at
+    export, after the training."""
+    if cfg.model.family is not None:
+        from lmforge.models.families import family_of
+
+        family_of(cfg.model)
 
 
 def _with_extension_base(cfg: RunConfig) -> RunConfig:
@@ -163,6 +200,7 @@ def _finetune(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
                         "context_parallel 1 for task_type preference")
     tokenizer = load_tokenizer(cfg.tokenizer)
     check_tokenizer_fits(tokenizer, cfg.model, "tokenizer")
+    _check_family(cfg)
     cfg = _with_vocab(cfg, tokenizer.vocab_size)
     template = load_chat_template(tokenizer.path)  # the tokenizer's own, else None → ours
     cfg = _with_context(cfg.model_copy(update={"eval": _sft_eval(cfg, template, tokenizer),
@@ -175,8 +213,8 @@ def _finetune(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
     data = _rows(cfg, tokenizer, template, seq_len, log)
     plan = machine.probe.on_main(lambda: make_plan(cfg, machine, samples_per_epoch=len(data.rows),
                                                    data_seq_len=seq_len))
-    if plan.micro_batch_reason:
-        log(plan.micro_batch_reason)
+    for line in said_lines(plan):
+        log(line)
     return ResolvedRun(resolved_config(cfg, plan), plan, data, tokenizer)
 
 

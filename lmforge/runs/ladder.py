@@ -34,7 +34,8 @@ from lmforge.errors import UserError
 from lmforge.runs.progress import read_history
 from lmforge.runs.registry import ACTIVE, Registry
 from lmforge.scaling.config import LadderConfig
-from lmforge.scaling.plan import (EVAL_MICRO_BATCH, LadderPlan, Point, family_shape, human, ladder_context,
+from lmforge.config.counts import human
+from lmforge.scaling.plan import (EVAL_MICRO_BATCH, LadderPlan, Point, family_shape, ladder_context,
                                   learning_rate, params_of, plan_ladder, prior_target, run_batch_tokens, WIDTHS)
 from lmforge.scaling.predict import predict
 

@@ -1,16 +1,17 @@
-"""Checks of a run config that need no data and no model: done in the process the user started,
-before the run is registered or anything is written, so that a config that cannot work is
-refused in a second with one line — not registered, started, crashed late and retried.
+"""Checks of a run before it starts: done in the process the user started, before the run is
+registered or anything is written, so that a config that cannot work is refused in a second with
+one line — not registered, started, crashed late and retried.
+
+The run is planned as its ranks will plan it — `resolve` up to the plan, on this machine described
+and measuring nothing (`plan_run`): its batch split, mesh, context, precision, model family and
+memory verdict are the plan's own rules, not copies of them. Beside it only what needs the file
+system:
 
 - the command fits the task: `finetune` reads JSONL, not a prepared pretraining dataset;
 - local training data exists;
-- an explicit global batch splits over the ranks (and into explicit micro-batches), and an
-  explicit context fits in prepared data's samples — the plan's own checks, on what is known here;
-- the save folder can be a folder and can be written;
+- the save folder can be a folder, can be written, and holds no other run's checkpoints;
 - `custom_weights_path` is a readable model (its recorded digests hold, its safetensors headers parse);
-- the tokenizer covers the ids of prepared training data;
-- the model's weights, gradients and optimizer states fit in the target device's memory (the
-  bound `lmforge estimate` computes; activations come on top, so only a sure failure is refused).
+- the tokenizer covers the ids of prepared training data.
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ import json
 import os
 import tempfile
 
-from lmforge.config.model import ModelConfig, padded_vocab
+from lmforge.config.model import padded_vocab
 from lmforge.config.schema import FINETUNE_TASKS, RunConfig
 from lmforge.data.remote import is_remote, local_path
 from lmforge.errors import UserError, environment_error
-from lmforge.estimate.memory import TRAINED_BYTES_PER_PARAM
 from lmforge.layout import DATASET_MARKER, different_run_error, holds_saved_run, read_run_file
-from lmforge.resolve.plan import check_batch_split, check_context
 
 
 
@@ -34,17 +33,27 @@ def preflight(cfg: RunConfig, command: str, world_size: int = 1, overwrite: bool
     """``world_size``: the ranks the run will have (every node's); ``overwrite``: --overwrite."""
     check_task(cfg, command)
     check_train_data(cfg)
-    check_batch(cfg, world_size)
-    check_context_fits(cfg)
     if cfg.custom_weights_path:
         check_weights(cfg.custom_weights_path)
     if cfg.model != "auto":  # model: auto chooses its shape (and vocabulary) later, to fit the budget
         check_vocab(cfg)
-        check_memory(cfg)
-        check_family(cfg)
     check_save_folder(cfg)
     if not overwrite:
         check_not_another_run(cfg)
+    plan_run(cfg, world_size)
+
+
+def plan_run(cfg: RunConfig, world_size: int) -> None:
+    """The run planned as its ranks will plan it (`resolve` up to the plan) on ``world_size`` ranks of
+    this machine, timing nothing: its UserError is the run's."""
+    from lmforge.plan.run import NotKnownYet
+    from lmforge.resolve import resolve
+    from lmforge.train.machine import planned_machine  # torch (the device's facts)
+
+    try:
+        resolve(cfg, planned_machine(cfg.compute, world_size, measure=False), until="plan", log=lambda *_: None)
+    except NotKnownYet:
+        pass  # an epoch of raw text: the ranks plan it once the data is prepared
 
 
 def check_task(cfg: RunConfig, command: str) -> None:
@@ -71,27 +80,6 @@ def check_train_data(cfg: RunConfig) -> None:
                 raise UserError(f"train_data {d.path}: the pattern matches no files")
         elif not os.path.exists(path):
             raise UserError(f"train_data {d.path}: no such file or folder")
-
-
-def check_batch(cfg: RunConfig, world_size: int) -> None:
-    """`resolve.plan`'s split check where the config fixes the global batch in samples (a batch in
-    tokens, or none, is sized by the plan to fit)."""
-    p = cfg.parameters
-    if isinstance(p.global_batch_size, int):
-        micro = None if p.micro_batch_size == "auto" else int(p.micro_batch_size)
-        check_batch_split(p.global_batch_size, micro, world_size)
-
-
-def check_context_fits(cfg: RunConfig) -> None:
-    """An explicit context against the samples of local prepared datasets (raw text is prepared
-    at the run's context, so it always fits)."""
-    from lmforge.data.prepare import summary_seq_len
-
-    ctx = cfg.parameters.context_length
-    if not ctx:
-        return
-    lengths = [n for _, summary in _prepared(cfg) if isinstance(n := summary_seq_len(summary), int)]
-    check_context(ctx, min(lengths) if lengths else None)
 
 
 def _prepared(cfg: RunConfig) -> list[tuple[str, dict]]:
@@ -207,55 +195,3 @@ def check_vocab(cfg: RunConfig) -> None:
             raise UserError(f"train_data {path}: prepared with a tokenizer of {vocab} tokens, more than {whose} "
                             f"covers; use the tokenizer the data was prepared with ({data_tok.get('path')}) or "
                             "prepare the data again with this one")
-
-
-def check_family(cfg: RunConfig) -> None:
-    """A pinned model.family must fit the model's features: else the refusal would come only at
-    export, after the training."""
-    if isinstance(cfg.model, ModelConfig) and cfg.model.family is not None:
-        from lmforge.models.families import family_of
-
-        family_of(cfg.model)
-
-
-def check_memory(cfg: RunConfig) -> None:
-    import torch
-
-    from lmforge.estimate.flops import param_counts
-
-    model = cfg.model
-    vocab = model.vocab_size or _tokenizer_vocab(cfg) or 0
-    try:
-        params = param_counts(model.model_copy(update={"vocab_size": max(1, vocab)}))["total"]
-    except (ValueError, TypeError, ZeroDivisionError):
-        return
-    lora = cfg.lora is not None
-    per_param = 4 if lora else TRAINED_BYTES_PER_PARAM  # LoRA: frozen fp32 weights (+ small adapters)
-    compute = cfg.compute
-    if compute.device == "cuda" and not torch.cuda.is_available():
-        return  # reported where the device is picked
-    cuda = compute.device == "cuda" or (compute.device == "auto" and torch.cuda.is_available())
-    sharded = compute.data_parallel in ("fsdp", "hsdp")
-    if cuda:
-        gpus = torch.cuda.device_count() if compute.gpus == "auto" else compute.gpus
-        if not gpus:
-            return  # reported where the device is picked
-        devices = max(1, gpus) * compute.nodes
-        need = params * per_param / (devices if sharded else 1)
-        have = torch.cuda.get_device_properties(0).total_memory
-        where = f"one GPU ({torch.cuda.get_device_name(0)}, {_gb(have)})"
-    else:
-        ranks = compute.ranks or 1
-        need = params * per_param * (1 if sharded else ranks)  # every CPU rank shares this machine's memory
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        where = f"this machine's memory ({_gb(have)})"
-    if need > have:
-        how = "frozen weights (lora)" if lora else "weights, gradients and AdamW states"
-        raise UserError(f"model does not fit: {params:,.0f} parameters need {_gb(need)} for {how} alone, more "
-                        f"than {where}; use a smaller model"
-                        + ("" if sharded or not cuda else ", or shard it over more GPUs (compute.data_parallel: fsdp)")
-                        + " (`lmforge train --dry-run` shows the full estimate)")
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB"

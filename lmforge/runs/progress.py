@@ -62,7 +62,7 @@ def summarize(record: dict, config: dict | None) -> dict:
     out["progress"], out["eta_s"] = frac, eta
     out["elapsed_s"] = record.get("time/elapsed_s")
     if record.get("cost/so_far") is not None:  # the run has a compute.price_per_gpu_hour
-        from lmforge.estimate.cost import cost_to_finish
+        from lmforge.plan.cost import cost_to_finish
 
         out["cost"] = record["cost/so_far"]
         out["cost_per_hour"] = record.get("cost/per_hour")

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lmforge.config.counts import parse_count
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.load import build_config, format_error, read_yaml
 from lmforge.config.schema import RunConfig, TokenizerSpec
@@ -36,27 +37,6 @@ CHOSEN_BY_LADDER = {
     "custom_weights_path": "a ladder trains every model from scratch (its law is for pretraining)",
     "lora": "a ladder trains every model from scratch (its law is for pretraining)",
 }
-
-
-def parse_count(value: Any, what: str) -> float:
-    """A count such as 20M, '2B tok', 2_000_000 or 1e6 (tokens) / 1e18 or '1e18flop' (FLOPs)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a number such as 20M or 2e6, got {value!r}")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"{what} must be positive, got {value!r}")
-        return float(value)
-    if not isinstance(value, str):
-        raise ValueError(f"{what}: expected a number such as 20M or 2e6, got {value!r}")
-    text = value.strip()
-    for unit in ("tokens", "tok", "flops", "flop"):
-        if text.lower().endswith(unit):
-            text = text[: -len(unit)].strip()
-            break
-    try:
-        return parse_duration(f"{text}tok", what).value
-    except ValueError:
-        raise ValueError(f"{what}: cannot read {value!r}; expected a number such as 20M, 2B or 1e18") from None
 
 
 class Target(BaseModel):

@@ -38,8 +38,9 @@ from typing import Callable
 from lmforge.config.defaults import MAX_WARMUP_STEPS, WARMUP_FRACTION, default_batch_tokens, default_learning_rate
 from lmforge.config.model import ModelConfig, padded_vocab, resolve_model
 from lmforge.errors import UserError
-from lmforge.estimate.auto import TOKENS_PER_PARAM  # Chinchilla's ratio: the target's prior before any fit
-from lmforge.estimate.flops import param_counts
+from lmforge.config.counts import human
+from lmforge.plan.auto import TOKENS_PER_PARAM  # Chinchilla's ratio: the target's prior before any fit
+from lmforge.plan.flops import param_counts
 from lmforge.scaling.config import LadderConfig
 from lmforge.scaling.fit import FLOPS_PER_PARAM_TOKEN
 
@@ -352,11 +353,3 @@ def makespan(seconds: list[float], parallel: int) -> float:
         i = slots.index(min(slots))
         slots[i] += s
     return max(slots)
-
-
-def human(x: float) -> str:
-    """A count for people: 43.2K, 1.67M, 2B."""
-    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if x >= div:
-            return f"{x / div:.3g}{suffix}"
-    return f"{x:.3g}"

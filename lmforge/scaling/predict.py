@@ -17,7 +17,7 @@ at least ±5%; a poor fit, exponents at their bounds, a long extrapolation or an
 cross-check that disagrees get a warning each.
 
 Repeated data counts less (Muennighoff et al. 2023): every D here, the ladder's and the target's,
-is the *effective* token count of `estimate.auto.effective_tokens` — equal to the tokens trained
+is the *effective* token count of `plan.auto.effective_tokens` — equal to the tokens trained
 while they fit in one epoch.
 """
 
@@ -31,10 +31,10 @@ import numpy as np
 
 from lmforge.errors import UserError
 
-from lmforge.estimate.auto import effective_tokens
+from lmforge.plan.auto import effective_tokens
 from lmforge.scaling.fit import (EXPONENT_PRIOR, FLOPS_PER_PARAM_TOKEN, HUBER_DELTA, N_PARAMS, Backtest, Law,
                                  backtest, bootstrap, fit_law, isoflop_levels, isoflop_trend)
-from lmforge.scaling.plan import human
+from lmforge.config.counts import human
 
 WEAK_FLOOR = 0.05  # the interval's least half-width (relative) when the ladder cannot judge its own fit
 NOISE_FLOOR = 0.003  # ... and otherwise

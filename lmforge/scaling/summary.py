@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lmforge.scaling.plan import human
+from lmforge.config.counts import human
 
 
 def format_runs(runs: list[dict]) -> list[str]:

@@ -16,7 +16,7 @@ from typing import TextIO
 
 from lmforge.config.tracking import TrackerConfig
 from lmforge.errors import UserError
-from lmforge.estimate.cost import live_cost
+from lmforge.plan.cost import live_cost
 from lmforge.train.callbacks import Callback, RunInfo
 from lmforge.tracking.base import Tracker, Trackers, flatten_params, warn_disabled
 from lmforge.tracking.console import ConsoleTracker

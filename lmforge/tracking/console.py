@@ -14,15 +14,8 @@ import time
 from datetime import timedelta
 from typing import TextIO
 
+from lmforge.config.counts import human
 from lmforge.tracking.base import Tracker, scalar_metrics
-
-
-def human(n: float) -> str:
-    """1234567 -> "1.23M"."""
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:.0f}" if float(n).is_integer() else f"{n:.3g}"
 
 
 def format_eta(seconds: float | None) -> str:
@@ -64,7 +57,7 @@ def train_summary(m: dict[str, float], total_tokens: int | None = None, eta_s: f
     if "memory/max_allocated_gb" in m:
         parts.append(f"mem {m['memory/max_allocated_gb']:.1f}GB")
     if "cost/so_far" in m:
-        from lmforge.estimate.cost import cost_to_finish, format_cost
+        from lmforge.plan.cost import cost_to_finish, format_cost
 
         rest = cost_to_finish(m.get("cost/per_hour"), eta_s)
         parts.append(f"cost {format_cost(m['cost/so_far'])}" + (f" (+{format_cost(rest)} to finish)" if rest else ""))

@@ -6,8 +6,9 @@ records of this eval are already on disk). The page itself is drawn by the rende
 operations give it (`report.write_run_report`): tracking knows nothing of HTML. It also leaves in the folder what only the
 training process knows, so that a report made later from the folder alone is complete:
 
-- ``plan.json``: what ``lmforge estimate`` says for this run (model, tokens, devices, price),
-  recorded when the run starts — the "plan" the report holds against what happened;
+- ``plan.json``: the run's own plan as ``lmforge estimate`` shows it (model, tokens, devices, speed
+  and where it comes from, price), saved by the run when it starts — the "plan" the report holds
+  against what happened;
 - ``events.jsonl``: ``started`` / ``resumed`` / ``finished`` (with the status), next to the
   elastic restarts the trainer already records there.
 """
@@ -88,46 +89,16 @@ def _start_events_anew(events: Path, run_file: Path) -> None:
 
 
 def run_plan(params: dict) -> dict:
-    """plan.json: the trainer's plan (steps, tokens, devices) and what `lmforge estimate`
-    makes of it on this machine's device at its default MFU."""
-    from lmforge.config.model import ModelConfig
-    from lmforge.estimate.plan import EstimateInputs, estimate_run
-
+    """plan.json: what the run planned, as its plan saved it (``plan.report``: `plan.estimate.run_record`,
+    the estimate a view of the run's own plan). Read as it is, never recomputed; a caller that gives
+    only steps and devices gets those, and no estimate."""
     plan = params.get("plan") or {}
+    if plan.get("report"):
+        return plan["report"]
     p = params.get("parameters") or {}
-    compute = params.get("compute") or {}
-    devices = int(plan.get("world_size") or 1)
-    total_steps = plan.get("total_steps")
-    ctx, gbs = p.get("context_length"), p.get("global_batch_size")
+    ctx, gbs, total_steps = p.get("context_length"), p.get("global_batch_size"), plan.get("total_steps")
     tokens_per_step = ctx * gbs if isinstance(ctx, int) and isinstance(gbs, int) else None
-    total_tokens = total_steps * tokens_per_step if total_steps and tokens_per_step else None
-    spec = _device_spec(compute.get("device", "auto"))
-    price = compute.get("price_per_gpu_hour")
-    precision = p.get("precision") if p.get("precision") in ("bf16", "fp32") else "fp32"
-    out = {"device": spec.name, "device_description": spec.description, "devices": devices,
-           "precision": precision, "total_steps": total_steps, "total_tokens": total_tokens,
-           "tokens_per_step": tokens_per_step, "params_total": plan.get("params_total"),
-           "params_active": plan.get("params_active"), "price_per_gpu_hour": price,
-           "training_duration": params.get("training_duration"), "estimate": None}
-    if total_tokens:  # a wall-clock duration has no token count to estimate from
-        try:
-            est = estimate_run(EstimateInputs(ModelConfig.model_validate(params["model"]), tokens=total_tokens,
-                                              gpus=devices, spec=spec, price=price, seq_len=ctx, precision=precision))
-        except Exception as exc:  # noqa: BLE001 - the report then shows what happened without a plan
-            out["estimate_error"] = f"{type(exc).__name__}: {exc}"
-        else:
-            out["estimate"] = {"mfu": est["time"]["mfu"], "seconds": est["time"]["seconds"],
-                               "tokens_per_second": est["time"]["tokens_per_second"],
-                               "flops": est["flops"]["total"], "cost": est["cost"]["total"]}
-    return out
-
-
-def _device_spec(kind: str):
-    """The spec of the device rank 0 trains on (the trainer has already picked and set it)."""
-    import torch
-
-    from lmforge.estimate.hardware import detect_device_spec
-
-    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        return detect_device_spec(torch.device("cuda", torch.cuda.current_device()))
-    return detect_device_spec("cpu")
+    return {"devices": int(plan.get("world_size") or 1), "total_steps": total_steps,
+            "total_tokens": total_steps * tokens_per_step if total_steps and tokens_per_step else None,
+            "tokens_per_step": tokens_per_step, "price_per_gpu_hour": (params.get("compute") or {}).get("price_per_gpu_hour"),
+            "training_duration": params.get("training_duration"), "estimate": None}

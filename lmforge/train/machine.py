@@ -1,4 +1,4 @@
-"""The machine this process trains on, as resolution sees it (`resolve.machine.Machine`).
+"""The machine this process trains on, as resolution sees it (`plan.machine.Machine`).
 
 Facts come from torch (the device, its memory, whether bf16 and FP8 run natively); the probe
 measures a shape's training speed here (`train.throughput`, cached per machine) and runs a step
@@ -13,11 +13,11 @@ import torch
 
 from lmforge.config.model import ModelConfig
 from lmforge.distributed.dist import DistInfo, broadcast_object
-from lmforge.config.schema import RunConfig
+from lmforge.config.schema import ComputeConfig, RunConfig
 from lmforge.distributed.float8 import FP8Options, check_fp8_supported
 from lmforge.errors import PeerUserError, UserError
-from lmforge.estimate.hardware import detect_device_spec
-from lmforge.resolve.machine import Machine
+from lmforge.plan.hardware import detect_device_spec
+from lmforge.plan.machine import Machine
 from lmforge.train.micro_batch import probe_tokens_per_s
 from lmforge.train.throughput import cached_tokens_per_s, measure_tokens_per_s
 
@@ -44,17 +44,16 @@ def fp8_problem(device: torch.device, experts: bool = False) -> str | None:
 
 
 class LocalProbe:
-    """Measures on this process's device; rank 0 of ``dist`` decides for every rank."""
+    """Measures on this process's device (``measures`` False: reads only what was measured before);
+    rank 0 of ``dist`` decides for every rank."""
 
-    measures = True
-
-    def __init__(self, device: torch.device, dist: DistInfo | None = None):
-        self.device, self.dist = device, dist
+    def __init__(self, device: torch.device, dist: DistInfo | None = None, measures: bool = True):
+        self.device, self.dist, self.measures = device, dist, measures
 
     def tokens_per_s(self, model: ModelConfig, context_length: int, micro_batch: int, *, precision: str,
                      optimizer: str, measure: bool) -> float | None:
         kw = dict(precision=precision, optimizer=optimizer, device=self.device)
-        if not measure:
+        if not (measure and self.measures):
             return cached_tokens_per_s(model, context_length, micro_batch, **kw)
         try:
             return measure_tokens_per_s(model, context_length, micro_batch, **kw)
@@ -63,8 +62,8 @@ class LocalProbe:
 
     def micro_batch_tokens_per_s(self, cfg: RunConfig, context_length: int, micro_batch: int, checkpointing, *,
                                  precision: str) -> float | None:
-        if self.device.type != "cuda":
-            return None  # a CPU keeps its fixed rule (`resolve.plan.micro_batch_and_checkpointing`)
+        if self.device.type != "cuda" or not self.measures:
+            return None  # a CPU keeps its fixed rule (`plan.run.micro_batch_and_checkpointing`)
         return probe_tokens_per_s(cfg.model, context_length, micro_batch, checkpointing, precision=precision,
                                   fp8=FP8Options.of(cfg.parameters), compile_=cfg.compute.compile, device=self.device)
 
@@ -89,15 +88,33 @@ class LocalProbe:
         return result
 
 
-def local_machine(device: torch.device, world_size: int = 1, dist: DistInfo | None = None) -> Machine:
-    """``world_size`` devices like ``device`` (this process's), ``dist`` its process group if any."""
+def local_machine(device: torch.device, world_size: int = 1, dist: DistInfo | None = None, *,
+                  measure: bool = True) -> Machine:
+    """``world_size`` devices like ``device`` (this process's), ``dist`` its process group if any;
+    ``measure`` False: nothing is timed here (only earlier measurements are read)."""
     spec = detect_device_spec(device)
     if device.type == "cuda":  # what this card really has (the table's is the nominal size)
         spec = replace(spec, memory_bytes=float(torch.cuda.get_device_properties(device).total_memory))
     return Machine(device.type, spec, world_size, bf16=bf16_supported(device), fp8_problem=fp8_problem(device),
-                   fp8_experts_problem=fp8_problem(device, experts=True), probe=LocalProbe(device, dist))
+                   fp8_experts_problem=fp8_problem(device, experts=True),
+                   probe=LocalProbe(device, dist, measure))
 
 
 def process_machine(dist: DistInfo) -> Machine:
     """The machine of a training process: its device, every rank of its group."""
     return local_machine(dist.device, dist.world_size, dist)
+
+
+def planned_machine(compute: ComputeConfig, world_size: int | None = None, *, measure: bool = True) -> Machine:
+    """The machine a run of ``compute`` trains on, described before it starts (`--dry-run`,
+    preflight): this host's device kind and ``world_size`` ranks — by default what the config asks
+    for: ``compute.ranks`` on a CPU, GPUs per node × nodes on GPUs."""
+    from lmforge.distributed.torchrun import resolve_device_kind
+
+    kind = resolve_device_kind(compute.device)
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError("compute.device: cuda was asked for but no CUDA GPU is visible")
+    if world_size is None:
+        per_node = torch.cuda.device_count() if compute.gpus == "auto" else compute.gpus
+        world_size = per_node * compute.nodes if kind == "cuda" else compute.ranks or 1
+    return local_machine(torch.device(kind, 0) if kind == "cuda" else torch.device("cpu"), world_size, measure=measure)

@@ -1,5 +1,5 @@
 """The GPU timing probe of `parameters.micro_batch_size: auto` (the choice itself is
-`estimate.micro_batch`, made during resolution: `resolve.plan.micro_batch_and_checkpointing`).
+`plan.micro_batch`, made during resolution: `plan.run.micro_batch_and_checkpointing`).
 
 On a GPU the candidates that fit in memory are timed by `probe_tokens_per_s`: a few forward +
 backward passes of a slice of the model (`PROBE_LAYERS` blocks of its shape, its embedding and
@@ -24,7 +24,7 @@ from contextlib import nullcontext
 
 from lmforge.config.model import ModelConfig
 from lmforge.distributed.float8 import FP8Options
-from lmforge.estimate.flops import mfu_flops_per_token
+from lmforge.plan.flops import mfu_flops_per_token
 from lmforge.home import cache_dir
 from lmforge.train.throughput import machine_key
 

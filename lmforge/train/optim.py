@@ -1,5 +1,5 @@
 """The optimizer (AdamW, or Muon for the hidden matrices: `train.muon`) and the learning rate a
-resumed run blends in with (the schedule itself is `resolve.schedule`).
+resumed run blends in with (the schedule itself is `plan.schedule`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from lmforge.config.schema import Parameters
 from lmforge.models.lora import LoRALinear
 from lmforge.models.moe import GroupedExperts, MoE
-from lmforge.resolve.schedule import Schedule
+from lmforge.plan.schedule import Schedule
 from lmforge.train.muon import Muon
 
 _DEFAULTS = Parameters.model_fields  # the config is where defaults live

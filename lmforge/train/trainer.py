@@ -49,7 +49,8 @@ from lmforge.distributed.parallelize import (SHARDED, clip_grad_norm, compile_en
                                              is_sharded, materialize, no_grad_sync, parallelize)
 from lmforge.errors import UserError
 from lmforge.layout import latest_checkpoint, list_checkpoints, read_run_file, read_state
-from lmforge.estimate.hardware import detect_device_spec, mfu, mfu_basis, peak_flops
+from lmforge.plan.estimate import run_record
+from lmforge.plan.hardware import detect_device_spec, mfu, mfu_basis, peak_flops
 from lmforge.eval.in_training import generations, load_icl, run_icl
 from lmforge.models import build_model, save_pretrained
 from lmforge.models.io import write_chat_template
@@ -661,7 +662,8 @@ class Trainer:
             name=self.cfg.name, save_folder=self.save_folder, resumed=self.resumed,
             config=redact_config(self.cfg.model_dump(mode="json")),
             plan={"params_total": plan.params["total"], "params_active": plan.params["active"],
-                  "world_size": self.dist.world_size, "grad_accum": plan.grad_accum, "total_steps": plan.total_steps},
+                  "world_size": self.dist.world_size, "grad_accum": plan.grad_accum, "total_steps": plan.total_steps,
+                  "report": run_record(self.cfg, plan)},
             total_steps=plan.total_steps, total_tokens=plan.total_tokens)
 
     def _announce(self) -> None:

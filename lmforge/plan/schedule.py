@@ -1,6 +1,6 @@
 """The learning-rate schedule: the LR multiplier (of the peak) over a run, as plain arithmetic.
 
-Resolution builds it (`resolve.plan.make_schedule`), the trainer evaluates it every step
+Resolution builds it (`plan.run.make_schedule`), the trainer evaluates it every step
 (`train.optim`), and a checkpoint records its signature to notice a changed schedule on resume.
 The schedule is measured in the run's own unit: optimizer steps for step/token/epoch budgets,
 seconds of training for wall-clock budgets (so warmup and decay are fractions of the elapsed

@@ -61,9 +61,10 @@ Usable memory is the GPU's memory less a 10% margin (allocator fragmentation) an
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from lmforge.config.model import ModelConfig
-from lmforge.estimate.flops import block_counts, vocab_of
+from lmforge.plan.flops import block_counts, vocab_of
 
 STATE_BYTES = {"bf16_params": 2, "fp32_master": 4, "fp32_grads": 4, "adam_m": 4, "adam_v": 4}
 BYTES_PER_PARAM = sum(STATE_BYTES.values())
@@ -80,6 +81,7 @@ RESERVED_BYTES = 1e9
 # only makes the global batch needlessly large.
 MAX_SUGGESTED_MICRO_BATCH = 64
 REPLICATED = ("ddp", "none")  # data-parallel modes that keep every model state on every GPU
+SHARDED = ("fsdp", "hsdp")  # data-parallel modes that split the model states over GPUs
 DDP_BUCKET_BYTES = 4  # per parameter: DDP's fp32 gradient buckets
 
 
@@ -89,7 +91,7 @@ def checkpointed_blocks(value, n_layers: int) -> tuple[str | None, list[int]]:
 
     ``false``: none; ``true``/``full``: every block; ``selective``: every block, keeping matmul
     and attention outputs (recomputing only the cheap element-wise ops); ``N``: every N-th block
-    (full). ``auto`` is resolved before training (`estimate.micro_batch`); left unresolved (a
+    (full). ``auto`` is resolved before training (`plan.micro_batch`); left unresolved (a
     model built outside a run) it means none.
     """
     if value is False or value is None or value == "auto":
@@ -134,14 +136,46 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, checkpointing=False) -> flo
     return float(per_token * seq_len)
 
 
-def fixed_bytes(total_params: int | float, cfg: ModelConfig, n_devices: int, expert_parallel: int = 1,
-                ddp_ranks: int = 1) -> float:
-    """Bytes per GPU that do not depend on the micro-batch: the model states (sharded over
-    ``n_devices``), the gathered FSDP units, the loss's workspace, and DDP's gradient buckets when
-    ``ddp_ranks`` > 1 replicas are wrapped in DDP (`memory_plan` counts them as well)."""
-    buckets = DDP_BUCKET_BYTES * float(total_params) if ddp_ranks > 1 else 0.0
-    return (float(total_params) * BYTES_PER_PARAM / n_devices + 2 * 4 * largest_unit_params(cfg, expert_parallel)
-            + loss_workspace_bytes(cfg) + buckets)
+@dataclass(frozen=True)
+class Sharding:
+    """How a run's GPUs hold the model states: `compute.data_parallel` over ``devices`` GPUs (all
+    nodes), HSDP's shard group (`compute.shard_size`, default every GPU given here) and expert
+    parallelism. The one description the memory model, `micro_batch_size: auto` and the long-context
+    search all count with."""
+
+    data_parallel: str = "fsdp"  # fsdp | hsdp | ddp | none
+    devices: int = 1
+    shard_size: int | None = None
+    expert_parallel: int = 1
+
+    @property
+    def shards(self) -> int:
+        """GPUs one copy of the model states is split over."""
+        if self.data_parallel == "fsdp":
+            return self.devices
+        if self.data_parallel == "hsdp":
+            return self.shard_size or self.devices
+        return 1
+
+
+def fixed_parts(total_params: int | float, cfg: ModelConfig, sharding: Sharding) -> tuple[float, float, float]:
+    """(model states, unsharded working set, loss workspace): the bytes per GPU that do not grow
+    with the micro-batch. The unsharded set is FSDP's two gathered units (sharded modes) or DDP's
+    fp32 gradient buckets (several replicas wrapped in DDP; one process is not wrapped)."""
+    states = float(total_params) * BYTES_PER_PARAM / sharding.shards
+    if sharding.data_parallel in SHARDED:
+        unsharded = 2 * 4 * largest_unit_params(cfg, sharding.expert_parallel)
+    elif sharding.data_parallel == "ddp" and sharding.devices > 1:
+        unsharded = DDP_BUCKET_BYTES * float(total_params)
+    else:
+        unsharded = 0.0
+    return states, float(unsharded), loss_workspace_bytes(cfg)
+
+
+def fixed_bytes(total_params: int | float, cfg: ModelConfig, sharding: Sharding) -> float:
+    """Bytes per GPU that do not depend on the micro-batch (`fixed_parts` summed): every memory
+    verdict adds micro-batch × `activation_bytes` to this."""
+    return sum(fixed_parts(total_params, cfg, sharding))
 
 
 def loss_workspace_bytes(cfg: ModelConfig) -> float:
@@ -169,81 +203,45 @@ def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1) if n >= 1 else 0
 
 
-def memory_plan(
-    total_params: int | float,
-    cfg: ModelConfig | None,
-    seq_len: int,
-    n_devices: int,
-    gpu_memory: float,
-    micro_batch: int | None = None,
-    activation_checkpointing=None,
-    expert_parallel: int = 1,
-    context_parallel: int = 1,
-    data_parallel: str = "fsdp",
-    shard_devices: int | None = None,
-) -> dict:
-    """Per-GPU memory, fit check and micro-batch suggestion for ``data_parallel`` (fsdp: states
-    sharded over the ``n_devices``; hsdp: over ``shard_devices``, a node's GPUs; ddp/none: whole on
-    every GPU).
-
-    ``cfg`` None (a nominal parameter count) estimates model states only.
+def memory_plan(total_params: int | float, cfg: ModelConfig | None, seq_len: int, sharding: Sharding,
+                gpu_memory: float, micro_batch: int | None = None, activation_checkpointing=None,
+                context_parallel: int = 1) -> dict:
+    """Per-GPU memory, fit check and micro-batch suggestion of ``sharding`` (`fixed_parts` plus
+    activations). ``cfg`` None (a nominal parameter count) estimates model states only.
     ``activation_checkpointing``: a `compute.activation_checkpointing` value (false, true/full,
     selective, N); None picks: off if micro-batch 1 fits without it, else full.
-    ``context_parallel`` N: each GPU holds seq_len / N tokens of a row (its activations).
-    """
-    sharded = data_parallel not in REPLICATED
-    shards = (shard_devices or n_devices) if data_parallel == "hsdp" else n_devices if sharded else 1
+    ``context_parallel`` N: each GPU holds seq_len / N tokens of a row (its activations)."""
+    dp, sharded = sharding.data_parallel, sharding.data_parallel in SHARDED
     states_total = float(total_params) * BYTES_PER_PARAM
-    states = states_total / shards
+    states = states_total / sharding.shards
     usable = usable_bytes(gpu_memory)
     out: dict = {
-        "data_parallel": data_parallel,
-        "shards": shards,
-        "devices": n_devices,
-        "bytes_per_param": dict(STATE_BYTES),
-        "states_bytes_total": states_total,
-        "states_bytes_per_gpu": states,
-        "gpu_memory_bytes": gpu_memory,
-        "usable_bytes": usable,
-        "seq_len": seq_len,
+        "data_parallel": dp, "shards": sharding.shards, "devices": sharding.devices,
+        "bytes_per_param": dict(STATE_BYTES), "states_bytes_total": states_total, "states_bytes_per_gpu": states,
+        "gpu_memory_bytes": gpu_memory, "usable_bytes": usable, "seq_len": seq_len,
         "context_parallel": context_parallel,
     }
     if cfg is None:
-        fits = states <= usable
         out.update(gathered_bytes_per_gpu=None, loss_workspace_bytes=None, activation_bytes_per_sample=None,
                    max_micro_batch=None, activation_checkpointing=activation_checkpointing,
-                   micro_batch=micro_batch, suggested_micro_batch=None,
-                   total_bytes_per_gpu=states, fits=fits,
-                   min_gpus=math.ceil(states_total / usable) if usable > 0 and sharded else None)
+                   micro_batch=micro_batch, suggested_micro_batch=None, total_bytes_per_gpu=states,
+                   fits=states <= usable, min_gpus=math.ceil(states_total / usable) if usable > 0 and sharded else None)
         return out
-
-    if sharded:
-        gathered = 2 * 4 * largest_unit_params(cfg, expert_parallel)
-    else:
-        gathered = DDP_BUCKET_BYTES * float(total_params) if data_parallel == "ddp" else 0.0
-    loss = loss_workspace_bytes(cfg)
+    _, unsharded, loss = fixed_parts(total_params, cfg, sharding)
     tokens = seq_len // context_parallel
     act = {"no_ac": activation_bytes(cfg, tokens, False), "ac": activation_bytes(cfg, tokens, True)}
-    free = usable - states - gathered - loss
+    free = usable - states - unsharded - loss
     max_mb = {k: _max_batch(free, v) for k, v in act.items()}
     if activation_checkpointing is None:
         activation_checkpointing = max_mb["no_ac"] < 1
     chosen = activation_bytes(cfg, tokens, activation_checkpointing)  # a rank's share of the row
     suggested = min(_pow2_floor(_max_batch(free, chosen)), MAX_SUGGESTED_MICRO_BATCH) or None
     mb = micro_batch or suggested or 1
-    total = states + gathered + loss + mb * chosen
+    total = states + unsharded + loss + mb * chosen
     # GPUs needed for micro-batch 1 with checkpointing: shards shrink, the rest does not.
-    room = usable - gathered - loss - act["ac"]
-    out.update(
-        gathered_bytes_per_gpu=gathered,
-        loss_workspace_bytes=loss,
-        activation_bytes_per_sample=act,
-        max_micro_batch=max_mb,
-        activation_checkpointing=activation_checkpointing,
-        micro_batch=micro_batch,
-        suggested_micro_batch=suggested,
-        total_bytes_per_gpu=total,
-        fits=total <= usable,
-        min_gpus=math.ceil(states_total / room) if room > 0 and sharded else None,
-    )
+    room = usable - unsharded - loss - act["ac"]
+    out.update(gathered_bytes_per_gpu=unsharded, loss_workspace_bytes=loss, activation_bytes_per_sample=act,
+               max_micro_batch=max_mb, activation_checkpointing=activation_checkpointing, micro_batch=micro_batch,
+               suggested_micro_batch=suggested, total_bytes_per_gpu=total, fits=total <= usable,
+               min_gpus=math.ceil(states_total / room) if room > 0 and sharded else None)
     return out

@@ -24,7 +24,10 @@ The rule, and where it comes from:
 - **This machine's sweep.** ``TOKENS_PER_PARAM`` and the vocabulary rule below were checked
   against bench/sweep.py's shape and vocabulary sweeps on 2 CPU cores (see BENCHMARKS.md).
 
-Everything here is pure: the throughput of a candidate comes in as a function.
+Everything here is pure: the throughput of a candidate comes in as a function, or through the
+machine's probe (`choose_for_run`, which sizes each candidate's batch as its plan would:
+`plan.batch`). `resolve.auto_model` gathers the facts only a run has (its data's size, a
+resumed run's recorded shape) and calls it.
 """
 
 from __future__ import annotations
@@ -33,11 +36,17 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from lmforge.config.defaults import auto_vocab
+from lmforge.config.defaults import auto_vocab, estimated_bytes_per_token
+from lmforge.config.counts import human
 from lmforge.config.durations import Duration
 from lmforge.config.model import PRESETS, ModelConfig, padded_vocab
+from lmforge.config.schema import RunConfig
 from lmforge.errors import UserError
-from lmforge.estimate.flops import mfu_flops_per_token, param_counts
+from lmforge.plan.batch import assumed_tokens_per_s, global_batch, plan_optimizer, probe_micro_batch, run_tokens
+from lmforge.plan.checks import replicas
+from lmforge.plan.flops import mfu_flops_per_token, param_counts
+from lmforge.plan.hardware import mfu_basis, peak_flops
+from lmforge.plan.machine import Machine
 
 TOKENS_PER_PARAM = 20.0  # Chinchilla; all parameters counted (see the module docstring)
 REPEAT_HALF_LIFE = 15.4  # R* of Muennighoff et al. 2023
@@ -150,27 +159,20 @@ def choose(budget: Budget, cands: list[Candidate], *, unique_tokens: float | Non
     best = min(cands, key=distance)
     m = best.model
     if budget.kind == "tok":
-        bought = f"{_n(best.tokens)} tokens"
+        bought = f"{human(best.tokens)} tokens"
     elif budget.kind == "ba":
-        bought = f"{budget} × {_n(best.batch_tokens)} tokens = {_n(best.tokens)} tokens"
+        bought = f"{budget} × {human(best.batch_tokens)} tokens = {human(best.tokens)} tokens"
     elif budget.kind == "flop":
-        bought = f"{budget} buy {_n(best.tokens)} tokens of it"
+        bought = f"{budget} buy {human(best.tokens)} tokens of it"
     else:
-        bought = f"{budget} × {_n(best.tokens_per_s)} tokens/s ({rate_note}) = {_n(best.tokens)} tokens"
+        bought = f"{budget} × {human(best.tokens_per_s)} tokens/s ({rate_note}) = {human(best.tokens)} tokens"
     if unique_tokens and best.tokens > unique_tokens:
-        bought += f" ({best.tokens / unique_tokens:.1f} epochs of {_n(unique_tokens)}, worth {_n(best.effective_tokens)})"
+        bought += f" ({best.tokens / unique_tokens:.1f} epochs of {human(unique_tokens)}, worth {human(best.effective_tokens)})"
     reason = (f"model: auto → {best.label} ({m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, vocab "
               f"{m.vocab_size}, {best.params / 1e6:.2f}M params, context {best.context_length}): {bought}, "
               f"{best.effective_tokens / best.params:.2g} per parameter — of {len(cands)} shapes the closest to "
               f"{TOKENS_PER_PARAM:g} tokens per parameter (Chinchilla, embeddings counted)")
     return best, reason
-
-
-def _n(x: float) -> str:
-    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if x >= div:
-            return f"{x / div:.3g}{suffix}"
-    return f"{x:.3g}"
 
 
 def _near_flops_optimum(budget: Budget, cands: list[Candidate], flops_per_s: float,
@@ -184,3 +186,43 @@ def _near_flops_optimum(budget: Budget, cands: list[Candidate], flops_per_s: flo
         ranked.append((abs(math.log(tokens / (TOKENS_PER_PARAM * c.params))), c))
     ranked.sort(key=lambda x: x[0])
     return [c for _, c in ranked[:keep]]
+
+
+def choose_for_run(cfg: RunConfig, machine: Machine, *, ctx: int | None, vocab: int | None, data_bytes: float | None,
+                   data_tokens: int | None, unique_tokens: float | None, log) -> tuple[Candidate, str]:
+    """`model: auto` for a run on ``machine``: the candidates, each with the global batch its plan
+    would take (`plan.batch.global_batch`), timed by the machine's probe where it measures (cached
+    for next time), else modelled at the machine's assumed MFU; the choice and its line."""
+    budget = Budget.from_duration(cfg.training_duration, data_tokens=data_tokens)
+    p = cfg.parameters
+    precision = "bf16" if (p.precision == "bf16" or (p.precision == "auto" and machine.bf16)) else "fp32"
+    reps = replicas(machine.world_size, cfg.compute.context_parallel)
+
+    def batch_tokens(m: ModelConfig, c: int) -> int:
+        tokens = run_tokens(Duration(budget.value, budget.kind), m, c,
+                            tokens_per_s=lambda: assumed_tokens_per_s(m, c, machine, precision))
+        return global_batch(cfg, m, c, reps, tokens) * c
+
+    def tokens_per_s(cand: Candidate) -> float:
+        m, c = cand.model, cand.context_length
+        micro = probe_micro_batch(cand.batch_tokens // c, reps, machine.device)
+        kw = dict(precision=precision, optimizer=plan_optimizer(cfg, m))  # timed with the optimizer it would get
+        hit = machine.probe.tokens_per_s(m, c, micro, measure=False, **kw)
+        if hit:
+            return hit * machine.compute_devices
+        if param_counts(m)["total"] > 2e9 or not machine.probe.measures:  # too big to time casually, or described
+            return assumed_tokens_per_s(m, c, machine, precision)
+        log(f"model: auto: timing {m.n_layers}×{m.d_model} (vocab {m.vocab_size}) on {machine.device} "
+            "(cached for next time)")
+        return machine.probe.tokens_per_s(m, c, micro, measure=True, **kw) * machine.compute_devices
+
+    cands = candidates(vocab, data_bytes, ctx, batch_tokens)
+    if unique_tokens is None and data_bytes:
+        unique_tokens = data_bytes / estimated_bytes_per_token(vocab or cands[0].model.vocab_size)
+    note = "measured here" if machine.probe.measures else \
+        f"{machine.assumed_mfu:.0%} of the peak of {machine.spec.name}"
+    if machine.compute_devices > 1:
+        note += f", × {machine.compute_devices} GPUs"
+    flops_per_s = machine.assumed_mfu * peak_flops(machine.spec, mfu_basis(precision)) * machine.compute_devices
+    return choose(budget, cands, unique_tokens=unique_tokens, tokens_per_s=tokens_per_s,
+                  flops_per_s_guess=flops_per_s, rate_note=note)

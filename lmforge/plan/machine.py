@@ -5,9 +5,9 @@ FP8 run natively) and, on a real machine, two services: the measured training sp
 (`model: auto`, wall-clock budgets) and "run this on rank 0, give every rank its result"
 (rank 0 chooses and prepares, the others follow). Both come through a `Machine`:
 
-- `nominal_machine` describes GPUs from the table in `estimate.hardware` (`lmforge estimate
+- `nominal_machine` describes GPUs from the table in `plan.hardware` (`lmforge estimate
   --gpu-type h100-sxm`, a dry run planned for a cluster): nothing is measured; speeds are
-  modelled from FLOPs;
+  modelled from FLOPs at ``assumed_mfu`` of the peak (ASSUMED_MFU unless `--mfu` says otherwise);
 - `train.machine.local_machine` describes the devices this process trains on and measures them.
 """
 
@@ -19,9 +19,12 @@ from typing import Protocol, TypeVar
 
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import RunConfig
-from lmforge.estimate.hardware import GPUSpec, get_gpu_type
+from lmforge.plan.hardware import GPUSpec, get_gpu_type
 
 T = TypeVar("T")
+# The share of a device's peak FLOP/s a run is assumed to reach where nothing is measured: the
+# planned speed of `lmforge estimate`, `model: auto`'s first ranking and a plan's step time.
+ASSUMED_MFU = 0.4
 NO_FP8 = ("parameters.precision: fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: H100, "
           "H200, L4, B200); use bf16 or auto")
 
@@ -71,10 +74,22 @@ class Machine:
     fp8_problem: str | None = NO_FP8  # the line refusing `precision: fp8` here; None: FP8 can run
     fp8_experts_problem: str | None = NO_FP8  # the same for FP8 grouped GEMMs (`parameters.fp8_experts`)
     probe: Probe = field(default_factory=NoProbe, compare=False)
+    assumed_mfu: float = ASSUMED_MFU  # of the peak, where nothing is measured
 
     @property
     def memory_bytes(self) -> float:
         return self.spec.memory_bytes
+
+    @property
+    def compute_devices(self) -> int:
+        """Devices whose speeds add up: every GPU; CPU ranks share one machine's cores, whose
+        measured (or peak) rate already counts them all."""
+        return self.world_size if self.device == "cuda" else 1
+
+    @property
+    def where(self) -> str:
+        """The devices in words: ``8 × NVIDIA H100 SXM5 80GB``."""
+        return f"{self.world_size} × {self.spec.description or self.spec.name}"
 
     @property
     def gpu_type(self) -> str:
@@ -82,10 +97,11 @@ class Machine:
         return self.spec.name
 
 
-def nominal_machine(gpu_type: str = "h100-sxm", devices: int = 1) -> Machine:
-    """``devices`` GPUs of a type from the table (``cpu``: this machine's CPU), not measured."""
+def nominal_machine(gpu_type: str = "h100-sxm", devices: int = 1, mfu: float = ASSUMED_MFU) -> Machine:
+    """``devices`` GPUs of a type from the table (``cpu``: this machine's CPU), not measured:
+    their speed is ``mfu`` of the peak."""
     spec = get_gpu_type(gpu_type)
     if gpu_type == "cpu":
-        return Machine("cpu", spec, devices, bf16=False)
+        return Machine("cpu", spec, devices, bf16=False, assumed_mfu=mfu)
     fp8 = None if spec.fp8 else f"parameters.precision: fp8 needs FP8 tensor cores, which {spec.name} lacks (use bf16)"
-    return Machine("cuda", spec, devices, bf16=True, fp8_problem=fp8, fp8_experts_problem=fp8)
+    return Machine("cuda", spec, devices, bf16=True, fp8_problem=fp8, fp8_experts_problem=fp8, assumed_mfu=mfu)

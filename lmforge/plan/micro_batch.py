@@ -2,7 +2,7 @@
 mode (`compute.activation_checkpointing`) chosen together, for the most training tokens/s that
 fit in memory.
 
-1. **Memory first** (`estimate.memory`). For each checkpointing mode — none, selective, every
+1. **Memory first** (`plan.memory`). For each checkpointing mode — none, selective, every
    2nd block, full — the largest micro-batch that fits one GPU: one that divides the rank's share
    of the global batch (when it is known, else a power of two), at most
    `memory.MAX_SUGGESTED_MICRO_BATCH`. A mode or a micro-batch the user set is the only one
@@ -17,7 +17,7 @@ fit in memory.
 
 The model: seconds per token = FLOPs per token × (1 + recompute) / (peak × efficiency), with
 
-- FLOPs per token on the standard basis (6·N_active + 12·L·H·Dh·T, `estimate.flops`);
+- FLOPs per token on the standard basis (6·N_active + 12·L·H·Dh·T, `plan.flops`);
 - recompute: full checkpointing of a block runs its forward again in backward, 2·N_block +
   4·H·Dh·T more FLOPs per token (the forward third of the attention term); selective
   recomputes only element-wise ops (norms, RoPE, SwiGLU's product), memory-bound work worth
@@ -41,9 +41,12 @@ from dataclasses import dataclass, field
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.estimate.flops import block_counts, mfu_flops_per_token, param_counts
-from lmforge.estimate.memory import (BYTES_PER_PARAM, MAX_SUGGESTED_MICRO_BATCH, activation_bytes, checkpointed_blocks,
-                                     fixed_bytes, usable_bytes)
+from lmforge.plan.flops import block_counts, mfu_flops_per_token, param_counts
+from lmforge.config.counts import gb, human
+from lmforge.plan.context import checkpointing_label
+from lmforge.plan.fit import remedy
+from lmforge.plan.memory import (MAX_SUGGESTED_MICRO_BATCH, Sharding, activation_bytes, checkpointed_blocks,
+                                 fixed_bytes, fixed_parts, usable_bytes)
 
 # The modes tried, least recompute first: none, selective, every 2nd block (full), full.
 MODES: tuple = (False, "selective", 2, "full")
@@ -81,17 +84,6 @@ class Choice:
         return self.candidates[0]
 
 
-def checkpointing_label(value) -> str:
-    if value is False or value is None:
-        return "no checkpointing"
-    if value == "selective":
-        return "selective checkpointing"
-    if value is True or value == "full":
-        return "full checkpointing"
-    n = int(value)
-    return f"checkpointing every {n}{'nd' if n == 2 else 'rd' if n == 3 else 'th'} block"
-
-
 def recompute_share(cfg: ModelConfig, seq_len: int, checkpointing) -> float:
     """Extra work of a checkpointing mode as a share of the step's FLOPs (see the module docstring)."""
     mode, which = checkpointed_blocks(checkpointing, cfg.n_layers)
@@ -118,18 +110,14 @@ def _micro_batches(per_rank: int | None) -> list[int]:
     return [1 << i for i in range(top.bit_length() - 1, -1, -1)]
 
 
-def candidates(cfg: ModelConfig, seq_len: int, *, n_devices: int, gpu_memory: float, peak_flops: float,
-               per_rank: int | None = None, micro_batch: int | None = None, checkpointing="auto",
-               expert_parallel: int = 1, ddp_ranks: int = 1) -> list[Candidate]:
+def candidates(cfg: ModelConfig, seq_len: int, *, sharding: Sharding, gpu_memory: float, peak_flops: float,
+               per_rank: int | None = None, micro_batch: int | None = None, checkpointing="auto") -> list[Candidate]:
     """One candidate per checkpointing mode: the largest micro-batch of it that fits (see the
     module docstring); empty when nothing fits."""
-    fixed = fixed_bytes(param_counts(cfg)["total"], cfg, n_devices, expert_parallel, ddp_ranks)
+    fixed = fixed_bytes(param_counts(cfg)["total"], cfg, sharding)
     usable = usable_bytes(gpu_memory)
-    modes = MODES if checkpointing == "auto" else (checkpointing,)
     out = []
-    for mode in modes:
-        if mode == 2 and cfg.n_layers < 2:
-            continue
+    for mode in _modes(cfg, checkpointing):
         per_sample = activation_bytes(cfg, seq_len, mode)
         for mb in ([micro_batch] if micro_batch else _micro_batches(per_rank)):
             total = fixed + mb * per_sample
@@ -138,6 +126,18 @@ def candidates(cfg: ModelConfig, seq_len: int, *, n_devices: int, gpu_memory: fl
                                      modelled_tokens_per_s(cfg, seq_len, mb, mode, peak_flops)))
                 break
     return out
+
+
+def _modes(cfg: ModelConfig, checkpointing) -> tuple:
+    """The checkpointing modes tried: every one for ``auto``, else the one the config sets."""
+    if checkpointing != "auto":
+        return (checkpointing,)
+    return tuple(m for m in MODES if not (m == 2 and cfg.n_layers < 2))
+
+
+def smallest(cfg: ModelConfig, seq_len: int, micro_batch: int | None, checkpointing) -> tuple[int, object]:
+    """(micro-batch, mode) of the least memory the config allows: what a plan that fits nowhere shows."""
+    return micro_batch or 1, min(_modes(cfg, checkpointing), key=lambda m: activation_bytes(cfg, seq_len, m))
 
 
 def _rank(cands: list[Candidate], rate: Callable[[Candidate], float]) -> list[Candidate]:
@@ -151,19 +151,20 @@ def _rank(cands: list[Candidate], rate: Callable[[Candidate], float]) -> list[Ca
     return sorted(cands, key=key)
 
 
-def choose(cfg: ModelConfig, seq_len: int, *, n_devices: int, gpu_memory: float, peak_flops: float,
+def choose(cfg: ModelConfig, seq_len: int, *, sharding: Sharding, gpu_memory: float, peak_flops: float,
            where: str, per_rank: int | None = None, micro_batch: int | None = None, checkpointing="auto",
-           expert_parallel: int = 1, measure: Callable[[Candidate], float | None] | None = None,
-           measured_as: str = "measured", ddp_ranks: int = 1) -> Choice:
+           measure: Callable[[Candidate], float | None] | None = None, measured_as: str = "measured",
+           context_parallel: int = 1) -> Choice:
     """The micro-batch and checkpointing mode with the most tokens/s that fit, and the line that
     says so. ``where`` names the devices ("1 × NVIDIA H100 80GB HBM3"); ``measure`` (a probe)
-    returns a candidate's tokens/s, or None when it cannot run it; ``measured_as`` says how."""
-    cands = candidates(cfg, seq_len, n_devices=n_devices, gpu_memory=gpu_memory, peak_flops=peak_flops,
-                       per_rank=per_rank, micro_batch=micro_batch, checkpointing=checkpointing,
-                       expert_parallel=expert_parallel, ddp_ranks=ddp_ranks)
+    returns a candidate's tokens/s, or None when it cannot run it; ``measured_as`` says how.
+    ``seq_len``: the tokens of a row one GPU holds (of a row split over ``context_parallel`` GPUs).
+    Nothing fits: UserError with the smallest footprint and the remedy (`plan.fit`)."""
+    cands = candidates(cfg, seq_len, sharding=sharding, gpu_memory=gpu_memory, peak_flops=peak_flops,
+                       per_rank=per_rank, micro_batch=micro_batch, checkpointing=checkpointing)
     if not cands:
-        raise UserError(_nothing_fits(cfg, seq_len, n_devices, gpu_memory, where, micro_batch, checkpointing,
-                                      expert_parallel, ddp_ranks))
+        raise UserError(nothing_fits(cfg, seq_len * context_parallel, sharding, gpu_memory, where, micro_batch,
+                                     checkpointing, context_parallel))
     ranked = _rank(cands, lambda c: c.modelled_tokens_per_s)
     measured = False
     if measure is not None and len(ranked) > 1:
@@ -179,51 +180,28 @@ def choose(cfg: ModelConfig, seq_len: int, *, n_devices: int, gpu_memory: float,
 
     def speed(c: Candidate) -> str:
         if measured:
-            return f"{_n(c.tokens_per_s)} tokens/s" if c.tokens_per_s else "not timed"
+            return f"{human(c.tokens_per_s)} tokens/s" if c.tokens_per_s else "not timed"
         return f"{c.modelled_tokens_per_s * flops / peak_flops:.0%} MFU"
 
     others = "; ".join(f"{c.label} {speed(c)}" for c in ranked[1:])
     how = measured_as if measured else "modelled"
     reason = (f"parameters.micro_batch_size: auto → {best.micro_batch} with {checkpointing_label(best.checkpointing)}"
-              f" ({_gb(best.bytes_per_gpu)} of {_gb(usable)} usable per GPU): {how} {speed(best)}, the fastest of "
+              f" ({gb(best.bytes_per_gpu)} of {gb(usable)} usable per GPU): {how} {speed(best)}, the fastest of "
               f"{len(cands)} that fit on {where}" + (f" (then {others})" if others else ""))
     return Choice(best.micro_batch, best.checkpointing, reason, measured, ranked)
 
 
-def _nothing_fits(cfg: ModelConfig, seq_len: int, n_devices: int, gpu_memory: float, where: str,
-                  micro_batch: int | None, checkpointing, expert_parallel: int, ddp_ranks: int = 1) -> str:
-    """One line: the smallest footprint found, and what would make the run fit."""
+def nothing_fits(cfg: ModelConfig, seq_len: int, sharding: Sharding, gpu_memory: float, where: str,
+                 micro_batch: int | None, checkpointing, context_parallel: int = 1) -> str:
+    """One line: the smallest footprint found, and what would make the run fit (`plan.fit.remedy`).
+    ``seq_len``: the whole row, split over ``context_parallel`` GPUs."""
     total_params = param_counts(cfg)["total"]
-    fixed = fixed_bytes(total_params, cfg, n_devices, expert_parallel, ddp_ranks)
-    modes = MODES if checkpointing == "auto" else (checkpointing,)
-    mb = micro_batch or 1
-    mode = min(modes, key=lambda m: activation_bytes(cfg, seq_len, m))
-    act = activation_bytes(cfg, seq_len, mode)
-    usable = usable_bytes(gpu_memory)
-    remedies = []
-    # GPUs (sharding the model states) at which this footprint fits, if any number does
-    gpus = next((n for n in range(n_devices + 1, 4097)
-                 if fixed_bytes(total_params, cfg, n, expert_parallel) + mb * act <= usable), None)
-    if gpus:
-        remedies.append(f"at least {gpus} GPUs (compute.data_parallel: fsdp shards the model states over them)")
-    if fixed < usable:
-        if micro_batch and micro_batch > 1:
-            remedies.append("a smaller micro_batch_size")
-        if mode is not True and mode != "full":
-            remedies.append("compute.activation_checkpointing: full (or auto)")
-        remedies.append(f"a shorter parameters.context_length (activations: {_gb(act)} per sequence of {seq_len})")
-    states = total_params * BYTES_PER_PARAM / n_devices
+    local = seq_len // context_parallel
+    mb, mode = smallest(cfg, local, micro_batch, checkpointing)
+    act = activation_bytes(cfg, local, mode)
+    states, _, _ = fixed_parts(total_params, cfg, sharding)
+    fix = remedy(cfg, seq_len, sharding, gpu_memory, context_parallel=context_parallel, checkpointing=mode,
+                 micro_batch=mb, auto_checkpointing=checkpointing == "auto")
     return (f"parameters.micro_batch_size: auto: nothing fits on {where}: the smallest footprint, micro-batch {mb} "
-            f"with {checkpointing_label(mode)}, needs {_gb(fixed + mb * act)} per GPU of {_gb(usable)} usable "
-            f"(model states {_gb(states)}); use " + ", or ".join(remedies or ["a smaller model"]))
-
-
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f} GB"
-
-
-def _n(x: float) -> str:
-    for div, suffix in ((1e6, "M"), (1e3, "K")):
-        if x >= div:
-            return f"{x / div:.3g}{suffix}"
-    return f"{x:.3g}"
+            f"with {checkpointing_label(mode)}, needs {gb(fixed_bytes(total_params, cfg, sharding) + mb * act)} per "
+            f"GPU of {gb(usable_bytes(gpu_memory))} usable (model states {gb(states)}); {fix.text()}")

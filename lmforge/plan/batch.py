@@ -1,0 +1,125 @@
+"""A run's batch and speed, the parts its plan and `model: auto` share: the context it trains at,
+the tokens its duration buys, its global batch, the micro-batch a CPU takes, its precision and
+optimizer, and the tokens/s it is expected to reach.
+
+`model: auto` (`plan.auto`) sizes and times its candidates with these functions, and the plan
+(`plan.run.make_plan`) sizes the chosen one with them, so the shape timed is the shape planned.
+A default batch is sized from the FLOPs-modelled speed (`assumed_tokens_per_s`), never from a
+measurement: a plan must not change with what happens to be cached, or a dry run and the run it
+describes would disagree on their batch. Measurements (`expected_rate`) only say how long a step
+takes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lmforge.config.defaults import auto_precision, default_batch_tokens, micro_batch_for, run_optimizer
+from lmforge.config.durations import Duration, parse_duration
+from lmforge.config.model import ModelConfig
+from lmforge.config.schema import FINETUNE_TASKS, RunConfig
+from lmforge.errors import UserError
+from lmforge.plan.flops import mfu_flops_per_token, param_counts
+from lmforge.plan.hardware import mfu_basis, peak_flops
+from lmforge.plan.machine import Machine
+
+CPU_MICRO_BATCH = 8  # the largest micro-batch a CPU takes (`micro_batch_for`): beyond it, no faster
+PROBE_MICRO_BATCH = 64  # a GPU's largest, where a shape is timed before its plan
+
+
+def training_context(context_length: int | None, max_seq_len: int, data_seq_len: int | None) -> int:
+    """The context a run trains at: ``parameters.context_length``, else the model's ``max_seq_len``
+    capped by the prepared samples' length (``None``: not known here)."""
+    if context_length:
+        return context_length
+    return min(max_seq_len, data_seq_len) if data_seq_len else max_seq_len
+
+
+def plan_optimizer(cfg: RunConfig, model: ModelConfig | None = None) -> str:
+    """``parameters.optimizer`` with ``auto`` resolved for ``model`` (default: the run's) by
+    `config.defaults.run_optimizer`: Muon's evidence is for pretraining from scratch, so weights to
+    continue from, LoRA and the fine-tuning tasks keep AdamW."""
+    from_scratch = not cfg.custom_weights_path and cfg.lora is None and cfg.task_type not in FINETUNE_TASKS
+    return run_optimizer(cfg.parameters.optimizer, param_counts(model or cfg.model)["non_embedding"], from_scratch)
+
+
+def plan_precision(cfg: RunConfig, machine: Machine) -> str:
+    """What the run trains in: `precision: auto` by the machine, an explicit one checked against it."""
+    precision = cfg.parameters.precision
+    if precision == "auto":
+        return auto_precision(machine.bf16)
+    if precision == "bf16" and not machine.bf16 and machine.device != "cpu":
+        raise UserError(f"parameters.precision: bf16 is not supported on {machine.spec.description or machine.device}")
+    if precision == "fp8" and machine.fp8_problem:  # one clear line, never a silent fallback
+        raise UserError(machine.fp8_problem)
+    if precision == "fp8" and cfg.parameters.fp8_experts and machine.fp8_experts_problem:
+        raise UserError(machine.fp8_experts_problem)
+    return precision
+
+
+def run_tokens(d: Duration, model: ModelConfig, ctx: int, *, tokens_per_s: Callable[[], float], lora=None,
+               samples_per_epoch: int | None = None) -> float | None:
+    """The run's length in tokens where it is known before the batch (None for a step count):
+    what its default batch is sized for. ``tokens_per_s()``: the run's speed (wall-clock budgets)."""
+    if d.unit == "tok":
+        return d.value
+    if d.unit == "sp":
+        return d.value * ctx
+    if d.unit == "ep":
+        return d.value * samples_per_epoch * ctx if samples_per_epoch else None
+    if d.unit == "flop":
+        return d.value / mfu_flops_per_token(model, ctx, lora)
+    if d.unit == "s":
+        return d.value * tokens_per_s()
+    return None
+
+
+def global_batch(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> int:
+    """The global batch in samples: the config's, or the default for ``model`` and a run of
+    ``tokens`` tokens; a batch in tokens or the default rounded so every replica gets the same share."""
+    p = cfg.parameters
+    if isinstance(p.global_batch_size, int):
+        return int(p.global_batch_size)  # as given: `plan.checks.check_batch_split` refuses one that does not split
+    if p.global_batch_size is None:
+        gbs = max(1, round(default_batch_tokens(param_counts(model)["non_embedding"], tokens) / ctx))
+    else:
+        d = parse_duration(p.global_batch_size)
+        gbs = max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
+    return replicas * max(1, math.ceil(gbs / replicas))
+
+
+def probe_micro_batch(gbs: int, replicas: int, device: str) -> int:
+    """The micro-batch a shape is run at before its plan (on a CPU: the one its plan takes)."""
+    return micro_batch_for(max(1, gbs // replicas), CPU_MICRO_BATCH if device == "cpu" else PROBE_MICRO_BATCH)
+
+
+def assumed_tokens_per_s(model: ModelConfig, ctx: int, machine: Machine, precision: str, lora=None) -> float:
+    """Training tokens/s of the whole run modelled from FLOPs: the machine's assumed MFU of its
+    devices' peak (what sizes a default batch; see the module docstring)."""
+    peak = peak_flops(machine.spec, mfu_basis(precision)) * machine.compute_devices
+    return machine.assumed_mfu * peak / mfu_flops_per_token(model, ctx, lora)
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A run's expected speed and where the number comes from."""
+
+    tokens_per_s: float  # all ranks
+    fastest_tokens_per_s: float  # a measurement, else the devices' full peak: no step can be quicker
+    source: str  # said next to the time it gives
+
+
+def expected_rate(cfg: RunConfig, ctx: int, micro: int, machine: Machine, precision: str) -> Rate:
+    """This machine's cached measurement of the run's shape (`train.throughput`), else FLOPs at the
+    machine's assumed MFU of its peak."""
+    measured = None
+    if cfg.model.vocab_size:
+        measured = machine.probe.tokens_per_s(cfg.model, ctx, micro, precision=precision,
+                                              optimizer=plan_optimizer(cfg), measure=False)
+    if measured:
+        rate = measured * machine.compute_devices
+        return Rate(rate, rate, "measured on this machine")
+    assumed = assumed_tokens_per_s(cfg.model, ctx, machine, precision, cfg.lora)
+    return Rate(assumed, assumed / machine.assumed_mfu, "assumed, nothing measured here")

@@ -1,0 +1,337 @@
+"""Turn a run config plus facts about its data and machine into concrete numbers: the plan.
+
+Everything the trainer needs that the user may leave unset — learning rate, batch sizes,
+steps, warmup, intervals, precision, micro-batch and activation checkpointing — and the memory
+verdict are decided here, once, and written back into the resolved config that is printed by
+``--dry-run`` and saved with every checkpoint. Every command plans through `make_plan` (by way of
+`resolve`): `train` on every rank, preflight, `--dry-run`, `lmforge estimate` (whose table is a
+view of the plan, `plan.estimate.plan_view`) and the report (which reads the view the run saved).
+No torch: the machine comes as a `plan.machine.Machine` (described, or measured by the caller).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lmforge.config.defaults import MAX_WARMUP_STEPS, WARMUP_FRACTION, micro_batch_for, task_learning_rate
+from lmforge.config.durations import Duration
+from lmforge.config.schema import FINETUNE_TASKS, RunConfig, phase_end
+from lmforge.errors import UserError
+from lmforge.plan.batch import (CPU_MICRO_BATCH, assumed_tokens_per_s, expected_rate, global_batch, plan_optimizer,
+                                plan_precision, run_tokens, training_context)
+from lmforge.plan.checks import check_batch_split, check_context, check_context_parallel, check_mesh, replicas
+from lmforge.plan.fit import KEYS, Remedy, does_not_fit_line, host_line, host_verdict, remedy
+from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
+from lmforge.plan.hardware import GPUSpec, mfu_basis, peak_flops
+from lmforge.plan.machine import Machine
+from lmforge.plan.memory import SHARDED, Sharding, memory_plan
+from lmforge.plan.micro_batch import candidates, choose, smallest
+from lmforge.plan.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    context_length: int
+    global_batch: int  # samples per optimizer step, all ranks
+    micro_batch: int  # samples per forward pass, per rank
+    grad_accum: int
+    replicas: int  # data-parallel replicas (ranks / context_parallel): the global batch is split over them
+    total_steps: int | None  # None: wall-clock bounded
+    time_limit_s: float | None
+    warmup_steps: int  # the warmup in steps (estimated from step_time_s when it is given in seconds)
+    learning_rate: float
+    eval_interval: int
+    save_interval: int
+    icl_interval: int | None
+    precision: str  # "bf16" | "fp32" | "fp8"
+    params: dict
+    flops_per_token: float  # the MFU basis: 6·N_active + 12·L·H·Dh·T (plan.flops.mfu_flops_per_token)
+    schedule: Schedule  # the LR shape, in the run's own unit (steps, or seconds of training)
+    step_time_s: float  # expected seconds per optimizer step: measured on this machine, else estimated
+    phase_steps: list[int] | None = None  # curriculum: the optimizer step at which each phase but the last ends
+    model_flops_per_token: float = 0.0  # the dense term alone: 6·N_active (LoRA: 4·N_active + 6·N_adapters)
+    activation_checkpointing: bool | str | int = False  # the mode `parallelize` applies (`auto` resolved)
+    micro_batch_reason: str | None = None  # the line saying how micro-batch and checkpointing were chosen
+    optimizer: str = "adamw"  # "adamw" | "muon": parameters.optimizer with auto resolved
+    ranks: int = 1  # every rank of every node
+    device: str = "cpu"  # what the plan was made for: "cpu" | "cuda"
+    spec: GPUSpec | None = None  # one device's peak FLOP/s and memory
+    sharding: Sharding = field(default_factory=Sharding)  # how the GPUs hold the model states
+    context_parallel: int = 1
+    memory: dict | None = None  # the memory verdict (`plan.memory.memory_plan`; on a CPU `fits` is `fit.host_verdict`'s)
+    remedy: Remedy | None = None  # what makes a plan that does not fit fit
+    tokens_per_s: float = 0.0  # expected training tokens/s of the whole run
+    rate_source: str = ""  # where that rate comes from (measured here, or assumed)
+    notes: tuple[str, ...] = ()  # what the run says about its plan at its start (RoPE scaling, ...)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.context_length
+
+    @property
+    def total_tokens(self) -> int | None:
+        return None if self.total_steps is None else self.total_steps * self.tokens_per_step
+
+    @property
+    def fits(self) -> bool:
+        return self.memory is None or bool(self.memory["fits"])
+
+
+class NotKnownYet(UserError):
+    """What the plan needs is known only once the data is prepared (an epoch of raw text)."""
+
+
+class DoesNotFit(UserError):
+    """A plan made in full but refused: it does not fit in memory. ``plan`` and ``config`` are what
+    `lmforge estimate` shows before the line; ``text(names)`` the line in other words (its flags)."""
+
+    def __init__(self, plan: TrainPlan, config: RunConfig, where: str):
+        self.plan, self.config, self.where = plan, config, where
+        super().__init__(self.text())
+
+    def text(self, names: dict = KEYS) -> str:
+        p = self.plan
+        if p.device == "cpu":
+            return host_line(p.params["total"], p.memory["host"], p.sharding.data_parallel in SHARDED)
+        return does_not_fit_line(self.config.model, p.memory, self.where, p.remedy, names)
+
+
+def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int | None,
+           flops_per_token: float = 0.0) -> int | None:
+    """A duration in optimizer steps (None for wall-clock durations)."""
+    if d.unit == "ba":
+        return max(1, math.ceil(d.value))
+    if d.unit == "tok":
+        return max(1, math.ceil(d.value / (gbs * ctx)))
+    if d.unit == "flop":
+        return max(1, math.ceil(d.value / (flops_per_token * gbs * ctx)))
+    if d.unit == "sp":
+        return max(1, math.ceil(d.value / gbs))
+    if d.unit == "ep":
+        if not samples_per_epoch:
+            raise NotKnownYet(f"{what}: epochs need the dataset size, which is not known here")
+        return max(1, math.ceil(d.value * samples_per_epoch / gbs))
+    if d.unit == "s":
+        return None
+    raise UserError(f"{what}: unsupported unit {d.unit!r}")
+
+
+def run_sharding(cfg: RunConfig, machine: Machine) -> Sharding:
+    """How the run's devices hold its model states (HSDP's shard group: `compute.shard_size`, else a node's)."""
+    c = cfg.compute
+    return Sharding(c.data_parallel, machine.world_size, c.shard_size or max(1, machine.world_size // c.nodes),
+                    c.expert_parallel)
+
+
+def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None,
+              data_seq_len: int | None) -> TrainPlan:
+    """Fill every default; raises UserError for impossible combinations (DoesNotFit, with the plan,
+    for one that does not fit in memory)."""
+    p, c = cfg.parameters, cfg.compute
+    check_mesh(c, machine.world_size, max(1, machine.world_size // c.nodes), n_experts=cfg.model.n_experts)
+    reps = replicas(machine.world_size, c.context_parallel)
+    counts = param_counts(cfg.model)
+    optimizer = plan_optimizer(cfg)
+    ctx = training_context(p.context_length, cfg.model.max_seq_len, data_seq_len)
+    check_context(ctx, data_seq_len)
+    check_context_parallel(c.context_parallel, ctx, cfg.model, device_type=machine.device,
+                           packed_rows=p.document_masking or cfg.task_type in FINETUNE_TASKS)
+    precision = plan_precision(cfg, machine)
+    fpt = mfu_flops_per_token(cfg.model, ctx, cfg.lora)
+    tokens = run_tokens(cfg.training_duration, cfg.model, ctx, lora=cfg.lora, samples_per_epoch=samples_per_epoch,
+                        tokens_per_s=lambda: assumed_tokens_per_s(cfg.model, ctx, machine, precision, cfg.lora))
+    gbs = global_batch(cfg, cfg.model, ctx, reps, tokens)
+    choice = micro_batch_and_checkpointing(cfg, ctx, gbs, machine, precision)
+    check_batch_split(gbs, choice.micro_batch, machine.world_size, c.context_parallel)
+
+    def steps(d: Duration, what: str) -> int | None:
+        return _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch, flops_per_token=fpt)
+
+    total = steps(cfg.training_duration, "training_duration")
+    time_limit = cfg.training_duration.value if cfg.training_duration.unit == "s" else None
+    rate = expected_rate(cfg, ctx, choice.micro_batch, machine, precision)
+    step_s = gbs * ctx / rate.tokens_per_s
+    if time_limit is not None and gbs * ctx / rate.fastest_tokens_per_s >= time_limit:
+        raise UserError(f"training_duration: {cfg.training_duration} is shorter than one optimizer step of this model "
+                        f"and batch here (≈{gbs * ctx / rate.fastest_tokens_per_s:.3g}s); expected a longer duration "
+                        "or a smaller batch/model")
+    nominal = total or max(1, int(time_limit / step_s))  # wall-clock runs: intervals from the expected steps
+    schedule = make_schedule(cfg, total, time_limit, step_s, lambda d: steps(d, "parameters.warmup"))
+    warmup = int(schedule.warmup if schedule.warmup_unit == "steps" else math.ceil(schedule.warmup / step_s))
+    plan = TrainPlan(
+        context_length=ctx, global_batch=gbs, micro_batch=choice.micro_batch,
+        grad_accum=gbs // (choice.micro_batch * reps), replicas=reps, total_steps=total, time_limit_s=time_limit,
+        warmup_steps=warmup,
+        learning_rate=p.learning_rate or task_learning_rate(counts["non_embedding"], cfg.task_type, cfg.lora is not None,
+                                                            optimizer),
+        optimizer=optimizer,
+        eval_interval=_interval(cfg.eval.interval, "eval.interval", max(1, nominal // 10), steps),
+        save_interval=_interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)), steps),
+        icl_interval=_interval(cfg.eval.icl_interval, "eval.icl_interval", 0, steps) or None,
+        precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
+        phase_steps=curriculum_steps(cfg, total, gbs=gbs, ctx=ctx) if cfg.curriculum else None,
+        model_flops_per_token=flops_per_token(cfg.model, ctx, cfg.lora)["dense"],
+        activation_checkpointing=choice.checkpointing, micro_batch_reason=choice.reason, ranks=machine.world_size,
+        device=machine.device, spec=machine.spec, sharding=run_sharding(cfg, machine),
+        context_parallel=c.context_parallel, memory=choice.memory, remedy=choice.remedy,
+        tokens_per_s=rate.tokens_per_s, rate_source=rate.source, notes=tuple(plan_notes(cfg, ctx)))
+    if not plan.fits:
+        raise DoesNotFit(plan, cfg, machine.where)
+    return plan
+
+
+def plan_notes(cfg: RunConfig, ctx: int) -> list[str]:
+    """What a run says about its plan at its start, beside the micro-batch's reason."""
+    rope = cfg.model.rope_scaling
+    if rope is None:
+        return []
+    base = f" of a model trained at {rope.original_max_seq_len} tokens" if rope.original_max_seq_len else ""
+    return [f"RoPE scaling: {rope.type} × {rope.factor:g}{base} (model.rope_scaling), training at a context of "
+            f"{ctx} tokens"]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The micro-batch and checkpointing a plan takes, why, and its memory verdict."""
+
+    micro_batch: int
+    checkpointing: object
+    reason: str | None
+    memory: dict
+    remedy: Remedy | None = None
+
+
+def micro_batch_and_checkpointing(cfg: RunConfig, ctx: int, gbs: int, machine: Machine,
+                                  precision: str) -> MicroBatch:
+    """``micro_batch_size: auto`` / ``activation_checkpointing: auto`` on GPUs: the pair with the most
+    tokens/s that fits (`plan.micro_batch`: memory first, then the machine's probe, or the model
+    where nothing is measured); on a CPU the largest divisor of the replica's batch up to
+    CPU_MICRO_BATCH and no checkpointing. With the memory verdict of what was chosen (`fit_verdict`):
+    a pair set by hand, or auto's least-memory pair where nothing fits, may not fit."""
+    p, c = cfg.parameters, cfg.compute
+    reps = replicas(machine.world_size, c.context_parallel)
+    auto_micro, auto_ac = p.micro_batch_size == "auto", c.activation_checkpointing == "auto"
+    if auto_micro:
+        check_batch_split(gbs, None, machine.world_size, c.context_parallel)
+    given = None if auto_micro else int(p.micro_batch_size)
+    if machine.device == "cpu" or not (auto_micro or auto_ac):
+        micro = micro_batch_for(gbs // reps, CPU_MICRO_BATCH) if auto_micro else given
+        ac = False if auto_ac else c.activation_checkpointing
+        return fit_verdict(cfg, ctx, machine, micro, ac, None)
+    sharding, local_ctx = run_sharding(cfg, machine), ctx // c.context_parallel  # a GPU holds ctx / N of each row
+    peak = peak_flops(machine.spec, mfu_basis(precision))
+    kw = dict(sharding=sharding, gpu_memory=machine.memory_bytes, peak_flops=peak, per_rank=gbs // reps,
+              micro_batch=given, checkpointing=c.activation_checkpointing)
+    if not candidates(cfg.model, local_ctx, **kw):  # nothing fits: the least memory, refused with the remedy
+        micro, ac = smallest(cfg.model, local_ctx, given, c.activation_checkpointing)
+        return fit_verdict(cfg, ctx, machine, micro, ac, None)
+
+    def measure(cand) -> float | None:
+        return machine.probe.micro_batch_tokens_per_s(cfg, local_ctx, cand.micro_batch, cand.checkpointing,
+                                                      precision=precision)
+
+    choice = choose(cfg.model, local_ctx, where=machine.where, context_parallel=c.context_parallel,
+                    measure=measure if auto_micro and machine.probe.measures else None,
+                    measured_as="measured (a slice of the model, scaled to it)", **kw)
+    return fit_verdict(cfg, ctx, machine, choice.micro_batch, choice.checkpointing, choice.reason)
+
+
+def fit_verdict(cfg: RunConfig, ctx: int, machine: Machine, micro: int, checkpointing, reason: str | None
+                ) -> MicroBatch:
+    """The memory verdict of ``micro`` × ``checkpointing`` on ``machine`` (the one memory model,
+    `plan.memory`), and the remedy when it does not fit (`plan.fit`)."""
+    c = cfg.compute
+    sharding, total = run_sharding(cfg, machine), param_counts(cfg.model)["total"]
+    memory = memory_plan(total, cfg.model, ctx, sharding, machine.memory_bytes, micro, checkpointing,
+                         c.context_parallel)
+    if machine.device == "cpu":  # every rank in one machine's memory: only a sure failure is refused
+        host = host_verdict(total, machine.world_size, c.data_parallel in SHARDED, machine.memory_bytes,
+                            cfg.lora is not None)
+        return MicroBatch(micro, checkpointing, reason, memory | {"fits": host["fits"], "host": host})
+    fix = None if memory["fits"] else remedy(
+        cfg.model, ctx, sharding, machine.memory_bytes, context_parallel=c.context_parallel,
+        checkpointing=checkpointing, micro_batch=micro, auto_checkpointing=c.activation_checkpointing == "auto")
+    return MicroBatch(micro, checkpointing, reason, memory, fix)
+
+
+def _interval(d: Duration | None, what: str, default: int, steps) -> int:
+    """An eval/save/ICL interval in steps (``steps``: a duration in this plan's steps)."""
+    if d is None:
+        return default
+    n = steps(d, what)
+    if n is None:
+        raise UserError(f"{what}: use steps or tokens ('100ba', '1M tok'), not wall-clock time")
+    return n
+
+
+def make_schedule(cfg: RunConfig, total_steps: int | None, time_limit_s: float | None, step_s: float,
+                  to_steps) -> Schedule:
+    """The LR schedule in the run's unit. The default warmup is WARMUP_FRACTION of the run
+    (at most MAX_WARMUP_STEPS steps' worth); a given warmup keeps its own unit."""
+    p = cfg.parameters
+    unit, total = ("steps", float(total_steps)) if total_steps is not None else ("s", float(time_limit_s))
+    if p.warmup is None:
+        cap = MAX_WARMUP_STEPS * (1.0 if unit == "steps" else step_s)
+        warmup = min(cap, WARMUP_FRACTION * total)
+        warmup = float(max(1, round(warmup))) if unit == "steps" else warmup
+        warmup_unit = unit
+    elif p.warmup.unit == "s":
+        warmup, warmup_unit = p.warmup.value, "s"
+    else:
+        warmup, warmup_unit = float(to_steps(p.warmup)), "steps"
+    if warmup_unit == unit:
+        warmup = min(warmup, total)
+    return Schedule(kind=p.schedule, unit=unit, total=total, warmup=warmup, warmup_unit=warmup_unit,
+                    decay_fraction=p.decay_fraction, min_ratio=p.min_lr_ratio)
+
+
+def curriculum_steps(cfg: RunConfig, total: int | None, *, gbs: int, ctx: int) -> list[int]:
+    """Each phase's end as an optimizer step (phases change only between steps); the last phase is open."""
+    ends, prev = [], 0
+    for i, phase in enumerate(cfg.curriculum[:-1] if cfg.curriculum[-1].until is None else cfg.curriculum):
+        unit, value = phase_end(phase.until)
+        where = f"train_data[{i}].until"
+        if unit == "frac":
+            if total is None:
+                raise UserError(f"{where}: a fraction of the run needs a run length in tokens, steps, samples "
+                                f"or epochs, not wall-clock time ({cfg.training_duration})")
+            step = round(value * total)
+        else:
+            step = _steps(Duration(value, unit), where, gbs=gbs, ctx=ctx, samples_per_epoch=None)
+        if step <= prev:
+            raise UserError(f"{where}: {phase.until!r} is step {step}, not after the previous phase's end "
+                            f"(step {prev}); end points must increase")
+        if total is not None and step > total:
+            raise UserError(f"{where}: {phase.until!r} is step {step}, past the end of the run ({total} steps)")
+        ends.append(step)
+        prev = step
+    if cfg.curriculum[-1].until is not None and total is not None and ends and ends[-1] < total:
+        raise UserError(f"train_data[{len(ends) - 1}].until: the last phase ends at step {ends[-1]}, before the "
+                        f"run does ({total} steps); leave out its `until` or end it at 100%")
+    # The last phase always runs on (past the planned end too, e.g. for wall-clock runs).
+    return ends[:-1] if cfg.curriculum[-1].until is not None else ends
+
+
+def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
+    """The config with every default written in (what --dry-run prints and checkpoints keep)."""
+    data = cfg.model_dump(mode="json")
+    data["parameters"].update(
+        learning_rate=plan.learning_rate, context_length=plan.context_length,
+        global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
+        warmup=_warmup_text(plan.schedule), precision=plan.precision,
+        optimizer=plan.optimizer)
+    data["eval"]["interval"] = f"{plan.eval_interval}ba"
+    if plan.icl_interval:
+        data["eval"]["icl_interval"] = f"{plan.icl_interval}ba"
+    data["save_interval"] = f"{plan.save_interval}ba"
+    data["compute"]["activation_checkpointing"] = plan.activation_checkpointing
+    return RunConfig.model_validate(data)
+
+
+def _warmup_text(schedule: Schedule) -> str:
+    if schedule.warmup_unit == "steps":
+        return f"{int(schedule.warmup)}ba"
+    return f"{schedule.warmup:.4g}s"
+
+
