@@ -66,8 +66,13 @@ def test_hsdp_shards_the_states_over_a_shard_group():
 
 
 def test_rope_scaling_is_said_in_the_plans_first_lines(tiny_data, tmp_path):
+    from lmforge.models import build_model, save_pretrained
+
+    base = build_config(tiny_run_config(tiny_data, tmp_path / "b", **{"model.vocab_size": 512})).model  # weights to extend
+    save_pretrained(build_model(base, device="cpu"), base, str(tmp_path / "w"), tokenizer_dir=str(tiny_data.tokenizer))
     rope = {"type": "llama3", "factor": 4.0, "original_max_seq_len": 16}
-    raw = tiny_run_config(tiny_data, tmp_path / "r", **{"model.rope_scaling": rope})
+    raw = tiny_run_config(tiny_data, tmp_path / "r", custom_weights_path=str(tmp_path / "w"),
+                          **{"model.rope_scaling": rope})
     lines: list[str] = []
     run = resolve(build_config(raw), _cpu(), until="run", log=lines.append)
     said = "RoPE scaling: llama3 × 4 of a model trained at 16 tokens (model.rope_scaling), training at a context of 64"

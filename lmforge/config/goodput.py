@@ -109,10 +109,11 @@ class GoodputConfig(_Strict):
         if self.mfu_drop.action == "cordon":
             raise ValueError("goodput.mfu_drop.action: cordon names no node (the whole run slows down); use "
                              "diagnose, which finds the node, or restart / log")
-        # Only actions the config sets: the default health action (cordon) degrades to checkpoint-and-stop
-        # in a run that cannot resume, rather than refusing every such config.
+        # Only actions other than their default: the default health action (cordon) degrades to
+        # checkpoint-and-stop in a run that cannot resume, rather than refusing every such config. (Not
+        # `model_fields_set`: a resolved config is written out whole and read again, every field set.)
         resuming = {k: a for k, a in self.actions().items()
-                    if a in RESUMING_ACTIONS and "action" in getattr(self, k).model_fields_set}
+                    if a in RESUMING_ACTIONS and a != type(getattr(self, k)).model_fields["action"].default}
         if resuming and not (autoresume and max_retries >= 1):
             key, action = next(iter(resuming.items()))
             raise ValueError(f"goodput.{key}.action: {action} resumes the run from its checkpoint, which needs "
