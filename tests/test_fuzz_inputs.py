@@ -198,16 +198,9 @@ def test_every_typed_flag_is_found():
     assert len(FLAGS) >= 30, [(w, a.option_strings) for w, a in FLAGS]
 
 
-# `lmforge estimate` is being rewritten onto the planner (its owner's branch): its two plain-float flags
-# still take nan and inf. Strict: once they are bounded, these cases pass and the marks must go.
-ESTIMATE_FLOATS = {"--mfu", "--price-per-gpu-hour"}
-
-
 def _flag_case(i: int):
     words, action = FLAGS[i]
-    mark = [pytest.mark.xfail(strict=True, reason="cli/estimate.py: float flags not yet bounded (plan rewrite)")] \
-        if words == ["estimate"] and action.option_strings[-1] in ESTIMATE_FLOATS else []
-    return pytest.param(i, id=" ".join(words + action.option_strings[-1:]), marks=mark)
+    return pytest.param(i, id=" ".join(words + action.option_strings[-1:]))
 
 
 @pytest.mark.parametrize("i", [_flag_case(i) for i in range(len(FLAGS))])

@@ -17,7 +17,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from lmforge.cli.common import add_command, positive_int
+from lmforge.cli.common import add_command, bounded, positive_int
+from lmforge.config.limits import MAX_PRICE_PER_HOUR
 from lmforge.config.counts import parse_count
 from lmforge.config.durations import parse_duration
 from lmforge.config.load import load_raw, load_yaml_text, read_text_file
@@ -318,9 +319,9 @@ def register(subparsers) -> None:
     p.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp32"],
                    help="what the run trains in (its peak FLOP/s); unset = what `lmforge train` picks: bf16 on "
                    "GPUs, and on `--gpu-type cpu` bf16 with AMX, else fp32")
-    p.add_argument("--mfu", type=float, default=0.4, help="model-FLOPs utilization to assume where nothing is "
+    p.add_argument("--mfu", type=bounded(float, 0, 1, above=True), default=0.4, help="model-FLOPs utilization to assume where nothing is "
                    "measured, in (0, 1]")
-    p.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="P", help="price for the cost line")
+    p.add_argument("--price-per-gpu-hour", type=bounded(float, 0, MAX_PRICE_PER_HOUR), default=None, metavar="P", help="price for the cost line")
     p.add_argument("--seq-len", type=positive_int, default=None, help="context length; unset = the model's "
                    "max_seq_len (or the YAML's context_length)")
     p.add_argument("--vocab-size", type=positive_int, default=None, help="vocabulary; unset = the model's, or "

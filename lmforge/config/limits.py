@@ -20,3 +20,4 @@ MAX_WEIGHT_DECAY = 10.0
 MAX_GRAD_CLIP = 1e6
 MAX_ROPE_FACTOR = 1024.0  # context extension factor (published: 4 to 64)
 MAX_BATCH_TOKENS = 1e9  # tokens (or samples) in one optimizer step (published: ~16M tokens)
+MAX_PRICE_PER_HOUR = 1e6  # of one device, in any currency (an H100 hour is ~2-10)

@@ -16,7 +16,7 @@ from pydantic import BeforeValidator, Field, PlainSerializer, field_validator, m
 from lmforge.config.checked import Strict
 from lmforge.config.curation import CurateConfig
 from lmforge.config.limits import (MAX_BATCH_TOKENS, MAX_GRAD_CLIP, MAX_LEARNING_RATE, MAX_NAME, MAX_NEW_TOKENS,
-                                    MAX_NODES, MAX_RANKS, MAX_RETRIES, MAX_SEED, MAX_SEQ_LEN, MAX_VOCAB,
+                                    MAX_NODES, MAX_PRICE_PER_HOUR, MAX_RANKS, MAX_RETRIES, MAX_SEED, MAX_SEQ_LEN, MAX_VOCAB,
                                     MAX_WEIGHT_DECAY)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.goodput import GoodputConfig
@@ -311,7 +311,7 @@ class ComputeConfig(_Strict):
             raise ValueError(f"{v:g}s is above {HANG_TIMEOUT_MAX_S:g}s (a week); leave it out for the default")
         return v
     price_per_gpu_hour: float | None = Field(
-        None, ge=0, le=1e6, description="price of one device (GPU, or CPU rank) per hour: the progress line, `runs describe` "
+        None, ge=0, le=MAX_PRICE_PER_HOUR, description="price of one device (GPU, or CPU rank) per hour: the progress line, `runs describe` "
         "and the report show the cost so far and the estimated cost to finish")
 
     @field_validator("rdzv_endpoint")
