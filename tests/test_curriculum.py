@@ -169,10 +169,11 @@ def second_dataset(tiny_data, tmp_path_factory):
     from lmforge.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("second")
+    (root / "text").mkdir()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for name in ("shlex.py", "calendar.py", "pprint.py", "difflib.py"):
-        (root / (name + ".txt")).write_text((stdlib / name).read_text())
-    prepare([str(root)], str(tiny_data.tokenizer), str(root / "data"), 64)  # no val: eval on `a` only
+        (root / "text" / (name + ".txt")).write_text((stdlib / name).read_text())
+    prepare([str(root / "text")], str(tiny_data.tokenizer), str(root / "data"), 64)  # no val: eval on `a` only
     return str(root / "data")
 
 

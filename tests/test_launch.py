@@ -327,6 +327,10 @@ def test_status_file_and_failure_reasons(tmp_path):
                 "E1123 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1 "
                 "(pid: 9888) of binary: python"]
     assert failure_reason(1, torchrun) == "rank 1 killed by SIGKILL"
+    # the survivor's broken collective is not the killed rank's reason
+    broken = ["Traceback (most recent call last):", '  File "t.py", line 9, in step',
+              "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:32172", *torchrun[1:]]
+    assert failure_reason(1, broken) == "rank 1 killed by SIGKILL"
     summary = ["  time      : 2026-11-23_02:51:26", "  rank      : 0 (local_rank: 0)", "  exitcode  : 4 (pid: 1)"]
     assert failure_reason(1, summary) == "rank 0 exit code 4"
     hang = ["lmforge: hang detected on rank 1: no training step completed for 5s (compute.hang_timeout 5s); "

@@ -194,7 +194,7 @@ def test_cli_prepare_inspect_and_bad_input(corpus, tok, tmp_path):
         ([*base, str(out), "--input", str(d)], "already holds a different prepared dataset"),
         (["data", "prepare", "--tokenizer", tok.path, "--seq-len", "99999", "--out", str(tmp_path / "o2"),
           "--input", str(d)], "--seq-len 99999: larger than the data"),
-        ([*base, str(tmp_path / "o3"), "--input", str(d), "--eval-fraction", "1.5"], "--eval-fraction 1.5"),
+        ([*base, str(tmp_path / "o3"), "--input", str(d), "--eval-fraction", "1.5"], "--eval-fraction: expected a number at least 0 and below 1"),
         (["data", "prepare", "--tokenizer", str(tmp_path / "nope"), "--seq-len", "8", "--out",
           str(tmp_path / "o4"), "--input", str(d)], "nope"),
         (["data", "inspect", str(tmp_path / "o1")], "not a prepared dataset"),

@@ -202,11 +202,12 @@ def test_fit_calls_the_callbacks_in_order(tiny_data, tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_diverged_step_never_reaches_a_checkpoint(tiny_data, tmp_path):
+def test_a_diverged_step_never_reaches_a_checkpoint(tiny_data, tmp_path, monkeypatch):
     """Losses stay on the device between log steps; with a log every 100 steps they are read
     before each checkpoint instead, so a non-finite step stops the run before a save holds it."""
+    monkeypatch.setenv("LMFORGE_FAULT", "nan:step=4")  # the weights turn NaN after step 4 (docs/goodput.md)
     trainer = make_trainer(tiny_data, tmp_path / "run", training_duration="30ba", save_interval="3ba",
-                           log_interval=100, **{"parameters.learning_rate": 1e30, "parameters.grad_clip": None,
+                           log_interval=100, **{"parameters.learning_rate": 1.0, "parameters.grad_clip": None,
                                                 "parameters.warmup": "1ba"})
     with pytest.raises(TrainingDiverged) as err:
         trainer.fit()
@@ -218,13 +219,13 @@ def test_a_diverged_step_never_reaches_a_checkpoint(tiny_data, tmp_path):
     assert m and m.group(1) != m.group(4), msg
     other = m.group(5)
     assert other in ("nan", "inf", "-inf") or (m.group(1) == "gradient norm" and float(other) == float(f"{float(other):.4g}"))
-    for remedy in ("parameters.learning_rate (1e+30 now)", "parameters.warmup (1 step now)",
+    for remedy in ("parameters.learning_rate (1 now)", "parameters.warmup (1 step now)",
                    "parameters.grad_clip (off now)"):
         assert remedy in msg, msg
     assert "parameters.precision" not in msg  # fp32 already
     bad = int(m.group(3))
     saved = [int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*")]
-    assert all(step < bad for step in saved), (bad, saved)
+    assert bad == 5 and saved == [3], (bad, saved)
 
 
 def test_divergence_message_names_the_non_finite_value():

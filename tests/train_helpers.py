@@ -35,7 +35,7 @@ def env(**extra) -> dict:
 
 def lmforge(*args, timeout=300, check=False, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "lmforge", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env(), cwd=kw.pop("cwd", REPO), **kw)
+                          timeout=timeout, env=env(**kw.pop("env", {})), cwd=kw.pop("cwd", REPO), **kw)
     if check and proc.returncode != 0:
         raise AssertionError(f"lmforge {' '.join(map(str, args))} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

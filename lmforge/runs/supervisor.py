@@ -121,6 +121,10 @@ def failure_reason(rc: int, tail: list[str]) -> str:
         elif (m := _WORKER_EXIT.match(ln)) and rank is not None:
             code = int(m.group(1))
     if rank is not None and code is not None:
+        if code < 0 and not any(ln.startswith((f"[rank{rank}]:", f"[default{rank}]:")) for ln in tail):
+            # Killed by a signal, and no line of its own: the last traceback is another rank's, whose
+            # collective broke when this one died (a consequence, not the cause).
+            why = ""
         return f"rank {rank} {describe_exit(code)}{why}"
     return describe_exit(rc) + why
 
