@@ -365,3 +365,15 @@ def test_torchrun_wrapper_returns_the_ranks_code_when_torchrun_gives_up_first(tm
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
     assert not status.exists()  # the wrapper removes its status file
+
+
+def test_an_unknown_run_name_lists_some_known_runs_and_counts_the_rest():
+    """`no run named X`: up to ten known names, then how many more there are (not a silent cut)."""
+    from lmforge.runs.run import known_runs
+
+    names = [f"run-{i:02d}" for i in range(13)]
+    hint = known_runs(names)
+    assert hint.startswith("; known runs: run-00, run-01") and "run-09" in hint and "run-10" not in hint
+    assert hint.endswith("and 3 more (`lmforge runs list` shows them all)")
+    assert known_runs(names[:10]) == "; known runs: " + ", ".join(names[:10])
+    assert known_runs([]) == "; the registry has no runs yet"

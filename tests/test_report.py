@@ -308,3 +308,22 @@ def test_compare_deltas_carry_their_units():
     assert time_row.split()[-2:] == ["-0:00:15", "(-2.9%)"], time_row
     mfu_row = next(ln for ln in out.splitlines() if ln.strip().startswith("MFU"))
     assert mfu_row.split()[-2:] == ["-0.04", "pts"], mfu_row
+
+
+def test_compare_prints_count_deltas_with_every_digit_and_preference_rows():
+    """Token and step deltas read as the counts beside them (+761,856, not +7.619e+05); a
+    preference run's accuracy and margin have rows of their own."""
+    from lmforge.report.compare import format_compare
+    from lmforge.report.load import RunData
+
+    def run(name, tokens, acc):
+        records = [{"step": 4, "train/loss": 0.6, "train/tokens": tokens, "train/rewards/accuracy": acc},
+                   {"step": 4, "eval/loss": 0.5, "eval/rewards/accuracy": acc, "eval/rewards/margin": 2 * acc}]
+        return RunData(name=name, folder=name, records=records, status="COMPLETED")
+
+    out = format_compare(run("a", 1_048_576, 0.5), run("b", 1_810_432, 0.75))
+    tokens = next(ln for ln in out.splitlines() if ln.strip().startswith("tokens "))
+    assert tokens.split()[1:] == ["1,048,576", "1,810,432", "+761,856", "(+72.7%)"], tokens
+    rows = {ln.strip().split("  ")[0]: ln.split() for ln in out.splitlines() if "preference" in ln}
+    assert rows["eval preference accuracy (last)"][-4:] == ["0.5", "0.75", "+0.25", "(+50.0%)"], rows
+    assert "eval preference margin (last)" in rows and "train preference accuracy (last)" in rows

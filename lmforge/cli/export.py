@@ -10,7 +10,8 @@ def register(sub) -> None:
                     description="PATH may be a run's save folder, its final/, a checkpoints/step_N folder or a "
                     "Hugging Face folder. The HF folder loads with transformers.AutoModelForCausalLM and "
                     "AutoTokenizer, as the model's family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                    "Qwen3ForCausalLM, Olmo2ForCausalLM; MixtralForCausalLM for MoE). --format peft writes a LoRA "
+                    "Qwen3ForCausalLM, Olmo2ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM; "
+                    "MixtralForCausalLM for MoE). --format peft writes a LoRA "
                     "run's adapter as a PEFT folder.")
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="what to export")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write (must be new or empty)")

@@ -22,7 +22,6 @@ from rich.console import Console
 
 from lmforge import secrets
 from lmforge.cli.common import add_command
-from lmforge.config.reference import render_text
 from lmforge.estimate.plan import estimate_run, format_plan
 from lmforge.resolve import resolve
 from lmforge.resolve.plan import estimate_inputs
@@ -38,7 +37,6 @@ def register(sub) -> None:
                     description="Train from a run config. Re-running the same command continues from the latest "
                     "checkpoint in save_folder (autoresume).")
     add_run_arguments(p)
-    p.epilog = render_text()
     p.set_defaults(func=run)
     p = add_command(sub, "finetune", "fine-tune a model on prompt/response or chat JSONL (SFT), or on "
                     "preference pairs (DPO, IPO, SimPO, ORPO)",
@@ -50,7 +48,25 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+class _ConfigKeys(argparse.Action):
+    """``--config-keys``: every config key with its default and meaning, then exit (as --help)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from lmforge.config.reference import render_text
+
+        print(render_text())
+        parser.exit()
+
+
+CONFIG_KEYS_EPILOG = "Every config key with its default and meaning: --config-keys (or README.md's Config reference)."
+
+
 def add_run_arguments(p) -> None:
+    p.epilog = CONFIG_KEYS_EPILOG  # `train --help` and `finetune --help` alike; the ~200 keys on request
+    p.add_argument("--config-keys", action=_ConfigKeys, help="print every config key with its default, then exit")
     p.add_argument("-f", "--file", metavar="YAML", help="run config (see examples/)")
     p.add_argument("--model", help="override `model` (a preset name)")
     p.add_argument("--weights", metavar="PATH", help="override `custom_weights_path` (run folder, final/, step "
