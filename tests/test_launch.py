@@ -377,3 +377,18 @@ def test_an_unknown_run_name_lists_some_known_runs_and_counts_the_rest():
     assert hint.endswith("and 3 more (`lmforge runs list` shows them all)")
     assert known_runs(names[:10]) == "; known runs: " + ", ".join(names[:10])
     assert known_runs([]) == "; the registry has no runs yet"
+
+
+def test_runs_list_shows_the_share_done_of_epoch_and_time_budgets():
+    """An epoch- or time-bounded run has no total in its config that `runs list` could divide by: the
+    share the trainer logs (`train/progress`) gives its percentage and ETA, as `ba`/`tok` runs get."""
+    from lmforge.cli.runs import progress_text
+    from lmforge.runs.progress import summarize
+
+    record = {"step": 3, "train/loss": 2.0, "train/tokens": 1536, "time/elapsed_s": 30.0, "train/progress": 0.5}
+    for duration in ("2ep", "30min", "4000sp"):
+        m = summarize(record, {"training_duration": duration})
+        assert (m["progress"], m["eta_s"], progress_text(m)) == (0.5, 30.0, "50% step 3"), duration
+    old = summarize({k: v for k, v in record.items() if k != "train/progress"}, {"training_duration": "2ep"})
+    assert (old["progress"], progress_text(old)) == (None, "step 3")  # a record of an older version
+    assert summarize(record, {"training_duration": "6ba"})["progress"] == 0.5

@@ -132,13 +132,65 @@ def test_pairs_stay_together_and_only_answers_are_scored(tmp_path, tok):
     # without packing: one pair per row, in its own two documents
     unpacked = load_pairs([str(path)], tok, 128, packing=False, seed=3)
     assert len(unpacked) == 3 and unpacked.pair_mask.shape[1] == 1 and int(unpacked.doc_ids.max()) == 2
-    # a pair longer than the context: the answers are cut from the end, the prompt never
+    # a pair longer than the context with a short prompt: the answers are cut from the end, the prompt never
     (c, r, where), = read_pairs([str(write_jsonl(tmp_path / "long.jsonl", [
         {"prompt": "x = ", "chosen": "1 " * 40, "rejected": "2 " * 3}]))])
     c, r = tokenize_example(c, tok), tokenize_example(r, tok)
-    fc, fr, cut = fit_pair(c, r, 32, where)
-    assert cut and len(fc[0]) + len(fr[0]) == 32 and len(fr[0]) == len(r[0])  # the longer one gave way
+    fit = fit_pair(c, r, 32, len(tok.prefix_ids))
+    fc, fr = fit.chosen, fit.rejected
+    assert fit.cut == "answers" and len(fc[0]) + len(fr[0]) == 32 and len(fr[0]) == len(r[0])  # the longer gave way
     assert fc[0] == c[0][:len(fc[0])] and any(fc[1])
+
+
+def _fit(tok, row: dict, seq_len: int):
+    from lmforge.data.preference import pair_segments
+
+    c, r = pair_segments(row, "row")
+    c, r = tokenize_example(c, tok), tokenize_example(r, tok)
+    return c, r, fit_pair(c, r, seq_len, len(tok.prefix_ids))
+
+
+def test_a_long_prompt_is_cut_from_the_left_and_a_pair_a_cut_makes_equal_is_dropped(tok):
+    """Prompt first, from the left (TRL's keep-end): the text nearest the answers stays, BOS too, the
+    answers whole; a cut that leaves chosen and rejected the same drops the pair (a constant loss)."""
+    c, r, fit = _fit(tok, {"prompt": "".join(f"line {i}\n" for i in range(60)), "chosen": " yes\n",
+                           "rejected": " no\n"}, 64)
+    assert fit.cut == "prompt" and not fit.dropped and len(fit.chosen[0]) + len(fit.rejected[0]) <= 64
+    first = len(tok.prefix_ids)
+    for whole, kept in ((c, fit.chosen), (r, fit.rejected)):
+        assert kept[0][:first] == whole[0][:first]  # BOS (if the tokenizer adds one) stays
+        assert whole[0][-len(kept[0]) + first:] == kept[0][first:]  # the end of the prompt and the whole answer
+        assert tok.decode(kept[0]).endswith("line 59\n" + kept_answer(kept, tok))
+    # answers that differ only in their last words: a context that cuts those words makes them equal
+    shared = "".join(f" {w}" for w in WORDS * 4)
+    _, _, fit = _fit(tok, {"prompt": "# say", "chosen": shared + " yes", "rejected": shared + " no"}, 48)
+    assert fit.dropped == "chosen and rejected are identical after the cut" and fit.chosen is None
+    # a context too short for any prompt and one answer token each
+    _, _, fit = _fit(tok, {"prompt": "# one two three", "chosen": " 1", "rejected": " 2"}, 3)
+    assert fit.dropped.startswith("its prompt leaves no room for both answers")
+
+
+def kept_answer(seq, tok) -> str:
+    ids, trained = seq
+    return tok.decode([t for t, on in zip(ids, trained) if on])
+
+
+def test_fitting_is_counted_and_named_and_only_no_pair_left_is_refused(tmp_path, tok):
+    from lmforge.data.preference import fit_summary
+    from lmforge.errors import UserError
+
+    long_prompt = {"prompt": "".join(f"line {i}\n" for i in range(60)), "chosen": " yes\n", "rejected": " no\n"}
+    shared = "".join(f" {w}" for w in WORDS * 4)
+    equal = {"prompt": "# say", "chosen": shared + " yes", "rejected": shared + " no"}
+    fine = {"prompt": "# one", "chosen": " 1\n", "rejected": " 2\n"}
+    path = write_jsonl(tmp_path / "t.jsonl", [fine, long_prompt, equal, long_prompt, fine])
+    rows = load_pairs([str(path)], tok, 48, packing=True, seed=0)
+    assert rows.pairs == 4 and rows.truncated == 2 and rows.prompts_cut == [f"{path}:2", f"{path}:4"]
+    assert rows.dropped == [(f"{path}:3", "chosen and rejected are identical after the cut")]
+    assert fit_summary(rows) == (f"2 cut to fit the context length, 2 of them in the prompt, from the left ({path}:2, "
+                                 f"{path}:4); 1 dropped (chosen and rejected are identical after the cut: {path}:3)")
+    with pytest.raises(UserError, match=r"t2.jsonl: no pair fits within context_length 48 \(.*t2.jsonl:1: chosen and"):
+        load_pairs([str(write_jsonl(tmp_path / "t2.jsonl", [equal]))], tok, 48, packing=True, seed=0)
 
 
 def test_answer_sums_and_step_zero(tmp_path, tok):
@@ -445,14 +497,57 @@ def test_two_fsdp_ranks_equal_one(tmp_path, base, monkeypatch, reference):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.integration
+def test_a_run_names_its_cut_and_dropped_pairs_first_and_ends_with_its_preference_metrics(tmp_path, base):
+    """What `lmforge finetune` prints: among the first lines, the pairs cut to fit (the prompt from the
+    left) and dropped (chosen = rejected after the cut), by file:line; at the end, the held-out
+    preference accuracy and margin beside the loss (once); `runs describe` shows them too."""
+    shared = "".join(f" {w}" for w in WORDS * 4)
+    rows = digit_pairs()[0][:15] + [
+        {"prompt": "".join(f"# line {i}\n" for i in range(40)) + "# two", "chosen": " 2\n", "rejected": " 3\n"},
+        {"prompt": "# say", "chosen": shared + " yes", "rejected": shared + " no"}]
+    raw = pref_config(tmp_path, base, training_duration="2ba", save_interval="2ba", **{"eval.interval": "2ba"})
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    out = cli("finetune", "-f", write_config(tmp_path / "dpo.yaml", raw), "--no-supervisor", check=True).stdout
+    lines = out.splitlines()
+    data = next(i for i, ln in enumerate(lines) if ln.startswith("data: "))
+    assert data < next(i for i, ln in enumerate(lines) if ln.startswith("run pref-dpo")), lines[:12]
+    assert lines[data].startswith("data: 16 pairs in ") and lines[data].endswith(
+        f"; 20 held-out pairs; 1 cut to fit the context length, 1 of them in the prompt, from the left ({train}:16); "
+        f"1 dropped (chosen and rejected are identical after the cut: {train}:17)"), lines[data]
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("completed after 2 steps"))
+    last = [m for m in metrics(tmp_path / "dpo") if "eval/rewards/accuracy" in m][-1]
+    final_eval = [ln for ln in lines[:end] if ln.startswith("eval step 2 | ")]  # the run's last lines: once
+    assert final_eval == [f"eval step 2 | loss {last['eval/loss']:.4f} | acc {last['eval/rewards/accuracy']:.2f} "
+                          f"margin {last['eval/rewards/margin']:.3g} | pairs 20 | rewards/chosen "
+                          f"{last['eval/rewards/chosen']:.4g} | rewards/rejected {last['eval/rewards/rejected']:.4g}"]
+    assert not any(ln.startswith("  eval/") for ln in lines[end:]), lines[end:]  # not again in the summary
+    # `runs describe`: what the supervisor keeps of metrics.jsonl (`MetricsTail`, `summarize`) as it prints it
+    from lmforge.cli.runs import metrics_lines
+    from lmforge.runs.progress import MetricsTail, metrics_path, summarize
+
+    tail = MetricsTail(metrics_path(str(tmp_path / "dpo")))
+    stored = summarize(tail.poll(), raw, tail.latest_eval)
+    described = metrics_lines(SimpleNamespace(latest_metrics=stored, is_terminal=True, config=raw))
+    train = [m for m in metrics(tmp_path / "dpo") if "train/loss" in m][-1]
+    assert f"  accuracy {train['train/rewards/accuracy']:.3f}  margin " in described[0], described
+    assert described[1].startswith(f"held-out   step 2  loss {last['eval/loss']:.4f}  accuracy "
+                                   f"{last['eval/rewards/accuracy']:.3f}  margin "), described
+    assert described[1].endswith("(20 pairs)") and "progress 100% step 2" in described[0], described
+
+
 # --------------------------------------------------------------------------- bad input
 
 BAD = [
     ("missing", {"rows": [{"prompt": "# one", "chosen": " 1\n"}]}, ["train.jsonl:2", "'rejected'"]),
     ("identical", {"rows": [{"prompt": "# one", "chosen": " 1\n", "rejected": " 1\n"}]},
      ["train.jsonl:2", "identical"]),
-    ("long-prompt", {"rows": [{"prompt": "# one " * 40, "chosen": " 1\n", "rejected": " 2\n"}]},
-     ["train.jsonl:2", "prompt", "context_length 64"]),
+    ("empty-prompt", {"rows": [{"prompt": " ", "chosen": " 1\n", "rejected": " 2\n"}]},
+     ["train.jsonl:2", "field 'prompt' is empty"]),
+    ("no-prompt-messages", {"rows": [{"prompt": [], "chosen": [{"role": "assistant", "content": "1"}],
+                                      "rejected": [{"role": "assistant", "content": "2"}]}]},
+     ["train.jsonl:2", "'prompt' is an empty list"]),
+    ("nothing-fits", {"rows": [], "context": 4}, ["no pair fits within context_length 4", "train.jsonl:1"]),
     ("beta", {"preference": {"beta": 0}}, ["preference.beta", "greater than 0"]),
     ("reference-free", {"preference": {"loss": "simpo", "reference": "precomputed"}},
      ["preference", "simpo is reference-free"]),
@@ -463,6 +558,8 @@ BAD = [
 @pytest.mark.parametrize("case,change,needles", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_one_line(tmp_path, base, case, change, needles):
     raw = pref_config(tmp_path, base)
+    if "context" in change:
+        raw["parameters"]["context_length"] = change["context"]
     if "rows" in change:
         write_jsonl(tmp_path / "train.jsonl", digit_pairs()[0][:1] + change["rows"])
     else:

@@ -133,11 +133,19 @@ def train_here(cfg, args, plan) -> int:
 
     result = run_job(cfg, plan, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
-        print_summary(result, as_json=args.json)
+        print_summary(result, as_json=args.json, console=cfg.experiment_tracker.console)
     return 0 if result.status in ("completed", "stopped") else 1
 
 
-def print_summary(result, as_json: bool = False) -> None:
+# The held-out metrics the end-of-run summary lists (with ICL and gauntlet scores): the loss and its
+# forms, and for preference tuning how often the chosen answer wins and by how much.
+SUMMARY_METRICS = ("/loss", "/bits_per_byte", "/perplexity", "/rewards/accuracy", "/rewards/margin")
+
+
+def print_summary(result, as_json: bool = False, console: bool = False) -> None:
+    """The end of a run's output: how it ended, its final results and where everything is. With the
+    ``console`` tracker on, the last evaluation and its generations were printed just above (at the
+    last step): they are not printed again, only what the console does not show (ICL, gauntlet)."""
     if as_json:
         print(secrets.redact(json.dumps({"status": result.status, "step": result.step, "tokens": result.tokens,
                           "save_folder": result.save_folder, "final": result.final_dir,
@@ -148,13 +156,14 @@ def print_summary(result, as_json: bool = False) -> None:
     c.print()
     c.print(f"[bold]{result.status}[/bold] after {result.step:,} steps ({result.tokens:,} tokens)")
     ev = result.eval
-    keys = [k for k in ev if k.endswith(("/loss", "/bits_per_byte", "/perplexity")) or k.startswith(("icl/", "gauntlet/"))]
+    keys = [k for k in ev if (k.endswith(SUMMARY_METRICS) and not console) or k.startswith(("icl/", "gauntlet/"))]
     for k in keys:
         c.print(f"  {k:32s} {ev[k]:.4f}")
-    for text in result.generations[:3]:
+    for text in [] if console else result.generations[:3]:
         c.print("[dim]--- sample ---[/dim]")
         c.print(text, markup=False)
-    c.print("[dim]---[/dim]")
+    if keys or (result.generations and not console):
+        c.print("[dim]---[/dim]")
     remote = "://" in result.save_folder
     join = (lambda *p: "/".join([result.save_folder.rstrip("/"), *p])) if remote else \
         (lambda *p: os.path.join(result.save_folder, *p))
