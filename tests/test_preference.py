@@ -206,6 +206,12 @@ def test_answer_sums_and_step_zero(tmp_path, tok):
     data = attach_reference(model, PreferenceData(tok.path, rows, None), _layout(2), str(tmp_path), ONE_RANK,
                             _nullcontext, weights="init-0", resuming=False, log=lambda *_: None)
     assert (tmp_path / REFERENCE_FILE).is_file() and not (tmp_path / ".reference").exists()
+    # a file an earlier version tagged by its own rule (`legacy_weights_tag`) is read, not recomputed
+    said: list[str] = []
+    again = attach_reference(model, PreferenceData(tok.path, rows, None), _layout(2), str(tmp_path), ONE_RANK,
+                             _nullcontext, weights="by-content", legacy_weights="init-0", resuming=True,
+                             log=said.append)
+    assert torch.equal(again.rows.ref_logps, data.rows.ref_logps) and "read from" in said[0], said
     objective = Preference(_run_config(), model)
     batch = data.rows.batch(list(range(len(data.rows))))
     out = objective(model_forward(model), batch)
@@ -252,6 +258,29 @@ def test_an_interrupted_precomputation_continues(tmp_path, tok, monkeypatch):
     again = attach(tmp_path / "run", log.append).rows.ref_logps
     assert any("2 chunk(s) of the train rows read back" in line for line in log), log
     assert torch.equal(again, whole) and whole.shape == (24, 1, 2)
+
+
+def test_the_reference_is_tagged_by_the_starting_weights_content(tmp_path, base):
+    """The tag of the starting weights: their files' sha256 — the same from a copy elsewhere (fresh
+    times), from the digests an export records, and different once a weight changes; a tokenizer
+    edit (a chat template added) does not count."""
+    from safetensors.torch import load_file, save_file
+
+    from lmforge.checksums import write_export_digests
+    from lmforge.train.reference import weights_tag
+
+    tag = weights_tag(str(base), 0)
+    copy = tmp_path / "copy"
+    shutil.copytree(base, copy, copy_function=shutil.copy)
+    assert weights_tag(str(copy), 0) == tag == weights_tag(str(copy), 7)  # (the seed is for fresh models only)
+    (copy / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    write_export_digests(str(copy))  # now the folder records its digests: they are what is read
+    assert weights_tag(str(copy), 0) == tag
+    sd = load_file(copy / "model.safetensors")
+    sd["norm.weight"] = sd["norm.weight"] + 1
+    save_file(sd, copy / "model.safetensors")
+    write_export_digests(str(copy))
+    assert weights_tag(str(copy), 0) != tag and weights_tag(None, 3) == "init-3"
 
 
 def _layout(micro_batch: int):
@@ -435,8 +464,28 @@ def test_dpo_run_learns_held_out_pairs_and_resumes_exactly(tmp_path, base):
     assert all(torch.equal(weights[k], again[k]) for k in weights)
     assert train_losses(folder) == losses  # steps 11-20 again, the same losses
 
-    # a checkpoint without its reference cannot resume: the starting weights are gone
+    # the run and its base moved elsewhere (fresh file times): the reference is the base's content, so
+    # the moved run resumes with it
+    moved = tmp_path / "moved"
+    shutil.copytree(base, moved / "base", copy_function=shutil.copy)
+    shutil.move(folder, moved / "dpo")
+    folder = moved / "dpo"
+    shutil.rmtree(folder / "checkpoints" / "step_00000020")
     shutil.rmtree(folder / "final")
+    raw = raw | {"custom_weights_path": str(moved / "base"), "save_folder": str(folder)}
+    log.clear()
+    train_in_process(raw, log=log.append)
+    assert any(f"reference: log-probs of 90 pairs read from {folder}" in line for line in log), log
+    assert all(torch.equal(weights[k], v) for k, v in final_weights(folder).items())
+
+    # other starting weights (the same folder trained again, say) are named as such
+    shutil.rmtree(folder / "final")
+    torch.manual_seed(1)
+    save_pretrained(build_model(SMALL.model_copy(update={"max_seq_len": 64})), SMALL, moved / "base",
+                    tokenizer_dir=base)
+    with pytest.raises(UserError, match=f"{REFERENCE_FILE}: made from other starting weights"):
+        train_in_process(raw)
+    # a checkpoint without its reference cannot resume: the starting weights are gone
     (folder / REFERENCE_FILE).unlink()
     with pytest.raises(UserError, match=f"{REFERENCE_FILE}: missing"):
         train_in_process(raw)
