@@ -494,7 +494,8 @@ def test_dpo_run_learns_held_out_pairs_and_resumes_exactly(tmp_path, base):
 @pytest.mark.integration
 def test_lora_uses_the_base_as_reference_and_exports(tmp_path, base):
     """With LoRA the reference is the base with its adapters off (nothing precomputed or stored):
-    step 1 is exactly ln 2; the run exports merged (HF) and as a PEFT adapter."""
+    step 1 is exactly ln 2; the run exports merged (HF) and as a PEFT adapter whose named base
+    transformers can load."""
     from lmforge.train.export import export
     from lmforge.train.reference import REFERENCE_FILE
 
@@ -511,6 +512,19 @@ def test_lora_uses_the_base_as_reference_and_exports(tmp_path, base):
     export(str(folder / "checkpoints" / "step_00000004"), str(tmp_path / "peft"), fmt="peft")
     export(str(folder), str(tmp_path / "hf"))
     assert (tmp_path / "peft" / "adapter_config.json").is_file() and (tmp_path / "hf" / "config.json").is_file()
+    # The base is an lmforge folder, which transformers cannot load: the adapter names the base's Hugging
+    # Face form written beside it, and PEFT alone (from the adapter's folder) gives the merged model's logits.
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    adapter = folder / "final" / "adapter"
+    named = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == str(adapter / "base") and (adapter / "base" / "config.json").is_file()
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250]])
+    with torch.no_grad():
+        with_adapter = peft.AutoPeftModelForCausalLM.from_pretrained(str(adapter)).eval()(ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()(ids).logits
+    torch.testing.assert_close(with_adapter, merged, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.e2e
