@@ -134,7 +134,7 @@ class ConsoleTracker(Tracker):
         return ((time.monotonic() if now is None else now) - t0) / done * (self.total_steps - step)
 
     # -- live mode ------------------------------------------------------------------
-    def _start_bar(self, step: int, tokens: float, timed: bool) -> None:
+    def _start_bar(self, timed: bool) -> None:
         """``timed``: a wall-clock budget: the bar is its share of time (a percentage), not steps."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -185,7 +185,7 @@ class ConsoleTracker(Tracker):
         eta = self._eta(step, clock, m.get("train/progress")) if is_train else None
         if self.tty and is_train:
             if self._progress is None:
-                self._start_bar(step, m.get("train/tokens", 0.0), timed)
+                self._start_bar(timed)
             self._progress.update(self._task, completed=self._completed(step, m),
                                   stats=" | ".join(train_summary(m, self.total_tokens, eta)), eta=format_eta(eta),
                                   refresh=True)  # drawn now (a log step is rare enough), not at the next tick
