@@ -419,13 +419,18 @@ def test_a_wall_clock_budget_shows_the_time_left_in_its_bar_and_lines():
 @pytest.mark.integration  # trains a tiny model for 4 steps in this process
 def test_a_runs_last_eval_and_generations_are_printed_once(tmp_path, tiny_data):
     """What `lmforge train` prints at its end: the last evaluation and its generations once (at the
-    last step, as every eval before them), not again in the closing summary as "sample"s."""
+    last step, as every eval before them), not again in the closing summary as "sample"s. (With a
+    warmup of none, `0ba`, accepted and said so.)"""
     from conftest import tiny_run_config
-    from train_helpers import cli, write_config
+    from train_helpers import cli, metrics, write_config
 
     raw = tiny_run_config(tiny_data, tmp_path / "run", training_duration="4ba", log_interval=10,
-                          **{"eval.interval": "2ba", "eval.prompts": ["def main(", "class A"]})
+                          **{"eval.interval": "2ba", "eval.prompts": ["def main(", "class A"],
+                             "parameters.warmup": "0ba"})
     out = cli("train", "-f", write_config(tmp_path / "run.yaml", raw), "--no-supervisor", check=True).stdout
+    # (and `warmup: 0ba` is a warmup of none: said so, the first step at the peak LR)
+    assert "lr 0.003, warmup none, wsd" in out and "step 1/4 | tok 512/2.05K | loss " in out
+    assert next(m for m in metrics(tmp_path / "run") if m.get("step") == 1)["train/lr"] == pytest.approx(3e-3)
     for step in (2, 4):
         assert out.count(f"eval step {step} | loss ") == 1, out
         assert [out.count(f"--- generation_{i} at step {step} ---") for i in (0, 1)] == [1, 1], out

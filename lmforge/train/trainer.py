@@ -630,7 +630,9 @@ class Trainer:
 
 
 def _span(value: float, unit: str) -> str:
-    return f"{int(value)} steps" if unit == "steps" else f"{value:.3g}s"
+    if unit == "steps":  # a warmup of one step starts at the peak: none (what `warmup: 0ba` asks for)
+        return "none" if value <= 1 else f"{int(value)} steps"
+    return f"{value:.3g}s" if value > 0 else "none"
 
 
 def _schedule_text(s) -> str:
