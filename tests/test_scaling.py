@@ -450,3 +450,5 @@ def test_progress_lines_while_rungs_train(tmp_path):
     line = progress_line(running, 3, 8, waiting_s=90.0)
     assert line == "scaling: 3 of 8 runs done; 2x48-400k 25% (loss 3.6123), 2x64-200k starting; about 4.0 min left here"
     assert progress_line(running, 3, 8, waiting_s=None).endswith("2x64-200k starting")
+    # runs skipped for the budget have ended, but not as runs done
+    assert progress_line(running, 5, 8, None, skipped=2).startswith("scaling: 3 of 8 runs done (2 skipped); 2x48")

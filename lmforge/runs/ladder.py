@@ -298,10 +298,11 @@ class _Started:
 PROGRESS_S = 15.0  # while runs train, a line of their progress at least this often (no long silences)
 
 
-def progress_line(active: list[_Started], done: int, total: int, waiting_s: float | None) -> str:
+def progress_line(active: list[_Started], done: int, total: int, waiting_s: float | None, skipped: int = 0) -> str:
     """What the ladder is doing: each running run's share done and loss (from its metrics.jsonl),
     and — with the plan's estimates (a time budget) — about how long the rest takes here.
-    ``waiting_s``: the estimated seconds of the runs not started yet."""
+    ``done``: runs ended (``skipped`` of them not started: past the budget); ``waiting_s``: the
+    estimated seconds of the runs not started yet."""
     parts, left = [], []
     for s in active:
         m = summarize(s.metrics.poll(), {"training_duration": f"{s.point.tokens}tok"})
@@ -311,7 +312,8 @@ def progress_line(active: list[_Started], done: int, total: int, waiting_s: floa
         parts.append(f"{s.point.label} {100 * (m.get('progress') or 0):.0f}% (loss {m['loss']:.4f})")
         if m.get("eta_s") is not None:
             left.append(m["eta_s"])
-    line = f"scaling: {done} of {total} runs done; " + ", ".join(parts)
+    line = f"scaling: {done - skipped} of {total} runs done{f' ({skipped} skipped)' if skipped else ''}; " + \
+        ", ".join(parts)
     if waiting_s is not None and (left or not active):
         line += f"; about {(max(left, default=0.0) + waiting_s) / 60:.1f} min left here"
     return line
@@ -341,14 +343,14 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | No
         log(f"scaling: {finished} of {total} runs already completed")
     env = os.environ | {"OMP_NUM_THREADS": str(plan.threads)}
     slower: list[float] = []  # actual / estimated seconds of the runs finished here
-    started, noted = 0, time.time()
+    started, skipped, noted = 0, 0, time.time()
     try:
         while todo or active:
             while todo and len(active) < plan.parallel:
                 p = todo.pop(0)
                 factor = sorted(slower)[len(slower) // 2] if slower else 1.0
                 if deadline is not None and p.seconds and time.time() + factor * p.seconds > deadline:
-                    finished += 1
+                    finished, skipped = finished + 1, skipped + 1
                     log(f"scaling: {p.label} skipped: it would end after the budget (about "
                         f"{factor * p.seconds:.0f}s, {max(0.0, deadline - time.time()):.0f}s left); re-run the "
                         "ladder to train it")
@@ -367,7 +369,8 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | No
             if active and time.time() - noted >= PROGRESS_S:  # 15 s without a line: where the runs are
                 noted = time.time()
                 waiting = sum(p.seconds or 0 for p in todo) * (sorted(slower)[len(slower) // 2] if slower else 1.0)
-                log(progress_line(active, finished, total, waiting / plan.parallel if plan.estimated_seconds else None))
+                log(progress_line(active, finished, total, waiting / plan.parallel if plan.estimated_seconds else None,
+                                  skipped))
     except KeyboardInterrupt:
         # The runs share this terminal's process group: each got the Ctrl-C and checkpoints.
         log("scaling: interrupted; the runs stop at a checkpoint; re-run the same command to continue")
