@@ -347,6 +347,7 @@ def _preference_run(tmp_path):
     return folder
 
 
+@pytest.mark.e2e  # headless Chromium
 def test_a_preference_report_names_train_and_eval_and_has_an_accuracy_row(tmp_path):
     """The report of a DPO run: its curves tell train from eval (not two "rewards/accuracy"), its
     summary has the accuracy, and — in Chromium, as a reader sees it — no axis title runs into its
