@@ -43,6 +43,16 @@ def test_the_norm_head_and_loss_trace_as_one_graph(model):
     assert _explain(model.head_loss, h, targets) == (1, 0, [])
 
 
+def test_the_per_token_head_of_preference_tuning_traces_as_one_graph(model):
+    """Preference losses need each target's log-probability: `head_logprobs` (norm, head, chunked
+    log-softmax with its recomputing backward) is one compiled unit too, not an eager tail."""
+    ids = torch.randint(0, CFG.vocab_size, (2, 32))
+    targets = torch.randint(0, CFG.vocab_size, (2, 32))
+    targets[:, :5] = -100  # the prompt: not scored
+    h = model.tok_embeddings(ids)
+    assert _explain(model.head_logprobs, h, targets) == (1, 0, [])
+
+
 def test_a_block_with_a_document_block_mask_traces_as_one_graph(model):
     """The FlexAttention path (packed documents on CUDA), traced forward-only here: the CPU has
     no FlexAttention backward."""
@@ -65,5 +75,5 @@ def test_compile_auto_means_cuda_and_wraps_blocks_and_the_loss(model):
     assert "head_loss" not in vars(plain) and "forward" not in vars(plain.blocks[0])
     parallelize(model, ComputeConfig(compile=True), dist)
     # compiled on the instance (names, and so checkpoints, unchanged)
-    assert "head_loss" in vars(model) and all("forward" in vars(b) for b in model.blocks)
+    assert "head_loss" in vars(model) and "head_logprobs" in vars(model) and all("forward" in vars(b) for b in model.blocks)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]

@@ -34,6 +34,23 @@ def test_bad_durations(text):
 BASE = {"model": "llama-tiny", "train_data": "x", "training_duration": "10ba"}
 
 
+def test_a_warmup_of_none_is_accepted_and_a_bad_duration_says_its_value_once():
+    """`warmup: 0ba` (no warmup) is a valid choice; a zero duration elsewhere is refused, the value
+    quoted once ("must be positive, got '0ba'", not "… (got '0ba')" after it)."""
+    cfg = build_config(BASE | {"parameters": {"warmup": "0ba"}})
+    assert (cfg.parameters.warmup.value, cfg.parameters.warmup.unit) == (0, "ba")
+    assert build_config(BASE | {"parameters": {"warmup": "0s"}}).parameters.warmup.value == 0
+    with pytest.raises(UserError) as e:
+        build_config(BASE | {"parameters": {"warmup": "-1ba"}})
+    assert "parameters.warmup" in str(e.value)
+    with pytest.raises(UserError) as e:
+        build_config(BASE | {"training_duration": "0ba"})
+    assert str(e.value) == "training_duration: duration must be positive, got '0ba'"
+    with pytest.raises(UserError) as e:  # a value the message does not quote is still shown
+        build_config(BASE | {"log_interval": 0})
+    assert "(got 0)" in str(e.value)
+
+
 def test_train_data_forms_and_mix():
     assert [d.path for d in build_config(BASE).train_data] == ["x"]
     cfg = build_config(BASE | {"train_data": {"web": {"path": "a", "proportion": 0.7}, "code": "b"}})

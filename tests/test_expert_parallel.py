@@ -44,7 +44,7 @@ def test_two_ranks_with_expert_parallel_match_one_rank_and_reshard_both_ways(tmp
                            str(REPO / "tests" / "ep_worker.py"), str(ref / "checkpoints" / "step_00000003"),
                            str(ep_yaml)], capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    assert "2 rank(s)" in proc.stdout and "--- sample ---" in proc.stdout  # generation: ranks in step
+    assert "2 rank(s)" in proc.stdout and "--- generation_0 at step" in proc.stdout  # generation: ranks in step
     # The experts' gradient norm is summed over both mesh dimensions in one all-reduce (a flattened
     # mesh exists for them), not two in a row with torch's warning on every rank.
     assert "sequential all_reduce" not in proc.stderr

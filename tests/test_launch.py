@@ -382,3 +382,30 @@ def test_torchrun_wrapper_returns_the_ranks_code_when_torchrun_gives_up_first(tm
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
     assert not status.exists()  # the wrapper removes its status file
+
+
+def test_an_unknown_run_name_lists_some_known_runs_and_counts_the_rest():
+    """`no run named X`: up to ten known names, then how many more there are (not a silent cut)."""
+    from lmforge.runs.run import known_runs
+
+    names = [f"run-{i:02d}" for i in range(13)]
+    hint = known_runs(names)
+    assert hint.startswith("; known runs: run-00, run-01") and "run-09" in hint and "run-10" not in hint
+    assert hint.endswith("and 3 more (`lmforge runs list` shows them all)")
+    assert known_runs(names[:10]) == "; known runs: " + ", ".join(names[:10])
+    assert known_runs([]) == "; the registry has no runs yet"
+
+
+def test_runs_list_shows_the_share_done_of_epoch_and_time_budgets():
+    """An epoch- or time-bounded run has no total in its config that `runs list` could divide by: the
+    share the trainer logs (`train/progress`) gives its percentage and ETA, as `ba`/`tok` runs get."""
+    from lmforge.cli.runs import progress_text
+    from lmforge.runs.progress import summarize
+
+    record = {"step": 3, "train/loss": 2.0, "train/tokens": 1536, "time/elapsed_s": 30.0, "train/progress": 0.5}
+    for duration in ("2ep", "30min", "4000sp"):
+        m = summarize(record, {"training_duration": duration})
+        assert (m["progress"], m["eta_s"], progress_text(m)) == (0.5, 30.0, "50% step 3"), duration
+    old = summarize({k: v for k, v in record.items() if k != "train/progress"}, {"training_duration": "2ep"})
+    assert (old["progress"], progress_text(old)) == (None, "step 3")  # a record of an older version
+    assert summarize(record, {"training_duration": "6ba"})["progress"] == 0.5

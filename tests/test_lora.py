@@ -238,3 +238,7 @@ def test_adapter_names_its_base_so_that_it_resolves_from_anywhere(tmp_path, monk
     assert base_model_reference("hf:models/llama") == str(tmp_path / "models" / "llama")
     assert base_model_reference("models/llama/") == str(tmp_path / "models" / "llama")
     assert base_model_reference("hf:meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
+    # an lmforge run (or its final/) is no base transformers can load: None (the run writes the base's HF form)
+    (tmp_path / "runs" / "sft" / "final").mkdir(parents=True)
+    (tmp_path / "runs" / "sft" / "final" / "lmforge-model.json").write_text("{}")
+    assert base_model_reference("runs/sft") is None and base_model_reference("runs/sft/final") is None

@@ -132,13 +132,65 @@ def test_pairs_stay_together_and_only_answers_are_scored(tmp_path, tok):
     # without packing: one pair per row, in its own two documents
     unpacked = load_pairs([str(path)], tok, 128, packing=False, seed=3)
     assert len(unpacked) == 3 and unpacked.pair_mask.shape[1] == 1 and int(unpacked.doc_ids.max()) == 2
-    # a pair longer than the context: the answers are cut from the end, the prompt never
+    # a pair longer than the context with a short prompt: the answers are cut from the end, the prompt never
     (c, r, where), = read_pairs([str(write_jsonl(tmp_path / "long.jsonl", [
         {"prompt": "x = ", "chosen": "1 " * 40, "rejected": "2 " * 3}]))])
     c, r = tokenize_example(c, tok), tokenize_example(r, tok)
-    fc, fr, cut = fit_pair(c, r, 32, where)
-    assert cut and len(fc[0]) + len(fr[0]) == 32 and len(fr[0]) == len(r[0])  # the longer one gave way
+    fit = fit_pair(c, r, 32, len(tok.prefix_ids))
+    fc, fr = fit.chosen, fit.rejected
+    assert fit.cut == "answers" and len(fc[0]) + len(fr[0]) == 32 and len(fr[0]) == len(r[0])  # the longer gave way
     assert fc[0] == c[0][:len(fc[0])] and any(fc[1])
+
+
+def _fit(tok, row: dict, seq_len: int):
+    from lmforge.data.preference import pair_segments
+
+    c, r = pair_segments(row, "row")
+    c, r = tokenize_example(c, tok), tokenize_example(r, tok)
+    return c, r, fit_pair(c, r, seq_len, len(tok.prefix_ids))
+
+
+def test_a_long_prompt_is_cut_from_the_left_and_a_pair_a_cut_makes_equal_is_dropped(tok):
+    """Prompt first, from the left (TRL's keep-end): the text nearest the answers stays, BOS too, the
+    answers whole; a cut that leaves chosen and rejected the same drops the pair (a constant loss)."""
+    c, r, fit = _fit(tok, {"prompt": "".join(f"line {i}\n" for i in range(60)), "chosen": " yes\n",
+                           "rejected": " no\n"}, 64)
+    assert fit.cut == "prompt" and not fit.dropped and len(fit.chosen[0]) + len(fit.rejected[0]) <= 64
+    first = len(tok.prefix_ids)
+    for whole, kept in ((c, fit.chosen), (r, fit.rejected)):
+        assert kept[0][:first] == whole[0][:first]  # BOS (if the tokenizer adds one) stays
+        assert whole[0][-len(kept[0]) + first:] == kept[0][first:]  # the end of the prompt and the whole answer
+        assert tok.decode(kept[0]).endswith("line 59\n" + kept_answer(kept, tok))
+    # answers that differ only in their last words: a context that cuts those words makes them equal
+    shared = "".join(f" {w}" for w in WORDS * 4)
+    _, _, fit = _fit(tok, {"prompt": "# say", "chosen": shared + " yes", "rejected": shared + " no"}, 48)
+    assert fit.dropped == "chosen and rejected are identical after the cut" and fit.chosen is None
+    # a context too short for any prompt and one answer token each
+    _, _, fit = _fit(tok, {"prompt": "# one two three", "chosen": " 1", "rejected": " 2"}, 3)
+    assert fit.dropped.startswith("its prompt leaves no room for both answers")
+
+
+def kept_answer(seq, tok) -> str:
+    ids, trained = seq
+    return tok.decode([t for t, on in zip(ids, trained) if on])
+
+
+def test_fitting_is_counted_and_named_and_only_no_pair_left_is_refused(tmp_path, tok):
+    from lmforge.data.preference import fit_summary
+    from lmforge.errors import UserError
+
+    long_prompt = {"prompt": "".join(f"line {i}\n" for i in range(60)), "chosen": " yes\n", "rejected": " no\n"}
+    shared = "".join(f" {w}" for w in WORDS * 4)
+    equal = {"prompt": "# say", "chosen": shared + " yes", "rejected": shared + " no"}
+    fine = {"prompt": "# one", "chosen": " 1\n", "rejected": " 2\n"}
+    path = write_jsonl(tmp_path / "t.jsonl", [fine, long_prompt, equal, long_prompt, fine])
+    rows = load_pairs([str(path)], tok, 48, packing=True, seed=0)
+    assert rows.pairs == 4 and rows.truncated == 2 and rows.prompts_cut == [f"{path}:2", f"{path}:4"]
+    assert rows.dropped == [(f"{path}:3", "chosen and rejected are identical after the cut")]
+    assert fit_summary(rows) == (f"2 cut to fit the context length, 2 of them in the prompt, from the left ({path}:2, "
+                                 f"{path}:4); 1 dropped (chosen and rejected are identical after the cut: {path}:3)")
+    with pytest.raises(UserError, match=r"t2.jsonl: no pair fits within context_length 48 \(.*t2.jsonl:1: chosen and"):
+        load_pairs([str(write_jsonl(tmp_path / "t2.jsonl", [equal]))], tok, 48, packing=True, seed=0)
 
 
 def test_answer_sums_and_step_zero(tmp_path, tok):
@@ -154,6 +206,12 @@ def test_answer_sums_and_step_zero(tmp_path, tok):
     data = attach_reference(model, PreferenceData(tok.path, rows, None), _layout(2), str(tmp_path), ONE_RANK,
                             _nullcontext, weights="init-0", resuming=False, log=lambda *_: None)
     assert (tmp_path / REFERENCE_FILE).is_file() and not (tmp_path / ".reference").exists()
+    # a file an earlier version tagged by its own rule (`legacy_weights_tag`) is read, not recomputed
+    said: list[str] = []
+    again = attach_reference(model, PreferenceData(tok.path, rows, None), _layout(2), str(tmp_path), ONE_RANK,
+                             _nullcontext, weights="by-content", legacy_weights="init-0", resuming=True,
+                             log=said.append)
+    assert torch.equal(again.rows.ref_logps, data.rows.ref_logps) and "read from" in said[0], said
     objective = Preference(_run_config(), model)
     batch = data.rows.batch(list(range(len(data.rows))))
     out = objective(model_forward(model), batch)
@@ -200,6 +258,29 @@ def test_an_interrupted_precomputation_continues(tmp_path, tok, monkeypatch):
     again = attach(tmp_path / "run", log.append).rows.ref_logps
     assert any("2 chunk(s) of the train rows read back" in line for line in log), log
     assert torch.equal(again, whole) and whole.shape == (24, 1, 2)
+
+
+def test_the_reference_is_tagged_by_the_starting_weights_content(tmp_path, base):
+    """The tag of the starting weights: their files' sha256 — the same from a copy elsewhere (fresh
+    times), from the digests an export records, and different once a weight changes; a tokenizer
+    edit (a chat template added) does not count."""
+    from safetensors.torch import load_file, save_file
+
+    from lmforge.checksums import write_export_digests
+    from lmforge.train.reference import weights_tag
+
+    tag = weights_tag(str(base), 0)
+    copy = tmp_path / "copy"
+    shutil.copytree(base, copy, copy_function=shutil.copy)
+    assert weights_tag(str(copy), 0) == tag == weights_tag(str(copy), 7)  # (the seed is for fresh models only)
+    (copy / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    write_export_digests(str(copy))  # now the folder records its digests: they are what is read
+    assert weights_tag(str(copy), 0) == tag
+    sd = load_file(copy / "model.safetensors")
+    sd["norm.weight"] = sd["norm.weight"] + 1
+    save_file(sd, copy / "model.safetensors")
+    write_export_digests(str(copy))
+    assert weights_tag(str(copy), 0) != tag and weights_tag(None, 3) == "init-3"
 
 
 def _layout(micro_batch: int):
@@ -383,8 +464,28 @@ def test_dpo_run_learns_held_out_pairs_and_resumes_exactly(tmp_path, base):
     assert all(torch.equal(weights[k], again[k]) for k in weights)
     assert train_losses(folder) == losses  # steps 11-20 again, the same losses
 
-    # a checkpoint without its reference cannot resume: the starting weights are gone
+    # the run and its base moved elsewhere (fresh file times): the reference is the base's content, so
+    # the moved run resumes with it
+    moved = tmp_path / "moved"
+    shutil.copytree(base, moved / "base", copy_function=shutil.copy)
+    shutil.move(folder, moved / "dpo")
+    folder = moved / "dpo"
+    shutil.rmtree(folder / "checkpoints" / "step_00000020")
     shutil.rmtree(folder / "final")
+    raw = raw | {"custom_weights_path": str(moved / "base"), "save_folder": str(folder)}
+    log.clear()
+    train_in_process(raw, log=log.append)
+    assert any(f"reference: log-probs of 90 pairs read from {folder}" in line for line in log), log
+    assert all(torch.equal(weights[k], v) for k, v in final_weights(folder).items())
+
+    # other starting weights (the same folder trained again, say) are named as such
+    shutil.rmtree(folder / "final")
+    torch.manual_seed(1)
+    save_pretrained(build_model(SMALL.model_copy(update={"max_seq_len": 64})), SMALL, moved / "base",
+                    tokenizer_dir=base)
+    with pytest.raises(UserError, match=f"{REFERENCE_FILE}: made from other starting weights"):
+        train_in_process(raw)
+    # a checkpoint without its reference cannot resume: the starting weights are gone
     (folder / REFERENCE_FILE).unlink()
     with pytest.raises(UserError, match=f"{REFERENCE_FILE}: missing"):
         train_in_process(raw)
@@ -393,7 +494,8 @@ def test_dpo_run_learns_held_out_pairs_and_resumes_exactly(tmp_path, base):
 @pytest.mark.integration
 def test_lora_uses_the_base_as_reference_and_exports(tmp_path, base):
     """With LoRA the reference is the base with its adapters off (nothing precomputed or stored):
-    step 1 is exactly ln 2; the run exports merged (HF) and as a PEFT adapter."""
+    step 1 is exactly ln 2; the run exports merged (HF) and as a PEFT adapter whose named base
+    transformers can load."""
     from lmforge.train.export import export
     from lmforge.train.reference import REFERENCE_FILE
 
@@ -410,6 +512,19 @@ def test_lora_uses_the_base_as_reference_and_exports(tmp_path, base):
     export(str(folder / "checkpoints" / "step_00000004"), str(tmp_path / "peft"), fmt="peft")
     export(str(folder), str(tmp_path / "hf"))
     assert (tmp_path / "peft" / "adapter_config.json").is_file() and (tmp_path / "hf" / "config.json").is_file()
+    # The base is an lmforge folder, which transformers cannot load: the adapter names the base's Hugging
+    # Face form written beside it, and PEFT alone (from the adapter's folder) gives the merged model's logits.
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    adapter = folder / "final" / "adapter"
+    named = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == str(adapter / "base") and (adapter / "base" / "config.json").is_file()
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250]])
+    with torch.no_grad():
+        with_adapter = peft.AutoPeftModelForCausalLM.from_pretrained(str(adapter)).eval()(ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()(ids).logits
+    torch.testing.assert_close(with_adapter, merged, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.e2e
@@ -445,14 +560,57 @@ def test_two_fsdp_ranks_equal_one(tmp_path, base, monkeypatch, reference):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.integration
+def test_a_run_names_its_cut_and_dropped_pairs_first_and_ends_with_its_preference_metrics(tmp_path, base):
+    """What `lmforge finetune` prints: among the first lines, the pairs cut to fit (the prompt from the
+    left) and dropped (chosen = rejected after the cut), by file:line; at the end, the held-out
+    preference accuracy and margin beside the loss (once); `runs describe` shows them too."""
+    shared = "".join(f" {w}" for w in WORDS * 4)
+    rows = digit_pairs()[0][:15] + [
+        {"prompt": "".join(f"# line {i}\n" for i in range(40)) + "# two", "chosen": " 2\n", "rejected": " 3\n"},
+        {"prompt": "# say", "chosen": shared + " yes", "rejected": shared + " no"}]
+    raw = pref_config(tmp_path, base, training_duration="2ba", save_interval="2ba", **{"eval.interval": "2ba"})
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    out = cli("finetune", "-f", write_config(tmp_path / "dpo.yaml", raw), "--no-supervisor", check=True).stdout
+    lines = out.splitlines()
+    data = next(i for i, ln in enumerate(lines) if ln.startswith("data: "))
+    assert data < next(i for i, ln in enumerate(lines) if ln.startswith("run pref-dpo")), lines[:12]
+    assert lines[data].startswith("data: 16 pairs in ") and lines[data].endswith(
+        f"; 20 held-out pairs; 1 cut to fit the context length, 1 of them in the prompt, from the left ({train}:16); "
+        f"1 dropped (chosen and rejected are identical after the cut: {train}:17)"), lines[data]
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("completed after 2 steps"))
+    last = [m for m in metrics(tmp_path / "dpo") if "eval/rewards/accuracy" in m][-1]
+    final_eval = [ln for ln in lines[:end] if ln.startswith("eval step 2 | ")]  # the run's last lines: once
+    assert final_eval == [f"eval step 2 | loss {last['eval/loss']:.4f} | acc {last['eval/rewards/accuracy']:.2f} "
+                          f"margin {last['eval/rewards/margin']:.3g} | pairs 20 | rewards/chosen "
+                          f"{last['eval/rewards/chosen']:.4g} | rewards/rejected {last['eval/rewards/rejected']:.4g}"]
+    assert not any(ln.startswith("  eval/") for ln in lines[end:]), lines[end:]  # not again in the summary
+    # `runs describe`: what the supervisor keeps of metrics.jsonl (`MetricsTail`, `summarize`) as it prints it
+    from lmforge.cli.runs import metrics_lines
+    from lmforge.runs.progress import MetricsTail, metrics_path, summarize
+
+    tail = MetricsTail(metrics_path(str(tmp_path / "dpo")))
+    stored = summarize(tail.poll(), raw, tail.latest_eval)
+    described = metrics_lines(SimpleNamespace(latest_metrics=stored, is_terminal=True, config=raw))
+    train = [m for m in metrics(tmp_path / "dpo") if "train/loss" in m][-1]
+    assert f"  accuracy {train['train/rewards/accuracy']:.3f}  margin " in described[0], described
+    assert described[1].startswith(f"held-out   step 2  loss {last['eval/loss']:.4f}  accuracy "
+                                   f"{last['eval/rewards/accuracy']:.3f}  margin "), described
+    assert described[1].endswith("(20 pairs)") and "progress 100% step 2" in described[0], described
+
+
 # --------------------------------------------------------------------------- bad input
 
 BAD = [
     ("missing", {"rows": [{"prompt": "# one", "chosen": " 1\n"}]}, ["train.jsonl:2", "'rejected'"]),
     ("identical", {"rows": [{"prompt": "# one", "chosen": " 1\n", "rejected": " 1\n"}]},
      ["train.jsonl:2", "identical"]),
-    ("long-prompt", {"rows": [{"prompt": "# one " * 40, "chosen": " 1\n", "rejected": " 2\n"}]},
-     ["train.jsonl:2", "prompt", "context_length 64"]),
+    ("empty-prompt", {"rows": [{"prompt": " ", "chosen": " 1\n", "rejected": " 2\n"}]},
+     ["train.jsonl:2", "field 'prompt' is empty"]),
+    ("no-prompt-messages", {"rows": [{"prompt": [], "chosen": [{"role": "assistant", "content": "1"}],
+                                      "rejected": [{"role": "assistant", "content": "2"}]}]},
+     ["train.jsonl:2", "'prompt' is an empty list"]),
+    ("nothing-fits", {"rows": [], "context": 4}, ["no pair fits within context_length 4", "train.jsonl:1"]),
     ("beta", {"preference": {"beta": 0}}, ["preference.beta", "greater than 0"]),
     ("reference-free", {"preference": {"loss": "simpo", "reference": "precomputed"}},
      ["preference", "simpo is reference-free"]),
@@ -463,6 +621,8 @@ BAD = [
 @pytest.mark.parametrize("case,change,needles", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_one_line(tmp_path, base, case, change, needles):
     raw = pref_config(tmp_path, base)
+    if "context" in change:
+        raw["parameters"]["context_length"] = change["context"]
     if "rows" in change:
         write_jsonl(tmp_path / "train.jsonl", digit_pairs()[0][:1] + change["rows"])
     else:

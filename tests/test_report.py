@@ -321,3 +321,77 @@ def test_compare_deltas_carry_their_units():
     assert time_row.split()[-2:] == ["-0:00:15", "(-2.9%)"], time_row
     mfu_row = next(ln for ln in out.splitlines() if ln.strip().startswith("MFU"))
     assert mfu_row.split()[-2:] == ["-0.04", "pts"], mfu_row
+
+
+def test_compare_prints_count_deltas_with_every_digit_and_preference_rows():
+    """Token and step deltas read as the counts beside them (+761,856, not +7.619e+05); a
+    preference run's accuracy and margin have rows of their own."""
+    from lmforge.report.compare import format_compare
+    from lmforge.report.load import RunData
+
+    def run(name, tokens, acc):
+        records = [{"step": 4, "train/loss": 0.6, "train/tokens": tokens, "train/rewards/accuracy": acc},
+                   {"step": 4, "eval/loss": 0.5, "eval/rewards/accuracy": acc, "eval/rewards/margin": 2 * acc}]
+        return RunData(name=name, folder=name, records=records, status="COMPLETED")
+
+    out = format_compare(run("a", 1_048_576, 0.5), run("b", 1_810_432, 0.75))
+    tokens = next(ln for ln in out.splitlines() if ln.strip().startswith("tokens "))
+    assert tokens.split()[1:] == ["1,048,576", "1,810,432", "+761,856", "(+72.7%)"], tokens
+    rows = {ln.strip().split("  ")[0]: ln.split() for ln in out.splitlines() if "preference" in ln}
+    assert rows["eval preference accuracy (last)"][-4:] == ["0.5", "0.75", "+0.25", "(+50.0%)"], rows
+    assert "eval preference margin (last)" in rows and "train preference accuracy (last)" in rows
+
+
+def _preference_run(tmp_path):
+    """A DPO run's files as the trainer writes them: training and held-out preference metrics."""
+    folder = tmp_path / "dpo"
+    folder.mkdir()
+    rows = []
+    for step in range(1, 21):
+        acc = min(1.0, 0.5 + step / 40)
+        rows.append({"step": step, "train/loss": 0.69 - step / 100, "train/lr": 1e-3, "train/tokens": 512 * step,
+                     "train/rewards/chosen": step / 50, "train/rewards/rejected": -step / 50,
+                     "train/rewards/margin": step / 25, "train/rewards/accuracy": acc, "time/elapsed_s": step})
+        if step % 10 == 0:
+            rows.append({"step": step, "eval/loss": 0.7 - step / 100, "eval/pairs": 20,
+                         "eval/rewards/chosen": step / 60, "eval/rewards/rejected": -step / 60,
+                         "eval/rewards/margin": step / 30, "eval/rewards/accuracy": acc - 0.05})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+@pytest.mark.e2e  # headless Chromium
+def test_a_preference_report_names_train_and_eval_and_has_an_accuracy_row(tmp_path):
+    """The report of a DPO run: its curves tell train from eval (not two "rewards/accuracy"), its
+    summary has the accuracy, and — in Chromium, as a reader sees it — no axis title runs into its
+    chart's title."""
+    from lmforge.report import load_run
+    from lmforge.report.html import write_report
+
+    page = tmp_path / "dpo.html"
+    write_report([load_run(str(_preference_run(tmp_path)))], str(page))
+    chromium = find_chromium(wait_s=0)
+    if chromium is None:
+        pytest.skip(f"Chromium is not installed {browser_setup_note()}".strip())
+    with Browser(chromium) as b:
+        b.open(page.as_uri())
+        charts = b.evaluate("""Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => ({
+            title: (d.querySelector('.gtitle') || {}).textContent,
+            names: Array.from(d.querySelectorAll('.legendtext')).map(t => t.textContent),
+            clash: (() => {
+                const t = d.querySelector('.gtitle'), y = d.querySelector('.ytitle');
+                if (!t || !y) return false;
+                const a = t.getBoundingClientRect(), c = y.getBoundingClientRect();
+                return !(a.right < c.left || c.right < a.left || a.bottom < c.top || c.bottom < a.top);
+            })()}))""")
+        rows = b.evaluate("Array.from(document.querySelectorAll('table')[0].rows).map(r => r.innerText)")
+        (tmp_path / "dpo.png").write_bytes(b.screenshot())  # for a human to look at when this fails
+        problems = b.problems()
+    assert problems == []
+    by_title = {c["title"]: c for c in charts}
+    assert by_title["Preference accuracy"]["names"] == ["dpo · eval", "dpo · train"], by_title
+    rewards = by_title["Preference rewards"]["names"]
+    assert len(set(rewards)) == len(rewards) == 6 and "dpo · eval/rewards/margin" in rewards, rewards
+    assert [c["title"] for c in charts if c["clash"]] == [], charts
+    assert any(r.startswith("eval preference accuracy (last)") and r.endswith("0.95") for r in rows), rows
+    assert any(r.startswith("train preference accuracy (last)") and r.endswith("1") for r in rows), rows

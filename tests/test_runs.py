@@ -77,7 +77,8 @@ def detach(cfg, *extra):
 def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     """Two detached runs at once: each reaches RUNNING then COMPLETED with its own files."""
     cfg_a, folder_a = config(tmp_path, tiny_data, "side-a", training_duration="24ba")
-    cfg_b, folder_b = config(tmp_path, tiny_data, "side-b", training_duration="16ba",
+    # side-b logs less often than it has steps (log_interval 20 > 16): its last step still reaches the registry
+    cfg_b, folder_b = config(tmp_path, tiny_data, "side-b", training_duration="16ba", log_interval=20,
                              **{"parameters.learning_rate": 1e-3})
     assert detach(cfg_a) == "side-a"
     assert not sdk.get_run("side-a").is_terminal  # returned once registered, not after training
@@ -87,7 +88,8 @@ def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     run_b, _ = wait_for("side-b", lambda r: r.status == "COMPLETED", what="side-b completed")
     assert seen_a[-1] == "RUNNING" and seen[-1] == "COMPLETED", (seen_a, seen)
     assert max(train_losses(folder_a)) == 24 and max(train_losses(folder_b)) == 16
-    assert train_losses(folder_a)[5] != train_losses(folder_b)[5]  # different learning rates, no mix-up
+    assert sorted(train_losses(folder_b)) == [1, 16]
+    assert train_losses(folder_a)[16] != train_losses(folder_b)[16]  # different learning rates, no mix-up
     for run, folder in ((run_a, folder_a), (run_b, folder_b)):
         assert run.save_folder == str(folder) and (folder / "final" / "model.safetensors").exists()
         assert [r["status"] for r in run.resumptions] == ["COMPLETED"]
@@ -103,6 +105,9 @@ def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     assert {"side-a", "side-b"} <= {r["name"] for r in as_json}
     described = cli("runs", "describe", "side-b", check=True).stdout
     assert "COMPLETED" in described and str(folder_b / "logs" / "resumption-0.log") in described
+    held_out = [r for r in metrics(folder_b) if "eval/loss" in r][-1]
+    assert re.search(r"^metrics +step 16 .* progress 100% step 16 ", described, re.M), described
+    assert re.search(rf"^held-out +step 16  loss {held_out['eval/loss']:.4f}  ppl ", described, re.M), described
     assert run_b.run_uid in described and "STARTING" in described.split("lifecycle")[1]
     # [report] live cost: the price reached the trainer; describe shows what the run cost
     last = [r for r in metrics(folder_b) if "train/loss" in r][-1]

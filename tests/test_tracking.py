@@ -402,3 +402,54 @@ def test_console_progress_bar_of_a_wall_clock_run_has_no_total():
         c.log_metrics(_train(step, 2.0), step)
     c.finish("completed")
     assert "tokens" in out.getvalue() and "loss 2.0000" in out.getvalue()
+
+
+def test_a_wall_clock_budget_shows_the_time_left_in_its_bar_and_lines():
+    """A run bounded by time (the quickstart's kind) knows neither its steps nor its tokens: its bar
+    is the share of the budget done with the time left of it as ETA (not `2048/? ETA ?`), and so are
+    its plain lines — what a terminal and a log show."""
+    import re
+
+    from lmforge.runs.terminal_text import TerminalText
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    c = ConsoleTracker(stream=out, width=140, log_every=1)
+    frames = []
+    for step in range(1, 5):  # a 4-minute budget, a minute a step on the trainer's clock
+        c.log_metrics(_train(step, 2.0) | {"time/elapsed_s": 60.0 * step, "train/progress": step / 4}, step)
+        frames.append(out.getvalue())
+    c.finish("completed")
+    lines = TerminalText().feed(out.getvalue().encode())
+    bar = TerminalText().feed(frames[0].encode() + b"\n")[-1]  # the live bar after step 1
+    assert re.match(r"time [━ ╸╺]+ +25% ETA 0:03:00 ", bar) and "?" not in bar, bar
+    heads = [ln.split(" | ")[0] for ln in lines if ln.startswith("step ")]
+    assert heads == [f"step {s} ({25 * s}% of the time)" for s in range(1, 5)], lines
+    assert [ln.rsplit(" | ", 1)[1] for ln in lines if ln.startswith("step ")] == [
+        "ETA 0:03:00", "ETA 0:02:00", "ETA 0:01:00", "ETA 0:00:00"]
+
+
+@pytest.mark.integration  # trains a tiny model for 4 steps in this process
+def test_a_runs_last_eval_and_generations_are_printed_once(tmp_path, tiny_data):
+    """What `lmforge train` prints at its end: the last evaluation and its generations once (at the
+    last step, as every eval before them), not again in the closing summary as "sample"s. (With a
+    warmup of none, `0ba`, accepted and said so.)"""
+    from conftest import tiny_run_config
+    from train_helpers import cli, metrics, write_config
+
+    raw = tiny_run_config(tiny_data, tmp_path / "run", training_duration="4ba", log_interval=10,
+                          **{"eval.interval": "2ba", "eval.prompts": ["def main(", "class A"],
+                             "parameters.warmup": "0ba"})
+    out = cli("train", "-f", write_config(tmp_path / "run.yaml", raw), "--no-supervisor", check=True).stdout
+    # (and `warmup: 0ba` is a warmup of none: said so, the first step at the peak LR)
+    assert "lr 0.003, warmup none, wsd" in out and "step 1/4 | tok 512/2.05K | loss " in out
+    assert next(m for m in metrics(tmp_path / "run") if m.get("step") == 1)["train/lr"] == pytest.approx(3e-3)
+    for step in (2, 4):
+        assert out.count(f"eval step {step} | loss ") == 1, out
+        assert [out.count(f"--- generation_{i} at step {step} ---") for i in (0, 1)] == [1, 1], out
+    assert "sample" not in out and out.count("eval step") == 2, out
+    end = out[out.index("completed after 4 steps (2,048 tokens)"):]
+    assert "eval/" not in end and "final model:" in end, end

@@ -84,8 +84,9 @@ def test_quickstart_runs_end_to_end_shortened(tmp_path):
     out = proc.stdout
     assert out.startswith("model: auto → 4×128") or "\nmodel: auto → 4×128" in out  # 3 steps: the smallest
     assert "tokenizer: training a 1024-token BPE" in out and "data: preparing builtin:python-stdlib" in out
-    assert "eval/bits_per_byte" in out and "final model:" in out and "mlflow ui --backend-store-uri" in out
-    assert out.count("--- sample ---") == 3 and "def fibonacci(n):" in out
+    assert "eval step 3 | loss " in out and "| bpb " in out and "final model:" in out
+    assert "mlflow ui --backend-store-uri" in out
+    assert [out.count(f"--- generation_{i} at step 3 ---") for i in range(3)] == [1, 1, 1] and "def fibonacci(n):" in out
     args[args.index("--save-folder") + 1] = tmp_path / "qs2"
     again = lmforge(*args, "--name", "qs2", timeout=600, check=True).stdout
     assert "tokenizer: reusing" in again and "data: preparing" not in again

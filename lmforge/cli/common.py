@@ -70,12 +70,46 @@ def bounded(kind: type, low: float | None = None, high: float | None = None, *, 
 positive_int = bounded(int, 1)  # 0 refused, never read as "not given"
 
 
+DEVICES = "auto, cpu, cuda, cuda:N or mps"
+
+
+def add_device_argument(p) -> None:
+    """``--device``, the same in every command that runs a model outside a run (eval, generate)."""
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help=f"where to run: {DEVICES} (auto: the first GPU if there is one, else the CPU)")
+
+
+def torch_device(name: str):
+    """The torch device ``--device`` names; one line when it is none, or absent here."""
+    import torch  # (lazy: `lmforge --help` stays free of torch)
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r}: not a torch device (expected {DEVICES})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: MPS (Apple GPUs) is not available on this machine")
+    return device
+
+
+def as_sentence(text: str) -> str:
+    """A command's one-line help as the first sentence of its --help page: capitalized, ended."""
+    text = text.strip()
+    return text[:1].upper() + text[1:] + ("" if text.endswith((".", "?", "!")) else ".")
+
+
 def add_command(subparsers, name: str, help: str, description: str | None = None):
-    """Add a subcommand whose --help shows defaults and whose errors are one line."""
+    """Add a subcommand whose --help shows defaults and whose errors are one line. Its one-line
+    ``help`` (in the parent's list) is lower case; its page's ``description`` is sentences, the
+    help made one where none is given."""
     return subparsers.add_parser(
         name,
         help=help,
-        description=description or help,
+        description=description or as_sentence(help),
         formatter_class=HelpFormatter,
     )
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from lmforge.cli.common import add_command, bounded
+from lmforge.cli.common import add_command, add_device_argument, bounded, torch_device
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
@@ -35,7 +35,7 @@ def register(subparsers) -> None:
     p.add_argument("--data-root", default=None, metavar="DIR", help="folder that relative dataset_uri paths resolve against")
     p.add_argument("--limit", type=bounded(int, 1), default=None, metavar="N", help="evaluate only the first N examples of each task")
     p.add_argument("--batch-size", type=bounded(int, 1, 1 << 16), default=8, metavar="B", help="sequences per forward pass")
-    p.add_argument("--device", default="auto", metavar="D", help="torch device: auto, cpu, cuda, cuda:1, mps")
+    add_device_argument(p)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=run)
 
@@ -58,7 +58,7 @@ def run(args) -> int:
     tasks = load_tasks(args.tasks, data_root=args.data_root)
     if gauntlet is not None:
         check_benchmarks(gauntlet, tasks)
-    device = _device(args.device)
+    device = torch_device(args.device)
     model, tokenizer = _load_checkpoint(args.checkpoint, device)
 
     results = evaluate_icl(model, tokenizer, tasks, batch_size=args.batch_size, limit=args.limit,
@@ -69,20 +69,6 @@ def run(args) -> int:
     else:
         _print_tables(results, scores, tasks)
     return 0
-
-
-def _device(name: str):
-    import torch  # (lazy: `lmforge --help` stays free of torch)
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device {name!r}: not a torch device (expected auto, cpu, cuda, cuda:N or mps)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: CUDA is not available on this machine")
-    return device
 
 
 def _load_checkpoint(path: str, device):

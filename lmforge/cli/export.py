@@ -10,7 +10,8 @@ def register(sub) -> None:
                     description="PATH may be a run's save folder, its final/, a checkpoints/step_N folder or a "
                     "Hugging Face folder. The HF folder loads with transformers.AutoModelForCausalLM and "
                     "AutoTokenizer, as the model's family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                    "Qwen3ForCausalLM, Olmo2ForCausalLM; MixtralForCausalLM for MoE). --format peft writes a LoRA "
+                    "Qwen3ForCausalLM, Olmo2ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM; "
+                    "MixtralForCausalLM for MoE). --format peft writes a LoRA "
                     "run's adapter as a PEFT folder. --format gguf writes DIR/model-<dtype>.gguf for llama.cpp "
                     "(weights, tokenizer and chat template in one file) and DIR/Modelfile for `ollama create NAME -f "
                     "DIR/Modelfile`; see docs/run-your-model.md.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from lmforge.cli.common import add_command, bounded
+from lmforge.cli.common import add_command, add_device_argument, bounded, torch_device
 from lmforge.config.limits import MAX_NEW_TOKENS, MAX_SEED
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
@@ -25,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=bounded(float, 0, 1, above=True), default=0.95, help="nucleus sampling threshold (1 = off)")
     p.add_argument("--seed", type=bounded(int, 0, MAX_SEED), default=None, help="sampling seed (default: random)")
     p.add_argument("--tokenizer", metavar="DIR", help="default: the tokenizer stored with the checkpoint")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
+    add_device_argument(p)
     p.set_defaults(func=run)
 
 
@@ -59,12 +59,11 @@ def _prompt(args) -> str:
 def run(args) -> int:
     _check(args)
     text = _prompt(args)
-    from lmforge.distributed.dist import pick_device  # torch, as the two below (lazy: `lmforge --help`)
     from lmforge.models import generate
     from lmforge.resolve.weights import check_tokenizer_fits
     from lmforge.train.locate import load_model
 
-    device = pick_device(args.device, 0)
+    device = torch_device(args.device)  # torch, as the imports above (lazy: `lmforge --help`)
     model, cfg, loc = load_model(args.checkpoint, device=device)
     tok_dir = args.tokenizer or loc.tokenizer_dir
     if not tok_dir:

@@ -1,4 +1,4 @@
-"""`lmforge pipeline -f pipeline.yaml`: run stages (pretrain → sft ...) in order."""
+"""`lmforge pipeline -f pipeline.yaml`: stages (e.g. pretrain → SFT → DPO), each from the previous one's final weights."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from lmforge.runs.stages import run_pipeline
 
 
 def register(sub) -> None:
-    p = add_command(sub, "pipeline", "run several stages in order (e.g. pretrain → continued pretraining → SFT)",
-                    description="Each stage is a normal run starting from the previous stage's final model; "
-                    "stages already completed are skipped when the pipeline is re-run.")
+    p = add_command(sub, "pipeline", "stages (e.g. pretrain → SFT → DPO), each starting from the previous stage's final weights",
+                    description="Stages (e.g. pretrain → SFT → DPO), each starting from the previous stage's final "
+                    "weights; completed stages are skipped (re-running the pipeline resumes an unfinished one). Each "
+                    "stage is a normal run.")
     p.add_argument("-f", "--file", metavar="YAML", required=True, help="pipeline file (see examples/pipeline.yaml)")
     p.set_defaults(func=run)
 

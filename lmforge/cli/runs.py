@@ -132,6 +132,43 @@ def _when(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
+def _preference(m: dict) -> str:
+    """A preference run's "accuracy 0.95  margin 1.2" (how often, by how much, the chosen answer wins)."""
+    if m.get("accuracy") is None:
+        return ""
+    return f"  accuracy {m['accuracy']:.3f}  margin {m.get('margin', float('nan')):.4g}"
+
+
+def metrics_lines(run) -> list[str]:
+    """`runs describe`'s latest metrics: training (with a preference run's accuracy and margin), the
+    last held-out evaluation, the cost."""
+    m = run.latest_metrics
+    if not m:
+        return []
+    mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "-"
+    lines = [f"metrics    step {m.get('step')}  tokens {_human(m.get('tokens'))}  loss {m.get('loss', 0):.4f}"
+             f"{_preference(m)}  {_human(m.get('tokens_per_s'))} tok/s  MFU {mfu}  progress {progress_text(m)}  "
+             f"ETA {format_eta(m.get('eta_s')) if not run.is_terminal else '-'}"]
+    ev = m.get("eval")
+    if ev and ev.get("loss") is not None:
+        extra = "".join(f"  {name} {ev[key]:.4f}" for key, name in (("perplexity", "ppl"), ("bits_per_byte", "bpb"))
+                        if ev.get(key) is not None)
+        pairs = f"  ({int(ev['pairs']):,} pairs)" if ev.get("pairs") else ""
+        rewards = {k.removeprefix("rewards/"): v for k, v in ev.items() if k.startswith("rewards/")}
+        lines.append(f"held-out   step {ev.get('step')}  loss {ev['loss']:.4f}{extra}{_preference(rewards)}{pairs}")
+    if m.get("cost") is not None:
+        from lmforge.plan.cost import format_cost
+
+        line = f"cost       {format_cost(m['cost'])} so far"
+        if not run.is_terminal and m.get("cost_to_finish") is not None:
+            line += f", ~{format_cost(m['cost_to_finish'])} to finish"
+        price = (run.config.get("compute") or {}).get("price_per_gpu_hour")
+        if price is not None:
+            line += f"  ({format_cost(m.get('cost_per_hour'))} per hour at {price:g} per device-hour)"
+        lines.append(line)
+    return lines
+
+
 def cmd_describe(args) -> int:
     run = get_run(args.name)
     if args.json:
@@ -152,22 +189,8 @@ def cmd_describe(args) -> int:
     ckpts = sorted(os.listdir(run.checkpoints_dir)) if os.path.isdir(run.checkpoints_dir) else []
     ckpts = [c for c in ckpts if c.startswith("step_")]
     print(f"checkpoints {', '.join(ckpts) or 'none'} ({run.checkpoints_dir})")
-    m = run.latest_metrics
-    if m:
-        mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "-"
-        print(f"metrics    step {m.get('step')}  tokens {_human(m.get('tokens'))}  loss {m.get('loss', 0):.4f}  "
-              f"{_human(m.get('tokens_per_s'))} tok/s  MFU {mfu}  progress {progress_text(m)}  "
-              f"ETA {format_eta(m.get('eta_s')) if not run.is_terminal else '-'}")
-        if m.get("cost") is not None:
-            from lmforge.plan.cost import format_cost
-
-            line = f"cost       {format_cost(m['cost'])} so far"
-            if not run.is_terminal and m.get("cost_to_finish") is not None:
-                line += f", ~{format_cost(m['cost_to_finish'])} to finish"
-            price = (cfg.get("compute") or {}).get("price_per_gpu_hour")
-            if price is not None:
-                line += f"  ({format_cost(m.get('cost_per_hour'))} per hour at {price:g} per device-hour)"
-            print(line)
+    for line in metrics_lines(run):
+        print(line)
     _goodput_lines(run.save_folder)
     print("resumptions")
     for r in run.resumptions:

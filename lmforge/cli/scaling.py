@@ -21,6 +21,10 @@ def register(sub) -> None:
                     "prediction.json, target.yaml and report.html into the ladder's save_folder. Re-running the "
                     "same command skips completed runs and resumes unfinished ones.")
     p.add_argument("-f", "--file", metavar="YAML", required=True, help="ladder file (see docs/scaling.md)")
+    p.add_argument("--budget", metavar="DUR", help="override `budget`: this machine's time (6min, 2h) or FLOPs (3e14flop)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override any key of the ladder file, e.g. --set ladder.parallel=1 or --set "
+                   "target.tokens=2M (repeatable; a re-run continues the ladder only with the same overrides)")
     p.add_argument("--dry-run", action="store_true", help="measure and plan, print the plan; train nothing")
     p.add_argument("--detach", action="store_true",
                    help="run the ladder in the background (output in <save_folder>/ladder.log) and return")
@@ -38,12 +42,14 @@ def register(sub) -> None:
 def _run(args) -> int:
     from lmforge.scaling.config import load_ladder
 
-    cfg = load_ladder(args.file)
+    cfg = load_ladder(args.file, args.set, args.budget)
     if args.detach:
-        from lmforge.runs.ladder import LOG_FILE, detach, existing_plan
+        from lmforge.runs.ladder import LOG_FILE, LadderLock, detach, existing_plan
 
         existing_plan(cfg)  # a changed ladder file is refused here, not in the background's log
-        pid = detach(args.file, cfg.save_folder)
+        LadderLock.probe(cfg.save_folder)  # as is a ladder another driver is running
+        overrides = [a for item in args.set for a in ("--set", item)] + (["--budget", args.budget] if args.budget else [])
+        pid = detach(args.file, cfg.save_folder, overrides)
         print(f"ladder {cfg.name} running in the background (pid {pid}); output: "
               f"{os.path.join(cfg.save_folder, LOG_FILE)}; progress: lmforge scaling show {cfg.save_folder}")
         return 0
@@ -71,10 +77,15 @@ def _print(pred: dict, folder: str, as_json: bool) -> None:
 
 
 def _show(args) -> int:
-    from lmforge.runs.ladder import read_ladder, results, target_actual
+    from lmforge.runs.ladder import read_ladder, record_target, results, target_actual
     from lmforge.scaling.summary import format_prediction, format_runs
 
     plan, pred = read_ladder(args.dir)
+    if pred is not None:  # a target trained since (without the supervisor that records it): recorded now
+        line = record_target(pred["target"].get("save_folder") or os.path.join(args.dir, "target"))
+        if line:
+            print(line)
+            plan, pred = read_ladder(args.dir)
     runs = results(args.dir, plan)
     if args.json:
         print(json.dumps(pred if pred is not None else {"plan": plan.to_dict(), "runs": runs}, indent=1,

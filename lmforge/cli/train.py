@@ -23,7 +23,6 @@ from rich.console import Console
 from lmforge import secrets
 from lmforge.cli.common import add_command, bounded
 from lmforge.config.limits import MAX_NODES, MAX_RETRIES
-from lmforge.config.reference import render_text
 from lmforge.errors import UserError
 from lmforge.plan.estimate import format_plan
 from lmforge.resolve import resolve
@@ -39,7 +38,6 @@ def register(sub) -> None:
                     description="Train from a run config. Re-running the same command continues from the latest "
                     "checkpoint in save_folder (autoresume).")
     add_run_arguments(p)
-    p.epilog = render_text()
     p.set_defaults(func=run)
     p = add_command(sub, "finetune", "fine-tune a model on prompt/response or chat JSONL (SFT), or on "
                     "preference pairs (DPO, IPO, SimPO, ORPO)",
@@ -51,7 +49,25 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+class _ConfigKeys(argparse.Action):
+    """``--config-keys``: every config key with its default and meaning, then exit (as --help)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from lmforge.config.reference import render_text
+
+        print(render_text())
+        parser.exit()
+
+
+CONFIG_KEYS_EPILOG = "Every config key with its default and meaning: --config-keys (or README.md's Config reference)."
+
+
 def add_run_arguments(p) -> None:
+    p.epilog = CONFIG_KEYS_EPILOG  # `train --help` and `finetune --help` alike; the ~200 keys on request
+    p.add_argument("--config-keys", action=_ConfigKeys, help="print every config key with its default, then exit")
     p.add_argument("-f", "--file", metavar="YAML", help="run config (see examples/)")
     p.add_argument("--model", help="override `model` (a preset name)")
     p.add_argument("--weights", metavar="PATH", help="override `custom_weights_path` (run folder, final/, step "
@@ -118,11 +134,19 @@ def train_here(cfg, args, plan) -> int:
 
     result = run_job(cfg, plan, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
-        print_summary(result, as_json=args.json)
+        print_summary(result, as_json=args.json, console=cfg.experiment_tracker.console)
     return 0 if result.status in ("completed", "stopped") else 1
 
 
-def print_summary(result, as_json: bool = False) -> None:
+# The held-out metrics the end-of-run summary lists (with ICL and gauntlet scores): the loss and its
+# forms, and for preference tuning how often the chosen answer wins and by how much.
+SUMMARY_METRICS = ("/loss", "/bits_per_byte", "/perplexity", "/rewards/accuracy", "/rewards/margin")
+
+
+def print_summary(result, as_json: bool = False, console: bool = False) -> None:
+    """The end of a run's output: how it ended, its final results and where everything is. With the
+    ``console`` tracker on, the last evaluation and its generations were printed just above (at the
+    last step): they are not printed again, only what the console does not show (ICL, gauntlet)."""
     if as_json:
         print(secrets.redact(json.dumps({"status": result.status, "step": result.step, "tokens": result.tokens,
                           "save_folder": result.save_folder, "final": result.final_dir,
@@ -134,13 +158,14 @@ def print_summary(result, as_json: bool = False) -> None:
     tokens = f" ({result.tokens:,} tokens)" if result.tokens is not None else ""
     c.print(f"[bold]{result.status}[/bold] after {result.step:,} steps{tokens}")
     ev = result.eval
-    keys = [k for k in ev if k.endswith(("/loss", "/bits_per_byte", "/perplexity")) or k.startswith(("icl/", "gauntlet/"))]
+    keys = [k for k in ev if (k.endswith(SUMMARY_METRICS) and not console) or k.startswith(("icl/", "gauntlet/"))]
     for k in keys:
         c.print(f"  {k:32s} {ev[k]:.4f}")
-    for text in result.generations[:3]:
+    for text in [] if console else result.generations[:3]:
         c.print("[dim]--- sample ---[/dim]")
         c.print(text, markup=False)
-    c.print("[dim]---[/dim]")
+    if keys or (result.generations and not console):
+        c.print("[dim]---[/dim]")
     remote = "://" in result.save_folder
     join = (lambda *p: "/".join([result.save_folder.rstrip("/"), *p])) if remote else \
         (lambda *p: os.path.join(result.save_folder, *p))

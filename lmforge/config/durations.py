@@ -36,8 +36,9 @@ class Duration:
         return f"{v}{self.unit}"
 
 
-def parse_duration(text: str | int | float | Duration, what: str = "duration") -> Duration:
-    """Parse a duration; raises ValueError with a message naming the expected units."""
+def parse_duration(text: str | int | float | Duration, what: str = "duration", *, allow_zero: bool = False) -> Duration:
+    """Parse a duration; raises ValueError with a message naming the expected units. ``allow_zero``:
+    0 is a duration too (a warmup of none), else it must be positive."""
     if isinstance(text, Duration):
         return text
     if isinstance(text, bool) or not isinstance(text, (str, int, float)):
@@ -64,8 +65,8 @@ def parse_duration(text: str | int | float | Duration, what: str = "duration") -
     value = float(exact)
     if unit in _SECONDS:
         value *= _SECONDS[unit]
-    if value <= 0:
-        raise ValueError(f"{what} must be positive, got {text!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{what} must be {'0 or more' if allow_zero else 'positive'}, got {text!r}")
     if not math.isfinite(value) or value > MAX_VALUE:
         raise ValueError(f"{what} {text!r} is too large (at most {MAX_VALUE:.0e} {UNITS[unit]})")
     if UNITS[unit] in COUNTED and exact != exact.to_integral_value():

@@ -149,7 +149,9 @@ def format_error(e: ValidationError, model: type[BaseModel] = RunConfig, source:
     for p in ("Value error, ", "Assertion failed, "):
         msg = msg.replace(p, "")
     given = err.get("input")
-    shown = "" if isinstance(given, (dict, list)) else f" (got {given!r})"
+    # A message that quotes the value already (a duration's "must be positive, got '0ba'") is not
+    # followed by it again.
+    shown = "" if isinstance(given, (dict, list)) or repr(given) in msg else f" (got {given!r})"
     if len(shown) > 90:  # a pasted paragraph is named by its start, on the one line
         shown = shown[:80] + "…)"
     if not key:  # a whole-config check: its message names the keys itself

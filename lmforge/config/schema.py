@@ -34,6 +34,9 @@ _Strict = Strict  # unknown keys, booleans as numbers and inf/nan refused (`conf
 
 # Durations are written and shown as strings ("500ba"), parsed into Duration objects.
 DurationField = Annotated[Duration, BeforeValidator(parse_duration), PlainSerializer(str, return_type=str)]
+# A warmup may be none at all ('0ba'): the LR starts at its peak.
+WarmupField = Annotated[Duration, BeforeValidator(lambda v: parse_duration(v, "warmup", allow_zero=True)),
+                        PlainSerializer(str, return_type=str)]
 
 
 class DatasetEntry(_Strict):
@@ -185,9 +188,9 @@ class Parameters(_Strict):
         "for a short run (at least 1000 steps)")
     micro_batch_size: int | Literal["auto"] = Field("auto", description="samples per forward pass per rank")
     # [recipe] schedule and optimizer (lmforge/train/optim.py; defaults from bench/sweep.py)
-    warmup: DurationField | None = Field(
-        None, description="LR warmup, e.g. '100ba', '10M tok' or '5s'; default: 5% of the run in its own unit "
-        "(seconds for a wall-clock run)")
+    warmup: WarmupField | None = Field(
+        None, description="LR warmup, e.g. '100ba', '10M tok' or '5s' ('0ba': none); default: 5% of the run in its "
+        "own unit (seconds for a wall-clock run)")
     schedule: Literal["wsd", "cosine", "linear", "constant"] = Field(
         "wsd", description="LR shape after warmup: wsd (stable, then decay over the last decay_fraction), "
         "cosine, linear, constant")

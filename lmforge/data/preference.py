@@ -18,14 +18,19 @@ Rows (``task_type: preference``), one pair each:
 Packing keeps a pair in one row: the chosen sequence, then the rejected one, each its own
 document (``doc_ids`` 2k and 2k+1 for the row's k-th pair; padding after the last pair), so the
 model never attends from one into the other and the losses see both answers of every pair in
-the same micro-batch. ``sft.packing: false`` puts one pair per row. A pair longer than the
-context has its answers cut from the end (the longer one first), never its prompt; a prompt too
-long to leave room for both answers is refused, naming the row.
+the same micro-batch. ``sft.packing: false`` puts one pair per row.
+
+A pair longer than the context is cut to fit, as TRL's DPO truncates: first its prompt, from the
+left (the text nearest the answers stays; the tokenizer's BOS too), down to a quarter of the row
+at least, then its answers from their ends (the longer one first). A pair that a cut leaves with
+chosen and rejected identical is dropped (its loss would be a constant: no gradient, a tie in the
+accuracy), as is one whose prompt leaves no room at all. Cuts and drops are counted and the rows
+named in the run's first lines; only data with no pair left is refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,6 +56,8 @@ def _conversations(row: dict, where: str) -> tuple[list[dict], list[dict], list[
             raise UserError(f"{where}: field {key!r} must be a string or a non-empty list of {{role, content}} "
                             "messages (both answers of a row in the same form)")
     if _is_messages(prompt):
+        if not prompt:
+            raise UserError(f"{where}: field 'prompt' is an empty list of messages")
         return prompt, chosen, rejected
     if isinstance(prompt, str) and chosen[0].get("role") == "assistant" and rejected[0].get("role") == "assistant":
         return [{"role": "user", "content": prompt}], chosen, rejected
@@ -105,8 +112,8 @@ def pair_segments(row, where: str, template=None) -> tuple[list, list]:
         if not isinstance(prompt, str):
             raise UserError(f"{where}: field 'prompt' must be a string when the answers are strings"
                             if "prompt" in row else f"{where}: missing field 'prompt' (each row needs {ROW_FIELDS})")
-        for key, v in (("chosen", chosen), ("rejected", rejected)):
-            if not v.strip():
+        for key, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if not v.strip():  # (as SFT refuses an empty response: a pair answers something)
                 raise UserError(f"{where}: field {key!r} is empty")
         return [(prompt, False), (chosen, True)], [(prompt, False), (rejected, True)]
     prompt, chosen, rejected = _conversations(row, where)
@@ -134,24 +141,57 @@ def _prompt_length(trained: list[bool]) -> int:
     return next(i for i, t in enumerate(trained) if t)
 
 
-def fit_pair(chosen: Sequence, rejected: Sequence, seq_len: int, where: str) -> tuple[Sequence, Sequence, bool]:
-    """Both sequences within ``seq_len`` tokens together: the answers are cut from their ends, the
-    longer first (each keeps at least half the row when both are long). Returns (chosen,
-    rejected, whether anything was cut); a prompt that leaves no room for an answer token in both
-    is one line naming the row."""
+@dataclass
+class Fit:
+    """One pair fitted to the context: its sequences, and what was done to it (``cut``: "" none,
+    "answers", or "prompt" — from the left, the answers perhaps too; ``dropped``: why, or "")."""
+
+    chosen: Sequence | None
+    rejected: Sequence | None
+    cut: str = ""
+    dropped: str = ""
+
+
+def _cut_prompt(seq: Sequence, keep: int, keep_first: int) -> Sequence:
+    """``seq`` with its prompt cut from the left to ``keep`` tokens (its first ``keep_first``, the
+    tokenizer's BOS, among them)."""
+    ids, trained = seq
+    p = _prompt_length(trained)
+    if p <= keep:
+        return seq
+    start = keep_first + (p - keep)
+    return ids[:keep_first] + ids[start:], trained[:keep_first] + trained[start:]
+
+
+def fit_pair(chosen: Sequence, rejected: Sequence, seq_len: int, keep_first: int = 0) -> Fit:
+    """Both sequences within ``seq_len`` tokens together. First the prompts are cut from the left
+    (by as much as needed, each keeping at least a quarter of the row or all it has), then the
+    answers from their ends, the longer first (each keeps at least half the row when both are
+    long). A pair left without an answer token in both, or with chosen and rejected identical, is
+    dropped. ``keep_first``: tokens every sequence starts with that are never cut (BOS)."""
     lc, lr = len(chosen[0]), len(rejected[0])
     if lc + lr <= seq_len:
-        return chosen, rejected, False
-    need_c, need_r = _prompt_length(chosen[1]) + 1, _prompt_length(rejected[1]) + 1  # prompt + one answer token
-    if need_c + need_r > seq_len:
-        raise UserError(f"{where}: the prompt ({need_c - 1} tokens) leaves no room for both answers within "
-                        f"context_length {seq_len} (a pair's chosen and rejected sequences share one row); raise "
-                        "parameters.context_length or shorten the prompt")
-    half = seq_len // 2
-    keep_c = lc if lc <= half else max(half, seq_len - lr)
-    keep_c = max(need_c, min(keep_c, seq_len - need_r))
-    keep_r = min(lr, seq_len - keep_c)
-    return (chosen[0][:keep_c], chosen[1][:keep_c]), (rejected[0][:keep_r], rejected[1][:keep_r]), True
+        return Fit(chosen, rejected)
+    floor = max(seq_len // 4, keep_first + 1)
+    pc, pr = _prompt_length(chosen[1]), _prompt_length(rejected[1])
+    excess = lc + lr - seq_len
+    shave = -(-excess // 2)  # from each prompt
+    keep_c, keep_r = max(pc - shave, min(pc, floor)), max(pr - shave, min(pr, floor))
+    cut = "prompt" if (keep_c, keep_r) != (pc, pr) else "answers"
+    chosen, rejected = _cut_prompt(chosen, keep_c, keep_first), _cut_prompt(rejected, keep_r, keep_first)
+    lc, lr = len(chosen[0]), len(rejected[0])
+    if lc + lr > seq_len:
+        need_c, need_r = keep_c + 1, keep_r + 1  # the prompt and one answer token
+        if need_c + need_r > seq_len:
+            return Fit(None, None, cut, f"its prompt leaves no room for both answers within {seq_len} tokens")
+        half = seq_len // 2
+        end_c = lc if lc <= half else max(half, seq_len - lr)
+        end_c = max(need_c, min(end_c, seq_len - need_r))
+        end_r = min(lr, seq_len - end_c)
+        chosen, rejected = (chosen[0][:end_c], chosen[1][:end_c]), (rejected[0][:end_r], rejected[1][:end_r])
+    if chosen == rejected:  # what both answers kept is the same text: a constant loss
+        return Fit(None, None, cut, "chosen and rejected are identical after the cut")
+    return Fit(chosen, rejected, cut)
 
 
 @dataclass
@@ -208,8 +248,10 @@ class PreferenceRows:
     doc_ids: torch.Tensor
     pair_mask: torch.Tensor
     pairs: int
-    truncated: int
+    truncated: int  # pairs cut to fit (answers or prompt)
     ref_logps: torch.Tensor | None = None
+    prompts_cut: list[str] = field(default_factory=list)  # "file:line" of the pairs whose prompt was cut
+    dropped: list[tuple[str, str]] = field(default_factory=list)  # ("file:line", why) of the pairs left out
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -232,14 +274,23 @@ class PreferenceRows:
 
 
 def pack_pairs(pairs: list[tuple[Sequence, Sequence, str]], seq_len: int, pad_id: int, *, packing: bool = True,
-               seed: int = 0) -> PreferenceRows:
+               seed: int = 0, keep_first: int = 0) -> PreferenceRows:
     """Fill rows of ``seq_len`` with whole pairs in a seeded order (next-fit; with packing off, one
-    pair per row), each pair as its chosen then its rejected sequence."""
-    fitted, truncated = [], 0
+    pair per row), each pair as its chosen then its rejected sequence; pairs longer than a row are
+    cut or dropped (`fit_pair`). Refused only when no pair is left."""
+    fitted, truncated, prompts_cut, dropped = [], 0, [], []
     for chosen, rejected, where in pairs:
-        c, r, cut = fit_pair(chosen, rejected, seq_len, where)
-        fitted.append((c, r))
-        truncated += cut
+        fit = fit_pair(chosen, rejected, seq_len, keep_first)
+        if fit.dropped:
+            dropped.append((where, fit.dropped))
+            continue
+        fitted.append((fit.chosen, fit.rejected))
+        truncated += bool(fit.cut)
+        if fit.cut == "prompt":
+            prompts_cut.append(where)
+    if not fitted:
+        raise UserError(f"{pairs[0][2].rsplit(':', 1)[0]}: no pair fits within context_length {seq_len} "
+                        f"({dropped[0][0]}: {dropped[0][1]}); raise parameters.context_length or shorten the prompts")
     order = torch.randperm(len(fitted), generator=torch.Generator().manual_seed(seed)).tolist()
     rows: list[list[tuple[Sequence, Sequence]]] = []
     used = seq_len
@@ -265,14 +316,40 @@ def pack_pairs(pairs: list[tuple[Sequence, Sequence, str]], seq_len: int, pad_id
             pos += len(ids)
         docs[i, pos:] = 2 * len(row)  # padding: its own document, never trained on
         mask[i, :len(row)] = True
-    return PreferenceRows(tokens, flags, docs, mask, pairs=len(fitted), truncated=truncated)
+    return PreferenceRows(tokens, flags, docs, mask, pairs=len(fitted), truncated=truncated, prompts_cut=prompts_cut,
+                          dropped=dropped)
 
 
 def load_pairs(paths: list[str], tokenizer, seq_len: int, *, packing: bool, seed: int,
                template=None) -> PreferenceRows:
     pairs = [(tokenize_example(c, tokenizer), tokenize_example(r, tokenizer), where)
              for c, r, where in read_pairs(paths, template)]
-    return pack_pairs(pairs, seq_len, tokenizer.pad_id, packing=packing, seed=seed)
+    return pack_pairs(pairs, seq_len, tokenizer.pad_id, packing=packing, seed=seed,
+                      keep_first=len(tokenizer.prefix_ids))
+
+
+NAMED = 3  # rows named in a log line; the rest are counted
+
+
+def _named(wheres: list[str]) -> str:
+    more = len(wheres) - NAMED
+    return ", ".join(wheres[:NAMED]) + (f" and {more} more" if more > 0 else "")
+
+
+def fit_summary(rows: PreferenceRows, what: str = "") -> str:
+    """What fitting the pairs to the context did, for the run's first lines ("" when nothing)."""
+    parts = []
+    if rows.truncated:
+        prompts = f", {len(rows.prompts_cut)} of them in the prompt, from the left ({_named(rows.prompts_cut)})" \
+            if rows.prompts_cut else ""
+        parts.append(f"{rows.truncated} {what}cut to fit the context length{prompts}")
+    if rows.dropped:
+        whys = {}
+        for where, why in rows.dropped:
+            whys.setdefault(why, []).append(where)
+        parts.append(f"{len(rows.dropped)} {what}dropped (" + "; ".join(f"{why}: {_named(ws)}"
+                                                                       for why, ws in whys.items()) + ")")
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- the data the trainer sees
@@ -302,7 +379,8 @@ def load_preference_data(train_paths: list[str], eval_path: str | None, tokenize
     eval_rows = None
     if eval_path:
         eval_rows = load_pairs([eval_path], tokenizer, seq_len, packing=packing, seed=seed, template=template)
+    fits = [fit_summary(rows)] + ([fit_summary(eval_rows, "held-out ")] if eval_rows is not None else [])
     log(f"data: {rows.pairs} pairs in {len(rows)} rows of {seq_len} tokens{' (packed)' if packing else ''}"
-        + (f"; {rows.truncated} cut to fit the context length" if rows.truncated else "")
-        + (f"; {eval_rows.pairs} held-out pairs" if eval_rows is not None else ""))
+        + (f"; {eval_rows.pairs} held-out pairs" if eval_rows is not None else "")
+        + "".join(f"; {f}" for f in fits if f))
     return PreferenceData(tokenizer.path, rows, eval_rows, chat_template=chat_template)

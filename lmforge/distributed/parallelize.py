@@ -130,8 +130,9 @@ def compile_enabled(value, device: torch.device) -> bool:
 
 
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
-    """Compile each block's forward, and the final norm + output head + loss (`head_loss`) as
-    one more unit (on the instance: names unchanged, FSDP hooks stay eager).
+    """Compile each block's forward, and the final norm + output head + loss (`head_loss`, and its
+    per-token twin `head_logprobs` of preference tuning) as one more unit each (on the instance:
+    names unchanged, FSDP hooks stay eager).
 
     ``fullgraph``: a block must trace as one graph (an error otherwise, never a silent break).
     The exceptions are MoE blocks whose experts run eagerly between two graphs: under expert
@@ -142,6 +143,7 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     for block in model.blocks:
         block.forward = torch.compile(block.forward, dynamic=False, fullgraph=fullgraph)
     model.head_loss = torch.compile(model.head_loss, dynamic=False)
+    model.head_logprobs = torch.compile(model.head_logprobs, dynamic=False)
 
 
 def is_moe_layer(module: nn.Module) -> bool:

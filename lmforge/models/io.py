@@ -69,21 +69,24 @@ def write_chat_template(folder: str | Path, template: str) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def save_hf(model: Transformer, cfg: ModelConfig, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
-            *, bos_id: int | None = None, eos_id: int | None = None, allow_clip_qkv: bool = False) -> Path:
+def save_hf(model: Transformer | None, cfg: ModelConfig, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
+            *, bos_id: int | None = None, eos_id: int | None = None, allow_clip_qkv: bool = False,
+            weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a Hugging Face folder (config.json + model.safetensors) that transformers/vLLM load.
 
-    bos_id/eos_id (from the tokenizer) go into config.json so HF generation stops at eos."""
+    bos_id/eos_id (from the tokenizer) go into config.json so HF generation stops at eos.
+    `weights`: CPU tensors under our names to write instead of the model's (e.g. a LoRA run's base)."""
     from safetensors.torch import save_file
 
     from lmforge.models.hf import to_hf_config, to_hf_state_dict
 
     hf_config = to_hf_config(cfg, allow_clip_qkv=allow_clip_qkv)
     hf_config.bos_token_id, hf_config.eos_token_id = bos_id, eos_id
-    hf_config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    sd = _state_dict(model) if weights is None else weights
+    hf_config.dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf_state_dict(_state_dict(model), cfg), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(to_hf_state_dict(sd, cfg), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     hf_config.save_pretrained(str(out))
     _copy_tokenizer(tokenizer_dir, out)
     return out

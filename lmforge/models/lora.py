@@ -33,6 +33,7 @@ from torch import nn
 
 from lmforge.config.schema import LORA_TARGETS, LoRAConfig
 from lmforge.errors import UserError
+from lmforge.layout import MODEL_CONFIG_FILE, RUN_FILE, STATE_FILE
 
 # PEFT / HF projection name → (our submodule path in a block, HF submodule in a layer).
 _MODULES = {
@@ -179,12 +180,44 @@ def write_peft_adapter(tensors: dict[str, torch.Tensor], lora: LoRAConfig, out_d
 
 def base_model_reference(custom_weights_path: str | None) -> str | None:
     """What the adapter names as its base: the Hugging Face folder it was trained on, by its absolute
-    path (a relative one resolves only from where training ran), or a hub name as given."""
+    path (a relative one resolves only from where training ran), or a hub name as given; None for
+    a base that transformers cannot load (an lmforge run, its final/ or a checkpoint)."""
     if not custom_weights_path:
         return None
     path = custom_weights_path.removeprefix("hf:")
     local = os.path.expanduser(path)
-    return os.path.abspath(local) if os.path.isdir(local) else path
+    if not os.path.isdir(local):
+        return path
+    if not os.path.isfile(os.path.join(local, "config.json")) and \
+            any(os.path.exists(os.path.join(local, f)) for f in (MODEL_CONFIG_FILE, STATE_FILE, RUN_FILE, "final")):
+        return None
+    return os.path.abspath(local)
+
+
+def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The frozen base's weights (the adapters left out), as contiguous CPU tensors."""
+    return {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()
+            if not name.endswith((".lora_A", ".lora_B"))}
+
+
+def _peft_base(model: nn.Module, cfg, adapter_dir: Path, tokenizer_dir: str | None) -> str | None:
+    """The base the adapter names: a Hugging Face folder or hub name as given; a base transformers
+    cannot load (an lmforge folder) is written beside the adapter in the Hugging Face layout
+    (``adapter/base``), so that ``AutoPeftModelForCausalLM.from_pretrained(adapter)`` finds it."""
+    ref = base_model_reference(cfg.custom_weights_path)
+    if ref is not None or not cfg.custom_weights_path:
+        return ref
+    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.models.io import save_hf
+
+    tok = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
+    out = adapter_dir / "base"
+    try:
+        save_hf(None, cfg.model, out, tokenizer_dir, bos_id=tok.bos_id if tok else None,
+                eos_id=tok.eos_id if tok else None, weights=base_state_dict(model))
+    except UserError:  # no Hugging Face form (clip_qkv): the adapter names no base rather than a wrong one
+        return None
+    return str(out.resolve())
 
 
 def trainable_counts(model: nn.Module) -> tuple[int, int]:
@@ -213,12 +246,12 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_final(model: nn.Module, cfg, final_dir: str, tokenizer_dir: str | None) -> str:
     """A LoRA run's final export: `final/` holds the merged model (so generate, export and later
-    stages use it like any other) and `final/adapter/` the PEFT adapter."""
+    stages use it like any other) and `final/adapter/` the PEFT adapter (with the base in the Hugging Face layout where it had none)."""
     from lmforge.models.io import save_pretrained
 
     save_pretrained(None, cfg.model, final_dir, tokenizer_dir=tokenizer_dir, weights=merged_state_dict(model))
-    write_peft_adapter(adapter_tensors(model), cfg.lora, Path(final_dir) / "adapter",
-                       base_model_reference(cfg.custom_weights_path))
+    adapter = Path(final_dir) / "adapter"
+    write_peft_adapter(adapter_tensors(model), cfg.lora, adapter, _peft_base(model, cfg, adapter, tokenizer_dir))
     return final_dir
 
 

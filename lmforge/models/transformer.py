@@ -326,7 +326,7 @@ class Transformer(nn.Module):
         h, stats = self._hidden(input_ids, doc_ids, positions)
         token_logp = None
         if per_token:
-            token_logp = token_logprobs(self.norm(h), self.output_weight, targets, softcap=self.cfg.logit_softcap)
+            token_logp = self.head_logprobs(h, targets)
             ce = -token_logp.sum()
         else:
             ce = self.head_loss(h, targets)
@@ -340,6 +340,11 @@ class Transformer(nn.Module):
         that `distributed.parallelize` compiles (the logits never exist whole, see `models.loss`)."""
         return next_token_loss(self.norm(h), self.output_weight, targets, kernel=self.loss_kernel,
                                softcap=self.cfg.logit_softcap)
+
+    def head_logprobs(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, output head and each target's log-probability [B, T] (preference losses): the
+        per-token twin of `head_loss`, compiled as one unit like it (`models.loss.token_logprobs`)."""
+        return token_logprobs(self.norm(h), self.output_weight, targets, softcap=self.cfg.logit_softcap)
 
     def decode(self, input_ids: torch.Tensor, kv_cache: KVCache, start_pos: int = 0) -> torch.Tensor:
         """Logits [B, T, V] of ``input_ids`` placed at ``start_pos``, reading and filling ``kv_cache``."""

@@ -70,6 +70,10 @@ def summary(run: RunData) -> dict[str, float | str | None]:
         "eval loss (best)": _best(run, "eval/loss"),
         "eval bits/byte (last)": run.last("eval/bits_per_byte"),
         "eval bits/byte (best)": _best(run, "eval/bits_per_byte"),
+        # preference tuning: how often the chosen answer wins, and by how much (implicit reward)
+        "eval preference accuracy (last)": run.last("eval/rewards/accuracy"),
+        "eval preference margin (last)": run.last("eval/rewards/margin"),
+        "train preference accuracy (last)": last.get("train/rewards/accuracy"),
         "tokens/s (median)": _median_of(run, "throughput/tokens_per_s"),
         "MFU (median)": _median_of(run, "throughput/mfu"),
         "peak memory GB": run.last("memory/max_allocated_gb"),
@@ -117,6 +121,8 @@ def _delta(a: Any, b: Any, key: str) -> str:
         from lmforge.tracking.console import format_eta
 
         return ("-" if d < 0 else "+") + format_eta(abs(d)) + rel
+    if all(float(v).is_integer() for v in (a, b)) and abs(d) >= 1:  # counts (steps, tokens): every digit
+        return f"{int(d):+,}{rel}"
     return f"{d:+.4g}{rel}"
 
 

@@ -39,7 +39,8 @@ CHARTS: list[tuple[str, str, Callable[[RunData], list[str]], float]] = [
     ("Training loss", "loss", _exact("train/loss"), 1.0),
     ("Held-out loss", "loss", lambda r: [f"{p}/loss" for p in eval_prefixes(r)], 1.0),
     ("Held-out bits per byte", "bits/byte", _keys_matching(lambda k: k.startswith("eval") and k.endswith("/bits_per_byte")), 1.0),
-    ("Preference accuracy", "share of pairs the chosen answer wins",
+    # (a y-axis title longer than the plot is tall runs into the chart's title: keep them short)
+    ("Preference accuracy", "accuracy (chosen wins)",
      _keys_matching(lambda k: k.endswith("rewards/accuracy")), 1.0),
     ("Preference rewards", "implicit reward",
      _keys_matching(lambda k: k.endswith(("rewards/chosen", "rewards/rejected", "rewards/margin"))), 1.0),
@@ -100,15 +101,28 @@ def _layout(title: str, ytitle: str, xtitle: str = "step", height: int = 330) ->
             "legend": {"orientation": "h", "y": -0.2, "font": {"size": 11}}}
 
 
+def curve_names(keys: list[str]) -> dict[str, str]:
+    """A legend name for each of one run's metric keys in a chart: what tells them apart — the
+    keys without the part they all end with ("train" and "eval" for train/rewards/accuracy and
+    eval/rewards/accuracy), or the whole keys when that leaves nothing."""
+    parts = [k.split("/") for k in keys]
+    common = 0
+    while all(len(p) > common + 1 for p in parts) and len({tuple(p[len(p) - common - 1:]) for p in parts}) == 1:
+        common += 1
+    names = {k: "/".join(p[:len(p) - common]) for k, p in zip(keys, parts)}
+    return names if len(set(names.values())) == len(keys) else {k: k for k in keys}
+
+
 def metric_chart(runs: list[RunData], title: str, ytitle: str, pick, scale: float) -> dict | None:
     """A plotly figure (as a dict) with one curve per (run, metric key), or None when no run logged any."""
     traces = []
     for i, run in enumerate(runs):
         keys = pick(run)
+        names = curve_names(keys)
         for j, key in enumerate(keys):
             steps, values = run.series(key)
             steps, values = _thin(steps, [v * scale for v in values])
-            label = run.name if len(keys) == 1 else f"{run.name} · {key.split('/', 1)[-1]}"
+            label = run.name if len(keys) == 1 else f"{run.name} · {names[key]}"
             traces.append({"type": "scatter", "x": steps, "y": values, "name": label,
                            "mode": "lines+markers" if len(steps) <= 30 else "lines",
                            "line": {"color": PALETTE[i % len(PALETTE)], "dash": DASHES[j % len(DASHES)]}})

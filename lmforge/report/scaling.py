@@ -19,7 +19,7 @@ from lmforge.report.html import CSS, MARK, PALETTE, _figure_html, _layout, _tabl
 from lmforge.plan.auto import effective_tokens
 from lmforge.scaling.fit import FLOPS_PER_PARAM_TOKEN, Law
 from lmforge.config.counts import human
-from lmforge.scaling.summary import isoflop_line
+from lmforge.scaling.summary import ordered, prediction_facts, run_cells
 
 
 def _law(pred: dict) -> Law:
@@ -102,40 +102,22 @@ def isoflop_chart(pred: dict) -> dict:
 
 
 def _prediction_rows(pred: dict, actual: float | None) -> list[list[str]]:
-    t, opt, f = pred["target"], pred["compute_optimal"], pred["fit"]
-    rows = [["target", f"{human(t['params'])} params × {human(t['tokens'])} tokens ({t['flops']:.3g} FLOPs)"],
-            ["predicted held-out loss", f"<b>{t['loss']:.4f}</b> ({t['confidence']:.0%} interval "
-                                        f"{t['loss_low']:.4f} – {t['loss_high']:.4f})"]]
-    if actual is not None:
-        inside = t["loss_low"] <= actual <= t["loss_high"]
-        where = "inside" if inside else "outside"
-        rows.append(["trained target's held-out loss",
-                     f"{actual:.4f} ({(actual / t['loss'] - 1):+.1%} from the prediction, {where} the interval)"])
-    rows += [["compute-optimal for that compute",
-              f"{human(opt['params'])} params ({human(opt['params_low'])} – {human(opt['params_high'])}) × "
-              f"{human(opt['tokens'])} tokens ({opt['tokens_per_param']:.1f} tokens/param, {opt['epochs']:.1f} "
-              "epochs of the data)"],
-             ["law", f"L = {f['E']:.3f} + {f['A']:.4g}/N^{f['alpha']:.3f} + {f['B']:.4g}/D^{f['beta']:.3f}"],
-             ["fit", f"{f['runs']} runs, {f['sizes']} sizes, RMS misfit {f['rms']:.2%}"]]
-    bt = f.get("backtest")
-    if bt:
-        rows.append(["backtest", f"fitted without the {human(bt['held_out_params'])}-param runs, the law misses "
-                                 f"them by {bt['error']:.2%} (median)"])
-    rows.append(["IsoFLOP cross-check", isoflop_line(pred).split(": ", 1)[1]])
-    return [[html.escape(a), b if "<b>" in b else html.escape(b)] for a, b in rows]
+    """The terminal's facts (`scaling.summary.prediction_facts`) as table rows, the prediction in bold."""
+    rows = []
+    for label, text in prediction_facts(pred, actual):
+        cell = html.escape(text)
+        if label == "predicted held-out loss":
+            number, rest = cell.split(" ", 1)
+            cell = f"<b>{number}</b> {rest}"
+        rows.append([html.escape(label), cell])
+    return rows
 
 
 def render(pred: dict, actual: float | None = None) -> str:
     import plotly.offline
 
     name = pred.get("ladder", {}).get("name", "ladder")
-    runs = sorted(pred["runs"], key=lambda r: (r["params"], r["tokens"]))
-    run_rows = [[html.escape(r["label"]), human(r["params"]), human(r["tokens"]), f"{r['flops']:.2e}",
-                 html.escape(r.get("status", "completed")),
-                 f"{r['loss']:.4f}" if r.get("loss") is not None else "-",
-                 f"{r['fitted']:.4f}" if r.get("fitted") is not None else "-",
-                 f"{r['residual']:+.2%}" if r.get("residual") is not None else "-",
-                 f"{r['seconds']:.0f}" if r.get("seconds") else "-"] for r in runs]
+    run_rows = [[html.escape(c) for c in run_cells(r)] for r in ordered(pred["runs"])]
     warnings = "".join(f"<li>{html.escape(w)}</li>" for w in pred.get("warnings", []))
     sections = [
         f"<h1>lmforge scaling ladder: {html.escape(name)}</h1>",

@@ -31,7 +31,7 @@ import yaml
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.runs.progress import read_history
+from lmforge.runs.progress import MetricsTail, metrics_path, read_history, summarize
 from lmforge.runs.registry import ACTIVE, Registry
 from lmforge.scaling.config import LadderConfig
 from lmforge.config.counts import human
@@ -139,9 +139,9 @@ def existing_plan(cfg: LadderConfig) -> LadderPlan | None:
     if record is None:
         return None
     if not isinstance(record, dict) or record.get("spec") != _spec(cfg):
-        raise UserError(f"{path} was planned from a different ladder file; keep the file as it was, choose "
-                        f"another save_folder, or delete {path} to plan again (runs of the same shape and "
-                        "tokens are reused)")
+        raise UserError(f"{path} was planned from a different ladder file (or other --set/--budget overrides); "
+                        f"keep the file and overrides as they were, choose another save_folder, or delete {path} to "
+                        "plan again (runs of the same shape and tokens are reused)")
     return _plan_of(record, path)
 
 
@@ -202,7 +202,7 @@ def _compact_model(model: dict) -> dict:
 
 def run_config(cfg: LadderConfig, plan: LadderPlan, point: Point) -> dict:
     """The full config of one ladder run: the file's shared keys, then the ladder's choices."""
-    raw = copy.deepcopy(cfg.base)
+    raw = copy.deepcopy(cfg.run_base)  # local paths absolute: the config runs from any folder
     raw["name"] = f"{cfg.name}-{point.label}"
     raw["model"] = _compact_model(point.model)
     raw["training_duration"] = f"{point.tokens}tok"
@@ -220,7 +220,7 @@ def target_config(cfg: LadderConfig, plan: LadderPlan, model: dict, tokens: floa
     """The target's full run config: the same recipe and held-out evaluation as every ladder run."""
     m = ModelConfig(**model)
     tokens = int(tokens)
-    raw = copy.deepcopy(cfg.base)
+    raw = copy.deepcopy(cfg.run_base)  # local paths absolute: the config runs from any folder
     raw["name"] = f"{cfg.name}-target"
     raw["model"] = _compact_model(model)
     raw["training_duration"] = f"{tokens}tok"
@@ -282,8 +282,9 @@ def _active_run(folder: str) -> dict | None:
 
 
 class _Started:
-    def __init__(self, point: Point, proc: subprocess.Popen | None, name: str | None, out: str):
+    def __init__(self, point: Point, proc: subprocess.Popen | None, name: str | None, out: str, folder: str):
         self.point, self.proc, self.name, self.out, self.t0 = point, proc, name, out, time.time()
+        self.metrics = MetricsTail(metrics_path(folder))  # its progress, for the ladder's progress lines
 
     def done(self) -> int | None:
         if self.proc is not None:
@@ -293,6 +294,30 @@ class _Started:
         if row is None or row["status"] not in ACTIVE:
             return 0 if row and row["status"] == "COMPLETED" else 1
         return None
+
+
+PROGRESS_S = 15.0  # while runs train, a line of their progress at least this often (no long silences)
+
+
+def progress_line(active: list[_Started], done: int, total: int, waiting_s: float | None, skipped: int = 0) -> str:
+    """What the ladder is doing: each running run's share done and loss (from its metrics.jsonl),
+    and — with the plan's estimates (a time budget) — about how long the rest takes here.
+    ``done``: runs ended (``skipped`` of them not started: past the budget); ``waiting_s``: the
+    estimated seconds of the runs not started yet."""
+    parts, left = [], []
+    for s in active:
+        m = summarize(s.metrics.poll(), {"training_duration": f"{s.point.tokens}tok"})
+        if not m:
+            parts.append(f"{s.point.label} starting")
+            continue
+        parts.append(f"{s.point.label} {100 * (m.get('progress') or 0):.0f}% (loss {m['loss']:.4f})")
+        if m.get("eta_s") is not None:
+            left.append(m["eta_s"])
+    line = f"scaling: {done - skipped} of {total} runs done{f' ({skipped} skipped)' if skipped else ''}; " + \
+        ", ".join(parts)
+    if waiting_s is not None and (left or not active):
+        line += f"; about {(max(left, default=0.0) + waiting_s) / 60:.1f} min left here"
+    return line
 
 
 def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | None = None) -> int:
@@ -310,7 +335,7 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | No
         row = _active_run(folder)
         if row is not None:
             log(f"scaling: {p.label} is still running (run {row['name']}); waiting for it")
-            active.append(_Started(p, None, row["name"], ""))
+            active.append(_Started(p, None, row["name"], "", folder))
         else:
             todo.append(p)
     total = len(plan.points)
@@ -319,43 +344,34 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | No
         log(f"scaling: {finished} of {total} runs already completed")
     env = os.environ | {"OMP_NUM_THREADS": str(plan.threads)}
     slower: list[float] = []  # actual / estimated seconds of the runs finished here
-    started = 0
+    started, skipped, noted = 0, 0, time.time()
     try:
         while todo or active:
             while todo and len(active) < plan.parallel:
                 p = todo.pop(0)
-                if deadline is not None and p.seconds:
-                    factor = sorted(slower)[len(slower) // 2] if slower else 1.0
-                    if time.time() + factor * p.seconds > deadline:
-                        finished += 1
-                        log(f"scaling: {p.label} skipped: it would end after the budget (about "
-                            f"{factor * p.seconds:.0f}s, {max(0.0, deadline - time.time()):.0f}s left); re-run the "
-                            "ladder to train it")
-                        continue
+                factor = sorted(slower)[len(slower) // 2] if slower else 1.0
+                if deadline is not None and p.seconds and time.time() + factor * p.seconds > deadline:
+                    finished, skipped = finished + 1, skipped + 1
+                    log(f"scaling: {p.label} skipped: it would end after the budget (about "
+                        f"{factor * p.seconds:.0f}s, {max(0.0, deadline - time.time()):.0f}s left); re-run the "
+                        "ladder to train it")
+                    continue
                 active.append(_start(cfg, plan, p, env))
                 started += 1
                 log(f"scaling: [{finished + len(active)}/{total}] {p.label}: {human(p.params)} params × "
                     f"{human(p.tokens)} tokens (lmforge train -f {_rel(_config_path(cfg, p))})")
+                noted = time.time()
             time.sleep(0.5)
-            for s in list(active):
-                code = s.done()
-                if code is None:
-                    continue
+            for s in [s for s in active if s.done() is not None]:
                 active.remove(s)
                 finished += 1
-                wall = time.time() - s.t0
-                loss, _ = final_loss(run_folder(cfg.save_folder, s.point))
-                if code == 0 and _completed(run_folder(cfg.save_folder, s.point)):
-                    state[s.point.label] = {"wall_s": wall} if s.proc is not None else state.get(s.point.label, {})
-                    if s.proc is not None and s.point.seconds:
-                        slower.append(wall / s.point.seconds)
-                    _write_json(os.path.join(cfg.save_folder, STATE_FILE), state)
-                    held_out = f"held-out loss {loss:.4f}" if loss is not None else \
-                        "no held-out loss in its metrics (left out of the fit)"
-                    log(f"scaling: {s.point.label} completed in {wall:.0f}s, {held_out}")
-                else:
-                    log(f"scaling: {s.point.label} did not complete (exit {code}); see {_rel(s.out) or 'its logs'}; "
-                        "it is left out of the fit (re-run the ladder to resume it)")
+                _finished(cfg, s, state, slower, log, total - finished)
+                noted = time.time()
+            if active and time.time() - noted >= PROGRESS_S:  # 15 s without a line: where the runs are
+                noted = time.time()
+                waiting = sum(p.seconds or 0 for p in todo) * (sorted(slower)[len(slower) // 2] if slower else 1.0)
+                log(progress_line(active, finished, total, waiting / plan.parallel if plan.estimated_seconds else None,
+                                  skipped))
     except KeyboardInterrupt:
         # The runs share this terminal's process group: each got the Ctrl-C and checkpoints.
         log("scaling: interrupted; the runs stop at a checkpoint; re-run the same command to continue")
@@ -364,6 +380,25 @@ def execute(cfg: LadderConfig, plan: LadderPlan, log=print, deadline: float | No
                 s.proc.wait()
         raise
     return started
+
+
+def _finished(cfg: LadderConfig, s: _Started, state: dict, slower: list[float], log, to_go: int) -> None:
+    """A run ended: its wall time recorded (and how it compares with the plan's estimate), one line."""
+    code = s.done()
+    wall = time.time() - s.t0
+    loss, _ = final_loss(run_folder(cfg.save_folder, s.point))
+    rest = f"; {to_go} to go" if to_go else ""
+    if code == 0 and _completed(run_folder(cfg.save_folder, s.point)):
+        state[s.point.label] = {"wall_s": wall} if s.proc is not None else state.get(s.point.label, {})
+        if s.proc is not None and s.point.seconds:
+            slower.append(wall / s.point.seconds)
+        _write_json(os.path.join(cfg.save_folder, STATE_FILE), state)
+        held_out = f"held-out loss {loss:.4f}" if loss is not None else \
+            "no held-out loss in its metrics (left out of the fit)"
+        log(f"scaling: {s.point.label} completed in {wall:.0f}s, {held_out}{rest}")
+    else:
+        log(f"scaling: {s.point.label} did not complete (exit {code}); see {_rel(s.out) or 'its logs'}; "
+            f"it is left out of the fit (re-run the ladder to resume it){rest}")
 
 
 def _config_path(cfg: LadderConfig, p: Point) -> str:
@@ -379,7 +414,7 @@ def _start(cfg: LadderConfig, plan: LadderPlan, p: Point, env: dict) -> _Started
     with open(out, "ab") as log_file:
         proc = subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", path], stdin=subprocess.DEVNULL,
                                 stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    return _Started(p, proc, None, out)
+    return _Started(p, proc, None, out, run_folder(cfg.save_folder, p))
 
 
 def results(ladder_folder: str, plan: LadderPlan) -> list[dict]:
@@ -413,7 +448,7 @@ def finish(cfg: LadderConfig, plan: LadderPlan, runs: list[dict], log=print) -> 
                        t.tokens if given else None),
                    target_flops=None if given or cfg.target.tokens else cfg.target.flops,
                    unique_tokens=plan.unique_tokens, confidence=cfg.ladder.confidence,
-                   choose_model=None if given else choose_target_model(plan))
+                   choose_model=None if given else choose_target_model(plan), max_epochs=cfg.ladder.max_epochs)
     model = t.model if given else pred["target"]["model"]
     pred["target"]["model"] = _compact_model(model)
     largest = max(r["params"] for r in done)
@@ -430,7 +465,7 @@ def finish(cfg: LadderConfig, plan: LadderPlan, runs: list[dict], log=print) -> 
                       "runs_s": sum(r["seconds"] or 0 for r in done), "parallel": plan.parallel,
                       "threads": plan.threads, "tokens_per_s": plan.tokens_per_s, "overhead_s": plan.overhead_s}
     pred["ladder"] = {"name": cfg.name, "save_folder": os.path.abspath(cfg.save_folder), "context": plan.context,
-                      "vocab": plan.vocab, "unique_tokens": plan.unique_tokens}
+                      "vocab": plan.vocab, "unique_tokens": plan.unique_tokens, "max_epochs": cfg.ladder.max_epochs}
     pred["runs"] += [r for r in runs if r["status"] != "completed"]
     target_yaml = target_config(cfg, plan, model, pred["target"]["tokens"])
     pred["target"]["config"] = os.path.join(os.path.abspath(cfg.save_folder), TARGET_FILE)
@@ -453,6 +488,30 @@ def target_actual(folder: str) -> float | None:
     if not _completed(folder):
         return None
     return final_loss(folder)[0]
+
+
+def record_target(save_folder: str) -> str | None:
+    """After a run in ``save_folder`` ends: when it is a ladder's target (the folder beside it holds
+    the prediction naming it) and has completed, its held-out loss goes into the ladder's
+    prediction.json (``target.actual``) and report.html. Returns a line saying so, or None (not a
+    target, not completed, or recorded already)."""
+    ladder = os.path.dirname(os.path.abspath(save_folder))
+    path = os.path.join(ladder, PREDICTION_FILE)
+    pred = _read_json(path)
+    if not isinstance(pred, dict) or not isinstance(pred.get("target"), dict) or \
+            os.path.abspath(str(pred["target"].get("save_folder"))) != os.path.abspath(save_folder):
+        return None
+    actual = target_actual(save_folder)
+    if actual is None or actual == pred["target"].get("actual"):
+        return None
+    pred["target"]["actual"] = actual
+    _write_json(path, pred)
+    from lmforge.report.scaling import write_ladder_report
+
+    write_ladder_report(pred, os.path.join(ladder, REPORT_FILE), actual)
+    t = pred["target"]
+    return (f"scaling: the target's held-out loss {actual:.4f} ({actual / t['loss'] - 1:+.2%} from the prediction "
+            f"{t['loss']:.4f}) is now in {path} and {os.path.join(ladder, REPORT_FILE)}")
 
 
 def read_ladder(folder: str) -> tuple[LadderPlan, dict | None]:
@@ -484,6 +543,12 @@ class LadderLock:
         self.f.write(f"pid {os.getpid()}")
         self.f.flush()
 
+    @classmethod
+    def probe(cls, folder: str) -> None:
+        """The one line of a ladder another driver runs, raised before one is started in the background
+        (`--detach` would otherwise say "running" while its process stops at the lock)."""
+        cls(folder).close()
+
     def close(self) -> None:
         self.f.close()
 
@@ -507,12 +572,13 @@ def run_ladder(cfg: LadderConfig, log=print) -> dict:
         lock.close()
 
 
-def detach(args_file: str, save_folder: str) -> int:
-    """`scaling run --detach`: the same command in its own session, its output in ladder.log."""
+def detach(args_file: str, save_folder: str, overrides: list[str] = ()) -> int:
+    """`scaling run --detach`: the same command (its ``--set``/``--budget`` ``overrides`` too) in its own
+    session, its output in ladder.log."""
     os.makedirs(save_folder, exist_ok=True)
     path = os.path.join(save_folder, LOG_FILE)
     with open(path, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "lmforge", "scaling", "run", "-f", args_file],
+        proc = subprocess.Popen([sys.executable, "-m", "lmforge", "scaling", "run", "-f", args_file, *overrides],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return proc.pid
 

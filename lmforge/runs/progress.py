@@ -22,6 +22,7 @@ class MetricsTail:
 
     def __init__(self, path: str):
         self.path, self.offset, self.latest = path, 0, {}
+        self.latest_eval: dict = {}  # the last held-out evaluation (of this run, over its resumptions)
 
     def poll(self) -> dict:
         try:
@@ -29,7 +30,7 @@ class MetricsTail:
         except OSError:
             return self.latest
         if size < self.offset:  # a fresh run truncated the file
-            self.offset = 0
+            self.offset, self.latest_eval = 0, {}
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             chunk = f.read()
@@ -42,6 +43,8 @@ class MetricsTail:
                 continue
             if "train/loss" in rec:
                 self.latest = rec
+            elif "eval/loss" in rec:
+                self.latest_eval = rec
         return self.latest
 
 
@@ -50,17 +53,25 @@ def read_history(save_folder: str) -> list[dict]:
     return read_metrics(path) if os.path.exists(path) else []
 
 
-def summarize(record: dict, config: dict | None) -> dict:
+def summarize(record: dict, config: dict | None, eval_record: dict | None = None) -> dict:
     """step, tokens, loss, tokens/s, MFU, progress (0..1), ETA and training time in seconds from one
-    record; with a price also the cost so far and the estimated cost to finish."""
+    record; with a price also the cost so far and the estimated cost to finish; a preference run's
+    accuracy and margin; and ``eval``: the last held-out evaluation's metrics (``eval_record``)."""
     if not record:
         return {}
     out = {"step": record.get("step"), "tokens": record.get("train/tokens"), "loss": record.get("train/loss"),
            "tokens_per_s": record.get("throughput/tokens_per_s"), "mfu": record.get("throughput/mfu"),
-           "time": record.get("time")}
+           "time": record.get("time"), "elapsed_s": record.get("time/elapsed_s"),
+           "done": record.get("train/progress")}
     frac, eta = _progress(out, config or {})
     out["progress"], out["eta_s"] = frac, eta
-    out["elapsed_s"] = record.get("time/elapsed_s")
+    del out["done"]
+    for key in ("accuracy", "margin"):  # preference tuning: how often, and by how much, the chosen answer wins
+        if record.get(f"train/rewards/{key}") is not None:
+            out[key] = record[f"train/rewards/{key}"]
+    if eval_record:
+        out["eval"] = {"step": eval_record.get("step")} | {
+            k.removeprefix("eval/"): v for k, v in eval_record.items() if k.startswith("eval/")}
     if record.get("cost/so_far") is not None:  # the run has a compute.price_per_gpu_hour
         from lmforge.plan.cost import cost_to_finish
 
@@ -82,7 +93,11 @@ def _progress(m: dict, config: dict) -> tuple[float | None, float | None]:
     elif d.unit == "tok":
         frac = tokens / d.value
         remaining_tokens = d.value - tokens
-    else:  # samples, epochs and wall-clock: no exact total known outside the trainer
-        return None, None
+    else:  # samples, epochs and wall-clock: the share the trainer logs (it knows their steps, or its budget)
+        done, elapsed = m.get("done"), m.get("elapsed_s")
+        if done is None:
+            return None, None
+        eta = elapsed * (1 - done) / done if elapsed is not None and done > 0 else None
+        return min(done, 1.0), (max(eta, 0.0) if eta is not None else None)
     eta = remaining_tokens / tps if remaining_tokens is not None and tps else None
     return min(frac, 1.0), (max(eta, 0.0) if eta is not None else None)

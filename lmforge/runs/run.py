@@ -208,10 +208,18 @@ def get_run(name: str) -> Run:
     if row is None:
         names = reg.names()
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(close)}?" if close else \
-            (f"; known runs: {', '.join(sorted(names)[:10])}" if names else "; the registry has no runs yet")
+        hint = f"; did you mean {', '.join(close)}?" if close else known_runs(names)
         raise UserError(f"no run named {name!r}{hint}")
     return Run._from_row(reg.mark_lost_if_dead(row))
+
+
+def known_runs(names: list[str], shown: int = 10) -> str:
+    """The end of a "no run named X" line: the first ``shown`` names, and how many more there are."""
+    if not names:
+        return "; the registry has no runs yet"
+    more = len(names) - shown
+    return f"; known runs: {', '.join(sorted(names)[:shown])}" + \
+        (f" and {more} more (`lmforge runs list` shows them all)" if more > 0 else "")
 
 
 def get_runs(status: str | None = None) -> list[Run]:

@@ -202,10 +202,25 @@ def start(cfg, args, plan: LaunchPlan) -> int:
                          echo=not plan.detached, after_resumption=after)
         rc = sup.run()
         forget_if_rejected(reg, slot, plan)
+        if rc == 0:
+            _record_ladder_target(local)
     finally:
         lock.release()
     exit_now(rc)  # everything is recorded and closed: skip the interpreter's teardown of torch
     return rc
+
+
+def _record_ladder_target(folder: str) -> None:
+    """A ladder's target that just completed: its actual loss goes into the ladder's prediction
+    and report (`runs.ladder.record_target`); a failure there is a warning, never the run's."""
+    from lmforge.runs.ladder import record_target
+
+    try:
+        line = record_target(folder)
+    except Exception as e:  # noqa: BLE001 - the run itself completed
+        line = f"warning: the ladder's prediction.json and report.html were not updated ({type(e).__name__}: {e})"
+    if line:
+        print(line, flush=True)
 
 
 def forget_if_rejected(reg: Registry, slot: RunSlot, plan: LaunchPlan) -> None:

@@ -381,7 +381,7 @@ class Supervisor:
                     self.lock.refresh()
                 last_beat, last_written = now, latest
                 if latest:
-                    fields["metrics"] = summarize(latest, self.config)
+                    fields["metrics"] = summarize(latest, self.config, metrics.latest_eval)
                 self.reg.put(self.name, fields)
         status = read_status(status_file)
         if status.get("attempt", 0) > attempt:  # restarted, then ended before we looked
@@ -390,7 +390,7 @@ class Supervisor:
             self.reg.put(self.name, {"status": "TERMINATING"})
         latest = metrics.poll()
         if latest:
-            self.reg.put(self.name, {"metrics": summarize(latest, self.config)})
+            self.reg.put(self.name, {"metrics": summarize(latest, self.config, metrics.latest_eval)})
 
     def _record_stop(self) -> bool:
         """Record a requested stop once (an event); True the first time."""

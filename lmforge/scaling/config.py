@@ -20,11 +20,11 @@ import functools
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from lmforge.config.counts import parse_count
 from lmforge.config.durations import Duration, parse_duration
-from lmforge.config.load import build_config, format_error, read_yaml
+from lmforge.config.load import build_config, format_error, parse_set, read_yaml, set_path
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.errors import UserError
 from lmforge.guard import check_target
@@ -98,6 +98,10 @@ class LadderConfig(BaseModel):
     budget: Duration
     ladder: LadderOptions = Field(default_factory=LadderOptions)
     base: dict = Field(default_factory=dict, description="the run-config keys every run shares")
+    # The folder the file's relative paths are relative to (where the ladder was started, as for
+    # `lmforge train`): the runs' configs and target.yaml get them absolute, so that they run from
+    # any folder (target.yaml from its own).
+    _root: str = PrivateAttr(default_factory=os.getcwd)
 
     @field_validator("budget", mode="before")
     @classmethod
@@ -116,15 +120,66 @@ class LadderConfig(BaseModel):
         return "adamw" if value == "auto" else value
 
     @functools.cached_property
+    def run_base(self) -> dict:
+        """The shared keys as every run's config gets them: local paths made absolute."""
+        return absolute_paths(self.base, self._root)
+
+    @functools.cached_property
     def base_config(self) -> RunConfig:
         """The shared keys as a validated run config (with a placeholder model and duration)."""
-        return build_config(self.base | {"model": {"d_model": 64, "n_layers": 2, "n_heads": 2},
-                                         "training_duration": "1tok", "name": self.name})
+        return build_config(self.run_base | {"model": {"d_model": 64, "n_layers": 2, "n_heads": 2},
+                                             "training_duration": "1tok", "name": self.name})
 
 
-def load_ladder(path: str) -> LadderConfig:
-    """Read and check a ladder file; every problem is one UserError naming the key."""
+# Run-config keys that hold local paths (relative ones are relative to where a command started).
+_PATH_KEYS = (("tokenizer",), ("eval", "data_path"), ("eval", "icl_tasks"), ("eval", "gauntlet"),
+              ("eval", "data_root"), ("secrets", "file"))
+
+
+def _absolute(value, root: str):
+    """A local path made absolute; anything else (a URI, builtin:, a hub name, a mapping) as it is."""
+    if not isinstance(value, str) or not value or "://" in value or value.startswith(("builtin:", "hf:")):
+        return value
+    path = os.path.join(root, os.path.expanduser(value))
+    globbed = any(c in value for c in "*?[")
+    return os.path.normpath(path) if os.path.isabs(value) or globbed or os.path.exists(path) else value
+
+
+def _absolute_data(value, root: str):
+    """``train_data`` in any of its forms (a path, a list, a mix, curriculum phases) with absolute paths."""
+    if isinstance(value, list):
+        return [_absolute_data(v, root) for v in value]
+    if isinstance(value, dict):
+        return {k: (_absolute(v, root) if k == "path" else v if k in ("until", "proportion", "curate")
+                    else _absolute_data(v, root)) for k, v in value.items()}
+    return _absolute(value, root)
+
+
+def absolute_paths(raw: dict, root: str) -> dict:
+    """A copy of the run-config mapping ``raw`` with its local paths (train data, tokenizer, held-out
+    data, task files, secrets file) absolute, relative ones taken from ``root``."""
+    import copy
+
+    out = copy.deepcopy(raw)
+    if "train_data" in out:
+        out["train_data"] = _absolute_data(out["train_data"], root)
+    for keys in _PATH_KEYS:
+        node = out
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node.get(k), dict) else {}
+        if keys[-1] in node:
+            node[keys[-1]] = _absolute(node[keys[-1]], root)
+    return out
+
+
+def load_ladder(path: str, overrides: list[str] = (), budget: str | None = None) -> LadderConfig:
+    """Read and check a ladder file, with ``--set KEY.PATH=VALUE`` ``overrides`` and a ``--budget``
+    applied first (as `lmforge train` applies its own); every problem is one UserError naming the key."""
     raw = read_yaml(path)
+    for item in overrides:
+        set_path(raw, *parse_set(item))
+    if budget is not None:
+        raw["budget"] = budget
     for key, why in CHOSEN_BY_LADDER.items():
         if key in raw:
             raise UserError(f"{path}: `{key}` has no place in a ladder file: {why}")

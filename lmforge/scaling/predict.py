@@ -50,10 +50,11 @@ ISOFLOP_DISAGREES = 2.0  # factor between the law's and the IsoFLOP parabolas' c
 def predict(runs: list[dict], *, target_params: float | None, target_tokens: float | None,
             target_flops: float | None, unique_tokens: float, confidence: float = 0.9,
             choose_model: Callable[[float], tuple[dict, float]] | None = None, samples: int = 300,
-            prior=EXPONENT_PRIOR) -> dict:
+            prior=EXPONENT_PRIOR, max_epochs: float | None = None) -> dict:
     """``runs``: finished ladder runs, each {label, params, tokens, level, loss}. The target is
     (params, tokens), or tokens / FLOPs alone with ``choose_model`` mapping a parameter count to
-    the nearest real shape (its config, its parameters)."""
+    the nearest real shape (its config, its parameters). ``max_epochs``: the most a run may repeat
+    its data (`ladder.max_epochs`); a compute-optimal size that would repeat it more is a warning."""
     if len(runs) < 2:
         raise ValueError("predict needs at least two finished runs")
     n = np.array([r["params"] for r in runs], float)
@@ -92,6 +93,7 @@ def predict(runs: list[dict], *, target_params: float | None, target_tokens: flo
     warnings += _fit_warnings(fit, bt, misfit, target_params / max(sizes), d / n, d_target / target_params,
                               target_tokens, unique_tokens, d_target)
     n_opt, d_opt = law.optimum(flops)
+    warnings += _epochs_warning(n_opt, d_opt / unique_tokens, max_epochs)
     opt_boot = np.array([b.optimum(flops)[0] for b in laws])
     iso = isoflop_levels(n, [r["tokens"] for r in runs], loss, [r["level"] for r in runs])
     trend = isoflop_trend(iso)
@@ -167,6 +169,16 @@ def _fit_warnings(fit, bt: Backtest | None, misfit: float, reach: float, ratios,
                         f"count as {d_target / target_tokens:.0%} of new ones (Muennighoff et al.)")
 
     return warnings
+
+
+def _epochs_warning(n_opt: float, epochs: float, max_epochs: float | None) -> list[str]:
+    """The compute-optimal size repeating its data more often than a ladder run may."""
+    if max_epochs is None or epochs <= max_epochs:
+        return []
+    return [f"the compute-optimal size for the target's compute trains {human(n_opt)} parameters on {epochs:.1f} "
+            f"epochs of the data, more than ladder.max_epochs ({max_epochs:g}): repeated tokens are worth less than "
+            "new ones (Muennighoff et al.), so that optimum is not to be trusted; more data, or a smaller budget, is "
+            "what it asks for"]
 
 
 def _weaknesses(runs, n, sizes, bt: Backtest | None) -> list[str]:

@@ -4,7 +4,8 @@ Plain lines (about every ``log_every`` steps, on the last step and on every eval
 detached runs and the log of a foreground run (``runs logs``) hold; on a terminal they scroll above
 a one-line bar that redraws in place (the supervisor's log keeps what a terminal keeps of it,
 `runs.terminal_text`: the lines, and the bar's last frame). The ETA of both is the trainer's own:
-the pace since the first logged step, on its training clock.
+the pace since the first logged step, on its training clock; for a wall-clock budget (no step
+count), the time left of the budget, from the share done the trainer logs (``train/progress``).
 """
 
 from __future__ import annotations
@@ -72,8 +73,10 @@ def eval_summary(m: dict[str, float]) -> list[str]:
         parts.append(f"ppl {m['eval/perplexity']:.2f}")
     if "eval/bits_per_byte" in m:
         parts.append(f"bpb {m['eval/bits_per_byte']:.4f}")
+    if "eval/rewards/accuracy" in m:  # preference tuning, as the training lines show it
+        parts.append(f"acc {m['eval/rewards/accuracy']:.2f} margin {m.get('eval/rewards/margin', float('nan')):.3g}")
     # Other eval metrics (e.g. ICL accuracies) follow in name order.
-    known = {"eval/loss", "eval/perplexity", "eval/bits_per_byte"}
+    known = {"eval/loss", "eval/perplexity", "eval/bits_per_byte", "eval/rewards/accuracy", "eval/rewards/margin"}
     for key in sorted(k for k in m if k.startswith("eval/") and k not in known):
         parts.append(f"{key[len('eval/'):]} {m[key]:.4g}")
     return parts
@@ -109,9 +112,12 @@ class ConsoleTracker(Tracker):
         else:
             print(line, file=self.stream, flush=True)
 
-    def _eta(self, step: int, now: float | None = None) -> float | None:
+    def _eta(self, step: int, now: float | None = None, progress: float | None = None) -> float | None:
         """Seconds to the last step at the pace since the first logged step. ``now`` is the
-        trainer's ``time/elapsed_s`` when it logs one (the same clock as the cost), else the wall clock."""
+        trainer's ``time/elapsed_s`` when it logs one (the same clock as the cost), else the wall clock.
+        A wall-clock budget's: the time left of it (``progress``: the share of the budget done)."""
+        if not self.total_steps and progress and now is not None:
+            return now / progress - now
         if self._first is None or not self.total_steps:
             return None
         t0, s0 = self._first
@@ -121,7 +127,8 @@ class ConsoleTracker(Tracker):
         return ((time.monotonic() if now is None else now) - t0) / done * (self.total_steps - step)
 
     # -- live mode ------------------------------------------------------------------
-    def _start_bar(self, step: int, tokens: float) -> None:
+    def _start_bar(self, timed: bool) -> None:
+        """``timed``: a wall-clock budget: the bar is its share of time (a percentage), not steps."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
         from rich.table import Column
@@ -134,13 +141,14 @@ class ConsoleTracker(Tracker):
         def fixed(width: int) -> Column:
             return Column(no_wrap=True, width=width)
 
-        label = "step" if self.total_steps else "tokens"
-        total = self.total_steps or self.total_tokens
+        label = "step" if self.total_steps else "time" if timed else "tokens"
+        total = self.total_steps or (100 if timed else self.total_tokens)
+        count = TextColumn("{task.percentage:>3.0f}%", table_column=fixed(4)) if timed else \
+            MofNCompleteColumn(table_column=fixed(2 * len(f"{total:,}") + 1) if total else Column(no_wrap=True))
         self._progress = Progress(
             TextColumn(label, table_column=fixed(len(label))),
             BarColumn(bar_width=20, table_column=fixed(20)),
-            # A wall-clock run has no total: its count alone (rich shows "N/?").
-            MofNCompleteColumn(table_column=fixed(2 * len(f"{total:,}") + 1) if total else Column(no_wrap=True)),
+            count,
             TextColumn("ETA {task.fields[eta]}", table_column=fixed(len("ETA 0:00:00"))),
             TextColumn("{task.fields[stats]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
             console=console,
@@ -149,8 +157,15 @@ class ConsoleTracker(Tracker):
             transient=False,
         )
         self._progress.start()
-        self._task = self._progress.add_task(
-            "train", total=total, completed=step if self.total_steps else tokens, stats="", eta="?")
+        self._task = self._progress.add_task("train", total=total, completed=0, stats="", eta="?")
+
+    def _completed(self, step: int, m: dict) -> float:
+        """Where the bar stands: the step, the percentage of a wall-clock budget, or the tokens."""
+        if self.total_steps:
+            return step
+        if "train/progress" in m:
+            return 100 * m["train/progress"]
+        return m.get("train/tokens", 0.0)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         m = scalar_metrics(metrics)
@@ -159,30 +174,32 @@ class ConsoleTracker(Tracker):
         clock = m.get("time/elapsed_s")
         if is_train and self._first is None:
             self._first = (time.monotonic() if clock is None else clock, step)
-        eta = self._eta(step, clock) if is_train else None
+        timed = not self.total_steps and "train/progress" in m  # a wall-clock budget
+        eta = self._eta(step, clock, m.get("train/progress")) if is_train else None
         if self.tty and is_train:
-            tokens = m.get("train/tokens", 0.0)
             if self._progress is None:
-                self._start_bar(step, tokens)
-            self._progress.update(self._task, completed=step if self.total_steps else tokens,
-                                  stats=" | ".join(train_summary(m, self.total_tokens, eta)), eta=format_eta(eta))
-        if is_train and self._plain_line_due(step):
+                self._start_bar(timed)
+            self._progress.update(self._task, completed=self._completed(step, m),
+                                  stats=" | ".join(train_summary(m, self.total_tokens, eta)), eta=format_eta(eta),
+                                  refresh=True)  # drawn now (a log step is rare enough), not at the next tick
+        if is_train and self._plain_line_due(step, last=timed and m["train/progress"] >= 1.0):
             self._printed = step
-            head = f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"
+            head = f"step {step}/{self.total_steps}" if self.total_steps else \
+                f"step {step} ({100 * m['train/progress']:.0f}% of the time)" if timed else f"step {step}"
             parts = [head, *train_summary(m, self.total_tokens, eta)]
-            if self.total_steps:
+            if self.total_steps or timed:
                 parts.append(f"ETA {format_eta(eta)}")
             self._println(" | ".join(parts))
         evals = eval_summary(m)
         if evals:
             self._println(" | ".join([f"eval step {step}", *evals]))
 
-    def _plain_line_due(self, step: int) -> bool:
-        """The first step logged, the last one, and the first logged at or past each multiple of
-        log_every. Not only steps that are multiples of it: the trainer logs every
-        `log_interval` steps, and a log_interval of 5 against a log_every of 2 would otherwise
-        print only every 10th step (30 against 50: every 150th)."""
-        if self._printed is None or step == self.total_steps:
+    def _plain_line_due(self, step: int, last: bool = False) -> bool:
+        """The first step logged, the last one (``last``: a wall-clock budget's, which has no step
+        count), and the first logged at or past each multiple of log_every. Not only steps that
+        are multiples of it: the trainer logs every `log_interval` steps, and a log_interval of 5
+        against a log_every of 2 would otherwise print only every 10th step (30 against 50: every 150th)."""
+        if self._printed is None or step == self.total_steps or last:
             return True
         return step // self.log_every > self._printed // self.log_every
 

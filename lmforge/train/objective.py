@@ -32,7 +32,7 @@ from lmforge.distributed.dist import DistInfo, all_reduce_sum
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.models.lora import adapters_off
 from lmforge.models.preference_loss import PairLogps, pair_terms
-from lmforge.train.reference import attach_reference, weights_tag
+from lmforge.train.reference import attach_reference, legacy_weights_tag, weights_tag
 
 # forward(input_ids, targets, doc_ids, positions=None, per_token=False) -> models.loss.LossOutput: the module
 # `distributed.parallelize` returns (gradients synchronized), or the bare model's training_loss.
@@ -166,9 +166,10 @@ class Preference:
             "precomputed": "log-probs of the starting weights, computed once"}[self.reference])
         if self.reference != "precomputed":
             return data
-        weights = weights_tag(*self.start) if dist.is_main else ""  # only rank 0 reads the stored file
-        return attach_reference(model, data, layout, save_folder, dist, autocast, weights=weights,
-                                resuming=resuming, log=log)
+        main = dist.is_main  # only rank 0 reads the stored file
+        return attach_reference(model, data, layout, save_folder, dist, autocast,
+                                weights=weights_tag(*self.start) if main else "", resuming=resuming, log=log,
+                                legacy_weights=legacy_weights_tag(*self.start) if main else None)
 
 
 def objective_for(data: TrainingData, cfg: RunConfig, model: torch.nn.Module) -> Objective:

@@ -611,7 +611,8 @@ class Trainer:
                    # the standard basis (6·N_active + 12·L·H·Dh·T), and 6·N_active alone
                    "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops),
                    "throughput/mfu_6n": mfu(tokens_per_s, self.plan.model_flops_per_token, world, self.peak_flops),
-                   "time/elapsed_s": self._elapsed()}  # training wall time over all attempts (ETA, cost)
+                   "time/elapsed_s": self._elapsed(),  # training wall time over all attempts (ETA, cost)
+                   "train/progress": self._progress()}  # the share done: `runs list`, the bar of a time budget
         metrics |= {f"train/{k}": float(v) for k, v in out.stats.items()}  # e.g. preference rewards
         metrics |= self.stream.metrics()  # e.g. the curriculum phase and its mix (of the next step)
         if self.device.type == "cuda":
@@ -622,6 +623,12 @@ class Trainer:
         if self.expert_health is not None:  # per-layer routing over the log window (all ranks)
             metrics |= self.expert_health.report(self.log)
         return metrics
+
+    def _progress(self) -> float:
+        """The share of the run done: of its steps, or of a wall-clock budget's time."""
+        if self.plan.total_steps is not None:
+            return min(1.0, self.state.step / max(self.plan.total_steps, 1))
+        return min(1.0, self._elapsed() / max(self.plan.time_limit_s or 0.0, 1e-9))
 
     def _done(self) -> bool:
         if self.plan.total_steps is not None:
@@ -683,7 +690,9 @@ class Trainer:
 
 
 def _span(value: float, unit: str) -> str:
-    return f"{int(value)} steps" if unit == "steps" else f"{value:.3g}s"
+    if unit == "steps":  # a warmup of one step starts at the peak: none (what `warmup: 0ba` asks for)
+        return "none" if value <= 1 else f"{int(value)} steps"
+    return f"{value:.3g}s" if value > 0 else "none"
 
 
 def _schedule_text(s) -> str:
