@@ -52,7 +52,9 @@ def pytest_collection_modifyitems(config, items):
 # One that trains a model or starts processes belongs to the `integration` or `e2e` tier (the fast
 # tier keeps the first). Measured in CPU seconds of this process and the children it waited for, not
 # wall time: a loaded machine slows every test alike, and must not fail one.
-UNIT_CPU_SECONDS = 1.0
+# `scripts/test.sh fast` (the inner loop) holds them to a second; the whole suite (CI, two workers on a loaded
+# machine, where the same work costs more CPU) fails only a test far past it, never one at the border.
+UNIT_CPU_SECONDS = 1.0 if os.environ.get("LMFORGE_UNIT_SECONDS_STRICT") else 5.0
 TIERS = ("integration", "e2e", "gpu")
 
 

@@ -65,6 +65,7 @@ def test_import_hf_llama(tie, kv, tmp_path):
         torch.testing.assert_close(loaded(IDS), expected)
 
 
+@pytest.mark.integration  # builds, exports and loads back a model (about a CPU second each)
 @pytest.mark.parametrize("tie,kv", CASES)
 def test_export_to_hf_llama(tie, kv, tmp_path):
     model, cfg = ours(tie, kv)
@@ -124,6 +125,7 @@ def moe_ours(seed: int = 0):
     return build_model(cfg).eval(), cfg
 
 
+@pytest.mark.integration
 def test_export_moe_to_hf_mixtral(tmp_path):
     model, cfg = moe_ours()
     save_hf(model, cfg, tmp_path)
