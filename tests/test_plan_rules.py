@@ -152,3 +152,10 @@ def test_an_epoch_of_raw_text_is_planned_once_it_is_prepared(tiny_data, tmp_path
     with pytest.raises(NotKnownYet, match="epochs need the dataset size"):
         resolve(cfg, _cpu(), until="plan", **QUIET)
     plan_run(cfg, 1)  # no refusal
+
+
+def test_a_warmup_of_0ba_plans_no_warmup_and_the_resolved_config_keeps_it(tiny_data, tmp_path):
+    run = resolve(build_config(tiny_run_config(tiny_data, tmp_path / "r", **{"parameters.warmup": "0ba"})), _cpu(),
+                  until="plan", **QUIET)
+    assert run.plan.schedule.warmup == 0 and run.plan.warmup_steps == 0
+    assert str(run.config.parameters.warmup) in ("0ba", "0.0ba") and run.plan.schedule.factor(0, 0.0, 1.0) == 1.0

@@ -278,6 +278,8 @@ def make_schedule(cfg: RunConfig, total_steps: int | None, time_limit_s: float |
         warmup_unit = unit
     elif p.warmup.unit == "s":
         warmup, warmup_unit = p.warmup.value, "s"
+    elif p.warmup.value == 0:  # no warmup: the first step at the peak (a duration's steps are ≥ 1 otherwise)
+        warmup, warmup_unit = 0.0, "steps"
     else:
         warmup, warmup_unit = float(to_steps(p.warmup)), "steps"
     if warmup_unit == unit:
