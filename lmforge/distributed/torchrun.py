@@ -211,6 +211,11 @@ def agent_main(argv: list[str]) -> int:
 
     status_file = _pop_flag(argv, STATUS_FLAG)
     rejoin_with = _pop_flag(argv, REJOIN_FLAG)
+    # Each rendezvous round gets the ranks a store of its own (hosted by rank 0), not the store torchrun
+    # shares across rounds: there, keys of the last round's ranks outlive them, and after a rank died on
+    # one node of several, the restarted ranks read a dead peer's address (gloo: "connectFullMesh
+    # failed ... Connection refused") until no restart is left (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).addFilter(_QuietShutdown(status_file))
     watcher = _StopAtFinalFailure(status_file) if status_file else None
