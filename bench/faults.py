@@ -425,8 +425,8 @@ def three_faults(minutes: float, work: Path, data: Path, tok: Path, step_s: floa
     run_nodes(node_config(work, name, data, tok, steps, {"compute": {"hang_timeout": 15}}, save_every=every),
               work, work / "home", fault, timeout=minutes * 60 * 3 + 900)
     row = goodput_row("three faults", work / name)
-    return row | {"steps": steps, "save_every": every, "faults": fault,
-                  "fired": [f["kind"] for f in _jsonl(work / name / "faults.jsonl")]}
+    fired = list(dict.fromkeys(f["kind"] for f in _jsonl(work / name / "faults.jsonl")))  # (a node's ranks each)
+    return row | {"steps": steps, "save_every": every, "faults": fault, "fired": fired}
 
 
 def hook_cost(sections_per_step: int, folder: Path) -> dict:
@@ -484,14 +484,17 @@ def telemetry_overhead(pairs: int, work: Path, data: Path, tok: Path, steps: int
 
 
 def _step_s(work: Path, data: Path, tok: Path) -> float:
-    """Seconds per step of the 2 × 2 reference (run now when the goodput rows did not)."""
+    """Seconds per step of the 2 × 2 reference, the median over its log steps (the first ones, slower,
+    aside); run now when the goodput rows did not."""
+    import statistics
+
     from lmforge.goodput.ledger import read_ledger
 
     ref = work / "gp-reference"
     if not (ref / "final").exists():
-        run_nodes(node_config(work, "gp-reference", data, tok, 30, {}), work, work / "home", "")
-    end = [r for r in read_ledger(str(ref)) if r["kind"] == "end"][-1]
-    return end["steps_s"] / end["step"]
+        run_nodes(node_config(work, "gp-reference", data, tok, 60, {}), work, work / "home", "")
+    ticks = [r for r in read_ledger(str(ref)) if r["kind"] == "tick"]
+    return statistics.median(b["steps_s"] - a["steps_s"] for a, b in zip(ticks[3:], ticks[4:]) if b["step"] > a["step"])
 
 
 def print_goodput(rows: list[dict], overhead: dict | None, clean: dict | None, three: dict | None) -> None:
@@ -561,7 +564,7 @@ def main() -> None:
         if args.three_faults:
             step_s = _step_s(work, data, tok)
             three = three_faults(args.three_faults, work, data, tok, step_s)
-        overhead = telemetry_overhead(args.overhead, work, data, tok, 200) if args.overhead else None
+        overhead = telemetry_overhead(args.overhead, work, data, tok, 600) if args.overhead else None
     if args.json:
         print(json.dumps({"seed": seed, "results": results, "stop": stops, "goodput": gp, "clean": clean,
                           "three_faults": three, "overhead": overhead}, indent=1))

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from conftest import tiny_run_config
-from train_helpers import (REPO, assert_one_line_error, communicate, env, final_weights, free_port, lmforge,
+from train_helpers import (REPO, assert_one_line_error, cli, communicate, env, final_weights, free_port, lmforge,
                            train_here, train_losses, worker_with_rank, write_config)
 
 
@@ -168,7 +168,7 @@ def test_slow_node_flagged_cordoned_and_the_nodes_left_resume_together(tmp_path,
     max_retries (0 here)."""
     from lmforge.goodput.ledger import PARTS, account, read_ledger
 
-    steps = 10
+    steps = 8
     cfg, folder = run(tmp_path, tiny_data, "cordon", **{
         "training_duration": f"{steps}ba", "save_interval": "100ba", "parameters.global_batch_size": 6,
         "parameters.micro_batch_size": 1, "compute.data_parallel": "ddp", "compute.nodes": 3,
@@ -211,7 +211,7 @@ def test_slow_node_flagged_cordoned_and_the_nodes_left_resume_together(tmp_path,
     assert abs(sum(acc["parts"][k] for k in PARTS) - acc["wall_s"]) < 0.01
     assert acc["parts"]["recovery"] > 0 and acc["parts"]["lost"] == 0  # resumed at the step it stopped
     assert [(r["step"], r["steps_redone"]) for r in acc["resumptions"]] == [(step, 0)]
-    described = lmforge("runs", "describe", record.name, check=True).stdout
+    described = cli("runs", "describe", record.name, check=True).stdout
     assert "goodput    " in described and f"cordoned   node2 at step {step}: rank" in described
     from lmforge.report.html import goodput_table
     from lmforge.report.load import load_run
