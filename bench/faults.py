@@ -310,7 +310,7 @@ def _jsonl(path: Path) -> list[dict]:
         return []
 
 
-def goodput_row(name: str, folder: Path) -> dict:
+def goodput_row(name: str, folder: Path, log_interval: int = 1) -> dict:
     """What happened to one faulted run, from its ledger, events and fault records."""
     from lmforge.goodput.ledger import account, read_ledger
 
@@ -337,8 +337,8 @@ def goodput_row(name: str, folder: Path) -> dict:
         action = "restart (torchrun)" if any(e.get("event") == "elastic_restart" for e in events) else \
             "flagged (action log)" if flags else "stop (diverged, exit 3)" if name == "NaN" else "-"
     flagged_after = None
-    if flags and name.startswith("slow"):  # log intervals (log_interval 1: steps) from the first slow step
-        flagged_after = flags[0]["step"] - SLOW_FROM + 1
+    if flags and name.startswith("slow"):  # log intervals from the first slow step
+        flagged_after = -(-(flags[0]["step"] - SLOW_FROM + 1) // log_interval)
     return {"fault": name, "detected_s": None if t_detect is None or t_fault is None else round(t_detect - t_fault, 1),
             "flagged_after_intervals": flagged_after, "action": action,
             "recovered_s": round(nxt["time"] - t_detect, 1) if nxt and t_detect else None,
@@ -358,7 +358,8 @@ def same_weights(a: Path, b: Path) -> str:
     return f"max abs diff {diff:.2g}"
 
 
-def goodput_faults(work: Path, data: Path, tok: Path, steps: int, only: list[str] | None) -> list[dict]:
+def goodput_faults(work: Path, data: Path, tok: Path, steps: int, only: list[str] | None,
+                   log_interval: int = 1) -> list[dict]:
     """The reference (no fault), then each fault of GOODPUT_FAULTS on 2 nodes × 2 ranks. A run that
     resumed on fewer nodes is compared with its twin: an uninterrupted run on the same schedule of
     layouts — a copy of the cordon's checkpoint (2 × 2 up to it) continued on 1 × 2 — and with the
@@ -368,17 +369,18 @@ def goodput_faults(work: Path, data: Path, tok: Path, steps: int, only: list[str
     from lmforge.goodput.cordon import read_cordon
 
     home = work / "home"
-    run_nodes(node_config(work, "gp-reference", data, tok, steps, {}), work, home, "")
+    every = {"log_interval": log_interval}
+    run_nodes(node_config(work, "gp-reference", data, tok, steps, every), work, home, "")
     ref = work / "gp-reference"
-    clean = goodput_row("none", ref)
+    clean = goodput_row("none", ref, log_interval)
     rows = [clean | {"fault": "none (reference)", "weights": "-"}]
     for i, (name, (fault, extra)) in enumerate(GOODPUT_FAULTS.items()):
         if only and not any(o in name for o in only):
             continue
-        cfg = node_config(work, f"gp-{i}", data, tok, steps, extra)
+        cfg = node_config(work, f"gp-{i}", data, tok, steps, extra | every)
         codes = run_nodes(cfg, work, home, fault)
         folder = work / f"gp-{i}"
-        row = goodput_row(name, folder) | {"exit": codes}
+        row = goodput_row(name, folder, log_interval) | {"exit": codes}
         cordon = read_cordon(str(folder))
         row["weights"] = same_weights(folder, ref) + " vs the 2 × 2 reference"
         if cordon:
@@ -387,25 +389,27 @@ def goodput_faults(work: Path, data: Path, tok: Path, steps: int, only: list[str
             ckpt = folder / "checkpoints" / f"step_{step:08d}"
             (twin / "checkpoints").mkdir(parents=True, exist_ok=True)
             shutil.copytree(ckpt, twin / "checkpoints" / ckpt.name)
-            run_nodes(node_config(work, f"gp-{i}-twin", data, tok, steps, extra, nodes=1), work, home, "", nodes=1)
+            run_nodes(node_config(work, f"gp-{i}-twin", data, tok, steps, extra | every, nodes=1), work, home, "",
+                      nodes=1)
             row["weights"] = (same_weights(folder, twin) + " vs 2 × 2 → 1 × 2 uninterrupted from the cordon's "
                               "checkpoint; " + row["weights"])
         rows.append(row)
     return rows
 
 
-def clean_run(minutes: float, work: Path, data: Path, tok: Path) -> dict:
+def clean_run(minutes: float, work: Path, data: Path, tok: Path, log_interval: int = 1) -> dict:
     """A fault-free 2 × 2 run of ``minutes`` (training time) with the default straggler rule at
-    log_interval 1 (the noisiest): its straggler flags are false ones."""
+    ``log_interval`` (1: every step is an interval, the noisiest): its straggler flags are false ones."""
     name = "gp-clean"
-    run_nodes(node_config(work, name, data, tok, f"{minutes:g}min", {}, save_every=1000), work, work / "home", "",
+    run_nodes(node_config(work, name, data, tok, f"{minutes:g}min", {"log_interval": log_interval}, save_every=1000),
+              work, work / "home", "",
               timeout=minutes * 60 + 900)
     folder = work / name
     flags = [e for e in _jsonl(folder / "events.jsonl") if e.get("event") == "straggler"]
     scores = [m["straggler/max_score"] for m in _jsonl(folder / "metrics.jsonl") if "straggler/max_score" in m]
     scores.sort()
     steps = max((m["step"] for m in _jsonl(folder / "metrics.jsonl")), default=0)
-    return {"minutes": minutes, "steps": steps, "false_flags": len(flags), "flags": flags,
+    return {"minutes": minutes, "steps": steps, "log_interval": log_interval, "false_flags": len(flags), "flags": flags,
             "max_score_median": scores[len(scores) // 2] if scores else None,
             "max_score_p99": scores[int(0.99 * (len(scores) - 1))] if scores else None,
             "max_score_max": scores[-1] if scores else None}
@@ -511,7 +515,8 @@ def print_goodput(rows: list[dict], overhead: dict | None, clean: dict | None, t
                   f"{r['recovered_s'] if r['recovered_s'] is not None else '-'} | {r['steps_lost']} | "
                   f"{100 * r['goodput']:.1f}% | {r['wall_s']} | {r['weights']} |")
     if clean:
-        print(f"\nclean 2 × 2 run, {clean['minutes']:g} min of training ({clean['steps']} steps, log_interval 1): "
+        print(f"\nclean 2 × 2 run, {clean['minutes']:g} min of training ({clean['steps']} steps, log_interval "
+              f"{clean['log_interval']}): "
               f"{clean['false_flags']} false straggler flag(s); max score per interval: median "
               f"{clean['max_score_median']}, p99 {clean['max_score_p99']}, max {clean['max_score_max']}")
     if three:
@@ -541,6 +546,7 @@ def main() -> None:
     ap.add_argument("--goodput", nargs="*", metavar="FAULT",
                     help="run the goodput faults on 2 nodes × 2 ranks (optionally only those whose name has FAULT)")
     ap.add_argument("--goodput-steps", type=int, default=14, help="steps of each goodput run")
+    ap.add_argument("--log-interval", type=int, default=1, help="the goodput rows' and the clean run's log_interval")
     ap.add_argument("--clean-minutes", type=float, default=0, help="a fault-free 2 × 2 run this long: its false flags")
     ap.add_argument("--three-faults", type=float, default=0, metavar="MINUTES",
                     help="a 2 × 2 run about this long through three faults: its goodput")
@@ -558,8 +564,9 @@ def main() -> None:
         results = [faults(r, k, args.steps or 12 + 6 * k, work, data, tok, rng)
                    for r, k in zip(ranks, per_run) if k]
         stops = stop_latency(args.stops, work, data, tok) if args.stops else None
-        gp = goodput_faults(work, data, tok, args.goodput_steps, args.goodput) if args.goodput is not None else []
-        clean = clean_run(args.clean_minutes, work, data, tok) if args.clean_minutes else None
+        gp = goodput_faults(work, data, tok, args.goodput_steps, args.goodput, args.log_interval) \
+            if args.goodput is not None else []
+        clean = clean_run(args.clean_minutes, work, data, tok, args.log_interval) if args.clean_minutes else None
         three = None
         if args.three_faults:
             step_s = _step_s(work, data, tok)
