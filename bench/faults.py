@@ -255,27 +255,33 @@ def stop_latency(n: int, work: Path, data: Path, tok: Path) -> dict:
             "seconds_median": round(times[len(times) // 2], 2), "seconds_max": round(times[-1], 2)}
 
 
+SLOW_FROM = 4  # the slow fault's first step
 GOODPUT_FAULTS = {  # name → (LMFORGE_FAULT, config overrides)
-    "slow rank (half speed)": ("slow:node=node1:local_rank=0:factor=2:from=4", {}),
-    "killed rank": ("kill:node=node1:local_rank=1:step=7", {}),
+    "slow rank (half speed)": (f"slow:node=node1:local_rank=0:factor=2:from={SLOW_FROM}", {}),
     "stopped rank": ("stop:node=node1:local_rank=1:step=7", {"compute": {"hang_timeout": 15}}),
+    "killed rank": ("kill:node=node1:local_rank=1:step=7", {}),
     "fatal XID on node1": ("xid:node=node1:step=7:code=79", {}),
-    "node1 fails its diagnostic": ("slow:node=node1:factor=3:from=4,diag:node=node1",
+    "node1 fails its diagnostic": (f"slow:node=node1:factor=3:from={SLOW_FROM},diag:node=node1",
                                    {"goodput": {"straggler": {"action": "diagnose"}}}),
     "NaN": ("nan:rank=0:step=7", {}),
 }
 
 
-def node_config(work: Path, name: str, data: Path, tok: Path, steps: int, extra: dict, nodes: int = 2) -> Path:
-    """A 2 × 2 DDP run on localhost (or 1 × 2: a reference on the layout a cordon leaves)."""
-    cfg = config(work / f"{name}.yaml", name, work / name, data, tok, 2, steps, 3)
+def node_config(work: Path, name: str, data: Path, tok: Path, steps: int | str, extra: dict, nodes: int = 2,
+                save_every: int = 3) -> Path:
+    """A 2 × 2 DDP run on localhost (or 1 × 2: a twin on the layout a cordon leaves); every checkpoint
+    kept (the twin starts from the cordon's). ``steps``: a count, or a duration such as "10min"."""
+    cfg = config(work / f"{name}.yaml", name, work / name, data, tok, 2, 1, 3)
     doc = yaml.safe_load(cfg.read_text())
+    doc["training_duration"] = f"{steps}ba" if isinstance(steps, int) else steps
+    doc["save_interval"] = f"{save_every}ba"
+    doc["save_num_checkpoints_to_keep"] = 1000
     doc["parameters"]["micro_batch_size"] = 1
     doc["compute"] |= {"nodes": nodes, "data_parallel": "ddp", "async_checkpoint": False}
     if nodes > 1:
         doc["compute"] |= {"rdzv_endpoint": f"127.0.0.1:{_free_port()}", "rdzv_timeout_s": 120}
     for key, value in extra.items():
-        doc[key] = (doc.get(key) or {}) | value
+        doc[key] = (doc.get(key) or {}) | value if isinstance(value, dict) else value
     cfg.write_text(yaml.safe_dump(doc))
     return cfg
 
@@ -288,13 +294,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_nodes(cfg: Path, work: Path, home: Path, fault: str, nodes: int = 2) -> list[int]:
+def run_nodes(cfg: Path, work: Path, home: Path, fault: str, nodes: int = 2, timeout: float = 900) -> list[int]:
     e = env(home) | {"LMFORGE_FAULT": fault}
     with open(work / f"{cfg.stem}.out", "ab") as logs:
         procs = [subprocess.Popen([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--node-rank", str(r)],
                                   env=e | {"LMFORGE_NODE": f"node{r}"}, cwd=REPO, stdout=logs, stderr=subprocess.STDOUT)
                  for r in range(nodes)]
-        return [p.wait(timeout=900) for p in procs]
+        return [p.wait(timeout=timeout) for p in procs]
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -304,24 +310,24 @@ def _jsonl(path: Path) -> list[dict]:
         return []
 
 
-def goodput_row(name: str, folder: Path) -> dict:
+def goodput_row(name: str, folder: Path, log_interval: int = 1) -> dict:
     """What happened to one faulted run, from its ledger, events and fault records."""
     from lmforge.goodput.ledger import account, read_ledger
 
     ledger, events, fired = read_ledger(str(folder)), _jsonl(folder / "events.jsonl"), _jsonl(folder / "faults.jsonl")
-    acc = account(ledger) or {"goodput": 0.0, "resumptions": [], "wall_s": 0.0}
+    acc = account(ledger) or {"goodput": 0.0, "resumptions": [], "wall_s": 0.0, "parts": {}}
     starts = [r for r in ledger if r["kind"] == "start"]
-    flagged = [e for e in events if e.get("event") in ("straggler", "health", "goodput_action")]
+    flags = [e for e in events if e.get("event") == "straggler"]
     detected = [r["time"] for r in ledger if r["kind"] == "detected"]
     if fired:
         t_fault = fired[0]["time"]
-    else:  # slow: from the first step it applies to (the tick before it)
-        t_fault = next((r["time"] for r in ledger if r["kind"] == "tick" and r["step"] >= 3), None)
+    else:  # slow: from the first step it applies to (the tick of the step before it)
+        t_fault = next((r["time"] for r in ledger if r["kind"] == "tick" and r["step"] >= SLOW_FROM - 1), None)
     if detected:
         t_detect = detected[0]
-    elif flagged and name.startswith("slow"):
-        t_detect = flagged[0]["time"]
-    else:
+    elif flags and name.startswith("slow"):
+        t_detect = flags[0]["time"]
+    else:  # a crash or a hang: the restarted attempt's start
         t_detect = starts[1]["process_start"] if len(starts) > 1 else None
     nxt = next((r for r in ledger if r["kind"] == "tick" and len(starts) > 1 and r["attempt"] == starts[1]["attempt"]),
                None)
@@ -329,13 +335,17 @@ def goodput_row(name: str, folder: Path) -> dict:
                    if e.get("event") == "goodput_action"), None)
     if action is None:
         action = "restart (torchrun)" if any(e.get("event") == "elastic_restart" for e in events) else \
-            "flagged (action log)" if flagged else "stop (diverged, exit 3)" if name == "NaN" else "restart"
-    flag_steps = [e["step"] for e in events if e.get("event") == "straggler"]
+            "flagged (action log)" if flags else "stop (diverged, exit 3)" if name == "NaN" else "-"
+    flagged_after = None
+    if flags and name.startswith("slow"):  # log intervals from the first slow step
+        flagged_after = -(-(flags[0]["step"] - SLOW_FROM + 1) // log_interval)
     return {"fault": name, "detected_s": None if t_detect is None or t_fault is None else round(t_detect - t_fault, 1),
-            "flagged_at_step": flag_steps[0] if flag_steps else None, "action": action,
+            "flagged_after_intervals": flagged_after, "action": action,
             "recovered_s": round(nxt["time"] - t_detect, 1) if nxt and t_detect else None,
             "steps_lost": sum(r["steps_redone"] for r in acc["resumptions"]), "goodput": round(acc["goodput"], 3),
-            "wall_s": round(acc["wall_s"], 1), "completed": (folder / "final" / "model.safetensors").exists()}
+            "wall_s": round(acc["wall_s"], 1), "parts": acc["parts"],
+            "false_flags": len([f for f in flags if f["node"] != "node1"]),
+            "completed": (folder / "final" / "model.safetensors").exists()}
 
 
 def same_weights(a: Path, b: Path) -> str:
@@ -345,77 +355,182 @@ def same_weights(a: Path, b: Path) -> str:
     if x.keys() == y.keys() and all(bool((x[k] == y[k]).all()) for k in x):
         return "bitwise equal"
     diff = max(float((x[k] - y[k]).abs().max()) for k in x)
-    return f"DIFFERENT (max |Δ| {diff:.2g})"
+    return f"max abs diff {diff:.2g}"
 
 
-def goodput_faults(work: Path, data: Path, tok: Path, steps: int, only: list[str] | None) -> list[dict]:
+def goodput_faults(work: Path, data: Path, tok: Path, steps: int, only: list[str] | None,
+                   log_interval: int = 1) -> list[dict]:
+    """The reference (no fault), then each fault of GOODPUT_FAULTS on 2 nodes × 2 ranks. A run that
+    resumed on fewer nodes is compared with its twin: an uninterrupted run on the same schedule of
+    layouts — a copy of the cordon's checkpoint (2 × 2 up to it) continued on 1 × 2 — and with the
+    2 × 2 reference."""
     import shutil
 
     from lmforge.goodput.cordon import read_cordon
 
     home = work / "home"
-    run_nodes(node_config(work, "gp-reference", data, tok, steps, {}), work, home, "")
+    every = {"log_interval": log_interval}
+    run_nodes(node_config(work, "gp-reference", data, tok, steps, every), work, home, "")
     ref = work / "gp-reference"
-    clean = goodput_row("none", ref)
-    clean_flags = sum(1 for e in _jsonl(ref / "events.jsonl") if e.get("event") == "straggler")
-    rows = [clean | {"fault": "none (reference)", "false_flags": clean_flags, "weights": "-"}]
+    clean = goodput_row("none", ref, log_interval)
+    rows = [clean | {"fault": "none (reference)", "weights": "-"}]
     for i, (name, (fault, extra)) in enumerate(GOODPUT_FAULTS.items()):
         if only and not any(o in name for o in only):
             continue
-        cfg = node_config(work, f"gp-{i}", data, tok, steps, extra)
+        cfg = node_config(work, f"gp-{i}", data, tok, steps, extra | every)
         codes = run_nodes(cfg, work, home, fault)
         folder = work / f"gp-{i}"
-        row = goodput_row(name, folder) | {"exit": codes}
+        row = goodput_row(name, folder, log_interval) | {"exit": codes}
         cordon = read_cordon(str(folder))
-        if cordon:  # resumed on 1 × 2: the reference is an uninterrupted run from that checkpoint, on that layout
+        row["weights"] = same_weights(folder, ref) + " vs the 2 × 2 reference"
+        if cordon:
             step = min(v["step"] for v in cordon.values())
             twin = work / f"gp-{i}-twin"
             ckpt = folder / "checkpoints" / f"step_{step:08d}"
-            twin_cfg = node_config(work, f"gp-{i}-twin", data, tok, steps, extra, nodes=1)
             (twin / "checkpoints").mkdir(parents=True, exist_ok=True)
-            if ckpt.exists():
-                shutil.copytree(ckpt, twin / "checkpoints" / ckpt.name)
-            run_nodes(twin_cfg, work, home, "", nodes=1)
-            row["weights"] = same_weights(folder, twin) + " (vs 1 × 2 from the cordon checkpoint)"
-        else:
-            row["weights"] = same_weights(folder, ref)
+            shutil.copytree(ckpt, twin / "checkpoints" / ckpt.name)
+            run_nodes(node_config(work, f"gp-{i}-twin", data, tok, steps, extra | every, nodes=1), work, home, "",
+                      nodes=1)
+            row["weights"] = (same_weights(folder, twin) + " vs 2 × 2 → 1 × 2 uninterrupted from the cordon's "
+                              "checkpoint; " + row["weights"])
         rows.append(row)
     return rows
 
 
+def clean_run(minutes: float, work: Path, data: Path, tok: Path, log_interval: int = 1) -> dict:
+    """A fault-free 2 × 2 run of ``minutes`` (training time) with the default straggler rule at
+    ``log_interval`` (1: every step is an interval, the noisiest): its straggler flags are false ones."""
+    name = "gp-clean"
+    run_nodes(node_config(work, name, data, tok, f"{minutes:g}min", {"log_interval": log_interval}, save_every=1000),
+              work, work / "home", "",
+              timeout=minutes * 60 + 900)
+    folder = work / name
+    flags = [e for e in _jsonl(folder / "events.jsonl") if e.get("event") == "straggler"]
+    scores = [m["straggler/max_score"] for m in _jsonl(folder / "metrics.jsonl") if "straggler/max_score" in m]
+    scores.sort()
+    steps = max((m["step"] for m in _jsonl(folder / "metrics.jsonl")), default=0)
+    return {"minutes": minutes, "steps": steps, "log_interval": log_interval, "false_flags": len(flags), "flags": flags,
+            "max_score_median": scores[len(scores) // 2] if scores else None,
+            "max_score_p99": scores[int(0.99 * (len(scores) - 1))] if scores else None,
+            "max_score_max": scores[-1] if scores else None}
+
+
+def three_faults(minutes: float, work: Path, data: Path, tok: Path, step_s: float) -> dict:
+    """A 2 × 2 run sized to ``minutes`` at ``step_s`` per step (the reference's), through three faults at
+    a quarter, half and three quarters of its steps — a killed rank (torchrun restarts the ranks), a
+    stopped rank (the hang watchdog, then a restart) and a fatal XID on node1 (cordoned: node 0 goes on
+    alone) — with a checkpoint every ~15 s: its goodput and where the rest of the wall time went."""
+    steps = max(40, int(minutes * 60 / step_s))
+    every = max(3, int(15 / step_s))
+    q = steps // 4
+    fault = (f"kill:node=node1:local_rank=1:step={q},stop:node=node0:local_rank=1:step={2 * q},"
+             f"xid:node=node1:step={3 * q}:code=79")
+    name = "gp-three"
+    run_nodes(node_config(work, name, data, tok, steps, {"compute": {"hang_timeout": 15}}, save_every=every),
+              work, work / "home", fault, timeout=minutes * 60 * 3 + 900)
+    row = goodput_row("three faults", work / name)
+    fired = list(dict.fromkeys(f["kind"] for f in _jsonl(work / name / "faults.jsonl")))  # (a node's ranks each)
+    return row | {"steps": steps, "save_every": every, "faults": fault, "fired": fired}
+
+
+def hook_cost(sections_per_step: int, folder: Path) -> dict:
+    """What telemetry adds to one step at log_interval 1, measured in this process: its section hooks and
+    one log interval's conditions, on minus off (the all-gather and the ledger's record run with telemetry
+    off too: health, accounting)."""
+    import torch
+
+    from lmforge.config.goodput import GoodputConfig
+    from lmforge.distributed.dist import DistInfo
+    from lmforge.train.telemetry import Telemetry
+
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    out, interval = {}, {}
+    for on in (True, False):
+        tel = Telemetry(GoodputConfig(telemetry=on), one, folder=str(folder), log=lambda *_: None, environ={})
+        tel.start(0)
+        n = 20000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with tel.section("forward"):
+                pass
+        out[on] = (time.perf_counter() - t0) / n
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            tel.interval()
+        interval[on] = (time.perf_counter() - t0) / 2000
+        if tel.health is not None:
+            tel.health.close()
+    section, conditions = out[True] - out[False], interval[True] - interval[False]
+    return {"section_us": round(1e6 * section, 2), "interval_us": round(1e6 * conditions, 1),
+            "per_step_us": round(1e6 * (section * sections_per_step + conditions), 1)}
+
+
 def telemetry_overhead(pairs: int, work: Path, data: Path, tok: Path, steps: int) -> dict:
-    """Step time with goodput.telemetry on and off, alternating, on one node × 2 ranks."""
+    """Step time with goodput.telemetry on and off, alternating, on one node × 2 ranks (log_interval 1:
+    every step pays the conditions), and the hooks' cost per step measured in-process."""
     from lmforge.goodput.ledger import read_ledger
 
     home, out = work / "home", {True: [], False: []}
     for i in range(pairs):
         for on in (True, False):
             name = f"overhead-{i}-{'on' if on else 'off'}"
-            cfg = node_config(work, name, data, tok, steps, {"goodput": {"telemetry": on}}, nodes=1)
+            cfg = node_config(work, name, data, tok, steps, {"goodput": {"telemetry": on}}, nodes=1, save_every=10**6)
             run_nodes(cfg, work, home, "", nodes=1)
             end = [r for r in read_ledger(str(work / name)) if r["kind"] == "end"][-1]
             out[on].append(end["steps_s"] / end["step"])
     on, off = sorted(out[True])[pairs // 2], sorted(out[False])[pairs // 2]
+    # a step: data, then forward and backward per micro-batch (global 8 = 2 ranks × 1 × 4), optimizer
+    cost = hook_cost(2 + 2 * 4, work / "hooks")
     return {"pairs": pairs, "step_ms_on": round(1000 * on, 2), "step_ms_off": round(1000 * off, 2),
-            "overhead": round(on / off - 1, 4)}
+            "overhead": round(on / off - 1, 4), "on_ms": [round(1000 * x, 2) for x in out[True]],
+            "off_ms": [round(1000 * x, 2) for x in out[False]], "hooks": cost,
+            "hooks_share": round(cost["per_step_us"] / (1e6 * off), 5)}
 
 
-def print_goodput(rows: list[dict], overhead: dict | None) -> None:
+def _step_s(work: Path, data: Path, tok: Path) -> float:
+    """Seconds per step of the 2 × 2 reference, the median over its log steps (the first ones, slower,
+    aside); run now when the goodput rows did not."""
+    import statistics
+
+    from lmforge.goodput.ledger import read_ledger
+
+    ref = work / "gp-reference"
+    if not (ref / "final").exists():
+        run_nodes(node_config(work, "gp-reference", data, tok, 60, {}), work, work / "home", "")
+    ticks = [r for r in read_ledger(str(ref)) if r["kind"] == "tick"]
+    return statistics.median(b["steps_s"] - a["steps_s"] for a, b in zip(ticks[3:], ticks[4:]) if b["step"] > a["step"])
+
+
+def print_goodput(rows: list[dict], overhead: dict | None, clean: dict | None, three: dict | None) -> None:
     if rows:
         print("\n| fault | detected after (s) | action | recovered after (s) | steps lost | goodput | wall (s) | "
               "final weights |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            flag = f" (flagged at step {r['flagged_at_step']})" if r.get("flagged_at_step") and \
-                r["fault"].startswith("slow") else ""
-            extra = f"; false flags: {r['false_flags']}" if "false_flags" in r else ""
+            after = r.get("flagged_after_intervals")
+            flag = f" (flagged after {after} log intervals)" if after else ""
+            extra = f"; false flags: {r['false_flags']}" if r["fault"].startswith("none") else ""
             print(f"| {r['fault']}{extra} | {r['detected_s'] if r['detected_s'] is not None else '-'}{flag} | "
                   f"{r['action'] if not r['fault'].startswith('none') else '-'} | "
                   f"{r['recovered_s'] if r['recovered_s'] is not None else '-'} | {r['steps_lost']} | "
                   f"{100 * r['goodput']:.1f}% | {r['wall_s']} | {r['weights']} |")
+    if clean:
+        print(f"\nclean 2 × 2 run, {clean['minutes']:g} min of training ({clean['steps']} steps, log_interval "
+              f"{clean['log_interval']}): "
+              f"{clean['false_flags']} false straggler flag(s); max score per interval: median "
+              f"{clean['max_score_median']}, p99 {clean['max_score_p99']}, max {clean['max_score_max']}")
+    if three:
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in three["parts"].items())
+        print(f"\nthree faults ({', '.join(three['fired'])}) in {three['steps']} steps (checkpoint every "
+              f"{three['save_every']}): goodput {100 * three['goodput']:.1f}% of {three['wall_s']}s wall "
+              f"({parts}); steps lost {three['steps_lost']}")
     if overhead:
+        h = overhead["hooks"]
         print(f"\ntelemetry on/off ({overhead['pairs']} interleaved pairs, medians): step {overhead['step_ms_on']} ms "
-              f"vs {overhead['step_ms_off']} ms: {100 * overhead['overhead']:+.2f}%")
+              f"vs {overhead['step_ms_off']} ms: {100 * overhead['overhead']:+.2f}% (on {overhead['on_ms']}, off "
+              f"{overhead['off_ms']}); the hooks measured alone: {h['section_us']} µs per section, "
+              f"{h['interval_us']} µs per interval's conditions, {h['per_step_us']} µs per step = "
+              f"{100 * overhead['hooks_share']:.3f}% of the step")
 
 
 def main() -> None:
@@ -431,6 +546,10 @@ def main() -> None:
     ap.add_argument("--goodput", nargs="*", metavar="FAULT",
                     help="run the goodput faults on 2 nodes × 2 ranks (optionally only those whose name has FAULT)")
     ap.add_argument("--goodput-steps", type=int, default=14, help="steps of each goodput run")
+    ap.add_argument("--log-interval", type=int, default=1, help="the goodput rows' and the clean run's log_interval")
+    ap.add_argument("--clean-minutes", type=float, default=0, help="a fault-free 2 × 2 run this long: its false flags")
+    ap.add_argument("--three-faults", type=float, default=0, metavar="MINUTES",
+                    help="a 2 × 2 run about this long through three faults: its goodput")
     ap.add_argument("--overhead", type=int, default=0, metavar="PAIRS", help="telemetry on/off, interleaved")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
@@ -445,13 +564,19 @@ def main() -> None:
         results = [faults(r, k, args.steps or 12 + 6 * k, work, data, tok, rng)
                    for r, k in zip(ranks, per_run) if k]
         stops = stop_latency(args.stops, work, data, tok) if args.stops else None
-        gp = goodput_faults(work, data, tok, args.goodput_steps, args.goodput) if args.goodput is not None else []
-        overhead = telemetry_overhead(args.overhead, work, data, tok, 40) if args.overhead else None
+        gp = goodput_faults(work, data, tok, args.goodput_steps, args.goodput, args.log_interval) \
+            if args.goodput is not None else []
+        clean = clean_run(args.clean_minutes, work, data, tok, args.log_interval) if args.clean_minutes else None
+        three = None
+        if args.three_faults:
+            step_s = _step_s(work, data, tok)
+            three = three_faults(args.three_faults, work, data, tok, step_s)
+        overhead = telemetry_overhead(args.overhead, work, data, tok, 600) if args.overhead else None
     if args.json:
-        print(json.dumps({"seed": seed, "results": results, "stop": stops, "goodput": gp, "overhead": overhead},
-                         indent=1))
+        print(json.dumps({"seed": seed, "results": results, "stop": stops, "goodput": gp, "clean": clean,
+                          "three_faults": three, "overhead": overhead}, indent=1))
         return
-    print_goodput(gp, overhead)
+    print_goodput(gp, overhead, clean, three)
     print(f"seed {seed}")
     print("| ranks | SIGKILLs | in a checkpoint write | after training ended | restarts recorded | final weights | "
           "orphans | half-written visible | wall (s) |")

@@ -6,6 +6,7 @@ tests/test_distributed.py.)"""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -13,15 +14,15 @@ from lmforge.config.goodput import DiagnoseRule, GoodputConfig
 from lmforge.config.load import build_config, parse_set, set_path
 from lmforge.errors import UserError
 from lmforge.goodput.conditions import ROW, Conditions, scored_sections, scores
-from lmforge.goodput.cordon import add_to_cordon, k8s_affinity, read_cordon, slurm_exclude
+from lmforge.goodput.cordon import add_to_cordon, k8s_affinity, read_cordon, resume_layout, slurm_exclude
 from lmforge.goodput.diagnosis import Sweep, neighbour_links, verdict
 from lmforge.goodput.faults import Injector, parse_faults
 from lmforge.goodput.health import HealthSample, HealthSampler, InjectedHealth
 from lmforge.goodput.ledger import PARTS, account, format_goodput
 
 
-def row(forward=0.1, data=0.01, wall=0.4, steps=1, **health) -> list[float]:
-    r = dict.fromkeys(ROW, 0.0) | {"data": data, "forward": forward, "backward": 0.2, "optimizer": 0.05,
+def row(forward=0.1, data=0.01, optimizer=0.05, wall=0.4, steps=1, **health) -> list[float]:
+    r = dict.fromkeys(ROW, 0.0) | {"data": data, "forward": forward, "backward": 0.2, "optimizer": optimizer,
                                    "wall": wall, "steps": steps} | health
     return [r[k] for k in ROW]
 
@@ -31,25 +32,59 @@ def test_scores_are_against_the_peers_median():
     assert scores([1.0, 1.0, 1.0, 2.0]) == [1.0, 1.0, 1.0, 2.0]
 
 
-def test_a_half_speed_rank_is_flagged_after_k_intervals_and_then_acts():
+def test_a_half_speed_rank_is_flagged_after_warmup_and_k_intervals_in_a_row_then_acts():
     cfg = GoodputConfig.model_validate({"straggler": {"intervals": 3, "action": "diagnose"}})
     c = Conditions(cfg, ["a", "a", "b", "b"])
-    rows = [row(), row(), row(), row(forward=0.2)]
-    results = [c.update(rows) for _ in range(3)]
-    assert [r[0] for r in results[:2]] == [[], []] and results[0][1] is None
-    flags, decision, metrics = results[2]
+    slow = row(forward=0.2, optimizer=0.1, data=0.02)  # a device at half speed: every local section 2×
+    rows = [row(), row(), row(), slow]
+    results = [c.update(rows) for _ in range(4)]  # the first interval is warm-up: not scored
+    assert [r[0] for r in results[:3]] == [[], [], []] and results[2][1] is None
+    flags, decision, metrics = results[3]
     assert [(f.rank, f.node, f.section, round(f.score, 2)) for f in flags] == [(3, "b", "forward", 2.0)]
+    assert "data+forward+optimizer 320.0 ms vs median 160.0 ms" in flags[0].detail
     assert decision.action == "diagnose" and decision.nodes == ("b",)
     assert metrics["straggler/score_rank3"] == 2.0 and metrics["straggler/max_score"] == 2.0
     assert c.update(rows)[0] == []  # one event per streak
+    c.update([row()] * 4)  # a good interval ends the streak: K more in a row before the next flag
+    assert [c.update(rows)[0] for _ in range(3)][2][0].rank == 3
 
 
-def test_noise_in_tiny_or_unscored_sections_is_no_straggler():
+def test_noise_is_no_straggler_below_the_threshold_the_minimum_time_or_outside_a_streak():
     c = Conditions(GoodputConfig(), ["a", "b"], scored_sections("ddp"))
-    for _ in range(5):  # a data wait 10× the peer's, but 0.1 ms of a 400 ms step; backward holds the sync
-        flags, decision, _ = c.update([row(data=0.00001), row(data=0.0001)])
+    for _ in range(5):  # 10× the peer's data wait, but 0.18 ms per step: under min_ms (2 ms)
+        flags, decision, _ = c.update([row(data=0.00002), row(data=0.0002)])
         assert flags == [] and decision is None
-    assert scored_sections("fsdp") == ("data",) and scored_sections("ddp", context_parallel=2) == ("data",)
+    c = Conditions(GoodputConfig(), ["a", "b"], scored_sections("ddp"))
+    for i in range(8):  # 2× (and 160 ms ahead) every other interval: never 3 in a row
+        flags, _, _ = c.update([row(), row(forward=0.2, optimizer=0.1, data=0.02) if i % 2 else row()])
+        assert flags == []
+    for _ in range(4):  # 1.4× the median, steadily: under the threshold (1.5)
+        assert c.update([row(), row(forward=0.14)])[0] == []
+
+
+def test_scored_sections_hold_no_collective_on_every_data_parallel_mode():
+    assert scored_sections("ddp") == ("data", "forward", "optimizer")
+    assert scored_sections("none") == ("data", "forward", "optimizer")
+    assert scored_sections("ddp", optimizer="muon") == ("data", "forward", "optimizer")  # whole gradients: local
+    for sharded in ("fsdp", "hsdp"):  # parameters all-gathered in forward; the optimizer step on local shards
+        assert scored_sections(sharded) == ("data", "optimizer")
+        assert scored_sections(sharded, optimizer="muon") == ("data",)  # Muon all-to-alls whole matrices
+    assert scored_sections("ddp", context_parallel=2) == ("data", "optimizer")  # keys and values exchanged
+    assert scored_sections("fsdp", expert_parallel=2) == ("data", "optimizer")  # tokens sent to experts
+
+
+def test_the_layout_a_run_resumes_on_after_a_cordon():
+    ranks = {"n0": 0, "n1": 1, "n2": 2, "n3": 3}
+    assert resume_layout(ranks, ["n2"], min_nodes=1, too_few_nodes="stop") == {
+        "nodes": 3, "node_ranks": {"n0": 0, "n1": 1, "n3": 2}}  # node 0 stays 0; the others close up
+    assert resume_layout(ranks, [], min_nodes=1, too_few_nodes="stop")["nodes"] == 4  # restart: every node rejoins
+    stop = resume_layout(ranks, ["n1", "n2"], min_nodes=3, too_few_nodes="stop")
+    assert stop["nodes"] == 0
+    assert "2 node(s) left after cordoning n1, n2, fewer than goodput.min_nodes (3)" in stop["stop"]
+    assert resume_layout(ranks, ["n1", "n2"], min_nodes=3, too_few_nodes="wait") == {
+        "nodes": 4, "node_ranks": {"n0": 0, "n3": 1}}  # replacements join as nodes 2 and 3
+    head = resume_layout(ranks, ["n0"], min_nodes=1, too_few_nodes="stop")
+    assert head["nodes"] == 0 and "node 0 (n0) is cordoned" in head["stop"]
 
 
 def test_mfu_drop_against_the_runs_own_median_after_warmup():
@@ -79,7 +114,10 @@ def test_a_fatal_health_event_cordons_its_node_at_once_and_throttling_is_an_even
     (["goodput.mfu_drop.fraction=1.5"], "goodput.mfu_drop.fraction"),
     (["goodput.straggler.intervals=0"], "goodput.straggler.intervals"),
     (["goodput.health.interval_s=0"], "goodput.health.interval_s"),
-    (["goodput.straggler.action=diagnose", "max_retries=0"], "needs autoresume: true and max_retries ≥ 1"),
+    (["goodput.straggler.action=diagnose", "goodput.max_actions=0"],
+     "needs autoresume: true and goodput.max_actions ≥ 1"),
+    (["goodput.straggler.action=cordon", "autoresume=false"], "needs autoresume: true"),
+    (["goodput.straggler.min_ms=-1"], "goodput.straggler.min_ms"),
     (["goodput.mfu_drop.action=cordon"], "cordon names no node"),
     (["goodput.telemetry=false", "goodput.straggler.action=restart"], "needs goodput.telemetry: true"),
     (["goodput.min_nodes=3", "compute.nodes=2"], "more than the run's compute.nodes"),
@@ -94,9 +132,12 @@ def test_bad_goodput_settings_are_one_clear_line(sets, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_default_health_action_does_not_refuse_a_run_that_cannot_resume():
-    cfg = build_config({"model": "llama-tiny", "train_data": "x", "training_duration": "10ba", "max_retries": 0})
-    assert cfg.goodput.health.action == "cordon"
+def test_goodput_actions_have_their_own_bound_apart_from_max_retries():
+    base = {"model": "llama-tiny", "train_data": "x", "training_duration": "10ba", "max_retries": 0}
+    cfg = build_config(base | {"goodput": {"straggler": {"action": "cordon"}}})  # no crash retries, yet actions
+    assert cfg.goodput.health.action == "cordon" and cfg.goodput.max_actions == 10
+    # the default health action does not refuse a run that cannot resume: it checkpoints and stops there
+    assert build_config(base | {"goodput": {"max_actions": 0}}).goodput.health.action == "cordon"
 
 
 def test_diagnosis_fails_the_slow_node_and_a_node_whose_links_all_fail():
@@ -180,3 +221,58 @@ def test_the_sampler_keeps_a_fatal_xid_once_seen():
         assert sampler.poll() == HealthSample(xid=79, temperature_c=70.0)
     finally:
         sampler.close()
+
+
+def test_goodput_actions_resume_up_to_max_actions_and_a_stop_says_why(tmp_path):
+    from lmforge.runs.plan import LaunchPlan
+    from lmforge.runs.registry import Registry
+    from lmforge.runs.supervisor import Supervisor
+
+    def supervisor():
+        return Supervisor(Registry(str(tmp_path / "runs.db")), "r", plan=LaunchPlan("supervise"), lock=None,
+                          argv=["train"], retry_argv=["train", "--name", "r"], cwd=str(tmp_path),
+                          save_folder=str(tmp_path), local_folder=str(tmp_path), log_dir=str(tmp_path),
+                          max_retries=0, config={"goodput": {"max_actions": 2}}, echo=False)
+
+    status = {"status": "reshape", "action": "cordon", "cause": "fatal health event on n2: XID 79", "cordon": ["n2"],
+              "nodes": 2, "node_ranks": {"n0": 0, "n1": 1}, "step": 5}
+    sup = supervisor()
+    for _ in range(2):  # max_retries 0: crashes are not retried, but goodput actions are not crashes
+        assert sup._reshaped(status) == (["train", "--name", "r", "--nnodes", "2"],
+                                         "cordon: fatal health event on n2: XID 79; cordoned n2")
+    argv, why = sup._reshaped(status)
+    assert argv is None and why.endswith("the run stops with its checkpoint after 2 goodput action(s) "
+                                         "(goodput.max_actions=2)")
+    argv, why = supervisor()._reshaped(status | {"cordon": ["n0"], "nodes": 0, "stop": "node 0 (n0) is cordoned"})
+    assert argv is None and why.endswith("cordoned n0; node 0 (n0) is cordoned")
+
+
+def test_telemetry_in_one_process_stretches_a_slow_section_and_acts_on_an_injected_xid(tmp_path):
+    """The hooks the trainer calls, on one CPU process: the ``slow`` fault stretches a section inside its
+    timing (on CPUs in CPU time: the section's own 20 ms of work at least 3× over), an ``xid`` fault
+    reaches the health row, the condition decides to cordon, and acting says where the run resumes —
+    nowhere here: the only node is node 0."""
+    import torch
+
+    from lmforge.distributed.dist import DistInfo
+    from lmforge.train.telemetry import Telemetry
+
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    lines = []
+    tel = Telemetry(GoodputConfig(), one, folder=str(tmp_path), log=lines.append,
+                    environ={"LMFORGE_FAULT": "slow:factor=3,xid:step=2:code=79", "LMFORGE_NODE": "n0"})
+    tel.start(0)
+    with tel.section("forward"):
+        until = time.process_time() + 0.02
+        while time.process_time() < until:  # 20 ms of CPU work
+            pass
+    assert tel.timer.totals["forward"] >= 0.06
+    decisions = []
+    for step in (1, 2):
+        tel.after_step(step, torch.nn.Linear(1, 1))
+        decisions.append(tel.interval()[1])
+    assert decisions[0] is None and decisions[1].action == "cordon" and "XID 79" in decisions[1].reason
+    report = tel.act(decisions[1])
+    assert report["cordon"] == [tel.node] and report["nodes"] == 0 and "is cordoned" in report["stop"]
+    assert read_cordon(str(tmp_path))[tel.node]["step"] == 2
+    tel.close("stopped")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -194,11 +195,25 @@ def test_fit_calls_the_callbacks_in_order(tiny_data, tmp_path):
     rec = Recorder()
     trainer = make_trainer(tiny_data, tmp_path / "run", [rec], training_duration="4ba", save_interval="2ba",
                            log_interval=2, **{"eval.interval": "4ba"})
+    # Which part of the goodput ledger each checkpoint's time lands in (the final one too: not evaluation).
+    blocked, opened = trainer.telemetry.blocked, []
+
+    @contextmanager
+    def spied(kind):
+        opened.append(kind)
+        try:
+            with blocked(kind):
+                yield
+        finally:
+            opened.pop()
+
+    trainer.telemetry.blocked = spied
+    rec.on_checkpoint = lambda path: rec.calls.append(f"checkpoint:{path.rsplit('_', 1)[-1].lstrip('0')}:{opened}")
     result = trainer.fit()
     assert result.status == "completed" and result.step == 4 and result.final_dir
     assert rec.calls == ["before_resume", "resume_decided:False", "start:4", "metrics:1:False", "metrics:2:False",
-                         "checkpoint:2", "metrics:4:False", "metrics:4:True", "checkpoint:4",
-                         "metrics:4:False", "end:completed:True"]  # (the last metrics: the run's goodput)
+                         "checkpoint:2:['checkpoint']", "metrics:4:False", "metrics:4:True",
+                         "checkpoint:4:['checkpoint']", "metrics:4:False", "end:completed:True"]  # (last: goodput)
 
 
 @pytest.mark.e2e

@@ -40,12 +40,14 @@ _Strict = Strict  # unknown keys, booleans as numbers and inf/nan refused (`conf
 
 class StragglerRule(_Strict):
     threshold: float = Field(
-        1.5, gt=1, le=100, description="a rank whose section time is past this many times the other ranks' median is "
-        "a straggler (2 = half speed)")
+        1.5, gt=1, le=100, description="a rank whose own time per step (its sections without a collective) is past "
+        "this many times the other ranks' median is a straggler (2 = half speed)")
     intervals: int = Field(3, ge=1, le=1000, description="log intervals in a row before the condition holds")
-    min_share: float = Field(
-        0.05, ge=0, lt=1, description="a section counts only when the rank's excess over the median is at least "
-        "this share of the median step: sections of a few microseconds are noise")
+    min_ms: float = Field(
+        2.0, ge=0, le=60_000, description="and only when it is at least this many milliseconds per step ahead of "
+        "the median: a ratio alone would flag the noise of sections of a few microseconds")
+    warmup_intervals: int = Field(1, ge=0, le=1000, description="log intervals after each start not scored (the "
+                                  "first steps allocate, build DDP's buckets, compile)")
     action: Action = Field("log", description="log | restart | diagnose | cordon (the straggler's node)")
 
 
@@ -88,6 +90,9 @@ class GoodputConfig(_Strict):
     health: HealthRule = Field(default_factory=HealthRule, description="GPU health (XID, ECC, throttling)")
     diagnose: DiagnoseRule = Field(default_factory=DiagnoseRule, description="the diagnostic sweep's pass marks")
     min_nodes: int = Field(1, ge=1, le=MAX_NODES, description="fewest nodes a run resumes on after a cordon")
+    max_actions: int = Field(
+        10, ge=0, le=1000, description="goodput actions (restart, diagnose, cordon) one run takes; each resumes it, "
+        "apart from max_retries (which count crashes and hangs); past it a condition stops the run with its checkpoint")
     too_few_nodes: Literal["stop", "wait"] = Field(
         "stop", description="when fewer than min_nodes would remain: stop (the run ends, with its checkpoint), or "
         "wait (resume with every node asked for: the rendezvous waits for replacements to join)")
@@ -99,7 +104,7 @@ class GoodputConfig(_Strict):
             out |= {"straggler": self.straggler.action, "mfu_drop": self.mfu_drop.action}
         return out
 
-    def check(self, *, nodes: int, autoresume: bool, max_retries: int) -> None:
+    def check(self, *, nodes: int, autoresume: bool) -> None:
         """Settings that cannot work together (a ValueError naming the key), checked with the run's."""
         if not self.telemetry:
             for key in ("straggler", "mfu_drop"):
@@ -114,10 +119,10 @@ class GoodputConfig(_Strict):
         # `model_fields_set`: a resolved config is written out whole and read again, every field set.)
         resuming = {k: a for k, a in self.actions().items()
                     if a in RESUMING_ACTIONS and a != type(getattr(self, k)).model_fields["action"].default}
-        if resuming and not (autoresume and max_retries >= 1):
+        if resuming and not (autoresume and self.max_actions >= 1):
             key, action = next(iter(resuming.items()))
             raise ValueError(f"goodput.{key}.action: {action} resumes the run from its checkpoint, which needs "
-                             f"autoresume: true and max_retries ≥ 1 (now {str(autoresume).lower()} and {max_retries}); "
-                             "set them, or action: log")
+                             f"autoresume: true and goodput.max_actions ≥ 1 (now {str(autoresume).lower()} and "
+                             f"{self.max_actions}); set them, or action: log")
         if self.min_nodes > nodes:
             raise ValueError(f"goodput.min_nodes: {self.min_nodes} is more than the run's compute.nodes ({nodes})")

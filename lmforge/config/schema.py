@@ -594,7 +594,7 @@ class RunConfig(_Strict):
                                  "against; set eval.icl_tasks or curate.decontaminate.tasks")
         if self.curriculum:
             self._check_curriculum()
-        self.goodput.check(nodes=self.compute.nodes, autoresume=self.autoresume, max_retries=self.max_retries)
+        self.goodput.check(nodes=self.compute.nodes, autoresume=self.autoresume)
         return self
 
     @field_validator("train_data")

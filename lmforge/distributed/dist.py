@@ -62,18 +62,23 @@ def init_distributed(device_kind: str = "auto", timeout_s: int = 600) -> DistInf
 
 
 def _elastic_store(rank: int, world: int, timeout: timedelta) -> dict:
-    """Under torchrun: the rendezvous store with a per-attempt key prefix.
+    """Under torchrun: the store of this rendezvous round.
 
-    After torchelastic restarts the workers they would otherwise read the previous attempt's
-    peer addresses from the store (same keys) and fail to connect ("Connection refused").
+    lmforge's torchrun gives each round a store of its own, hosted by rank 0 (see
+    `distributed.torchrun.agent_main`). Where torchrun shares one store across rounds instead
+    (``TORCHELASTIC_USE_AGENT_STORE``), the restarted workers would read the previous attempt's peer
+    addresses from it (same keys) and fail to connect ("Connection refused"): a per-attempt key
+    prefix keeps them apart — on one node; on several, a node whose ranks did not fail counts its
+    attempts differently (pytorch/pytorch#135712), which is why lmforge does not share it.
     """
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
         return {}
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = td.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
                         is_master=not agent_hosts and rank == 0, timeout=timeout, multi_tenant=not agent_hosts)
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    return {"store": td.PrefixStore(f"lmforge/attempt_{attempt}", store), "rank": rank, "world_size": world}
+    if agent_hosts:
+        store = td.PrefixStore(f"lmforge/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    return {"store": store, "rank": rank, "world_size": world}
 
 
 def barrier() -> None:

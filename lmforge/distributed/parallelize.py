@@ -301,8 +301,26 @@ def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, pre
         return TrainingForward(model)
     if dist.distributed and compute.data_parallel != "none":
         ids = [dist.device.index] if dist.device.type == "cuda" else None
-        return DDP(TrainingForward(model), device_ids=ids)
+        # No buffer broadcast before each forward: the model's buffers (RoPE tables) are constants every
+        # rank computes alike, and a forward without a collective is a rank's own time (`train.telemetry`).
+        ddp = DDP(TrainingForward(model), device_ids=ids, forward_sync_buffers=False)
+        if dist.device.type == "cpu":
+            fix_buckets(ddp)
+        return ddp
     return TrainingForward(model)
+
+
+def fix_buckets(ddp: DDP) -> None:
+    """Give DDP's gradient buckets their final layout now (the parameters in their order), not after the
+    first step — where torch rebuilds them in the order the gradients became ready. A bucket's layout
+    decides in which order the ranks' gradients are summed (each rank starts the ring on its own
+    chunk): with more than two ranks the sums differ in the last bits, and a run restarted from a
+    checkpoint would take its first step on other buckets than the uninterrupted run took that step
+    on — not a bitwise resume. On CPUs only: the parameter order delays the first bucket's all-reduce
+    to the end of backward (no overlap with it), which gloo hardly has, and GPU kernels are not bitwise
+    deterministic anyway."""
+    ddp.reducer._push_all_rebuilt_params()
+    ddp.reducer._rebuild_buckets()
 
 
 def materialize(model: nn.Module, device: torch.device, full_state: dict | None) -> None:

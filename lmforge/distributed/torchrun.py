@@ -19,6 +19,7 @@ the same for its runs).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -29,9 +30,10 @@ import time
 
 from lmforge.config.schema import parse_endpoint
 from lmforge.errors import UserError
-from lmforge.process import process_alive, read_status
+from lmforge.process import node_name, process_alive, read_status
 
 STATUS_FLAG = "--status-file"
+REJOIN_FLAG = "--rejoin"
 
 
 def resolve_device_kind(kind: str) -> str:
@@ -99,14 +101,19 @@ def check_world(cfg, nproc: int) -> None:
     c.check_nodes()
 
 
-def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int, status_file: str | None = None
-                     ) -> list[str]:
+def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int, status_file: str | None = None,
+                     rejoin: list[str] | None = None) -> list[str]:
     """The torchrun command for ``nproc`` ranks of ``argv``; ``status_file``: where this node's first
-    rank reports (`process.speaks_for_node`; the wrapper watches it, and removes it at the end)."""
+    rank reports (`process.speaks_for_node`; the wrapper watches it, and removes it at the end);
+    ``rejoin``: a node other than node 0, the `lmforge` arguments it rejoins with after a goodput
+    action (`rejoin`)."""
     c = cfg.compute
     cmd = [sys.executable, "-m", "lmforge.distributed.torchrun"]
     if status_file:
         cmd.append(f"{STATUS_FLAG}={status_file}")
+    if rejoin is not None:
+        cmd.append(f"{REJOIN_FLAG}=" + json.dumps({"argv": rejoin, "endpoint": c.rdzv_endpoint,
+                                                   "timeout_s": c.rdzv_timeout_s}, separators=(",", ":")))
     cmd += [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
     if c.nodes == 1:
         cmd.append("--standalone")
@@ -155,19 +162,23 @@ class _StopAtFinalFailure:
     process, which torchrun turns into stopping its ranks — before ``--max-restarts`` repeats the
     same failure and torchrun ends in a ChildFailedError traceback. ``exit_code`` is the rank's.
     The rank prints its error line, reports, and exits: the stop waits for that process to end,
-    so that nothing it still writes is cut off."""
+    so that nothing it still writes is cut off. At a goodput action (status "reshape") torchrun
+    only ends: its noise is silenced, and ``stderr`` keeps the real one for what follows (`rejoin`)."""
 
     def __init__(self, path: str, poll_s: float = 0.1, exit_wait_s: float = 30.0):
         self.path, self.poll_s, self.exit_wait_s, self.exit_code = path, poll_s, exit_wait_s, None
+        self.stderr: int | None = None  # the silenced stderr, duplicated
         threading.Thread(target=self._watch, name="lmforge-status", daemon=True).start()
 
     def _watch(self) -> None:
-        while (status := read_status(self.path)).get("status") != "failed":
+        while (status := read_status(self.path)).get("status") not in ("failed", "reshape"):
             time.sleep(self.poll_s)
         # From here on torchrun only stops, and what it says is noise: with several nodes, a
         # node that stopped first takes the rendezvous store with it, and the others' torchrun
         # prints the lost connection (C++ warnings, a traceback). The ranks keep their own stderr.
-        _silence_stderr()
+        self.stderr = _silence_stderr()
+        if status.get("status") == "reshape":
+            return
         deadline = time.monotonic() + self.exit_wait_s
         while process_alive(status.get("pid"), None) and time.monotonic() < deadline:  # (a zombie is not)
             time.sleep(self.poll_s)
@@ -175,22 +186,40 @@ class _StopAtFinalFailure:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _silence_stderr() -> None:
+def _silence_stderr() -> int:
+    """Sends this process's stderr to /dev/null; returns a duplicate of what it was."""
     sys.stderr.flush()
+    kept = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     os.close(devnull)
+    return kept
+
+
+def _pop_flag(argv: list[str], flag: str) -> str | None:
+    """The value of the wrapper's own ``flag=VALUE`` at the head of ``argv`` (removed), or None."""
+    if argv and argv[0].startswith(flag + "="):
+        return argv.pop(0).split("=", 1)[1]
+    return None
 
 
 def agent_main(argv: list[str]) -> int:
-    """torchrun, quiet when stopped (its ranks checkpoint and exit; then it does too)."""
+    """torchrun, quiet when stopped (its ranks checkpoint and exit; then it does too); on a node other
+    than node 0, after a goodput action, the node rejoins the resumed run (`rejoin`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main
 
-    status_file = argv.pop(0).split("=", 1)[1] if argv and argv[0].startswith(STATUS_FLAG + "=") else None
+    status_file = _pop_flag(argv, STATUS_FLAG)
+    rejoin_with = _pop_flag(argv, REJOIN_FLAG)
+    # Each rendezvous round gets the ranks a store of its own (hosted by rank 0), not the store torchrun
+    # shares across rounds: there, keys of the last round's ranks outlive them, and after a rank died on
+    # one node of several, the restarted ranks read a dead peer's address (gloo: "connectFullMesh
+    # failed ... Connection refused") until no restart is left (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).addFilter(_QuietShutdown(status_file))
     watcher = _StopAtFinalFailure(status_file) if status_file else None
+    final: dict = {}
     try:
         try:
             main(argv)
@@ -202,6 +231,7 @@ def agent_main(argv: list[str]) -> int:
             if final.get("status") != "failed":
                 raise
             return int(final.get("exit_code") or 1)
+        final = read_status(status_file) if status_file else {}
     except SignalException as e:
         # A stop: the user's, or the watcher's at a reported failure — which can also land while
         # torchrun's own end (a ChildFailedError) is being handled above, hence out here.
@@ -218,7 +248,41 @@ def agent_main(argv: list[str]) -> int:
         if status_file:
             with contextlib.suppress(OSError):
                 os.remove(status_file)
+    if final.get("status") == "reshape" and watcher is not None and watcher.stderr is not None:
+        os.dup2(watcher.stderr, 2)  # torchrun's end is over: what follows is ours
+    if rejoin_with and final.get("status") == "reshape":
+        rejoin(final, json.loads(rejoin_with))
     return 0
+
+
+def rejoin(status: dict, how: dict) -> None:
+    """A node other than node 0 after a goodput action stopped the run (its ranks' ``status``, with
+    the layout they decided, `goodput.cordon.resume_layout`): a node left becomes `lmforge train`
+    again (exec: the same process) with the new node count and its node rank, and joins the
+    rendezvous node 0's supervisor starts; a cordoned node, or every node when the run stops, says
+    why it leaves. First it waits for the stopped attempt's rendezvous to close (its host, node 0's
+    torchrun, exits after the ranks): a join before that would land in the old one. Should the new one
+    be up before this looks (it is not: node 0 restarts through two process starts), the wait ends
+    at the rendezvous timeout and the node joins it all the same."""
+    me = node_name()
+    rank = (status.get("node_ranks") or {}).get(me)
+    if rank is None:
+        why = "it is cordoned" if me in (status.get("cordon") or []) else status.get("stop") or "the run stops"
+        print(f"lmforge: this node ({me}) leaves the run: {why}", flush=True)
+        return
+    host, port = split_endpoint(how["endpoint"])
+    deadline = time.monotonic() + float(how["timeout_s"])
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+        except OSError:
+            break
+        time.sleep(0.05)
+    print(f"lmforge: this node ({me}) rejoins the run on {status['nodes']} node(s) as node {rank}", flush=True)
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (an ignored signal stays ignored across exec)
+    os.execv(sys.executable, [sys.executable, "-m", "lmforge", *how["argv"], "--nnodes", str(status["nodes"]),
+                              "--node-rank", str(rank)])
 
 
 def exit_now(code: int) -> None:

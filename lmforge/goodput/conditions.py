@@ -21,13 +21,21 @@ HEALTH = ("xid", "ecc_uncorrected", "remap_failed", "throttle", "temperature_c",
 ROW = (*SECTIONS, "wall", "steps", *HEALTH)
 
 
-def scored_sections(data_parallel: str, context_parallel: int = 1) -> tuple[str, ...]:
+def scored_sections(data_parallel: str, context_parallel: int = 1, optimizer: str = "adamw",
+                    expert_parallel: int = 1) -> tuple[str, ...]:
     """The sections that hold no collective, whose time is the rank's own: a section that waits in one
-    (DDP's backward syncs the gradients) shows the *fast* ranks waiting for the slow one. FSDP/HSDP
-    gather parameters in forward, context parallelism exchanges keys and values there."""
-    if data_parallel in ("fsdp", "hsdp") or context_parallel > 1:
-        return ("data",)
-    return ("data", "forward")
+    shows the *fast* ranks waiting for the slow one. Always the data wait; the forward under DDP (or no
+    data parallelism) alone — FSDP/HSDP gather parameters there, context parallelism exchanges keys and
+    values, expert parallelism sends tokens; the backward never (gradients are synchronized in it); the
+    optimizer step (the trainer keeps the gradient clipping's all-reduce and the loss's out of it) except
+    Muon's under FSDP/HSDP, which sends whole matrices between the ranks of a shard group (all-to-all)."""
+    sharded = data_parallel in ("fsdp", "hsdp")
+    out = ["data"]
+    if not sharded and context_parallel == 1 and expert_parallel == 1:
+        out.append("forward")
+    if not (sharded and optimizer == "muon"):
+        out.append("optimizer")
+    return tuple(out)
 
 
 def peer_medians(times: list[float]) -> list[float]:
@@ -84,7 +92,7 @@ class Conditions:
 
     cfg: GoodputConfig
     nodes: list[str]  # the node of each rank
-    scored: tuple[str, ...] = ("data", "forward")  # `scored_sections`
+    scored: tuple[str, ...] = ("data", "forward", "optimizer")  # `scored_sections`
     _straggler_run: dict[int, int] = field(default_factory=dict)  # rank → intervals in a row flagged
     _step_times: list[float] = field(default_factory=list)  # post-warm-up step times (the MFU baseline)
     _intervals: int = 0
@@ -115,24 +123,34 @@ class Conditions:
         return out
 
     def _stragglers(self, rows: list[list[float]]) -> tuple[list[Flag], dict[str, float]]:
+        """A rank's own seconds per step — the sum of its scored sections — against its peers' median. A
+        slow device stretches every one of them alike; summed, one noisy section weighs less than it
+        would scored alone. A rank is flagged past ``threshold`` and ``min_ms`` ahead of the median (a
+        ratio alone would flag microsecond sections' noise), after the attempt's first intervals."""
+        rule = self.cfg.straggler
         steps = max(1.0, rows[0][ROW.index("steps")])
-        step_med = statistics.median(r[ROW.index("wall")] for r in rows) / steps
-        flagged: dict[int, Flag] = {}
-        worst = [1.0] * len(rows)
-        for s, name in enumerate(SECTIONS):
-            if name not in self.scored:
-                continue
-            times = [r[s] / steps for r in rows]
-            for rank, (t, med, score) in enumerate(zip(times, peer_medians(times), scores(times))):
-                worth = t - med >= self.cfg.straggler.min_share * step_med  # microsecond sections are noise
-                if worth:
-                    worst[rank] = max(worst[rank], score)
-                if score > self.cfg.straggler.threshold and worth and score > getattr(flagged.get(rank), "score", 0):
-                    flagged[rank] = Flag("straggler", rank, self.nodes[rank], score, name,
-                                         f"{1000 * t:.1f} ms vs median {1000 * med:.1f} ms per step")
-        self._straggler_run = {r: self._straggler_run.get(r, 0) + 1 for r in flagged}
-        metrics = {f"straggler/score_rank{r}": round(w, 4) for r, w in enumerate(worst)}
-        return [flagged[r] for r in sorted(flagged)], metrics | {"straggler/max_score": round(max(worst), 4)}
+        idx = [SECTIONS.index(s) for s in self.scored]
+        local = [sum(r[i] for i in idx) / steps for r in rows]
+        medians, rank_scores = peer_medians(local), scores(local)
+        metrics = {f"straggler/score_rank{r}": round(s, 4) for r, s in enumerate(rank_scores)}
+        metrics["straggler/max_score"] = round(max(rank_scores), 4)
+        flagged = []
+        if self._intervals > rule.warmup_intervals:
+            for rank, (t, med, score) in enumerate(zip(local, medians, rank_scores)):
+                if score > rule.threshold and t - med >= rule.min_ms / 1000:
+                    flagged.append(Flag("straggler", rank, self.nodes[rank], score, self._worst_section(rows, rank),
+                                        f"{'+'.join(self.scored)} {1000 * t:.1f} ms vs median {1000 * med:.1f} ms "
+                                        "per step"))
+        self._straggler_run = {f.rank: self._straggler_run.get(f.rank, 0) + 1 for f in flagged}
+        return flagged, metrics
+
+    def _worst_section(self, rows: list[list[float]], rank: int) -> str:
+        """The scored section in which ``rank`` is furthest ahead of its peers' median (the event names it)."""
+        def excess(name: str) -> float:
+            times = [r[SECTIONS.index(name)] for r in rows]
+            return times[rank] - peer_medians(times)[rank]
+
+        return max(self.scored, key=excess)
 
     def _mfu(self, rows: list[list[float]]) -> list[Flag]:
         """Step time against the run's own post-warm-up median: MFU is tokens/s over a constant, so

@@ -3,7 +3,8 @@
 ``<save_folder>/cordon.json`` holds ``{"nodes": {name: {"reason", "time", "step"}}}``; node names
 are `process.node_name` (``$LMFORGE_NODE``, else the host name). What reads it:
 
-- the supervisor, when the run stopped to resume on fewer nodes: the node count it restarts with;
+- the ranks, when the run stopped to resume on fewer nodes: the layout it resumes on (`resume_layout`),
+  which node 0's supervisor restarts with and every other node left rejoins;
 - a node's ``lmforge train`` on a cordoned node: it refuses to join, with the reason;
 - ``lmforge launch slurm``: ``#SBATCH --exclude=…``; ``lmforge launch k8s``: a node affinity
   that keeps the pods off those Kubernetes nodes.
@@ -57,6 +58,28 @@ def k8s_affinity(nodes: dict[str, dict]) -> dict:
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
-def nodes_left(nodes: int, cordoned_now: list[str]) -> int:
-    """How many nodes a run of ``nodes`` resumes on after the nodes just cordoned leave."""
-    return nodes - len(set(cordoned_now))
+def resume_layout(node_ranks: dict[str, int], cordoned: list[str], *, min_nodes: int, too_few_nodes: str) -> dict:
+    """Where the run resumes after a goodput action, decided by its ranks (the same on each) and read
+    by every node's `lmforge train`: node 0's supervisor restarts with ``nodes``, every other node
+    left rejoins the rendezvous with ``nodes`` and its new node rank.
+
+    ``node_ranks``: each node of the stopped attempt → its node rank. Returns ``{"nodes": N,
+    "node_ranks": {node: rank}}`` — the nodes left, renumbered in their order (node 0 stays 0) — or
+    ``{"nodes": 0, "stop": why}`` when the run stops with its checkpoint: node 0 is cordoned (it runs
+    the supervisor and hosts the rendezvous: docs/goodput.md), or fewer than ``min_nodes`` are left
+    and ``too_few_nodes`` is stop. With ``wait``, the run asks for as many nodes as before: the
+    rendezvous waits for replacements, which join with the node ranks after the nodes left."""
+    gone = set(cordoned)
+    left = sorted((r, n) for n, r in node_ranks.items() if n not in gone)
+    head = next((n for n, r in node_ranks.items() if r == 0), None)
+    if head in gone:
+        return {"nodes": 0, "stop": f"node 0 ({head}) is cordoned: it runs the supervisor and hosts the "
+                                    "rendezvous; start the run again without it (lmforge launch slurm|k8s keeps "
+                                    "cordoned nodes out)"}
+    nodes = len(left)
+    if nodes < min_nodes:
+        if too_few_nodes != "wait":
+            return {"nodes": 0, "stop": f"{nodes} node(s) left after cordoning {', '.join(sorted(gone))}, fewer than "
+                                        f"goodput.min_nodes ({min_nodes}); the run stops with its checkpoint"}
+        nodes = len(node_ranks)  # the rendezvous waits (compute.rdzv_timeout_s) for replacements to join
+    return {"nodes": nodes, "node_ranks": {n: i for i, (_, n) in enumerate(left)}}

@@ -70,7 +70,11 @@ def launch(cfg: RunConfig, plan: LaunchPlan, argv: list[str]) -> int:
         os.close(fd)
     rank = plan.child("train", lock="none" if lock is None else "join", status_file=plan.status_file or watch)
     max_restarts = cfg.max_retries if plan.max_restarts is None else plan.max_restarts
-    cmd = torchrun_command(cfg, plan.nproc, with_plan(argv, rank), max_restarts=max_restarts, status_file=watch)
+    # A node other than node 0 rejoins the run after a goodput action by itself (its supervisor is node 0's);
+    # never with --overwrite: rank 0 may be on this node, and the run's checkpoints are what it resumes from.
+    rejoin = [a for a in argv if a != "--overwrite"] if watch and cfg.compute.node_rank > 0 else None
+    cmd = torchrun_command(cfg, plan.nproc, with_plan(argv, rank), max_restarts=max_restarts, status_file=watch,
+                           rejoin=rejoin)
     if plan.nproc > 1:  # torchrun's own default for several ranks per node, set here without its 4-line banner
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if lock is not None:

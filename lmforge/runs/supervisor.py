@@ -39,7 +39,7 @@ import time
 from collections import deque
 
 from lmforge.errors import environment_error
-from lmforge.process import child_dies_with_me, node_name, read_status, speaks_for_node
+from lmforge.process import child_dies_with_me, read_status, speaks_for_node
 from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.progress import MetricsTail, metrics_path, summarize
 from lmforge.runs.registry import Registry
@@ -145,7 +145,7 @@ class Supervisor:
         self._stop_recorded = False
         self._fatal_seen = False
         self.idx = -1  # the current resumption
-        self.nodes = int((config.get("compute") or {}).get("nodes") or 1)  # fewer after a cordon
+        self.actions = 0  # goodput actions taken (resumptions they asked for): at most goodput.max_actions
         self._log = None
         self._log_lock = threading.Lock()
         self._log_error: OSError | None = None  # the log file could not be written (e.g. disk full)
@@ -199,11 +199,11 @@ class Supervisor:
                 self._finish("FAILED", str(err))
                 raise err from None
             state, reason, retry = self._classify(rc, status, tail)
-            if status.get("status") == "reshape":  # a goodput condition: resume on the nodes left, or stop
+            reshaped = status.get("status") == "reshape"
+            if reshaped:  # a goodput condition: resume on the nodes left, or stop
                 argv, reason = self._reshaped(status)
                 state, retry = ("STOPPED", True) if argv else ("FAILED", False)
             idx, log_path = self.idx, self._log_path()
-            reshaped = status.get("status") == "reshape"
             self.reg.set_resumption(self.name, idx, status=state if reshaped or not retry else "FAILED", reason=reason,
                                     exit_code=rc, ended_at=time.time())
             trouble = self.after_resumption() if self.after_resumption is not None else None
@@ -219,8 +219,10 @@ class Supervisor:
                 if state == "FAILED":
                     return status.get("exit_code") or (rc if rc > 0 else 1)
                 return 130 if self.stop_signal == signal.SIGINT and rc == 130 else 0
-            if not reshaped:
-                self.reg.event(self.name, "failure", f"resumption {idx}: {reason}; last log lines:\n{last}")
+            if reshaped:  # a goodput action: bounded by goodput.max_actions (`_reshaped`), not max_retries
+                _note(f"run {self.name}: goodput {reason}; resuming from this step's checkpoint")
+                continue
+            self.reg.event(self.name, "failure", f"resumption {idx}: {reason}; last log lines:\n{last}")
             if self.restarts >= self.max_retries:
                 n = self.restarts
                 why = f"{reason} (gave up after {n} restart{'' if n == 1 else 's'}; max_retries={self.max_retries})"
@@ -228,38 +230,31 @@ class Supervisor:
                 _note(f"run {self.name} failed: {why}; log: {log_path}")
                 return rc if rc > 0 else 1
             self.restarts += 1
-            if not reshaped:
-                argv = self.retry_argv
-            what = f"goodput {reason}" if reshaped else f"the training process {reason}"
-            _note(f"run {self.name}: {what}; restart {self.restarts} of {self.max_retries} from the latest checkpoint")
+            argv = self.retry_argv
+            _note(f"run {self.name}: the training process {reason}; restart {self.restarts} of {self.max_retries} "
+                  "from the latest checkpoint")
             self.reg.event(self.name, "retry", f"restart {self.restarts} of {self.max_retries} (by the supervisor) "
                            "from the latest checkpoint")
-            if not reshaped:  # a planned restart (its checkpoint is this step's) does not back off
-                time.sleep(min(2.0 * self.restarts, 10.0) if os.environ.get("LMFORGE_RETRY_DELAY") is None
-                           else float(os.environ["LMFORGE_RETRY_DELAY"]))
+            time.sleep(min(2.0 * self.restarts, 10.0) if os.environ.get("LMFORGE_RETRY_DELAY") is None
+                       else float(os.environ["LMFORGE_RETRY_DELAY"]))
 
     def _reshaped(self, status: dict) -> tuple[list[str] | None, str]:
-        """After a goodput action (`train.telemetry`): the command that resumes on the nodes left
-        (``--nnodes``: the resolution re-plans the same global batch on fewer ranks), or None and why not."""
+        """After a goodput action (`train.telemetry`): the command that resumes on the layout its ranks
+        decided (`goodput.cordon.resume_layout`: ``--nnodes``, the resolution re-plans the same global
+        batch on fewer ranks; the other nodes left rejoin by themselves), or None and why not."""
         cordoned, cause = status.get("cordon") or [], status.get("cause") or "a goodput condition"
-        goodput = self.config.get("goodput") or {}
-        full = int((self.config.get("compute") or {}).get("nodes") or 1)
-        me = node_name()
-        if me in cordoned:
-            return None, (f"{cause}; this node ({me}: node 0, which runs the supervisor and hosts the rendezvous) "
-                          "is cordoned; start the run again on other nodes (lmforge launch slurm|k8s keeps the "
-                          "cordoned nodes out)")
-        left = self.nodes - len(cordoned)
-        if left < int(goodput.get("min_nodes") or 1):
-            if goodput.get("too_few_nodes") != "wait":
-                return None, (f"{cause}; {left} node(s) left after cordoning {', '.join(cordoned)}, fewer than "
-                              f"goodput.min_nodes ({goodput.get('min_nodes') or 1}); the run stops with its checkpoint")
-            left = full  # the rendezvous waits (compute.rdzv_timeout_s) for replacements to join
-        self.nodes = left
         where = f"; cordoned {', '.join(cordoned)}" if cordoned else ""
+        max_actions = int(self.config["goodput"]["max_actions"])  # (the config as resolved: defaults filled)
+        if not status.get("nodes"):
+            return None, f"{cause}{where}; {status.get('stop') or 'no node left to resume on'}"
+        if self.actions >= max_actions:
+            return None, (f"{cause}{where}; the run stops with its checkpoint after {self.actions} goodput "
+                          f"action(s) (goodput.max_actions={max_actions})")
+        self.actions += 1
         self.reg.event(self.name, "goodput", f"{status.get('action')} at step {status.get('step')}: {cause}{where}; "
-                       f"resuming on {left} node(s) from the checkpoint")
-        return self.retry_argv + ["--nnodes", str(left)], f"{status.get('action')}: {cause}{where}"
+                       f"resuming on {status['nodes']} node(s) from the checkpoint (action {self.actions} of "
+                       f"{max_actions})")
+        return self.retry_argv + ["--nnodes", str(status["nodes"])], f"{status.get('action')}: {cause}{where}"
 
     def _log_path(self) -> str:
         return os.path.join(self.log_dir, f"resumption-{self.idx}.log")

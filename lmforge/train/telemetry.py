@@ -3,10 +3,10 @@
 The loop calls, on every rank, in this order:
 
 - `start` when it begins (the node of each rank is all-gathered once; the ledger's ``start``);
-- `section(name)` around a step's data wait, forward, backward and optimizer: timed with
-  ``perf_counter`` on CPUs, with CUDA events on GPUs (recorded without a host sync, read at the
-  log step, where the loop waits for the device anyway). Fault injection's ``slow`` stretches a
-  rank's forward and backward here;
+- `section(name)` around a step's data wait, forward, backward and optimizer: timed in the device's
+  time — CUDA events on GPUs (recorded without a host sync, read at the log step, where the loop
+  waits for the device anyway), the process's CPU time on CPUs. Fault injection's ``slow`` stretches
+  a rank's forward, backward and optimizer here, inside their timing, as a slow device would;
 - `after_step` after each step: injected faults due now;
 - `interval` at each log step: one all-gather of every rank's row (`goodput.conditions.ROW`:
   section seconds and its node's health), the conditions of `config.goodput` on it — the same
@@ -17,10 +17,11 @@ The loop calls, on every rank, in this order:
   (`distributed.diagnose`), the cordon list, the events; returns what the job reports to the
   supervisor, which resumes on the nodes left.
 
-Only sections without a collective are scored (`goodput.conditions.scored_sections`): under DDP the
-data wait and the forward (the backward syncs gradients: there the *fast* ranks wait for the slow
-one); under FSDP/HSDP the data wait alone (all-gathers hide a slow rank from its peers' timing: the
-MFU-drop condition and the sweep remain).
+A rank's score is its own time — the sum of its sections without a collective
+(`goodput.conditions.scored_sections`: data + forward + optimizer under DDP, data + optimizer under
+FSDP/HSDP, …) — against its peers' median; the rest of the step waits for the slowest rank.
+`act` reports where the run resumes (`goodput.cordon.resume_layout`): node 0's supervisor restarts on
+it, the other nodes left rejoin by themselves (`distributed.torchrun.rejoin`).
 """
 
 from __future__ import annotations
@@ -35,15 +36,20 @@ from lmforge.config.goodput import GoodputConfig
 from lmforge.distributed.elastic import append_event
 from lmforge.goodput import ledger
 from lmforge.goodput.conditions import ROW, SECTIONS, Conditions, Decision
-from lmforge.goodput.cordon import add_to_cordon
+from lmforge.goodput.cordon import add_to_cordon, resume_layout
 from lmforge.goodput.diagnosis import verdict
 from lmforge.goodput.faults import FAULT_ENV, Injector, parse_faults
 from lmforge.goodput.health import HealthSampler, InjectedHealth, open_source
 from lmforge.process import node_name, process_started_at
 
+STRETCHED = ("forward", "backward", "optimizer")  # the device's compute: what a slow device (fault) stretches
+
 
 class _Timer:
-    """Seconds per section over the current log interval: perf_counter on CPUs, CUDA events on GPUs."""
+    """Seconds per section over the current log interval: the device's time — CUDA events on GPUs, the
+    process's CPU time on CPUs. (Not wall time on CPUs: a rank the OS has descheduled is not a slow
+    device, and on an oversubscribed machine — ranks sharing cores — identical ranks' wall times per
+    section differ by 2–3× from one step to the next.)"""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -55,15 +61,13 @@ class _Timer:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
             return e
-        return time.perf_counter()
+        return time.process_time()
 
-    def add(self, name: str, start, end) -> float:
-        """The section's seconds now on CPUs (0.0 on GPUs: read at `read`)."""
+    def add(self, name: str, start, end) -> None:
         if self.cuda:
-            self.pending.append((name, start, end))
-            return 0.0
-        self.totals[name] += end - start
-        return end - start
+            self.pending.append((name, start, end))  # read at `read`
+        else:
+            self.totals[name] += end - start
 
     def read(self) -> dict[str, float]:
         """This interval's totals (CUDA: waits for its last event only), and starts the next interval."""
@@ -77,7 +81,7 @@ class _Timer:
 
 class Telemetry:
     def __init__(self, cfg: GoodputConfig, dist, *, folder: str, log, scored: tuple[str, ...] = SECTIONS,
-                 environ=None):
+                 node_rank: int = 0, environ=None):
         import os
 
         environ = os.environ if environ is None else environ
@@ -94,11 +98,12 @@ class Telemetry:
             sources = [s for s in (real, injected) if s is not None]
         self.health = HealthSampler(sources, cfg.health.interval_s) if sources else None
         self.ledger = ledger.Ledger(folder if dist.is_main else None, process_started_at() or time.time())
-        self.nodes: list[str] = [self.node]
+        self.node_rank = node_rank  # compute.node_rank of this process
+        self.nodes: list[str] = [self.node]  # the node of each rank
+        self.node_ranks: dict[str, int] = {self.node: node_rank}  # each node → its node rank
         self.conditions: Conditions | None = None
         self._interval_t0 = 0.0
         self._steps = 0
-        self._last_backward = 0.0
         self._blocked = {"checkpoint": 0.0, "evaluation": 0.0}
         self._blocked_mark = 0.0  # blocked seconds at the start of this interval
         self._loop_t0 = 0.0
@@ -107,12 +112,13 @@ class Telemetry:
     # ------------------------------------------------------------------ the loop's hooks
 
     def start(self, step: int) -> None:
-        nodes = [None] * self.dist.world_size
+        mine = (self.node, self.node_rank)
+        pairs = [mine] * self.dist.world_size
         if self.dist.distributed:
-            torch.distributed.all_gather_object(nodes, self.node)
-        else:
-            nodes = [self.node]
-        self.nodes = nodes
+            torch.distributed.all_gather_object(pairs, mine)
+        self.nodes = [n for n, _ in pairs]
+        self.node_ranks = dict(pairs)
+        nodes = self.nodes
         self.conditions = Conditions(self.cfg, nodes, self.scored)
         self._loop_t0 = self._interval_t0 = time.perf_counter()
         self.step = step
@@ -124,16 +130,26 @@ class Telemetry:
         if not (self.cfg.telemetry or self.faults.active):  # off: nothing timed (the health exchange stays)
             yield
             return
-        slow = self.faults.slow_factor(self.step + 1) if self.faults.active else 1.0
-        if slow > 1 and name == "backward":  # before the backward: its gradients (and the sync) come late
-            time.sleep((slow - 1) * self._last_backward)
+        slow = self.faults.slow_factor(self.step + 1) if self.faults.active and name in STRETCHED else 1.0
         start = self.timer.mark()
         yield
-        took = self.timer.add(name, start, self.timer.mark())
-        if name == "backward":
-            self._last_backward = took
-        if slow > 1 and name == "forward":
-            time.sleep((slow - 1) * took)
+        if slow > 1:
+            self._stretch(start, slow)
+        self.timer.add(name, start, self.timer.mark())
+
+    def _stretch(self, start, factor: float) -> None:
+        """Fault injection's slow device: the section just run takes ``factor`` × its own time, inside
+        its timing — as a throttled device's compute would, wherever its collectives are. On CUDA the
+        host sleeps (the GPU idles between the section's events; reading its time is a sync: the fault's
+        cost, not telemetry's); on CPUs it spins, since a slow CPU's extra time is CPU time."""
+        if self.timer.cuda:
+            end = self.timer.mark()
+            end.synchronize()
+            time.sleep((factor - 1) * start.elapsed_time(end) / 1000.0)
+            return
+        until = time.process_time() + (factor - 1) * (time.process_time() - start)
+        while time.process_time() < until:
+            pass
 
     def after_step(self, step: int, model: torch.nn.Module) -> None:
         self.step = step
@@ -196,7 +212,9 @@ class Telemetry:
             self.log(f"goodput: cordoned {', '.join(f'{n} ({why})' for n, why in cordon.items())}; the run "
                      "resumes on the nodes left from this step's checkpoint")
         self.tick("tick")
-        return {"action": decision.action, "cause": decision.reason, "cordon": sorted(cordon)}
+        layout = resume_layout(self.node_ranks, sorted(cordon), min_nodes=self.cfg.min_nodes,
+                               too_few_nodes=self.cfg.too_few_nodes)
+        return {"action": decision.action, "cause": decision.reason, "cordon": sorted(cordon)} | layout
 
     def _diagnose(self, decision: Decision, expected_tflops: float | None) -> dict[str, str]:
         from lmforge.distributed.diagnose import sweep

@@ -230,9 +230,10 @@ class Trainer:
         self._stop_asked = False
         self.watchdog = HangWatchdog(self.cfg.compute.hang_timeout, rank=dist.rank,
                                      on_hang=partial(dump_and_exit, restarts=self.cfg.max_retries > 0))
+        c = self.cfg.compute
         self.telemetry = Telemetry(self.cfg.goodput, dist, folder=self.save_folder, log=self.log,
-                                   scored=scored_sections(self.cfg.compute.data_parallel,
-                                                          self.cfg.compute.context_parallel))
+                                   scored=scored_sections(c.data_parallel, c.context_parallel, self.plan.optimizer,
+                                                          c.expert_parallel), node_rank=c.node_rank)
         self.reshape: dict | None = None
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
         self._elapsed0 = 0.0
@@ -348,10 +349,11 @@ class Trainer:
             sums = torch.stack([out.loss_sum.detach().float(), *out.stats.values()])
             totals = sums if totals is None else totals + sums
         clip = self.cfg.parameters.grad_clip or float("inf")
+        # FSDP: a replicated DTensor holding the norm over all shards (an all-reduce: outside the timed
+        # optimizer section, which telemetry scores as the rank's own time).
+        grad_norm = device_value(clip_grad_norm(self.model.parameters(), clip))
+        totals = all_reduce_sum(totals) / (norm * self.dist.world_size)  # one all-reduce: loss and statistics
         with self.telemetry.section("optimizer"):
-            # FSDP: a replicated DTensor holding the norm over all shards.
-            grad_norm = device_value(clip_grad_norm(self.model.parameters(), clip))
-            totals = all_reduce_sum(totals) / (norm * self.dist.world_size)  # one all-reduce: loss and statistics
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         loss, stats = totals[0], dict(zip(out.stats, totals[1:]))
@@ -496,8 +498,7 @@ class Trainer:
                     status = self._loop()
                 finally:
                     self.watchdog.close()  # the end of the run is not timed
-                with self.telemetry.blocked("evaluation"):
-                    last_eval = self._finish() if status == "completed" else {}
+                last_eval = self._finish() if status == "completed" else {}
                 with self.telemetry.blocked("checkpoint"):
                     if self.saver is not None:
                         self.saver.wait()  # the last checkpoint is complete before the run reports success
@@ -519,10 +520,13 @@ class Trainer:
 
     def _finish(self) -> dict:
         """The end of a completed run: a last evaluation, checkpoint and ICL pass."""
-        metrics = self.evaluate()
+        with self.telemetry.blocked("evaluation"):
+            metrics = self.evaluate()
         if self.plan.total_steps is None or self.state.step > 0:
-            self.save()
-        return metrics | self.evaluate_icl()
+            with self.telemetry.blocked("checkpoint"):
+                self.save()
+        with self.telemetry.blocked("evaluation"):
+            return metrics | self.evaluate_icl()
 
     def _loop(self) -> str:
         plan, state = self.plan, self.state
