@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -105,40 +106,111 @@ def test_progress_and_throughput_lines():
     assert f == {"rate": "500 tokens/s", "eta": "ETA 8 s"}  # 400 bytes left at 50 bytes/s
 
 
+def _pool_workers(pid: int) -> list[int]:
+    """The task processes of the local executor under process ``pid``: the children of its pool's fork server."""
+    from lmforge.process import descendants
+
+    def parent(q: int) -> int | None:
+        try:
+            return int(Path(f"/proc/{q}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def server(q: int) -> bool:
+        try:
+            return b"forkserver" in Path(f"/proc/{q}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    tree = descendants(pid)
+    servers = {q for q in tree if server(q)}
+    return [q for q in tree if parent(q) in servers]
+
+
+def _kill_a_task(args: list, ready) -> tuple[int, str, list[int]]:
+    """Start ``lmforge ARGS``, SIGKILL the task processes ``ready(workers)`` names once it names any,
+    and wait for the command to end (a generous timeout is the failure: a command that never exits)."""
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, LMFORGE_TEST_TAG=tag))
+    victims: list[int] = []
+    while not victims and proc.poll() is None:
+        time.sleep(0.01)
+        victims = ready(_pool_workers(proc.pid))
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    _, err = communicate(proc, timeout=120)
+    assert not _left_behind(tag)
+    return proc.returncode, err, victims
+
+
+def _left_behind(tag: str) -> list[int]:
+    """Live processes started under the test's tag (their environment carries it): none may outlive the command."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit() and f"LMFORGE_TEST_TAG={tag}".encode() in Path(f"/proc/{d}/environ").read_bytes():
+                out.append(int(d))
+        except OSError:
+            pass
+    return out
+
+
+def _after_kill(code: int, err: str, victims: list[int], out: Path) -> None:
+    """A killed run either finished (the kill landed after the work was done) or stopped with one
+    line naming a dead task, listing nothing."""
+    if code == 0:
+        return
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and last.startswith("error: a task of the units stage (process ") and \
+        int(last.split("(process ")[1].split(")")[0]) in victims, err
+    assert not (out / "train" / "index.json").exists() and not (out / MARKER).exists()
+
+
 @pytest.mark.e2e
 def test_tasks_write_the_plain_dataset_and_a_killed_task_is_redone(corpus, tok, plain, tmp_path):
-    r = lmforge(*_args(corpus, tok, tmp_path / "t3", "--tasks", "3"), check=True)
-    s = json.loads(r.stdout)
-    assert s["executor"] == "local" and s["tasks"] == 3 and s["units"] == json.loads((plain / MARKER).read_text())["units"]
-    assert _files(tmp_path / "t3") == _files(plain)  # the same samples, the same order, byte for byte
-    assert sorted(os.listdir(tmp_path / "t3")) == [MARKER, "train", "val"]
+    # The task processes killed as soon as one has taken its work (datatrove's task log appears: a
+    # task lost before it did anything, which the pool would wait for forever), then, in the same
+    # command run again, one killed while it works (a unit done meanwhile); then the same command
+    # with 3 tasks finishes the job, redoing only the units without a marker.
+    out = tmp_path / "ds"
+    started = out / "work" / "logs" / "units" / "logs"
+    for ready in (lambda w: w if started.is_dir() and os.listdir(started) else [],
+                  lambda w: w[:1] if _names(out / "work" / "units") else []):
+        _after_kill(*_kill_a_task(_args(corpus, tok, out, "--tasks", "2"), ready), out)
+    done, finished = len(_names(out / "work" / "units")), (out / MARKER).exists()
+    s = json.loads(lmforge(*_args(corpus, tok, out, "--tasks", "3"), check=True).stdout)
+    if not finished:  # else a kill landed after the last unit: nothing was left to redo
+        assert (s["executor"], s["tasks"], s["units_done_earlier"]) == ("local", 3, done)
+    assert s["units"] == json.loads((plain / MARKER).read_text())["units"]
+    assert _files(out) == _files(plain)  # the same samples, the same order, byte for byte
+    assert sorted(os.listdir(out)) == [MARKER, "train", "val"]
 
-    # A task process killed while it works, once a unit is done: the command stops with one line and
-    # lists nothing; the same command finishes the job, redoing only the units without a marker.
-    out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "lmforge", *map(str, _args(corpus, tok, out, "--tasks", "2"))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    work = out / "work"
-    deadline = time.monotonic() + 120
-    claim = None
-    while claim is None:
-        assert proc.poll() is None and time.monotonic() < deadline, "no unit finished"
-        time.sleep(0.01)
-        try:  # a unit done, and a task still working (its claim)
-            if _names(work / "units"):
-                claim = json.loads((work / "running" / _names(work / "running")[0]).read_text())
-        except (IndexError, FileNotFoundError):
-            pass
-    os.kill(claim["pid"], signal.SIGKILL)
-    _, err = communicate(proc, timeout=120)
-    if proc.returncode != 0:  # else the task had just finished its last unit when the kill landed
-        assert proc.returncode == 1 and err.strip().splitlines()[-1].startswith("error: a task of the units stage "
-                                                                                 f"(process {claim['pid']}) ended")
-        assert not (out / "train" / "index.json").exists() and not (out / MARKER).exists()
-        done = len(_names(work / "units"))
-        s = json.loads(lmforge(*_args(corpus, tok, out, "--tasks", "2"), check=True).stdout)
-        assert s["units_done_earlier"] == done and 1 <= done <= s["units"]
-    assert _files(out) == _files(plain)
+
+@pytest.mark.e2e
+def test_a_task_killed_while_the_other_is_idle_never_leaves_the_command_waiting(tok, tmp_path):
+    """Three units, two tasks: task 1 does unit 1 (tiny) and waits idle in the pool while task 0 does
+    units 0 and 2. Both task processes are killed then: the pool's teardown would wait forever on
+    the queue lock the idle one held; the command must end all the same, and finish on a rerun."""
+    rng = random.Random(4)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "market"]
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    big = "".join(json.dumps({"text": " ".join(rng.choices(words, k=200))}) + "\n" for _ in range(300))
+    for name, text in (("a.jsonl", big), ("b.jsonl", json.dumps({"text": "tiny"}) + "\n"), ("c.jsonl", big)):
+        (raw / name).write_text(text)
+    unit_mb = str((raw / "a.jsonl").stat().st_size / (1 << 20))
+    plain = prepare([str(raw)], tok, str(tmp_path / "plain"), SEQ, eval_fraction=0.2,
+                    unit_bytes=(raw / "a.jsonl").stat().st_size)
+    assert plain["units"] == 3
+    out = tmp_path / "idle"
+    args = ["data", "prepare", "--input", raw, "--tokenizer", tok.path, "--out", out, "--seq-len", SEQ,
+            "--eval-fraction", "0.2", "--unit-mb", unit_mb, "--json", "--tasks", "2"]
+    rank1_done = out / "work" / "logs" / "units" / "completions" / "00001"  # datatrove's mark for task 1
+    _after_kill(*_kill_a_task(args, lambda w: w if rank1_done.exists() else []), out)
+    lmforge(*args, check=True)
+    assert _files(out) == _files(tmp_path / "plain")
 
 
 @pytest.mark.e2e

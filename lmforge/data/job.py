@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -192,15 +191,7 @@ class StageTask:
     def __call__(self, data=None, rank: int = 0, world_size: int = 1):
         # The tokenizer's thread pool: this task's share of the cores, not all of them.
         os.environ["RAYON_NUM_THREADS"] = str(self.threads)
-        # A claim while it works: a process that dies leaves it behind, which the command watches for
-        # (a lost task would otherwise leave the local executor waiting for it forever).
-        wd = WorkDir(self.job.out)
-        claim = f"running/{self.stage.name}-{rank:05d}.json"
-        wd.write_json(claim, {"pid": os.getpid(), "host": socket.gethostname()})
-        try:
-            run_items(self.job, self.stage, range(rank, self.stage.items, world_size))
-        finally:
-            remote.remove_tree(wd.uri(claim))
+        run_items(self.job, self.stage, range(rank, self.stage.items, world_size))
 
     def __repr__(self) -> str:
         return f"lmforge {self.stage.name} ({self.stage.items} items)"
