@@ -24,7 +24,7 @@ from lmforge.data.prepare import MARKER, prepare
 from lmforge.data.sources import Source, SourceStats, list_files
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.data.units import plan_units, unit_documents
-from train_helpers import communicate, lmforge
+from train_helpers import communicate, free_port, lmforge
 
 SEQ = 32
 UNIT = 2048  # bytes of input per work unit: the corpus below makes about 20 units
@@ -306,6 +306,14 @@ def test_bad_executor_input_is_one_line_and_writes_nothing(corpus, tok, plain, t
     assert "--executor spark: unknown executor (expected local, slurm or ray)" in error(*base, "--executor", "spark")
     assert "--tasks 0: expected a positive integer" in error(*base, "--tasks", "0")
     assert "--executor slurm: needs --partition NAME" in error(*base, "--executor", "slurm")
+    with monkeypatch.context() as m:  # not on a Slurm machine: no traceback, nothing written
+        m.setenv("PATH", str(tmp_path))
+        assert "--executor slurm: no `sbatch` on PATH" in error(*base, "--executor", "slurm", "--partition", "cpu")
+    with monkeypatch.context() as m:  # a cluster that does not answer: one line at once, not minutes of silence
+        m.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")
+        assert "cannot reach the Ray cluster" in error(*base, "--executor", "ray", "--tasks", "2")
+        m.setenv("RAY_ADDRESS", "nowhere")
+        assert "RAY_ADDRESS=nowhere: expected HOST:PORT" in error(*base, "--executor", "ray", "--tasks", "2")
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the package were not installed
     assert "--executor ray: needs ray: pip install 'lmforge[ray]'" in error(*base, "--executor", "ray", "--tasks", "2")
     monkeypatch.setitem(sys.modules, "datatrove.executor", None)

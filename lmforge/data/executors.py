@@ -20,7 +20,9 @@ import contextlib
 import json
 import os
 import pickle
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -65,8 +67,32 @@ def check_executor(spec: ExecutorSpec | None) -> None:
             import ray  # noqa: F401
         except ImportError:
             raise UserError("--executor ray: needs ray: pip install 'lmforge[ray]'") from None
+        check_ray_address(os.environ.get("RAY_ADDRESS"))
     if spec.kind == "slurm" and not spec.partition:
         raise UserError("--executor slurm: needs --partition NAME (the Slurm partition the tasks run on)")
+    if spec.kind == "slurm" and shutil.which("sbatch") is None:
+        raise UserError("--executor slurm: no `sbatch` on PATH (submit from a machine of the Slurm cluster, "
+                        "a login node, or use --executor local or ray)")
+
+
+RAY_CONNECT_SECONDS = 10
+
+
+def check_ray_address(address: str | None) -> None:
+    """A cluster ``RAY_ADDRESS`` names (``host:port`` or ``ray://host:port``) answers on its port
+    within 10 s; otherwise one line now, instead of Ray retrying for minutes in silence. Unset (a
+    local instance), ``auto`` and ``local`` are Ray's to resolve."""
+    if not address or address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"RAY_ADDRESS={address}: expected HOST:PORT or ray://HOST:PORT (or unset it for a local "
+                        "Ray instance)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_SECONDS).close()
+    except OSError as e:
+        raise UserError(f"RAY_ADDRESS={address}: cannot reach the Ray cluster ({e.strerror or e}); start it "
+                        "(`ray start --head`) or unset RAY_ADDRESS for a local Ray instance") from None
 
 
 @dataclass
@@ -226,8 +252,14 @@ def slurm_executors(job: Job, stages: list[Stage], spec: ExecutorSpec) -> list:
 
 def _submit_slurm(job: Job, stages: list[Stage], spec: ExecutorSpec) -> list[dict]:
     chain = slurm_executors(job, stages, spec)
-    with _runner_log(job) as log, _stderr_to(log):
-        chain[-1][1].run()  # submits the whole chain: each job waits for the one before (afterok)
+    with _runner_log(job) as log:
+        try:
+            with _stderr_to(log):
+                chain[-1][1].run()  # submits the whole chain: each job waits for the one before (afterok)
+        except (subprocess.CalledProcessError, OSError) as e:
+            done = [f"{stage.name} {ex.job_id}" for stage, ex in chain if getattr(ex, "job_id", None)]
+            raise UserError(f"--executor slurm: sbatch failed ({e}; its output is in {log})"
+                            + (f"; already submitted: {', '.join(done)}" if done else "")) from None
     return [{"stage": stage.name, "tasks": ex.tasks, "job_id": ex.job_id,
              "script": ex.logging_dir.resolve_paths("launch_script.slurm")} for stage, ex in chain]
 

@@ -184,11 +184,30 @@ def _announced() -> str:
     return folder
 
 
+RAY_START_SECONDS = 180
+
+
 def _start_ray() -> None:
-    """Join the cluster ``RAY_ADDRESS`` names, or start a local Ray instance (below this process)."""
+    """Join the cluster ``RAY_ADDRESS`` names, or start a local Ray instance (below this process),
+    within a bounded time: a cluster that accepts connections but never answers is one line too."""
     import ray
 
-    ray.init(log_to_driver=False, include_dashboard=False)
+    started, raised = threading.Event(), []
+
+    def start() -> None:
+        try:
+            ray.init(log_to_driver=False, include_dashboard=False)
+        except BaseException as e:  # noqa: BLE001 - said by the command
+            raised.append(e)
+        finally:
+            started.set()
+
+    threading.Thread(target=start, daemon=True).start()
+    if not started.wait(RAY_START_SECONDS):
+        where = os.environ.get("RAY_ADDRESS") or "a local instance"
+        raise TimeoutError(f"Ray did not start or answer within {RAY_START_SECONDS} s ({where})")
+    if raised:
+        raise raised[0]
 
 
 def _cores(spec) -> int:
