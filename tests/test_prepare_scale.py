@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from lmforge.data.prepare import MARKER, prepare
 from lmforge.data.sources import Source, SourceStats, list_files
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.data.units import plan_units, unit_documents
-from train_helpers import communicate, free_port, lmforge
+from train_helpers import communicate, free_port, lmforge, train_in_process
 
 SEQ = 32
 UNIT = 2048  # bytes of input per work unit: the corpus below makes about 20 units
@@ -299,7 +300,9 @@ def test_bad_executor_input_is_one_line_and_writes_nothing(corpus, tok, plain, t
 
     before = (plain / MARKER).read_bytes()
     args = [a if a != SEQ else SEQ * 2 for a in _args(corpus, tok, plain)]
-    assert "already holds a different prepared dataset" in error(*args, "--tasks", "2")
+    assert f"already holds a different prepared dataset (--seq-len {SEQ})" in error(*args, "--tasks", "2")
+    args = [a if a != UNIT_MB else "0.01" for a in _args(corpus, tok, plain)]  # other units: other samples
+    assert f"already holds a different prepared dataset (--unit-mb {UNIT / (1 << 20):g})" in error(*args)
     assert (plain / MARKER).read_bytes() == before
     out = tmp_path / "new"
     base = _args(corpus, tok, out)
@@ -347,3 +350,67 @@ def test_exact_dedup_over_several_key_ranges(tmp_path):
             else:
                 first[t] = (u, d)
         assert removals(wd, plan, u) == want
+
+
+@pytest.fixture(scope="module")
+def dups(tmp_path_factory) -> Path:
+    """A corpus with exact repeats, so that curation removes documents (samples for --removed-out)."""
+    d = tmp_path_factory.mktemp("scale-dups")
+    rng = random.Random(8)
+    docs = [_doc(rng, i) for i in range(60)]
+    (d / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs + docs[:15]))
+    return d
+
+
+@pytest.mark.integration
+def test_a_kill_around_the_marker_leaves_a_dataset_complete_or_refused(dups, tok, tmp_path, monkeypatch):
+    """The last step's order: indexes, removed samples, the marker, then work/ goes. A kill just
+    before the marker (D5) leaves a folder `train` refuses and the same command completes; a kill
+    just after it (D4) leaves work/, which the same command removes (not only "already prepared")."""
+    from lmforge.data import remote
+    from lmforge.data.job import WorkDir
+    from lmforge.errors import UserError
+    from lmforge.data.resolve import is_prepared
+
+    out, rm = tmp_path / "ds", tmp_path / "removed"
+    run = dict(eval_fraction=0.2, unit_bytes=2048, curate={"dedup": {"exact": True, "near": False}}, removed_out=str(rm))
+    put = remote.put_bytes
+
+    def killed_at_the_marker(uri, data, *a, **k):
+        if uri.endswith(MARKER):
+            raise KeyboardInterrupt
+        return put(uri, data, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(remote, "put_bytes", killed_at_the_marker)
+        with pytest.raises(KeyboardInterrupt):
+            prepare([str(dups)], tok, str(out), SEQ, **run)
+    assert (out / "train" / "index.json").exists() and (out / "val" / "index.json").exists() and not (out / MARKER).exists()
+    with pytest.raises(UserError, match="an unfinished `lmforge data prepare`"):
+        is_prepared(str(out))
+    with pytest.raises(UserError, match="an unfinished `lmforge data prepare`"):
+        train_in_process({"model": "llama-tiny", "tokenizer": tok.path, "train_data": str(out),
+                          "training_duration": "2ba", "save_folder": str(tmp_path / "run")})
+
+    with monkeypatch.context() as m:
+        m.setattr(WorkDir, "remove", lambda self, keep_logs=False: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            prepare([str(dups)], tok, str(out), SEQ, **run)  # goes on from the units: the marker, then the kill
+    assert (out / MARKER).exists() and (out / "work").is_dir() and is_prepared(str(out))
+    shutil.rmtree(rm)  # as if the kill had come while the samples were being written
+    s = prepare([str(dups)], tok, str(out), SEQ, **run)
+    assert s["already_prepared"] and sorted(os.listdir(out)) == [MARKER, "train", "val"]
+    assert [p.name for p in rm.iterdir()] == ["dedup-exact.jsonl"] and \
+        len((rm / "dedup-exact.jsonl").read_text().splitlines()) == 15
+    ref = prepare([str(dups)], tok, str(tmp_path / "ref"), SEQ, **run | {"removed_out": None})
+    assert _files(out) == _files(tmp_path / "ref") and ref["curation"]["by_reason"] == {"dedup/exact": 15}
+
+    # `data dedup`: the same order (documents.jsonl, the samples, curation.json, then work/ goes)
+    jsonl = tmp_path / "jsonl"
+    with monkeypatch.context() as m:
+        m.setattr(WorkDir, "remove", lambda self, keep_logs=False: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            curate_to_jsonl([str(dups)], str(jsonl), run["curate"], unit_bytes=2048)
+    assert json.loads((jsonl / "curation.json").read_text())["documents_written"] == 60 and (jsonl / "work").is_dir()
+    assert curate_to_jsonl([str(dups)], str(jsonl), run["curate"], unit_bytes=2048)["already_done"]
+    assert sorted(os.listdir(jsonl)) == ["curation.json", "documents.jsonl"]

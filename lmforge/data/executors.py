@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 from lmforge.data import remote
-from lmforge.data.job import Job, Stage, StageTask, TaskDied, WorkDir, run_items
+from lmforge.data.job import BadInput, Job, Stage, StageTask, TaskDied, WorkDir, run_items
 from lmforge.errors import UserError
 from lmforge.process import kill_tree
 
@@ -140,7 +140,7 @@ def _raise_task_error(wd: WorkDir) -> None:
     for name in wd.names("errors"):
         err = wd.read_json(f"errors/{name}") or {}
         if err.get("message"):
-            raise (remote.StoreError if err.get("store") else UserError)(err["message"])
+            raise (remote.StoreError if err.get("store") else BadInput)(err["message"])
 
 
 # ----------------------------------------------------------------------------- datatrove

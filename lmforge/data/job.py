@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lmforge.config.curation import CurateConfig
 from lmforge.data import remote
@@ -111,6 +112,11 @@ class TaskDied(UserError):
     exit_code = 1
 
 
+class BadInput(UserError):
+    """Bad input met by an item (a corrupt or unreadable input file, with ``--on-bad-input fail``):
+    the job stops; the items already done stay."""
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str  # signatures | duplicates | clusters | units | finalize
@@ -136,6 +142,7 @@ class Job:
     # The job's last step (the index over every unit, the marker), for an executor that runs it
     # as a task of its own (Slurm); otherwise the command calls it when the stages are done.
     finalize: Callable[["Job"], dict] | None = None
+    after_marker: Callable[["Job"], None] | None = None  # what the last step removes once the marker is written
     context: dict = field(default_factory=dict)  # what `finalize` needs besides
 
     def stages(self) -> list[Stage]:
@@ -176,9 +183,11 @@ def run_items(job: Job, stage: Stage, items: Iterable[int], workers: int = 1) ->
         else:
             raise ValueError(stage.name)
     except UserError as e:
-        wd.write_json(f"errors/{stage.name}-{uuid.uuid4().hex[:8]}.json",
-                      {"message": str(e), "store": isinstance(e, remote.StoreError)})
-        raise
+        store = isinstance(e, remote.StoreError)
+        wd.write_json(f"errors/{stage.name}-{uuid.uuid4().hex[:8]}.json", {"message": str(e), "store": store})
+        if store or isinstance(e, TaskDied):
+            raise
+        raise BadInput(str(e)) from None
 
 
 class StageTask:
@@ -402,8 +411,6 @@ def write_removed(samples: dict[str, list[dict]], out_dir: str) -> list[str]:
     written = []
     for reason, rows in sorted(samples.items()):
         path = os.path.join(out_dir, reason.replace("/", "-") + ".jsonl")
-        with open(path, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        remote.write_local_atomic(Path(path), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
         written.append(path)
     return written

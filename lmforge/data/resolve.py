@@ -119,7 +119,16 @@ def _exists(path: str) -> bool:
 
 
 def is_prepared(path: str) -> bool:
-    return any(_exists(_join(path, f)) for f in (SUMMARY_FILE, "index.json", "train/index.json"))
+    """A prepared dataset (ours, with its marker, or any MDS folder); a `data prepare` / `data dedup`
+    that has not written its marker yet (a kill before it) is refused, never half-read."""
+    from lmforge.data.dest import unfinished
+
+    if _exists(_join(path, SUMMARY_FILE)):
+        return True
+    if unfinished(path):
+        raise UserError(f"{path}: an unfinished `lmforge data prepare` (or `data dedup`): it has no {SUMMARY_FILE} "
+                        "yet; run the same command again to finish it")
+    return any(_exists(_join(path, f)) for f in ("index.json", "train/index.json"))
 
 
 def _read_summary(path: str) -> dict:

@@ -15,11 +15,12 @@ import json
 import os
 import shutil
 import time
+from pathlib import Path
 
-from lmforge.data import remote
+from lmforge.data import dest, remote
 from lmforge.data.curate import resolve_curation
-from lmforge.data.executors import ExecutorSpec, JobRun, TaskDied, check_executor, run_job
-from lmforge.data.job import Job, WorkDir, removed_samples, source_stats, unit_markers, unit_offsets, write_removed
+from lmforge.data.executors import ExecutorSpec, JobRun, check_executor
+from lmforge.data.job import Job, WorkDir, source_stats, unit_markers
 from lmforge.data.sources import SourceStats, list_files, no_documents_message
 from lmforge.data.units import DEFAULT_UNIT_BYTES, plan_units
 from lmforge.errors import UserError
@@ -47,39 +48,37 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
     stats = SourceStats()
     sources = list_files(inputs, stats)
     identity = {"inputs": inputs, "input_fingerprint": input_fingerprint(sources), "text_field": text_field,
-                "curate": cfg.model_dump(mode="json"), "decontaminate_index": index.fingerprint if index else None}
-    dest = os.path.abspath(out)
-    marker_path = os.path.join(dest, MARKER)
-    if os.path.isfile(marker_path):
-        with open(marker_path) as f:
-            old = json.load(f)
-        if old.get("identity") == identity:
-            return old | {"already_done": True}
+                "curate": cfg.model_dump(mode="json"), "decontaminate_index": index.fingerprint if index else None,
+                "unit_bytes": unit_bytes}
+    dest_dir = os.path.abspath(out)
     units = plan_units(sources, unit_bytes)
     sizes = [u.bytes for u in units]
     dedup = dedup_plan(cfg.dedup, sum(sizes) if all(b is not None for b in sizes) else None)
-    plan = json.loads(json.dumps({"identity": identity, "unit_bytes": unit_bytes, "units": [u.to_json() for u in units]}))
-    wd = WorkDir(dest)
-    if not (os.path.isdir(dest) and wd.read_json("plan.json") == plan):  # else: finish the interrupted run
-        if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)) and not overwrite:
-            raise UserError(f"--out {out}: exists and holds other output; use --overwrite or another --out")
-        if os.path.exists(dest):
-            shutil.rmtree(dest) if os.path.isdir(dest) else os.remove(dest)
-        wd.write_json("plan.json", plan)
-    job = Job(dest, units, text_field, cfg, index, dedup, finalize=finalize,
-              context={"identity": identity, "inputs": inputs, "skipped_inputs": stats.skipped_inputs,
-                       "removed_out": removed_out, "workers": workers,
+    job = Job(dest_dir, units, text_field, cfg, index, dedup, finalize=finalize,
+              context={"identity": identity, "marker_name": MARKER, "inputs": inputs,
+                       "skipped_inputs": stats.skipped_inputs, "removed_out": removed_out, "workers": workers,
                        "executor": executor.kind if executor else None, "tasks": executor.tasks if executor else None})
+    old = _read_marker(dest_dir)
+    # Output written before units existed was one stream: what the default unit size makes.
+    if old is not None and {"unit_bytes": DEFAULT_UNIT_BYTES} | old.get("identity", {}) == identity:
+        dest.finish_earlier(job)  # a kill after the marker left work/ behind
+        return old | {"already_done": True}
+    plan = {"identity": identity, "unit_bytes": unit_bytes, "units": [u.to_json() for u in units]}
+    resumed = dest.claim(dest_dir, plan, None if old is None else "other `data dedup` output", overwrite,
+                         "data dedup")
+    run, summary = dest.run(job, executor, workers, progress)
+    if summary is None:
+        return {"format": "lmforge-curation-job", "out": out, "resumed": resumed, "submitted": run.submitted}
+    return summary
+
+
+def _read_marker(dest_dir: str) -> dict | None:
     try:
-        run = run_job(job, executor, workers, progress)
-        if run.submitted is not None:
-            return {"format": "lmforge-curation-job", "out": out, "submitted": run.submitted}
-        return finalize(job, run)
-    except (TaskDied, remote.StoreError):
-        raise  # not the data's fault: what the job wrote stays, and the same command finishes it
-    except UserError:
-        shutil.rmtree(dest, ignore_errors=True)  # bad input: the job cannot finish; what it wrote goes
-        raise
+        with open(os.path.join(dest_dir, MARKER)) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return old if isinstance(old, dict) else None
 
 
 def finalize(job: Job, run: JobRun | None = None) -> dict:
@@ -108,12 +107,10 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
               "mb_per_second": round(summary["bytes_in"] / 1e6 / seconds, 3) if seconds > 0 else None,
               "units": len(markers), "executor": ctx["executor"], "tasks": ctx["tasks"], "workers": ctx["workers"],
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    with open(os.path.join(job.out, MARKER), "w") as f:
-        json.dump(marker, f, indent=2)
-        f.write("\n")
-    if ctx["removed_out"]:
-        marker["curation"]["removed_samples"] = write_removed(
-            removed_samples(job, unit_offsets(markers), job.curate.removed_sample), ctx["removed_out"])
-    wd.remove(keep_logs=ctx["executor"] == "slurm")
+    removed = dest.write_removed_samples(job, markers)
+    remote.write_local_atomic(Path(job.out) / MARKER, (json.dumps(marker, indent=2) + "\n").encode())  # complete
+    dest.finish(job)
+    if removed is not None:
+        marker["curation"]["removed_samples"] = removed
     return marker
 
