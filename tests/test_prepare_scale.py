@@ -281,10 +281,52 @@ def test_slurm_job_arrays_run_as_slurm_would_run_them(corpus, tok, plain, tmp_pa
 
 @pytest.mark.e2e
 def test_ray_executor_on_a_local_instance(corpus, tok, plain, tmp_path):
+    """Killed with SIGKILL once a unit is done, the command leaves no process behind (Ray's agents
+    ignore SIGTERM); the same command then finishes the job on a fresh local instance."""
     pytest.importorskip("ray")
-    r = lmforge(*_args(corpus, tok, tmp_path / "ray", "--executor", "ray", "--tasks", "2"), check=True, timeout=600)
+    args = _args(corpus, tok, tmp_path / "ray", "--executor", "ray", "--tasks", "2")
+    _kill_the_command(args, lambda: _names(tmp_path / "ray" / "work" / "units"))
+    r = lmforge(*args, check=True, timeout=600)
     assert json.loads(r.stdout)["executor"] == "ray"
     assert _files(tmp_path / "ray") == _files(plain)
+
+
+def _kill_the_command(args: list, ready) -> None:
+    """Start ``lmforge ARGS``, SIGKILL it (the command alone) once ``ready()``, and wait until no process
+    it started is left: a generous timeout is the failure."""
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge", *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, LMFORGE_TEST_TAG=tag))
+    while proc.poll() is None and not ready():
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while _left_behind(tag):
+        assert time.monotonic() < deadline, f"left behind: {_left_behind(tag)}"
+        time.sleep(0.1)
+
+
+@pytest.mark.e2e
+def test_killing_the_command_at_any_moment_leaves_no_process_and_no_half_dataset(corpus, tok, plain, tmp_path):
+    """SIGKILL of the command while its tasks work (D6: they must not go on publishing units) and
+    while its last step writes the indexes: no process is left, and DEST is either complete (marker
+    and val index; a work/ left by a kill after the marker is what the same command removes) or
+    refused by `train`; the same command then completes it."""
+    from lmforge.data.resolve import is_prepared
+    from lmforge.errors import UserError
+
+    out = tmp_path / "ds"
+    args = _args(corpus, tok, out, "--tasks", "2")
+    for ready in (lambda: _names(out / "work" / "units"), lambda: (out / "train" / "index.json").exists()):
+        _kill_the_command(args, ready)
+        if (out / MARKER).exists():
+            assert is_prepared(str(out)) and (out / "val" / "index.json").exists()
+        elif out.exists():
+            with pytest.raises(UserError, match="an unfinished `lmforge data prepare`"):
+                is_prepared(str(out))
+    lmforge(*args, check=True)
+    assert _files(out) == _files(plain) and sorted(os.listdir(out)) == [MARKER, "train", "val"]
 
 
 @pytest.mark.integration

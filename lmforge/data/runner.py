@@ -49,13 +49,19 @@ def main(payload: str, result: str) -> None:
     try:
         with open(payload, "rb") as f:
             job, stages, spec = pickle.load(f)
+        if spec.kind == "ray":
+            _start_ray(result)
         out = run_stages(job, stages, spec)
     except BaseException as e:  # noqa: BLE001 - reported to the command, which prints it
         out = {"failed": {"stage": None, "message": _one_line(e), "traceback": traceback.format_exc()}}
+    _write(result, out)
+    _end(0)
+
+
+def _write(result: str, out: dict) -> None:
     with open(result + ".tmp", "w") as f:
         json.dump(out, f)
     os.replace(result + ".tmp", result)
-    _end(0)
 
 
 def _lifeline(fd: int) -> None:
@@ -83,8 +89,6 @@ def _end(code: int) -> None:
 
 def run_stages(job: Job, stages: list[Stage], spec) -> dict:
     wd = WorkDir(job.out)
-    if spec.kind == "ray":
-        _start_ray()
     cores = _cores(spec)
     for stage in stages:
         if stage.items - len(wd.done(stage.name)) <= 0:
@@ -187,27 +191,25 @@ def _announced() -> str:
 RAY_START_SECONDS = 180
 
 
-def _start_ray() -> None:
+def _start_ray(result: str) -> None:
     """Join the cluster ``RAY_ADDRESS`` names, or start a local Ray instance (below this process),
-    within a bounded time: a cluster that accepts connections but never answers is one line too."""
+    within a bounded time: a cluster that accepts connections but never answers is one line too.
+    In the main thread: Ray's processes die with the thread that started them."""
     import ray
 
-    started, raised = threading.Event(), []
-
-    def start() -> None:
-        try:
-            ray.init(log_to_driver=False, include_dashboard=False)
-        except BaseException as e:  # noqa: BLE001 - said by the command
-            raised.append(e)
-        finally:
-            started.set()
-
-    threading.Thread(target=start, daemon=True).start()
-    if not started.wait(RAY_START_SECONDS):
+    def give_up() -> None:
         where = os.environ.get("RAY_ADDRESS") or "a local instance"
-        raise TimeoutError(f"Ray did not start or answer within {RAY_START_SECONDS} s ({where})")
-    if raised:
-        raise raised[0]
+        _write(result, {"failed": {"stage": None, "message": f"Ray did not start or answer within "
+                                                             f"{RAY_START_SECONDS} s ({where})"}})
+        _end(1)
+
+    timer = threading.Timer(RAY_START_SECONDS, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        ray.init(log_to_driver=False, include_dashboard=False)
+    finally:
+        timer.cancel()
 
 
 def _cores(spec) -> int:
