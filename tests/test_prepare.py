@@ -125,12 +125,16 @@ def test_refusals_overwrite_and_crash_safety(corpus, tok, tmp_path):
         prepare([str(d)], tok, str(tmp_path / "mine"), SEQ)
     with pytest.raises(UserError, match=r"--seq-len 100000: larger than the data"):
         prepare([str(d)], tok, str(tmp_path / "big"), 100_000)
-    # A corrupt file after good ones fails mid-run: nothing that looks complete is left behind.
+    # A corrupt file after good ones is skipped and named; with on_bad_input="fail" it fails mid-run
+    # and, no unit being done, nothing that looks complete is left behind.
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "a.jsonl").write_text((d / "b.jsonl").read_text())
     (tmp_path / "bad" / "z.txt.gz").write_bytes(gzip.compress(b"hello " * 1000)[:40])
+    s = prepare([str(tmp_path / "bad")], tok, str(tmp_path / "skipped"), 8)
+    assert [(i["input"], i["reason"].split(" (")[0]) for i in s["skipped_inputs"]] == \
+        [(str(tmp_path / "bad" / "z.txt.gz"), "corrupt or truncated gzip")]
     with pytest.raises(UserError, match=r"z\.txt\.gz: corrupt or truncated gzip"):
-        prepare([str(tmp_path / "bad")], tok, str(tmp_path / "partial"), 8)
+        prepare([str(tmp_path / "bad")], tok, str(tmp_path / "partial"), 8, on_bad_input="fail")
     assert not (tmp_path / "partial").exists()
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 

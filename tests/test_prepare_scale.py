@@ -456,3 +456,54 @@ def test_a_kill_around_the_marker_leaves_a_dataset_complete_or_refused(dups, tok
     assert json.loads((jsonl / "curation.json").read_text())["documents_written"] == 60 and (jsonl / "work").is_dir()
     assert curate_to_jsonl([str(dups)], str(jsonl), run["curate"], unit_bytes=2048)["already_done"]
     assert sorted(os.listdir(jsonl)) == ["curation.json", "documents.jsonl"]
+
+
+def _corrupt_zst(path: Path, docs: list[str]) -> None:
+    """A .jsonl.zst damaged in its middle: its first documents read, then the stream breaks."""
+    import zstandard
+
+    raw = zstandard.ZstdCompressor().compress("".join(json.dumps({"text": t}) + "\n" for t in docs).encode())
+    path.write_bytes(raw[: len(raw) // 2] + bytes(200) + raw[len(raw) // 2 + 200:])
+
+
+def test_an_unreadable_input_is_skipped_named_and_the_same_for_every_stage(tmp_path):
+    from lmforge.data.sources import UnreadableInput
+
+    rng = random.Random(6)  # past the reader's 1 MB buffer, so that documents come before the break
+    docs = [f"document {i} " + " ".join(rng.choices(["river", "stone", "cloud", "lantern", "meadow"], k=300))
+            for i in range(1500)]
+    _corrupt_zst(tmp_path / "b.jsonl.zst", docs)
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "first"}) + "\n")
+    (tmp_path / "c.jsonl.gz").write_bytes(b"\x1f\x8b not gzip")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "last"}) + "\n")
+    [unit] = plan_units(list_files([str(tmp_path)]), 1 << 20)
+    stats = SourceStats()
+    got = list(unit_documents(unit, "text", stats))
+    assert got[0] == "first" and got[-1] == "last" and got[1:-1] == docs[:len(got) - 2] and 0 < len(got) - 2 < 1500
+    assert [s["input"].rsplit("/", 1)[1] for s in stats.skipped_inputs] == ["b.jsonl.zst", "c.jsonl.gz"]
+    assert stats.skipped_inputs[0]["reason"].startswith("corrupt or truncated zstd") and \
+        stats.skipped_inputs[0]["reason"].endswith(f"skipped after its first {len(got) - 2} documents")
+    assert list(unit_documents(unit, "text", SourceStats())) == got  # where it breaks depends on its bytes only
+    with pytest.raises(UnreadableInput, match="b.jsonl.zst: corrupt or truncated zstd"):
+        list(unit_documents(unit, "text", SourceStats(), "fail"))
+
+
+@pytest.mark.e2e
+def test_a_bad_input_file_met_by_a_task_keeps_the_units_done(corpus, tok, plain, tmp_path):
+    """D1: a corrupt .zst met by a task: with --on-bad-input fail one line at once (it was a "dead
+    task" and a command that never exited), the units done kept; the same command (resumed, skipping
+    by default) finishes the job, naming the file; nothing of the job is lost."""
+    raw = tmp_path / "raw"
+    shutil.copytree(corpus[0], raw)
+    (raw / "zz.jsonl.zst").write_bytes(b"not zstd at all")  # read with z.jsonl.gz, in the last unit
+    out = tmp_path / "ds"
+    args = _args((raw,), tok, out, "--tasks", "2")
+    r = lmforge(*args, "--on-bad-input", "fail")
+    line = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and line.startswith(f"error: {raw / 'zz.jsonl.zst'}: corrupt or truncated zstd") and \
+        "units done are kept: run the same command with --on-bad-input skip" in line, r.stderr
+    done = len(_names(out / "work" / "units"))
+    assert done >= 1 and not (out / MARKER).exists()
+    s = json.loads(lmforge(*args, check=True).stdout)
+    assert s["units_done_earlier"] == done and [i["input"] for i in s["skipped_inputs"]] == [str(raw / "zz.jsonl.zst")]
+    assert _files(out) == _files(plain)

@@ -15,7 +15,7 @@ from lmforge.data import remote
 from lmforge.data.executors import ExecutorSpec
 from lmforge.data.mds import MDSReader
 from lmforge.data.prepare import input_warnings, prepare, read_summary
-from lmforge.data.units import DEFAULT_UNIT_BYTES
+from lmforge.data.units import DEFAULT_UNIT_BYTES, ON_BAD_INPUT
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
@@ -41,6 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--compression", default="zstd", help="shard compression: zstd, zstd:LEVEL or none")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset already in DEST")
+    add_bad_input_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_curation_args(p, dedup_default=None)
     add_executor_args(p)
@@ -58,6 +59,7 @@ def register(subparsers) -> None:
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                    help="worker processes (without --executor; with one, --tasks)")
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it holds other output")
+    add_bad_input_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_curation_args(p, dedup_default="exact,near")
     add_executor_args(p)
@@ -86,6 +88,12 @@ def register(subparsers) -> None:
 
 
 FILTERS_HELP = "c4, fineweb, language, gopher_quality, gopher_repetition"
+
+
+def add_bad_input_arg(p) -> None:
+    p.add_argument("--on-bad-input", choices=ON_BAD_INPUT, default="skip",
+                   help="an input file that cannot be read (corrupt, truncated, no text field): skip it, counted and "
+                        "named in the summary (default), or stop, keeping the units done")
 
 
 def add_curation_args(p, dedup_default: str | None) -> None:
@@ -185,7 +193,8 @@ def _prepare(args) -> int:
                       workers=args.workers, compression=args.compression, text_field=args.text_field,
                       overwrite=args.overwrite, progress=None if not args.json else False,
                       curate=curation_from_args(args), removed_out=args.removed_out,
-                      executor=executor_from_args(args), unit_bytes=unit_bytes_from_args(args))
+                      executor=executor_from_args(args), unit_bytes=unit_bytes_from_args(args),
+                      on_bad_input=args.on_bad_input)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -267,7 +276,7 @@ def _dedup(args) -> int:
     summary = curate_to_jsonl(args.input, args.out, curation_from_args(args), workers=args.workers,
                               text_field=args.text_field, overwrite=args.overwrite, removed_out=args.removed_out,
                               executor=executor_from_args(args), unit_bytes=unit_bytes_from_args(args),
-                              progress=not args.json and sys.stderr.isatty())
+                              progress=not args.json and sys.stderr.isatty(), on_bad_input=args.on_bad_input)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -278,6 +287,8 @@ def _dedup(args) -> int:
         print(f"already done: {args.out} (same inputs and settings; nothing to do)")
     print_curation(summary["curation"])
     print(f"kept documents: {os.path.join(args.out, 'documents.jsonl')}")
+    for line in input_warnings(summary):
+        print(line)
     return 0
 
 

@@ -10,10 +10,10 @@
   refuses (``unfinished``) and the same command completes; a kill after it leaves ``work/``,
   which the same command removes (``finish_earlier``) instead of only saying it is done.
 * **what a failure keeps** (``run``): a dead task or a failing store keeps everything, for the
-  same command to go on from; bad input met by a unit keeps the units already done (at 16K
-  units one bad object must not cost the job); bad input found by the last step (no documents
-  left, ``--seq-len`` longer than the data) ends a job that cannot finish with these arguments:
-  what it wrote goes.
+  same command to go on from; bad input met by a unit (``--on-bad-input fail``) keeps what was
+  done (at 16K units one bad object must not cost the job) and says how to go on; bad input
+  found by the last step (no documents left, ``--seq-len`` longer than the data) ends a job
+  that cannot finish with these arguments: what it wrote goes.
 """
 
 from __future__ import annotations
@@ -87,13 +87,15 @@ def run(job: Job, spec, workers: int, progress: bool) -> tuple[JobRun, dict | No
     except (TaskDied, remote.StoreError):
         raise  # not the data's fault: what the job wrote stays, and the same command goes on from it
     except UserError as e:
-        units = len(WorkDir(job.out).done("units"))
-        if not units:
-            remote.remove_tree(job.out)  # no unit done: nothing worth keeping
+        wd = WorkDir(job.out)
+        units = len(wd.done("units"))
+        if not any(wd.done(stage.name) for stage in job.stages()):
+            remote.remove_tree(job.out)  # nothing done: nothing worth keeping
             raise
         if not isinstance(e, BadInput):
             raise
-        raise BadInput(f"{e}; the {units} units done are kept") from None
+        raise BadInput(f"{e}; the {units} units done are kept: run the same command with --on-bad-input skip to "
+                       "skip such input and finish") from None
     if done.submitted is not None:
         return done, None
     try:

@@ -139,6 +139,7 @@ class Job:
     seq_len: int = 0
     dtype: str = "uint16"
     compression: str | None = None
+    on_bad_input: str = "skip"  # an input file that cannot be read: skip it (counted, named) or fail
     # The job's last step (the index over every unit, the marker), for an executor that runs it
     # as a task of its own (Slurm); otherwise the command calls it when the stages are done.
     finalize: Callable[["Job"], dict] | None = None
@@ -232,7 +233,7 @@ def _signatures(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
     def items():
         for u in todo:
             acc = Acc(u)
-            docs = enumerate(unit_documents(job.units[u], job.text_field, SourceStats()))
+            docs = enumerate(unit_documents(job.units[u], job.text_field, SourceStats(), job.on_bad_input))
             for _, texts in _chunked(docs, chars):
                 yield acc, texts
             yield acc, None
@@ -294,7 +295,7 @@ class UnitWork:
 
     def documents(self) -> Iterator[tuple[int, str]]:
         """(index in the unit, text) of the documents that go on (duplicates are dropped here)."""
-        for i, text in enumerate(unit_documents(self.unit, self.job.text_field, self.stats)):
+        for i, text in enumerate(unit_documents(self.unit, self.job.text_field, self.stats, self.job.on_bad_input)):
             if self.acct is not None:
                 self.acct.documents_in += 1
                 self.acct.bytes_in += len(text.encode("utf-8", "replace"))
@@ -403,6 +404,13 @@ def source_stats(markers: list[dict], skipped_inputs: list[dict]) -> SourceStats
         stats.skipped_lines += d["skipped_lines"]
         stats.skipped_line_examples = (stats.skipped_line_examples + d["skipped_line_examples"])[:5]
     return stats
+
+
+def source_summary(stats: SourceStats) -> dict:
+    """What reading the inputs skipped or replaced, as a summary's fields (``prepare.input_warnings`` says them)."""
+    return {"skipped_inputs": stats.skipped_inputs, "invalid_utf8_replacements": stats.invalid_utf8,
+            "invalid_utf8_files": stats.invalid_utf8_files, "skipped_lines": stats.skipped_lines,
+            "skipped_line_examples": stats.skipped_line_examples}
 
 
 def write_removed(samples: dict[str, list[dict]], out_dir: str) -> list[str]:

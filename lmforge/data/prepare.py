@@ -44,11 +44,11 @@ from collections.abc import Callable
 
 from lmforge.data import dest, remote
 from lmforge.data.executors import ExecutorSpec, JobRun, check_executor, throughput_line
-from lmforge.data.job import Job, WorkDir, source_stats, unit_markers
+from lmforge.data.job import Job, WorkDir, source_stats, source_summary, unit_markers
 from lmforge.data.packing import SPLITS, Encoder
 from lmforge.data.sources import SourceStats, list_files, no_documents_message
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
-from lmforge.data.units import DEFAULT_UNIT_BYTES, plan_units
+from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input, plan_units
 from lmforge.errors import UserError
 from lmforge.layout import DATASET_MARKER as MARKER
 
@@ -159,7 +159,7 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
             text_field: str = "text", overwrite: bool = False, progress: bool | None = None,
             log: Callable[[str], None] | None = None, curate=None, removed_out: str | None = None,
             flags: tuple[str, str] = ("--eval-fraction", "--seq-len"), executor: ExecutorSpec | None = None,
-            unit_bytes: int = DEFAULT_UNIT_BYTES) -> dict:
+            unit_bytes: int = DEFAULT_UNIT_BYTES, on_bad_input: str = "skip") -> dict:
     """Tokenize and pack ``inputs`` into the prepared dataset ``out``; returns its marker/summary.
 
     ``curate`` (a ``CurateConfig`` or its mapping) deduplicates, filters and decontaminates the
@@ -167,13 +167,16 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
     ``removed_out`` receives a sample of removed documents per reason. ``flags`` name the
     eval fraction and the sequence length in error messages as the caller's user sets them
     (``data prepare``'s flags, or a run config's keys). ``executor`` runs the job as tasks on
-    datatrove's executors (None: in this process, with ``workers`` processes). A re-run with the
+    datatrove's executors (None: in this process, with ``workers`` processes). An input file that
+    cannot be read is skipped, counted and named (``skipped_inputs``), or with ``on_bad_input``
+    "fail" stops the job, which keeps the units done. A re-run with the
     same inputs, arguments (curation included) and tokenizer returns the existing summary with
     ``already_prepared: True`` and writes nothing; a re-run of an interrupted job finishes it.
     On Slurm the jobs are submitted and the summary says so (``submitted``).
     """
     inputs = [inputs] if isinstance(inputs, str) else [str(i) for i in inputs]
     compression = _check_args(seq_len, eval_fraction, workers, compression, unit_bytes)
+    check_on_bad_input(on_bad_input)
     check_executor(executor)
     from lmforge.data.curate import resolve_curation
     from lmforge.data.curate.crossdedup import dedup_plan
@@ -210,7 +213,8 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     job = Job(out, units, text_field, curate, index, dedup, encoder=(Encoder, (tok.to_json(), tok.eos_id, eval_fraction)),
               splits=("train", "val") if eval_fraction > 0 else ("train",), seq_len=seq_len, dtype=dtype,
-              compression=compression, finalize=finalize, after_marker=_drop_unlisted_shards,
+              compression=compression, on_bad_input=on_bad_input, finalize=finalize,
+              after_marker=_drop_unlisted_shards,
               context={"marker": marker, "marker_name": MARKER, "inputs": inputs,
                        "skipped_inputs": stats.skipped_inputs, "flags": flags, "eval_fraction": eval_fraction,
                        "removed_out": removed_out, "workers": workers, "executor": executor.kind if executor else None,
@@ -282,11 +286,7 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
         "samples": sum(s["samples"] for s in splits.values()),
         "shards": sum(s["shards"] for s in splits.values()),
         "splits": splits,
-        "skipped_inputs": stats.skipped_inputs,
-        "invalid_utf8_replacements": stats.invalid_utf8,
-        "invalid_utf8_files": stats.invalid_utf8_files,
-        "skipped_lines": stats.skipped_lines,
-        "skipped_line_examples": stats.skipped_line_examples,
+        **source_summary(stats),
         "units": len(markers),
         "unit_bytes": ctx["unit_bytes"],
         "executor": ctx["executor"],

@@ -20,9 +20,9 @@ from pathlib import Path
 from lmforge.data import dest, remote
 from lmforge.data.curate import resolve_curation
 from lmforge.data.executors import ExecutorSpec, JobRun, check_executor
-from lmforge.data.job import Job, WorkDir, source_stats, unit_markers
+from lmforge.data.job import Job, WorkDir, source_stats, source_summary, unit_markers
 from lmforge.data.sources import SourceStats, list_files, no_documents_message
-from lmforge.data.units import DEFAULT_UNIT_BYTES, plan_units
+from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input, plan_units
 from lmforge.errors import UserError
 
 MARKER = "curation.json"
@@ -30,13 +30,14 @@ MARKER = "curation.json"
 
 def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int = 1, text_field: str = "text",
                     overwrite: bool = False, removed_out: str | None = None, executor: ExecutorSpec | None = None,
-                    unit_bytes: int = DEFAULT_UNIT_BYTES, progress: bool = False) -> dict:
+                    unit_bytes: int = DEFAULT_UNIT_BYTES, progress: bool = False, on_bad_input: str = "skip") -> dict:
     from lmforge.data.curate.crossdedup import dedup_plan
     from lmforge.data.prepare import input_fingerprint
 
     inputs = [inputs] if isinstance(inputs, str) else [str(i) for i in inputs]
     if not isinstance(workers, int) or workers < 1:
         raise UserError(f"--workers {workers}: expected a positive integer")
+    check_on_bad_input(on_bad_input)
     check_executor(executor)
     cfg, index = resolve_curation(curate)
     if cfg is None:
@@ -54,7 +55,7 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
     units = plan_units(sources, unit_bytes)
     sizes = [u.bytes for u in units]
     dedup = dedup_plan(cfg.dedup, sum(sizes) if all(b is not None for b in sizes) else None)
-    job = Job(dest_dir, units, text_field, cfg, index, dedup, finalize=finalize,
+    job = Job(dest_dir, units, text_field, cfg, index, dedup, on_bad_input=on_bad_input, finalize=finalize,
               context={"identity": identity, "marker_name": MARKER, "inputs": inputs,
                        "skipped_inputs": stats.skipped_inputs, "removed_out": removed_out, "workers": workers,
                        "executor": executor.kind if executor else None, "tasks": executor.tasks if executor else None})
@@ -106,6 +107,7 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
               "documents_written": sum(m["documents_written"] for m in markers), "seconds": round(seconds, 3),
               "mb_per_second": round(summary["bytes_in"] / 1e6 / seconds, 3) if seconds > 0 else None,
               "units": len(markers), "executor": ctx["executor"], "tasks": ctx["tasks"], "workers": ctx["workers"],
+              **source_summary(stats),
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     removed = dest.write_removed_samples(job, markers)
     remote.write_local_atomic(Path(job.out) / MARKER, (json.dumps(marker, indent=2) + "\n").encode())  # complete
