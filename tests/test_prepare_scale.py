@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from lmforge.data.curate.documents import curate_to_jsonl
-from lmforge.data.executors import ExecutorSpec, progress_fields, throughput_line
+from lmforge.data.executors import ExecutorSpec, idle_tasks_note, progress_fields, throughput_line
 from lmforge.data.job import Job, Stage
 from lmforge.data.prepare import MARKER, prepare
 from lmforge.data.sources import Source, SourceStats, list_files
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.data.units import plan_units, unit_documents
-from train_helpers import communicate, free_port, lmforge, train_in_process
+from train_helpers import cli, communicate, free_port, lmforge, train_in_process
 
 SEQ = 32
 UNIT = 2048  # bytes of input per work unit: the corpus below makes about 20 units
@@ -99,12 +99,32 @@ def test_units_do_not_depend_on_tasks_and_read_every_line_once(tmp_path):
 
 
 def test_progress_and_throughput_lines():
-    line = throughput_line(2_000_000, 10.0, 2)
+    line = throughput_line(20_000_000, 100.0, 2)
     assert line.startswith("200,000 tokens/s, 100,000 tokens/s per core (2 cores); 1T tokens: ")
     assert " on 1, " in line and " on 100 machines like this one" in line
+    assert throughput_line(5_000, 2.7, 2) == ("1,852 tokens/s, 926 tokens/s per core (2 cores) over 2.7 s: too little "
+                                             "work to project 1T tokens from (it takes a run of 60 s or more)")
     job = Job("x", plan_units([Source("a", 100), Source("b", 100), Source("c", 300)], 100), "text")
     f = progress_fields(job, Stage("units", 3), {0}, 1000, 100, 1, 2.0)
     assert f == {"rate": "500 tokens/s", "eta": "ETA 8 s"}  # 400 bytes left at 50 bytes/s
+    # Before the first item ends there is no rate: the time left says when it will be known (the
+    # elapsed time is labelled as such); a dedup stage that reads no input counts items, not "0.0 MB/s".
+    assert progress_fields(job, Stage("units", 3), set(), 0, 0, 0, 5.0) == {"rate": "", "eta": "ETA after the first item"}
+    assert progress_fields(job, Stage("duplicates", 9), {0, 1}, 0, 0, 2, 4.0) == {"rate": "0.50 items/s",
+                                                                                  "eta": "ETA 14 s"}
+    assert idle_tasks_note(3, ExecutorSpec("local", tasks=8), 256 << 20) == (
+        "3 units of --unit-mb 256 for 8 tasks: 3 tasks run, 5 would have nothing to do (a smaller --unit-mb makes "
+        "more units)")
+    assert idle_tasks_note(8, ExecutorSpec("local", tasks=8), 256 << 20) is None
+
+
+@pytest.mark.integration
+def test_piped_summaries_are_not_wrapped_at_80_columns(plain, tmp_path):
+    """`data inspect` (the summary `data prepare` prints) into a pipe: each line whole, however long."""
+    r = cli("data", "inspect", plain, check=True)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("seq_len"))
+    assert len(line) > 80 and line.endswith("eos 0)")
+    assert any(ln.startswith("dataset ") and ln.endswith(str(plain)) for ln in r.stdout.splitlines())
 
 
 def _pool_workers(pid: int) -> list[int]:
@@ -210,7 +230,9 @@ def test_a_task_killed_while_the_other_is_idle_never_leaves_the_command_waiting(
             "--eval-fraction", "0.2", "--unit-mb", unit_mb, "--json", "--tasks", "2"]
     rank1_done = out / "work" / "logs" / "units" / "completions" / "00001"  # datatrove's mark for task 1
     _after_kill(*_kill_a_task(args, lambda w: w if rank1_done.exists() else []), out)
-    lmforge(*args, check=True)
+    r = lmforge(*args[:-1], "4", check=True)  # more tasks than units: said, not left idle in silence
+    assert f"note: 3 units of --unit-mb {float(unit_mb):g} for 4 tasks: 3 tasks run, 1 would have nothing to do" \
+        in r.stderr
     assert _files(out) == _files(tmp_path / "plain")
 
 

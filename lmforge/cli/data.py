@@ -222,9 +222,15 @@ def _fmt(v) -> str:
     return "-" if v is None else str(v)
 
 
+def _console() -> Console:
+    """On a terminal its width; piped or to a file, lines as long as they are (no wrapping at 80 columns)."""
+    return Console() if sys.stdout.isatty() else Console(width=10_000)
+
+
 def _print_summary(summary: dict, dest: str) -> None:
-    console = Console()
-    table = Table(title=f"dataset {dest}", title_justify="left")
+    console = _console()
+    console.print(f"dataset {dest}", highlight=False, soft_wrap=True)
+    table = Table()
     cols = ("documents", "tokens", "bytes", "bytes_per_token", "samples", "shards", "dropped_tokens")
     headers = ("docs", "tokens", "bytes", "B/token", "samples", "shards", "dropped")
     table.add_column("split", no_wrap=True, min_width=5)
@@ -238,8 +244,9 @@ def _print_summary(summary: dict, dest: str) -> None:
     console.print(f"seq_len {args.get('seq_len')}, dtype {summary.get('dtype')}, tokenizer {tok.get('path')} "
                   f"(vocab {tok.get('vocab_size')}, eos {tok.get('eos_id')})", highlight=False)
     if summary.get("tokens_per_second"):
-        how = (f"{summary['tasks']} tasks on the {summary['executor']} executor" if summary.get("executor")
-               else f"{summary.get('workers')} workers")
+        tasks, units = summary.get("tasks") or 0, summary.get("units") or 0
+        how = (f"{f'{units} of {tasks}' if units < tasks else tasks} tasks on the {summary['executor']} executor"
+               if summary.get("executor") else f"{summary.get('workers')} workers")
         console.print(f"{summary.get('seconds')}s, {summary.get('units')} units, {how}", highlight=False)
     if summary.get("throughput"):
         console.print(summary["throughput"], highlight=False)
@@ -250,19 +257,21 @@ def _print_summary(summary: dict, dest: str) -> None:
 
 
 def print_curation(c: dict, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or _console()
     verb = "flagged" if c.get("action") == "flag" else "removed"
-    table = Table(title=f"curation: {c['documents_kept']:,} of {c['documents_in']:,} documents kept "
-                        f"({', '.join(c.get('steps') or [])})", title_justify="left")
-    table.add_column(f"{verb} by", no_wrap=True)
-    table.add_column("documents", justify="right")
-    table.add_column("share", justify="right")
-    for reason, n in (c.get("by_reason") or {}).items():
-        table.add_row(reason, f"{n:,}", f"{n / max(1, c['documents_in']):.1%}")
-    console.print(table)
+    # The title as a line of its own: a table's title wraps at the table's width.
+    console.print(f"curation: {c['documents_kept']:,} of {c['documents_in']:,} documents kept "
+                  f"({', '.join(c.get('steps') or [])})", highlight=False, soft_wrap=True)
+    if c.get("by_reason"):
+        table = Table()
+        table.add_column(f"{verb} by", no_wrap=True)
+        table.add_column("documents", justify="right")
+        table.add_column("share", justify="right")
+        for reason, n in c["by_reason"].items():
+            table.add_row(reason, f"{n:,}", f"{n / max(1, c['documents_in']):.1%}")
+        console.print(table)
     if c.get("contaminated_tasks"):
         console.print("contaminated tasks (documents): " + ", ".join(
             f"{t} {n}" for t, n in c["contaminated_tasks"].items()), highlight=False)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from lmforge.data import remote
-from lmforge.data.executors import JobRun, TaskDied, run_job
+from lmforge.data.executors import JobRun, TaskDied, idle_tasks_note, run_job
 from lmforge.data.job import WORK, BadInput, Job, WorkDir, removed_samples, unit_offsets, write_removed
 from lmforge.errors import UserError
 
@@ -82,6 +83,9 @@ def unfinished(path: str) -> bool:
 def run(job: Job, spec, workers: int, progress: bool) -> tuple[JobRun, dict | None]:
     """The job's stages, then (unless Slurm runs it as a job of its own) its last step: the run, and
     the summary the last step returns (None when submitted)."""
+    note = idle_tasks_note(len(job.units), spec, job.context["unit_bytes"])
+    if note:  # at the start: the user sees it while waiting, not after
+        print(f"note: {note}", file=sys.stderr, flush=True)
     try:
         done = run_job(job, spec, workers, progress)
     except (TaskDied, remote.StoreError):

@@ -280,13 +280,14 @@ class _Progress:
         if not self.enabled:
             return self
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+        # The time left, and the time spent labelled as such: a bare clock reads as either.
         self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"), TimeElapsedColumn(),
-                            console=Console(file=sys.stderr), transient=True, redirect_stdout=False,
-                            redirect_stderr=False)
-        self.task = self.bar.add_task(self.stages[0].name, total=self.stages[0].items, rate="", eta="")
+                            TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"),
+                            TextColumn("{task.fields[elapsed]}"), console=Console(file=sys.stderr), transient=True,
+                            redirect_stdout=False, redirect_stderr=False)
+        self.task = self.bar.add_task(self.stages[0].name, total=self.stages[0].items, rate="", eta="", elapsed="")
         self.bar.start()
         self.thread = threading.Thread(target=self._poll, daemon=True)
         self.thread.start()
@@ -303,7 +304,7 @@ class _Progress:
             if now[0] != stage:  # the next stage started: its own counts and clock
                 stage, seen = now[0], now[1]
                 start, tokens, nbytes, done_now = time.perf_counter(), 0, 0, 0
-                self.bar.reset(self.task, total=stage.items, description=stage.name, rate="", eta="")
+                self.bar.reset(self.task, total=stage.items, description=stage.name, rate="", eta="", elapsed="")
             done = now[1]
             for i in sorted(done - seen):
                 m = wd.read_json(f"{stage.name}/{i:06d}.json") or {}
@@ -311,8 +312,9 @@ class _Progress:
                 nbytes += m.get("bytes") or 0
                 done_now += 1
             seen |= done
-            self.bar.update(self.task, completed=len(done), **progress_fields(
-                self.job, stage, done, tokens, nbytes, done_now, time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            self.bar.update(self.task, completed=len(done), elapsed=f"{format_duration(seconds)} elapsed",
+                            **progress_fields(self.job, stage, done, tokens, nbytes, done_now, seconds))
 
     def __exit__(self, *exc) -> None:
         if not self.enabled:
@@ -324,10 +326,16 @@ class _Progress:
 
 def progress_fields(job: Job, stage: Stage, done: set[int], tokens: int, nbytes: int, done_now: int,
                     seconds: float) -> dict:
-    """The rate and the time left: from what this run did (items done by an earlier run do not count)."""
+    """The rate and the time left: from what this run did (items done by an earlier run do not count).
+    Tokens/s once tokenizing, input MB/s before, items/s for the dedup stages that read no input."""
     if not done_now or seconds <= 0:
-        return {"rate": "", "eta": ""}
-    rate = f"{tokens / seconds:,.0f} tokens/s" if tokens else f"{nbytes / seconds / 1e6:,.1f} MB/s"
+        return {"rate": "", "eta": "ETA after the first item"}
+    if tokens:
+        rate = f"{tokens / seconds:,.0f} tokens/s"
+    elif nbytes:
+        rate = f"{nbytes / seconds / 1e6:,.1f} MB/s"
+    else:
+        rate = f"{done_now / seconds:,.2f} items/s"
     left_items = [u for u in range(stage.items) if u not in done]
     if stage.name in ("signatures", "units") and nbytes:
         left = sum(job.units[u].bytes or 0 for u in left_items) / (nbytes / seconds)
@@ -346,12 +354,28 @@ def format_duration(s: float) -> str:
     return f"{s / 86400:.1f} days"
 
 
+PROJECTION_SECONDS = 60  # less work than this (start-up, a tail of idle tasks) says little about 1T tokens
+
+
 def throughput_line(tokens: int, seconds: float, cores: int) -> str:
-    """tokens/s per core, and what 1T tokens would take on 1, 10 and 100 such machines."""
+    """tokens/s per core, and what 1T tokens would take on 1, 10 and 100 such machines: only from a
+    run of at least a minute (a few seconds are mostly start-up)."""
     if tokens <= 0 or seconds <= 0:
         return ""
     per_core = tokens / seconds / max(1, cores)
+    rate = f"{tokens / seconds:,.0f} tokens/s, {per_core:,.0f} tokens/s per core ({cores} cores)"
+    if seconds < PROJECTION_SECONDS:
+        return (f"{rate} over {seconds:.1f} s: too little work to project 1T tokens from (it takes a run of "
+                f"{PROJECTION_SECONDS} s or more)")
     machine = os.cpu_count() or cores
     times = ", ".join(f"{format_duration(TRILLION / (per_core * machine * n))} on {n}" for n in (1, 10, 100))
-    return (f"{tokens / seconds:,.0f} tokens/s, {per_core:,.0f} tokens/s per core ({cores} cores); "
-            f"1T tokens: {times} machines like this one ({machine} cores)")
+    return f"{rate}; 1T tokens: {times} machines like this one ({machine} cores)"
+
+
+def idle_tasks_note(units: int, spec: ExecutorSpec | None, unit_bytes: int) -> str | None:
+    """Said when there are fewer units than tasks: the others would have nothing to do."""
+    if spec is None or spec.tasks <= units:
+        return None
+    return (f"{units} unit{'s' if units != 1 else ''} of --unit-mb {unit_bytes / (1 << 20):g} for {spec.tasks} "
+            f"tasks: {units} task{'s' if units != 1 else ''} run, {spec.tasks - units} would have nothing to do "
+            "(a smaller --unit-mb makes more units)")

@@ -58,7 +58,8 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
     job = Job(dest_dir, units, text_field, cfg, index, dedup, on_bad_input=on_bad_input, finalize=finalize,
               context={"identity": identity, "marker_name": MARKER, "inputs": inputs,
                        "skipped_inputs": stats.skipped_inputs, "removed_out": removed_out, "workers": workers,
-                       "executor": executor.kind if executor else None, "tasks": executor.tasks if executor else None})
+                       "executor": executor.kind if executor else None, "tasks": executor.tasks if executor else None,
+                       "unit_bytes": unit_bytes})
     old = _read_marker(dest_dir)
     # Output written before units existed was one stream: what the default unit size makes.
     if old is not None and {"unit_bytes": DEFAULT_UNIT_BYTES} | old.get("identity", {}) == identity:
