@@ -244,7 +244,7 @@ def test_prepare_to_and_from_s3(corpus, tok, tmp_path, s3_env):
     r = _cli("data", "inspect", dest, "--json", env=dict(os.environ))
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["first_sample"]["ids"] == MDSReader(str(tmp_path / "local" / "train")).get_tokens(0).tolist()
-    again = prepare([f"s3://{s3.bucket}/raw/"], tok, dest, SEQ, eval_fraction=0.2)
-    assert again["already_prepared"]
+    again = prepare([f"s3://{s3.bucket}/raw/"], tok, dest, SEQ, eval_fraction=0.2, unit_bytes=8192)
+    assert again["already_prepared"]  # the same units (another --unit-mb would be another dataset)
     with pytest.raises(UserError, match="already holds a different prepared dataset"):
         prepare([f"s3://{s3.bucket}/raw/"], tok, dest, SEQ * 2)

@@ -402,7 +402,10 @@ def test_exact_dedup_over_several_key_ranges(tmp_path):
     wd = WorkDir(str(tmp_path))
     for u, texts in enumerate(units):
         write_signatures(wd, plan, u, *signatures(texts, DedupConfig(near=False)))
-    assert len(wd.names("dedup/exact")) > 1  # the keys did spread over several ranges
+    from lmforge.data.curate.crossdedup import EXACT, _load_part
+
+    spread = [sum(len(_load_part(wd, f"dedup/exact/{u:06d}.bin", EXACT, p, 4)) for u in range(3)) for p in range(4)]
+    assert sum(n > 0 for n in spread) > 1 and sum(spread) == 90  # the keys did spread over several ranges
     for item in range(plan.duplicate_items):
         find_duplicates(wd, plan, item)
     first: dict[str, tuple[int, int]] = {}
@@ -529,3 +532,106 @@ def test_a_bad_input_file_met_by_a_task_keeps_the_units_done(corpus, tok, plain,
     s = json.loads(lmforge(*args, check=True).stdout)
     assert s["units_done_earlier"] == done and [i["input"] for i in s["skipped_inputs"]] == [str(raw / "zz.jsonl.zst")]
     assert _files(out) == _files(plain)
+
+
+def _run_near_stages(out: Path, plan) -> None:
+    """Every dedup stage after the signatures, item by item, as any task would run them."""
+    from lmforge.data.job import run_items
+    from lmforge.data.units import Slice, Unit
+
+    job = Job(str(out), [Unit(u, (Slice("x"),), 1) for u in range(plan.units)], "text", dedup=plan)
+    for stage in job.stages():
+        if stage.name not in ("signatures", "units"):
+            run_items(job, stage, range(stage.items))
+
+
+def _reference_clusters(edges: list[tuple[int, int]]) -> dict[int, int]:
+    """node -> the smallest node of its component (union-find), for the nodes that are not it."""
+    parent: dict[int, int] = {}
+
+    def root(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for a, b in edges:
+        ra, rb = root(a), root(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    return {n: root(n) for n in parent if root(n) != n}
+
+
+def _near_removed(out: Path, plan) -> dict[int, int]:
+    from lmforge.data.curate.crossdedup import removals
+    from lmforge.data.job import WorkDir
+
+    return {(u << 32) | d: (fu << 32) | fd for u in range(plan.units)
+            for d, (_, fu, fd) in removals(WorkDir(str(out)), plan, u).items()}
+
+
+def test_near_dedup_decisions_do_not_depend_on_how_the_work_is_cut(tmp_path):
+    """Candidate pairs (a document and the previous one of equal band values, in input order),
+    verified on the whole signatures, joined into components, each removing all but its first
+    document: the same for one part of everything as for many band, group and node ranges, and
+    the same as union-find over the verified pairs."""
+    import numpy as np
+
+    from lmforge.data.curate.crossdedup import DedupPlan, write_signatures
+    from lmforge.data.job import WorkDir
+
+    rng = np.random.default_rng(7)
+    units, per_unit, perm, bands, rows = 6, 40, 32, 8, 4
+    base = rng.integers(0, 2**32 - 1, (units * per_unit, perm), dtype=np.uint32)
+    for target, source, edits in ((50, 3, 2), (130, 50, 3), (200, 130, 2), (233, 12, 30), (7, 5, 0)):
+        base[target] = base[source]  # near copies (a few values changed), a chain, a far one, an exact one
+        base[target, rng.choice(perm, edits, replace=False)] = rng.integers(0, 2**32 - 1, edits)
+    sigs = [list(base[u * per_unit:(u + 1) * per_unit]) for u in range(units)]
+    sigs[2][3] = None  # a document without a signature (an empty one)
+    want = None
+    for band_parts, groups, node_parts in ((1, 1, 1), (4, 3, 8), (2, 6, 2)):
+        plan = DedupPlan(False, True, 1, bands, rows, perm, 0.8, band_parts=band_parts, groups=groups,
+                         node_parts=node_parts, rounds=8, units=units)
+        out = tmp_path / f"p{band_parts}-{groups}-{node_parts}"
+        for u in range(units):
+            write_signatures(WorkDir(str(out)), plan, u, [None] * per_unit, sigs[u])
+        _run_near_stages(out, plan)
+        got = _near_removed(out, plan)
+        want = want or got
+        assert got == want, (band_parts, groups, node_parts)
+    # The reference: datatrove's candidate pairs per band, verified, then union-find.
+    node = [(u << 32) | d for u in range(units) for d in range(per_unit)]
+    pairs = set()
+    for b in range(bands):
+        order = sorted((tuple(base[i, b * rows:(b + 1) * rows]), node[i]) for i in range(len(node))
+                       if not (i == 2 * per_unit + 3))
+        pairs |= {(x[1], y[1]) for x, y in zip(order, order[1:]) if x[0] == y[0]}
+    flat = {node[i]: base[i] for i in range(len(node))}
+    verified = [(a, b) for a, b in pairs if (flat[a] == flat[b]).mean() >= 0.8]
+    assert want == _reference_clusters(verified) and len(want) == 4  # the chain's two, the exact copy, a first one
+
+
+def test_connected_components_of_long_chains_stars_and_cycles(tmp_path):
+    """The large-star / small-star steps on graphs that are hard for them: a long path with its nodes
+    in a random order, a star, a cycle, pairs; any number of node ranges gives union-find's answer."""
+    import numpy as np
+
+    from lmforge.data.curate.crossdedup import DedupPlan, _save_edges
+    from lmforge.data.job import WorkDir, run_items
+
+    rng = np.random.default_rng(11)
+    ids = rng.permutation(2000).astype(np.uint64)  # node i is (unit, doc) = divmod(ids[i], 100)
+    node = [int(i // 100) << 32 | int(i % 100) for i in ids]
+    edges = [(node[i], node[i + 1]) for i in range(300)]  # a path
+    edges += [(node[400], node[i]) for i in range(401, 600)]  # a star
+    edges += [(node[i], node[i + 1]) for i in range(700, 760)] + [(node[760], node[700])]  # a cycle
+    edges += [(node[i], node[i + 1]) for i in range(800, 1600, 2)]  # pairs
+    want = _reference_clusters(edges)
+    for node_parts in (1, 8):
+        plan = DedupPlan(False, True, 1, 1, 1, 1, 0.8, groups=1, node_parts=node_parts, rounds=20, units=20)
+        out = tmp_path / str(node_parts)
+        a, b = np.array([e[0] for e in edges], np.uint64), np.array([e[1] for e in edges], np.uint64)
+        _save_edges(WorkDir(str(out)), "dedup/components/00/00000.bin", np.r_[a, b], np.r_[b, a], plan)
+        job = Job(str(out), [], "text", dedup=plan)
+        for stage in job.stages()[3:-1]:  # components, clusters, removals
+            run_items(job, stage, range(stage.items))
+        assert _near_removed(out, plan) == want, node_parts

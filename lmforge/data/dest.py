@@ -23,7 +23,7 @@ import os
 import sys
 
 from lmforge.data import remote
-from lmforge.data.executors import JobRun, TaskDied, idle_tasks_note, run_job
+from lmforge.data.executors import JobRun, TaskCrashed, TaskDied, idle_tasks_note, run_job
 from lmforge.data.job import WORK, BadInput, Job, WorkDir, removed_samples, unit_offsets, write_removed
 from lmforge.errors import UserError
 
@@ -88,8 +88,8 @@ def run(job: Job, spec, workers: int, progress: bool) -> tuple[JobRun, dict | No
         print(f"note: {note}", file=sys.stderr, flush=True)
     try:
         done = run_job(job, spec, workers, progress)
-    except (TaskDied, remote.StoreError):
-        raise  # not the data's fault: what the job wrote stays, and the same command goes on from it
+    except (TaskDied, TaskCrashed, remote.StoreError):
+        raise  # not the data's fault: what the job wrote stays
     except UserError as e:
         wd = WorkDir(job.out)
         units = len(wd.done("units"))
@@ -140,7 +140,7 @@ def finish_earlier(job: Job, markers: list[dict] | None = None) -> None:
     from lmforge.data.job import unit_markers
 
     names = WorkDir(job.out).names("")
-    if not names or names == ["logs"]:
+    if not names or (names == ["logs"] and job.context.get("executor") == "slurm"):  # Slurm's logs stay
         return
     try:
         write_removed_samples(job, markers or unit_markers(job))

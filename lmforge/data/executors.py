@@ -136,11 +136,21 @@ def _check_done(job: Job, stage: Stage) -> None:
 
 
 def _raise_task_error(wd: WorkDir) -> None:
-    """A task's one line in ``work/errors`` (bad data, or a failing store), raised here."""
+    """A task's one line in ``work/errors`` (bad data, a failing store, a crash), raised here."""
     for name in wd.names("errors"):
         err = wd.read_json(f"errors/{name}") or {}
+        if err.get("crash"):
+            raise TaskCrashed(f"a task of the {err.get('stage')} stage crashed: {err['message']} (its traceback: "
+                              f"{wd.uri('errors', name)}); this is a bug, not the data's fault: running the same "
+                              "command again fails the same way, please report it")
         if err.get("message"):
             raise (remote.StoreError if err.get("store") else BadInput)(err["message"])
+
+
+class TaskCrashed(UserError):
+    """A task raised an exception that is not bad input (a bug): not retryable. What the job wrote stays."""
+
+    exit_code = 1
 
 
 # ----------------------------------------------------------------------------- datatrove

@@ -44,6 +44,7 @@ from lmforge.data.units import Unit, unit_documents
 from lmforge.errors import UserError
 
 WORK = "work"  # DEST/work: the job's plan, markers, dedup files and logs; removed when the job is done
+SETTLED = "settled.json"  # a stage's one marker for all its items: nothing to do (components after convergence)
 
 
 class WorkDir:
@@ -62,6 +63,9 @@ class WorkDir:
     def read_bytes(self, rel: str) -> bytes | None:
         return remote.get_bytes(self.uri(rel))
 
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        return remote.get_range(self.uri(rel), start, end)
+
     def names(self, rel: str) -> list[str]:
         return remote.listdir(self.uri(rel))
 
@@ -73,8 +77,11 @@ class WorkDir:
         return None if data is None else json.loads(data)
 
     def done(self, stage: str) -> set[int]:
-        """The items of ``stage`` whose marker is written."""
-        return {int(n[:-5]) for n in self.names(stage) if n.endswith(".json") and n[:-5].isdigit()}
+        """The items of ``stage`` whose marker is written (all of them for a stage settled as a whole)."""
+        names = self.names(stage)
+        if SETTLED in names:
+            return set(range((self.read_json(f"{stage}/{SETTLED}") or {})["items"]))
+        return {int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()}
 
     def staging(self) -> str:
         """A local folder for an item's files before they are published (beside DEST when it is local,
@@ -147,11 +154,13 @@ class Job:
     context: dict = field(default_factory=dict)  # what `finalize` needs besides
 
     def stages(self) -> list[Stage]:
-        out = []
-        if self.dedup is not None:
-            out += [Stage("signatures", len(self.units)), Stage("duplicates", self.dedup.duplicate_items)]
-            if self.dedup.near:
-                out.append(Stage("clusters", 1))
+        out, d = [], self.dedup
+        if d is not None:
+            out += [Stage("signatures", len(self.units)), Stage("duplicates", d.duplicate_items)]
+            if d.near:
+                out += [Stage("verify", d.groups), *[Stage(f"components-{s:02d}", d.node_parts)
+                                                     for s in range(1, d.steps + 1)],
+                        Stage("clusters", d.node_parts), Stage("removals", d.groups)]
         return out + [Stage("units", len(self.units))]
 
 
@@ -160,35 +169,65 @@ class Job:
 
 def run_items(job: Job, stage: Stage, items: Iterable[int], workers: int = 1) -> None:
     """Do ``stage``'s work for ``items`` (those not done yet) in this process, with ``workers``
-    processes for the per-document work. A bad-input error is also left in ``work/errors`` for
-    the command to report whichever task met it."""
+    processes for the per-document work. A task's error is also left in ``work/errors`` for the
+    command to report whichever task met it: bad input, a failing store, or a crash (a bug:
+    rerunning fails the same way, so it is said so, not "run it again")."""
     wd = WorkDir(job.out)
     done = wd.done(stage.name)
     todo = [i for i in items if i not in done]
-    if not todo:
+    if not todo or settle(job, stage):
         return
     try:
         if stage.name == "signatures":
             _signatures(job, wd, todo, workers)
         elif stage.name == "units":
             _units(job, wd, todo, workers)
-        elif stage.name == "duplicates":
-            for i in todo:
-                crossdedup.find_duplicates(wd, job.dedup, i)
-                wd.write_json(f"duplicates/{i:06d}.json", {})
-        elif stage.name == "clusters":
-            crossdedup.cluster(wd, job.dedup)
-            wd.write_json("clusters/000000.json", {})
         elif stage.name == "finalize":
             job.finalize(job)
         else:
-            raise ValueError(stage.name)
+            step = _DEDUP_STEPS.get(stage.name.split("-")[0])
+            if step is None:
+                raise ValueError(stage.name)
+            for i in todo:
+                wd.write_json(f"{stage.name}/{i:06d}.json", step(wd, job.dedup, stage, i) or {})
     except UserError as e:
         store = isinstance(e, remote.StoreError)
-        wd.write_json(f"errors/{stage.name}-{uuid.uuid4().hex[:8]}.json", {"message": str(e), "store": store})
+        _error(wd, stage, {"message": str(e), "store": store})
         if store or isinstance(e, TaskDied):
             raise
         raise BadInput(str(e)) from None
+    except Exception as e:
+        import traceback
+
+        _error(wd, stage, {"message": f"{type(e).__name__}: {e}", "crash": True, "traceback": traceback.format_exc()})
+        raise
+
+
+def _error(wd: WorkDir, stage: Stage, record: dict) -> None:
+    wd.write_json(f"errors/{stage.name}-{uuid.uuid4().hex[:8]}.json", {"stage": stage.name} | record)
+
+
+# A dedup stage's item: (work folder, plan, stage, item) -> its marker's content.
+_DEDUP_STEPS: dict[str, Callable] = {
+    "duplicates": lambda wd, plan, stage, i: crossdedup.find_duplicates(wd, plan, i),
+    "verify": lambda wd, plan, stage, i: crossdedup.verify(wd, plan, i),
+    "components": lambda wd, plan, stage, i: crossdedup.component_step(wd, plan, int(stage.name.split("-")[1]), i),
+    "clusters": lambda wd, plan, stage, i: crossdedup.clusters(wd, plan, i),
+    "removals": lambda wd, plan, stage, i: crossdedup.collect_removals(wd, plan, i),
+}
+
+
+def settle(job: Job, stage: Stage) -> bool:
+    """A components step planned after the components converged: done without work, by one marker
+    for all its items (pointing at the final step), so that no executor starts for it."""
+    if not stage.name.startswith("components-"):
+        return False
+    wd = WorkDir(job.out)
+    final = crossdedup.converged_at(wd, job.dedup, int(stage.name.split("-")[1]))
+    if final is None:
+        return False
+    wd.write_json(f"{stage.name}/{SETTLED}", {"items": stage.items, "final": final})
+    return True
 
 
 class StageTask:

@@ -209,7 +209,7 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
     units = plan_units(sources, unit_bytes)
     sizes = [u.bytes for u in units]
     dedup = dedup_plan(curate.dedup if curate is not None else None,
-                       sum(sizes) if all(b is not None for b in sizes) else None)
+                       sum(sizes) if all(b is not None for b in sizes) else None, len(units))
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     job = Job(out, units, text_field, curate, index, dedup, encoder=(Encoder, (tok.to_json(), tok.eos_id, eval_fraction)),
               splits=("train", "val") if eval_fraction > 0 else ("train",), seq_len=seq_len, dtype=dtype,

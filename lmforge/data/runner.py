@@ -30,8 +30,8 @@ import threading
 import traceback
 
 from lmforge.data import remote
-from lmforge.data.job import Job, Stage, StageTask, WorkDir
-from lmforge.process import become_subreaper, kill_tree, process_start
+from lmforge.data.job import Job, Stage, StageTask, WorkDir, settle
+from lmforge.process import become_subreaper, die_with_parent, kill_tree, process_start
 
 
 def main(payload: str, result: str) -> None:
@@ -41,6 +41,7 @@ def main(payload: str, result: str) -> None:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack into the executor log
     become_subreaper()
     os.environ[RUNNER] = str(os.getpid())
+    _forks_die_with_me()
     # The lifeline moves off stdin: processes forked below close their stdin, which must not wait
     # for a reader's lock held by the thread that watches it.
     lifeline = os.dup(0)
@@ -62,6 +63,23 @@ def _write(result: str, out: dict) -> None:
     with open(result + ".tmp", "w") as f:
         json.dump(out, f)
     os.replace(result + ".tmp", result)
+
+
+class _Anchor:
+    """What the after-fork hook hangs on (multiprocess keeps its hooks by a weak reference to an object)."""
+
+
+_ANCHOR = _Anchor()
+
+
+def _forks_die_with_me() -> None:
+    """Processes this one forks (a pool's manager) die with it: one forked while ``_end`` takes the
+    tree down, after its last look, would otherwise outlive it (the fork server and the task
+    processes see to themselves: ``taskpool``)."""
+    from multiprocess import util
+
+    runner = os.getpid()
+    util.register_after_fork(_ANCHOR, lambda _: die_with_parent(runner))
 
 
 def _lifeline(fd: int) -> None:
@@ -91,7 +109,7 @@ def run_stages(job: Job, stages: list[Stage], spec) -> dict:
     wd = WorkDir(job.out)
     cores = _cores(spec)
     for stage in stages:
-        if stage.items - len(wd.done(stage.name)) <= 0:
+        if stage.items - len(wd.done(stage.name)) <= 0 or settle(job, stage):
             continue
         outcome = _run_stage(job, stage, spec, wd)
         if spec.kind == "local":  # the stage's pool, its manager and fork server (Ray's cluster stays)

@@ -54,7 +54,7 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
     dest_dir = os.path.abspath(out)
     units = plan_units(sources, unit_bytes)
     sizes = [u.bytes for u in units]
-    dedup = dedup_plan(cfg.dedup, sum(sizes) if all(b is not None for b in sizes) else None)
+    dedup = dedup_plan(cfg.dedup, sum(sizes) if all(b is not None for b in sizes) else None, len(units))
     job = Job(dest_dir, units, text_field, cfg, index, dedup, on_bad_input=on_bad_input, finalize=finalize,
               context={"identity": identity, "marker_name": MARKER, "inputs": inputs,
                        "skipped_inputs": stats.skipped_inputs, "removed_out": removed_out, "workers": workers,
