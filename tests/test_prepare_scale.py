@@ -266,10 +266,9 @@ def test_dedup_across_tasks_removes_a_duplicate_from_another_tasks_input(tmp_pat
     assert (removed["dedup/near"]["doc"], removed["dedup/near"]["duplicate_of"]) == (32, 7)
 
 
-@pytest.mark.e2e
-def test_slurm_job_arrays_run_as_slurm_would_run_them(corpus, tok, plain, tmp_path, monkeypatch):
-    """No Slurm here: `sbatch` and `scontrol` are stand-ins that record the submissions; the test
-    checks the generated array scripts, then runs every array task the way the scripts do."""
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch) -> Path:
+    """No Slurm here: `sbatch` and `scontrol` are stand-ins that record the submissions (sbatch.log)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sbatch.log\n"
@@ -278,6 +277,20 @@ def test_slurm_job_arrays_run_as_slurm_would_run_them(corpus, tok, plain, tmp_pa
     for p in bin_dir.iterdir():
         p.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path / "sbatch.log"
+
+
+def _run_array_task(out: Path, stage: str, i: int) -> subprocess.CompletedProcess:
+    """One task of a submitted job array, run the way its script runs it."""
+    env = dict(os.environ, SLURM_ARRAY_TASK_ID=str(i), SLURM_NODELIST="node1", SLURM_JOB_ID="1")
+    return subprocess.run([os.path.join(sys.prefix, "bin", "launch_pickled_pipeline"),
+                           str(out / "work" / "logs" / stage / "executor.pik")], env=env, capture_output=True,
+                          timeout=300)
+
+
+@pytest.mark.e2e
+def test_slurm_job_arrays_run_as_slurm_would_run_them(corpus, tok, plain, tmp_path, fake_slurm):
+    """The test checks the generated array scripts, then runs every array task the way the scripts do."""
     out = tmp_path / "ds"
     s = prepare([str(corpus[0])], tok, str(out), SEQ, eval_fraction=0.2, unit_bytes=UNIT,
                 executor=ExecutorSpec("slurm", tasks=2, partition="cpu", time="02:00:00"))
@@ -288,17 +301,35 @@ def test_slurm_job_arrays_run_as_slurm_would_run_them(corpus, tok, plain, tmp_pa
                  f"launch_pickled_pipeline {out}/work/logs/units/executor.pik"):
         assert line in script, line
     assert "--qos" not in script and "#SBATCH --array=0-0" in Path(s["submitted"][1]["script"]).read_text()
-    calls = (tmp_path / "sbatch.log").read_text().splitlines()
+    calls = fake_slurm.read_text().splitlines()
     units_job = s["submitted"][0]["job_id"]
     assert any(f"--dependency=afterok:{units_job}" in c for c in calls[1:])  # finalize waits for the units
     for job in s["submitted"]:
-        pickled = str(out / "work" / "logs" / job["stage"] / "executor.pik")
         for i in range(job["tasks"]):
-            env = dict(os.environ, SLURM_ARRAY_TASK_ID=str(i), SLURM_NODELIST="node1", SLURM_JOB_ID="1")
-            subprocess.run([os.path.join(sys.prefix, "bin", "launch_pickled_pipeline"), pickled], env=env,
-                           check=True, capture_output=True, timeout=300)
+            assert _run_array_task(out, job["stage"], i).returncode == 0
     assert _files(out) == _files(plain)
     assert sorted(os.listdir(out)) == [MARKER, "train", "val", "work"] and os.listdir(out / "work") == ["logs"]
+
+
+@pytest.mark.e2e
+def test_a_failure_of_slurms_last_step_is_said_by_the_next_run(corpus, tok, tmp_path, fake_slurm, capsys):
+    """The last step fails on Slurm, where no one reads it (the data is shorter than --seq-len): the
+    same command, run again, runs the last step itself (every unit is done), so its error is the
+    command's one line, not a line in work/errors and a resubmitted job failing the same way."""
+    from lmforge.errors import UserError
+
+    out = tmp_path / "ds"
+    run = dict(eval_fraction=0.2, unit_bytes=1 << 20, executor=ExecutorSpec("slurm", tasks=1, partition="cpu"))
+    s = prepare([str(corpus[0])], tok, str(out), 100_000, **run)
+    for job in s["submitted"]:
+        _run_array_task(out, job["stage"], 0)
+    assert not (out / MARKER).exists() and os.listdir(out / "work" / "errors")
+    submitted = fake_slurm.read_text()
+    capsys.readouterr()
+    with pytest.raises(UserError, match="--seq-len 100000: larger than the data"):
+        prepare([str(corpus[0])], tok, str(out), 100_000, **run)
+    assert "note: a task of the earlier jobs (finalize stage) stopped: --seq-len 100000: larger" in capsys.readouterr().err
+    assert fake_slurm.read_text() == submitted and not out.exists()  # nothing submitted again; bad input: removed
 
 
 @pytest.mark.e2e
@@ -635,3 +666,47 @@ def test_connected_components_of_long_chains_stars_and_cycles(tmp_path):
         for stage in job.stages()[3:-1]:  # components, clusters, removals
             run_items(job, stage, range(stage.items))
         assert _near_removed(out, plan) == want, node_parts
+
+
+def test_a_crash_in_a_task_is_said_to_be_a_bug_that_a_rerun_repeats(tmp_path):
+    """Not bad input and not a dead task: an exception (here from a damaged dedup file) is recorded
+    with its traceback, and the command's line says that running it again fails the same way."""
+    from lmforge.data.curate.crossdedup import DedupPlan
+    from lmforge.data.executors import TaskCrashed, _raise_task_error
+    from lmforge.data.job import WorkDir, run_items
+    from lmforge.data.units import Slice, Unit
+
+    plan = DedupPlan(exact=True, near=False, partitions=1, bands=0, rows=0, num_perm=128, threshold=0.8)
+    wd = WorkDir(str(tmp_path))
+    wd.write_bytes("dedup/exact/000000.bin", b"xx")
+    job = Job(str(tmp_path), [Unit(0, (Slice("x"),), 1)], "text", dedup=plan)
+    with pytest.raises(ValueError):
+        run_items(job, Stage("duplicates", 1), [0])
+    [record] = [json.loads(p.read_text()) for p in (tmp_path / "work" / "errors").iterdir()]
+    assert record["crash"] and "Traceback" in record["traceback"]
+    with pytest.raises(TaskCrashed, match=r"a task of the duplicates stage crashed: ValueError: .*this is a bug, not "
+                                          r"the data's fault: running the same command again fails the same way"):
+        _raise_task_error(wd)
+
+
+def test_a_prepared_dataset_is_opened_once_by_resolution(plain, tok, monkeypatch):
+    from lmforge.data import resolve
+    from lmforge.data.prepare import read_summary
+
+    opened = []
+    real = resolve.open_dataset
+    monkeypatch.setattr(resolve, "open_dataset", lambda *a, **k: opened.append(a) or real(*a, **k))
+    data = resolve.ResolvedData(tok.path, [resolve.ResolvedDataset("d", str(plain), None, read_summary(str(plain)))], [])
+    assert data.epoch_pieces(SEQ) == data.epoch_pieces(SEQ // 2) // 2 and data.split_lines(SEQ // 2)
+    assert len(opened) == 1
+
+
+def test_data_dedup_alone_keeps_its_documents_in_this_process():
+    """With no filter, decontamination or tokenizer there is nothing for a worker process to do per
+    document (only the trip there and back): the units stage then runs in this process."""
+    from lmforge.config.curation import CurateConfig
+    from lmforge.data.job import per_document_checks
+
+    assert not per_document_checks(CurateConfig.model_validate({"dedup": {"exact": True}}), None)
+    assert per_document_checks(CurateConfig.model_validate({"filters": {"c4": True}}), None)
+    assert per_document_checks(CurateConfig.model_validate({}), object())

@@ -74,6 +74,26 @@ def claim(out: str, plan: dict, other: str | None, overwrite: bool, what: str) -
     return False
 
 
+def units_and_dedup(sources, unit_bytes: int, cfg) -> tuple[list, object]:
+    """The job's work units, and its dedup stages' shape for their total size (``cfg``: a DedupConfig or None)."""
+    from lmforge.data.curate.crossdedup import dedup_plan
+    from lmforge.data.units import plan_units
+
+    units = plan_units(sources, unit_bytes)
+    sizes = [u.bytes for u in units]
+    return units, dedup_plan(cfg, sum(sizes) if all(b is not None for b in sizes) else None, len(units))
+
+
+def start(job: Job, identity: dict, complete: bool, other: str | None, overwrite: bool, what: str) -> bool | None:
+    """None when DEST already holds this job's complete output (``complete``; what a kill left after
+    its marker is finished); else claim DEST: True when this very job is resumed."""
+    if complete:
+        finish_earlier(job)
+        return None
+    plan = {"identity": identity, "unit_bytes": job.context["unit_bytes"], "units": [u.to_json() for u in job.units]}
+    return claim(job.out, plan, other, overwrite, what)
+
+
 def unfinished(path: str) -> bool:
     """``path`` holds a job of ours that has not written its marker (``work/plan.json`` is there)."""
     return remote.exists(remote.join(path, WORK, "plan.json")) if remote.is_remote(path) else \

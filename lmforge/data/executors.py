@@ -106,9 +106,12 @@ class JobRun:
 def run_job(job: Job, spec: ExecutorSpec | None, workers: int = 1, progress: bool = False) -> JobRun:
     """Run every stage of ``job`` (without its last step, except on Slurm, where it is a job too)."""
     stages = job.stages()
-    if spec is not None and spec.kind == "slurm":
-        return JobRun(0.0, 0, [], submitted=_submit_slurm(job, stages, spec))
     wd = WorkDir(job.out)
+    if spec is not None and spec.kind == "slurm":
+        _say_earlier_errors(wd)
+        if all(len(wd.done(s.name)) >= s.items for s in stages):
+            return JobRun(0.0, os.cpu_count() or 1, [])  # only the last step is left: it runs here, saying how it ends
+        return JobRun(0.0, 0, [], submitted=_submit_slurm(job, stages, spec))
     before = wd.done("units")
     remote.remove_tree(wd.uri("errors"))  # an earlier run's
     start = time.perf_counter()
@@ -133,6 +136,17 @@ def _check_done(job: Job, stage: Stage) -> None:
     _raise_task_error(wd)
     raise TaskDied(f"{missing} of {stage.items} items of the {stage.name} stage did not finish (task logs in "
                    f"{wd.uri('logs', stage.name)}); run the same command again: it redoes only those")
+
+
+def _say_earlier_errors(wd: WorkDir) -> None:
+    """What the tasks of an earlier submission stopped on (in ``work/errors``, on no terminal), said
+    before this run goes on from them."""
+    for name in wd.names("errors"):
+        err = wd.read_json(f"errors/{name}") or {}
+        if err.get("message"):
+            print(f"note: a task of the earlier jobs ({err.get('stage')} stage) stopped: {err['message']}",
+                  file=sys.stderr, flush=True)
+    remote.remove_tree(wd.uri("errors"))
 
 
 def _raise_task_error(wd: WorkDir) -> None:

@@ -248,18 +248,8 @@ class StageTask:
 
 def _chunked(pairs: Iterable[tuple[int, str]], max_chars: int) -> Iterator[tuple[list[int], list[str]]]:
     """(document indexes, texts) in chunks of about ``max_chars`` characters (``packing.chunk_documents``)."""
-    ids: list[int] = []
-    texts: list[str] = []
-    size = 0
-    for i, t in pairs:
-        ids.append(i)
-        texts.append(t)
-        size += len(t)
-        if size >= max_chars or len(texts) >= packing.CHUNK_DOCS:
-            yield ids, texts
-            ids, texts, size = [], [], 0
-    if texts:
-        yield ids, texts
+    for chunk in packing.chunk_documents(pairs, max_chars, text=lambda p: p[1]):
+        yield [i for i, _ in chunk], [t for _, t in chunk]
 
 
 def _signatures(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
@@ -289,6 +279,8 @@ def _signatures(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
 
 
 def _units(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
+    if job.encoder is None and not per_document_checks(job.curate, job.index):
+        workers = 1  # `data dedup` alone: no work per document for a worker process, only the trip there and back
     chars = packing.CHUNK_CHARS if workers <= 1 else packing.CHUNK_CHARS_POOL
     open_units: dict[int, UnitWork] = {}  # started and not finished: their staging folders go on error
 
@@ -310,6 +302,11 @@ def _units(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
     finally:
         for w in open_units.values():
             shutil.rmtree(w.stage, ignore_errors=True)
+
+
+def per_document_checks(cfg: CurateConfig | None, index) -> bool:
+    """Whether the units stage runs filters or decontamination on each document."""
+    return cfg is not None and bool(cfg.filters.enabled() or index is not None)
 
 
 class UnitWork:

@@ -48,7 +48,7 @@ from lmforge.data.job import Job, WorkDir, source_stats, source_summary, unit_ma
 from lmforge.data.packing import SPLITS, Encoder
 from lmforge.data.sources import SourceStats, list_files, no_documents_message
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
-from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input, plan_units
+from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input
 from lmforge.errors import UserError
 from lmforge.layout import DATASET_MARKER as MARKER
 
@@ -179,7 +179,6 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
     check_on_bad_input(on_bad_input)
     check_executor(executor)
     from lmforge.data.curate import resolve_curation
-    from lmforge.data.curate.crossdedup import dedup_plan
 
     curate, index = resolve_curation(curate)
     if removed_out is not None and os.path.isfile(removed_out):
@@ -206,10 +205,7 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
             marker["args"]["decontaminate_index"] = index.fingerprint
 
     marker["unit_bytes"] = unit_bytes
-    units = plan_units(sources, unit_bytes)
-    sizes = [u.bytes for u in units]
-    dedup = dedup_plan(curate.dedup if curate is not None else None,
-                       sum(sizes) if all(b is not None for b in sizes) else None, len(units))
+    units, dedup = dest.units_and_dedup(sources, unit_bytes, curate.dedup if curate is not None else None)
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     job = Job(out, units, text_field, curate, index, dedup, encoder=(Encoder, (tok.to_json(), tok.eos_id, eval_fraction)),
               splits=("train", "val") if eval_fraction > 0 else ("train",), seq_len=seq_len, dtype=dtype,
@@ -220,14 +216,13 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
                        "removed_out": removed_out, "workers": workers, "executor": executor.kind if executor else None,
                        "tasks": executor.tasks if executor else None, "unit_bytes": unit_bytes})
     existing = _existing_marker(out)
-    if existing is not None and _identity(existing) == _identity(marker):
-        dest.finish_earlier(job)  # a kill after the marker left work/ behind
+    same = existing is not None and _identity(existing) == _identity(marker)
+    other = None if existing is None else f"a different prepared dataset ({_difference(existing, marker, flags)})"
+    resumed = dest.start(job, _identity(marker), same, other, overwrite, "data prepare")
+    if resumed is None:
         if log:
             log(f"already prepared: {out}")
         return existing | {"already_prepared": True}
-    plan = {"identity": _identity(marker), "unit_bytes": unit_bytes, "units": [u.to_json() for u in units]}
-    other = None if existing is None else f"a different prepared dataset ({_difference(existing, marker, flags)})"
-    resumed = dest.claim(out, plan, other, overwrite, "data prepare")
     run, summary = dest.run(job, executor, workers, sys.stderr.isatty() if progress is None else bool(progress))
     if summary is None:
         return {"format": "lmforge-dataset-job", "out": out, "resumed": resumed, "units": len(units),

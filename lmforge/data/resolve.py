@@ -37,6 +37,7 @@ class ResolvedDataset:
     path: str  # a prepared dataset: MDS folder, or a folder with train/ and val/
     proportion: float | None
     summary: dict = field(default_factory=dict)
+    _stored: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def seq_len(self) -> int | None:
@@ -49,9 +50,12 @@ class ResolvedDataset:
         return _exists(_join(self.path, split, "index.json"))
 
     def stored(self) -> tuple[int, int]:
-        """(stored samples, tokens per sample) of the train split, as the stream reads them."""
-        reader = open_dataset(self.path)
-        return len(reader), reader.sample_length(0)
+        """(stored samples, tokens per sample) of the train split, as the stream reads them (opened
+        once: resolution asks several times)."""
+        if self._stored is None:
+            reader = open_dataset(self.path)
+            self._stored = (len(reader), reader.sample_length(0))
+        return self._stored
 
 
 @dataclass

@@ -22,7 +22,7 @@ from lmforge.data.curate import resolve_curation
 from lmforge.data.executors import ExecutorSpec, JobRun, check_executor
 from lmforge.data.job import Job, WorkDir, source_stats, source_summary, unit_markers
 from lmforge.data.sources import SourceStats, list_files, no_documents_message
-from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input, plan_units
+from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input
 from lmforge.errors import UserError
 
 MARKER = "curation.json"
@@ -31,7 +31,6 @@ MARKER = "curation.json"
 def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int = 1, text_field: str = "text",
                     overwrite: bool = False, removed_out: str | None = None, executor: ExecutorSpec | None = None,
                     unit_bytes: int = DEFAULT_UNIT_BYTES, progress: bool = False, on_bad_input: str = "skip") -> dict:
-    from lmforge.data.curate.crossdedup import dedup_plan
     from lmforge.data.prepare import input_fingerprint
 
     inputs = [inputs] if isinstance(inputs, str) else [str(i) for i in inputs]
@@ -52,9 +51,7 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
                 "curate": cfg.model_dump(mode="json"), "decontaminate_index": index.fingerprint if index else None,
                 "unit_bytes": unit_bytes}
     dest_dir = os.path.abspath(out)
-    units = plan_units(sources, unit_bytes)
-    sizes = [u.bytes for u in units]
-    dedup = dedup_plan(cfg.dedup, sum(sizes) if all(b is not None for b in sizes) else None, len(units))
+    units, dedup = dest.units_and_dedup(sources, unit_bytes, cfg.dedup)
     job = Job(dest_dir, units, text_field, cfg, index, dedup, on_bad_input=on_bad_input, finalize=finalize,
               context={"identity": identity, "marker_name": MARKER, "inputs": inputs,
                        "skipped_inputs": stats.skipped_inputs, "removed_out": removed_out, "workers": workers,
@@ -62,12 +59,11 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
                        "unit_bytes": unit_bytes})
     old = _read_marker(dest_dir)
     # Output written before units existed was one stream: what the default unit size makes.
-    if old is not None and {"unit_bytes": DEFAULT_UNIT_BYTES} | old.get("identity", {}) == identity:
-        dest.finish_earlier(job)  # a kill after the marker left work/ behind
-        return old | {"already_done": True}
-    plan = {"identity": identity, "unit_bytes": unit_bytes, "units": [u.to_json() for u in units]}
-    resumed = dest.claim(dest_dir, plan, None if old is None else "other `data dedup` output", overwrite,
+    same = old is not None and {"unit_bytes": DEFAULT_UNIT_BYTES} | old.get("identity", {}) == identity
+    resumed = dest.start(job, identity, same, None if old is None else "other `data dedup` output", overwrite,
                          "data dedup")
+    if resumed is None:
+        return old | {"already_done": True}
     run, summary = dest.run(job, executor, workers, progress)
     if summary is None:
         return {"format": "lmforge-curation-job", "out": out, "resumed": resumed, "submitted": run.submitted}
