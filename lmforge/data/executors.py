@@ -158,7 +158,7 @@ def _raise_task_error(wd: WorkDir) -> None:
                               f"{wd.uri('errors', name)}); this is a bug, not the data's fault: running the same "
                               "command again fails the same way, please report it")
         if err.get("message"):
-            raise (remote.StoreError if err.get("store") else BadInput)(err["message"])
+            raise (remote.StoreError if err.get("store") else TaskDied if err.get("died") else BadInput)(err["message"])
 
 
 class TaskCrashed(UserError):

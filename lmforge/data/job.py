@@ -126,7 +126,7 @@ class BadInput(UserError):
 
 @dataclass(frozen=True)
 class Stage:
-    name: str  # signatures | duplicates | clusters | units | finalize
+    name: str  # signatures, duplicates, verify, components-RR, clusters, removals (dedup), units, finalize
     items: int
 
 
@@ -191,9 +191,9 @@ def run_items(job: Job, stage: Stage, items: Iterable[int], workers: int = 1) ->
             for i in todo:
                 wd.write_json(f"{stage.name}/{i:06d}.json", step(wd, job.dedup, stage, i) or {})
     except UserError as e:
-        store = isinstance(e, remote.StoreError)
-        _error(wd, stage, {"message": str(e), "store": store})
-        if store or isinstance(e, TaskDied):
+        store, died = isinstance(e, remote.StoreError), isinstance(e, TaskDied)
+        _error(wd, stage, {"message": str(e), "store": store, "died": died})
+        if store or died:
             raise
         raise BadInput(str(e)) from None
     except Exception as e:

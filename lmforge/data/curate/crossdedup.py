@@ -249,11 +249,12 @@ def _find_exact(store: Store, plan: DedupPlan, part: int) -> None:
     repeat[1:] = (keys["hi"][1:] == keys["hi"][:-1]) & (keys["lo"][1:] == keys["lo"][:-1])
     first = np.maximum.accumulate(np.where(repeat, 0, np.arange(len(keys))))
     rows = np.flatnonzero(repeat)
-    for u in np.unique(unit[rows]):
-        mine = rows[unit[rows] == u]
+    rows = rows[np.argsort(unit[rows], kind="stable")]
+    for s, e in _runs(unit[rows]):  # per unit
+        mine = rows[s:e]
         out = np.zeros(len(mine), REMOVED)
         out["doc"], out["first_unit"], out["first_doc"] = keys["doc"][mine], unit[first[mine]], keys["doc"][first[mine]]
-        _save(store, f"dedup/exact-removed/{int(u):06d}/{part:03d}.npy", out)
+        _save(store, f"dedup/exact-removed/{int(unit[mine[0]]):06d}/{part:03d}.npy", out)
 
 
 def _find_candidates(store: Store, plan: DedupPlan, item: int) -> None:
@@ -282,20 +283,29 @@ def verify(store: Store, plan: DedupPlan, group: int) -> None:
     """The candidate pairs whose first document is in unit group ``group``, verified on the full
     signatures; the verified edges (both directions) cut by node range for the components."""
     pairs, _ = _load_parts_of(store, "dedup/pairs", PAIR, group, plan.groups)
-    pairs = np.unique(pairs)  # a pair found by several bands is verified once
+    pairs = np.unique(pairs)  # sorted by first unit; a pair found by several bands is verified once
     similar = np.zeros(len(pairs), bool)
-    for u1 in np.unique(pairs["u1"]):  # one unit's rows at a time: memory is one unit's pairs
-        mine = np.flatnonzero(pairs["u1"] == u1)
-        a = signature_rows(store, plan, int(u1), pairs["d1"][mine])
-        b = np.zeros_like(a)
-        for u2 in np.unique(pairs["u2"][mine]):
-            theirs = pairs["u2"][mine] == u2
-            b[theirs] = signature_rows(store, plan, int(u2), pairs["d2"][mine][theirs])
-        similar[mine] = (a == b).mean(axis=1) >= plan.threshold
+    for s, e in _runs(pairs["u1"]):  # one unit's pairs at a time: their two signatures in memory
+        block = pairs[s:e]
+        a = signature_rows(store, plan, int(block["u1"][0]), block["d1"])
+        b = np.empty_like(a)
+        order = np.lexsort((block["d2"], block["u2"]))  # by the other unit: one read per run of its rows
+        for s2, e2 in _runs(block["u2"][order]):
+            rows = order[s2:e2]
+            b[rows] = signature_rows(store, plan, int(block["u2"][rows[0]]), block["d2"][rows])
+        similar[s:e] = (a == b).mean(axis=1) >= plan.threshold
     pairs = pairs[similar]
     a = (pairs["u1"].astype(np.uint64) << np.uint64(32)) | pairs["d1"]
     b = (pairs["u2"].astype(np.uint64) << np.uint64(32)) | pairs["d2"]
     _save_edges(store, f"dedup/components/00/{group:05d}.bin", np.concatenate([a, b]), np.concatenate([b, a]), plan)
+
+
+def _runs(values: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal values (``values`` grouped)."""
+    if not len(values):
+        return []
+    cuts = np.flatnonzero(values[1:] != values[:-1]) + 1
+    return list(zip([0, *cuts.tolist()], [*cuts.tolist(), len(values)]))
 
 
 def signature_rows(store: Store, plan: DedupPlan, unit: int, docs: np.ndarray) -> np.ndarray:
@@ -395,12 +405,12 @@ def collect_removals(store: Store, plan: DedupPlan, group: int) -> None:
     """The near duplicates of unit group ``group``, one file per unit, in document order."""
     dt = np.dtype([("unit", "<u4"), *REMOVED.descr])
     rows, _ = _load_parts_of(store, "dedup/clusters", dt, group, plan.groups)
-    for u in np.unique(rows["unit"]):
-        mine = np.sort(rows[rows["unit"] == u], order="doc")
-        out = np.zeros(len(mine), REMOVED)
+    rows = np.sort(rows, order=["unit", "doc"])
+    for s, e in _runs(rows["unit"]):  # per unit
+        out = np.zeros(e - s, REMOVED)
         for name in REMOVED.names:
-            out[name] = mine[name]
-        _save(store, f"dedup/near-removed/{int(u):06d}.npy", out)
+            out[name] = rows[name][s:e]
+        _save(store, f"dedup/near-removed/{int(rows['unit'][s]):06d}.npy", out)
 
 
 # ----------------------------------------------------------------------------- results
