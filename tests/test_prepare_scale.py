@@ -650,15 +650,15 @@ def test_connected_components_of_long_chains_stars_and_cycles(tmp_path):
     from lmforge.data.job import WorkDir, run_items
 
     rng = np.random.default_rng(11)
-    ids = rng.permutation(2000).astype(np.uint64)  # node i is (unit, doc) = divmod(ids[i], 100)
+    ids = rng.permutation(1000).astype(np.uint64)  # node i is (unit, doc) = divmod(ids[i], 100)
     node = [int(i // 100) << 32 | int(i % 100) for i in ids]
-    edges = [(node[i], node[i + 1]) for i in range(300)]  # a path
-    edges += [(node[400], node[i]) for i in range(401, 600)]  # a star
-    edges += [(node[i], node[i + 1]) for i in range(700, 760)] + [(node[760], node[700])]  # a cycle
-    edges += [(node[i], node[i + 1]) for i in range(800, 1600, 2)]  # pairs
+    edges = [(node[i], node[i + 1]) for i in range(200)]  # a path
+    edges += [(node[300], node[i]) for i in range(301, 400)]  # a star
+    edges += [(node[i], node[i + 1]) for i in range(500, 540)] + [(node[540], node[500])]  # a cycle
+    edges += [(node[i], node[i + 1]) for i in range(600, 800, 2)]  # pairs
     want = _reference_clusters(edges)
-    for node_parts in (1, 8):
-        plan = DedupPlan(False, True, 1, 1, 1, 1, 0.8, groups=1, node_parts=node_parts, rounds=20, units=20)
+    for node_parts in (1, 4):
+        plan = DedupPlan(False, True, 1, 1, 1, 1, 0.8, groups=1, node_parts=node_parts, rounds=20, units=10)
         out = tmp_path / str(node_parts)
         a, b = np.array([e[0] for e in edges], np.uint64), np.array([e[1] for e in edges], np.uint64)
         _save_edges(WorkDir(str(out)), "dedup/components/00/00000.bin", np.r_[a, b], np.r_[b, a], plan)
