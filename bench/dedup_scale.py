@@ -3,20 +3,24 @@ over ~16K tiny work units (1T tokens at 256 MB units make ~16K units), and their
 1T tokens on 1,000 cores.
 
     python bench/dedup_scale.py [--units 16384] [--docs 8] [--band-parts 2] [--groups 16] [--node-parts 16]
+                                [--dense 131072]
 
 Each unit holds DOCS documents with synthetic MinHash signatures (128 values) and exact keys:
 10% of the documents are near copies of an earlier one (1-6 of the 128 values changed; some
 copy a copy: chains), 3% exact copies. The signatures stage writes each unit's files as a task
 would; every later stage's items then run one after another in this process, on the real code
 (`job.run_items`) and real files, each measured: wall time, peak memory (tracemalloc: numpy's
-arrays included), ranged reads.
+arrays included), ranged reads. Two runs: the wide one (16K units: the items and the reads of
+1T) and a dense one (8 units of many documents, every stage in one part: the cost and memory
+per document, where an item's fixed cost does not matter).
 
 The projection to 1T tokens (assumed ≈ 4 TB of text, 2 KB = 500 tokens per document: 2e9
-documents) on 1,000 cores: per stage, the items `dedup_plan` makes for 4 TB in 16,384 units; a
-stage's time = (its reads at 1T × the time of one ranged read here + its compute here × the
-documents' ratio) / min(1000, its items at 1T); a item's memory = its peak here × the ratio of
-the records one item holds. The signatures' MinHash itself is projected from its measured
-rate on real text (the stdlib's docs). The box this runs on is shared: compare times as ratios.
+documents) on 1,000 cores, per stage: the items `dedup_plan` makes for 4 TB in 14,901 units;
+time = (the dense run's seconds per document × 2e9 + each item's fixed cost, its ranged reads
+scaled to the files it reads at 1T) / min(1000, its items at 1T); an item's memory = the dense
+run's peak per document × the documents one item holds at 1T. The signatures' MinHash itself is
+projected from its measured rate on real text (the stdlib's docs). The box this runs on is
+shared and loaded: compare times as ratios within one run.
 """
 
 from __future__ import annotations
@@ -111,15 +115,15 @@ def files_per_item(kind: str, plan: DedupPlan) -> int:
             "clusters": plan.node_parts, "removals": plan.node_parts}.get(kind, 1)
 
 
-def run(units: int, docs: int, args) -> tuple[DedupPlan, dict, int]:
-    """Every dedup stage over ``units`` synthetic units of ``docs`` documents: per stage kind (the
-    components steps that did work together), [items, seconds, reads, the largest item's peak bytes]."""
+def run(units: int, docs: int, parts: tuple[int, int, int]) -> tuple[DedupPlan, dict, int, float]:
+    """Every dedup stage over ``units`` synthetic units of ``docs`` documents cut in ``parts`` (band
+    parts, groups, node ranges): per stage kind (the components steps that did work together)
+    [items, seconds, reads, the largest item's peak bytes, steps]."""
     cfg = DedupConfig()
-    _, rows = lsh_params_of(cfg)
-    plan = DedupPlan(True, True, 1, 16, rows, cfg.num_perm, cfg.threshold, band_parts=args.band_parts,
-                     groups=args.groups, node_parts=args.node_parts,
-                     rounds=dedup_plan(cfg, units * docs * 2048, units).rounds, units=units)
-    out = {}
+    bands, rows = lsh_params_of(cfg)
+    plan = DedupPlan(True, True, 1, bands, rows, cfg.num_perm, cfg.threshold, band_parts=parts[0], groups=parts[1],
+                     node_parts=parts[2], rounds=dedup_plan(cfg, units * docs * 2048, units).rounds, units=units)
+    out: dict = {}
 
     def add(kind: str, items: int, stats: list) -> None:
         row = out.setdefault(kind, [0, 0.0, 0, 0, 0])
@@ -151,52 +155,64 @@ def lsh_params_of(cfg: DedupConfig) -> tuple[int, int]:
     return lsh_params(cfg)
 
 
+def share(kind: str, plan: DedupPlan) -> int:
+    """How many items a stage's documents are spread over (an item's memory holds its share)."""
+    return {"signatures": plan.units, "duplicates": plan.band_parts, "verify": plan.groups,
+            "removals": plan.groups}.get(kind, plan.node_parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--units", type=int, default=16384)
-    ap.add_argument("--docs", type=int, default=8, help="documents per unit (a second run has a quarter of them)")
+    ap.add_argument("--docs", type=int, default=8, help="documents per unit")
     ap.add_argument("--band-parts", type=int, default=2)
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--node-parts", type=int, default=16)
+    ap.add_argument("--dense", type=int, default=131072, help="documents of the run that measures the cost per "
+                    "document (8 units, every stage in one part)")
     args = ap.parse_args()
     cfg = DedupConfig()
     bytes_1t = TOKENS_1T * BYTES_PER_TOKEN
     big = dedup_plan(cfg, bytes_1t, units=bytes_1t // DEFAULT_UNIT_BYTES)
-    small = run(args.units, max(1, args.docs // 4), args)
-    plan, rows, removed, t_read = run(args.units, args.docs, args)
-    report(args, plan, big, small, rows, removed, t_read)
+    dense = run(8, args.dense // 8, (1, 1, 1))
+    wide = run(args.units, args.docs, (args.band_parts, args.groups, args.node_parts))
+    report(args, big, dense, wide)
 
 
-def report(args, plan, big, small, rows, removed, t_read) -> None:
-    """The measured stages, and each projected to 1T tokens: time = fixed per item (here: the
-    difference between the two runs) + per document, over min(1,000, its items at 1T)."""
-    docs, docs_small = args.units * args.docs, args.units * max(1, args.docs // 4)
-    print(f"{args.units:,} units × {args.docs} documents = {docs:,} documents (and a run of {docs_small:,}); here "
-          f"{plan.duplicate_items} duplicates items, {plan.groups} groups, {plan.node_parts} node ranges; at 1T "
-          f"tokens (4 TB, {big.units:,} units, {DOCS_1T:.1e} documents): {big.duplicate_items:,} duplicates items, "
-          f"{big.groups} groups, {big.node_parts} node ranges, {big.rounds} rounds planned")
-    print(f"removed: {removed:,} documents; a ranged read here: {t_read * 1e6:.0f} µs\n")
-    head = ("stage", "steps", "items", "items at 1T", "reads/item", "time s", "peak MB/item", "1T: GB/item",
-            f"1T on {CORES:,} cores")
+def report(args, big, dense, wide) -> None:
+    """The wide run's stages (16K units: the items and the reads of 1T), each projected to 1T tokens:
+    the dense run's seconds and peak memory per document (few, large items), the wide run's cost
+    per item beyond that (its reads scaled to the files an item reads at 1T), over
+    min(1,000, the stage's items at 1T)."""
+    plan, rows, removed, t_read = wide
+    d_plan, d_rows, _, _ = dense
+    docs = args.units * args.docs
+    print(f"wide: {args.units:,} units × {args.docs} documents = {docs:,} documents, {plan.duplicate_items} "
+          f"duplicates items, {plan.groups} groups, {plan.node_parts} node ranges; dense: 8 units × "
+          f"{args.dense // 8:,} documents, one part each; at 1T tokens (4 TB, {big.units:,} units, {DOCS_1T:.1e} "
+          f"documents): {big.duplicate_items:,} duplicates items, {big.groups} groups, {big.node_parts} node ranges, "
+          f"{big.rounds} rounds planned")
+    print(f"removed (wide): {removed:,} documents; a ranged read here: {t_read * 1e6:.0f} µs\n")
+    head = ("stage", "steps", "items", "items at 1T", "reads/item", "time s", "peak MB/item", "dense: µs/doc",
+            "1T: GB/item", f"1T on {CORES:,} cores")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     total = 0.0
     for kind, (items, seconds, reads, peak, steps) in rows.items():
-        s_items, s_seconds, s_reads, s_peak, _ = small[1][kind]
-        per_doc = max(0.0, (seconds - s_seconds) / (docs - docs_small))  # compute and reads that grow with documents
-        fixed = max(0.0, seconds - per_doc * docs) / items  # per item: start, one ranged read per file
-        reads_fixed = max(0.0, reads - (reads - s_reads) / (docs - docs_small) * docs) / items
+        _, d_seconds, _, d_peak, _ = d_rows[kind]
+        per_doc = d_seconds / args.dense
         items_1t = {"signatures": big.units, "duplicates": big.duplicate_items, "verify": big.groups,
                     "removals": big.groups}.get(kind, big.node_parts)
-        ratio = files_per_item(kind, big) / files_per_item(kind, plan)
-        t_1t = (items_1t * (fixed + reads_fixed * (ratio - 1) * t_read) + per_doc * DOCS_1T) / min(CORES, items_1t)
-        mem_doc = max(0.0, (peak - s_peak) / ((docs - docs_small) / items))
-        mem_1t = s_peak + mem_doc * DOCS_1T / items_1t
+        reads_item = reads / items
+        fixed = max(0.0, seconds - per_doc * docs) / items - reads_item * t_read
+        fixed_1t = max(0.0, fixed) + reads_item * files_per_item(kind, big) / files_per_item(kind, plan) * t_read
+        t_1t = (per_doc * DOCS_1T + items_1t * fixed_1t) / min(CORES, items_1t)
+        mem_1t = d_peak * share(kind, d_plan) / share(kind, big) * DOCS_1T / args.dense
         total += t_1t
-        print(f"| {kind} | {steps} | {items:,} | {items_1t:,} | {reads / items:,.0f} | {seconds:.1f} | "
-              f"{peak / 1e6:.2f} | {mem_1t / 1e9:.2f} | {t_1t / 60:.1f} min |")
+        print(f"| {kind} | {steps} | {items:,} | {items_1t:,} | {reads_item:,.0f} | {seconds:.1f} | "
+              f"{peak / 1e6:.2f} | {per_doc * 1e6:.1f} | {mem_1t / 1e9:.2f} | {t_1t / 60:.1f} min |")
     rate = minhash_mb_per_s()
     minhash = TOKENS_1T * BYTES_PER_TOKEN / 1e6 / rate / CORES
-    print(f"| MinHash of the text (in signatures) | — | — | {big.units:,} | — | — | — | — | "
+    print(f"| MinHash of the text (in signatures) | — | — | {big.units:,} | — | — | — | — | — | "
           f"{minhash / 60:.1f} min ({rate:.2f} MB/s per core) |")
     print(f"\ndedup at 1T tokens on {CORES:,} cores: {(total + minhash) / 60:.0f} min (tokenizing not included: "
           "bench/prepare.py)")

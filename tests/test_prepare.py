@@ -246,5 +246,10 @@ def test_prepare_to_and_from_s3(corpus, tok, tmp_path, s3_env):
     assert json.loads(r.stdout)["first_sample"]["ids"] == MDSReader(str(tmp_path / "local" / "train")).get_tokens(0).tolist()
     again = prepare([f"s3://{s3.bucket}/raw/"], tok, dest, SEQ, eval_fraction=0.2, unit_bytes=8192)
     assert again["already_prepared"]  # the same units (another --unit-mb would be another dataset)
+    # Dedup's work files in the store: every item reads its part of the others' files by ranged reads.
+    dedup = dict(eval_fraction=0.2, unit_bytes=8192, curate={"dedup": {"exact": True, "near": True}})
+    there = prepare([f"s3://{s3.bucket}/raw/"], tok, f"s3://{s3.bucket}/prepared/dd", SEQ, **dedup)
+    here = prepare([str(d / "b.jsonl"), str(d / "c.jsonl.gz")], tok, str(tmp_path / "dd"), SEQ, **dedup)
+    assert there["splits"] == here["splits"] and there["curation"]["by_reason"] == here["curation"]["by_reason"]
     with pytest.raises(UserError, match="already holds a different prepared dataset"):
         prepare([f"s3://{s3.bucket}/raw/"], tok, dest, SEQ * 2)

@@ -46,6 +46,7 @@ from typing import Protocol
 import numpy as np
 
 from lmforge.config.curation import DedupConfig
+from lmforge.data import remote
 from lmforge.errors import UserError
 
 EXACT = np.dtype([("hi", "<u8"), ("lo", "<u8"), ("doc", "<u4")])
@@ -169,12 +170,13 @@ def _load_parts_of(store: Store, folder: str, dtype: np.dtype, part: int, parts:
                    sources: list[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Part ``part`` of every file in ``folder`` (or of ``sources``), concatenated, with each row's
     file number (the file's name without its extension)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     names = sources if sources is not None else [n for n in store.names(folder) if n.endswith(".bin")]
-    arrays, origin = [], []
-    for name in names:
-        a = _load_part(store, f"{folder}/{name}", dtype, part, parts)
-        arrays.append(a)
-        origin.append(np.full(len(a), int(name.split(".")[0]), np.uint32))
+    # From an object store, many ranged reads in flight (16K files of 1T tokens: ~30 s, not ~15 min).
+    with ThreadPoolExecutor(32 if remote.is_remote(store.uri(folder)) else 1) as pool:
+        arrays = list(pool.map(lambda name: _load_part(store, f"{folder}/{name}", dtype, part, parts), names))
+    origin = [np.full(len(a), int(name.split(".")[0]), np.uint32) for a, name in zip(arrays, names)]
     if not arrays:
         return np.zeros(0, dtype), np.zeros(0, np.uint32)
     return np.concatenate(arrays), np.concatenate(origin)
