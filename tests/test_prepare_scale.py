@@ -191,15 +191,29 @@ def _after_kill(code: int, err: str, victims: list[int], out: Path) -> None:
 
 @pytest.mark.e2e
 def test_tasks_write_the_plain_dataset_and_a_killed_task_is_redone(corpus, tok, plain, tmp_path):
-    # The task processes killed as soon as one has taken its work (datatrove's task log appears: a
-    # task lost before it did anything, which the pool would wait for forever), then, in the same
-    # command run again, one killed while it works (a unit done meanwhile); then the same command
-    # with 3 tasks finishes the job, redoing only the units without a marker.
+    """Kills at several moments of `--tasks 2`, each run going on from the last; then 3 tasks finish
+    the job, redoing only the units without a marker, and write the plain command's dataset.
+
+    1. The task processes, as soon as one has taken its work (datatrove's task log appears): a task
+       lost before it did anything, which the pool would wait for forever (D0).
+    2. The command itself (SIGKILL) while its tasks work: they must not go on publishing units (D6).
+    3. The command while its last step writes the indexes (item 3).
+    After 2 and 3 no process of the run is left, and DEST is either complete (marker and val index;
+    a work/ left by a kill after the marker is what the same command removes) or refused by `train`."""
+    from lmforge.data.resolve import is_prepared
+    from lmforge.errors import UserError
+
     out = tmp_path / "ds"
+    args = _args(corpus, tok, out, "--tasks", "2")
     started = out / "work" / "logs" / "units" / "logs"
-    for ready in (lambda w: w if started.is_dir() and os.listdir(started) else [],
-                  lambda w: w[:1] if _names(out / "work" / "units") else []):
-        _after_kill(*_kill_a_task(_args(corpus, tok, out, "--tasks", "2"), ready), out)
+    _after_kill(*_kill_a_task(args, lambda w: w if started.is_dir() and os.listdir(started) else []), out)
+    for ready in (lambda: _names(out / "work" / "units"), lambda: (out / "train" / "index.json").exists()):
+        _kill_the_command(args, ready)
+        if (out / MARKER).exists():
+            assert is_prepared(str(out)) and (out / "val" / "index.json").exists()
+        elif out.exists():
+            with pytest.raises(UserError, match="an unfinished `lmforge data prepare`"):
+                is_prepared(str(out))
     done, finished = len(_names(out / "work" / "units")), (out / MARKER).exists()
     s = json.loads(lmforge(*_args(corpus, tok, out, "--tasks", "3"), check=True).stdout)
     if not finished:  # else a kill landed after the last unit: nothing was left to redo
@@ -358,28 +372,6 @@ def _kill_the_command(args: list, ready) -> None:
     while _left_behind(tag):
         assert time.monotonic() < deadline, f"left behind: {_left_behind(tag)}"
         time.sleep(0.1)
-
-
-@pytest.mark.e2e
-def test_killing_the_command_at_any_moment_leaves_no_process_and_no_half_dataset(corpus, tok, plain, tmp_path):
-    """SIGKILL of the command while its tasks work (D6: they must not go on publishing units) and
-    while its last step writes the indexes: no process is left, and DEST is either complete (marker
-    and val index; a work/ left by a kill after the marker is what the same command removes) or
-    refused by `train`; the same command then completes it."""
-    from lmforge.data.resolve import is_prepared
-    from lmforge.errors import UserError
-
-    out = tmp_path / "ds"
-    args = _args(corpus, tok, out, "--tasks", "2")
-    for ready in (lambda: _names(out / "work" / "units"), lambda: (out / "train" / "index.json").exists()):
-        _kill_the_command(args, ready)
-        if (out / MARKER).exists():
-            assert is_prepared(str(out)) and (out / "val" / "index.json").exists()
-        elif out.exists():
-            with pytest.raises(UserError, match="an unfinished `lmforge data prepare`"):
-                is_prepared(str(out))
-    lmforge(*args, check=True)
-    assert _files(out) == _files(plain) and sorted(os.listdir(out)) == [MARKER, "train", "val"]
 
 
 @pytest.mark.integration

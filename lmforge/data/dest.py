@@ -148,10 +148,18 @@ def write_removed_samples(job: Job, markers: list[dict]) -> list[str] | None:
 
 def finish(job: Job) -> None:
     """After the marker: what the job kept in DEST goes (Slurm's logs stay: the last step's own task
-    still writes to its log)."""
+    still writes to its log), and so do half-written files a kill left (``remote.write_local_atomic``'s
+    ``.NAME.*.part``: an object store's writes leave none)."""
     if job.after_marker is not None:
         job.after_marker(job)
     WorkDir(job.out).remove(keep_logs=job.context.get("executor") == "slurm")
+    if not remote.is_remote(job.out):
+        root = remote.local_path(job.out)
+        for folder in [root, *(os.path.join(root, n) for n in os.listdir(root))]:
+            if os.path.isdir(folder):
+                for name in os.listdir(folder):
+                    if name.startswith(".") and name.endswith(".part"):
+                        os.remove(os.path.join(folder, name))
 
 
 def finish_earlier(job: Job, markers: list[dict] | None = None) -> None:

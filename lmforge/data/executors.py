@@ -76,6 +76,7 @@ def check_executor(spec: ExecutorSpec | None) -> None:
 
 
 RAY_CONNECT_SECONDS = 10
+RUNNER_END_SECONDS = 60  # the runner, its lifeline closed, kills its tree and ends; past this it is killed
 
 
 def check_ray_address(address: str | None) -> None:
@@ -190,10 +191,12 @@ def _run_in_runner(job: Job, stages: list[Stage], spec: ExecutorSpec) -> int:
             while proc.poll() is None and not wd.names("errors"):
                 time.sleep(interval)
         finally:
-            proc.stdin.close()  # its lifeline: without this process, it kills what runs below it
-            if proc.poll() is None:  # not reaped yet: its pid is still its own
+            proc.stdin.close()  # its lifeline: it kills what runs below it, and ends
+            try:
+                proc.wait(timeout=RUNNER_END_SECONDS)
+            except subprocess.TimeoutExpired:  # stuck: taken down from here (its pid is its own until waited)
                 kill_tree(proc.pid)
-            proc.wait()
+                proc.wait()
         outcome = _read_json(result)
         if not outcome:  # it died on its own (out of memory?): what is left of its process group
             with contextlib.suppress(OSError):

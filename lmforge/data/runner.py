@@ -91,9 +91,13 @@ def _lifeline(fd: int) -> None:
         _end(1)
 
 
+_TREE = threading.Lock()  # one thread at a time takes the tree down: a second would stop what the first then leaves
+
+
 def _end(code: int) -> None:
     """Kill everything below this process and exit at once (no interpreter shutdown: exit handlers
-    of a process pool left behind would wait for it)."""
+    of a process pool left behind would wait for it). A second caller waits for the first's exit."""
+    _TREE.acquire()
     kill_tree(os.getpid(), include_root=False)
     try:
         while os.waitpid(-1, os.WNOHANG)[0]:  # the orphans re-parented to us
@@ -113,7 +117,8 @@ def run_stages(job: Job, stages: list[Stage], spec) -> dict:
             continue
         outcome = _run_stage(job, stage, spec, wd)
         if spec.kind == "local":  # the stage's pool, its manager and fork server (Ray's cluster stays)
-            kill_tree(os.getpid(), include_root=False)
+            with _TREE:
+                kill_tree(os.getpid(), include_root=False)
         if outcome is not None:
             return outcome
     return {"ok": True, "cores": cores}
