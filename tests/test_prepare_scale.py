@@ -524,11 +524,16 @@ def test_an_unreadable_input_is_skipped_named_and_the_same_for_every_stage(tmp_p
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "first"}) + "\n")
     (tmp_path / "c.jsonl.gz").write_bytes(b"\x1f\x8b not gzip")
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": "last"}) + "\n")
+    import zstandard
+
+    whole = zstandard.ZstdCompressor().compress(b'{"text": "cut short"}\n' * 100)
+    (tmp_path / "c2.jsonl.zst").write_bytes(whole[: len(whole) // 2])  # a file cut short: not read as if it ended there
     [unit] = plan_units(list_files([str(tmp_path)]), 1 << 20)
     stats = SourceStats()
     got = list(unit_documents(unit, "text", stats))
     assert got[0] == "first" and got[-1] == "last" and got[1:-1] == docs[:len(got) - 2] and 0 < len(got) - 2 < 1500
-    assert [s["input"].rsplit("/", 1)[1] for s in stats.skipped_inputs] == ["b.jsonl.zst", "c.jsonl.gz"]
+    assert [s["input"].rsplit("/", 1)[1] for s in stats.skipped_inputs] == ["b.jsonl.zst", "c.jsonl.gz", "c2.jsonl.zst"]
+    assert "truncated: the file ends inside a frame" in stats.skipped_inputs[2]["reason"]
     assert stats.skipped_inputs[0]["reason"].startswith("corrupt or truncated zstd") and \
         stats.skipped_inputs[0]["reason"].endswith(f"skipped after its first {len(got) - 2} documents")
     assert list(unit_documents(unit, "text", SourceStats())) == got  # where it breaks depends on its bytes only

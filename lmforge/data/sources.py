@@ -263,11 +263,45 @@ def _open_decompressed(uri: str, compression: str | None):
     if compression == "gzip":
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if compression == "zstd":
+        return io.BufferedReader(_ZstdFrames(raw), buffer_size=1 << 20)
+    return raw
+
+
+class _ZstdFrames(io.RawIOBase):
+    """A zstd stream read frame after frame, refusing one cut short: zstandard's own stream reader
+    returns a truncated file's text as if the file ended there (its tail lost without a word)."""
+
+    def __init__(self, raw):
         import zstandard
 
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
-        return io.BufferedReader(reader, buffer_size=1 << 20)
-    return raw
+        self.raw, self.zstd = raw, zstandard.ZstdDecompressor()
+        self.frame, self.pending, self.out = None, b"", b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while not self.out:
+            data, self.pending = self.pending or self.raw.read(1 << 16), b""  # small: what precedes damage is read
+            if not data:
+                if self.frame is not None and not self.frame.eof:
+                    import zstandard
+
+                    raise zstandard.ZstdError("truncated: the file ends inside a frame")
+                return 0
+            if self.frame is None or self.frame.eof:
+                self.frame = self.zstd.decompressobj()
+            self.out = self.frame.decompress(data)
+            if self.frame.eof:
+                self.pending = self.frame.unused_data  # the next frame's start
+        n = min(len(buf), len(self.out))
+        buf[:n] = self.out[:n]
+        self.out = self.out[n:]
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
 
 
 def _read_text_file(src: Source, compression: str | None, stats: SourceStats | None) -> Iterator[str]:
