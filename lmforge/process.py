@@ -21,6 +21,7 @@ import sys
 import time
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def this_host() -> str:
@@ -127,6 +128,47 @@ def descendants(pid: int) -> list[int]:
             out.append(c)
             todo.append(c)
     return out
+
+
+def become_subreaper() -> None:
+    """Make this process the one orphans below it are re-parented to (Linux; no-op elsewhere):
+    a child that dies leaves its own children under us, so `descendants` still finds all of them."""
+    if sys.platform.startswith("linux"):
+        _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def kill_tree(pid: int, include_root: bool = True, timeout: float = 10.0) -> None:
+    """SIGKILL every process below ``pid`` (and ``pid`` itself with ``include_root``).
+
+    They are all stopped first, until no new one appears, so that none forks a replacement (a
+    process pool repopulating itself) while the tree is taken down; it returns once they have
+    ended, and without ``include_root`` once none is left below ``pid`` (one forked meanwhile by
+    another thread of ``pid`` is taken too), or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stopped: set[int] = set()
+        while True:
+            tree = set(descendants(pid)) | ({pid} if include_root else set())
+            new = tree - stopped
+            if not new:
+                break
+            for p in new:
+                _signal(p, signal.SIGSTOP)
+            stopped |= new
+        starts = {p: process_start(p) for p in stopped}
+        for p in stopped:
+            _signal(p, signal.SIGKILL)
+        while time.monotonic() < deadline and any(process_alive(p, t) for p, t in starts.items() if t):
+            time.sleep(0.01)  # a killed process takes a moment to end: none is left when this returns
+        if include_root or time.monotonic() >= deadline or not any(process_start(p) for p in descendants(pid)):
+            return
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:  # gone meanwhile
+        pass
 
 
 def sibling_workers() -> list[int]:

@@ -125,12 +125,16 @@ def test_refusals_overwrite_and_crash_safety(corpus, tok, tmp_path):
         prepare([str(d)], tok, str(tmp_path / "mine"), SEQ)
     with pytest.raises(UserError, match=r"--seq-len 100000: larger than the data"):
         prepare([str(d)], tok, str(tmp_path / "big"), 100_000)
-    # A corrupt file after good ones fails mid-run: nothing that looks complete is left behind.
+    # A corrupt file after good ones is skipped and named; with on_bad_input="fail" it fails mid-run
+    # and, no unit being done, nothing that looks complete is left behind.
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "a.jsonl").write_text((d / "b.jsonl").read_text())
     (tmp_path / "bad" / "z.txt.gz").write_bytes(gzip.compress(b"hello " * 1000)[:40])
+    s = prepare([str(tmp_path / "bad")], tok, str(tmp_path / "skipped"), 8)
+    assert [(i["input"], i["reason"].split(" (")[0]) for i in s["skipped_inputs"]] == \
+        [(str(tmp_path / "bad" / "z.txt.gz"), "corrupt or truncated gzip")]
     with pytest.raises(UserError, match=r"z\.txt\.gz: corrupt or truncated gzip"):
-        prepare([str(tmp_path / "bad")], tok, str(tmp_path / "partial"), 8)
+        prepare([str(tmp_path / "bad")], tok, str(tmp_path / "partial"), 8, on_bad_input="fail")
     assert not (tmp_path / "partial").exists()
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
@@ -240,7 +244,12 @@ def test_prepare_to_and_from_s3(corpus, tok, tmp_path, s3_env):
     r = _cli("data", "inspect", dest, "--json", env=dict(os.environ))
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["first_sample"]["ids"] == MDSReader(str(tmp_path / "local" / "train")).get_tokens(0).tolist()
-    again = prepare([f"s3://{s3.bucket}/raw/"], tok, dest, SEQ, eval_fraction=0.2)
-    assert again["already_prepared"]
+    again = prepare([f"s3://{s3.bucket}/raw/"], tok, dest, SEQ, eval_fraction=0.2, unit_bytes=8192)
+    assert again["already_prepared"]  # the same units (another --unit-mb would be another dataset)
+    # Dedup's work files in the store: every item reads its part of the others' files by ranged reads.
+    dedup = dict(eval_fraction=0.2, unit_bytes=8192, curate={"dedup": {"exact": True, "near": True}})
+    there = prepare([f"s3://{s3.bucket}/raw/"], tok, f"s3://{s3.bucket}/prepared/dd", SEQ, **dedup)
+    here = prepare([str(d / "b.jsonl"), str(d / "c.jsonl.gz")], tok, str(tmp_path / "dd"), SEQ, **dedup)
+    assert there["splits"] == here["splits"] and there["curation"]["by_reason"] == here["curation"]["by_reason"]
     with pytest.raises(UserError, match="already holds a different prepared dataset"):
         prepare([f"s3://{s3.bucket}/raw/"], tok, dest, SEQ * 2)

@@ -16,7 +16,7 @@ from lmforge.data import remote
 from lmforge.data.executors import ExecutorSpec
 from lmforge.data.mds import MDSReader
 from lmforge.data.prepare import input_warnings, prepare, read_summary
-from lmforge.data.units import DEFAULT_UNIT_BYTES
+from lmforge.data.units import DEFAULT_UNIT_BYTES, ON_BAD_INPUT
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
@@ -42,6 +42,7 @@ def register(subparsers) -> None:
     p.add_argument("--compression", default="zstd", help="shard compression: zstd, zstd:LEVEL or none")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset already in DEST")
+    add_bad_input_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_curation_args(p, dedup_default=None)
     add_executor_args(p)
@@ -59,6 +60,7 @@ def register(subparsers) -> None:
     p.add_argument("--workers", type=bounded(int, 1, 4096), default=min(4, os.cpu_count() or 1),
                    help="worker processes (without --executor; with one, --tasks)")
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it holds other output")
+    add_bad_input_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_curation_args(p, dedup_default="exact,near")
     add_executor_args(p)
@@ -87,6 +89,12 @@ def register(subparsers) -> None:
 
 
 FILTERS_HELP = "c4, fineweb, language, gopher_quality, gopher_repetition"
+
+
+def add_bad_input_arg(p) -> None:
+    p.add_argument("--on-bad-input", choices=ON_BAD_INPUT, default="skip",
+                   help="an input file that cannot be read (corrupt, truncated, no text field): skip it, counted and "
+                        "named in the summary (default), or stop, keeping the units done")
 
 
 def add_curation_args(p, dedup_default: str | None) -> None:
@@ -186,7 +194,8 @@ def _prepare(args) -> int:
                       workers=args.workers, compression=args.compression, text_field=args.text_field,
                       overwrite=args.overwrite, progress=None if not args.json else False,
                       curate=curation_from_args(args), removed_out=args.removed_out,
-                      executor=executor_from_args(args), unit_bytes=unit_bytes_from_args(args))
+                      executor=executor_from_args(args), unit_bytes=unit_bytes_from_args(args),
+                      on_bad_input=args.on_bad_input)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -214,9 +223,15 @@ def _fmt(v) -> str:
     return "-" if v is None else str(v)
 
 
+def _console() -> Console:
+    """On a terminal its width; piped or to a file, lines as long as they are (no wrapping at 80 columns)."""
+    return Console() if sys.stdout.isatty() else Console(width=10_000)
+
+
 def _print_summary(summary: dict, dest: str) -> None:
-    console = Console()
-    table = Table(title=f"dataset {dest}", title_justify="left")
+    console = _console()
+    console.print(f"dataset {dest}", highlight=False, soft_wrap=True)
+    table = Table()
     cols = ("documents", "tokens", "bytes", "bytes_per_token", "samples", "shards", "dropped_tokens")
     headers = ("docs", "tokens", "bytes", "B/token", "samples", "shards", "dropped")
     table.add_column("split", no_wrap=True, min_width=5)
@@ -230,8 +245,9 @@ def _print_summary(summary: dict, dest: str) -> None:
     console.print(f"seq_len {args.get('seq_len')}, dtype {summary.get('dtype')}, tokenizer {tok.get('path')} "
                   f"(vocab {tok.get('vocab_size')}, eos {tok.get('eos_id')})", highlight=False)
     if summary.get("tokens_per_second"):
-        how = (f"{summary['tasks']} tasks on the {summary['executor']} executor" if summary.get("executor")
-               else f"{summary.get('workers')} workers")
+        tasks, units = summary.get("tasks") or 0, summary.get("units") or 0
+        how = (f"{f'{units} of {tasks}' if units < tasks else tasks} tasks on the {summary['executor']} executor"
+               if summary.get("executor") else f"{summary.get('workers')} workers")
         console.print(f"{summary.get('seconds')}s, {summary.get('units')} units, {how}", highlight=False)
     if summary.get("throughput"):
         console.print(summary["throughput"], highlight=False)
@@ -242,19 +258,21 @@ def _print_summary(summary: dict, dest: str) -> None:
 
 
 def print_curation(c: dict, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or _console()
     verb = "flagged" if c.get("action") == "flag" else "removed"
-    table = Table(title=f"curation: {c['documents_kept']:,} of {c['documents_in']:,} documents kept "
-                        f"({', '.join(c.get('steps') or [])})", title_justify="left")
-    table.add_column(f"{verb} by", no_wrap=True)
-    table.add_column("documents", justify="right")
-    table.add_column("share", justify="right")
-    for reason, n in (c.get("by_reason") or {}).items():
-        table.add_row(reason, f"{n:,}", f"{n / max(1, c['documents_in']):.1%}")
-    console.print(table)
+    # The title as a line of its own: a table's title wraps at the table's width.
+    console.print(f"curation: {c['documents_kept']:,} of {c['documents_in']:,} documents kept "
+                  f"({', '.join(c.get('steps') or [])})", highlight=False, soft_wrap=True)
+    if c.get("by_reason"):
+        table = Table()
+        table.add_column(f"{verb} by", no_wrap=True)
+        table.add_column("documents", justify="right")
+        table.add_column("share", justify="right")
+        for reason, n in c["by_reason"].items():
+            table.add_row(reason, f"{n:,}", f"{n / max(1, c['documents_in']):.1%}")
+        console.print(table)
     if c.get("contaminated_tasks"):
         console.print("contaminated tasks (documents): " + ", ".join(
             f"{t} {n}" for t, n in c["contaminated_tasks"].items()), highlight=False)
@@ -268,7 +286,7 @@ def _dedup(args) -> int:
     summary = curate_to_jsonl(args.input, args.out, curation_from_args(args), workers=args.workers,
                               text_field=args.text_field, overwrite=args.overwrite, removed_out=args.removed_out,
                               executor=executor_from_args(args), unit_bytes=unit_bytes_from_args(args),
-                              progress=not args.json and sys.stderr.isatty())
+                              progress=not args.json and sys.stderr.isatty(), on_bad_input=args.on_bad_input)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -279,6 +297,8 @@ def _dedup(args) -> int:
         print(f"already done: {args.out} (same inputs and settings; nothing to do)")
     print_curation(summary["curation"])
     print(f"kept documents: {os.path.join(args.out, 'documents.jsonl')}")
+    for line in input_warnings(summary):
+        print(line)
     return 0
 
 

@@ -2,21 +2,28 @@
 
 * no executor: every item in this process, the per-document work in ``--workers`` processes;
 * ``local``: ``LocalPipelineExecutor``, N task processes on this machine;
-* ``ray``: ``RayPipelineExecutor`` on the Ray cluster this process joins (``RAY_ADDRESS``, or a
-  local instance it starts);
+* ``ray``: ``RayPipelineExecutor`` on the Ray cluster ``RAY_ADDRESS`` names, or a local instance;
 * ``slurm``: ``SlurmPipelineExecutor``, one job array per stage, each depending on the last, and
   a one-task job for the last step; the command submits them and returns.
 
-The stages of a job run one after the other; a stage runs as ``min(N, its items)`` tasks. The
+The stages of a job run one after the other; a stage runs as ``min(N, its items)`` tasks. Local
+and Ray executors run in a process of their own (``runner``) that this one watches and kills
+with everything below it when it must stop, so the command never hangs on a lost task. The
 command shows units done / total, tokens/s and the time left while it waits, and checks that
-every item of a stage is done before the next one starts: a task that failed on bad input has
-left its one line in ``work/errors``, which the command prints.
+every item of every stage is done: a task that failed on bad input has left its one line in
+``work/errors``, which the command prints at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -24,8 +31,9 @@ import time
 from dataclasses import dataclass
 
 from lmforge.data import remote
-from lmforge.data.job import Job, Stage, StageTask, TaskDied, WorkDir, run_items
+from lmforge.data.job import BadInput, Job, Stage, StageTask, TaskDied, WorkDir, run_items
 from lmforge.errors import UserError
+from lmforge.process import kill_tree
 
 EXECUTORS = ("local", "slurm", "ray")
 TRILLION = 10**12
@@ -59,8 +67,33 @@ def check_executor(spec: ExecutorSpec | None) -> None:
             import ray  # noqa: F401
         except ImportError:
             raise UserError("--executor ray: needs ray: pip install 'lmforge[ray]'") from None
+        check_ray_address(os.environ.get("RAY_ADDRESS"))
     if spec.kind == "slurm" and not spec.partition:
         raise UserError("--executor slurm: needs --partition NAME (the Slurm partition the tasks run on)")
+    if spec.kind == "slurm" and shutil.which("sbatch") is None:
+        raise UserError("--executor slurm: no `sbatch` on PATH (submit from a machine of the Slurm cluster, "
+                        "a login node, or use --executor local or ray)")
+
+
+RAY_CONNECT_SECONDS = 10
+RUNNER_END_SECONDS = 60  # the runner, its lifeline closed, kills its tree and ends; past this it is killed
+
+
+def check_ray_address(address: str | None) -> None:
+    """A cluster ``RAY_ADDRESS`` names (``host:port`` or ``ray://host:port``) answers on its port
+    within 10 s; otherwise one line now, instead of Ray retrying for minutes in silence. Unset (a
+    local instance), ``auto`` and ``local`` are Ray's to resolve."""
+    if not address or address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"RAY_ADDRESS={address}: expected HOST:PORT or ray://HOST:PORT (or unset it for a local "
+                        "Ray instance)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_SECONDS).close()
+    except OSError as e:
+        raise UserError(f"RAY_ADDRESS={address}: cannot reach the Ray cluster ({e.strerror or e}); start it "
+                        "(`ray start --head`) or unset RAY_ADDRESS for a local Ray instance") from None
 
 
 @dataclass
@@ -74,35 +107,26 @@ class JobRun:
 def run_job(job: Job, spec: ExecutorSpec | None, workers: int = 1, progress: bool = False) -> JobRun:
     """Run every stage of ``job`` (without its last step, except on Slurm, where it is a job too)."""
     stages = job.stages()
-    if spec is not None and spec.kind == "slurm":
-        return JobRun(0.0, 0, [], submitted=_submit_slurm(job, stages, spec))
     wd = WorkDir(job.out)
+    if spec is not None and spec.kind == "slurm":
+        _say_earlier_errors(wd)
+        if all(len(wd.done(s.name)) >= s.items for s in stages):
+            return JobRun(0.0, os.cpu_count() or 1, [])  # only the last step is left: it runs here, saying how it ends
+        return JobRun(0.0, 0, [], submitted=_submit_slurm(job, stages, spec))
     before = wd.done("units")
     remote.remove_tree(wd.uri("errors"))  # an earlier run's
-    if spec is not None and spec.kind == "ray":
-        _start_ray(job)
     start = time.perf_counter()
-    cores = _cores(spec)
-    for stage in stages:
-        with _Progress(job, stage, progress):
-            if spec is None:
+    cores = os.cpu_count() or 1  # in this process the tokenizer's threads fill every core, whatever --workers
+    with _Progress(job, stages, progress):
+        if spec is None:
+            for stage in stages:
                 run_items(job, stage, range(stage.items), workers)
-            else:
-                _run_on_executor(job, stage, spec)
+                _check_done(job, stage)
+        else:
+            cores = _run_in_runner(job, stages, spec)
+    for stage in stages:
         _check_done(job, stage)
     return JobRun(time.perf_counter() - start, cores, sorted(wd.done("units") - before))
-
-
-def _cores(spec: ExecutorSpec | None) -> int:
-    """The cores the job ran on: this machine's (in this process and on the local executor the
-    tokenizer's threads fill every core, whatever the number of workers or tasks), or on Ray the
-    tasks' share of the cluster."""
-    machine = os.cpu_count() or 1
-    if spec is not None and spec.kind == "ray":
-        import ray
-
-        return int(min(spec.tasks * spec.cpus_per_task, ray.cluster_resources().get("CPU", machine)))
-    return machine
 
 
 def _check_done(job: Job, stage: Stage) -> None:
@@ -110,128 +134,131 @@ def _check_done(job: Job, stage: Stage) -> None:
     missing = stage.items - len(wd.done(stage.name))
     if missing <= 0:
         return
-    for name in wd.names("errors"):  # a task's one line (bad data, or a failing store)
-        err = wd.read_json(f"errors/{name}") or {}
-        if err.get("message"):
-            raise (remote.StoreError if err.get("store") else UserError)(err["message"])
+    _raise_task_error(wd)
     raise TaskDied(f"{missing} of {stage.items} items of the {stage.name} stage did not finish (task logs in "
                    f"{wd.uri('logs', stage.name)}); run the same command again: it redoes only those")
+
+
+def _say_earlier_errors(wd: WorkDir) -> None:
+    """What the tasks of an earlier submission stopped on (in ``work/errors``, on no terminal), said
+    before this run goes on from them."""
+    for name in wd.names("errors"):
+        err = wd.read_json(f"errors/{name}") or {}
+        if err.get("message"):
+            print(f"note: a task of the earlier jobs ({err.get('stage')} stage) stopped: {err['message']}",
+                  file=sys.stderr, flush=True)
+    remote.remove_tree(wd.uri("errors"))
+
+
+def _raise_task_error(wd: WorkDir) -> None:
+    """A task's one line in ``work/errors`` (bad data, a failing store, a crash), raised here."""
+    for name in wd.names("errors"):
+        err = wd.read_json(f"errors/{name}") or {}
+        if err.get("crash"):
+            raise TaskCrashed(f"a task of the {err.get('stage')} stage crashed: {err['message']} (its traceback: "
+                              f"{wd.uri('errors', name)}); this is a bug, not the data's fault: running the same "
+                              "command again fails the same way, please report it")
+        if err.get("message"):
+            raise (remote.StoreError if err.get("store") else TaskDied if err.get("died") else BadInput)(err["message"])
+
+
+class TaskCrashed(UserError):
+    """A task raised an exception that is not bad input (a bug): not retryable. What the job wrote stays."""
+
+    exit_code = 1
 
 
 # ----------------------------------------------------------------------------- datatrove
 
 
+def _run_in_runner(job: Job, stages: list[Stage], spec: ExecutorSpec) -> int:
+    """Run the stages on the local or Ray executor in a process of their own (``runner``), watched
+    from here; returns the cores the job ran on. Whatever ends the wait (the stages done, a task's
+    line in ``work/errors``, a dead task, this process interrupted), that process and everything
+    below it are killed, never waited on."""
+    wd = WorkDir(job.out)
+    with tempfile.TemporaryDirectory(prefix="lmforge-job-") as tmp, _runner_log(job) as log:
+        payload, result = os.path.join(tmp, "job.pkl"), os.path.join(tmp, "result.json")
+        with open(payload, "wb") as f:
+            pickle.dump((job, stages, spec), f)
+        with open(log, "ab") as log_file:
+            # Its own session: a Ctrl-C at the terminal reaches this process, which takes the tree down.
+            proc = subprocess.Popen([sys.executable, "-c", "import sys; from lmforge.data.runner import main; "
+                                     "main(*sys.argv[1:])", payload, result],
+                                    stdin=subprocess.PIPE, stdout=log_file, stderr=log_file, start_new_session=True)
+        try:
+            interval = 2.0 if remote.is_remote(job.out) else 0.2
+            while proc.poll() is None and not wd.names("errors"):
+                time.sleep(interval)
+        finally:
+            proc.stdin.close()  # its lifeline: it kills what runs below it, and ends
+            try:
+                proc.wait(timeout=RUNNER_END_SECONDS)
+            except subprocess.TimeoutExpired:  # stuck: taken down from here (its pid is its own until waited)
+                kill_tree(proc.pid)
+                proc.wait()
+        outcome = _read_json(result)
+        if not outcome:  # it died on its own (out of memory?): what is left of its process group
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    _raise_task_error(wd)
+    if "died" in outcome:
+        d = outcome["died"]
+        raise TaskDied(f"a task of the {d['stage']} stage (process {d['pid']}) ended before its work was done "
+                       "(killed? out of memory?); run the same command again: it redoes only what did not finish")
+    if "failed" in outcome:
+        f = outcome["failed"]
+        if f.get("stage") is None:  # before any stage: the executor could not start
+            raise UserError(f"--executor {spec.kind}: {f.get('message')} (log: {log})")
+        raise TaskDied(f"the {f['stage']} stage stopped ({f.get('message') or 'its executor ended'}; task logs in "
+                       f"{wd.uri('logs', f['stage'])}); run the same command again: it redoes only what did not finish")
+    if "ok" not in outcome:
+        raise TaskDied(f"the process running the job's tasks ended (killed? out of memory?; log: {log}); run the same "
+                       "command again: it redoes only what did not finish")
+    return int(outcome["cores"])
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 @contextlib.contextmanager
-def _task_output_to_file(job: Job):
-    """The executors' tasks log to their log files and to stderr; on this command's stderr that
-    would drown its own lines, so stderr (file descriptor 2: the task processes inherit it) goes
-    to ``DEST/work/logs/executor.log`` meanwhile, or for an object-store DEST to a temporary file
-    kept only when something fails."""
+def _runner_log(job: Job):
+    """Where the executors' output goes: ``DEST/work/logs/executor.log``, or for an object-store DEST
+    a temporary file kept only when something fails."""
     if remote.is_remote(job.out):
         fd, path = tempfile.mkstemp(prefix="lmforge-executor-", suffix=".log")
         os.close(fd)
     else:
         path = remote.local_path(WorkDir(job.out).uri("logs", "executor.log"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
+    ok = False
+    try:
+        yield path
+        ok = True
+    finally:
+        if ok and remote.is_remote(job.out):
+            os.remove(path)
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str):
+    """This process's stderr (file descriptor 2) into ``path`` meanwhile: datatrove's submission logs."""
     sys.stderr.flush()
     saved = os.dup(2)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
-    ok = False
     try:
         yield
-        ok = True
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
-        if ok and remote.is_remote(job.out):
-            os.remove(path)
-
-
-def _run_on_executor(job: Job, stage: Stage, spec: ExecutorSpec) -> None:
-    tasks = min(spec.tasks, stage.items)
-    logs = remote.datatrove_folder(WorkDir(job.out).uri("logs", stage.name))
-    with _task_output_to_file(job):
-        if spec.kind == "local":
-            from datatrove.executor import LocalPipelineExecutor
-
-            threads = max(1, (os.cpu_count() or 1) // tasks)
-            with _TaskWatch(job, stage) as watch:
-                try:
-                    # skip_completed off: the items' own markers say what is done, whatever the task count was
-                    LocalPipelineExecutor([StageTask(job, stage, threads)], tasks=tasks, workers=tasks,
-                                          logging_dir=logs, skip_completed=False).run()
-                except KeyboardInterrupt:
-                    if watch.dead is None:
-                        raise
-                    raise TaskDied(f"a task of the {stage.name} stage (process {watch.dead['pid']}) ended before its "
-                                   "work was done (killed? out of memory?); run the same command again: it redoes "
-                                   "only what did not finish") from None
-        else:
-            from datatrove.executor import RayPipelineExecutor
-
-            RayPipelineExecutor([StageTask(job, stage, spec.cpus_per_task)], tasks=tasks, workers=tasks,
-                                logging_dir=logs, skip_completed=False, cpus_per_task=spec.cpus_per_task,
-                                mem_per_cpu_gb=1).run()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended too
-    except OSError:
-        return True
-
-
-class _TaskWatch:
-    """The local executor does not notice a task process that dies (its pool would wait for it
-    forever): this thread does, from the task's claim (``StageTask``), and interrupts the command."""
-
-    def __init__(self, job: Job, stage: Stage):
-        self.job, self.stage = job, stage
-        self.dead: dict | None = None
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _watch(self) -> None:
-        import signal
-        import socket
-
-        wd, host = WorkDir(self.job.out), socket.gethostname()
-        while not self.stop.wait(0.5):
-            for name in wd.names("running"):
-                claim = wd.read_json(f"running/{name}") if name.startswith(f"{self.stage.name}-") else None
-                if claim and claim["host"] == host and not _alive(claim["pid"]) and wd.read_json(f"running/{name}"):
-                    self.dead = claim
-                    # A real signal: it also wakes the main thread out of the pool's wait.
-                    os.kill(os.getpid(), signal.SIGINT)
-                    return
-
-    def __enter__(self) -> "_TaskWatch":
-        remote.remove_tree(WorkDir(self.job.out).uri("running"))  # the claims of an earlier run's dead tasks
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
-
-
-def _start_ray(job: Job) -> None:
-    """Join the cluster ``RAY_ADDRESS`` names, or start a local Ray instance."""
-    import ray
-
-    if not ray.is_initialized():
-        with _task_output_to_file(job):
-            ray.init(log_to_driver=False, include_dashboard=False)
 
 
 def slurm_executors(job: Job, stages: list[Stage], spec: ExecutorSpec) -> list:
@@ -252,8 +279,14 @@ def slurm_executors(job: Job, stages: list[Stage], spec: ExecutorSpec) -> list:
 
 def _submit_slurm(job: Job, stages: list[Stage], spec: ExecutorSpec) -> list[dict]:
     chain = slurm_executors(job, stages, spec)
-    with _task_output_to_file(job):
-        chain[-1][1].run()  # submits the whole chain: each job waits for the one before (afterok)
+    with _runner_log(job) as log:
+        try:
+            with _stderr_to(log):
+                chain[-1][1].run()  # submits the whole chain: each job waits for the one before (afterok)
+        except (subprocess.CalledProcessError, OSError) as e:
+            done = [f"{stage.name} {ex.job_id}" for stage, ex in chain if getattr(ex, "job_id", None)]
+            raise UserError(f"--executor slurm: sbatch failed ({e}; its output is in {log})"
+                            + (f"; already submitted: {', '.join(done)}" if done else "")) from None
     return [{"stage": stage.name, "tasks": ex.tasks, "job_id": ex.job_id,
              "script": ex.logging_dir.resolve_paths("launch_script.slurm")} for stage, ex in chain]
 
@@ -262,26 +295,26 @@ def _submit_slurm(job: Job, stages: list[Stage], spec: ExecutorSpec) -> list[dic
 
 
 class _Progress:
-    """While a stage runs: items done / total, tokens/s (or MB/s before tokenizing) and the time
-    left, read from the items' markers (whichever process writes them). A terminal only."""
+    """While the stages run: the current stage's items done / total, tokens/s (or MB/s before
+    tokenizing) and the time left, read from the items' markers (whichever process writes them).
+    A terminal only."""
 
-    def __init__(self, job: Job, stage: Stage, enabled: bool):
-        self.job, self.stage, self.enabled = job, stage, enabled and stage.name != "finalize"
+    def __init__(self, job: Job, stages: list[Stage], enabled: bool):
+        self.job, self.stages, self.enabled = job, stages, enabled and bool(stages)
         self.stop = threading.Event()
 
     def __enter__(self):
         if not self.enabled:
             return self
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-        # Its own copy of stderr: the executors' task output is sent elsewhere meanwhile.
-        self.out = os.fdopen(os.dup(2), "w")
-        self.bar = Progress(TextColumn(f"[bold]{self.stage.name}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"), TimeElapsedColumn(),
-                            console=Console(file=self.out), transient=True, redirect_stdout=False,
-                            redirect_stderr=False)
-        self.task = self.bar.add_task(self.stage.name, total=self.stage.items, rate="", eta="")
+        # The time left, and the time spent labelled as such: a bare clock reads as either.
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"),
+                            TextColumn("{task.fields[elapsed]}"), console=Console(file=sys.stderr), transient=True,
+                            redirect_stdout=False, redirect_stderr=False)
+        self.task = self.bar.add_task(self.stages[0].name, total=self.stages[0].items, rate="", eta="", elapsed="")
         self.bar.start()
         self.thread = threading.Thread(target=self._poll, daemon=True)
         self.thread.start()
@@ -289,19 +322,26 @@ class _Progress:
 
     def _poll(self) -> None:
         wd = WorkDir(self.job.out)
-        seen = wd.done(self.stage.name)
-        start, tokens, nbytes, done_now = time.perf_counter(), 0, 0, 0
         interval = 2.0 if remote.is_remote(self.job.out) else 0.5
+        stage = seen = None
         while not self.stop.wait(interval):
-            done = wd.done(self.stage.name)
+            now = next(((s, d) for s in self.stages if len(d := wd.done(s.name)) < s.items), None)
+            if now is None:
+                continue
+            if now[0] != stage:  # the next stage started: its own counts and clock
+                stage, seen = now[0], now[1]
+                start, tokens, nbytes, done_now = time.perf_counter(), 0, 0, 0
+                self.bar.reset(self.task, total=stage.items, description=stage.name, rate="", eta="", elapsed="")
+            done = now[1]
             for i in sorted(done - seen):
-                m = wd.read_json(f"{self.stage.name}/{i:06d}.json") or {}
+                m = wd.read_json(f"{stage.name}/{i:06d}.json") or {}
                 tokens += m.get("tokens") or 0
                 nbytes += m.get("bytes") or 0
                 done_now += 1
             seen |= done
-            self.bar.update(self.task, completed=len(done), **progress_fields(
-                self.job, self.stage, done, tokens, nbytes, done_now, time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            self.bar.update(self.task, completed=len(done), elapsed=f"{format_duration(seconds)} elapsed",
+                            **progress_fields(self.job, stage, done, tokens, nbytes, done_now, seconds))
 
     def __exit__(self, *exc) -> None:
         if not self.enabled:
@@ -309,15 +349,20 @@ class _Progress:
         self.stop.set()
         self.thread.join()
         self.bar.stop()
-        self.out.close()
 
 
 def progress_fields(job: Job, stage: Stage, done: set[int], tokens: int, nbytes: int, done_now: int,
                     seconds: float) -> dict:
-    """The rate and the time left: from what this run did (items done by an earlier run do not count)."""
+    """The rate and the time left: from what this run did (items done by an earlier run do not count).
+    Tokens/s once tokenizing, input MB/s before, items/s for the dedup stages that read no input."""
     if not done_now or seconds <= 0:
-        return {"rate": "", "eta": ""}
-    rate = f"{tokens / seconds:,.0f} tokens/s" if tokens else f"{nbytes / seconds / 1e6:,.1f} MB/s"
+        return {"rate": "", "eta": "ETA after the first item"}
+    if tokens:
+        rate = f"{tokens / seconds:,.0f} tokens/s"
+    elif nbytes:
+        rate = f"{nbytes / seconds / 1e6:,.1f} MB/s"
+    else:
+        rate = f"{done_now / seconds:,.2f} items/s"
     left_items = [u for u in range(stage.items) if u not in done]
     if stage.name in ("signatures", "units") and nbytes:
         left = sum(job.units[u].bytes or 0 for u in left_items) / (nbytes / seconds)
@@ -336,12 +381,28 @@ def format_duration(s: float) -> str:
     return f"{s / 86400:.1f} days"
 
 
+PROJECTION_SECONDS = 60  # less work than this (start-up, a tail of idle tasks) says little about 1T tokens
+
+
 def throughput_line(tokens: int, seconds: float, cores: int) -> str:
-    """tokens/s per core, and what 1T tokens would take on 1, 10 and 100 such machines."""
+    """tokens/s per core, and what 1T tokens would take on 1, 10 and 100 such machines: only from a
+    run of at least a minute (a few seconds are mostly start-up)."""
     if tokens <= 0 or seconds <= 0:
         return ""
     per_core = tokens / seconds / max(1, cores)
+    rate = f"{tokens / seconds:,.0f} tokens/s, {per_core:,.0f} tokens/s per core ({cores} cores)"
+    if seconds < PROJECTION_SECONDS:
+        return (f"{rate} over {seconds:.1f} s: too little work to project 1T tokens from (it takes a run of "
+                f"{PROJECTION_SECONDS} s or more)")
     machine = os.cpu_count() or cores
     times = ", ".join(f"{format_duration(TRILLION / (per_core * machine * n))} on {n}" for n in (1, 10, 100))
-    return (f"{tokens / seconds:,.0f} tokens/s, {per_core:,.0f} tokens/s per core ({cores} cores); "
-            f"1T tokens: {times} machines like this one ({machine} cores)")
+    return f"{rate}; 1T tokens: {times} machines like this one ({machine} cores)"
+
+
+def idle_tasks_note(units: int, spec: ExecutorSpec | None, unit_bytes: int) -> str | None:
+    """Said when there are fewer units than tasks: the others would have nothing to do."""
+    if spec is None or spec.tasks <= units:
+        return None
+    return (f"{units} unit{'s' if units != 1 else ''} of --unit-mb {unit_bytes / (1 << 20):g} for {spec.tasks} "
+            f"tasks: {units} task{'s' if units != 1 else ''} run, {spec.tasks - units} would have nothing to do "
+            "(a smaller --unit-mb makes more units)")

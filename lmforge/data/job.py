@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lmforge.config.curation import CurateConfig
 from lmforge.data import remote
@@ -44,6 +44,7 @@ from lmforge.data.units import Unit, unit_documents
 from lmforge.errors import UserError
 
 WORK = "work"  # DEST/work: the job's plan, markers, dedup files and logs; removed when the job is done
+SETTLED = "settled.json"  # a stage's one marker for all its items: nothing to do (components after convergence)
 
 
 class WorkDir:
@@ -62,6 +63,9 @@ class WorkDir:
     def read_bytes(self, rel: str) -> bytes | None:
         return remote.get_bytes(self.uri(rel))
 
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        return remote.get_range(self.uri(rel), start, end)
+
     def names(self, rel: str) -> list[str]:
         return remote.listdir(self.uri(rel))
 
@@ -73,8 +77,11 @@ class WorkDir:
         return None if data is None else json.loads(data)
 
     def done(self, stage: str) -> set[int]:
-        """The items of ``stage`` whose marker is written."""
-        return {int(n[:-5]) for n in self.names(stage) if n.endswith(".json") and n[:-5].isdigit()}
+        """The items of ``stage`` whose marker is written (all of them for a stage settled as a whole)."""
+        names = self.names(stage)
+        if SETTLED in names:
+            return set(range((self.read_json(f"{stage}/{SETTLED}") or {})["items"]))
+        return {int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()}
 
     def staging(self) -> str:
         """A local folder for an item's files before they are published (beside DEST when it is local,
@@ -112,9 +119,14 @@ class TaskDied(UserError):
     exit_code = 1
 
 
+class BadInput(UserError):
+    """Bad input met by an item (a corrupt or unreadable input file, with ``--on-bad-input fail``):
+    the job stops; the items already done stay."""
+
+
 @dataclass(frozen=True)
 class Stage:
-    name: str  # signatures | duplicates | clusters | units | finalize
+    name: str  # signatures, duplicates, verify, components-RR, clusters, removals (dedup), units, finalize
     items: int
 
 
@@ -134,17 +146,21 @@ class Job:
     seq_len: int = 0
     dtype: str = "uint16"
     compression: str | None = None
+    on_bad_input: str = "skip"  # an input file that cannot be read: skip it (counted, named) or fail
     # The job's last step (the index over every unit, the marker), for an executor that runs it
     # as a task of its own (Slurm); otherwise the command calls it when the stages are done.
     finalize: Callable[["Job"], dict] | None = None
+    after_marker: Callable[["Job"], None] | None = None  # what the last step removes once the marker is written
     context: dict = field(default_factory=dict)  # what `finalize` needs besides
 
     def stages(self) -> list[Stage]:
-        out = []
-        if self.dedup is not None:
-            out += [Stage("signatures", len(self.units)), Stage("duplicates", self.dedup.duplicate_items)]
-            if self.dedup.near:
-                out.append(Stage("clusters", 1))
+        out, d = [], self.dedup
+        if d is not None:
+            out += [Stage("signatures", len(self.units)), Stage("duplicates", d.duplicate_items)]
+            if d.near:
+                out += [Stage("verify", d.groups), *[Stage(f"components-{s:02d}", d.node_parts)
+                                                     for s in range(1, d.steps + 1)],
+                        Stage("clusters", d.node_parts), Stage("removals", d.groups)]
         return out + [Stage("units", len(self.units))]
 
 
@@ -153,33 +169,65 @@ class Job:
 
 def run_items(job: Job, stage: Stage, items: Iterable[int], workers: int = 1) -> None:
     """Do ``stage``'s work for ``items`` (those not done yet) in this process, with ``workers``
-    processes for the per-document work. A bad-input error is also left in ``work/errors`` for
-    the command to report whichever task met it."""
+    processes for the per-document work. A task's error is also left in ``work/errors`` for the
+    command to report whichever task met it: bad input, a failing store, or a crash (a bug:
+    rerunning fails the same way, so it is said so, not "run it again")."""
     wd = WorkDir(job.out)
     done = wd.done(stage.name)
     todo = [i for i in items if i not in done]
-    if not todo:
+    if not todo or settle(job, stage):
         return
     try:
         if stage.name == "signatures":
             _signatures(job, wd, todo, workers)
         elif stage.name == "units":
             _units(job, wd, todo, workers)
-        elif stage.name == "duplicates":
-            for i in todo:
-                crossdedup.find_duplicates(wd, job.dedup, i)
-                wd.write_json(f"duplicates/{i:06d}.json", {})
-        elif stage.name == "clusters":
-            crossdedup.cluster(wd, job.dedup)
-            wd.write_json("clusters/000000.json", {})
         elif stage.name == "finalize":
             job.finalize(job)
         else:
-            raise ValueError(stage.name)
+            step = _DEDUP_STEPS.get(stage.name.split("-")[0])
+            if step is None:
+                raise ValueError(stage.name)
+            for i in todo:
+                wd.write_json(f"{stage.name}/{i:06d}.json", step(wd, job.dedup, stage, i) or {})
     except UserError as e:
-        wd.write_json(f"errors/{stage.name}-{uuid.uuid4().hex[:8]}.json",
-                      {"message": str(e), "store": isinstance(e, remote.StoreError)})
+        store, died = isinstance(e, remote.StoreError), isinstance(e, TaskDied)
+        _error(wd, stage, {"message": str(e), "store": store, "died": died})
+        if store or died:
+            raise
+        raise BadInput(str(e)) from None
+    except Exception as e:
+        import traceback
+
+        _error(wd, stage, {"message": f"{type(e).__name__}: {e}", "crash": True, "traceback": traceback.format_exc()})
         raise
+
+
+def _error(wd: WorkDir, stage: Stage, record: dict) -> None:
+    wd.write_json(f"errors/{stage.name}-{uuid.uuid4().hex[:8]}.json", {"stage": stage.name} | record)
+
+
+# A dedup stage's item: (work folder, plan, stage, item) -> its marker's content.
+_DEDUP_STEPS: dict[str, Callable] = {
+    "duplicates": lambda wd, plan, stage, i: crossdedup.find_duplicates(wd, plan, i),
+    "verify": lambda wd, plan, stage, i: crossdedup.verify(wd, plan, i),
+    "components": lambda wd, plan, stage, i: crossdedup.component_step(wd, plan, int(stage.name.split("-")[1]), i),
+    "clusters": lambda wd, plan, stage, i: crossdedup.clusters(wd, plan, i),
+    "removals": lambda wd, plan, stage, i: crossdedup.collect_removals(wd, plan, i),
+}
+
+
+def settle(job: Job, stage: Stage) -> bool:
+    """A components step planned after the components converged: done without work, by one marker
+    for all its items (pointing at the final step), so that no executor starts for it."""
+    if not stage.name.startswith("components-"):
+        return False
+    wd = WorkDir(job.out)
+    final = crossdedup.converged_at(wd, job.dedup, int(stage.name.split("-")[1]))
+    if final is None:
+        return False
+    wd.write_json(f"{stage.name}/{SETTLED}", {"items": stage.items, "final": final})
+    return True
 
 
 class StageTask:
@@ -192,15 +240,7 @@ class StageTask:
     def __call__(self, data=None, rank: int = 0, world_size: int = 1):
         # The tokenizer's thread pool: this task's share of the cores, not all of them.
         os.environ["RAYON_NUM_THREADS"] = str(self.threads)
-        # A claim while it works: a process that dies leaves it behind, which the command watches for
-        # (a lost task would otherwise leave the local executor waiting for it forever).
-        wd = WorkDir(self.job.out)
-        claim = f"running/{self.stage.name}-{rank:05d}.json"
-        wd.write_json(claim, {"pid": os.getpid(), "host": socket.gethostname()})
-        try:
-            run_items(self.job, self.stage, range(rank, self.stage.items, world_size))
-        finally:
-            remote.remove_tree(wd.uri(claim))
+        run_items(self.job, self.stage, range(rank, self.stage.items, world_size))
 
     def __repr__(self) -> str:
         return f"lmforge {self.stage.name} ({self.stage.items} items)"
@@ -208,18 +248,8 @@ class StageTask:
 
 def _chunked(pairs: Iterable[tuple[int, str]], max_chars: int) -> Iterator[tuple[list[int], list[str]]]:
     """(document indexes, texts) in chunks of about ``max_chars`` characters (``packing.chunk_documents``)."""
-    ids: list[int] = []
-    texts: list[str] = []
-    size = 0
-    for i, t in pairs:
-        ids.append(i)
-        texts.append(t)
-        size += len(t)
-        if size >= max_chars or len(texts) >= packing.CHUNK_DOCS:
-            yield ids, texts
-            ids, texts, size = [], [], 0
-    if texts:
-        yield ids, texts
+    for chunk in packing.chunk_documents(pairs, max_chars, text=lambda p: p[1]):
+        yield [i for i, _ in chunk], [t for _, t in chunk]
 
 
 def _signatures(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
@@ -232,7 +262,7 @@ def _signatures(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
     def items():
         for u in todo:
             acc = Acc(u)
-            docs = enumerate(unit_documents(job.units[u], job.text_field, SourceStats()))
+            docs = enumerate(unit_documents(job.units[u], job.text_field, SourceStats(), job.on_bad_input))
             for _, texts in _chunked(docs, chars):
                 yield acc, texts
             yield acc, None
@@ -249,6 +279,8 @@ def _signatures(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
 
 
 def _units(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
+    if job.encoder is None and not per_document_checks(job.curate, job.index):
+        workers = 1  # `data dedup` alone: no work per document for a worker process, only the trip there and back
     chars = packing.CHUNK_CHARS if workers <= 1 else packing.CHUNK_CHARS_POOL
     open_units: dict[int, UnitWork] = {}  # started and not finished: their staging folders go on error
 
@@ -270,6 +302,11 @@ def _units(job: Job, wd: WorkDir, todo: list[int], workers: int) -> None:
     finally:
         for w in open_units.values():
             shutil.rmtree(w.stage, ignore_errors=True)
+
+
+def per_document_checks(cfg: CurateConfig | None, index) -> bool:
+    """Whether the units stage runs filters or decontamination on each document."""
+    return cfg is not None and bool(cfg.filters.enabled() or index is not None)
 
 
 class UnitWork:
@@ -294,7 +331,7 @@ class UnitWork:
 
     def documents(self) -> Iterator[tuple[int, str]]:
         """(index in the unit, text) of the documents that go on (duplicates are dropped here)."""
-        for i, text in enumerate(unit_documents(self.unit, self.job.text_field, self.stats)):
+        for i, text in enumerate(unit_documents(self.unit, self.job.text_field, self.stats, self.job.on_bad_input)):
             if self.acct is not None:
                 self.acct.documents_in += 1
                 self.acct.bytes_in += len(text.encode("utf-8", "replace"))
@@ -405,14 +442,19 @@ def source_stats(markers: list[dict], skipped_inputs: list[dict]) -> SourceStats
     return stats
 
 
+def source_summary(stats: SourceStats) -> dict:
+    """What reading the inputs skipped or replaced, as a summary's fields (``prepare.input_warnings`` says them)."""
+    return {"skipped_inputs": stats.skipped_inputs, "invalid_utf8_replacements": stats.invalid_utf8,
+            "invalid_utf8_files": stats.invalid_utf8_files, "skipped_lines": stats.skipped_lines,
+            "skipped_line_examples": stats.skipped_line_examples}
+
+
 def write_removed(samples: dict[str, list[dict]], out_dir: str) -> list[str]:
     """One JSONL per reason (``dedup-near.jsonl``, ``c4-curly_bracket.jsonl``, ...)."""
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for reason, rows in sorted(samples.items()):
         path = os.path.join(out_dir, reason.replace("/", "-") + ".jsonl")
-        with open(path, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        remote.write_local_atomic(Path(path), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
         written.append(path)
     return written

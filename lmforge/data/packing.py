@@ -59,14 +59,15 @@ def split_value(raw: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 
-def chunk_documents(docs: Iterable[str], max_chars: int | None = None) -> Iterator[list[str]]:
-    """Documents in lists of about ``max_chars`` characters (at most CHUNK_DOCS): the unit a worker encodes."""
+def chunk_documents(docs: Iterable, max_chars: int | None = None, text=lambda d: d) -> Iterator[list]:
+    """Documents in lists of about ``max_chars`` characters (at most CHUNK_DOCS): the unit a worker
+    encodes. ``text`` gives a document's text when the items carry more (an index with it)."""
     max_chars = max_chars or CHUNK_CHARS
-    batch: list[str] = []
+    batch: list = []
     size = 0
-    for text in docs:
-        batch.append(text)
-        size += len(text)
+    for doc in docs:
+        batch.append(doc)
+        size += len(text(doc))
         if size >= max_chars or len(batch) >= CHUNK_DOCS:
             yield batch
             batch, size = [], 0

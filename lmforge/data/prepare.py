@@ -24,11 +24,12 @@ val's ``dropped_tokens``).
 
 How it runs (``job``, ``executors``): in this process (the per-document work in ``workers``
 processes) or as tasks on datatrove's executors. Each unit publishes its shards into DEST and
-then its marker (``DEST/work/units/U.json``); the last step writes ``index.json`` for each split
-and then the dataset marker, and removes ``DEST/work``. A killed run leaves no index and no
-marker; the same command again redoes only the units without a marker. Bad input found while
-running (a corrupt file, no documents, a ``seq_len`` longer than the data) removes what the job
-wrote; a failing object store or a dead task does not (the same command goes on from there).
+then its marker (``DEST/work/units/U.json``); the last step writes ``index.json`` for each split,
+then the dataset marker, and removes ``DEST/work`` (``dest``: the order, and what a kill at any
+point leaves). The same command again redoes only the units without a marker. Bad input for the
+job as a whole (no documents, a ``seq_len`` longer than the data) removes what the job wrote; a
+failing object store, a dead task or a bad input file met by a unit keep it (the same command
+goes on from there).
 """
 
 from __future__ import annotations
@@ -41,14 +42,13 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from lmforge.data import remote
-from lmforge.data.executors import ExecutorSpec, JobRun, TaskDied, check_executor, run_job, throughput_line
-from lmforge.data.job import (WORK, Job, WorkDir, removed_samples, source_stats, unit_markers, unit_offsets,
-                              write_removed)
+from lmforge.data import dest, remote
+from lmforge.data.executors import ExecutorSpec, JobRun, check_executor, throughput_line
+from lmforge.data.job import Job, WorkDir, source_stats, source_summary, unit_markers
 from lmforge.data.packing import SPLITS, Encoder
 from lmforge.data.sources import SourceStats, list_files, no_documents_message
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
-from lmforge.data.units import DEFAULT_UNIT_BYTES, plan_units
+from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input
 from lmforge.guard import check_target
 from lmforge.errors import UserError
 from lmforge.layout import DATASET_MARKER as MARKER
@@ -73,9 +73,30 @@ def input_fingerprint(sources) -> str:
 
 
 def _identity(marker: dict) -> dict:
+    # A dataset prepared before units existed was one stream: what the default unit size makes.
     return {k: marker.get(k) for k in ("inputs", "input_fingerprint", "args")} | {
-        "tokenizer": (marker.get("tokenizer") or {}).get("fingerprint")
+        "tokenizer": (marker.get("tokenizer") or {}).get("fingerprint"),
+        "unit_bytes": marker.get("unit_bytes", DEFAULT_UNIT_BYTES),
     }
+
+
+def _difference(old: dict, new: dict, flags: tuple[str, str]) -> str:
+    """What makes the prepared dataset ``old`` another than the one asked for (``new``), in the user's words."""
+    a, b = _identity(old), _identity(new)
+    if a["inputs"] != b["inputs"]:
+        return f"inputs {' '.join(old.get('inputs', []))}"
+    if a["input_fingerprint"] != b["input_fingerprint"]:
+        return "the same inputs as they were before they changed (sizes or modification times)"
+    names = {"seq_len": flags[1], "eval_fraction": flags[0], "text_field": "--text-field",
+             "compression": "--compression", "curate": "curation settings",
+             "decontaminate_index": "decontamination tasks"}
+    for key in names:
+        if (a["args"] or {}).get(key) != (b["args"] or {}).get(key):
+            was = (a["args"] or {}).get(key)
+            return f"{names[key]} {was}" if key not in ("curate", "decontaminate_index") else f"other {names[key]}"
+    if a["tokenizer"] != b["tokenizer"]:
+        return f"another tokenizer ({(old.get('tokenizer') or {}).get('path')})"
+    return f"--unit-mb {a['unit_bytes'] / (1 << 20):g}"
 
 
 def summary_seq_len(summary: dict) -> int | None:
@@ -114,24 +135,6 @@ def _existing_marker(out: str) -> dict | None:
         return None
 
 
-def _listing(out: str) -> list[str] | None:
-    """Top-level names in ``out``; None when it does not exist."""
-    if remote.is_remote(out):
-        fs, p = remote.fs_and_path(out)
-        try:
-            if not fs.exists(p):
-                return None
-            return [n.rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(p, detail=False)]
-        except FileNotFoundError:
-            return None
-    p = remote.local_path(out)
-    if not os.path.exists(p):
-        return None
-    if not os.path.isdir(p):
-        raise UserError(f"--out {out}: exists and is not a folder")
-    return os.listdir(p)
-
-
 # ----------------------------------------------------------------------------- prepare
 
 
@@ -157,7 +160,7 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
             text_field: str = "text", overwrite: bool = False, progress: bool | None = None,
             log: Callable[[str], None] | None = None, curate=None, removed_out: str | None = None,
             flags: tuple[str, str] = ("--eval-fraction", "--seq-len"), executor: ExecutorSpec | None = None,
-            unit_bytes: int = DEFAULT_UNIT_BYTES) -> dict:
+            unit_bytes: int = DEFAULT_UNIT_BYTES, on_bad_input: str = "skip") -> dict:
     """Tokenize and pack ``inputs`` into the prepared dataset ``out``; returns its marker/summary.
 
     ``curate`` (a ``CurateConfig`` or its mapping) deduplicates, filters and decontaminates the
@@ -165,16 +168,18 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
     ``removed_out`` receives a sample of removed documents per reason. ``flags`` name the
     eval fraction and the sequence length in error messages as the caller's user sets them
     (``data prepare``'s flags, or a run config's keys). ``executor`` runs the job as tasks on
-    datatrove's executors (None: in this process, with ``workers`` processes). A re-run with the
+    datatrove's executors (None: in this process, with ``workers`` processes). An input file that
+    cannot be read is skipped, counted and named (``skipped_inputs``), or with ``on_bad_input``
+    "fail" stops the job, which keeps the units done. A re-run with the
     same inputs, arguments (curation included) and tokenizer returns the existing summary with
     ``already_prepared: True`` and writes nothing; a re-run of an interrupted job finishes it.
     On Slurm the jobs are submitted and the summary says so (``submitted``).
     """
     inputs = [inputs] if isinstance(inputs, str) else [str(i) for i in inputs]
     compression = _check_args(seq_len, eval_fraction, workers, compression, unit_bytes)
+    check_on_bad_input(on_bad_input)
     check_executor(executor)
     from lmforge.data.curate import resolve_curation
-    from lmforge.data.curate.crossdedup import dedup_plan
 
     curate, index = resolve_curation(curate)
     if removed_out is not None and os.path.isfile(removed_out):
@@ -201,63 +206,30 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
         if index is not None:
             marker["args"]["decontaminate_index"] = index.fingerprint
 
-    existing = _existing_marker(out)
-    if existing is not None and _identity(existing) == _identity(marker):
-        if log:
-            log(f"already prepared: {out}")
-        return existing | {"already_prepared": True}
-    units = plan_units(sources, unit_bytes)
-    sizes = [u.bytes for u in units]
-    dedup = dedup_plan(curate.dedup if curate is not None else None,
-                       sum(sizes) if all(b is not None for b in sizes) else None)
-    plan = {"identity": _identity(marker), "unit_bytes": unit_bytes, "units": [u.to_json() for u in units]}
-    resumed = claim(out, plan, existing, overwrite)
+    marker["unit_bytes"] = unit_bytes
+    units, dedup = dest.units_and_dedup(sources, unit_bytes, curate.dedup if curate is not None else None)
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     job = Job(out, units, text_field, curate, index, dedup, encoder=(Encoder, (tok.to_json(), tok.eos_id, eval_fraction)),
               splits=("train", "val") if eval_fraction > 0 else ("train",), seq_len=seq_len, dtype=dtype,
-              compression=compression, finalize=finalize,
-              context={"marker": marker, "inputs": inputs, "skipped_inputs": stats.skipped_inputs, "flags": flags,
-                       "eval_fraction": eval_fraction, "removed_out": removed_out, "workers": workers,
-                       "executor": executor.kind if executor else None,
+              compression=compression, on_bad_input=on_bad_input, finalize=finalize,
+              after_marker=_drop_unlisted_shards,
+              context={"marker": marker, "marker_name": MARKER, "inputs": inputs,
+                       "skipped_inputs": stats.skipped_inputs, "flags": flags, "eval_fraction": eval_fraction,
+                       "removed_out": removed_out, "workers": workers, "executor": executor.kind if executor else None,
                        "tasks": executor.tasks if executor else None, "unit_bytes": unit_bytes})
-    try:
-        run = run_job(job, executor, workers, sys.stderr.isatty() if progress is None else bool(progress))
-        if run.submitted is not None:
-            return {"format": "lmforge-dataset-job", "out": out, "resumed": resumed, "units": len(units),
-                    "submitted": run.submitted}
-        return finalize(job, run)
-    except (TaskDied, remote.StoreError):
-        raise  # not the data's fault: what the job wrote stays, and the same command finishes it
-    except UserError:
-        if _existing_marker(out) is None:  # a dataset with its marker is complete: it stays
-            remote.remove_tree(out)  # bad input: the job cannot finish; what it wrote goes
-        raise
-
-
-def claim(out: str, plan: dict, existing: dict | None, overwrite: bool, what: str = "data prepare") -> bool:
-    """Make ``out`` this job's: True when it already holds this very job, unfinished (resume);
-    otherwise refuse other content (without ``overwrite``), clear ``out`` and write the plan."""
-    listing = _listing(out)
-    wd = WorkDir(out)
-    plan = json.loads(json.dumps(plan))
-    if listing:
-        earlier = wd.read_json("plan.json") if WORK in listing else None
-        if earlier == plan:
-            return True
-        if not overwrite:
-            if existing is not None:
-                raise UserError(f"--out {out}: already holds a different prepared dataset (inputs "
-                                f"{' '.join(existing.get('inputs', []))}); use --overwrite or another --out")
-            if earlier is not None:
-                raise UserError(f"--out {out}: holds an unfinished `{what}` of other inputs or arguments; run that "
-                                "command again to finish it, or use --overwrite or another --out")
-            # Only leftovers of our own interrupted upload (train/, val/ without a marker) are replaced silently.
-            if not set(listing) <= set(SPLITS) | {WORK}:
-                raise UserError(f"--out {out}: folder is not empty and is not a prepared dataset "
-                                f"(holds {', '.join(sorted(listing)[:3])}); use --overwrite or another --out")
-        remote.remove_tree(out)
-    wd.write_json("plan.json", plan)
-    return False
+    existing = _existing_marker(out)
+    same = existing is not None and _identity(existing) == _identity(marker)
+    other = None if existing is None else f"a different prepared dataset ({_difference(existing, marker, flags)})"
+    resumed = dest.start(job, _identity(marker), same, other, overwrite, "data prepare")
+    if resumed is None:
+        if log:
+            log(f"already prepared: {out}")
+        return existing | {"already_prepared": True}
+    run, summary = dest.run(job, executor, workers, sys.stderr.isatty() if progress is None else bool(progress))
+    if summary is None:
+        return {"format": "lmforge-dataset-job", "out": out, "resumed": resumed, "units": len(units),
+                "submitted": run.submitted}
+    return summary
 
 
 # ----------------------------------------------------------------------------- the last step
@@ -298,9 +270,8 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
                         f"{sum(s['tokens'] for s in splits.values())} tokens, not one full sample of {job.seq_len})")
     for split in job.splits:
         _write_index(job.out, split, entries[split])
-    obsolete: list[str] = []
     if "val" in splits and 0 in (splits["val"]["samples"], splits["train"]["samples"]):
-        splits, obsolete = _tail_holdout(job, splits, entries, ctx["eval_fraction"], (frac_flag, seq_flag))
+        splits = _tail_holdout(job, splits, ctx["eval_fraction"], (frac_flag, seq_flag))
     new = set(run.new_units) if run is not None else set(range(len(markers)))
     tokens_now = sum(markers[u]["tokens"] for u in new)
     seconds = run.seconds if run is not None else sum(markers[u]["seconds"] for u in new)
@@ -312,11 +283,7 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
         "samples": sum(s["samples"] for s in splits.values()),
         "shards": sum(s["shards"] for s in splits.values()),
         "splits": splits,
-        "skipped_inputs": stats.skipped_inputs,
-        "invalid_utf8_replacements": stats.invalid_utf8,
-        "invalid_utf8_files": stats.invalid_utf8_files,
-        "skipped_lines": stats.skipped_lines,
-        "skipped_line_examples": stats.skipped_line_examples,
+        **source_summary(stats),
         "units": len(markers),
         "unit_bytes": ctx["unit_bytes"],
         "executor": ctx["executor"],
@@ -333,13 +300,11 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
     if curation is not None:
         marker["curation"] = curation
     marker["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    remote.put_bytes(remote.join(job.out, MARKER), (json.dumps(marker, indent=2) + "\n").encode())  # last
-    for uri in obsolete:  # only now: a run stopped before the marker finalizes again from the units' shards
-        _delete(uri)
-    if curation is not None and ctx["removed_out"]:
-        marker["curation"]["removed_samples"] = write_removed(
-            removed_samples(job, unit_offsets(markers), job.curate.removed_sample), ctx["removed_out"])
-    WorkDir(job.out).remove(keep_logs=ctx["executor"] == "slurm")
+    removed = dest.write_removed_samples(job, markers)
+    remote.put_bytes(remote.join(job.out, MARKER), (json.dumps(marker, indent=2) + "\n").encode())  # complete
+    dest.finish(job)
+    if removed is not None:
+        marker["curation"]["removed_samples"] = removed
     return marker
 
 
@@ -372,19 +337,29 @@ def _split_reader(out: str, split: str, tmp: str):
                      fetch=lambda base: remote.download(remote.join(uri, base), os.path.join(local, base)))
 
 
-def _delete(uri: str) -> None:
-    if remote.is_remote(uri):
-        fs, p = remote.fs_and_path(uri)
-        fs.rm_file(p)
-    else:
-        os.remove(remote.local_path(uri))
+def _drop_unlisted_shards(job: Job) -> None:
+    """The units' shards no index lists any more (replaced by the tail hold-out's): removed only once
+    the marker is written, so that a run stopped before it finalizes again from the units' shards."""
+    for split in job.splits:
+        uri = remote.join(job.out, split)
+        index = remote.get_bytes(remote.join(uri, "index.json"))
+        if index is None:
+            continue
+        listed = {(e["zip_data"] or e["raw_data"])["basename"] for e in json.loads(index)["shards"]}
+        for name in remote.listdir(uri):
+            if name.startswith("shard.") and name not in listed:
+                if remote.is_remote(uri):
+                    fs, p = remote.fs_and_path(remote.join(uri, name))
+                    fs.rm_file(p)
+                else:
+                    os.remove(os.path.join(remote.local_path(uri), name))
 
 
-def _tail_holdout(job: Job, splits: dict, entries: dict, eval_fraction: float,
-                  flags: tuple[str, str]) -> tuple[dict, list[str]]:
+def _tail_holdout(job: Job, splits: dict, eval_fraction: float,
+                  flags: tuple[str, str]) -> dict:
     """Few documents: one split got every full sample (the per-document draw put every document on
     one side): the val split becomes the last ``eval_fraction`` of those samples, train the rest.
-    Returns the splits' summaries and the units' shards no index lists any more."""
+    Returns the splits' summaries (the units' shards no index lists any more go after the marker)."""
     from lmforge.data.mds import MDSWriter
 
     frac_flag, seq_flag = flags
@@ -424,6 +399,4 @@ def _tail_holdout(job: Job, splits: dict, entries: dict, eval_fraction: float,
                                "bytes_per_token": bpt, "samples": n - k, "shards": len(new["train"])}
     val["dropped_tokens"] = splits[other]["tokens"] + (whole["dropped_tokens"] if source == "val" else 0)
     train["dropped_tokens"] = whole["dropped_tokens"] if source == "train" else 0
-    obsolete = [remote.join(job.out, split, (e["zip_data"] or e["raw_data"])["basename"])
-                for split in SPLITS for e in entries[split]]
-    return {"train": train, "val": val}, obsolete
+    return {"train": train, "val": val}

@@ -225,6 +225,16 @@ def get_bytes(uri: str, retries: int = 5, backoff: float = 0.5) -> bytes | None:
         raise
 
 
+def get_range(uri: str, start: int, end: int, retries: int = 5, backoff: float = 0.5) -> bytes:
+    """Bytes [start, end) of the file/object ``uri`` (one ranged read), retrying."""
+    if not is_remote(uri):
+        with open(local_path(uri), "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+    fs, path = fs_and_path(uri)
+    return _retry(uri, lambda: fs.cat_file(path, start=start, end=end), retries, backoff)
+
+
 def listdir(uri: str) -> list[str]:
     """Sorted names of the files and folders directly in ``uri``; [] when it does not exist."""
     if not is_remote(uri):

@@ -37,6 +37,7 @@ class ResolvedDataset:
     path: str  # a prepared dataset: MDS folder, or a folder with train/ and val/
     proportion: float | None
     summary: dict = field(default_factory=dict)
+    _stored: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def seq_len(self) -> int | None:
@@ -49,9 +50,12 @@ class ResolvedDataset:
         return _exists(_join(self.path, split, "index.json"))
 
     def stored(self) -> tuple[int, int]:
-        """(stored samples, tokens per sample) of the train split, as the stream reads them."""
-        reader = open_dataset(self.path)
-        return len(reader), reader.sample_length(0)
+        """(stored samples, tokens per sample) of the train split, as the stream reads them (opened
+        once: resolution asks several times)."""
+        if self._stored is None:
+            reader = open_dataset(self.path)
+            self._stored = (len(reader), reader.sample_length(0))
+        return self._stored
 
 
 @dataclass
@@ -119,7 +123,16 @@ def _exists(path: str) -> bool:
 
 
 def is_prepared(path: str) -> bool:
-    return any(_exists(_join(path, f)) for f in (SUMMARY_FILE, "index.json", "train/index.json"))
+    """A prepared dataset (ours, with its marker, or any MDS folder); a `data prepare` / `data dedup`
+    that has not written its marker yet (a kill before it) is refused, never half-read."""
+    from lmforge.data.dest import unfinished
+
+    if _exists(_join(path, SUMMARY_FILE)):
+        return True
+    if unfinished(path):
+        raise UserError(f"{path}: an unfinished `lmforge data prepare` (or `data dedup`): it has no {SUMMARY_FILE} "
+                        "yet; run the same command again to finish it")
+    return any(_exists(_join(path, f)) for f in ("index.json", "train/index.json"))
 
 
 def _read_summary(path: str) -> dict:

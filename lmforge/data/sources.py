@@ -34,6 +34,11 @@ GLOB_CHARS = set("*?[")
 _EXAMPLES = 5  # how many skipped-line examples the summary keeps
 
 
+class UnreadableInput(UserError):
+    """An input file whose content cannot be read (corrupt or truncated, not the format its name
+    says, no text column): `data prepare --on-bad-input skip` skips it, counted and named."""
+
+
 @dataclass(frozen=True)
 class Source:
     """One readable thing: a local path, a remote URI, ``builtin:NAME`` or ``hf://...``."""
@@ -259,11 +264,45 @@ def _open_decompressed(uri: str, compression: str | None):
     if compression == "gzip":
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if compression == "zstd":
+        return io.BufferedReader(_ZstdFrames(raw), buffer_size=1 << 20)
+    return raw
+
+
+class _ZstdFrames(io.RawIOBase):
+    """A zstd stream read frame after frame, refusing one cut short: zstandard's own stream reader
+    returns a truncated file's text as if the file ended there (its tail lost without a word)."""
+
+    def __init__(self, raw):
         import zstandard
 
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
-        return io.BufferedReader(reader, buffer_size=1 << 20)
-    return raw
+        self.raw, self.zstd = raw, zstandard.ZstdDecompressor()
+        self.frame, self.pending, self.out = None, b"", b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while not self.out:
+            data, self.pending = self.pending or self.raw.read(1 << 16), b""  # small: what precedes damage is read
+            if not data:
+                if self.frame is not None and not self.frame.eof:
+                    import zstandard
+
+                    raise zstandard.ZstdError("truncated: the file ends inside a frame")
+                return 0
+            if self.frame is None or self.frame.eof:
+                self.frame = self.zstd.decompressobj()
+            self.out = self.frame.decompress(data)
+            if self.frame.eof:
+                self.pending = self.frame.unused_data  # the next frame's start
+        n = min(len(buf), len(self.out))
+        buf[:n] = self.out[:n]
+        self.out = self.out[n:]
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
 
 
 def _read_text_file(src: Source, compression: str | None, stats: SourceStats | None) -> Iterator[str]:
@@ -314,7 +353,7 @@ def _read_json_file(src: Source, compression: str | None, text_field: str, stats
             try:
                 records = json.loads(decode_utf8(raw, src.uri, stats))
             except json.JSONDecodeError as e:
-                raise UserError(f"{src.uri}: not valid JSON ({e})") from None
+                raise UnreadableInput(f"{src.uri}: not valid JSON ({e})") from None
             for i, rec in enumerate(records):
                 text = _text_of(rec, text_field, f"{src.uri}[{i}]", stats)
                 if text is not None:
@@ -379,13 +418,13 @@ def _read_parquet_file(src: Source, compression: str | None, text_field: str, st
         try:
             pf = pq.ParquetFile(data)
         except (pa.ArrowInvalid, OSError) as e:
-            raise UserError(f"{src.uri}: not a readable parquet file ({_one_line(e)})") from None
+            raise UnreadableInput(f"{src.uri}: not a readable parquet file ({_one_line(e)})") from None
         names = pf.schema_arrow.names
         if text_field not in names:
-            raise UserError(f"{src.uri}: no column \"{text_field}\" (columns: {', '.join(names)}); use --text-field")
+            raise UnreadableInput(f"{src.uri}: no column \"{text_field}\" (columns: {', '.join(names)}); use --text-field")
         col_type = pf.schema_arrow.field(text_field).type
         if not (pa.types.is_string(col_type) or pa.types.is_large_string(col_type)):
-            raise UserError(f"{src.uri}: column \"{text_field}\" is {col_type}, expected a string column")
+            raise UnreadableInput(f"{src.uri}: column \"{text_field}\" is {col_type}, expected a string column")
         row = 0
         for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
             for text in batch.column(0).to_pylist():
@@ -473,15 +512,16 @@ def read_source(src: Source, text_field: str = "text", stats: SourceStats | None
         else:
             yield from _read_text_file(src, compression, stats)
     except FileNotFoundError:
-        raise UserError(f"{src.uri}: no such file (it disappeared while reading)") from None
+        raise UnreadableInput(f"{src.uri}: no such file (it disappeared while reading)") from None
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # zlib: a gzip stream damaged past its header
-        raise UserError(f"{src.uri}: corrupt or truncated {compression or 'file'} ({_one_line(e)})") from None
-    except OSError as e:
-        raise UserError(f"{src.uri}: cannot read it ({type(e).__name__}: {_one_line(e)})") from None
+        raise UnreadableInput(f"{src.uri}: corrupt or truncated {compression or 'file'} ({_one_line(e)})") from None
+    except OSError as e:  # a local file's is its own; an object store's may pass (not skipped)
+        error = UserError if "://" in src.uri and not src.uri.startswith("file://") else UnreadableInput
+        raise error(f"{src.uri}: cannot read it ({type(e).__name__}: {_one_line(e)})") from None
     except Exception as e:
         # zstandard raises its own ZstdError for corrupt frames.
         if type(e).__name__ == "ZstdError":
-            raise UserError(f"{src.uri}: corrupt or truncated zstd ({_one_line(e)})") from None
+            raise UnreadableInput(f"{src.uri}: corrupt or truncated zstd ({_one_line(e)})") from None
         raise
 
 

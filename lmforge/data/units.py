@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from lmforge.data.sources import Source, SourceStats, read_source, splittable
+from lmforge.data.sources import Source, SourceStats, UnreadableInput, read_source, splittable
+from lmforge.errors import UserError
 
 # 256 MiB of input per unit: ~60M tokens, so the partial samples lost at unit ends are a few in a
 # million tokens; 1T tokens (~4 TB of text) make ~16K units, enough to keep thousands of tasks busy.
@@ -79,12 +80,34 @@ def plan_units(sources: list[Source], unit_bytes: int = DEFAULT_UNIT_BYTES) -> l
     return units
 
 
-def unit_documents(unit: Unit, text_field: str, stats: SourceStats) -> Iterator[str]:
-    """The documents of a unit, in input order (counted in ``stats``)."""
+ON_BAD_INPUT = ("skip", "fail")
+
+
+def check_on_bad_input(value: str) -> None:
+    if value not in ON_BAD_INPUT:
+        raise UserError(f"--on-bad-input {value}: expected skip or fail")
+
+
+def unit_documents(unit: Unit, text_field: str, stats: SourceStats, on_bad_input: str = "skip") -> Iterator[str]:
+    """The documents of a unit, in input order (counted in ``stats``).
+
+    An input that cannot be read (``UnreadableInput``: corrupt, truncated, ...) is skipped from
+    the point where reading it failed, named in ``stats.skipped_inputs`` with the documents read
+    before (they stay), or with ``on_bad_input="fail"`` raised. The point depends only on the
+    file's bytes, so every stage that reads the unit sees the same documents."""
     for s in unit.slices:
         if s.start is None or s.start == 0:
             stats.files += 1  # a file is counted once, by the unit that reads its start
-        for text in read_source(Source(s.uri), text_field, stats,
-                                byte_range=None if s.start is None else (s.start, s.end)):
-            stats.documents += 1
-            yield text
+        read = 0
+        try:
+            for text in read_source(Source(s.uri), text_field, stats,
+                                    byte_range=None if s.start is None else (s.start, s.end)):
+                stats.documents += 1
+                read += 1
+                yield text
+        except UnreadableInput as e:
+            if on_bad_input != "skip":
+                raise
+            where = s.uri if s.start is None else f"{s.uri} (bytes {s.start}-{s.end})"
+            reason = str(e).removeprefix(f"{s.uri}: ")
+            stats.skip_input(where, f"{reason}; skipped{f' after its first {read} documents' if read else ''}")

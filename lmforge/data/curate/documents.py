@@ -15,13 +15,14 @@ import json
 import os
 import shutil
 import time
+from pathlib import Path
 
-from lmforge.data import remote
+from lmforge.data import dest, remote
 from lmforge.data.curate import resolve_curation
-from lmforge.data.executors import ExecutorSpec, JobRun, TaskDied, check_executor, run_job
-from lmforge.data.job import Job, WorkDir, removed_samples, source_stats, unit_markers, unit_offsets, write_removed
+from lmforge.data.executors import ExecutorSpec, JobRun, check_executor
+from lmforge.data.job import Job, WorkDir, source_stats, source_summary, unit_markers
 from lmforge.data.sources import SourceStats, list_files, no_documents_message
-from lmforge.data.units import DEFAULT_UNIT_BYTES, plan_units
+from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input
 from lmforge.errors import UserError
 from lmforge.guard import check_target
 
@@ -30,13 +31,13 @@ MARKER = "curation.json"
 
 def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int = 1, text_field: str = "text",
                     overwrite: bool = False, removed_out: str | None = None, executor: ExecutorSpec | None = None,
-                    unit_bytes: int = DEFAULT_UNIT_BYTES, progress: bool = False) -> dict:
-    from lmforge.data.curate.crossdedup import dedup_plan
+                    unit_bytes: int = DEFAULT_UNIT_BYTES, progress: bool = False, on_bad_input: str = "skip") -> dict:
     from lmforge.data.prepare import input_fingerprint
 
     inputs = [inputs] if isinstance(inputs, str) else [str(i) for i in inputs]
     if not isinstance(workers, int) or workers < 1:
         raise UserError(f"--workers {workers}: expected a positive integer")
+    check_on_bad_input(on_bad_input)
     check_executor(executor)
     cfg, index = resolve_curation(curate)
     if cfg is None:
@@ -49,39 +50,35 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
     stats = SourceStats()
     sources = list_files(inputs, stats)
     identity = {"inputs": inputs, "input_fingerprint": input_fingerprint(sources), "text_field": text_field,
-                "curate": cfg.model_dump(mode="json"), "decontaminate_index": index.fingerprint if index else None}
-    dest = os.path.abspath(out)
-    marker_path = os.path.join(dest, MARKER)
-    if os.path.isfile(marker_path):
-        with open(marker_path) as f:
-            old = json.load(f)
-        if old.get("identity") == identity:
-            return old | {"already_done": True}
-    units = plan_units(sources, unit_bytes)
-    sizes = [u.bytes for u in units]
-    dedup = dedup_plan(cfg.dedup, sum(sizes) if all(b is not None for b in sizes) else None)
-    plan = json.loads(json.dumps({"identity": identity, "unit_bytes": unit_bytes, "units": [u.to_json() for u in units]}))
-    wd = WorkDir(dest)
-    if not (os.path.isdir(dest) and wd.read_json("plan.json") == plan):  # else: finish the interrupted run
-        if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)) and not overwrite:
-            raise UserError(f"--out {out}: exists and holds other output; use --overwrite or another --out")
-        if os.path.exists(dest):
-            shutil.rmtree(dest) if os.path.isdir(dest) else os.remove(dest)
-        wd.write_json("plan.json", plan)
-    job = Job(dest, units, text_field, cfg, index, dedup, finalize=finalize,
-              context={"identity": identity, "inputs": inputs, "skipped_inputs": stats.skipped_inputs,
-                       "removed_out": removed_out, "workers": workers,
-                       "executor": executor.kind if executor else None, "tasks": executor.tasks if executor else None})
+                "curate": cfg.model_dump(mode="json"), "decontaminate_index": index.fingerprint if index else None,
+                "unit_bytes": unit_bytes}
+    dest_dir = os.path.abspath(out)
+    units, dedup = dest.units_and_dedup(sources, unit_bytes, cfg.dedup)
+    job = Job(dest_dir, units, text_field, cfg, index, dedup, on_bad_input=on_bad_input, finalize=finalize,
+              context={"identity": identity, "marker_name": MARKER, "inputs": inputs,
+                       "skipped_inputs": stats.skipped_inputs, "removed_out": removed_out, "workers": workers,
+                       "executor": executor.kind if executor else None, "tasks": executor.tasks if executor else None,
+                       "unit_bytes": unit_bytes})
+    old = _read_marker(dest_dir)
+    # Output written before units existed was one stream: what the default unit size makes.
+    same = old is not None and {"unit_bytes": DEFAULT_UNIT_BYTES} | old.get("identity", {}) == identity
+    resumed = dest.start(job, identity, same, None if old is None else "other `data dedup` output", overwrite,
+                         "data dedup")
+    if resumed is None:
+        return old | {"already_done": True}
+    run, summary = dest.run(job, executor, workers, progress)
+    if summary is None:
+        return {"format": "lmforge-curation-job", "out": out, "resumed": resumed, "submitted": run.submitted}
+    return summary
+
+
+def _read_marker(dest_dir: str) -> dict | None:
     try:
-        run = run_job(job, executor, workers, progress)
-        if run.submitted is not None:
-            return {"format": "lmforge-curation-job", "out": out, "submitted": run.submitted}
-        return finalize(job, run)
-    except (TaskDied, remote.StoreError):
-        raise  # not the data's fault: what the job wrote stays, and the same command finishes it
-    except UserError:
-        shutil.rmtree(dest, ignore_errors=True)  # bad input: the job cannot finish; what it wrote goes
-        raise
+        with open(os.path.join(dest_dir, MARKER)) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return old if isinstance(old, dict) else None
 
 
 def finalize(job: Job, run: JobRun | None = None) -> dict:
@@ -109,13 +106,12 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
               "documents_written": sum(m["documents_written"] for m in markers), "seconds": round(seconds, 3),
               "mb_per_second": round(summary["bytes_in"] / 1e6 / seconds, 3) if seconds > 0 else None,
               "units": len(markers), "executor": ctx["executor"], "tasks": ctx["tasks"], "workers": ctx["workers"],
+              **source_summary(stats),
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    with open(os.path.join(job.out, MARKER), "w") as f:
-        json.dump(marker, f, indent=2)
-        f.write("\n")
-    if ctx["removed_out"]:
-        marker["curation"]["removed_samples"] = write_removed(
-            removed_samples(job, unit_offsets(markers), job.curate.removed_sample), ctx["removed_out"])
-    wd.remove(keep_logs=ctx["executor"] == "slurm")
+    removed = dest.write_removed_samples(job, markers)
+    remote.write_local_atomic(Path(job.out) / MARKER, (json.dumps(marker, indent=2) + "\n").encode())  # complete
+    dest.finish(job)
+    if removed is not None:
+        marker["curation"]["removed_samples"] = removed
     return marker
 
