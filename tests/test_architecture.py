@@ -15,7 +15,7 @@ the trackers, reports). The layers, from the bottom:
     resolve (request, weights, auto_model)                      torch-free: one run resolved, through plan
     data · models · distributed · eval                          the torch core
     resolve.steps                                               resolution past the config stage
-    train                                                       the trainer
+    train                                                       the builder (train.build) and the trainer
     tracking · report                                           what a person looks at
     runs                                                        registry, supervisor, jobs
     cli                                                         commands
@@ -240,6 +240,16 @@ def test_trainer_does_not_depend_on_resolution_steps():
     """The trainer takes a resolved run; it never resolves one itself."""
     mods = imports_of(PKG / "train" / "trainer.py")
     assert not any(m.startswith(("lmforge.resolve.steps", "lmforge.plan.run.make_plan")) for m in mods), mods
+
+
+def test_the_trainer_takes_its_parts_from_the_builder():
+    """The Trainer file holds the loop, evaluation hooks and checkpointing; what a run trains with
+    (model, wrapping, LoRA, optimizer, objective, streams) is built in `train.build`."""
+    mods = imports_of(PKG / "train" / "trainer.py")
+    building = ("lmforge.models.build_model", "lmforge.models.lora", "lmforge.distributed.parallelize.parallelize",
+                "lmforge.train.optim.build_optimizer", "lmforge.train.objective", "lmforge.data.batch.StreamLayout")
+    assert not any(m.startswith(building) for m in mods), sorted(m for m in mods if m.startswith(building))
+    assert "lmforge.train.build.build_parts" in mods
 
 
 def test_core_never_branches_on_attributes():

@@ -23,7 +23,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from lmforge.config.load import build_config, set_path
+from lmforge.cli.main import build_parser
+from lmforge.config.load import _inner_model, build_config, load_config, set_path
+from lmforge.data.preference import pair_segments
+from lmforge.data.sources import list_files, read_source
+from lmforge.guard import check_target
+from lmforge.train.checkpoint import verify_checkpoint
 from lmforge.config.schema import RunConfig
 from lmforge.errors import UserError
 from train_helpers import cli, lmforge
@@ -115,8 +120,6 @@ def test_issue_47_input(case, cfg_file):
 
 def leaf_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
     """Dotted keys of every field of the config, sections opened (the model shape through a preset)."""
-    from lmforge.config.load import _inner_model
-
     out = []
     for name, field in model.model_fields.items():
         inner = _inner_model(field.annotation)
@@ -172,8 +175,6 @@ def test_every_config_field_takes_a_value_or_names_itself(key, value):
 
 def typed_flags() -> list[tuple[list[str], argparse.Action]]:
     """(command words, action) of every flag that parses a number, in every command."""
-    from lmforge.cli.main import build_parser
-
     found = []
 
     def walk(parser, words):
@@ -207,7 +208,6 @@ def _flag_case(i: int):
 @EACH
 @given(value=FLAG_VALUES)
 def test_every_typed_flag_parses_a_value_or_names_itself(i, value):
-    from lmforge.cli.main import build_parser
 
     words, action = FLAGS[i]
     flag = action.option_strings[-1]
@@ -243,7 +243,6 @@ def test_every_typed_flag_parses_a_value_or_names_itself(i, value):
                       st.sampled_from(["model: [", "a: 1\na: 2\n", "- 1\n", "model: llama-tiny\n" * 2, "{}",
                                        "train_data: {x: {path: 1}}\n", "!!python/object:os.system {}"])))
 def test_a_config_file_of_any_text_is_read_or_refused_in_one_line(text):
-    from lmforge.config.load import load_config
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "c.yaml")
@@ -265,7 +264,6 @@ ROW_VALUE = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=
 @given(row=st.one_of(st.dictionaries(st.sampled_from(["prompt", "chosen", "rejected", "response", "messages"]),
                                      ROW_VALUE, max_size=4), ROW_VALUE))
 def test_a_preference_row_of_any_shape_is_read_or_names_its_field(row):
-    from lmforge.data.preference import pair_segments
 
     try:
         pair_segments(row, "pairs.jsonl:1")
@@ -277,7 +275,6 @@ def test_a_preference_row_of_any_shape_is_read_or_names_its_field(row):
 @given(data=st.binary(max_size=300), kind=st.sampled_from([".txt.gz", ".jsonl.gz", ".txt.zst", ".txt", ".jsonl"]),
        gz_head=st.booleans())
 def test_a_damaged_or_odd_text_file_is_read_or_refused_in_one_line(data, kind, gz_head):
-    from lmforge.data.sources import list_files, read_source
 
     if gz_head and kind.endswith(".gz"):  # a real gzip stream, damaged after its header
         good = gzip.compress(b"hello world\n" * 50)
@@ -301,7 +298,6 @@ def test_a_damaged_or_odd_text_file_is_read_or_refused_in_one_line(data, kind, g
                                                  st.dictionaries(st.text(max_size=4), st.integers(), max_size=2)),
                                        max_size=3).map(json.dumps)))
 def test_a_checkpoint_state_of_any_content_is_refused_by_name(state):
-    from lmforge.train.checkpoint import verify_checkpoint
 
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "lmforge-state.json"), "w", encoding="utf-8", errors="surrogateescape") as f:
@@ -322,8 +318,6 @@ PARTS = st.lists(st.sampled_from(["a", "b", "..", "."]), min_size=1, max_size=4)
 def test_the_guard_refuses_exactly_what_overlaps(target, read):
     """Never writes where it reads: a target is refused iff it and the read are one folder or one
     holds the other (paths resolved, `..` included)."""
-    from lmforge.guard import check_target
-
     with tempfile.TemporaryDirectory() as root:
         base = os.path.join(root, "w", "x", "y", "z")  # deep enough that `..` stays inside root
         t, r = os.path.realpath(os.path.join(base, *target)), os.path.realpath(os.path.join(base, *read))

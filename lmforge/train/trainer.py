@@ -2,9 +2,9 @@
 
 Read it top to bottom:
 
-- `Trainer.__init__` claims the save folder (same run → resume, another run → refuse), builds
-  the model (seeded, sharded or replicated), the optimizer and the data stream, and loads the
-  latest checkpoint;
+- `Trainer.__init__` takes the run's parts as `train.build` makes them (the save folder claimed,
+  the model sharded or replicated, the objective, the optimizer and the data streams) and loads
+  the latest checkpoint;
 - `train_step` is one optimizer step: forward and backward over the micro-batches of one global
   batch, gradient clipping, the update. It never waits for the device: its loss and gradient
   norm stay device tensors, read (with the non-finite check) only at log steps and before a
@@ -14,8 +14,9 @@ Read it top to bottom:
 - `save` / `load` write and read checkpoints through state objects that carry their own
   ``state_dict()``: model and optimizer (DCP), data stream, counters (`TrainState`), RNG;
 - `fit` is the loop: steps, logging, periodic evaluation and checkpoints, a graceful stop on
-  SIGTERM / Ctrl-C, a hang watchdog fed after every step (`train.watchdog`), and at the end a
-  final evaluation, checkpoint and export.
+  SIGTERM / Ctrl-C (`train.stop`), a hang watchdog fed after every step (`train.watchdog`),
+  per-rank telemetry and the goodput conditions (`train.telemetry`), and at the end a final
+  evaluation, checkpoint and export (`train.final`).
 
 The trainer knows nothing of trackers, object stores or the run registry: they hook in through
 `train.callbacks`. What it needs comes resolved by `resolve.run.resolve` (a `ResolvedRun`).
@@ -25,47 +26,36 @@ from __future__ import annotations
 
 import math
 import os
-import signal
-import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Collection, Sequence
 
 import torch
 
-from lmforge.checksums import write_export_digests
-from lmforge.config.identity import run_identity
-from lmforge.data.batch import Batch, StreamLayout
-from lmforge.data.remote import is_remote
-from lmforge.data.vocab_extension import read_extension
-from lmforge.distributed.context_parallel import data_parallel_replica, shard_rows
+from lmforge.data.batch import Batch
+from lmforge.distributed.context_parallel import shard_rows
 from lmforge.distributed.diagnose import EXPECTED_SHARE_OF_PEAK
-from lmforge.distributed.dist import DistInfo, all_reduce_sum, any_rank, barrier, broadcast_object
+from lmforge.distributed.dist import DistInfo, all_reduce_sum, barrier
 from lmforge.distributed.elastic import restarted_from_elastic
-from lmforge.distributed.float8 import FP8Options, after_optimizer_step
-from lmforge.distributed.parallelize import (SHARDED, clip_grad_norm, compile_enabled, device_value, full_state_dict,
-                                             is_sharded, materialize, no_grad_sync, parallelize)
+from lmforge.distributed.float8 import after_optimizer_step
+from lmforge.distributed.parallelize import SHARDED, clip_grad_norm, compile_enabled, device_value, no_grad_sync
 from lmforge.errors import UserError
-from lmforge.layout import latest_checkpoint, list_checkpoints, read_run_file, read_state
+from lmforge.eval.in_training import generations, load_icl, run_icl
+from lmforge.goodput.conditions import scored_sections
+from lmforge.layout import latest_checkpoint, list_checkpoints, read_state
 from lmforge.plan.estimate import run_record
 from lmforge.plan.hardware import detect_device_spec, mfu, mfu_basis, peak_flops
-from lmforge.eval.in_training import generations, load_icl, run_icl
-from lmforge.models import build_model, save_pretrained
-from lmforge.models.io import write_chat_template
-from lmforge.models.lora import apply_lora, save_final as save_lora_final
-from lmforge.models.resize import extend_embeddings
-from lmforge.models.transformer import Transformer
 from lmforge.resolve import ResolvedRun
 from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
+from lmforge.train.build import build_parts
 from lmforge.train.callbacks import Callback, Callbacks, RunInfo
 from lmforge.train.expert_health import ExpertHealth
-from lmforge.train.locate import load_model
-from lmforge.train.objective import objective_for
-from lmforge.train.optim import blended_lr, build_optimizer
-from lmforge.goodput.conditions import scored_sections
+from lmforge.train.final import write_final
+from lmforge.train.optim import blended_lr
+from lmforge.train.stop import GracefulStop
 from lmforge.train.telemetry import Telemetry
 from lmforge.train.watchdog import HangWatchdog, dump_and_exit
 
@@ -102,11 +92,6 @@ def divergence_remedies(learning_rate: float, warmup_steps: int, grad_clip: floa
     return text + (f" or parameters.precision {wider} ({precision} now)" if wider else "")
 
 
-# Across ranks, a stop asked on one (SIGTERM, Ctrl-C) is agreed on by an all-reduce, which waits
-# for the device: done at log steps, and at least every this many steps.
-STOP_CHECK_STEPS = 10
-
-
 @dataclass
 class TrainState:
     """The counters a checkpoint carries (besides model, optimizer, data position and RNG)."""
@@ -140,7 +125,6 @@ class StepOutput:
     stats: dict = field(default_factory=dict)  # the objective's step means, e.g. preference rewards
 
 
-COMPLETE = "<complete>"  # what a completed run with damaged checkpoints resumes from: nothing
 
 
 @dataclass
@@ -180,54 +164,35 @@ def _silent(*_args, **_kwargs) -> None:
 
 
 class Trainer:
+    """The loop over a run's parts (`train.build`), its evaluations and its checkpoints."""
+
     def __init__(self, run: ResolvedRun, dist: DistInfo, *, save_folder: str | None = None,
                  callbacks: Sequence[Callback] = (), overwrite: bool = False, log=print):
-        self.cfg, self.plan, self.data, self.tokenizer = run.config, run.plan, run.data, run.tokenizer
+        self.cfg, self.plan, self.tokenizer = run.config, run.plan, run.tokenizer
         self.dist, self.device = dist, dist.device
         self.save_folder = save_folder or self.cfg.save_folder  # local (a remote run's staging folder)
         self.callbacks = Callbacks(callbacks if dist.is_main else ())
         self.log = log if dist.is_main else _silent
         self.state = TrainState()
         self.sharded = self.cfg.compute.data_parallel in SHARDED
-        # fp8: torchao's linear layers run their matmuls in FP8; everything else in bf16.
-        self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) \
-            if self.plan.precision in ("bf16", "fp8") else nullcontext
         self.icl = load_icl(self.cfg)  # bad task files fail before any training
         self.expert_health = ExpertHealth() if self.cfg.model.is_moe else None
-
-        resume_from, checked = self._claim_save_folder(overwrite)
-        self.complete = resume_from == COMPLETE
+        parts = build_parts(run, dist, self.save_folder, self.callbacks, overwrite=overwrite, log=self.log)
+        self.complete = parts is None
         if self.complete:
             return  # completed before, its checkpoints damaged: `fit` says so, nothing is built
-        self.model, self.train_forward = self._build_model(from_weights=not resume_from)
+        self.model, self.train_forward, self.optimizer = parts.model, parts.train_forward, parts.optimizer
+        self.objective, self.autocast, self.layout = parts.objective, parts.autocast, parts.layout
+        self.data, self.stream, self.eval_sets = parts.data, parts.stream, parts.eval_sets
         self.sequence_group = self.model.sequence_group  # context parallelism: the ranks a row is split over
-        self.objective = objective_for(self.data, self.cfg, self.model)  # by the data's kind: next token, pairs
-        p = self.cfg.parameters
-        # Muon's Newton–Schulz iterations run in the run's matmul dtype (bf16 on GPUs, fp32 on most CPUs).
-        ns_dtype = torch.bfloat16 if self.plan.precision in ("bf16", "fp8") else torch.float32
-        self.optimizer = build_optimizer(self.model, lr=self.plan.learning_rate, weight_decay=p.weight_decay,
-                                         betas=tuple(p.betas), eps=p.eps, device_type=self.device.type,
-                                         kind=self.plan.optimizer, muon_momentum=p.muon_momentum,
-                                         muon_weight_decay=p.muon_weight_decay, ns_dtype=ns_dtype)
         self._schedule_signature = self.plan.schedule.signature(self.plan.learning_rate)
-        replica, replicas = data_parallel_replica(dist.rank, dist.world_size, self.cfg.compute.context_parallel)  # a row's ranks read the same rows
-        self.layout = StreamLayout(
-            seq_len=self.plan.context_length, micro_batch=self.plan.micro_batch,
-            global_batch=self.plan.global_batch, rank=replica, world_size=replicas, seed=p.seed,
-            num_workers=self.cfg.compute.num_workers, pin_memory=self.device.type == "cuda",
-            document_eos=self.tokenizer.eos_id if p.document_masking and self.data.kind == "pretrain" else None)
-        # Before any step or checkpoint load: e.g. reference log-probs from the starting weights.
-        self.data = self.objective.prepare(self.data, self.model, self.layout, self.save_folder, dist, self.autocast,
-                                           resuming=bool(resume_from), log=self.log)
-        self.stream = self.data.train_stream(self.layout)
-        self.eval_sets = self.data.eval_sets(self.layout, self.cfg.eval.max_batches)
-        self.resumed = bool(resume_from)
-        if resume_from:
-            self.load(resume_from, checked)
-        restarted_from_elastic(self.save_folder, resume_from, self.state.step, dist, self.log)
+        self.resumed = bool(parts.resume_from)
+        if parts.resume_from:
+            self.load(parts.resume_from, parts.checked)
+        restarted_from_elastic(self.save_folder, parts.resume_from, self.state.step, dist, self.log)
         self.saver = ckpt.PendingSave() if self.cfg.compute.async_checkpoint else None
         self.peak_flops = peak_flops(detect_device_spec(self.device), mfu_basis(self.plan.precision))
-        self._stop_asked = False
+        self.stop = GracefulStop(dist, self.cfg.log_interval, self.log)
         self.watchdog = HangWatchdog(self.cfg.compute.hang_timeout, rank=dist.rank,
                                      on_hang=partial(dump_and_exit, restarts=self.cfg.max_retries > 0))
         c = self.cfg.compute
@@ -237,70 +202,6 @@ class Trainer:
         self.reshape: dict | None = None
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
         self._elapsed0 = 0.0
-
-    # ------------------------------------------------------------------ setup
-
-    def _claim_save_folder(self, overwrite: bool) -> tuple[str | None, list[str]]:
-        """Same run in the folder → the latest checkpoint to resume from and the files whose
-        digests rank 0 checked in choosing it; another run → refuse."""
-        identity = run_identity(self.cfg)
-        previous = read_run_file(self.save_folder) if self.dist.is_main else None
-        if self.dist.is_main:
-            self.callbacks.before_resume(self.save_folder)
-            can_resume = ckpt.check_save_folder(self.save_folder, identity, overwrite=overwrite,
-                                                autoresume=self.cfg.autoresume,
-                                                all_local=not is_remote(self.cfg.save_folder))
-            self.callbacks.resume_decided(self.save_folder, can_resume and self.cfg.autoresume, overwrite)
-            ckpt.write_run_file(self.save_folder, identity, redact_config(self.cfg.model_dump(mode="json")))
-        barrier()
-        latest, checked = None, []
-        if self.cfg.autoresume and self.dist.is_main:  # rank 0 checks the digests; every rank loads its pick
-            try:
-                latest = ckpt.intact_checkpoint(self.save_folder, self.log)
-            except UserError:
-                final = ckpt.completed_final(self.save_folder, previous, str(self.cfg.training_duration))
-                if final is None:
-                    raise
-                self.log(f"warning: no checkpoint of run {self.cfg.name} is intact, but it completed and its final "
-                         f"model {final} is: nothing to train")
-                latest = COMPLETE
-            checked = ckpt.files_here(latest) if latest and latest != COMPLETE else []
-        return broadcast_object((latest, checked))
-
-    def _build_model(self, from_weights: bool) -> tuple[Transformer, torch.nn.Module]:
-        """The same seed on every rank gives the same initial weights; fsdp/hsdp: rank 0 alone
-        builds the full model on the CPU, the others a meta-device twin, then rank 0's weights are
-        scattered shard by shard."""
-        cfg = self.cfg
-        torch.manual_seed(cfg.parameters.seed)
-        model = None
-        if self.dist.is_main or not self.sharded:
-            model = build_model(cfg.model, device="cpu" if self.sharded else self.device)
-            if cfg.custom_weights_path and from_weights:
-                self._load_custom_weights(model)
-            apply_lora(model, cfg.lora, log=self.log)  # frozen base + adapters; no-op without `lora:`
-        options = dict(precision=self.plan.precision, fp8=FP8Options.of(cfg.parameters))
-        if not self.sharded:
-            return model, parallelize(model, cfg.compute, self.dist, **options)
-        full = model.state_dict() if model is not None else None
-        with torch.device("meta"):
-            model = apply_lora(Transformer(cfg.model), cfg.lora)  # the same modules as rank 0's
-        train_forward = parallelize(model, cfg.compute, self.dist, **options)
-        materialize(model, self.device, full)
-        return model, train_forward
-
-    def _load_custom_weights(self, model: Transformer) -> None:
-        path = self.cfg.custom_weights_path
-        source, _, _ = load_model(path, device=model.output_weight.device)
-        theirs, ours = source.state_dict(), model.state_dict()
-        extension = read_extension(self.data.tokenizer_path)  # tokenizer.extend: new rows from their pieces
-        if extension:
-            theirs = extend_embeddings(theirs, extension, self.cfg.model.vocab_size)
-        if theirs.keys() != ours.keys() or any(v.shape != ours[k].shape for k, v in theirs.items()):
-            raise UserError(f"custom_weights_path: {path} holds a different model shape than `model` in the "
-                            "config (leave `model` out to take the weights' own)")
-        model.load_state_dict(theirs, strict=True)
-        self.log(f"weights: starting from {path} (fresh optimizer and LR schedule)")
 
     # ------------------------------------------------------------------ one step
 
@@ -459,26 +360,9 @@ class Trainer:
                      f"{self.dist.world_size}")
 
     def export(self) -> str | None:
-        """Write the final model to ``<save_folder>/final`` on rank 0; FSDP first gathers the full
-        weights (every rank takes part)."""
-        model = self.model
-        if is_sharded(model):
-            full = full_state_dict(model)
-            if not self.dist.is_main:
-                return None
-            model = apply_lora(build_model(self.cfg.model, device="cpu", init=False), self.cfg.lora)
-            model.load_state_dict(full)
-        elif not self.dist.is_main:
-            return None
-        final_dir = os.path.join(self.save_folder, "final")
-        if self.cfg.lora:  # final/ = the merged model, final/adapter = the PEFT adapter
-            save_lora_final(model, self.cfg, final_dir, self.data.tokenizer_path)
-        else:
-            save_pretrained(model, self.cfg.model, final_dir, tokenizer_dir=self.data.tokenizer_path)
-        if self.data.chat_template:
-            write_chat_template(final_dir, self.data.chat_template)
-        write_export_digests(final_dir)  # last: what load_pretrained checks the weights against
-        return final_dir
+        """The run's ``final/`` (on rank 0; every rank takes part in gathering sharded weights)."""
+        return write_final(self.model, self.cfg, self.dist, self.save_folder, self.data.tokenizer_path,
+                           self.data.chat_template)
 
     # ------------------------------------------------------------------ the loop
 
@@ -493,7 +377,7 @@ class Trainer:
         self._announce()
         try:
             # The stop handler stays through the final evaluation and export: those finish.
-            with self._graceful_stop():
+            with self.stop.handling_signals():
                 try:
                     status = self._loop()
                 finally:
@@ -551,7 +435,7 @@ class Trainer:
             if self.saver is not None:
                 self.saver.poll()  # rank 0 completes a background checkpoint as soon as it is written
             done = self._done()
-            stop = self._stop_requested()
+            stop = self.stop.requested(state.step, self.device)
             # The last step is logged also when a stop ends the run: its checkpoint, the registry and
             # the report then agree on where it stopped.
             log_now = state.step % self.cfg.log_interval == 0 or state.step == 1 or done or stop
@@ -596,16 +480,6 @@ class Trainer:
             self.reshape = self.telemetry.act(decision, expected_tflops=expected)
         return "stopped"
 
-    def _stop_requested(self) -> bool:
-        """Whether to stop after this step. One process: its own flag, every step. Several ranks:
-        a stop asked on any rank stops all, agreed on by an all-reduce at log steps and at least
-        every STOP_CHECK_STEPS steps (the same steps on every rank)."""
-        if not self.dist.distributed:
-            return self._stop_asked
-        if self.state.step % min(self.cfg.log_interval, STOP_CHECK_STEPS):
-            return False
-        return any_rank(self._stop_asked, self.device)
-
     def _step_metrics(self, out: StepOutput, tokens_per_s: float) -> dict:
         world = self.dist.world_size
         metrics = {"train/loss": out.loss, "train/lr": out.lr, "train/grad_norm": out.grad_norm,
@@ -647,25 +521,6 @@ class Trainer:
         if self._t0 is None:
             return self.state.elapsed_s
         return self._elapsed0 + time.monotonic() - self._t0
-
-    @contextmanager
-    def _graceful_stop(self):
-        """SIGTERM / first Ctrl-C → checkpoint at the end of this step, then stop; a second Ctrl-C aborts."""
-        def ask(signum, frame):
-            if self._stop_asked:
-                raise KeyboardInterrupt
-            self._stop_asked = True
-            self.log("stop requested: saving a checkpoint after this step (Ctrl-C again to abort)")
-
-        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-            yield
-            return
-        old = {s: signal.signal(s, ask) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
 
     def _run_info(self) -> RunInfo:
         plan = self.plan

@@ -1,0 +1,168 @@
+"""What a run trains with, built once from its `ResolvedRun`: `Trainer` takes the parts as built.
+
+`build_parts` goes in the order every rank must share:
+
+1. the save folder claimed — the same run resumes from its latest intact checkpoint, another
+   run is refused (rank 0 decides, every rank takes its pick);
+2. the model: the same seed on every rank; replicated, or (fsdp/hsdp) built whole by rank 0 on
+   the CPU and scattered shard by shard into a meta-device twin on the others; starting weights
+   (``custom_weights_path``) and LoRA adapters before it is wrapped;
+3. the objective by the data's kind, and the optimizer over the wrapped model;
+4. this rank's stream layout, the data as the objective prepares it (reference log-probs from
+   the starting weights, before any step or checkpoint load) and its streams.
+
+Nothing here steps, evaluates or saves: that is `train.trainer`'s.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lmforge.config.identity import run_identity
+from lmforge.data.batch import EvalSet, StreamLayout, TrainingData
+from lmforge.data.remote import is_remote
+from lmforge.data.vocab_extension import read_extension
+from lmforge.distributed.context_parallel import data_parallel_replica
+from lmforge.distributed.dist import DistInfo, barrier, broadcast_object
+from lmforge.distributed.float8 import FP8Options
+from lmforge.distributed.parallelize import SHARDED, materialize, parallelize
+from lmforge.errors import UserError
+from lmforge.layout import read_run_file
+from lmforge.models import build_model
+from lmforge.models.lora import apply_lora
+from lmforge.models.resize import extend_embeddings
+from lmforge.models.transformer import Transformer
+from lmforge.resolve import ResolvedRun
+from lmforge.secrets import redact_config
+from lmforge.train import checkpoint as ckpt
+from lmforge.train.callbacks import Callbacks
+from lmforge.train.locate import load_model
+from lmforge.train.objective import Objective, objective_for
+from lmforge.train.optim import build_optimizer
+
+COMPLETE = "<complete>"  # what a completed run with damaged checkpoints resumes from: nothing
+
+
+@dataclass
+class TrainingParts:
+    model: Transformer  # the unwrapped model (its parameters are the trained ones: sharded under fsdp/hsdp)
+    train_forward: torch.nn.Module  # what a step calls: the model as `parallelize` wrapped it
+    objective: Objective
+    optimizer: torch.optim.Optimizer
+    layout: StreamLayout  # this rank's reading of the data
+    data: TrainingData  # as the objective prepared it
+    stream: object  # the training `BatchStream`
+    eval_sets: list[EvalSet]
+    autocast: Callable  # a context manager factory: bf16 autocast, or none
+    resume_from: str | None  # the checkpoint to load, if any
+    checked: list[str]  # its files whose digests rank 0 verified in choosing it
+
+
+def autocast_for(precision: str, device: torch.device) -> Callable:
+    """fp8: torchao's linear layers run their matmuls in FP8, everything else in bf16 (as bf16 does)."""
+    if precision in ("bf16", "fp8"):
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext
+
+
+def build_parts(run: ResolvedRun, dist: DistInfo, save_folder: str, callbacks: Callbacks, *, overwrite: bool,
+                log) -> TrainingParts | None:
+    """The parts of ``run`` on this rank; None when the run completed before and only its final model
+    is intact (nothing to build: the trainer reports it complete)."""
+    cfg, plan = run.config, run.plan
+    resume_from, checked = claim_save_folder(cfg, dist, save_folder, callbacks, overwrite=overwrite, log=log)
+    if resume_from == COMPLETE:
+        return None
+    model, train_forward = build_wrapped_model(run, dist, from_weights=not resume_from, log=log)
+    objective = objective_for(run.data, cfg, model)
+    p = cfg.parameters
+    # Muon's Newton–Schulz iterations run in the run's matmul dtype (bf16 on GPUs, fp32 on most CPUs).
+    ns_dtype = torch.bfloat16 if plan.precision in ("bf16", "fp8") else torch.float32
+    optimizer = build_optimizer(model, lr=plan.learning_rate, weight_decay=p.weight_decay, betas=tuple(p.betas),
+                                eps=p.eps, device_type=dist.device.type, kind=plan.optimizer,
+                                muon_momentum=p.muon_momentum, muon_weight_decay=p.muon_weight_decay,
+                                ns_dtype=ns_dtype)
+    replica, replicas = data_parallel_replica(dist.rank, dist.world_size, cfg.compute.context_parallel)
+    layout = StreamLayout(  # a row's context-parallel ranks read the same rows
+        seq_len=plan.context_length, micro_batch=plan.micro_batch, global_batch=plan.global_batch, rank=replica,
+        world_size=replicas, seed=p.seed, num_workers=cfg.compute.num_workers,
+        pin_memory=dist.device.type == "cuda",
+        document_eos=run.tokenizer.eos_id if p.document_masking and run.data.kind == "pretrain" else None)
+    autocast = autocast_for(plan.precision, dist.device)
+    data = objective.prepare(run.data, model, layout, save_folder, dist, autocast, resuming=bool(resume_from),
+                             log=log)
+    return TrainingParts(model=model, train_forward=train_forward, objective=objective, optimizer=optimizer,
+                         layout=layout, data=data, stream=data.train_stream(layout),
+                         eval_sets=data.eval_sets(layout, cfg.eval.max_batches), autocast=autocast,
+                         resume_from=resume_from, checked=checked)
+
+
+def claim_save_folder(cfg, dist: DistInfo, save_folder: str, callbacks: Callbacks, *, overwrite: bool,
+                      log) -> tuple[str | None, list[str]]:
+    """Same run in the folder → the latest checkpoint to resume from and the files whose digests rank
+    0 checked in choosing it (or COMPLETE); another run → refuse."""
+    identity = run_identity(cfg)
+    previous = read_run_file(save_folder) if dist.is_main else None
+    if dist.is_main:
+        callbacks.before_resume(save_folder)
+        can_resume = ckpt.check_save_folder(save_folder, identity, overwrite=overwrite, autoresume=cfg.autoresume,
+                                            all_local=not is_remote(cfg.save_folder))
+        callbacks.resume_decided(save_folder, can_resume and cfg.autoresume, overwrite)
+        ckpt.write_run_file(save_folder, identity, redact_config(cfg.model_dump(mode="json")))
+    barrier()
+    latest, checked = None, []
+    if cfg.autoresume and dist.is_main:  # rank 0 checks the digests; every rank loads its pick
+        try:
+            latest = ckpt.intact_checkpoint(save_folder, log)
+        except UserError:
+            final = ckpt.completed_final(save_folder, previous, str(cfg.training_duration))
+            if final is None:
+                raise
+            log(f"warning: no checkpoint of run {cfg.name} is intact, but it completed and its final model {final} "
+                "is: nothing to train")
+            latest = COMPLETE
+        checked = ckpt.files_here(latest) if latest and latest != COMPLETE else []
+    return broadcast_object((latest, checked))
+
+
+def build_wrapped_model(run: ResolvedRun, dist: DistInfo, *, from_weights: bool,
+                        log) -> tuple[Transformer, torch.nn.Module]:
+    """The same seed on every rank gives the same initial weights; fsdp/hsdp: rank 0 alone builds the
+    full model on the CPU, the others a meta-device twin, then rank 0's weights are scattered shard by
+    shard."""
+    cfg = run.config
+    sharded = cfg.compute.data_parallel in SHARDED
+    torch.manual_seed(cfg.parameters.seed)
+    model = None
+    if dist.is_main or not sharded:
+        model = build_model(cfg.model, device="cpu" if sharded else dist.device)
+        if cfg.custom_weights_path and from_weights:
+            load_custom_weights(model, cfg, run.data.tokenizer_path, log)
+        apply_lora(model, cfg.lora, log=log)  # frozen base + adapters; no-op without `lora:`
+    options = dict(precision=run.plan.precision, fp8=FP8Options.of(cfg.parameters))
+    if not sharded:
+        return model, parallelize(model, cfg.compute, dist, **options)
+    full = model.state_dict() if model is not None else None
+    with torch.device("meta"):
+        model = apply_lora(Transformer(cfg.model), cfg.lora)  # the same modules as rank 0's
+    train_forward = parallelize(model, cfg.compute, dist, **options)
+    materialize(model, dist.device, full)
+    return model, train_forward
+
+
+def load_custom_weights(model: Transformer, cfg, tokenizer_path: str | None, log) -> None:
+    path = cfg.custom_weights_path
+    source, _, _ = load_model(path, device=model.output_weight.device)
+    theirs, ours = source.state_dict(), model.state_dict()
+    extension = read_extension(tokenizer_path)  # tokenizer.extend: new rows from their pieces
+    if extension:
+        theirs = extend_embeddings(theirs, extension, cfg.model.vocab_size)
+    if theirs.keys() != ours.keys() or any(v.shape != ours[k].shape for k, v in theirs.items()):
+        raise UserError(f"custom_weights_path: {path} holds a different model shape than `model` in the config "
+                        "(leave `model` out to take the weights' own)")
+    model.load_state_dict(theirs, strict=True)
+    log(f"weights: starting from {path} (fresh optimizer and LR schedule)")
