@@ -362,7 +362,7 @@ def test_objective_equals_an_independent_computation(tmp_path, tok):
     log-probs that transformers' Llama computes from the same weights, each answer padded on a
     row of its own (TRL's `get_batch_logps` when TRL is installed); the reference comes from the
     precomputation (`train.reference`) on the starting weights."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from lmforge.data.preference import PreferenceData
     from lmforge.models.hf import to_hf_config, to_hf_state_dict
     from lmforge.train.objective import Preference, model_forward
