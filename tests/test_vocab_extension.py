@@ -10,13 +10,13 @@ import time
 
 import pytest
 import torch
+import transformers  # a required dependency: its absence fails, never skips
 
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.data.vocab_extension import extend_tokenizer, read_extension
 from lmforge.errors import UserError
 from lmforge.models.resize import extend_embeddings
 
-import transformers  # a required dependency: its absence fails, never skips
 
 # A made-up agglutinative "language" the Python-trained base tokenizer has never seen.
 STEMS = ["talo", "kirja", "järvi", "metsä", "ystävä", "kaupunki", "sydän", "ikkuna", "tähti", "lumi"]
