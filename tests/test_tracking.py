@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.cli.main import build_parser
+from lmforge.config.load import build_config
 from lmforge.config.tracking import MLflowConfig, TrackerConfig, WandbConfig
+from lmforge.errors import UserError
+from lmforge.runs.plan import LaunchPlan
+from lmforge.runs.registry import Registry
+from lmforge.runs.run import get_run
+from lmforge.runs.start import RunSlot, register
 from lmforge.tracking import (ConsoleTracker, Tracker, Trackers, build_trackers, flatten_params,
                               mlflow_ui_command, read_metrics, read_state)
 
@@ -453,3 +460,22 @@ def test_a_runs_last_eval_and_generations_are_printed_once(tmp_path, tiny_data):
     assert "sample" not in out and out.count("eval step") == 2, out
     end = out[out.index("completed after 4 steps (2,048 tokens)"):]
     assert "eval/" not in end and "final model:" in end, end
+
+
+def test_the_registry_keeps_no_secret_from_the_command_line_and_restart_says_why(tmp_path):
+    """A password in a --set value: runs.db stores the command masked, and `runs restart`
+    (which reruns that command) names what to do instead of running it without the secret."""
+
+    uri = "experiment_tracker.mlflow.tracking_uri=http://me:hunter2pw@mlflow.internal/"
+    args = build_parser().parse_args(["train", "--model", "llama-tiny", "--set", uri])
+    cfg = build_config({"model": "llama-tiny", "train_data": ["x.txt"], "training_duration": "2ba",
+                        "save_folder": str(tmp_path / "run")})
+    reg = Registry()  # this test's own LMFORGE_HOME (conftest)
+    slot = RunSlot("secret-in-argv", str(tmp_path / "run"), str(tmp_path / "logs"), "uid-secret-in-argv")
+    register(reg, cfg, args, slot, LaunchPlan("supervise"))
+    assert b"hunter2pw" not in Path(reg.path).read_bytes()
+    command = reg.get("secret-in-argv")["command"]
+    assert "--set" in command and any("http://***@mlflow.internal/" in a for a in command)
+    reg.put("secret-in-argv", {"status": "FAILED"})
+    with pytest.raises(UserError, match="secret on its command line.*same command"):
+        get_run("secret-in-argv").restart()

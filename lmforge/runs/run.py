@@ -28,6 +28,7 @@ from lmforge.errors import UserError
 from lmforge.guard import check_run_folder, check_target
 from lmforge.home import lmforge_home
 from lmforge.process import process_alive, this_host
+from lmforge.secrets import MASK
 from lmforge.uri import is_remote
 from lmforge.resolve import resolve
 from lmforge.resolve.request import RunRequest
@@ -136,6 +137,10 @@ class Run:
                             f"(`lmforge runs stop {self.name}`)")
         if not self.command:
             raise UserError(f"run {self.name} has no recorded command to restart")
+        if any(MASK in a for a in self.command):  # the registry never keeps a secret (`register`)
+            raise UserError(f"run {self.name} was started with a secret on its command line, which lmforge does not "
+                            "store: start it again with the same command (it resumes), or pass the secret through "
+                            "the environment or a secrets file")
         probe(local_folder(self.save_folder))
         plan = LaunchPlan("supervise", run_uid=self.run_uid, detached=True, reason="restart", parent_pid=os.getpid())
         proc = spawn_supervisor(with_plan(self.command, plan), cwd=self.cwd or os.getcwd(), log_dir=self.log_dir)

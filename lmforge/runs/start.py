@@ -36,7 +36,7 @@ from lmforge.runs.plan import LaunchPlan, new_run_uid, with_plan
 from lmforge.runs.registry import ACTIVE, Registry
 from lmforge.runs.store import local_folder, upload_logs
 from lmforge.runs.supervisor import EXIT_USER_ERROR, Supervisor
-from lmforge.secrets import redact_config
+from lmforge.secrets import redact, redact_config
 from lmforge.layout import list_checkpoints, read_run_file
 
 
@@ -157,7 +157,7 @@ def register(reg: Registry, cfg, args, slot: RunSlot, plan: LaunchPlan) -> None:
         "status": "STARTING", "reason": None, "started_at": time.time(),
         "completed_at": None, "model": model_label(cfg), "config": redact_config(cfg.model_dump(mode="json")),
         "identity": identity(cfg, slot.name, slot.save_folder), "save_folder": slot.save_folder,
-        "log_dir": slot.log_dir, "command": child_argv(args, slot.name, slot.save_folder, first=False),
+        "log_dir": slot.log_dir, "command": [redact(a) for a in child_argv(args, slot.name, slot.save_folder, first=False)],
         "cwd": os.getcwd(), "host": this_host(), "supervisor_pid": os.getpid(),
         "supervisor_start": process_start(os.getpid()), "child_pid": None,
         "ranks": compute.ranks or (compute.gpus * compute.nodes if isinstance(compute.gpus, int) else None),
