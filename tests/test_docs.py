@@ -120,3 +120,21 @@ def test_no_merge_conflict_markers_are_left_anywhere():
             if line.startswith(("<<<<<<< ", ">>>>>>> ")):
                 bad.append(f"{name}:{i}")
     assert not bad, bad
+
+
+def test_each_command_module_registers_the_commands_its_row_names():
+    """`cli.main.COMMANDS` is what a command's start-up imports (its module alone): a row that names
+    a command its module does not register, or misses one, would break or slow that command."""
+    import importlib
+
+    from lmforge.cli.common import OneLineParser
+    from lmforge.cli.main import COMMANDS, build_parser
+
+    for name, commands in COMMANDS:
+        sub = OneLineParser(prog="lmforge").add_subparsers(dest="command")
+        importlib.import_module(name).register(sub)
+        assert tuple(sub.choices) == commands, name
+    for _, commands in COMMANDS:
+        for command in commands:
+            only = build_parser(command)._subparsers._group_actions[0].choices
+            assert command in only and len(only) == len(commands)

@@ -182,7 +182,7 @@ def test_chat_formats_are_recognised_by_what_they_render():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from lmforge.data.modelfile import chat_format, modelfile
-    from lmforge.data.sft import CHAT_TEMPLATE
+    from lmforge.data.chat import CHAT_TEMPLATE
 
     chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -342,7 +342,7 @@ def test_llama_cpp_renders_the_chat_prompt(kind, tokenizers, llama_cpp, tmp_path
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     from lmforge.data.chat import load_chat_template
-    from lmforge.data.sft import CHAT_TEMPLATE
+    from lmforge.data.chat import CHAT_TEMPLATE
     from lmforge.data.tokenizer import load_tokenizer
     from lmforge.models.io import write_chat_template
 

@@ -119,7 +119,7 @@ def split_data(tmp_path_factory, tiny_data):
 
 
 def test_prepared_epoch_tokens_count_pieces(split_data):
-    from lmforge.data.resolve import prepared_epoch_tokens
+    from lmforge.data.prepared import prepared_epoch_tokens
 
     path, summary = split_data
     n = summary["splits"]["train"]["samples"]

@@ -200,7 +200,7 @@ def test_tasks_write_the_plain_dataset_and_a_killed_task_is_redone(corpus, tok, 
     3. The command while its last step writes the indexes (item 3).
     After 2 and 3 no process of the run is left, and DEST is either complete (marker and val index;
     a work/ left by a kill after the marker is what the same command removes) or refused by `train`."""
-    from lmforge.data.resolve import is_prepared
+    from lmforge.data.prepared import is_prepared
     from lmforge.errors import UserError
 
     out = tmp_path / "ds"
@@ -460,7 +460,7 @@ def test_a_kill_around_the_marker_leaves_a_dataset_complete_or_refused(dups, tok
     from lmforge.data import remote
     from lmforge.data.job import WorkDir
     from lmforge.errors import UserError
-    from lmforge.data.resolve import is_prepared
+    from lmforge.data.prepared import is_prepared
 
     out, rm = tmp_path / "ds", tmp_path / "removed"
     run = dict(eval_fraction=0.2, unit_bytes=2048, curate={"dedup": {"exact": True, "near": False}}, removed_out=str(rm))

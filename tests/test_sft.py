@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from lmforge.config.model import ModelConfig
 from lmforge.data.batch import IGNORE, Batch
-from lmforge.data.sft import (CHAT_TEMPLATE, SFTStream, chat_prompt, pack, read_examples, render_chat,
-                              tokenize_example)
+from lmforge.data.chat import CHAT_TEMPLATE, chat_prompt, render_chat
+from lmforge.data.sft import SFTStream, pack, read_examples, tokenize_example
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models import build_model
 from lmforge.models.io import write_chat_template

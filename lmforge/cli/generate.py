@@ -72,7 +72,7 @@ def run(args) -> int:
     check_tokenizer_fits(tok, cfg, f"checkpoint {args.checkpoint}")
     if args.chat:  # the tokenizer's own chat template if it has one, else lmforge's plain one
         from lmforge.data.chat import load_chat_template
-        from lmforge.data.sft import chat_prompt
+        from lmforge.data.chat import chat_prompt
 
         template = load_chat_template(tok.path)
         text = template.generation_prompt(text, tok) if template else chat_prompt(text)

@@ -17,25 +17,27 @@ from lmforge.cli.common import HelpFormatter, OneLineParser
 from lmforge.errors import UserError, environment_error
 from lmforge.say import say
 
-# Command modules, in the order they appear in `lmforge --help`. A module that does not
-# exist yet is skipped, so the CLI stays usable while features are added.
-COMMAND_MODULES = [
-    "lmforge.cli.train",
-    "lmforge.cli.pipeline",
-    "lmforge.cli.scaling",
-    "lmforge.cli.data",
-    "lmforge.cli.tokenizer",
-    "lmforge.cli.estimate",
-    "lmforge.cli.eval",
-    "lmforge.cli.generate",
-    "lmforge.cli.export",
-    "lmforge.cli.runs",
-    "lmforge.cli.report",
-    "lmforge.cli.launch",
+# Command modules and the commands each registers, in the order they appear in `lmforge --help`.
+# A module that does not exist yet is skipped, so the CLI stays usable while features are added.
+COMMANDS = [
+    ("lmforge.cli.train", ("train", "finetune")),
+    ("lmforge.cli.pipeline", ("pipeline",)),
+    ("lmforge.cli.scaling", ("scaling",)),
+    ("lmforge.cli.data", ("data",)),
+    ("lmforge.cli.tokenizer", ("tokenizer",)),
+    ("lmforge.cli.estimate", ("estimate",)),
+    ("lmforge.cli.eval", ("eval",)),
+    ("lmforge.cli.generate", ("generate",)),
+    ("lmforge.cli.export", ("export",)),
+    ("lmforge.cli.runs", ("runs",)),
+    ("lmforge.cli.report", ("report",)),
+    ("lmforge.cli.launch", ("launch",)),
 ]
 
 
-def build_parser() -> OneLineParser:
+def build_parser(command: str | None = None) -> OneLineParser:
+    """The whole CLI; with ``command``, only the module that registers it (every other command's
+    imports are left out of its start-up: the supervisor and each rank of a run start one)."""
     parser = OneLineParser(
         prog="lmforge",
         description="Own your language model: pretrain, continue pretraining and fine-tune LLMs "
@@ -44,7 +46,9 @@ def build_parser() -> OneLineParser:
     )
     parser.add_argument("--version", action="version", version=f"lmforge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    for name in COMMAND_MODULES:
+    for name, commands in COMMANDS:
+        if command is not None and command not in commands:
+            continue
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -56,7 +60,9 @@ def build_parser() -> OneLineParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    known = {c for _, commands in COMMANDS for c in commands}
+    parser = build_parser(words[0] if words and words[0] in known else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # a bad flag's one line (or --help) was printed: its status, also when called in-process

@@ -380,7 +380,8 @@ class SFTOptions(_Strict):
 
 
 # Task types `lmforge finetune` runs on JSONL rows (the others pretrain on text or prepared data).
-FINETUNE_TASKS = ("instruction_finetune", "chat_completion", "preference")
+PREFERENCE_TASK = "preference"  # pairs of a chosen and a rejected response (lmforge/data/preference.py)
+FINETUNE_TASKS = ("instruction_finetune", "chat_completion", PREFERENCE_TASK)
 
 # [preference] preference tuning after SFT (lmforge/data/preference.py, lmforge/models/preference_loss.py)
 PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo")

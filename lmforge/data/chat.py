@@ -5,7 +5,7 @@ Instruct models (Llama 3, Qwen, Mistral, …) ship a Jinja `chat_template` with 
 other format breaks it, so SFT renders each conversation with that template — through
 transformers' own `apply_chat_template`, so the text is exactly what transformers, vLLM and
 the model's users will produce — and falls back to lmforge's plain template
-(`lmforge.data.sft.CHAT_TEMPLATE`) only for tokenizers without one.
+(`CHAT_TEMPLATE`, below) only for tokenizers without one.
 
 The loss mask: a template is opaque text, so the assistant parts are found by rendering
 prefixes. For the i-th message, an assistant turn, ``render(messages[:i], generation prompt)``
@@ -26,6 +26,34 @@ from __future__ import annotations
 import os
 
 from lmforge.errors import UserError
+
+# lmforge's plain chat template, for tokenizers without their own. Keep `render_chat` and this
+# Jinja text in step (a test checks they agree).
+ASSISTANT_HEADER = "### Assistant:\n"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}### Assistant:\n{{ m['content'] }}{{ eos_token }}"
+    "{% else %}### {{ m['role'] | capitalize }}:\n{{ m['content'] }}\n\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}### Assistant:\n{% endif %}"
+)
+
+
+def render_chat(messages: list[dict]) -> list[tuple[str, bool]]:
+    """The template as (text, trained) segments; the eos token after each answer is added by the caller."""
+    out: list[tuple[str, bool]] = []
+    for m in messages:
+        if m["role"] == "assistant":
+            out.append((ASSISTANT_HEADER, False))
+            out.append((m["content"], True))
+        else:
+            out.append((f"### {m['role'].capitalize()}:\n{m['content']}\n\n", False))
+    return out
+
+
+def chat_prompt(user_text: str) -> str:
+    """A single user turn, ready for the model to answer (add_generation_prompt=True)."""
+    return f"### User:\n{user_text}\n\n{ASSISTANT_HEADER}"
 
 
 class Rendered(list):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmforge.data.sft import ASSISTANT_HEADER
+from lmforge.data.chat import ASSISTANT_HEADER
 
 Messages = list[dict]
 

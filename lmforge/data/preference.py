@@ -34,11 +34,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from lmforge.config.schema import PREFERENCE_TASK
 from lmforge.data.batch import IGNORE, Batch
 from lmforge.data.sft import SFTData, json_rows, row_segments, tokenize_example
 from lmforge.errors import UserError
 
-PREFERENCE_TASK = "preference"
 ROW_FIELDS = "prompt / chosen / rejected"
 
 

@@ -19,16 +19,15 @@ from typing import Iterator
 
 from lmforge.config.curation import CurateConfig
 from lmforge.config.schema import RunConfig, TokenizerSpec
-from lmforge.data import remote
 from lmforge.data.batch import Batch, EvalSet, StreamLayout
-from lmforge.data.pieces import epoch_pieces, epoch_tokens, split_lines
-from lmforge.data.prepare import MARKER, input_warnings, summary_seq_len
+from lmforge.data.pieces import epoch_pieces, split_lines
+from lmforge.data.prepare import input_warnings, summary_seq_len
+from lmforge.data.prepared import SUMMARY_FILE, exists_at, is_prepared, join, prepared_summary
 from lmforge.data.stream import DatasetSpec, StreamPhase, TokenStream, open_dataset
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 from lmforge.home import cache_dir
 
-SUMMARY_FILE = MARKER  # the done-marker `data prepare` writes last
 
 
 @dataclass
@@ -47,7 +46,7 @@ class ResolvedDataset:
         return (self.summary.get("splits") or {}).get(split) or {}
 
     def has_split(self, split: str) -> bool:
-        return _exists(_join(self.path, split, "index.json"))
+        return exists_at(join(self.path, split, "index.json"))
 
     def stored(self) -> tuple[int, int]:
         """(stored samples, tokens per sample) of the train split, as the stream reads them (opened
@@ -114,50 +113,6 @@ def _first_batches(spec: DatasetSpec, layout: StreamLayout, split: str, n: int) 
         stream.close()
 
 
-def _join(*parts: str) -> str:
-    return "/".join(p.rstrip("/") for p in parts)
-
-
-def _exists(path: str) -> bool:
-    return remote.exists(path) if remote.is_remote(path) else os.path.exists(path)
-
-
-def is_prepared(path: str) -> bool:
-    """A prepared dataset (ours, with its marker, or any MDS folder); a `data prepare` / `data dedup`
-    that has not written its marker yet (a kill before it) is refused, never half-read."""
-    from lmforge.data.dest import unfinished
-
-    if _exists(_join(path, SUMMARY_FILE)):
-        return True
-    if unfinished(path):
-        raise UserError(f"{path}: an unfinished `lmforge data prepare` (or `data dedup`): it has no {SUMMARY_FILE} "
-                        "yet; run the same command again to finish it")
-    return any(_exists(_join(path, f)) for f in ("index.json", "train/index.json"))
-
-
-def _read_summary(path: str) -> dict:
-    from lmforge.data.prepare import read_summary
-
-    if _exists(_join(path, SUMMARY_FILE)):
-        return read_summary(path)
-    return {}
-
-
-def prepared_epoch_tokens(paths: list[str], ctx: int) -> int | None:
-    """Tokens one epoch of these prepared datasets trains at a context of ``ctx``, from their
-    markers alone (nothing is opened); None where a path is not prepared, its marker does not say,
-    or a sample is shorter than the context (the plan reports that)."""
-    shapes = []
-    for path in paths:
-        summary = _read_summary(path) if is_prepared(path) else {}
-        samples = ((summary.get("splits") or {}).get("train") or {}).get("samples")
-        length = summary_seq_len(summary)
-        if not samples or not length or length < ctx:
-            return None
-        shapes.append((int(samples), int(length)))
-    return epoch_tokens(shapes, ctx) if shapes else None
-
-
 def _fingerprint(inputs: list[str]) -> str:
     """What identifies raw inputs for the cache key: `data prepare`'s own fingerprint of the files."""
     from lmforge.data.prepare import input_fingerprint
@@ -198,7 +153,7 @@ def resolve_tokenizer(cfg: RunConfig, log=print) -> str:
     # No tokenizer given: the one recorded by `data prepare` for the first prepared dataset.
     for d in cfg.train_data:
         if is_prepared(d.path):
-            tok = (_read_summary(d.path).get("tokenizer") or {}).get("path")
+            tok = (prepared_summary(d.path).get("tokenizer") or {}).get("path")
             if tok and os.path.exists(tok):
                 return tok
     raise UserError("tokenizer: required (a tokenizer folder, or {train: {vocab_size: N}} to train one)")
@@ -278,13 +233,13 @@ def resolve_data(cfg: RunConfig, seq_len: int, log=print) -> ResolvedData:
         else:
             path = _prepare_cached([d.path], tokenizer_path, seq_len, cfg.eval.holdout_fraction, d.text_field, log,
                                    curate=_curation_for(cfg, d.curate))
-        train.append(ResolvedDataset(d.name, path, d.proportion, _read_summary(path)))
+        train.append(ResolvedDataset(d.name, path, d.proportion, prepared_summary(path)))
     evals: list[tuple[ResolvedDataset, str]] = []
     if cfg.eval.data_path:
         p = cfg.eval.data_path
         if not is_prepared(p):
             p = _prepare_cached([p], tokenizer_path, seq_len, 0.0, cfg.train_data[0].text_field, log)
-        ds = ResolvedDataset("eval", p, None, _read_summary(p))
+        ds = ResolvedDataset("eval", p, None, prepared_summary(p))
         evals.append((ds, "val" if ds.has_split("val") else "train"))
     else:
         evals = [(d, "val") for d in train if d.has_split("val")]

@@ -28,37 +28,12 @@ from functools import partial
 import torch
 
 from lmforge.data.batch import Batch, EvalSet, StreamLayout
+from lmforge.data.chat import CHAT_TEMPLATE, render_chat
 from lmforge.errors import UserError
 from lmforge.layout import DATASET_MARKER
 
 ROLES = ("system", "user", "assistant")
 
-# The chat template. Keep `render_chat` and this Jinja text in step (a test checks they agree).
-ASSISTANT_HEADER = "### Assistant:\n"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}### Assistant:\n{{ m['content'] }}{{ eos_token }}"
-    "{% else %}### {{ m['role'] | capitalize }}:\n{{ m['content'] }}\n\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}### Assistant:\n{% endif %}"
-)
-
-
-def render_chat(messages: list[dict]) -> list[tuple[str, bool]]:
-    """The template as (text, trained) segments; the eos token after each answer is added by the caller."""
-    out: list[tuple[str, bool]] = []
-    for m in messages:
-        if m["role"] == "assistant":
-            out.append((ASSISTANT_HEADER, False))
-            out.append((m["content"], True))
-        else:
-            out.append((f"### {m['role'].capitalize()}:\n{m['content']}\n\n", False))
-    return out
-
-
-def chat_prompt(user_text: str) -> str:
-    """A single user turn, ready for the model to answer (add_generation_prompt=True)."""
-    return f"### User:\n{user_text}\n\n{ASSISTANT_HEADER}"
 
 
 # --------------------------------------------------------------------------- reading rows

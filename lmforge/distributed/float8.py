@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import UserError
+from lmforge.plan.machine import no_fp8_on
 
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer: FP8 tensor cores
@@ -66,8 +67,7 @@ def check_fp8_supported(device: torch.device, experts: bool = False) -> None:
     experts' grouped GEMMs too, with ``experts``)."""
     where = "parameters.precision: fp8"
     if device.type != "cuda":
-        raise UserError(f"{where} needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: H100, H200, "
-                        f"L4, B200); this run trains on {device.type} (use bf16 or auto)")
+        raise UserError(no_fp8_on(device.type))
     cap = torch.cuda.get_device_capability(device)
     if cap < MIN_CAPABILITY:
         raise UserError(f"{where} needs compute capability 8.9+ (H100, H200, L4, B200); "

@@ -36,9 +36,15 @@ STATUS_FLAG = "--status-file"
 REJOIN_FLAG = "--rejoin"
 
 
+# Device files a GPU torch can drive: NVIDIA's driver, or ROCm's (which torch also calls "cuda").
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
+
+
 def resolve_device_kind(kind: str) -> str:
     if kind != "auto":
         return kind
+    if not any(os.path.exists(f) for f in GPU_DEVICE_FILES):
+        return "cpu"  # no GPU driver: torch would say the same, without a second of importing it here
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -219,7 +219,9 @@ def _use_liger(kernel: str, h: torch.Tensor) -> bool:
     return h.is_cuda and liger_available()
 
 
-@torch.compiler.disable  # liger reads the target count on the host: keep it out of compiled graphs
+# Out of compiled graphs: liger reads the target count on the host. (torch's lazy form of
+# torch.compiler.disable: that decorator imports torch._dynamo, a second of every start-up.)
+@torch._disable_dynamo
 def _liger_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, dtype: torch.dtype,
                 softcap: float | None = None) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy

@@ -351,7 +351,7 @@ def _fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
                                                   pad_token_groups_for_grouped_mm=False)
 
 
-@torch.compiler.disable  # data-dependent slice sizes: kept out of compiled graphs
+@torch._disable_dynamo  # data-dependent slice sizes: kept out of compiled graphs (lazily: see models.loss)
 def _loop(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     return _ExpertLoop.apply(x, counts, w13, w2)
 
@@ -458,7 +458,7 @@ class MoE(nn.Module):
 
     # How many rows arrive is data: the exchange and the expert GEMMs on those rows stay out of
     # compiled graphs (which keep static shapes); routing, dispatch and combine still compile.
-    @torch.compiler.disable
+    @torch._disable_dynamo  # (lazily: see models.loss)
     def _expert_parallel(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         x_local, local_counts, exchange = send_to_experts(x_sorted, counts, self.ep_group)
         return return_from_experts(self.experts(x_local, local_counts, self.grouped), exchange)

@@ -155,6 +155,12 @@ def _cpu_flags() -> tuple[set[str], float | None]:
     return flags, (max(mhz) * 1e6 if mhz else None)
 
 
+def cpu_bf16_native() -> bool:
+    """Whether this CPU runs bf16 matmuls natively: AMX tiles with bf16 (`config.defaults.auto_precision`
+    says why AVX512-BF16 alone is not enough). Read from the CPU's flags, as torch's AMX check does."""
+    return {"amx_tile", "amx_bf16"} <= _cpu_flags()[0]
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_spec() -> GPUSpec:
     """This machine's CPU as a device: peak = cores × clock × FLOPs per cycle per core.

@@ -25,8 +25,13 @@ T = TypeVar("T")
 # The share of a device's peak FLOP/s a run is assumed to reach where nothing is measured: the
 # planned speed of `lmforge estimate`, `model: auto`'s first ranking and a plan's step time.
 ASSUMED_MFU = 0.4
-NO_FP8 = ("parameters.precision: fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: H100, "
-          "H200, L4, B200); use bf16 or auto")
+FP8_DEVICES = "an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: H100, H200, L4, B200)"
+NO_FP8 = f"parameters.precision: fp8 needs {FP8_DEVICES}; use bf16 or auto"
+
+
+def no_fp8_on(kind: str) -> str:
+    """The line refusing FP8 training on a device of ``kind`` (cpu, mps, …)."""
+    return f"parameters.precision: fp8 needs {FP8_DEVICES}; this run trains on {kind} (use bf16 or auto)"
 
 
 class Probe(Protocol):

@@ -48,7 +48,7 @@ def without_data(cfg: RunConfig) -> bool:
 def raw_data_bytes(cfg: RunConfig) -> float | None:
     """Bytes of raw training text where they can be known without reading it (None otherwise)."""
     from lmforge.data.builtin import stdlib_files
-    from lmforge.data.resolve import is_prepared
+    from lmforge.data.prepared import is_prepared
     from lmforge.data.sources import list_files
 
     if without_data(cfg):
@@ -69,7 +69,7 @@ def raw_data_bytes(cfg: RunConfig) -> float | None:
 
 def prepared_facts(cfg: RunConfig) -> tuple[int | None, int | None, int | None]:
     """(train tokens, tokenizer vocabulary, sample length) when every train_data entry is prepared."""
-    from lmforge.data.resolve import _read_summary, is_prepared
+    from lmforge.data.prepared import is_prepared, prepared_summary
 
     if without_data(cfg):
         return None, None, None
@@ -77,7 +77,7 @@ def prepared_facts(cfg: RunConfig) -> tuple[int | None, int | None, int | None]:
     for d in cfg.train_data:
         if not is_prepared(d.path):
             return None, None, None
-        summary = _read_summary(d.path)
+        summary = prepared_summary(d.path)
         split = (summary.get("splits") or {}).get("train") or {}
         if not split.get("tokens"):
             return None, None, None
@@ -116,7 +116,7 @@ def _auto_model(cfg: RunConfig, machine: Machine, log) -> RunConfig:
     data_tokens, prepared_vocab, data_seq = prepared_facts(cfg)
     ctx = p.context_length or (min(SMALL_CONTEXT, data_seq) if data_seq else None)
     if data_tokens and ctx:  # the tokens an epoch trains (pieces of ctx, `data.pieces`), not the stored ones
-        from lmforge.data.resolve import prepared_epoch_tokens
+        from lmforge.data.prepared import prepared_epoch_tokens
 
         data_tokens = prepared_epoch_tokens([d.path for d in cfg.train_data], ctx) or data_tokens
     vocab = None

@@ -1,20 +1,19 @@
-"""The steps of `resolve` past the config stage: they read data and tokenizers (and so torch).
+"""The steps of `resolve` past the config stage: they read data and tokenizers.
 
-See `lmforge.resolve` for the order of the steps and what each stage holds.
+See `lmforge.resolve` for the order of the steps and what each stage holds. Up to the plan nothing
+here imports torch (the command a user starts plans its run in preflight, and then only waits
+for it): the data's streams, rows and pairs are imported where stage "run" builds them.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from lmforge.config.model import padded_vocab
-from lmforge.config.schema import FINETUNE_TASKS, RunConfig, TokenizerSpec
-from lmforge.data.chat import load_chat_template
-from lmforge.data.resolve import ResolvedData, resolve_data
-from lmforge.data.preference import PREFERENCE_TASK, PreferenceData, load_preference_data
-from lmforge.data.sft import ASSISTANT_HEADER, CHAT_TEMPLATE, SFTData, chat_prompt, load_rows
-from lmforge.data.stream import StreamPhase, open_dataset
+from lmforge.config.schema import FINETUNE_TASKS, PREFERENCE_TASK, RunConfig, TokenizerSpec
+from lmforge.data.chat import ASSISTANT_HEADER, CHAT_TEMPLATE, chat_prompt, load_chat_template
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.errors import UserError
 from lmforge.plan.batch import training_context
@@ -23,6 +22,12 @@ from lmforge.plan.run import TrainPlan, make_plan, resolved_config
 from lmforge.resolve.auto_model import resolve_auto, without_data
 from lmforge.resolve.resolved import ResolvedRun, Stage
 from lmforge.resolve.weights import check_tokenizer_fits, locate
+
+if TYPE_CHECKING:
+    from lmforge.data.preference import PreferenceData
+    from lmforge.data.resolve import ResolvedData
+    from lmforge.data.sft import SFTData
+    from lmforge.data.stream import StreamPhase
 
 # Generation settings of a fine-tuning run's evaluations (where `eval` leaves them unset).
 SFT_SAMPLING = {"max_new_tokens": 100, "temperature": 1.0, "top_k": 50, "top_p": 0.95}
@@ -47,6 +52,9 @@ def _pretrain(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
         data_seq_len, samples = _planned_data(cfg)
         plan = make_plan(cfg, machine, samples_per_epoch=samples, data_seq_len=data_seq_len)
         return ResolvedRun(resolved_config(cfg, plan), plan)
+    from lmforge.data.resolve import resolve_data  # torch (the streams)
+    from lmforge.data.stream import open_dataset
+
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     # Rank 0 prepares the data first and the others then hit its cache; its UserError (bad data)
     # reaches every rank: none is left waiting for a peer that has gone.
@@ -85,10 +93,10 @@ def _planned_data(cfg: RunConfig) -> tuple[int | None, int | None]:
     if without_data(cfg) or any(is_remote(d.path) for d in cfg.train_data):
         return None, None
     from lmforge.data.prepare import summary_seq_len
-    from lmforge.data.resolve import _read_summary, is_prepared, prepared_epoch_tokens
+    from lmforge.data.prepared import is_prepared, prepared_epoch_tokens, prepared_summary
 
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
-    lengths = [summary_seq_len(_read_summary(d.path)) if is_prepared(d.path) else seq_len for d in cfg.train_data]
+    lengths = [summary_seq_len(prepared_summary(d.path)) if is_prepared(d.path) else seq_len for d in cfg.train_data]
     data_seq_len = min((n for n in lengths if n), default=None)
     if cfg.training_duration.unit != "ep" or data_seq_len is None:
         return data_seq_len, None
@@ -175,6 +183,8 @@ def _check_data_vocab(cfg: RunConfig, data: ResolvedData, tokenizer: Tokenizer, 
 def _stream_phases(cfg: RunConfig, plan: TrainPlan) -> list[StreamPhase]:
     """The curriculum on the stream's global sample axis: each phase ends on the optimizer step
     the plan chose (whole global batches, so a step never mixes two phases); the last runs on."""
+    from lmforge.data.stream import StreamPhase
+
     ends = [step * plan.global_batch for step in plan.phase_steps] + [None]
     return [StreamPhase(end, phase.mix) for end, phase in zip(ends, cfg.curriculum)]
 
@@ -227,6 +237,9 @@ def _preference(cfg: RunConfig):
 
 def _rows(cfg: RunConfig, tokenizer: Tokenizer, template, seq_len: int, log) -> SFTData | PreferenceData:
     """The run's rows, packed at the context: prompt/response or chat examples, or preference pairs."""
+    from lmforge.data.preference import load_preference_data  # torch (rows as tensors)
+    from lmforge.data.sft import SFTData, load_rows
+
     chat_template = template.text if template else CHAT_TEMPLATE
     paths = [d.path for d in cfg.train_data]
     if cfg.task_type == PREFERENCE_TASK:

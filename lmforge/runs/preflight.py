@@ -46,12 +46,20 @@ def preflight(cfg: RunConfig, command: str, world_size: int = 1, overwrite: bool
 def plan_run(cfg: RunConfig, world_size: int) -> None:
     """The run planned as its ranks will plan it (`resolve` up to the plan) on ``world_size`` ranks of
     this machine, timing nothing: its UserError is the run's."""
+    from lmforge.distributed.torchrun import resolve_device_kind
     from lmforge.plan.run import NotKnownYet
     from lmforge.resolve import resolve
-    from lmforge.train.machine import planned_machine  # torch (the device's facts)
+    from lmforge.train.machine import cpu_machine, planned_machine
 
+    # On a CPU this process never imports torch (a second of every start): the machine is described
+    # from its flags, and no cached speed is read — a speed only sharpens the plan's times (and the
+    # check that a time budget holds a step, which the ranks then make with it).
+    if resolve_device_kind(cfg.compute.device) == "cpu":
+        machine = cpu_machine(world_size, measure=False, speeds=False)
+    else:
+        machine = planned_machine(cfg.compute, world_size, measure=False)  # torch: the GPUs' facts
     try:
-        resolve(cfg, planned_machine(cfg.compute, world_size, measure=False), until="plan", log=lambda *_: None)
+        resolve(cfg, machine, until="plan", log=lambda *_: None)
     except NotKnownYet:
         pass  # an epoch of raw text: the ranks plan it once the data is prepared
 

@@ -113,7 +113,7 @@ def _languages(texts: list[str]) -> tuple[dict, int]:
 
 def corpus_stats(sources: list[str] | str, *, tokenizer: str | None = None, text_field: str = "text",
                  max_docs: int | None = None) -> dict:
-    from lmforge.data.resolve import is_prepared
+    from lmforge.data.prepared import is_prepared
 
     sources = [sources] if isinstance(sources, str) else list(sources)
     if max_docs is not None and max_docs < 1:
