@@ -63,15 +63,17 @@ FORBIDDEN = {
     "runs": ("cli",),
 }
 SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say", "uri", "guard")
-# Modules that must load without torch: `lmforge --help`, `estimate` and a run's resolution up
-# to its config stay light, and the rules live in one torch-free layer that torch code imports.
+# Modules that must load without torch: `lmforge --help`, `estimate`, a run's resolution up to its
+# plan and the command a user starts (its preflight plans a CPU run, then it supervises) stay light,
+# and the rules live in one torch-free layer that torch code imports.
 TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.layout", "lmforge.guard", "lmforge.config.limits", "lmforge.resolve", "lmforge.plan.run",
               "lmforge.plan.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
               "lmforge.resolve.auto_model", "lmforge.plan.schedule", "lmforge.tasks.icl",
               "lmforge.plan.estimate", "lmforge.plan.auto", "lmforge.plan.memory", "lmforge.plan.batch",
               "lmforge.plan.checks", "lmforge.plan.fit", "lmforge.plan.context", "lmforge.plan.micro_batch",
               "lmforge.plan.flops", "lmforge.plan.hardware", "lmforge.plan.comm", "lmforge.plan.cost",
-              "lmforge.config.counts",
+              "lmforge.config.counts", "lmforge.cli.train", "lmforge.runs.preflight", "lmforge.resolve.steps",
+              "lmforge.data.prepared", "lmforge.data.chat", "lmforge.train.machine",
               "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.data.gguf_vocab", "lmforge.scaling.plan",
               "lmforge.scaling.fit", "lmforge.scaling.predict", "lmforge.goodput.conditions",
               "lmforge.goodput.health", "lmforge.goodput.diagnosis", "lmforge.goodput.cordon",
