@@ -73,7 +73,7 @@ TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.layout", "lmf
               "lmforge.plan.checks", "lmforge.plan.fit", "lmforge.plan.context", "lmforge.plan.micro_batch",
               "lmforge.plan.flops", "lmforge.plan.hardware", "lmforge.plan.comm", "lmforge.plan.cost",
               "lmforge.config.counts", "lmforge.cli.train", "lmforge.runs.preflight", "lmforge.resolve.steps",
-              "lmforge.data.prepared", "lmforge.data.chat", "lmforge.train.machine",
+              "lmforge.data.prepared", "lmforge.data.chat", "lmforge.train.machine", "lmforge.runs.launcher",
               "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.data.gguf_vocab", "lmforge.scaling.plan",
               "lmforge.scaling.fit", "lmforge.scaling.predict", "lmforge.goodput.conditions",
               "lmforge.goodput.health", "lmforge.goodput.diagnosis", "lmforge.goodput.cordon",

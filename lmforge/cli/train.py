@@ -122,7 +122,7 @@ def run(args) -> int:
     if plan.role in ("detach", "supervise"):
         return start(cfg, args, plan)
     if plan.role == "launch":
-        from lmforge.runs.job import launch
+        from lmforge.runs.launcher import launch
 
         return launch(cfg, plan, sys.argv[1:])
     return train_here(cfg, args, plan)

@@ -6,15 +6,13 @@ and the object-store mirror of a remote save folder — and trains:
 
     lock → secrets → process group → resolve (data, plan) → Trainer(callbacks=[trackers, store]) → fit
 
-One whose plan says "launch" runs `launch`: it becomes torchrun (``exec``), whose ranks come
-back here with plan "train". `lmforge train` and `lmforge finetune` (and so the SDK) end up here.
+One whose plan says "launch" runs `runs.launcher.launch` instead: it becomes torchrun, whose ranks
+come back here with plan "train". `lmforge train` and `lmforge finetune` (and so the SDK) end up here.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import tempfile
 from functools import partial
 
 from lmforge import secrets
@@ -22,13 +20,11 @@ from lmforge.config.schema import RunConfig
 from lmforge.data.remote import join as remote_join
 from lmforge.distributed.dist import destroy, init_distributed
 from lmforge.distributed.elastic import restart_count
-from lmforge.distributed.torchrun import torchrun_command, wait_for_endpoint
 from lmforge.errors import UserError, environment_error
-from lmforge.goodput.cordon import CORDON_FILE, read_cordon
 from lmforge.say import say
-from lmforge.process import die_with_parent, node_name
-from lmforge.runs.lock import SaveFolderLock
-from lmforge.runs.plan import LaunchPlan, with_plan
+from lmforge.process import die_with_parent
+from lmforge.runs.launcher import hold_lock
+from lmforge.runs.plan import LaunchPlan
 from lmforge.runs.store import MirrorCallback, local_folder, open_store
 from lmforge.report import write_run_report
 from lmforge.resolve import resolve
@@ -37,52 +33,6 @@ from lmforge.runs.supervisor import report_status
 from lmforge.tracking import TrackingCallback, mlflow_ui_command
 from lmforge.train.machine import process_machine
 from lmforge.train.trainer import Trainer, TrainResult
-
-
-def hold_lock(cfg: RunConfig, plan: LaunchPlan) -> SaveFolderLock | None:
-    """Claim (first process of an unsupervised run) or join (the supervisor claimed it) the lock."""
-    if plan.lock == "none":
-        return None
-    folder = local_folder(cfg.save_folder)
-    if plan.lock == "claim":
-        return SaveFolderLock.claim(folder, run_uid=plan.run_uid, name=cfg.name)
-    return SaveFolderLock.join(folder, plan.run_uid)
-
-
-def launch(cfg: RunConfig, plan: LaunchPlan, argv: list[str]) -> int:
-    """Role "launch": become torchrun for ``plan.nproc`` ranks per node (never returns on success).
-
-    exec keeps this process's pid, its death signal and the save folder's lock: torchrun holds
-    the lock, dies with the supervisor, and passes SIGTERM / SIGINT on to every rank."""
-    if plan.parent_pid:
-        die_with_parent(plan.parent_pid)
-    cordoned = read_cordon(local_folder(cfg.save_folder)).get(node_name())
-    if cordoned and cfg.compute.nodes > 1:
-        raise UserError(f"this node ({node_name()}) is cordoned for run {cfg.name} since step {cordoned.get('step')}: "
-                        f"{cordoned.get('reason')}; it does not join (remove it from "
-                        f"{os.path.join(local_folder(cfg.save_folder), CORDON_FILE)} once it is serviced)")
-    if cfg.compute.nodes > 1 and cfg.compute.node_rank > 0:
-        wait_for_endpoint(cfg.compute.rdzv_endpoint, cfg.compute.rdzv_timeout_s)
-    lock = hold_lock(cfg, plan)
-    watch = None
-    if not plan.supervised:  # no supervisor to stop torchrun's restarts at bad input: its wrapper does
-        fd, watch = tempfile.mkstemp(prefix="lmforge-status-", suffix=".json")
-        os.close(fd)
-    rank = plan.child("train", lock="none" if lock is None else "join", status_file=plan.status_file or watch)
-    max_restarts = cfg.max_retries if plan.max_restarts is None else plan.max_restarts
-    # A node other than node 0 rejoins the run after a goodput action by itself (its supervisor is node 0's);
-    # never with --overwrite: rank 0 may be on this node, and the run's checkpoints are what it resumes from.
-    rejoin = [a for a in argv if a != "--overwrite"] if watch and cfg.compute.node_rank > 0 else None
-    cmd = torchrun_command(cfg, plan.nproc, with_plan(argv, rank), max_restarts=max_restarts, status_file=watch,
-                           rejoin=rejoin)
-    if plan.nproc > 1:  # torchrun's own default for several ranks per node, set here without its 4-line banner
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if lock is not None:
-        lock.inheritable()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(cmd[0], cmd)
-    return 1  # not reached
 
 
 def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool = False, log=print) -> TrainResult:
