@@ -185,8 +185,9 @@ def test_server_stops_mid_upload_then_restarts_or_not(own_server, tmp_path, tiny
     # 2) down for good: the run trains to the end, then fails with one line; the local copy is intact
     server = own_server[-1]
     uri2 = f"s3://{server.bucket}/runs/down"
-    cfg2 = write_config(tmp_path / "down.yaml", tiny_run_config(
-        tiny_data, uri2, **cfg_common | {"object_store.upload_retries": 1, "object_store.upload_backoff_s": 0.1}))
+    cfg2 = write_config(tmp_path / "down.yaml", tiny_run_config(  # 40 steps: the uploads of steps 20 to 40 fail
+        tiny_data, uri2, **cfg_common | {"training_duration": "40ba", "object_store.upload_retries": 1,
+                                         "object_store.upload_backoff_s": 0.1}))
     stage2 = _staging(home, uri2)
     proc = _start(cfg2, home, **extra)
     _wait_for(lambda: max((r["step"] for r in metrics(stage2)), default=0) >= 10, proc, what="step 10")
@@ -194,9 +195,9 @@ def test_server_stops_mid_upload_then_restarts_or_not(own_server, tmp_path, tiny
     out, err = communicate(proc, 300)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert_one_line_error(done, f"upload to {uri2} failed", "re-run the same command")
-    assert max(r["step"] for r in metrics(stage2)) == 120
+    assert max(r["step"] for r in metrics(stage2)) == 40
     assert (stage2 / "final" / "model.safetensors").exists()
-    assert (stage2 / "checkpoints" / "step_00000120" / "lmforge-state.json").exists()
+    assert (stage2 / "checkpoints" / "step_00000040" / "lmforge-state.json").exists()
     assert server.key not in err and server.secret not in out + err
 
 

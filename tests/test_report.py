@@ -13,6 +13,7 @@ import torch
 
 from browser import Browser, browser_setup_note, find_chromium
 from conftest import RUN_PRICE as PRICE
+from lmforge.goodput.conditions import CONDITIONS
 from train_helpers import assert_one_line_error, cli, metrics
 
 
@@ -45,7 +46,10 @@ def test_each_run_leaves_its_report_plan_events_and_cost(runs):
     assert plan["estimate"]["rate_source"] == "measured on this machine" or plan["estimate"]["mfu"] == 0.4
     assert plan["estimate"]["cost"] == pytest.approx(PRICE * plan["estimate"]["seconds"] / 3600)
     events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
-    assert [(e["event"], e.get("status")) for e in events] == [("started", None), ("finished", "completed")]
+    # The run's lifecycle; a goodput condition may also be recorded (on a shared CPU another process's
+    # load can hold a few steps below the run's median MFU), never anything else.
+    lifecycle = [(e["event"], e.get("status")) for e in events if e["event"] not in CONDITIONS]
+    assert lifecycle == [("started", None), ("finished", "completed")], events
     # Live cost: every logged step carries the training time and what it cost at the price.
     train_rows = [r for r in metrics(folder) if "train/loss" in r]
     assert [r["step"] for r in train_rows] == list(range(1, 9))

@@ -51,11 +51,14 @@ def scores(times: list[float]) -> list[float]:
     return [t / med if med > 0 else 1.0 for t, med in zip(times, peer_medians(times))]
 
 
+CONDITIONS = ("straggler", "mfu_drop", "health")  # what a Flag is for; each its own event in events.jsonl
+
+
 @dataclass(frozen=True)
 class Flag:
     """One rank (or the whole run) past a threshold in one interval."""
 
-    condition: str  # straggler | mfu_drop | health
+    condition: str  # one of CONDITIONS
     rank: int | None
     node: str | None
     score: float
