@@ -26,9 +26,10 @@ stamp="$VENV/.lmforge-installed"
 want="$(cat pyproject.toml | sha1sum | cut -c1-16)-${EXTRAS}"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # uv installs the ~200 packages of the test extras in seconds where pip takes a minute and a
-  # half (BENCHMARKS.md); torch, installed above, already satisfies them. Where uv cannot be had
-  # or fails, pip does it.
-  if python -m pip install -q uv && python -m uv pip install -q --python "$VENV/bin/python" -e ".${EXTRAS:+[$EXTRAS]}"; then
+  # half (BENCHMARKS.md); torch, installed above, already satisfies them. Bytecode is compiled at
+  # install, as pip does: where PYTHONDONTWRITEBYTECODE is set, every process would otherwise
+  # compile what it imports from source (a suite 45% slower). Where uv cannot be had or fails, pip.
+  if python -m pip install -q uv && python -m uv pip install -q --compile-bytecode --python "$VENV/bin/python" -e ".${EXTRAS:+[$EXTRAS]}"; then
     :
   else
     echo "setup: uv was not usable; installing with pip"
