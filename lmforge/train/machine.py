@@ -138,15 +138,13 @@ def planned_machine(compute: ComputeConfig, world_size: int | None = None, *, me
     for: ``compute.ranks`` on a CPU, GPUs per node × nodes on GPUs."""
     from lmforge.distributed.torchrun import resolve_device_kind
 
-    kind = resolve_device_kind(compute.device)
-    if kind == "cpu":
+    if resolve_device_kind(compute.device) == "cpu":
         return cpu_machine(compute.ranks or 1 if world_size is None else world_size, measure=measure)
-    import torch
+    import torch  # cuda (the only other kind)
 
-    if kind == "cuda" and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise UserError("compute.device: cuda was asked for but no CUDA GPU is visible")
     if world_size is None:
         per_node = torch.cuda.device_count() if compute.gpus == "auto" else compute.gpus
-        world_size = per_node * compute.nodes if kind == "cuda" else compute.ranks or 1
-    return local_machine(torch.device(kind, 0) if kind == "cuda" else torch.device(kind), world_size,
-                         measure=measure)
+        world_size = per_node * compute.nodes
+    return local_machine(torch.device("cuda", 0), world_size, measure=measure)
