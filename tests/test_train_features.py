@@ -80,7 +80,8 @@ def test_quickstart_runs_end_to_end_shortened(tmp_path):
     args = ["train", "-f", REPO / "examples" / "quickstart.yaml", "--training-duration", "3ba",
             "--save-folder", tmp_path / "qs", "--set", "eval.interval=3ba", "--set", "eval.max_batches=1",
             "--set", "eval.max_new_tokens=8"]
-    proc = lmforge(*args, timeout=600, check=True)
+    home = {"LMFORGE_HOME": str(tmp_path / "home")}  # its own caches: another test may have trained this tokenizer
+    proc = lmforge(*args, timeout=600, check=True, env=home)
     out = proc.stdout
     assert out.startswith("model: auto → 4×128") or "\nmodel: auto → 4×128" in out  # 3 steps: the smallest
     assert "tokenizer: training a 1024-token BPE" in out and "data: preparing builtin:python-stdlib" in out
@@ -88,7 +89,7 @@ def test_quickstart_runs_end_to_end_shortened(tmp_path):
     assert "mlflow ui --backend-store-uri" in out
     assert [out.count(f"--- generation_{i} at step 3 ---") for i in range(3)] == [1, 1, 1] and "def fibonacci(n):" in out
     args[args.index("--save-folder") + 1] = tmp_path / "qs2"
-    again = lmforge(*args, "--name", "qs2", timeout=600, check=True).stdout
+    again = lmforge(*args, "--name", "qs2", timeout=600, check=True, env=home).stdout
     assert "tokenizer: reusing" in again and "data: preparing" not in again
 
 
