@@ -157,14 +157,14 @@ def train_and_measure(corpus: str, knobs: dict, duration: str, log=lambda *_: No
     from lmforge.distributed.dist import DistInfo
     from lmforge.resolve import resolve
     from lmforge.train.machine import process_machine
-    from lmforge.train.trainer import Trainer
+    from lmforge.train.build import build_trainer
 
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-") as tmp:
         cfg = build_config(train_config(corpus, knobs, duration, os.path.join(tmp, "run")))
         t_setup = time.perf_counter()
         setup = resolve(cfg, process_machine(dist), log=log)
-        trainer = Trainer(setup, dist, log=log)
+        trainer = build_trainer(setup, dist, log=log)
         setup_s = time.perf_counter() - t_setup
         plan = trainer.plan
         batches = iter(trainer.stream)

@@ -30,22 +30,26 @@ from lmforge.plan.flops import mfu_flops_per_token
 from lmforge.plan.hardware import detect_device_spec, mfu, peak_flops
 from lmforge.models import build_model
 from lmforge.models.transformer import Transformer
+from lmforge.plan.layout import Layout
 
 
 def bench(shape, dist, *, fsdp: bool, ac, compile_: bool, batch: int, seq: int, iters: int, warmup: int) -> dict:
     bf16 = dist.device.type == "cuda"
-    compute = ComputeConfig(data_parallel="fsdp" if fsdp else "none", activation_checkpointing=ac, compile=compile_)
+    compute = ComputeConfig(compile=compile_)
+    layout = Layout(ranks=dist.world_size, data_parallel="fsdp" if fsdp else "none",
+                    shard_group=dist.world_size if fsdp else 1, device=dist.device.type)
     torch.manual_seed(0)
     if fsdp:
         full = build_model(shape, device="cpu").state_dict() if dist.rank == 0 else None
         with torch.device("meta"):
             model = Transformer(shape)
-        train_forward = parallelize(model, compute, dist, precision="bf16" if bf16 else "fp32")
+        train_forward = parallelize(model, layout, dist, compute=compute, checkpointing=ac,
+                                    precision="bf16" if bf16 else "fp32")
         materialize(model, dist.device, full)
         del full
     else:
         model = build_model(shape, device=dist.device)
-        train_forward = parallelize(model, compute, dist)
+        train_forward = parallelize(model, layout, dist, compute=compute, checkpointing=ac)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dist.device.type == "cuda")
     data = Batch.from_tokens(torch.randint(0, shape.vocab_size, (batch, seq))).to(dist.device)
     n_targets = int(data.num_targets())

@@ -184,7 +184,7 @@ def auto_micro_batch(c: dict, device):
     figures where there is none: the CPU smoke test), its other candidates ranked after it."""
     from lmforge.config.model import ModelConfig, get_preset
     from lmforge.plan.hardware import GPU_TYPES, detect_device_spec, peak_flops
-    from lmforge.plan.memory import Sharding
+    from lmforge.plan.layout import Sharding
     from lmforge.plan.micro_batch import choose
 
     a = c["auto"]
@@ -253,7 +253,8 @@ def _run_model(c: dict, shape, mb: int, ac) -> dict:
     from lmforge.distributed.parallelize import materialize, parallelize
     from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
     from lmforge.plan.hardware import detect_device_spec, mfu, peak_flops
-    from lmforge.plan.memory import Sharding, activation_bytes, fixed_bytes
+    from lmforge.plan.layout import Layout, Sharding
+    from lmforge.plan.memory import activation_bytes, fixed_bytes
     from lmforge.models import build_model
     from lmforge.models.transformer import Transformer
     from lmforge.train.optim import build_optimizer
@@ -261,21 +262,21 @@ def _run_model(c: dict, shape, mb: int, ac) -> dict:
     device = torch.device(c.get("device", "cuda"))
     cuda = device.type == "cuda"
     accum = max(1, c["tokens_per_step"] // (mb * c["seq"])) if c.get("tokens_per_step") else c["accum"]
-    compute = ComputeConfig(data_parallel="fsdp" if c["fsdp"] else "none", compile=c["compile"],
-                            loss_kernel=c["loss"], activation_checkpointing=ac)
+    layout = Layout(data_parallel="fsdp" if c["fsdp"] else "none", device=device.type)
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
-    options = dict(precision=c["precision"], fp8=FP8Options(c["recipe"], experts=c.get("fp8_experts", False)))
+    options = dict(compute=ComputeConfig(compile=c["compile"], loss_kernel=c["loss"]), checkpointing=ac,
+                   precision=c["precision"], fp8=FP8Options(c["recipe"], experts=c.get("fp8_experts", False)))
     torch.manual_seed(0)
     if c["fsdp"]:  # as the trainer does it: a meta-device model, sharded, then filled from a full copy
         full = build_model(shape, device="cpu").state_dict()
         with torch.device("meta"):
             model = Transformer(shape)
-        step_forward = parallelize(model, compute, dist, **options)
+        step_forward = parallelize(model, layout, dist, **options)
         materialize(model, device, full)
         del full
     else:
         model = build_model(shape, device=device)
-        step_forward = parallelize(model, compute, dist, **options)
+        step_forward = parallelize(model, layout, dist, **options)
     opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device_type=device.type)
     bf16 = c["precision"] in ("bf16", "fp8")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
@@ -366,17 +367,19 @@ def run_muon(c: dict) -> list[dict]:
     from lmforge.distributed.parallelize import parallelize
     from lmforge.plan.flops import flops_per_token, mfu_flops_per_token
     from lmforge.plan.hardware import detect_device_spec, mfu, peak_flops
+    from lmforge.plan.layout import Layout
     from lmforge.models import build_model
     from lmforge.train.optim import build_optimizer
 
     device = torch.device(c.get("device", "cuda"))
     cuda = device.type == "cuda"
     shape = model_shape(c)
-    compute = ComputeConfig(data_parallel="none", compile=c["compile"], loss_kernel=c["loss"])
+    compute = ComputeConfig(compile=c["compile"], loss_kernel=c["loss"])
     torch.manual_seed(0)
     model = build_model(shape, device=device)
-    step_forward = parallelize(model, compute, DistInfo(rank=0, world_size=1, local_rank=0, device=device),
-                               precision=c["precision"])
+    step_forward = parallelize(model, Layout(device=device.type), DistInfo(rank=0, world_size=1, local_rank=0,
+                                                                           device=device),
+                               compute=compute, precision=c["precision"])
     bf16 = c["precision"] == "bf16"
     ns_dtype = torch.bfloat16 if bf16 else torch.float32  # Newton–Schulz as the trainer runs it
     opts = {kind: build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,

@@ -49,6 +49,7 @@ from lmforge.distributed.host_memory import keep_freed_memory  # noqa: E402
 from lmforge.distributed.parallelize import parallelize  # noqa: E402
 from lmforge.plan.flops import mfu_flops_per_token, param_counts  # noqa: E402
 from lmforge.plan.hardware import detect_device_spec, peak_flops  # noqa: E402
+from lmforge.plan.layout import Layout  # noqa: E402
 from lmforge.models import build_model  # noqa: E402
 from lmforge.train.optim import build_optimizer  # noqa: E402
 
@@ -69,7 +70,7 @@ def make_step(cfg: ModelConfig, args, device: torch.device):
     torch.manual_seed(0)
     model = build_model(cfg, device=device)
     one = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
-    train_forward = parallelize(model, ComputeConfig(compile=args.compile, data_parallel="none"), one,
+    train_forward = parallelize(model, Layout(device=device.type), one, compute=ComputeConfig(compile=args.compile),
                                 precision="bf16" if args.bf16 else "fp32")
     opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device_type=device.type)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.bf16 else nullcontext

@@ -22,6 +22,7 @@ import torch
 
 from lmforge.data.mds import MDSWriter
 from lmforge.data.stream import TokenStream
+from lmforge.plan.layout import Layout
 
 H100_1B_TOKENS_PER_S = 45_000
 SEQ, MB, GB = 2048, 8, 64
@@ -62,7 +63,7 @@ def main() -> None:
         cache = str(Path(tmp) / "cache")
 
         def make() -> TokenStream:
-            return TokenStream(str(root), seq_len=SEQ, micro_batch_size=MB, global_batch_size=GB,
+            return TokenStream(str(root), seq_len=SEQ, layout=Layout(global_batch=GB, micro_batch=MB),
                                seed=0, cache_dir=cache)
 
         t0 = time.perf_counter()

@@ -29,6 +29,7 @@ from lmforge.distributed.parallelize import full_state_dict, materialize, parall
 from lmforge.models import build_model
 from lmforge.models.moe import MoE
 from lmforge.models.transformer import Transformer
+from lmforge.plan.layout import Layout
 from lmforge.train.checkpoint import load_checkpoint, read_state
 from lmforge.train.optim import build_optimizer
 
@@ -66,7 +67,9 @@ def check_reshard_from_one_rank(checkpoint: str, run_yaml: str, dist) -> None:
     shape = ModelConfig(**read_state(checkpoint)["config"]["model"])  # with the tokenizer's vocab
     with torch.device("meta"):
         model = Transformer(shape)
-    parallelize(model, cfg.compute, dist)
+    c = cfg.compute
+    parallelize(model, Layout(ranks=dist.world_size, data_parallel=c.data_parallel, shard_group=dist.world_size,
+                              expert_parallel=c.expert_parallel), dist)
     materialize(model, dist.device, build_model(shape).state_dict() if dist.is_main else None)
     assert model.blocks[0].mlp.experts.w13.to_local().shape[0] == shape.n_experts // 2  # E/N experts here
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, device_type="cpu")

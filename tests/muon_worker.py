@@ -21,14 +21,15 @@ import torch.distributed as td
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmforge.config.model import ModelConfig
-from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.dist import init_distributed
 from lmforge.distributed.parallelize import parallelize
 from lmforge.models import build_model
+from lmforge.plan.layout import Layout
 from lmforge.train.optim import build_optimizer
 
-LAYOUTS = [dict(data_parallel="fsdp", expert_parallel=2), dict(data_parallel="hsdp", shard_size=2, expert_parallel=2),
-           dict(data_parallel="fsdp")]
+LAYOUTS = [Layout(ranks=4, data_parallel="fsdp", shard_group=4, expert_parallel=2),
+           Layout(ranks=4, data_parallel="hsdp", shard_group=2, expert_parallel=2),
+           Layout(ranks=4, data_parallel="fsdp", shard_group=4)]
 # d_model 36: the 36-row attention weights and the 18-row KV projections split unevenly over 4 ranks.
 CFG = ModelConfig(d_model=36, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16, n_experts=4,
                   top_k=2, expansion_ratio=1.0)
@@ -39,11 +40,11 @@ def optimizer(model):
                            kind="muon")
 
 
-def check(layout: dict, spread: bool, dist) -> None:
+def check(layout: Layout, spread: bool, dist) -> None:
     torch.manual_seed(0)
     whole = build_model(CFG)
     sharded = copy.deepcopy(whole)
-    parallelize(sharded, ComputeConfig(**layout), dist)
+    parallelize(sharded, layout, dist)
     opt_whole, opt_sharded = optimizer(whole), optimizer(sharded)
     opt_sharded[0].spread = spread
     params = dict(sharded.named_parameters())

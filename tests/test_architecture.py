@@ -246,12 +246,21 @@ def test_trainer_does_not_depend_on_resolution_steps():
 
 def test_the_trainer_takes_its_parts_from_the_builder():
     """The Trainer file holds the loop, evaluation hooks and checkpointing; what a run trains with
-    (model, wrapping, LoRA, optimizer, objective, streams) is built in `train.build`."""
+    (model, wrapping, LoRA, optimizer, objective, streams, the checkpoint loaded, ICL tasks, expert
+    health, the background saver, stop, watchdog and telemetry) is built in `train.build`, and the
+    device's peak comes from the plan's layout (never detected again)."""
     mods = imports_of(PKG / "train" / "trainer.py")
     building = ("lmforge.models.build_model", "lmforge.models.lora", "lmforge.distributed.parallelize.parallelize",
-                "lmforge.train.optim.build_optimizer", "lmforge.train.objective", "lmforge.data.batch.StreamLayout")
+                "lmforge.train.optim.build_optimizer", "lmforge.train.objective", "lmforge.data.batch.StreamLayout",
+                "lmforge.train.telemetry", "lmforge.train.watchdog", "lmforge.train.stop", "lmforge.train.expert_health",
+                "lmforge.eval.in_training.load_icl", "lmforge.train.resume", "lmforge.train.build",
+                "lmforge.plan.hardware.detect_device_spec", "lmforge.plan.hardware.peak_flops")
     assert not any(m.startswith(building) for m in mods), sorted(m for m in mods if m.startswith(building))
-    assert "lmforge.train.build.build_parts" in mods
+    assert "lmforge.train.parts.TrainingParts" in mods
+    init = next(n for n in ast.walk(ast.parse((PKG / "train" / "trainer.py").read_text()))
+                if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    calls = {c.func.id for c in ast.walk(init) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)} - {"bool"}
+    assert not calls, f"Trainer.__init__ constructs {sorted(calls)}: build it in train.build"
 
 
 def test_core_never_branches_on_attributes():

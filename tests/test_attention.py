@@ -103,7 +103,7 @@ def test_pretraining_with_document_masking_trains_on_split_rows(tiny_data, tmp_p
     from lmforge.distributed.dist import DistInfo
     from lmforge.resolve import resolve
     from lmforge.train.machine import process_machine
-    from lmforge.train.trainer import Trainer
+    from lmforge.train.build import build_trainer
 
     docs = tmp_path / "short.jsonl"  # short documents: several per 64-token sample
     docs.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(400)))
@@ -113,7 +113,7 @@ def test_pretraining_with_document_masking_trains_on_split_rows(tiny_data, tmp_p
     raw = tiny_run_config(tiny_data, tmp_path / "run", train_data=str(tmp_path / "short"),
                           **{"parameters.document_masking": True, "compute.async_checkpoint": False,
                              "eval.prompts": []})
-    trainer = Trainer(resolve(build_config(raw), process_machine(one), log=lambda *_: None), one, log=lambda *_: None)
+    trainer = build_trainer(resolve(build_config(raw), process_machine(one), log=lambda *_: None), one, log=lambda *_: None)
     it = iter(trainer.stream)
     batches = [next(it) for _ in range(trainer.plan.grad_accum)]
     for batch in batches + list(trainer.eval_sets[0].batches()):

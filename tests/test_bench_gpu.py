@@ -108,7 +108,7 @@ def test_long_context_rows_checkpoint_as_the_estimate_says():
 
     from lmforge.config.model import get_preset
     from lmforge.plan.context import checkpointing_mode, context_plan
-    from lmforge.plan.memory import Sharding
+    from lmforge.plan.layout import Sharding
 
     spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
     gpu = importlib.util.module_from_spec(spec)

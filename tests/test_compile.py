@@ -11,6 +11,7 @@ from lmforge.config.model import ModelConfig
 from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.dist import DistInfo
 from lmforge.distributed.parallelize import compile_enabled, parallelize
+from lmforge.plan.layout import Layout
 from lmforge.models.transformer import Transformer, attention_mask
 
 CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=100, max_seq_len=64)
@@ -71,9 +72,9 @@ def test_compile_auto_means_cuda_and_wraps_blocks_and_the_loss(model):
     assert ComputeConfig().compile == "auto"
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     plain = Transformer(CFG)
-    parallelize(plain, ComputeConfig(), dist)  # auto on the CPU: nothing compiled
+    parallelize(plain, Layout(), dist)  # auto on the CPU: nothing compiled
     assert "head_loss" not in vars(plain) and "forward" not in vars(plain.blocks[0])
-    parallelize(model, ComputeConfig(compile=True), dist)
+    parallelize(model, Layout(), dist, compute=ComputeConfig(compile=True))
     # compiled on the instance (names, and so checkpoints, unchanged)
     assert "head_loss" in vars(model) and "head_logprobs" in vars(model) and all("forward" in vars(b) for b in model.blocks)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]

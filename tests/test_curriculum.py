@@ -16,7 +16,9 @@ from lmforge.errors import UserError
 from lmforge.train.callbacks import Callback
 from lmforge.resolve import resolve
 from lmforge.train.machine import process_machine
+from lmforge.train.build import build_trainer
 from lmforge.train.trainer import Trainer
+from lmforge.plan.layout import Layout
 from test_stream import SEQ, make_dataset
 from train_helpers import final_weights, write_config
 
@@ -35,7 +37,15 @@ def phased(three, tmp_path, phases, **kw):
 
     kw = {"seq_len": SEQ, "micro_batch_size": 2, "global_batch_size": GB, "seed": 5,
           "cache_dir": str(tmp_path / "cache"), "phases": phases} | kw
-    return TokenStream([DatasetSpec(n, p) for n, p in three], **kw)
+    return TokenStream([DatasetSpec(n, p) for n, p in three], **split(kw))
+
+
+def split(kw: dict) -> dict:
+    """The stream's layout from the sizes a test names (as the planner would make it)."""
+    kw = dict(kw)
+    layout = Layout(ranks=kw.pop("world_size", 1), global_batch=kw.pop("global_batch_size"),
+                    micro_batch=kw.pop("micro_batch_size"))
+    return kw | {"layout": layout}
 
 
 PHASES = [StreamPhase(400 * GB, {"web": 0.7, "code": 0.3}), StreamPhase(None, {"web": 0.2, "hq": 0.8})]
@@ -70,8 +80,8 @@ def test_one_phase_is_the_plain_mix(three, tmp_path):
     from lmforge.data.stream import DatasetSpec
 
     mix = {"web": 0.5, "code": 0.3, "hq": 0.2}
-    plain = TokenStream([DatasetSpec(n, p, mix[n]) for n, p in three], seq_len=SEQ, micro_batch_size=2,
-                        global_batch_size=GB, seed=5, cache_dir=str(tmp_path / "c2"))
+    plain = TokenStream([DatasetSpec(n, p, mix[n]) for n, p in three], seq_len=SEQ,
+                        layout=Layout(global_batch=GB, micro_batch=2), seed=5, cache_dir=str(tmp_path / "c2"))
     one = phased(three, tmp_path, [StreamPhase(None, mix)])
     assert all(torch.equal(a, b) for a, b in zip(take(iter(plain), 50), take(iter(one), 50)))
 
@@ -192,7 +202,7 @@ def trainer_for(tiny_data, folder, second_dataset, lines: list, rec: Recorder | 
     cfg = build_config(tiny_run_config(tiny_data, folder, train_data=phases, training_duration="12ba",
                                        save_interval="3ba", **{"eval.interval": "6ba", "eval.prompts": [],
                                                               "compute.async_checkpoint": False}))
-    return Trainer(resolve(cfg, process_machine(ONE_RANK), log=lambda *_: None), ONE_RANK, callbacks=[rec] if rec else (),
+    return build_trainer(resolve(cfg, process_machine(ONE_RANK), log=lambda *_: None), ONE_RANK, callbacks=[rec] if rec else (),
                    log=lines.append)
 
 

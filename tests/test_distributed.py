@@ -90,7 +90,7 @@ def test_activation_checkpointing_changes_memory_not_results(tmp_path):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lmforge.config.model import resolve_model
-    from lmforge.config.schema import ComputeConfig
+    from lmforge.plan.layout import Layout
     from lmforge.distributed.dist import DistInfo
     from lmforge.distributed.parallelize import parallelize
     from lmforge.models import build_model
@@ -111,7 +111,7 @@ def test_activation_checkpointing_changes_memory_not_results(tmp_path):
     def measure(mode):
         torch.manual_seed(0)
         model = build_model(shape)
-        parallelize(model, ComputeConfig(activation_checkpointing=mode, data_parallel="none"), one)
+        parallelize(model, Layout(), one, checkpointing=mode)
         saved = []
 
         def pack(t):

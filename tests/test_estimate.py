@@ -407,7 +407,7 @@ def test_context_plan_picks_the_fewest_gpus_per_row_then_the_least_recompute():
     """llama-1b on one H100 (71 GB usable): 8k rows fit as they are, 32k with selective
     checkpointing, 128k only with full; llama-7b at 128k on 8 GPUs needs rows split in two."""
     from lmforge.plan.context import context_plan
-    from lmforge.plan.memory import Sharding
+    from lmforge.plan.layout import Sharding
 
     def choice(model, seq, gpus):
         c = context_plan(get_preset(model), seq, Sharding("fsdp", gpus), 80e9)["choice"]
@@ -432,7 +432,7 @@ def test_the_remedy_names_the_least_change_that_fits():
     then another context-parallel degree, sharding, more GPUs — in config keys for a run, in flags
     for an estimate; the run's own checkpointing kept where it fits."""
     from lmforge.plan.fit import FLAGS, remedy
-    from lmforge.plan.memory import Sharding
+    from lmforge.plan.layout import Sharding
 
     def fix(model, seq, sharding, ac, names=None, micro=1):
         r = remedy(get_preset(model), seq, sharding, 80e9, context_parallel=1, checkpointing=ac, micro_batch=micro)

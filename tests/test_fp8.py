@@ -116,6 +116,7 @@ def test_fp8_weights_are_all_gathered_in_fp8_with_scales_from_after_the_step():
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from lmforge.config.schema import ComputeConfig
+    from lmforge.plan.layout import Layout
     from lmforge.distributed.dist import DistInfo
     from lmforge.distributed.float8 import after_optimizer_step
     from lmforge.distributed.parallelize import materialize, parallelize
@@ -126,8 +127,8 @@ def test_fp8_weights_are_all_gathered_in_fp8_with_scales_from_after_the_step():
         model = Transformer(CFG)
     cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     try:
-        step = parallelize(model, ComputeConfig(data_parallel="fsdp", compile=False), cpu, precision="fp8",
-                           fp8=EMULATED)
+        step = parallelize(model, Layout(data_parallel="fsdp"), cpu, compute=ComputeConfig(compile=False),
+                           precision="fp8", fp8=EMULATED)
         materialize(model, cpu.device, full)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, 100, (2, 32))
@@ -182,6 +183,7 @@ def test_fp8_training_steps_on_a_gpu(recipe):
         pytest.skip("no FP8 tensor cores")
     pytest.importorskip("torchao.float8")
     from lmforge.config.schema import ComputeConfig
+    from lmforge.plan.layout import Layout
     from lmforge.distributed.dist import DistInfo
     from lmforge.distributed.parallelize import parallelize
 
@@ -189,7 +191,7 @@ def test_fp8_training_steps_on_a_gpu(recipe):
     cfg = CFG.model_copy(update={"d_model": 256, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 512})
     model = Transformer(cfg).cuda()
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
-    step = parallelize(model, ComputeConfig(compile=True), dist, precision="fp8",
+    step = parallelize(model, Layout(device="cuda"), dist, compute=ComputeConfig(compile=True), precision="fp8",
                        fp8=FP8Options(recipe, skip_small=False))  # (a small model: every layer FP8)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(0, 100, (8, 64), device="cuda")
@@ -219,7 +221,7 @@ def test_fp8_under_fsdp_trains_saves_resumes_and_exports(tiny_data, tmp_path):
     from lmforge.distributed.dist import DistInfo
     from lmforge.resolve import resolve
     from lmforge.train.machine import process_machine
-    from lmforge.train.trainer import Trainer
+    from lmforge.train.build import build_trainer
 
     cuda = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
 
@@ -227,7 +229,7 @@ def test_fp8_under_fsdp_trains_saves_resumes_and_exports(tiny_data, tmp_path):
         raw = tiny_run_config(tiny_data, tmp_path / "run", training_duration=duration, save_interval="2ba",
                               **{"parameters.precision": "fp8", "compute.data_parallel": "fsdp",
                                  "compute.async_checkpoint": False, "eval.prompts": []})
-        return Trainer(resolve(build_config(raw), process_machine(cuda), log=lambda *_: None), cuda, log=lambda *_: None).fit()
+        return build_trainer(resolve(build_config(raw), process_machine(cuda), log=lambda *_: None), cuda, log=lambda *_: None).fit()
 
     try:
         assert fit("4ba").status == "completed"

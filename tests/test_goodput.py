@@ -19,6 +19,7 @@ from lmforge.goodput.diagnosis import Sweep, neighbour_links, verdict
 from lmforge.goodput.faults import Injector, parse_faults
 from lmforge.goodput.health import HealthSample, HealthSampler, InjectedHealth
 from lmforge.goodput.ledger import PARTS, account, format_goodput
+from lmforge.plan.layout import Layout
 
 
 def row(forward=0.1, data=0.01, optimizer=0.05, wall=0.4, steps=1, **health) -> list[float]:
@@ -50,11 +51,11 @@ def test_a_half_speed_rank_is_flagged_after_warmup_and_k_intervals_in_a_row_then
 
 
 def test_noise_is_no_straggler_below_the_threshold_the_minimum_time_or_outside_a_streak():
-    c = Conditions(GoodputConfig(), ["a", "b"], scored_sections("ddp"))
+    c = Conditions(GoodputConfig(), ["a", "b"], scored_sections(Layout(data_parallel="ddp")))
     for _ in range(5):  # 10× the peer's data wait, but 0.18 ms per step: under min_ms (2 ms)
         flags, decision, _ = c.update([row(data=0.00002), row(data=0.0002)])
         assert flags == [] and decision is None
-    c = Conditions(GoodputConfig(), ["a", "b"], scored_sections("ddp"))
+    c = Conditions(GoodputConfig(), ["a", "b"], scored_sections(Layout(data_parallel="ddp")))
     for i in range(8):  # 2× (and 160 ms ahead) every other interval: never 3 in a row
         flags, _, _ = c.update([row(), row(forward=0.2, optimizer=0.1, data=0.02) if i % 2 else row()])
         assert flags == []
@@ -63,14 +64,14 @@ def test_noise_is_no_straggler_below_the_threshold_the_minimum_time_or_outside_a
 
 
 def test_scored_sections_hold_no_collective_on_every_data_parallel_mode():
-    assert scored_sections("ddp") == ("data", "forward", "optimizer")
-    assert scored_sections("none") == ("data", "forward", "optimizer")
-    assert scored_sections("ddp", optimizer="muon") == ("data", "forward", "optimizer")  # whole gradients: local
+    assert scored_sections(Layout(data_parallel="ddp")) == ("data", "forward", "optimizer")
+    assert scored_sections(Layout(data_parallel="none")) == ("data", "forward", "optimizer")
+    assert scored_sections(Layout(data_parallel="ddp"), optimizer="muon") == ("data", "forward", "optimizer")  # whole gradients: local
     for sharded in ("fsdp", "hsdp"):  # parameters all-gathered in forward; the optimizer step on local shards
-        assert scored_sections(sharded) == ("data", "optimizer")
-        assert scored_sections(sharded, optimizer="muon") == ("data",)  # Muon all-to-alls whole matrices
-    assert scored_sections("ddp", context_parallel=2) == ("data", "optimizer")  # keys and values exchanged
-    assert scored_sections("fsdp", expert_parallel=2) == ("data", "optimizer")  # tokens sent to experts
+        assert scored_sections(Layout(data_parallel=sharded)) == ("data", "optimizer")
+        assert scored_sections(Layout(data_parallel=sharded), optimizer="muon") == ("data",)  # Muon all-to-alls whole matrices
+    assert scored_sections(Layout(ranks=2, data_parallel="ddp", context_parallel=2)) == ("data", "optimizer")  # keys and values exchanged
+    assert scored_sections(Layout(ranks=2, data_parallel="fsdp", shard_group=2, expert_parallel=2, global_batch=2)) == ("data", "optimizer")  # tokens sent to experts
 
 
 def test_the_layout_a_run_resumes_on_after_a_cordon():

@@ -149,6 +149,7 @@ def test_run_your_model_page(base, tmp_path, llama_cpp):
 def test_import_hf_llama_for_continued_pretraining(base, tmp_path, tiny_data):
     """CPT from an imported HF folder: step-1 loss = the source model's loss on that batch."""
     from lmforge.data.stream import DatasetSpec, TokenStream
+    from lmforge.plan.layout import Layout
     from lmforge.train.locate import load_model
 
     from lmforge.train.export import export
@@ -162,8 +163,8 @@ def test_import_hf_llama_for_continued_pretraining(base, tmp_path, tiny_data):
     proc = lmforge("train", "-f", write_config(tmp_path / "cpt.yaml", cfg), check=True)
     assert "fresh optimizer" in proc.stdout
     source, _, _ = load_model(str(hf_dir))
-    stream = TokenStream([DatasetSpec("d0", str(tiny_data.dataset), None)], seq_len=64, micro_batch_size=4,
-                         global_batch_size=8, rank=0, world_size=1, seed=17, num_workers=0, split="train")
+    stream = TokenStream([DatasetSpec("d0", str(tiny_data.dataset), None)], seq_len=64,
+                         layout=Layout(global_batch=8, micro_batch=4), rank=0, seed=17, num_workers=0, split="train")
     it = iter(stream)
     with torch.no_grad():
         losses = []

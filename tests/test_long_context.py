@@ -26,6 +26,7 @@ def held_out(model, batches) -> float:
 def test_a_256_token_model_extended_to_1024_beats_it_there_and_exports_its_scaling(tmp_path, tiny_data):
     from lmforge.config.load import build_config
     from lmforge.data.batch import StreamLayout
+    from lmforge.plan.layout import Layout
     from lmforge.data.resolve import resolve_data
     from lmforge.models import build_model
     from lmforge.train.export import export
@@ -58,7 +59,7 @@ def test_a_256_token_model_extended_to_1024_beats_it_there_and_exports_its_scali
     # past its 256 (RoPE extrapolated), as it would if simply run longer.
     cfg = build_config(fill_from_weights(extend))
     data = resolve_data(cfg, 1024, log=lambda *_: None)
-    rows = data.eval_sets(StreamLayout(seq_len=1024, micro_batch=2, global_batch=2), max_batches=2)[0]
+    rows = data.eval_sets(StreamLayout(seq_len=1024, layout=Layout(global_batch=2, micro_batch=2)), max_batches=2)[0]
     unextended, shape, _ = load_model(str(base / "final"))
     at_1024 = build_model(shape.model_copy(update={"max_seq_len": 1024}), init=False)
     at_1024.load_state_dict(unextended.state_dict())

@@ -13,7 +13,8 @@ from lmforge.config.model import ModelConfig, get_preset
 from lmforge.errors import UserError
 from lmforge.plan.hardware import GPU_TYPES
 from lmforge.plan.flops import param_counts
-from lmforge.plan.memory import MARGIN, RESERVED_BYTES, Sharding, activation_bytes, fixed_bytes, usable_bytes
+from lmforge.plan.layout import Sharding
+from lmforge.plan.memory import MARGIN, RESERVED_BYTES, activation_bytes, fixed_bytes, usable_bytes
 from lmforge.plan.micro_batch import MODES, PROBED, choose
 from train_helpers import cli
 

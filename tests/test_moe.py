@@ -262,6 +262,7 @@ def test_compiled_model_runs_experts_the_grouped_kernel_does_not_take():
     fullgraph compile refused them: one traceback at the first step). The same holds for fp32
     training on a GPU, where the kernel takes bf16 only."""
     from lmforge.config.schema import ComputeConfig
+    from lmforge.plan.layout import Layout
     from lmforge.distributed.dist import DistInfo
     from lmforge.distributed.parallelize import parallelize
 
@@ -272,7 +273,7 @@ def test_compiled_model_runs_experts_the_grouped_kernel_does_not_take():
         torch.manual_seed(0)
         model = build_model(moe_cfg(n_layers=1, expansion_ratio=1.0625))
         assert not model.blocks[0].mlp.experts.takes_grouped(torch.float32, "cpu")
-        out = parallelize(model, ComputeConfig(compile=compile, data_parallel="none"), one)(ids, ids.roll(-1, 1))
+        out = parallelize(model, Layout(), one, compute=ComputeConfig(compile=compile))(ids, ids.roll(-1, 1))
         (out.ce_sum + out.aux_loss).backward()
         runs.append((out.ce_sum.detach(), [p.grad for p in model.parameters()]))
     (loss, grads), (compiled_loss, compiled_grads) = runs
@@ -340,7 +341,7 @@ def test_selective_checkpointing_keeps_expert_gemm_outputs(grouped):
     `lmforge::expert_loop`, since its GEMMs write into shared buffers)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lmforge.config.schema import ComputeConfig
+    from lmforge.plan.layout import Layout
     from lmforge.distributed.dist import DistInfo
     from lmforge.distributed.parallelize import parallelize
 
@@ -365,7 +366,7 @@ def test_selective_checkpointing_keeps_expert_gemm_outputs(grouped):
         model = build_model(moe_cfg())
         for block in model.blocks:
             block.mlp.grouped = grouped  # eager on the CPU the experts loop by default
-        parallelize(model, ComputeConfig(activation_checkpointing=mode, data_parallel="none"), one)
+        parallelize(model, Layout(), one, checkpointing=mode)
         out = model.training_loss(ids, ids.roll(-1, 1))
         with CountGemms() as counter:
             (out.ce_sum + out.aux_loss).backward()

@@ -15,7 +15,8 @@ from lmforge.errors import UserError
 from lmforge.plan.checks import check_batch_split
 from lmforge.plan.flops import param_counts
 from lmforge.plan.machine import nominal_machine
-from lmforge.plan.memory import BYTES_PER_PARAM, Sharding, fixed_parts
+from lmforge.plan.layout import Sharding
+from lmforge.plan.memory import BYTES_PER_PARAM, fixed_parts
 from lmforge.resolve import resolve
 
 QUIET = {"log": lambda *_: None}

@@ -285,8 +285,9 @@ def test_the_reference_is_tagged_by_the_starting_weights_content(tmp_path, base)
 
 def _layout(micro_batch: int):
     from lmforge.data.batch import StreamLayout
+    from lmforge.plan.layout import Layout
 
-    return StreamLayout(seq_len=128, micro_batch=micro_batch, global_batch=micro_batch)
+    return StreamLayout(seq_len=128, layout=Layout(global_batch=micro_batch, micro_batch=micro_batch))
 
 
 def _nullcontext():

@@ -22,6 +22,7 @@ from lmforge.resolve import resolve
 from lmforge.plan.run import make_plan
 from lmforge.plan.schedule import Schedule
 from lmforge.train.machine import local_machine, process_machine
+from lmforge.train.build import build_trainer
 from lmforge.train.trainer import Trainer
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -128,7 +129,7 @@ def test_recipe_bad_input_exits_2_with_one_line(tiny_data, tmp_path, override, m
 
 def make_trainer(tiny_data, folder, **overrides) -> Trainer:
     raw = tiny_run_config(tiny_data, folder, **({"compute.async_checkpoint": False, "eval.prompts": []} | overrides))
-    return Trainer(resolve(build_config(raw), process_machine(ONE_RANK), log=lambda *_: None), ONE_RANK, log=lambda *_: None)
+    return build_trainer(resolve(build_config(raw), process_machine(ONE_RANK), log=lambda *_: None), ONE_RANK, log=lambda *_: None)
 
 
 def run_steps(trainer: Trainer, n: int) -> list[float]:

@@ -236,7 +236,7 @@ def _train_tracked(tiny_data, folder, stop_at=None, **overrides):
     from lmforge.report import write_run_report
     from lmforge.resolve import resolve
     from lmforge.train.machine import process_machine
-    from lmforge.train.trainer import Trainer
+    from lmforge.train.build import build_trainer
 
     class StopAt(Callback):
         def on_metrics(self, metrics, step):
@@ -246,7 +246,7 @@ def _train_tracked(tiny_data, folder, stop_at=None, **overrides):
     one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     cfg = build_config(tiny_run_config(tiny_data, folder, **({"compute.async_checkpoint": False} | overrides)))
     callbacks = [TrackingCallback(TrackerConfig(mlflow=None, console=False), render_report=write_run_report), StopAt()]
-    return Trainer(resolve(cfg, process_machine(one), log=lambda *_: None), one, callbacks=callbacks,
+    return build_trainer(resolve(cfg, process_machine(one), log=lambda *_: None), one, callbacks=callbacks,
                    log=lambda *_: None)
 
 

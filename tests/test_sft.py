@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.config.model import ModelConfig
-from lmforge.data.batch import IGNORE, Batch
+from lmforge.data.batch import IGNORE, Batch, StreamLayout
 from lmforge.data.chat import CHAT_TEMPLATE, chat_prompt, render_chat
 from lmforge.data.sft import SFTStream, pack, read_examples, tokenize_example
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models import build_model
 from lmforge.models.io import write_chat_template
+from lmforge.plan.layout import Layout
 
 ROWS = [
     {"prompt": "def add(a, b):\n", "response": "    return a + b\n"},
@@ -147,18 +148,21 @@ def _write(tmp_path, rows):
 def test_stream_resumes_exactly_and_partitions_ranks(tmp_path, tok):
     ex = examples(tmp_path, tok, ROWS * 8)
     rows = pack(ex, 32, tok.pad_id)
-    kw = dict(micro_batch_size=2, global_batch_size=8, seed=5)
-    a = SFTStream(rows, rank=0, world_size=1, **kw)
+    def reading(rank: int, ranks: int) -> StreamLayout:
+        return StreamLayout(seq_len=rows.tokens.shape[1], layout=Layout(ranks=ranks, global_batch=8, micro_batch=2),
+                            rank=rank, seed=5)
+
+    a = SFTStream(rows, reading(0, 1))
     it = iter(a)
     seen = [next(it).input_ids for _ in range(4 * 3)]  # 3 steps of 4 micro-batches
-    b = SFTStream(rows, rank=0, world_size=1, **kw)
-    b.load_state_dict(json.loads(json.dumps(SFTStream(rows, rank=0, world_size=1, **kw).state_dict())))
+    b = SFTStream(rows, reading(0, 1))
+    b.load_state_dict(json.loads(json.dumps(SFTStream(rows, reading(0, 1)).state_dict())))
     state = a.state_dict()
     assert state["steps"] == 3
     b.load_state_dict(state)
     torch.testing.assert_close(next(iter(b)).input_ids, next(it).input_ids)
     # two ranks together see what one rank sees, per step
-    r0, r1 = (iter(SFTStream(rows, rank=r, world_size=2, **kw)) for r in (0, 1))
+    r0, r1 = (iter(SFTStream(rows, reading(r, 2))) for r in (0, 1))
     two = [next(r0).input_ids, next(r0).input_ids, next(r1).input_ids, next(r1).input_ids]
     torch.testing.assert_close(torch.cat(two), torch.cat(seen[:4]))
 

@@ -13,11 +13,12 @@ import torch
 from lmforge.data import remote
 from lmforge.data.stream import TokenStream, open_dataset
 from lmforge.errors import UserError
+from lmforge.plan.layout import Layout
 from test_stream import SEQ, make_dataset
 
 
 def _stream(path, cache, **kw):
-    return TokenStream(path, seq_len=SEQ, micro_batch_size=2, global_batch_size=4, seed=5, cache_dir=cache, **kw)
+    return TokenStream(path, seq_len=SEQ, layout=Layout(global_batch=4, micro_batch=2), seed=5, cache_dir=cache, **kw)
 
 
 @pytest.mark.integration

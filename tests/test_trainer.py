@@ -17,6 +17,7 @@ from lmforge.distributed.dist import DistInfo
 from lmforge.train.callbacks import Callback
 from lmforge.resolve import resolve
 from lmforge.train.machine import process_machine
+from lmforge.train.build import build_trainer
 from lmforge.train.trainer import Trainer, TrainingDiverged
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -25,7 +26,7 @@ ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu
 def make_trainer(tiny_data, folder, callbacks=(), **overrides) -> Trainer:
     raw = tiny_run_config(tiny_data, folder, **({"compute.async_checkpoint": False, "eval.prompts": []} | overrides))
     cfg = build_config(raw)
-    return Trainer(resolve(cfg, process_machine(ONE_RANK), log=lambda *_: None), ONE_RANK, callbacks=callbacks,
+    return build_trainer(resolve(cfg, process_machine(ONE_RANK), log=lambda *_: None), ONE_RANK, callbacks=callbacks,
                    log=lambda *_: None)
 
 
@@ -262,7 +263,7 @@ def test_train_steps_never_wait_for_the_gpu(tiny_data, tmp_path):
     cuda = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
     raw = tiny_run_config(tiny_data, tmp_path / "run", **{"compute.async_checkpoint": False, "eval.prompts": [],
                                                           "compute.loss_kernel": "chunked"})
-    trainer = Trainer(resolve(build_config(raw), process_machine(cuda), log=lambda *_: None), cuda, log=lambda *_: None)
+    trainer = build_trainer(resolve(build_config(raw), process_machine(cuda), log=lambda *_: None), cuda, log=lambda *_: None)
     it = iter(trainer.stream)
     batches = next_batches(trainer, it)
     assert batches[0].input_ids.is_pinned()

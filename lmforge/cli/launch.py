@@ -51,7 +51,7 @@ def _checked(args):
     cfg = load_config(args.file, sets=[*args.set, f"compute.nodes={args.nodes}", f"compute.gpus={args.gpus_per_node}"])
     from lmforge.plan.checks import check_mesh
 
-    check_mesh(cfg.compute, args.nodes * args.gpus_per_node, args.gpus_per_node)
+    check_mesh(cfg.compute, args.nodes * args.gpus_per_node, args.nodes)
     name = cfg.name or os.path.splitext(os.path.basename(args.file))[0]
     return cfg, name
 

@@ -8,10 +8,12 @@ over every position, with no slicing of the logits (a slice of [B, T, V] logits 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Protocol, runtime_checkable
 
 import torch
+
+from lmforge.plan.layout import Layout
 
 IGNORE = -100  # cross_entropy's default ignore_index
 
@@ -118,17 +120,41 @@ class BatchStream(Protocol):
 
 @dataclass(frozen=True)
 class StreamLayout:
-    """How one rank reads its data: sample length, batch sizes, its place among the ranks."""
+    """How one rank reads its data: the run's layout (the planner's batch split over the data-parallel
+    replicas, `plan.layout.Layout`), which rank this is, and the rows' shape. The streams read the
+    split from here and never work it out again."""
 
     seq_len: int
-    micro_batch: int  # samples per forward pass on this rank
-    global_batch: int  # samples per optimizer step, all ranks together
-    rank: int = 0
-    world_size: int = 1
+    layout: Layout  # the run's ranks and batch split, as planned
+    rank: int = 0  # this process's rank (a row's context-parallel ranks read the same rows)
     seed: int = 0
     num_workers: int = 0  # DataLoader worker processes (training stream only)
     pin_memory: bool = False
     document_eos: int | None = None  # pretraining document masking: the end-of-text id that ends a document
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples per forward pass on this rank."""
+        return self.layout.micro_batch
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step, all replicas together."""
+        return self.layout.global_batch
+
+    @property
+    def replica(self) -> int:
+        """Which data-parallel replica this rank reads for."""
+        return self.layout.replica(self.rank)
+
+    @property
+    def replicas(self) -> int:
+        return self.layout.replicas
+
+    def one_pass(self) -> "StreamLayout":
+        """The layout of a held-out pass: one micro-batch per replica per 'step', no workers."""
+        split = replace(self.layout, global_batch=self.layout.micro_batch * self.layout.replicas)
+        return replace(self, layout=split, num_workers=0)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice
 from typing import Iterator
@@ -87,7 +87,7 @@ class ResolvedData:
     def eval_sets(self, layout: StreamLayout, max_batches: int) -> list[EvalSet]:
         # Each pass reads the same first micro-batches of the split: one micro-batch per rank per
         # "step", so every rank evaluates different samples.
-        per_pass = replace(layout, global_batch=layout.micro_batch * layout.world_size, num_workers=0)
+        per_pass = layout.one_pass()
         sets = []
         for d, split in self.eval:
             name = "eval" if len(self.eval) == 1 else f"eval/{d.name}"
@@ -99,10 +99,9 @@ class ResolvedData:
 
 def _token_stream(specs: list[DatasetSpec], layout: StreamLayout, split: str = "train",
                   phases: list[StreamPhase] | None = None) -> TokenStream:
-    return TokenStream(specs, seq_len=layout.seq_len, micro_batch_size=layout.micro_batch,
-                       global_batch_size=layout.global_batch, rank=layout.rank, world_size=layout.world_size,
-                       seed=layout.seed, num_workers=layout.num_workers, split=split, pin_memory=layout.pin_memory,
-                       phases=phases, document_eos=layout.document_eos)
+    return TokenStream(specs, seq_len=layout.seq_len, layout=layout.layout, rank=layout.rank, seed=layout.seed,
+                       num_workers=layout.num_workers, split=split, pin_memory=layout.pin_memory, phases=phases,
+                       document_eos=layout.document_eos)
 
 
 def _first_batches(spec: DatasetSpec, layout: StreamLayout, split: str, n: int) -> Iterator[Batch]:

@@ -237,12 +237,11 @@ class SFTStream:
     response tokens. Global sample k of the run is row ``perm_e[k mod N]`` of epoch ``e = k // N``.
     """
 
-    def __init__(self, rows: PackedRows, *, micro_batch_size: int, global_batch_size: int, rank: int,
-                 world_size: int, seed: int, pin_memory: bool = False):
-        self.rows, self.mb, self.gbs = rows, micro_batch_size, global_batch_size
-        self.pin_memory = pin_memory  # CUDA: page-locked batches, so host→device copies overlap compute
-        self.rank, self.world, self.seed = rank, world_size, seed
-        self.accum = global_batch_size // (micro_batch_size * world_size)
+    def __init__(self, rows: PackedRows, layout: StreamLayout):
+        self.rows, self.seed, self.layout = rows, layout.seed, layout.layout  # the run's batch split
+        self.mb, self.gbs, self.accum = self.layout.micro_batch, self.layout.global_batch, self.layout.grad_accum
+        self.replica = layout.replica
+        self.pin_memory = layout.pin_memory  # CUDA: page-locked batches, so host→device copies overlap compute
         self.micro = 0  # micro-batches this rank has yielded
         self._perms: dict[int, torch.Tensor] = {}
 
@@ -255,7 +254,7 @@ class SFTStream:
 
     def _indices(self, micro: int) -> list[int]:
         step, m = divmod(micro, self.accum)
-        start = step * self.gbs + self.rank * (self.gbs // self.world) + m * self.mb
+        start = step * self.gbs + self.replica * self.layout.per_replica + m * self.mb
         return [self._row(k) for k in range(start, start + self.mb)]
 
     def __iter__(self):
@@ -291,12 +290,13 @@ class SFTStream:
         return {}
 
 
-def eval_batches(rows: PackedRows, micro_batch: int, rank: int, world_size: int, max_batches: int):
-    """Each held-out row once (rank r takes rows r, r+W, ...), at most max_batches per rank. Every
-    rank yields as many batches (under FSDP each forward gathers weights with every rank): one
+def eval_batches(rows: PackedRows, layout: StreamLayout, max_batches: int):
+    """Each held-out row once (replica r of W takes rows r, r+W, ...), at most max_batches per rank.
+    Every rank yields as many batches (under FSDP each forward gathers weights with every rank): one
     whose rows ran out yields a stand-in row with nothing scored."""
-    mine = list(range(rank, len(rows), world_size))
-    per_rank = -(-len(rows) // world_size)
+    micro_batch, replica, replicas = layout.micro_batch, layout.replica, layout.replicas
+    mine = list(range(replica, len(rows), replicas))
+    per_rank = -(-len(rows) // replicas)
     for b in range(min(max_batches, -(-per_rank // micro_batch))):
         idx = mine[b * micro_batch:(b + 1) * micro_batch]
         yield rows.batch(idx) if idx else rows.batch([0]).unscored()
@@ -314,12 +314,9 @@ class SFTData:
     chat_template: str | None = CHAT_TEMPLATE
 
     def train_stream(self, layout: StreamLayout) -> SFTStream:
-        return SFTStream(self.rows, micro_batch_size=layout.micro_batch, global_batch_size=layout.global_batch,
-                         rank=layout.rank, world_size=layout.world_size, seed=layout.seed,
-                         pin_memory=layout.pin_memory)
+        return SFTStream(self.rows, layout)
 
     def eval_sets(self, layout: StreamLayout, max_batches: int) -> list[EvalSet]:
         if self.eval_rows is None:
             return []
-        return [EvalSet("eval", partial(eval_batches, self.eval_rows, layout.micro_batch, layout.rank,
-                                        layout.world_size, max_batches))]
+        return [EvalSet("eval", partial(eval_batches, self.eval_rows, layout, max_batches))]

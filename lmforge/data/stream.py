@@ -16,9 +16,10 @@ and epochs follow one another forever. The pieces of one stored sample are shuff
 other samples: they land in different batches, and one epoch trains every piece once.
 
 Ranks. Global sample ``s`` is position ``s % E`` of epoch ``s // E``. Global batch ``t`` is
-global samples ``[t*G, (t+1)*G)``; rank ``r`` takes the contiguous slice
-``[t*G + r*G/W, t*G + (r+1)*G/W)`` in micro-batches of ``micro_batch_size``. The global batch
-does not depend on the number of ranks or the micro-batch size.
+global samples ``[t*G, (t+1)*G)``; data-parallel replica ``r`` of ``W`` takes the contiguous slice
+``[t*G + r*G/W, t*G + (r+1)*G/W)`` in micro-batches — the split of the run's layout
+(`plan.layout.Layout`: ``G``, ``W``, the micro-batch), which the stream reads and never works out
+again. The global batch does not depend on the number of ranks or the micro-batch size.
 
 Resume. ``state_dict()`` records the global samples consumed in whole global batches (plus
 this rank's progress inside the current one, honoured only when ranks, micro-batch and global
@@ -58,6 +59,7 @@ from lmforge.data import remote
 from lmforge.data.batch import Batch
 from lmforge.data.mds import INDEX, MDSReader, read_index
 from lmforge.data.pieces import pieces_per_sample
+from lmforge.plan.layout import Layout
 from lmforge.errors import UserError
 from lmforge.home import cache_dir as lmforge_cache
 from lmforge.process import die_with_parent
@@ -227,27 +229,26 @@ class StreamPhase:
 class _MicroBatches(IterableDataset):
     """Infinite micro-batches of one rank, starting at a given point; split across workers."""
 
-    def __init__(self, readers: list[MDSReader], names: list[str], order: _Order, *, seq_len: int,
-                 micro_batch_size: int, global_batch_size: int, rank: int, world_size: int,
-                 base: int, first: int, pieces: list[int], document_eos: int | None = None):
+    def __init__(self, readers: list[MDSReader], names: list[str], order: _Order, *, seq_len: int, layout: Layout,
+                 replica: int, base: int, first: int, pieces: list[int], document_eos: int | None = None):
         self.readers = readers
         self.pieces = pieces  # pieces of seq_len tokens per stored sample, per dataset
         self.document_eos = document_eos
         self.names = names
         self.order = order
         self.seq_len = seq_len
-        self.mb = micro_batch_size
-        self.gb = global_batch_size
-        self.rank = rank
-        self.per_rank = global_batch_size // world_size
-        self.accum = self.per_rank // micro_batch_size
+        self.mb = layout.micro_batch
+        self.gb = layout.global_batch
+        self.replica = replica
+        self.per_replica = layout.per_replica
+        self.accum = layout.grad_accum
         self.base = base  # global sample where micro-batch 0 begins
         self.first = first  # first micro-batch number to produce
 
     def samples_of(self, m: int) -> np.ndarray:
         """Global sample indices of this rank's micro-batch number ``m``."""
         t, a = divmod(m, self.accum)
-        start = self.base + t * self.gb + self.rank * self.per_rank + a * self.mb
+        start = self.base + t * self.gb + self.replica * self.per_replica + a * self.mb
         return np.arange(start, start + self.mb, dtype=np.int64)
 
     def build(self, m: int) -> Batch:
@@ -349,18 +350,16 @@ def _unsplit(fingerprint: dict) -> dict:
 
 
 class TokenStream:
-    """Infinite iterable of `Batch` es (token ids ``[micro_batch_size, seq_len]``) for one
-    data-parallel rank; a `BatchStream`."""
+    """Infinite iterable of `Batch` es (token ids ``[micro_batch, seq_len]``) for one rank of
+    ``layout`` (the rows of its data-parallel replica); a `BatchStream`."""
 
     def __init__(
         self,
         datasets: list[DatasetSpec] | str,
         *,
         seq_len: int,
-        micro_batch_size: int,
-        global_batch_size: int,
+        layout: Layout,
         rank: int = 0,
-        world_size: int = 1,
         seed: int = 0,
         num_workers: int = 0,
         cache_dir: str | None = None,
@@ -369,21 +368,14 @@ class TokenStream:
         phases: list[StreamPhase] | None = None,
         document_eos: int | None = None,
     ):
-        for name, v, lo in (("seq_len", seq_len, 1), ("micro_batch_size", micro_batch_size, 1),
-                            ("global_batch_size", global_batch_size, 1), ("world_size", world_size, 1),
-                            ("num_workers", num_workers, 0)):
+        for name, v, lo in (("seq_len", seq_len, 1), ("num_workers", num_workers, 0)):
             if not isinstance(v, int) or v < lo:
                 raise UserError(f"{name}: expected an integer >= {lo}, got {v!r}")
-        if not 0 <= rank < world_size:
-            raise UserError(f"rank: expected 0 <= rank < world_size ({world_size}), got {rank}")
-        if global_batch_size % (world_size * micro_batch_size):
-            raise UserError(
-                f"global_batch_size: {global_batch_size} is not divisible by micro_batch_size × ranks "
-                f"({micro_batch_size} × {world_size} = {micro_batch_size * world_size})"
-            )
+        if not 0 <= rank < layout.ranks:
+            raise UserError(f"rank: expected 0 <= rank < {layout.ranks} (the layout's ranks), got {rank}")
         self.specs = _normalize(datasets)
-        self.seq_len, self.micro_batch_size, self.global_batch_size = seq_len, micro_batch_size, global_batch_size
-        self.rank, self.world_size, self.seed, self.num_workers = rank, world_size, seed, num_workers
+        self.seq_len, self.layout = seq_len, layout
+        self.replica, self.seed, self.num_workers = layout.replica(rank), seed, num_workers
         self.pin_memory = pin_memory  # CUDA: page-locked batches, so host→device copies overlap compute
         self.document_eos = document_eos  # document masking: batches carry doc_ids split after this token
         self.readers = []
@@ -431,14 +423,14 @@ class TokenStream:
     # -- bookkeeping
 
     @property
-    def _accum(self) -> int:
-        return self.global_batch_size // (self.world_size * self.micro_batch_size)
-
-    @property
     def samples_seen(self) -> int:
         """Global samples consumed (all ranks assumed in step), including a partial global batch."""
-        whole, part = divmod(self._yielded, self._accum)
-        return self._base + whole * self.global_batch_size + part * self.micro_batch_size * self.world_size
+        whole, part = divmod(self._yielded, self.layout.grad_accum)
+        return self._base + whole * self.layout.global_batch + part * self.layout.micro_batch * self.layout.replicas
+
+    def _split(self) -> list[int]:
+        """What a saved position's partial global batch depends on: replicas, global batch, micro-batch."""
+        return [self.layout.replicas, self.layout.global_batch, self.layout.micro_batch]
 
     @property
     def epoch(self) -> int:
@@ -483,12 +475,12 @@ class TokenStream:
         return fp
 
     def state_dict(self) -> dict:
-        whole, part = divmod(self._yielded, self._accum)
+        whole, part = divmod(self._yielded, self.layout.grad_accum)
         return {
             "version": STATE_VERSION,
-            "samples_seen": self._base + whole * self.global_batch_size,  # whole global batches
+            "samples_seen": self._base + whole * self.layout.global_batch,  # whole global batches
             "partial_micro_batches": part,
-            "layout": [self.world_size, self.global_batch_size, self.micro_batch_size],
+            "layout": self._split(),
             "fingerprint": self.fingerprint(),
         }
 
@@ -505,16 +497,15 @@ class TokenStream:
             raise UserError(f"data stream state does not match the data: saved {fp}, now {mine}")
         self.close()
         self._base = int(state["samples_seen"])
-        same_layout = list(state.get("layout", [])) == [self.world_size, self.global_batch_size, self.micro_batch_size]
+        same_layout = list(state.get("layout", [])) == self._split()
         self._yielded = int(state.get("partial_micro_batches", 0)) if same_layout else 0
 
     # -- iteration
 
     def _dataset(self) -> _MicroBatches:
         return _MicroBatches(
-            self.readers, [s.name for s in self.specs], self._order, seq_len=self.seq_len,
-            micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
-            rank=self.rank, world_size=self.world_size, base=self._base, first=self._yielded,
+            self.readers, [s.name for s in self.specs], self._order, seq_len=self.seq_len, layout=self.layout,
+            replica=self.replica, base=self._base, first=self._yielded,
             pieces=self.pieces, document_eos=self.document_eos,
         )
 

@@ -44,11 +44,6 @@ def chunk_positions(seq_len: int, size: int, rank: int, device=None) -> torch.Te
     return torch.cat([head, tail])
 
 
-def data_parallel_replica(rank: int, world_size: int, context_parallel: int) -> tuple[int, int]:
-    """(replica, replicas): which data-parallel replica a rank belongs to, and how many there are."""
-    return rank // context_parallel, world_size // context_parallel
-
-
 def sequence_group(context_parallel: int, world_size: int, device: torch.device) -> SequenceGroup:
     """The group of ``context_parallel`` consecutive ranks this rank splits rows with (collective:
     every rank calls it). Ring attention on CUDA; all-gathered K/V elsewhere."""

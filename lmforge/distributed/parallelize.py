@@ -9,6 +9,9 @@ next — after checkpointing and before compile, as torchao documents — so com
 casts and FSDP shards (and all-gathers in FP8) the swapped weights; compiling per block keeps
 compile times short; FSDP's hooks then sit outside the compiled regions, at block boundaries.
 
+Every size here comes from the run's layout (`plan.layout.Layout`, made and checked by the planner):
+ranks, data parallelism and its shard group, context and expert parallelism.
+
 Expert parallelism (``compute.expert_parallel: N``, MoE models, fsdp/hsdp) splits the ranks of
 a shard group into groups of N consecutive ranks (one node's GPUs, on a cluster: the
 all-to-all stays on NVLink). Each rank of such a group holds E/N of each layer's experts — a
@@ -38,7 +41,6 @@ use); on GPUs the same code runs on NCCL.
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -58,8 +60,8 @@ from lmforge.config.schema import ComputeConfig
 from lmforge.distributed.context_parallel import sequence_group
 from lmforge.distributed.dist import DistInfo
 from lmforge.distributed.float8 import FP8Options, apply_float8, check_fp8_supported
-from lmforge.plan.checks import check_mesh
-from lmforge.plan.memory import SHARDED, checkpointed_blocks
+from lmforge.plan.layout import Layout
+from lmforge.plan.memory import checkpointed_blocks
 
 
 # --------------------------------------------------------------------------- activation checkpointing
@@ -186,14 +188,13 @@ class Meshes:
     ep: object | None = None  # 1-D DeviceMesh: the ranks one layer's experts are split over
 
 
-def build_meshes(compute: ComputeConfig, dist: DistInfo, n_experts: int = 0) -> Meshes:
+def build_meshes(layout: Layout, dist: DistInfo) -> Meshes:
     ensure_process_group(dist)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
-    replicate, shard = check_mesh(compute, dist.world_size, local, n_experts=n_experts)
-    names, sizes = (("replicate", "shard"), (replicate, shard)) if compute.data_parallel == "hsdp" \
+    shard = layout.shard_group
+    names, sizes = (("replicate", "shard"), (layout.replicate, shard)) if layout.data_parallel == "hsdp" \
         else (("shard",), (shard,))
     dense = init_device_mesh(dist.device.type, sizes, mesh_dim_names=names)
-    ep = compute.expert_parallel
+    ep = layout.expert_parallel
     if ep == 1:
         return Meshes(dense)
     # The same ranks, the shard dimension seen as (shard_mod_ep, ep): one mesh family, as FSDP
@@ -267,31 +268,33 @@ def _experts_grouped(model: nn.Module, precision: str, device: torch.device) -> 
     return all(m.takes_grouped(dtype, device.type) for m in model.modules() if isinstance(m, GroupedExperts))
 
 
-def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, precision: str = "fp32",
-                fp8: FP8Options = FP8Options()) -> nn.Module:
-    """Apply, in this order, expert parallelism → activation checkpointing → FP8 (``precision``
-    "fp8", as ``fp8`` says) → compile → data parallelism; returns the module that runs one
-    training forward (a `TrainingForward`, inside DDP when replicated).
+def parallelize(model: nn.Module, layout: Layout, dist: DistInfo, *, compute: ComputeConfig = ComputeConfig(),
+                checkpointing=False, precision: str = "fp32", fp8: FP8Options = FP8Options()) -> nn.Module:
+    """Apply, in this order, expert parallelism → activation checkpointing (``checkpointing``: the
+    plan's mode) → FP8 (``precision`` "fp8", as ``fp8`` says) → compile → data parallelism, as the
+    run's ``layout`` says; returns the module that runs one training forward (a `TrainingForward`,
+    inside DDP when replicated). ``compute``: the switches that are not the layout (compile, the
+    loss kernel, resharding after forward).
 
     With fsdp/hsdp, ``model`` may live on the meta device; call ``materialize`` afterwards.
     """
-    check_mesh(compute, dist.world_size, n_experts=model.cfg.n_experts)  # in-process callers too
-    sharded = compute.data_parallel in SHARDED
+    if layout.ranks != dist.world_size:
+        raise ValueError(f"parallelize: a layout of {layout.ranks} rank(s) in a group of {dist.world_size}")
     model.loss_kernel = compute.loss_kernel
-    if compute.context_parallel > 1:
+    if layout.context_parallel > 1:
         ensure_process_group(dist)
-        model.sequence_group = sequence_group(compute.context_parallel, dist.world_size, dist.device)
-    meshes = build_meshes(compute, dist, model.cfg.n_experts) if sharded else None
+        model.sequence_group = sequence_group(layout.context_parallel, dist.world_size, dist.device)
+    meshes = build_meshes(layout, dist) if layout.sharded else None
     if meshes is not None and meshes.ep is not None:
         apply_expert_parallel(model, meshes.ep)
-    if compute.activation_checkpointing:
-        apply_activation_checkpointing(model, compute.activation_checkpointing)
+    if checkpointing:
+        apply_activation_checkpointing(model, checkpointing)
     if precision == "fp8":
         if fp8.experts:
             check_fp8_supported(dist.device, experts=True)
-        apply_float8(model, fp8, fsdp=sharded, expert_parallel=compute.expert_parallel)
+        apply_float8(model, fp8, fsdp=layout.sharded, expert_parallel=layout.expert_parallel)
     if compile_enabled(compute.compile, dist.device):
-        whole_blocks = compute.expert_parallel == 1 and _experts_grouped(model, precision, dist.device)
+        whole_blocks = layout.expert_parallel == 1 and _experts_grouped(model, precision, dist.device)
         # (the all-gathered K/V of context parallelism off CUDA are collectives dynamo breaks at)
         whole_blocks = whole_blocks and (model.sequence_group is None or model.sequence_group.ring)
         apply_compile(model, fullgraph=whole_blocks)
@@ -299,7 +302,7 @@ def parallelize(model: nn.Module, compute: ComputeConfig, dist: DistInfo, *, pre
         apply_fsdp(model, meshes, bf16=precision in ("bf16", "fp8"),
                    reshard_after_forward=compute.reshard_after_forward)
         return TrainingForward(model)
-    if dist.distributed and compute.data_parallel != "none":
+    if dist.distributed and layout.data_parallel != "none":
         ids = [dist.device.index] if dist.device.type == "cuda" else None
         # No buffer broadcast before each forward: the model's buffers (RoPE tables) are constants every
         # rank computes alike, and a forward without a collective is a rank's own time (`train.telemetry`).

@@ -91,20 +91,11 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
 
 
 def check_world(cfg, nproc: int) -> None:
-    """Mesh checks that need only sizes: fail before any process starts."""
-    from lmforge.plan.checks import check_mesh
+    """The planner's checks that need only sizes (`plan.checks.check_launch`): fail before any process starts."""
+    from lmforge.plan.checks import check_launch
 
-    n_experts = 0 if cfg.model == "auto" else cfg.model.n_experts  # model: auto chooses a dense shape
-    check_mesh(cfg.compute, nproc * cfg.compute.nodes, nproc, n_experts=n_experts)
-    c = cfg.compute
-    if cfg.model != "auto" and cfg.parameters.context_length:  # (else resolution checks the resolved length)
-        from lmforge.config.schema import FINETUNE_TASKS
-        from lmforge.plan.checks import check_context_parallel
-
-        check_context_parallel(c.context_parallel, cfg.parameters.context_length, cfg.model,
-                               packed_rows=cfg.parameters.document_masking or cfg.task_type in FINETUNE_TASKS,
-                               device_type=resolve_device_kind(c.device))
-    c.check_nodes()
+    check_launch(cfg, nproc * cfg.compute.nodes, device_type=resolve_device_kind(cfg.compute.device))
+    cfg.compute.check_nodes()
 
 
 def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int, status_file: str | None = None,

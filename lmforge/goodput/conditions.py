@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from lmforge.config.goodput import GoodputConfig
 from lmforge.goodput.health import throttle_text
+from lmforge.plan.layout import Layout
 
 SECTIONS = ("data", "forward", "backward", "optimizer")
 # One rank's row of an interval: section seconds (summed over the interval), the interval's wall
@@ -21,19 +22,17 @@ HEALTH = ("xid", "ecc_uncorrected", "remap_failed", "throttle", "temperature_c",
 ROW = (*SECTIONS, "wall", "steps", *HEALTH)
 
 
-def scored_sections(data_parallel: str, context_parallel: int = 1, optimizer: str = "adamw",
-                    expert_parallel: int = 1) -> tuple[str, ...]:
+def scored_sections(layout: Layout, optimizer: str = "adamw") -> tuple[str, ...]:
     """The sections that hold no collective, whose time is the rank's own: a section that waits in one
     shows the *fast* ranks waiting for the slow one. Always the data wait; the forward under DDP (or no
     data parallelism) alone — FSDP/HSDP gather parameters there, context parallelism exchanges keys and
     values, expert parallelism sends tokens; the backward never (gradients are synchronized in it); the
     optimizer step (the trainer keeps the gradient clipping's all-reduce and the loss's out of it) except
     Muon's under FSDP/HSDP, which sends whole matrices between the ranks of a shard group (all-to-all)."""
-    sharded = data_parallel in ("fsdp", "hsdp")
     out = ["data"]
-    if not sharded and context_parallel == 1 and expert_parallel == 1:
+    if not layout.sharded and layout.context_parallel == 1 and layout.expert_parallel == 1:
         out.append("forward")
-    if not (sharded and optimizer == "muon"):
+    if not (layout.sharded and optimizer == "muon"):
         out.append("optimizer")
     return tuple(out)
 

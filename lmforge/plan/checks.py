@@ -12,23 +12,22 @@ and the torch code that builds the mesh (`distributed.parallelize`) calls `check
 from __future__ import annotations
 
 from lmforge.config.model import ModelConfig
-from lmforge.config.schema import ComputeConfig
+from lmforge.config.schema import FINETUNE_TASKS, ComputeConfig
 from lmforge.errors import UserError
-from lmforge.plan.memory import SHARDED
+from lmforge.plan.layout import SHARDED, shard_group
 
 
-def check_mesh(compute: ComputeConfig, world_size: int, local_world_size: int | None = None, *,
-               n_experts: int = 0) -> tuple[int, int]:
-    """(replicate, shard) sizes for the run's data parallelism; raises UserError when they do not
-    fit, or when ``compute.expert_parallel`` does not fit them or the model's ``n_experts``.
-    ``local_world_size``: ranks per node (HSDP's default shard group)."""
+def check_mesh(compute: ComputeConfig, world_size: int, nodes: int = 1, *, n_experts: int = 0) -> tuple[int, int]:
+    """(replicate, shard) sizes for the run's data parallelism over ``world_size`` ranks on ``nodes``
+    nodes; raises UserError when they do not fit, or when ``compute.expert_parallel`` does not fit
+    them or the model's ``n_experts``."""
     if compute.data_parallel != "hsdp":
         if compute.shard_size is not None and compute.shard_size != world_size and compute.data_parallel == "fsdp":
             raise UserError(f"compute.shard_size: {compute.shard_size} is for data_parallel: hsdp; fsdp shards "
                             f"over all {world_size} ranks (set data_parallel: hsdp or remove shard_size)")
         replicate, shard = 1, world_size
     else:
-        shard = compute.shard_size or local_world_size or world_size
+        shard = shard_group("hsdp", world_size, nodes, compute.shard_size)
         if shard > world_size or world_size % shard:
             raise UserError(f"compute.shard_size: {shard} does not divide the {world_size} ranks; expected a "
                             f"divisor of {world_size} (ranks per shard group)")
@@ -70,6 +69,19 @@ def _check_expert_parallel(compute: ComputeConfig, shard: int, n_experts: int) -
     if shard % ep:
         what = "ranks of a shard group (compute.shard_size)" if compute.data_parallel == "hsdp" else "ranks"
         raise UserError(f"{key} does not divide the {shard} {what}; expected a divisor of {shard}")
+
+
+def check_launch(cfg, ranks: int, *, device_type: str) -> None:
+    """What a run on ``ranks`` ranks can be refused for from sizes alone, before any process starts
+    (the launcher, before torchrun): its mesh, and a context the config gives against context
+    parallelism (else the ranks' resolution checks the resolved length)."""
+    c = cfg.compute
+    n_experts = 0 if cfg.model == "auto" else cfg.model.n_experts  # model: auto chooses a dense shape
+    check_mesh(c, ranks, c.nodes, n_experts=n_experts)
+    if cfg.model != "auto" and cfg.parameters.context_length:
+        check_context_parallel(c.context_parallel, cfg.parameters.context_length, cfg.model,
+                               packed_rows=cfg.parameters.document_masking or cfg.task_type in FINETUNE_TASKS,
+                               device_type=device_type)
 
 
 def replicas(ranks: int, context_parallel: int) -> int:

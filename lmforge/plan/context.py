@@ -26,7 +26,8 @@ from dataclasses import replace
 
 from lmforge.config.model import ModelConfig
 from lmforge.plan.flops import param_counts
-from lmforge.plan.memory import Sharding, activation_bytes, fixed_bytes, usable_bytes
+from lmforge.plan.layout import Sharding
+from lmforge.plan.memory import activation_bytes, fixed_bytes, usable_bytes
 
 MODES = ("none", "selective", "full")
 MAX_GPUS = 4096  # where the search for "how many GPUs would it take" gives up

@@ -27,7 +27,8 @@ from lmforge.plan.fit import FLAGS, KEYS, remedy
 from lmforge.plan.flops import DEFAULT_VOCAB, flops_per_token, param_counts
 from lmforge.plan.hardware import GPUSpec, get_gpu_type, mfu_basis, peak_flops
 from lmforge.plan.machine import ASSUMED_MFU
-from lmforge.plan.memory import REPLICATED, Sharding, memory_plan
+from lmforge.plan.layout import REPLICATED, Sharding, shard_group
+from lmforge.plan.memory import memory_plan
 from lmforge.plan.micro_batch import Choice, choose
 from lmforge.plan.run import TrainPlan
 
@@ -175,7 +176,7 @@ def estimate_run(x: EstimateInputs) -> dict:
     if tokens is None:
         tokens, tokens_source = chinchilla, f"Chinchilla-optimal ({TOKENS_PER_PARAM:g} × parameters)"
     n = x.gpus * x.nodes
-    sharding = Sharding(x.data_parallel, n, x.shard_size or x.gpus, x.expert_parallel)
+    sharding = Sharding(x.data_parallel, n, shard_group(x.data_parallel, n, x.nodes, x.shard_size), x.expert_parallel)
     if x.memory is None:
         _check_layout(x, cfg, n, seq_len)
     peak = peak_flops(spec, x.precision)
@@ -241,7 +242,7 @@ def _check_layout(x: EstimateInputs, cfg: ModelConfig | None, n: int, seq_len: i
         return
     compute = ComputeConfig(data_parallel=x.data_parallel, context_parallel=x.context_parallel,
                             expert_parallel=x.expert_parallel, shard_size=x.shard_size)
-    check_mesh(compute, n, x.gpus, n_experts=cfg.n_experts)
+    check_mesh(compute, n, x.nodes, n_experts=cfg.n_experts)
     check_context_parallel(x.context_parallel, seq_len, cfg, packed_rows=False, device_type="cpu")
 
 

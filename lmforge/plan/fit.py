@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from lmforge.config.counts import gb
 from lmforge.config.model import ModelConfig
 from lmforge.plan.context import checkpointing_label, checkpointing_mode, context_plan, min_gpus
-from lmforge.plan.memory import TRAINED_BYTES_PER_PARAM, Sharding, usable_bytes
+from lmforge.plan.layout import Sharding
+from lmforge.plan.memory import TRAINED_BYTES_PER_PARAM, usable_bytes
 
 # How each setting is named: in a run config, or on `lmforge estimate`'s command line.
 KEYS = {"context_parallel": "compute.context_parallel: {}", "checkpointing": "compute.activation_checkpointing: {}",

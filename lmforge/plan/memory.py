@@ -61,10 +61,10 @@ Usable memory is the GPU's memory less a 10% margin (allocator fragmentation) an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from lmforge.config.model import ModelConfig
 from lmforge.plan.flops import block_counts, vocab_of
+from lmforge.plan.layout import SHARDED, Sharding
 
 STATE_BYTES = {"bf16_params": 2, "fp32_master": 4, "fp32_grads": 4, "adam_m": 4, "adam_v": 4}
 BYTES_PER_PARAM = sum(STATE_BYTES.values())
@@ -80,8 +80,6 @@ RESERVED_BYTES = 1e9
 # Beyond a few tens of sequences per micro-batch a GPU is saturated; suggesting more
 # only makes the global batch needlessly large.
 MAX_SUGGESTED_MICRO_BATCH = 64
-REPLICATED = ("ddp", "none")  # data-parallel modes that keep every model state on every GPU
-SHARDED = ("fsdp", "hsdp")  # data-parallel modes that split the model states over GPUs
 DDP_BUCKET_BYTES = 4  # per parameter: DDP's fp32 gradient buckets
 
 
@@ -134,28 +132,6 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, checkpointing=False) -> flo
         kept = cfg.n_layers * layer
     per_token = (kept + 3 * d) * ACT_BYTES  # + final norm input (2d) and the loss's input gradient (d)
     return float(per_token * seq_len)
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """How a run's GPUs hold the model states: `compute.data_parallel` over ``devices`` GPUs (all
-    nodes), HSDP's shard group (`compute.shard_size`, default every GPU given here) and expert
-    parallelism. The one description the memory model, `micro_batch_size: auto` and the long-context
-    search all count with."""
-
-    data_parallel: str = "fsdp"  # fsdp | hsdp | ddp | none
-    devices: int = 1
-    shard_size: int | None = None
-    expert_parallel: int = 1
-
-    @property
-    def shards(self) -> int:
-        """GPUs one copy of the model states is split over."""
-        if self.data_parallel == "fsdp":
-            return self.devices
-        if self.data_parallel == "hsdp":
-            return self.shard_size or self.devices
-        return 1
 
 
 def fixed_parts(total_params: int | float, cfg: ModelConfig, sharding: Sharding) -> tuple[float, float, float]:

@@ -45,7 +45,8 @@ from lmforge.plan.flops import block_counts, mfu_flops_per_token, param_counts
 from lmforge.config.counts import gb, human
 from lmforge.plan.context import checkpointing_label
 from lmforge.plan.fit import remedy
-from lmforge.plan.memory import (MAX_SUGGESTED_MICRO_BATCH, Sharding, activation_bytes, checkpointed_blocks,
+from lmforge.plan.layout import Sharding
+from lmforge.plan.memory import (MAX_SUGGESTED_MICRO_BATCH, activation_bytes, checkpointed_blocks,
                                  fixed_bytes, fixed_parts, usable_bytes)
 
 # The modes tried, least recompute first: none, selective, every 2nd block (full), full.

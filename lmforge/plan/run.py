@@ -12,7 +12,7 @@ No torch: the machine comes as a `plan.machine.Machine` (described, or measured 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lmforge.config.defaults import MAX_WARMUP_STEPS, WARMUP_FRACTION, micro_batch_for, task_learning_rate
 from lmforge.config.durations import Duration
@@ -25,7 +25,8 @@ from lmforge.plan.fit import KEYS, Remedy, does_not_fit_line, host_line, host_ve
 from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
 from lmforge.plan.hardware import GPUSpec, mfu_basis, peak_flops
 from lmforge.plan.machine import Machine
-from lmforge.plan.memory import SHARDED, Sharding, memory_plan
+from lmforge.plan.layout import SHARDED, Layout, Sharding, shard_group
+from lmforge.plan.memory import memory_plan
 from lmforge.plan.micro_batch import candidates, choose, smallest
 from lmforge.plan.schedule import Schedule
 
@@ -33,10 +34,7 @@ from lmforge.plan.schedule import Schedule
 @dataclass(frozen=True)
 class TrainPlan:
     context_length: int
-    global_batch: int  # samples per optimizer step, all ranks
-    micro_batch: int  # samples per forward pass, per rank
-    grad_accum: int
-    replicas: int  # data-parallel replicas (ranks / context_parallel): the global batch is split over them
+    layout: Layout  # the ranks and the batch split: what the runtime reads (never `compute.*`)
     total_steps: int | None  # None: wall-clock bounded
     time_limit_s: float | None
     warmup_steps: int  # the warmup in steps (estimated from step_time_s when it is given in seconds)
@@ -54,16 +52,22 @@ class TrainPlan:
     activation_checkpointing: bool | str | int = False  # the mode `parallelize` applies (`auto` resolved)
     micro_batch_reason: str | None = None  # the line saying how micro-batch and checkpointing were chosen
     optimizer: str = "adamw"  # "adamw" | "muon": parameters.optimizer with auto resolved
-    ranks: int = 1  # every rank of every node
-    device: str = "cpu"  # what the plan was made for: "cpu" | "cuda"
     spec: GPUSpec | None = None  # one device's peak FLOP/s and memory
-    sharding: Sharding = field(default_factory=Sharding)  # how the GPUs hold the model states
-    context_parallel: int = 1
     memory: dict | None = None  # the memory verdict (`plan.memory.memory_plan`; on a CPU `fits` is `fit.host_verdict`'s)
     remedy: Remedy | None = None  # what makes a plan that does not fit fit
     tokens_per_s: float = 0.0  # expected training tokens/s of the whole run
     rate_source: str = ""  # where that rate comes from (measured here, or assumed)
     notes: tuple[str, ...] = ()  # what the run says about its plan at its start (RoPE scaling, ...)
+
+    # The layout's numbers under the names the views use (one source: `layout`).
+    global_batch = property(lambda self: self.layout.global_batch)  # samples per optimizer step, all ranks
+    micro_batch = property(lambda self: self.layout.micro_batch)  # samples per forward pass, per rank
+    grad_accum = property(lambda self: self.layout.grad_accum)
+    replicas = property(lambda self: self.layout.replicas)  # the ranks the global batch is split over
+    ranks = property(lambda self: self.layout.ranks)
+    device = property(lambda self: self.layout.device)  # what the plan was made for: "cpu" | "cuda"
+    context_parallel = property(lambda self: self.layout.context_parallel)
+    sharding = property(lambda self: self.layout.sharding)  # how the devices hold the model states
 
     @property
     def tokens_per_step(self) -> int:
@@ -120,8 +124,17 @@ def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int
 def run_sharding(cfg: RunConfig, machine: Machine) -> Sharding:
     """How the run's devices hold its model states (HSDP's shard group: `compute.shard_size`, else a node's)."""
     c = cfg.compute
-    return Sharding(c.data_parallel, machine.world_size, c.shard_size or max(1, machine.world_size // c.nodes),
-                    c.expert_parallel)
+    return Sharding(c.data_parallel, machine.world_size, shard_group(c.data_parallel, machine.world_size, c.nodes,
+                                                                     c.shard_size), c.expert_parallel)
+
+
+def run_layout(cfg: RunConfig, machine: Machine, *, global_batch: int, micro_batch: int, precision: str) -> Layout:
+    """The run's one layout, from the checked mesh and batch split: what the runtime reads."""
+    c, sharding = cfg.compute, run_sharding(cfg, machine)
+    return Layout(ranks=machine.world_size, nodes=c.nodes, data_parallel=c.data_parallel,
+                  shard_group=sharding.shards, context_parallel=c.context_parallel, expert_parallel=c.expert_parallel,
+                  global_batch=global_batch, micro_batch=micro_batch, device=machine.device,
+                  peak_flops=peak_flops(machine.spec, mfu_basis(precision)))
 
 
 def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None,
@@ -129,7 +142,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     """Fill every default; raises UserError for impossible combinations (DoesNotFit, with the plan,
     for one that does not fit in memory)."""
     p, c = cfg.parameters, cfg.compute
-    check_mesh(c, machine.world_size, max(1, machine.world_size // c.nodes), n_experts=cfg.model.n_experts)
+    check_mesh(c, machine.world_size, c.nodes, n_experts=cfg.model.n_experts)
     reps = replicas(machine.world_size, c.context_parallel)
     counts = param_counts(cfg.model)
     optimizer = plan_optimizer(cfg)
@@ -160,8 +173,9 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     schedule = make_schedule(cfg, total, time_limit, step_s, lambda d: steps(d, "parameters.warmup"))
     warmup = int(schedule.warmup if schedule.warmup_unit == "steps" else math.ceil(schedule.warmup / step_s))
     plan = TrainPlan(
-        context_length=ctx, global_batch=gbs, micro_batch=choice.micro_batch,
-        grad_accum=gbs // (choice.micro_batch * reps), replicas=reps, total_steps=total, time_limit_s=time_limit,
+        context_length=ctx, layout=run_layout(cfg, machine, global_batch=gbs, micro_batch=choice.micro_batch,
+                                              precision=precision),
+        total_steps=total, time_limit_s=time_limit,
         warmup_steps=warmup,
         learning_rate=p.learning_rate or task_learning_rate(counts["non_embedding"], cfg.task_type, cfg.lora is not None,
                                                             optimizer),
@@ -172,9 +186,8 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
         precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
         phase_steps=curriculum_steps(cfg, total, gbs=gbs, ctx=ctx) if cfg.curriculum else None,
         model_flops_per_token=flops_per_token(cfg.model, ctx, cfg.lora)["dense"],
-        activation_checkpointing=choice.checkpointing, micro_batch_reason=choice.reason, ranks=machine.world_size,
-        device=machine.device, spec=machine.spec, sharding=run_sharding(cfg, machine),
-        context_parallel=c.context_parallel, memory=choice.memory, remedy=choice.remedy,
+        activation_checkpointing=choice.checkpointing, micro_batch_reason=choice.reason, spec=machine.spec,
+        memory=choice.memory, remedy=choice.remedy,
         tokens_per_s=rate.tokens_per_s, rate_source=rate.source, notes=tuple(plan_notes(cfg, ctx)))
     if not plan.fits:
         raise DoesNotFit(plan, cfg, machine.where)

@@ -32,7 +32,8 @@ from lmforge.runs.registry import RegistryIndex
 from lmforge.runs.supervisor import report_status
 from lmforge.tracking import TrackingCallback, mlflow_ui_command
 from lmforge.train.machine import process_machine
-from lmforge.train.trainer import Trainer, TrainResult
+from lmforge.train.build import build_trainer
+from lmforge.train.trainer import TrainResult
 
 
 def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool = False, log=print) -> TrainResult:
@@ -59,8 +60,8 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
             store = open_store(cfg, log)  # None for a local save_folder
             if store is not None:
                 callbacks.append(MirrorCallback(store))
-        trainer = Trainer(run, dist, save_folder=local_folder(cfg.save_folder), callbacks=callbacks,
-                          overwrite=overwrite, log=log)
+        trainer = build_trainer(run, dist, save_folder=local_folder(cfg.save_folder), callbacks=callbacks,
+                                overwrite=overwrite, log=log)
         result = trainer.fit()
     except (UserError, OSError) as e:
         # A full disk or a read-only / forbidden save folder is the user's to fix, like bad input:

@@ -1,6 +1,8 @@
-"""What a run trains with, built once from its `ResolvedRun`: `Trainer` takes the parts as built.
+"""What a run trains with, built once from its `ResolvedRun`: the `Trainer` takes the parts as built.
 
-`build_parts` goes in the order every rank must share:
+`build_trainer` → `build_parts` goes in the order every rank must share, reading the run's layout
+(`plan.layout`: ranks, data parallelism, context and expert parallelism, the batch split, the
+device's peak) — never `compute.*` or a batch size worked out again:
 
 1. the save folder claimed — the same run resumes from its latest intact checkpoint, another
    run is refused (rank 0 decides, every rank takes its pick);
@@ -9,7 +11,10 @@
    (``custom_weights_path``) and LoRA adapters before it is wrapped;
 3. the objective by the data's kind, and the optimizer over the wrapped model;
 4. this rank's stream layout, the data as the objective prepares it (reference log-probs from
-   the starting weights, before any step or checkpoint load) and its streams.
+   the starting weights, before any step or checkpoint load) and its streams;
+5. the checkpoint loaded (`train.resume`), and what watches the loop: ICL tasks (bad task files
+   fail before any training), expert health, the background saver, the graceful stop, the hang
+   watchdog and the goodput telemetry.
 
 Nothing here steps, evaluates or saves: that is `train.trainer`'s.
 """
@@ -17,20 +22,22 @@ Nothing here steps, evaluates or saves: that is `train.trainer`'s.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Callable
+from functools import partial
+from typing import Callable, Sequence
 
 import torch
 
 from lmforge.config.identity import run_identity
-from lmforge.data.batch import EvalSet, StreamLayout, TrainingData
+from lmforge.data.batch import StreamLayout
 from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
-from lmforge.distributed.context_parallel import data_parallel_replica
 from lmforge.distributed.dist import DistInfo, barrier, broadcast_object
+from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.float8 import FP8Options
-from lmforge.distributed.parallelize import SHARDED, materialize, parallelize
+from lmforge.distributed.parallelize import materialize, parallelize
 from lmforge.errors import UserError
+from lmforge.eval.in_training import load_icl
+from lmforge.goodput.conditions import scored_sections
 from lmforge.layout import read_run_file
 from lmforge.models import build_model
 from lmforge.models.lora import apply_lora
@@ -39,27 +46,19 @@ from lmforge.models.transformer import Transformer
 from lmforge.resolve import ResolvedRun
 from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.callbacks import Callbacks
+from lmforge.train.callbacks import Callback, Callbacks
+from lmforge.train.expert_health import ExpertHealth
 from lmforge.train.locate import load_model
-from lmforge.train.objective import Objective, objective_for
+from lmforge.train.objective import objective_for
 from lmforge.train.optim import build_optimizer
+from lmforge.train.parts import TrainingParts
+from lmforge.train.resume import TrainState, resume
+from lmforge.train.stop import GracefulStop
+from lmforge.train.telemetry import Telemetry
+from lmforge.train.trainer import Trainer
+from lmforge.train.watchdog import HangWatchdog, dump_and_exit
 
 COMPLETE = "<complete>"  # what a completed run with damaged checkpoints resumes from: nothing
-
-
-@dataclass
-class TrainingParts:
-    model: Transformer  # the unwrapped model (its parameters are the trained ones: sharded under fsdp/hsdp)
-    train_forward: torch.nn.Module  # what a step calls: the model as `parallelize` wrapped it
-    objective: Objective
-    optimizer: torch.optim.Optimizer
-    layout: StreamLayout  # this rank's reading of the data
-    data: TrainingData  # as the objective prepared it
-    stream: object  # the training `BatchStream`
-    eval_sets: list[EvalSet]
-    autocast: Callable  # a context manager factory: bf16 autocast, or none
-    resume_from: str | None  # the checkpoint to load, if any
-    checked: list[str]  # its files whose digests rank 0 verified in choosing it
 
 
 def autocast_for(precision: str, device: torch.device) -> Callable:
@@ -69,11 +68,29 @@ def autocast_for(precision: str, device: torch.device) -> Callable:
     return nullcontext
 
 
+def build_trainer(run: ResolvedRun, dist: DistInfo, *, save_folder: str | None = None,
+                  callbacks: Sequence[Callback] = (), overwrite: bool = False, log=print) -> Trainer:
+    """The trainer of ``run`` on this rank, its parts built (callbacks and output on rank 0 only).
+    ``save_folder``: where it writes (a remote run's local staging folder; default the run's own)."""
+    callbacks = Callbacks(callbacks if dist.is_main else ())
+    log = log if dist.is_main else _silent
+    save_folder = save_folder or run.config.save_folder
+    parts = build_parts(run, dist, save_folder, callbacks, overwrite=overwrite, log=log)
+    return Trainer(run, parts, dist, save_folder=save_folder, callbacks=callbacks, log=log)
+
+
+def _silent(*_args, **_kwargs) -> None:
+    pass
+
+
 def build_parts(run: ResolvedRun, dist: DistInfo, save_folder: str, callbacks: Callbacks, *, overwrite: bool,
                 log) -> TrainingParts | None:
     """The parts of ``run`` on this rank; None when the run completed before and only its final model
     is intact (nothing to build: the trainer reports it complete)."""
-    cfg, plan = run.config, run.plan
+    cfg, plan, layout = run.config, run.plan, run.plan.layout
+    if layout.ranks != dist.world_size:
+        raise RuntimeError(f"the plan is for {layout.ranks} rank(s), this process group has {dist.world_size}")
+    icl = load_icl(cfg)  # bad task files fail before any training
     resume_from, checked = claim_save_folder(cfg, dist, save_folder, callbacks, overwrite=overwrite, log=log)
     if resume_from == COMPLETE:
         return None
@@ -86,19 +103,31 @@ def build_parts(run: ResolvedRun, dist: DistInfo, save_folder: str, callbacks: C
                                 eps=p.eps, device_type=dist.device.type, kind=plan.optimizer,
                                 muon_momentum=p.muon_momentum, muon_weight_decay=p.muon_weight_decay,
                                 ns_dtype=ns_dtype)
-    replica, replicas = data_parallel_replica(dist.rank, dist.world_size, cfg.compute.context_parallel)
-    layout = StreamLayout(  # a row's context-parallel ranks read the same rows
-        seq_len=plan.context_length, micro_batch=plan.micro_batch, global_batch=plan.global_batch, rank=replica,
-        world_size=replicas, seed=p.seed, num_workers=cfg.compute.num_workers,
+    reading = StreamLayout(  # a row's context-parallel ranks read the same rows
+        seq_len=plan.context_length, layout=layout, rank=dist.rank, seed=p.seed, num_workers=cfg.compute.num_workers,
         pin_memory=dist.device.type == "cuda",
         document_eos=run.tokenizer.eos_id if p.document_masking and run.data.kind == "pretrain" else None)
     autocast = autocast_for(plan.precision, dist.device)
-    data = objective.prepare(run.data, model, layout, save_folder, dist, autocast, resuming=bool(resume_from),
+    data = objective.prepare(run.data, model, reading, save_folder, dist, autocast, resuming=bool(resume_from),
                              log=log)
-    return TrainingParts(model=model, train_forward=train_forward, objective=objective, optimizer=optimizer,
-                         layout=layout, data=data, stream=data.train_stream(layout),
-                         eval_sets=data.eval_sets(layout, cfg.eval.max_batches), autocast=autocast,
-                         resume_from=resume_from, checked=checked)
+    stream = data.train_stream(reading)
+    state = TrainState()
+    if resume_from:
+        state = resume(resume_from, cfg, model=model, optimizer=optimizer, stream=stream, rank=dist.rank,
+                       world_size=dist.world_size, schedule_signature=plan.schedule.signature(plan.learning_rate),
+                       checked=checked, log=log)
+    restarted_from_elastic(save_folder, resume_from, state.step, dist, log)
+    return TrainingParts(
+        state=state, model=model, train_forward=train_forward, objective=objective, optimizer=optimizer,
+        layout=reading, data=data, stream=stream, eval_sets=data.eval_sets(reading, cfg.eval.max_batches),
+        autocast=autocast, resume_from=resume_from, icl=icl,
+        expert_health=ExpertHealth() if cfg.model.is_moe else None,
+        saver=ckpt.PendingSave() if cfg.compute.async_checkpoint else None,
+        stop=GracefulStop(dist, cfg.log_interval, log),
+        watchdog=HangWatchdog(cfg.compute.hang_timeout, rank=dist.rank,
+                              on_hang=partial(dump_and_exit, restarts=cfg.max_retries > 0)),
+        telemetry=Telemetry(cfg.goodput, dist, folder=save_folder, log=log,
+                            scored=scored_sections(layout, plan.optimizer), node_rank=cfg.compute.node_rank))
 
 
 def claim_save_folder(cfg, dist: DistInfo, save_folder: str, callbacks: Callbacks, *, overwrite: bool,
@@ -134,8 +163,8 @@ def build_wrapped_model(run: ResolvedRun, dist: DistInfo, *, from_weights: bool,
     """The same seed on every rank gives the same initial weights; fsdp/hsdp: rank 0 alone builds the
     full model on the CPU, the others a meta-device twin, then rank 0's weights are scattered shard by
     shard."""
-    cfg = run.config
-    sharded = cfg.compute.data_parallel in SHARDED
+    cfg, layout = run.config, run.plan.layout
+    sharded = layout.sharded
     torch.manual_seed(cfg.parameters.seed)
     model = None
     if dist.is_main or not sharded:
@@ -143,13 +172,14 @@ def build_wrapped_model(run: ResolvedRun, dist: DistInfo, *, from_weights: bool,
         if cfg.custom_weights_path and from_weights:
             load_custom_weights(model, cfg, run.data.tokenizer_path, log)
         apply_lora(model, cfg.lora, log=log)  # frozen base + adapters; no-op without `lora:`
-    options = dict(precision=run.plan.precision, fp8=FP8Options.of(cfg.parameters))
+    options = dict(compute=cfg.compute, checkpointing=run.plan.activation_checkpointing,
+                   precision=run.plan.precision, fp8=FP8Options.of(cfg.parameters))
     if not sharded:
-        return model, parallelize(model, cfg.compute, dist, **options)
+        return model, parallelize(model, layout, dist, **options)
     full = model.state_dict() if model is not None else None
     with torch.device("meta"):
         model = apply_lora(Transformer(cfg.model), cfg.lora)  # the same modules as rank 0's
-    train_forward = parallelize(model, cfg.compute, dist, **options)
+    train_forward = parallelize(model, layout, dist, **options)
     materialize(model, dist.device, full)
     return model, train_forward
 

@@ -55,6 +55,7 @@ def probe_tokens_per_s(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointi
     from lmforge.distributed.dist import DistInfo
     from lmforge.distributed.parallelize import compile_enabled, parallelize
     from lmforge.models import build_model
+    from lmforge.plan.layout import Layout
 
     device = torch.device(device)
     compile_ = compile_enabled(compile_, device)
@@ -74,8 +75,9 @@ def probe_tokens_per_s(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointi
     model = train_forward = None
     try:
         model = build_model(part, device=device)
-        compute = ComputeConfig(data_parallel="none", compile=compile_, activation_checkpointing=checkpointing)
-        train_forward = parallelize(model, compute, DistInfo(rank=0, world_size=1, local_rank=0, device=device),
+        train_forward = parallelize(model, Layout(device=device.type), DistInfo(rank=0, world_size=1, local_rank=0,
+                                                                                 device=device),
+                                    compute=ComputeConfig(compile=compile_), checkpointing=checkpointing,
                                     precision=precision, fp8=fp8)
         batch = Batch.from_tokens(torch.randint(0, part.vocab_size, (micro_batch, ctx))).to(device)
         n = float(batch.num_targets())

@@ -203,8 +203,8 @@ def _compute(model, rows: PreferenceRows, name: str, tag: str, layout: StreamLay
 
 def _chunk(model, rows: PreferenceRows, start: int, end: int, layout: StreamLayout, dist: DistInfo,
            autocast) -> torch.Tensor:
-    mine = list(range(start + dist.rank, end, dist.world_size))
-    per_rank = -(-(end - start) // dist.world_size)
+    mine = list(range(start + layout.replica, end, layout.replicas))
+    per_rank = -(-(end - start) // layout.replicas)
     steps = -(-per_rank // layout.micro_batch)  # the same on every rank
     out = torch.zeros(end - start, rows.pair_mask.shape[1], 2, dtype=torch.float32, device=dist.device)
     for b in range(steps):

@@ -3,23 +3,23 @@
 Read it top to bottom:
 
 - `Trainer.__init__` takes the run's parts as `train.build` makes them (the save folder claimed,
-  the model sharded or replicated, the objective, the optimizer and the data streams) and loads
-  the latest checkpoint;
+  the model sharded or replicated, the objective, the optimizer, the data streams, the checkpoint
+  loaded, and what watches the loop) and the run's layout (`plan.layout`); it builds nothing;
 - `train_step` is one optimizer step: forward and backward over the micro-batches of one global
   batch, gradient clipping, the update. It never waits for the device: its loss and gradient
   norm stay device tensors, read (with the non-finite check) only at log steps and before a
   checkpoint. A test or a profiler can call it alone;
 - `evaluate` is the objective's held-out metrics (loss / perplexity / bits per byte, or a
   preference loss with its rewards and accuracy) and generations from the eval prompts;
-- `save` / `load` write and read checkpoints through state objects that carry their own
-  ``state_dict()``: model and optimizer (DCP), data stream, counters (`TrainState`), RNG;
+- `save` writes checkpoints through state objects that carry their own ``state_dict()``: model
+  and optimizer (DCP), data stream, counters (`train.resume.TrainState`), RNG;
 - `fit` is the loop: steps, logging, periodic evaluation and checkpoints, a graceful stop on
   SIGTERM / Ctrl-C (`train.stop`), a hang watchdog fed after every step (`train.watchdog`),
   per-rank telemetry and the goodput conditions (`train.telemetry`), and at the end a final
   evaluation, checkpoint and export (`train.final`).
 
 The trainer knows nothing of trackers, object stores or the run registry: they hook in through
-`train.callbacks`. What it needs comes resolved by `resolve.run.resolve` (a `ResolvedRun`).
+`train.callbacks`. What it needs comes resolved by `resolve.resolve` (a `ResolvedRun`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Collection, Sequence
+from typing import Sequence
 
 import torch
 
@@ -38,26 +37,20 @@ from lmforge.data.batch import Batch
 from lmforge.distributed.context_parallel import shard_rows
 from lmforge.distributed.diagnose import EXPECTED_SHARE_OF_PEAK
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, barrier
-from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.float8 import after_optimizer_step
-from lmforge.distributed.parallelize import SHARDED, clip_grad_norm, compile_enabled, device_value, no_grad_sync
+from lmforge.distributed.parallelize import clip_grad_norm, compile_enabled, device_value, no_grad_sync
 from lmforge.errors import UserError
-from lmforge.eval.in_training import generations, load_icl, run_icl
-from lmforge.goodput.conditions import scored_sections
-from lmforge.layout import latest_checkpoint, list_checkpoints, read_state
+from lmforge.eval.in_training import generations, run_icl
+from lmforge.layout import latest_checkpoint, list_checkpoints
 from lmforge.plan.estimate import run_record
-from lmforge.plan.hardware import detect_device_spec, mfu, mfu_basis, peak_flops
+from lmforge.plan.hardware import mfu
 from lmforge.resolve import ResolvedRun
 from lmforge.secrets import redact_config
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.build import build_parts
-from lmforge.train.callbacks import Callback, Callbacks, RunInfo
-from lmforge.train.expert_health import ExpertHealth
+from lmforge.train.callbacks import Callbacks, RunInfo
 from lmforge.train.final import write_final
 from lmforge.train.optim import blended_lr
-from lmforge.train.stop import GracefulStop
-from lmforge.train.telemetry import Telemetry
-from lmforge.train.watchdog import HangWatchdog, dump_and_exit
+from lmforge.train.parts import TrainingParts
 
 
 class TrainingDiverged(UserError):
@@ -93,28 +86,6 @@ def divergence_remedies(learning_rate: float, warmup_steps: int, grad_clip: floa
 
 
 @dataclass
-class TrainState:
-    """The counters a checkpoint carries (besides model, optimizer, data position and RNG)."""
-
-    step: int = 0  # optimizer steps taken
-    tokens: int = 0  # tokens trained on, all ranks
-    elapsed_s: float = 0.0  # training wall time, summed over resumptions
-    lr: float | None = None  # the LR of the last step
-    schedule: dict | None = None  # the schedule that LR came from (`Schedule.signature`)
-    lr_blend: dict | None = None  # after a resume under another schedule: where the LR blends from
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s, "lr": self.lr,
-                "schedule": self.schedule, "lr_blend": self.lr_blend}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens = int(state["step"]), int(state["tokens"])
-        self.elapsed_s = float(state.get("elapsed_s", 0.0))
-        self.lr, self.schedule = state.get("lr"), state.get("schedule")
-        self.lr_blend = state.get("lr_blend")
-
-
-@dataclass
 class StepOutput:
     # Device scalars, so that a step never waits for the device: reading one (float(), .item())
     # waits for the step to finish. `Trainer._read` reads a log window's at once.
@@ -140,68 +111,33 @@ class TrainResult:
     reshape: dict | None = None  # a goodput condition stopped the run to resume it (`Telemetry.act`)
 
 
-def check_resumable(state: dict, cfg, path: str) -> None:
-    """A resumed run keeps its global batch and context length (the data position, the step count
-    and a token-based duration are all measured in them) and its optimizer (whose state it loads)."""
-    old = (state.get("config") or {}).get("parameters") or {}
-    new = cfg.parameters
-    for key in ("global_batch_size", "context_length"):
-        was, now = old.get(key), getattr(new, key)
-        if was is not None and now is not None and str(was) != str(now):
-            raise UserError(f"parameters.{key} is {now}, but the checkpoint {path} was trained with {was}; a run "
-                            f"resumes with the batch it started with: set it back to {was}, or start a new run "
-                            "(--no-autoresume, or another --save-folder)")
-    was = old.get("optimizer")
-    if was not in (None, "auto") and was != new.optimizer:  # (checkpoints record the optimizer resolved)
-        raise UserError(f"parameters.optimizer resolves to {new.optimizer}, but the checkpoint {path} was trained with "
-                        f"{was} and holds its state (auto: Muon for a model trained from scratch with ≤5M "
-                        f"non-embedding parameters, else AdamW); set parameters.optimizer: {was} to continue it, or "
-                        "start a new run (--no-autoresume, or another --save-folder)")
-
-
-def _silent(*_args, **_kwargs) -> None:
-    pass
-
-
 class Trainer:
     """The loop over a run's parts (`train.build`), its evaluations and its checkpoints."""
 
-    def __init__(self, run: ResolvedRun, dist: DistInfo, *, save_folder: str | None = None,
-                 callbacks: Sequence[Callback] = (), overwrite: bool = False, log=print):
+    def __init__(self, run: ResolvedRun, parts: TrainingParts | None, dist: DistInfo, *, save_folder: str,
+                 callbacks: Callbacks, log):
+        """``parts``: as `train.build.build_parts` made them (None: the run completed before, its
+        checkpoints damaged — `fit` says so). ``callbacks`` and ``log``: this rank's (rank 0's alone act)."""
         self.cfg, self.plan, self.tokenizer = run.config, run.plan, run.tokenizer
+        self.layout = run.plan.layout  # the ranks and the batch split, as planned
         self.dist, self.device = dist, dist.device
-        self.save_folder = save_folder or self.cfg.save_folder  # local (a remote run's staging folder)
-        self.callbacks = Callbacks(callbacks if dist.is_main else ())
-        self.log = log if dist.is_main else _silent
-        self.state = TrainState()
-        self.sharded = self.cfg.compute.data_parallel in SHARDED
-        self.icl = load_icl(self.cfg)  # bad task files fail before any training
-        self.expert_health = ExpertHealth() if self.cfg.model.is_moe else None
-        parts = build_parts(run, dist, self.save_folder, self.callbacks, overwrite=overwrite, log=self.log)
+        self.save_folder = save_folder  # local (a remote run's staging folder)
+        self.callbacks, self.log = callbacks, log
         self.complete = parts is None
-        if self.complete:
-            return  # completed before, its checkpoints damaged: `fit` says so, nothing is built
-        self.model, self.train_forward, self.optimizer = parts.model, parts.train_forward, parts.optimizer
-        self.objective, self.autocast, self.layout = parts.objective, parts.autocast, parts.layout
-        self.data, self.stream, self.eval_sets = parts.data, parts.stream, parts.eval_sets
-        self.sequence_group = self.model.sequence_group  # context parallelism: the ranks a row is split over
-        self._schedule_signature = self.plan.schedule.signature(self.plan.learning_rate)
-        self.resumed = bool(parts.resume_from)
-        if parts.resume_from:
-            self.load(parts.resume_from, parts.checked)
-        restarted_from_elastic(self.save_folder, parts.resume_from, self.state.step, dist, self.log)
-        self.saver = ckpt.PendingSave() if self.cfg.compute.async_checkpoint else None
-        self.peak_flops = peak_flops(detect_device_spec(self.device), mfu_basis(self.plan.precision))
-        self.stop = GracefulStop(dist, self.cfg.log_interval, self.log)
-        self.watchdog = HangWatchdog(self.cfg.compute.hang_timeout, rank=dist.rank,
-                                     on_hang=partial(dump_and_exit, restarts=self.cfg.max_retries > 0))
-        c = self.cfg.compute
-        self.telemetry = Telemetry(self.cfg.goodput, dist, folder=self.save_folder, log=self.log,
-                                   scored=scored_sections(c.data_parallel, c.context_parallel, self.plan.optimizer,
-                                                          c.expert_parallel), node_rank=c.node_rank)
         self.reshape: dict | None = None
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
         self._elapsed0 = 0.0
+        if self.complete:
+            return
+        self.state = parts.state
+        self.model, self.train_forward, self.optimizer = parts.model, parts.train_forward, parts.optimizer
+        self.objective, self.autocast, self.reading = parts.objective, parts.autocast, parts.layout
+        self.data, self.stream, self.eval_sets = parts.data, parts.stream, parts.eval_sets
+        self.icl, self.expert_health, self.saver = parts.icl, parts.expert_health, parts.saver
+        self.stop, self.watchdog, self.telemetry = parts.stop, parts.watchdog, parts.telemetry
+        self.resumed = bool(parts.resume_from)
+        self.sequence_group = self.model.sequence_group  # context parallelism: the ranks a row is split over
+        self._schedule_signature = self.plan.schedule.signature(self.plan.learning_rate)
 
     # ------------------------------------------------------------------ one step
 
@@ -273,7 +209,7 @@ class Trainer:
         the mean). Under context parallelism N ranks share each (whole, here) row: 1/N of its
         units each."""
         count = torch.stack([self.objective.units(b) for b in batches]).sum()
-        cp = self.cfg.compute.context_parallel
+        cp = self.layout.context_parallel
         if self.data.kind != "pretrain" and self.dist.distributed:
             return (all_reduce_sum(count.to(self.device, torch.float32)) / self.dist.world_size).clamp(min=1.0) / cp
         return max(1.0, float(count)) / cp
@@ -309,8 +245,9 @@ class Trainer:
         if len(losses) > 1:
             metrics["eval/loss"] = sum(losses) / len(losses)
         gens = []
-        if self.dist.is_main or self.sharded:  # FSDP: every rank takes part in each forward
-            with self.autocast() if self.sharded else nullcontext():
+        sharded = self.layout.sharded
+        if self.dist.is_main or sharded:  # FSDP: every rank takes part in each forward
+            with self.autocast() if sharded else nullcontext():
                 gens = generations(self.model, self.tokenizer, self.cfg,
                                    compiled=compile_enabled(self.cfg.compute.compile, self.device))
             gens = gens if self.dist.is_main else []
@@ -325,7 +262,8 @@ class Trainer:
         # would recompile for each, so they run eagerly here.
         compiled = compile_enabled(self.cfg.compute.compile, self.device)
         with torch.compiler.set_stance("force_eager") if compiled else nullcontext():
-            metrics = run_icl(self.model, self.tokenizer, self.icl, self.cfg, self.dist, self.sharded, self.autocast)
+            metrics = run_icl(self.model, self.tokenizer, self.icl, self.cfg, self.dist, self.layout.sharded,
+                              self.autocast)
         if metrics:
             self.callbacks.on_metrics(metrics, self.state.step)
         return metrics
@@ -341,23 +279,6 @@ class Trainer:
         ckpt.save_checkpoint(self.save_folder, self.state.step, self.model, self.optimizer, state,
                              rank=self.dist.rank, keep=self.cfg.save_num_checkpoints_to_keep, pending=self.saver,
                              on_complete=self.callbacks.on_checkpoint if self.dist.is_main else None)
-
-    def load(self, path: str, checked: Collection[str] = ()) -> None:
-        """Model, optimizer and this rank's RNG from ``path``; then counters and data position.
-        ``checked``: its files whose digests were verified already (by rank 0, choosing it)."""
-        check_resumable(read_state(path), self.cfg, path)
-        state = ckpt.load_checkpoint(path, self.model, self.optimizer, rank=self.dist.rank, checked=checked)
-        self.stream.load_state_dict(state["data"])
-        self.state.load_state_dict(state)
-        self.log(f"resume: continuing from {path} (step {self.state.step}, {self.state.tokens:,} tokens)")
-        if self.state.lr is not None and self.state.schedule not in (None, self._schedule_signature):
-            # Another duration or LR than the checkpoint's: no jump, blend in from where it was.
-            self.state.lr_blend = {"lr": self.state.lr, "step": self.state.step, "elapsed_s": self.state.elapsed_s}
-            self.log(f"resume: the LR schedule changed (training_duration, LR or schedule); the LR moves "
-                     f"linearly from {self.state.lr:.3g} to the new schedule's over one warmup (≥ 2% of the run)")
-        if state.get("world_size", self.dist.world_size) != self.dist.world_size:
-            self.log(f"resume: checkpoint written by {state['world_size']} rank(s), resharded onto "
-                     f"{self.dist.world_size}")
 
     def export(self) -> str | None:
         """The run's ``final/`` (on rank 0; every rank takes part in gathering sharded weights)."""
@@ -476,19 +397,19 @@ class Trainer:
             if self.saver is not None:
                 with self.telemetry.blocked("checkpoint"):
                     self.saver.wait()  # the checkpoint the run resumes from is complete first
-            expected = self.peak_flops * EXPECTED_SHARE_OF_PEAK / 1e12 if self.device.type == "cuda" else None
+            expected = self.layout.peak_flops * EXPECTED_SHARE_OF_PEAK / 1e12 if self.device.type == "cuda" else None
             self.reshape = self.telemetry.act(decision, expected_tflops=expected)
         return "stopped"
 
     def _step_metrics(self, out: StepOutput, tokens_per_s: float) -> dict:
-        world = self.dist.world_size
+        world, peak = self.layout.ranks, self.layout.peak_flops
         metrics = {"train/loss": out.loss, "train/lr": out.lr, "train/grad_norm": out.grad_norm,
                    "train/tokens": self.state.tokens, "train/epoch": self.stream.epoch,
                    "throughput/tokens_per_s": tokens_per_s,
                    "throughput/tokens_per_s_per_device": tokens_per_s / world,
                    # the standard basis (6·N_active + 12·L·H·Dh·T), and 6·N_active alone
-                   "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, self.peak_flops),
-                   "throughput/mfu_6n": mfu(tokens_per_s, self.plan.model_flops_per_token, world, self.peak_flops),
+                   "throughput/mfu": mfu(tokens_per_s, self.plan.flops_per_token, world, peak),
+                   "throughput/mfu_6n": mfu(tokens_per_s, self.plan.model_flops_per_token, world, peak),
                    "time/elapsed_s": self._elapsed(),  # training wall time over all attempts (ETA, cost)
                    "train/progress": self._progress()}  # the share done: `runs list`, the bar of a time budget
         metrics |= {f"train/{k}": float(v) for k, v in out.stats.items()}  # e.g. preference rewards
@@ -528,7 +449,7 @@ class Trainer:
             name=self.cfg.name, save_folder=self.save_folder, resumed=self.resumed,
             config=redact_config(self.cfg.model_dump(mode="json")),
             plan={"params_total": plan.params["total"], "params_active": plan.params["active"],
-                  "world_size": self.dist.world_size, "grad_accum": plan.grad_accum, "total_steps": plan.total_steps,
+                  "world_size": self.layout.ranks, "grad_accum": plan.grad_accum, "total_steps": plan.total_steps,
                   "report": run_record(self.cfg, plan)},
             total_steps=plan.total_steps, total_tokens=plan.total_tokens)
 
@@ -538,11 +459,8 @@ class Trainer:
             f"{plan.time_limit_s:.0f}s of training"
         self.log(f"run {cfg.name}: {cfg.model.label()} model, {plan.params['total'] / 1e6:.1f}M params "
                  f"({plan.params['active'] / 1e6:.1f}M active), {total}")
-        cp = cfg.compute.context_parallel
-        ranks = f"{self.dist.world_size} rank(s)" if cp == 1 else \
-            f"{self.dist.world_size // cp} replica(s) of {cp} context-parallel ranks"
         self.log(f"  batch {plan.global_batch} × {plan.context_length} tokens = micro-batch {plan.micro_batch} × "
-                 f"{plan.grad_accum} accumulation × {ranks}; lr {plan.learning_rate:.3g}, "
+                 f"{plan.grad_accum} accumulation × {self.layout.describe()}; lr {plan.learning_rate:.3g}, "
                  f"warmup {_span(plan.schedule.warmup, plan.schedule.warmup_unit)}, {_schedule_text(plan.schedule)}; "
                  f"{plan.optimizer}; {plan.precision} on {self.device}")
         self.log(f"  checkpoints and metrics: {cfg.save_folder}")
