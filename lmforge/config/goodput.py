@@ -33,6 +33,9 @@ Action = Literal["log", "restart", "diagnose", "cordon"]
 # ECC, 64 row remapping failure, 74 NVLink error, 79 fallen off the bus, 95 uncontained ECC,
 # 119/120 GSP errors (NVIDIA's XID catalogue).
 FATAL_XIDS = (48, 64, 74, 79, 95, 119, 120)
+# One GPU's unexpected interruptions per hour in Llama 3's pretraining: 419 in 54 days on 16,384 GPUs
+# (Dubey et al. 2024, §3.3.4) — the failure rate a run's goodput is planned with unless it says its own.
+LLAMA3_FAILURES_PER_GPU_HOUR = 419 / (54 * 24 * 16_384)
 
 
 _Strict = Strict  # unknown keys, booleans as numbers and inf/nan refused (`config.checked`)
@@ -96,6 +99,19 @@ class GoodputConfig(_Strict):
     too_few_nodes: Literal["stop", "wait"] = Field(
         "stop", description="when fewer than min_nodes would remain: stop (the run ends, with its checkpoint), or "
         "wait (resume with every node asked for: the rendezvous waits for replacements to join)")
+    # --- goodput planned (`plan.goodput`): the inputs of the projection and of `save_interval: auto`
+    failures_per_gpu_hour: float = Field(
+        LLAMA3_FAILURES_PER_GPU_HOUR, gt=0, le=3600, description="unexpected interruptions per device (GPU, or "
+        "CPU rank) and hour, which the run's checkpoint interval and planned goodput are computed from; default: "
+        "Llama 3's, 419 in 54 days on 16,384 GPUs (one every ~5.8 years per GPU, every ~3 hours on 16K)")
+    restart_s: float | None = Field(
+        None, gt=0, le=7 * 86400, description="seconds from a failure to the next productive step (detection, "
+        "restart, start-up); default: 60 on one node, 600 on several, replaced by the run's own measurement once "
+        "it has restarted")
+    write_gb_per_s: float | None = Field(
+        None, gt=0, le=10_000, description="a node's write bandwidth to the save_folder's store, GB/s; default: 2 "
+        "on GPUs (a parallel file system or object store), 1 on a CPU machine, replaced by the run's measured "
+        "checkpoint time")
 
     def actions(self) -> dict[str, str]:
         """Each condition's action (the ones telemetry feeds count only with it on)."""

@@ -27,7 +27,7 @@ def _type_name(annotation) -> str:
     name = getattr(annotation, "__name__", str(annotation))
     return {"DatasetEntry": "dataset", "Duration": "duration", "ModelConfig": "model shape",
             "TokenizerSpec": "{train|extend: …}", "LoRAConfig": "{rank, alpha, dropout, targets}",
-            "TokenizerTrain": "{vocab_size, bos}", "TokenizerExtend": "{vocab_size, base}",
+            "TokenizerTrain": "{vocab_size, bos}", "TokenizerExtend": "{vocab_size, base}", "LocalCheckpoints": "{folder, interval, keep}",
             "RopeScaling": "{type, factor, …}", "MLflowConfig": "mlflow", "WandbConfig": "wandb"}.get(name, name)
 
 

@@ -434,6 +434,32 @@ class PreferenceOptions(_Strict):
 # [/preference]
 
 
+class LocalCheckpoints(_Strict):
+    """A fast checkpoint tier on node-local storage beside the durable ``save_folder`` (docs/goodput.md):
+    frequent checkpoints there, fewer in the save folder; a resume takes the newest intact checkpoint
+    of either that every rank can read."""
+
+    folder: str = Field(..., description="this run's folder on fast local storage (an NVMe drive, /dev/shm); "
+                        "every rank must read it at a resume (one node, or a shared fast tier), else the "
+                        "run resumes from save_folder")
+    interval: DurationField | Literal["auto"] = Field(
+        "auto", description="checkpoint here every …; auto: the interval that maximises goodput for this "
+        "tier's cost (plan.goodput), re-estimated from the run's own checkpoint times")
+    keep: int = Field(2, ge=1, le=1 << 20, description="local checkpoints kept (older ones are deleted)")
+
+    @field_validator("folder")
+    @classmethod
+    def _folder(cls, v):
+        if not v.strip() or "://" in v:
+            raise ValueError(f"expected a local folder (a path on this machine), got {v!r}")
+        return v
+
+    @field_validator("interval", mode="before")
+    @classmethod
+    def _interval(cls, v):
+        return v if v == "auto" else parse_duration(v, "local_checkpoints.interval")
+
+
 class RunConfig(_Strict):
     name: str | None = Field(None, description="run name (a folder name and registry key: no '/'); default: the config file's "
                                       "name, else model + timestamp")
@@ -450,7 +476,13 @@ class RunConfig(_Strict):
         None, description="phases that change the mix (normally written as train_data: [{until, mix}, ...])")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation while training")
     save_folder: str | None = Field(None, description="checkpoints, metrics, exports; default runs/<name>")
-    save_interval: DurationField | None = Field(None, description="checkpoint every …; default: ~5 per run")
+    save_interval: DurationField | Literal["auto"] | None = Field(
+        None, description="checkpoint every …; auto: the interval that maximises goodput (Young/Daly, from the "
+        "failure rate and the checkpoint's cost: `lmforge estimate` shows it), re-estimated from the run's own "
+        "checkpoint times and failures; default: ~5 per run")
+    local_checkpoints: LocalCheckpoints | None = Field(
+        None, description="a fast tier of frequent checkpoints on local storage ({folder, interval, keep}); "
+        "save_folder keeps the durable ones")
     save_num_checkpoints_to_keep: int = Field(2, ge=1, le=1 << 20, description="older checkpoints are deleted")
     training_duration: DurationField = Field(..., description="e.g. '10000tok', '200B tok', '500ba', '2ep', '30min'")
     parameters: Parameters = Field(default_factory=Parameters, description="optimization hyperparameters")
@@ -490,6 +522,11 @@ class RunConfig(_Strict):
         if v is not None:
             check_run_name(v)
         return v
+
+    @field_validator("save_interval", mode="before")
+    @classmethod
+    def _save_interval(cls, v):
+        return v if v in ("auto", None) else parse_duration(v, "save_interval")
 
     @field_validator("save_folder")
     @classmethod

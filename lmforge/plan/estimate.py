@@ -24,6 +24,7 @@ from lmforge.plan.checks import check_context_parallel, check_mesh
 from lmforge.plan.comm import moe_traffic
 from lmforge.plan.context import checkpointing_label, context_plan, setting
 from lmforge.plan.fit import FLAGS, KEYS, remedy
+from lmforge.plan.goodput import format_goodput_rows, goodput_view
 from lmforge.plan.flops import DEFAULT_VOCAB, flops_per_token, param_counts
 from lmforge.plan.hardware import GPUSpec, get_gpu_type, mfu_basis, peak_flops
 from lmforge.plan.machine import ASSUMED_MFU
@@ -87,6 +88,7 @@ class EstimateInputs:
     remedy: str | None = None  # what makes a plan that does not fit fit, in the reader's words
     said: tuple[str, ...] = ()  # what the plan says (RoPE scaling, ...)
     tokens_source: str | None = None  # where ``tokens`` come from, when not given by hand
+    goodput: dict | None = None  # its goodput projection (`plan.goodput.goodput_view`)
 
 
 def _check_inputs(x: EstimateInputs) -> None:
@@ -147,7 +149,7 @@ def plan_view(cfg: RunConfig, plan: TrainPlan, *, names: dict = FLAGS) -> dict:
                "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "replicas": plan.replicas,
                "ranks": plan.ranks},
         micro_batch_reason=plan.micro_batch_reason, remedy=plan.remedy.text(names) if plan.remedy else None,
-        said=plan.notes))
+        said=plan.notes, goodput=goodput_view(plan.goodput) if plan.goodput else None))
 
 
 def run_record(cfg: RunConfig, plan: TrainPlan) -> dict:
@@ -229,7 +231,8 @@ def estimate_run(x: EstimateInputs) -> dict:
         "micro_batch_choice": choice.reason if choice else x.micro_batch_reason,
         "context": context,
         "moe_traffic": _moe_traffic(cfg, memory, seq_len, x, n),
-        "notes": list(x.said) + notes,
+        "goodput": x.goodput,
+        "notes": list(x.said) + notes + ([x.goodput["note"]] if x.goodput and x.goodput.get("note") else []),
     }
 
 
@@ -404,6 +407,8 @@ def format_plan(plan: dict) -> str:
     if plan.get("context") is not None:
         rows.append(("long context", _context_text(plan["context"])))
     rows.append(("fits", _verdict(plan)))
+    if plan.get("goodput"):
+        rows += format_goodput_rows(plan["goodput"])
     for key, value in rows:
         table.add_row(key, value)
     buf = io.StringIO()

@@ -22,7 +22,8 @@ from lmforge.plan.batch import (CPU_MICRO_BATCH, assumed_tokens_per_s, expected_
                                 plan_precision, run_tokens, training_context)
 from lmforge.plan.checks import check_batch_split, check_context, check_context_parallel, check_mesh, replicas
 from lmforge.plan.fit import KEYS, Remedy, does_not_fit_line, host_line, host_verdict, remedy
-from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
+from lmforge.plan.flops import flops_per_token, lora_adapter_params, mfu_flops_per_token, param_counts
+from lmforge.plan.goodput import GoodputPlan, plan_goodput
 from lmforge.plan.hardware import GPUSpec, mfu_basis, peak_flops
 from lmforge.plan.machine import Machine
 from lmforge.plan.layout import SHARDED, Layout, Sharding, shard_group
@@ -58,6 +59,8 @@ class TrainPlan:
     tokens_per_s: float = 0.0  # expected training tokens/s of the whole run
     rate_source: str = ""  # where that rate comes from (measured here, or assumed)
     notes: tuple[str, ...] = ()  # what the run says about its plan at its start (RoPE scaling, ...)
+    goodput: GoodputPlan | None = None  # expected interruptions, checkpoint cost, the optimal interval (`plan.goodput`)
+    local_interval: int | None = None  # steps between checkpoints of the local tier (`local_checkpoints`), if any
 
     # The layout's numbers under the names the views use (one source: `layout`).
     global_batch = property(lambda self: self.layout.global_batch)  # samples per optimizer step, all ranks
@@ -170,6 +173,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
                         f"and batch here (≈{gbs * ctx / rate.fastest_tokens_per_s:.3g}s); expected a longer duration "
                         "or a smaller batch/model")
     nominal = total or max(1, int(time_limit / step_s))  # wall-clock runs: intervals from the expected steps
+    gp = plan_run_goodput(cfg, machine, counts, optimizer, step_s, total, time_limit, nominal, steps)
     schedule = make_schedule(cfg, total, time_limit, step_s, lambda d: steps(d, "parameters.warmup"))
     warmup = int(schedule.warmup if schedule.warmup_unit == "steps" else math.ceil(schedule.warmup / step_s))
     plan = TrainPlan(
@@ -181,7 +185,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
                                                             optimizer),
         optimizer=optimizer,
         eval_interval=_interval(cfg.eval.interval, "eval.interval", max(1, nominal // 10), steps),
-        save_interval=_interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)), steps),
+        save_interval=gp.durable.interval_steps, goodput=gp, local_interval=gp.local.interval_steps if gp.local else None,
         icl_interval=_interval(cfg.eval.icl_interval, "eval.icl_interval", 0, steps) or None,
         precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
         phase_steps=curriculum_steps(cfg, total, gbs=gbs, ctx=ctx) if cfg.curriculum else None,
@@ -192,6 +196,25 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     if not plan.fits:
         raise DoesNotFit(plan, cfg, machine.where)
     return plan
+
+
+def plan_run_goodput(cfg: RunConfig, machine: Machine, counts: dict, optimizer: str, step_s: float,
+                     total: int | None, time_limit: float | None, nominal: int, steps) -> GoodputPlan:
+    """The run's goodput projection and checkpoint intervals: ``save_interval`` (and the local tier's)
+    as given, by default ~5 per run, or with `auto` the interval that maximises goodput."""
+    g, local = cfg.goodput, cfg.local_checkpoints
+    given = None if cfg.save_interval == "auto" else \
+        _interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)), steps)
+    local_steps = "none" if local is None else None if local.interval == "auto" else \
+        _interval(local.interval, "local_checkpoints.interval", 1, steps)
+    trained = counts["total"] if cfg.lora is None else lora_adapter_params(cfg.model, cfg.lora.rank, cfg.lora.targets)
+    return plan_goodput(
+        devices=machine.world_size, nodes=cfg.compute.nodes, device=machine.device, params=counts["total"],
+        trained=trained, optimizer=optimizer, step_s=step_s, run_s=total * step_s if total else time_limit or 0.0,
+        total_steps=total, async_checkpoint=cfg.compute.async_checkpoint,
+        failures_per_device_hour=g.failures_per_gpu_hour, restart_s=g.restart_s, write_bytes_per_s=g.write_gb_per_s * 1e9 if g.write_gb_per_s else None,
+        save_interval=given, local_interval=local_steps,
+        save_rule="as set" if cfg.save_interval else "the default: ~5 per run, at most 1000 steps")
 
 
 def plan_notes(cfg: RunConfig, ctx: int) -> list[str]:
@@ -339,7 +362,8 @@ def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
     data["eval"]["interval"] = f"{plan.eval_interval}ba"
     if plan.icl_interval:
         data["eval"]["icl_interval"] = f"{plan.icl_interval}ba"
-    data["save_interval"] = f"{plan.save_interval}ba"
+    if cfg.save_interval != "auto":  # auto stays auto: the run re-estimates it from what it measures
+        data["save_interval"] = f"{plan.save_interval}ba"
     data["compute"]["activation_checkpointing"] = plan.activation_checkpointing
     return RunConfig.model_validate(data)
 

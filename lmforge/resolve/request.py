@@ -71,6 +71,9 @@ def run_config(request: RunRequest) -> RunConfig:
     cfg = with_default_names(build_config(fill_from_weights(raw), source=request.source))
     cfg.compute.check_nodes()  # several nodes need their rendezvous: refused before anything runs, dry run too
     check_save_folder(cfg.save_folder, reads=run_reads(cfg))  # a run writes, resumes and prunes there
+    if cfg.local_checkpoints is not None:  # and in its local tier, which is neither the save folder nor in it
+        check_save_folder(cfg.local_checkpoints.folder, "local_checkpoints.folder",
+                          reads=run_reads(cfg) + [("the save_folder", cfg.save_folder)])
     return cfg
 
 
