@@ -32,7 +32,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # run.json, is not a run's (`guard.check_save_folder`).
 RUN_FOLDER_NAMES = frozenset({
     RUN_FILE, RUN_FILE + ".tmp", "checkpoints", "final", "logs", "metrics.jsonl", "generations.jsonl",
-    "events.jsonl", "plan.json", "plan.json.tmp", "report.html", "report.html.tmp", "trackers.json",
+    "events.jsonl", "goodput.jsonl", "goodput.progress", "faults.jsonl", "cordon.json", "plan.json", "plan.json.tmp", "report.html", "report.html.tmp", "trackers.json",
     "trackers.json.tmp", ".lmforge.lock", "reference-logps.safetensors", "reference-logps.safetensors.tmp",
     ".reference", ".uploads", "wandb"})
 # A run's statuses, as the registry records them and a report reads them back.

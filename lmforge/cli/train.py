@@ -130,9 +130,13 @@ def run(args) -> int:
 
 def train_here(cfg, args, plan) -> int:
     """Role "train": train in this process; print the summary on rank 0."""
-    from lmforge.runs.job import run_job
+    from lmforge.runs.job import PeerLost, run_job
 
-    result = run_job(cfg, plan, overwrite=args.overwrite)
+    try:
+        result = run_job(cfg, plan, overwrite=args.overwrite)
+    except PeerLost as e:  # another rank's end: one line, no traceback (torchrun or the supervisor restarts)
+        print(e, file=sys.stderr, flush=True)
+        return 1
     if int(os.environ.get("RANK", "0")) == 0:
         print_summary(result, as_json=args.json, console=cfg.experiment_tracker.console)
     return 0 if result.status in ("completed", "stopped") else 1

@@ -81,6 +81,18 @@ def _elastic_store(rank: int, world: int, timeout: timedelta) -> dict:
     return {"store": store, "rank": rank, "world_size": world}
 
 
+# What a collective's error says when a peer rank is gone (killed, crashed, its node lost): gloo's TCP
+# pairs and NCCL's communicators. A rank that sees one did nothing wrong: the peer's end is the cause.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+             "NCCL communicator was aborted", "ncclRemoteError", "remote process exited")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing because another rank ended."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(marker in text for marker in PEER_LOST)
+
+
 def barrier() -> None:
     if td.is_available() and td.is_initialized():
         td.barrier()

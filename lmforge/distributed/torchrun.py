@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -34,6 +35,8 @@ from lmforge.process import node_name, process_alive, read_status
 
 STATUS_FLAG = "--status-file"
 REJOIN_FLAG = "--rejoin"
+EVENTS_FLAG = "--events-file"
+_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
 # Device files a GPU torch can drive: NVIDIA's driver, or ROCm's (which torch also calls "cuda").
@@ -99,15 +102,18 @@ def check_world(cfg, nproc: int) -> None:
 
 
 def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int, status_file: str | None = None,
-                     rejoin: list[str] | None = None) -> list[str]:
+                     rejoin: list[str] | None = None, events_file: str | None = None) -> list[str]:
     """The torchrun command for ``nproc`` ranks of ``argv``; ``status_file``: where this node's first
     rank reports (`process.speaks_for_node`; the wrapper watches it, and removes it at the end);
     ``rejoin``: a node other than node 0, the `lmforge` arguments it rejoins with after a goodput
-    action (`rejoin`)."""
+    action (`rejoin`); ``events_file``: where the wrapper records a rank it saw fail (``rank_failed``:
+    the supervisor names the cause from it, whichever node it was on)."""
     c = cfg.compute
     cmd = [sys.executable, "-m", "lmforge.distributed.torchrun"]
     if status_file:
         cmd.append(f"{STATUS_FLAG}={status_file}")
+    if events_file:
+        cmd.append(f"{EVENTS_FLAG}={events_file}")
     if rejoin is not None:
         cmd.append(f"{REJOIN_FLAG}=" + json.dumps({"argv": rejoin, "endpoint": c.rdzv_endpoint,
                                                    "timeout_s": c.rdzv_timeout_s}, separators=(",", ":")))
@@ -141,14 +147,23 @@ class _QuietShutdown(logging.Filter):
     a rank that failed (its exit code) when that rank reported a final failure (``status_file``),
     whose own line says what was wrong."""
 
-    def __init__(self, status_file: str | None = None):
+    def __init__(self, status_file: str | None = None, events_file: str | None = None):
         super().__init__()
-        self.status_file = status_file
+        self.status_file, self.events_file = status_file, events_file
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
         if "death signal" in msg or "closing signal" in msg:
             return False
+        if m := _WORKER_FAILED.search(msg):  # one line per rank that failed: no traceback of torchrun's own
+            record.exc_info, record.exc_text = None, None
+            if self.events_file:
+                from lmforge.distributed.elastic import append_event
+
+                with contextlib.suppress(OSError):
+                    append_event(os.path.dirname(self.events_file) or ".", {
+                        "event": "rank_failed", "node": node_name(), "local_rank": int(m.group(2)),
+                        "exit_code": int(m.group(1)), "pid": int(m.group(3))})
         return not (self.status_file and "failed (exitcode" in msg
                     and read_status(self.status_file).get("status") == "failed")
 
@@ -207,6 +222,7 @@ def agent_main(argv: list[str]) -> int:
     from torch.distributed.run import main
 
     status_file = _pop_flag(argv, STATUS_FLAG)
+    events_file = _pop_flag(argv, EVENTS_FLAG)
     rejoin_with = _pop_flag(argv, REJOIN_FLAG)
     # Each rendezvous round gets the ranks a store of its own (hosted by rank 0), not the store torchrun
     # shares across rounds: there, keys of the last round's ranks outlive them, and after a rank died on
@@ -214,7 +230,7 @@ def agent_main(argv: list[str]) -> int:
     # failed ... Connection refused") until no restart is left (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
-        logging.getLogger(name).addFilter(_QuietShutdown(status_file))
+        logging.getLogger(name).addFilter(_QuietShutdown(status_file, events_file))
     watcher = _StopAtFinalFailure(status_file) if status_file else None
     final: dict = {}
     try:

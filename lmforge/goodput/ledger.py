@@ -5,7 +5,14 @@ Rank 0 of each attempt appends to ``<save_folder>/goodput.jsonl`` (`Ledger`):
 - ``start`` when its loop begins: the process's start time and the step it resumes from;
 - ``tick`` at each log step and after each checkpoint: this attempt's seconds so far in steps,
   checkpoint writes (the blocking part) and evaluation, which add up to the time since ``start``;
-- ``detected`` when a condition stops the run (its cause); ``end`` when the attempt finishes.
+- ``detected`` when a condition stops the run (its cause); ``end`` when the attempt finishes;
+- ``interval`` when the checkpoint interval is chosen or changes (``save_interval: auto``), with why.
+
+After every step rank 0 also overwrites one small record in ``goodput.progress`` (its step and
+seconds so far): a crash or a kill leaves no last tick, and the next attempt appends what it finds
+there to the ledger (``last``) before its own ``start`` — so the steps done after the last log step,
+and redone after the restart, are counted as lost work, not as recovery. The supervisor, which saw
+why an attempt ended ("rank 1 killed by SIGKILL"), appends a ``cause`` record for it.
 
 `account` splits the wall time — from the first attempt's process start to the last record — into
 parts that add up to it exactly:
@@ -13,7 +20,8 @@ parts that add up to it exactly:
 - ``startup``: process start to the first step of each attempt (imports, data, model build,
   checkpoint load — and compilation, which happens in the first step: counted as steps);
 - ``productive``: steps whose result was kept; ``lost``: steps redone after a restart (those past
-  the checkpoint the next attempt resumed from), at their attempt's mean step time;
+  the checkpoint the next attempt resumed from, up to the attempt's last step), at their attempt's
+  mean step time;
 - ``checkpoint`` and ``evaluation``: time the loop was blocked by them;
 - ``recovery``: from an attempt's last record to the next attempt's process start (detection,
   diagnosis, the restart; a crash also loses here the part of a log interval it cut short);
@@ -30,7 +38,10 @@ import time
 from dataclasses import dataclass
 
 LEDGER_FILE = "goodput.jsonl"
+PROGRESS_FILE = "goodput.progress"
+PROGRESS_BYTES = 512  # one record, overwritten in place after every step
 PARTS = ("productive", "startup", "checkpoint", "evaluation", "recovery", "lost", "other")
+LAST_KINDS = ("tick", "last", "end")  # the records that say how far an attempt got
 
 
 class Ledger:
@@ -38,18 +49,77 @@ class Ledger:
 
     def __init__(self, folder: str | None, process_start: float):
         self.path = os.path.join(folder, LEDGER_FILE) if folder else None
+        self.progress_path = os.path.join(folder, PROGRESS_FILE) if folder else None
         self.attempt = f"{os.getpid()}@{process_start:.3f}"
         self.process_start = process_start
+        self._progress_fd: int | None = None
 
     def write(self, kind: str, **fields) -> None:
         if self.path is None:
             return
-        rec = {"kind": kind, "time": round(time.time(), 3), "attempt": self.attempt} | fields
+        if kind == "start":
+            self._keep_last_progress()
+        append(self.path, {"kind": kind, "time": round(time.time(), 3), "attempt": self.attempt} | fields)
+
+    def progress(self, **fields) -> None:
+        """This attempt's step and seconds so far, overwriting the last (a few microseconds: one pwrite)."""
+        if self.progress_path is None:
+            return
+        rec = json.dumps({"kind": "last", "time": round(time.time(), 3), "attempt": self.attempt} | fields)
         try:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        except OSError:  # a full disk ends the run elsewhere, with its own line; accounting is not worth a crash
+            if self._progress_fd is None:
+                self._progress_fd = os.open(self.progress_path, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(self._progress_fd, rec.ljust(PROGRESS_BYTES - 1).encode()[:PROGRESS_BYTES - 1] + b"\n", 0)
+        except OSError:
             pass
+
+    def _keep_last_progress(self) -> None:
+        """The last attempt's progress, when it got further than its last record (it was killed): into
+        the ledger, before this attempt's first write of its own overwrites it."""
+        last = read_progress(os.path.dirname(self.path))
+        if last is None or last["attempt"] == self.attempt:
+            return
+        before = [r for r in read_ledger(os.path.dirname(self.path), progress=False)
+                  if r["attempt"] == last["attempt"] and r["kind"] in LAST_KINDS]
+        if before and before[-1]["time"] >= last["time"]:
+            return
+        append(self.path, last)
+
+
+def append(path: str, record: dict) -> None:
+    """One record appended to a JSONL file (a full disk ends the run elsewhere, with its own line:
+    accounting is not worth a crash)."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError:
+        pass
+
+
+def read_progress(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, PROGRESS_FILE)) as f:
+            return parse_progress(f.read())
+    except OSError:
+        return None
+
+
+def parse_progress(text: str | None) -> dict | None:
+    try:
+        rec = json.loads(text or "")
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and "attempt" in rec and "time" in rec else None
+
+
+def add_cause(folder: str, cause: str, *, started_before: float | None = None) -> None:
+    """The supervisor's word on why an attempt ended: the newest attempt that started before
+    ``started_before`` (the next attempt's process start; None: the newest)."""
+    starts = [r for r in read_ledger(folder, progress=False) if r["kind"] == "start"
+              and (started_before is None or r.get("process_start", 0) < started_before)]
+    if starts:
+        append(os.path.join(folder, LEDGER_FILE), {"kind": "cause", "time": round(time.time(), 3),
+                                                   "attempt": starts[-1]["attempt"], "cause": cause})
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -70,8 +140,23 @@ def read_jsonl(path: str) -> list[dict]:
     return out
 
 
-def read_ledger(folder: str) -> list[dict]:
-    return [r for r in read_jsonl(os.path.join(folder, LEDGER_FILE)) if "attempt" in r and "time" in r]
+def read_ledger(folder: str, progress: bool = True) -> list[dict]:
+    """The ledger's records, and (``progress``) the last attempt's progress as its last record."""
+    records = [r for r in read_jsonl(os.path.join(folder, LEDGER_FILE)) if "attempt" in r and "time" in r]
+    return records + ([p] if progress and (p := read_progress(folder)) else [])
+
+
+def ledger_records(ledger_text: str | None, progress_text: str | None = None) -> list[dict]:
+    """The same from the files' texts (a run read from an object store)."""
+    out = []
+    for line in (ledger_text or "").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "attempt" in rec and "time" in rec:
+            out.append(rec)
+    return out + ([p] if (p := parse_progress(progress_text)) else [])
 
 
 @dataclass
@@ -85,7 +170,7 @@ def _attempts(records: list[dict]) -> list[_Attempt]:
     for rec in records:
         if rec["kind"] == "start":
             out[rec["attempt"]] = _Attempt(rec, rec | {"steps_s": 0.0, "checkpoint_s": 0.0, "evaluation_s": 0.0})
-        elif rec["kind"] in ("tick", "end") and rec["attempt"] in out:
+        elif rec["kind"] in LAST_KINDS and rec["attempt"] in out and rec["time"] >= out[rec["attempt"]].last["time"]:
             out[rec["attempt"]].last = rec
     return sorted(out.values(), key=lambda a: a.start["process_start"])
 
@@ -109,19 +194,26 @@ def account(records: list[dict]) -> dict | None:
             lost = steps_s * min(1.0, redone / (s1 - s0)) if s1 > s0 else 0.0
             parts["recovery"] += max(0.0, nxt["process_start"] - a.last["time"])
             resumptions.append({"time": nxt["time"], "step": nxt.get("step", 0), "steps_redone": redone,
+                                "lost_s": round(lost, 3), "from_step": s1,
+                                "recovery_s": round(max(0.0, nxt["process_start"] - a.last["time"]), 3),
+                                "startup_s": round(max(0.0, nxt["time"] - nxt["process_start"]), 3),
                                 "cause": _cause(records, a.start["attempt"])})
         parts["lost"] += lost
         parts["productive"] += steps_s - lost
     wall = attempts[-1].last["time"] - attempts[0].start["process_start"]
     parts["other"] = wall - sum(v for k, v in parts.items() if k != "other")
     return {"wall_s": wall, "goodput": parts["productive"] / wall if wall > 0 else 0.0,
-            "parts": {k: round(v, 3) for k, v in parts.items()}, "resumptions": resumptions}
+            "parts": {k: round(v, 3) for k, v in parts.items()}, "resumptions": resumptions,
+            "steps_lost": sum(r["steps_redone"] for r in resumptions),
+            "interval": next((r for r in reversed(records) if r["kind"] == "interval"), None)}
 
 
 def _cause(records: list[dict], attempt: str) -> str:
-    detected = [r for r in records if r["attempt"] == attempt and r["kind"] == "detected"]
-    if detected:
-        return detected[-1].get("cause", "a condition")
+    """Why an attempt ended: the condition that stopped it, else what the supervisor saw, else its status."""
+    for kind in ("detected", "cause"):
+        found = [r for r in records if r["attempt"] == attempt and r["kind"] == kind]
+        if found:
+            return found[-1].get("cause", "a condition")
     end = next((r for r in records if r["attempt"] == attempt and r["kind"] == "end"), None)
     return f"ended {end.get('status')}" if end else "the attempt ended without a record (a crash, a kill or a hang)"
 
@@ -131,7 +223,9 @@ def format_goodput(acc: dict) -> str:
     p = acc["parts"]
     names = {"productive": "steps", "startup": "start-up", "checkpoint": "checkpoints", "evaluation": "eval",
              "recovery": "recovery", "lost": "lost work", "other": "other"}
-    spent = ", ".join(f"{names[k]} {p[k]:.1f}s" for k in PARTS if k == "productive" or abs(p[k]) >= 0.05)
+    spent = ", ".join(f"{names[k]} {p[k]:.1f}s" + (f" ({acc['steps_lost']} steps)" if k == "lost" and
+                                                   acc.get("steps_lost") else "")
+                      for k in PARTS if k == "productive" or abs(p[k]) >= 0.05)
     return f"{100 * acc['goodput']:.1f}% of {acc['wall_s']:.1f}s wall ({spent})"
 
 

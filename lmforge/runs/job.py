@@ -18,11 +18,11 @@ from functools import partial
 from lmforge import secrets
 from lmforge.config.schema import RunConfig
 from lmforge.data.remote import join as remote_join
-from lmforge.distributed.dist import destroy, init_distributed
+from lmforge.distributed.dist import destroy, init_distributed, peer_lost
 from lmforge.distributed.elastic import restart_count
 from lmforge.errors import UserError, environment_error
 from lmforge.say import say
-from lmforge.process import die_with_parent
+from lmforge.process import die_with_parent, process_started_at
 from lmforge.runs.launcher import hold_lock
 from lmforge.runs.plan import LaunchPlan
 from lmforge.runs.store import MirrorCallback, local_folder, open_store
@@ -36,6 +36,26 @@ from lmforge.train.build import build_trainer
 from lmforge.train.trainer import TrainResult
 
 
+class PeerLost(RuntimeError):
+    """This rank's collective failed because another rank ended: said in one line (`lost_peer_line`),
+    its traceback kept in the run's log folder, and the restart left to torchrun or the supervisor."""
+
+
+def lost_peer_line(e: BaseException, rank: int, folder: str) -> str:
+    """One line for a rank whose peer ended; the traceback goes to ``<folder>/logs/rank<R>.traceback``."""
+    import traceback
+
+    first = (str(e).strip().splitlines() or [""])[0]
+    where = os.path.join(folder, "logs", f"rank{rank}.traceback")
+    try:
+        os.makedirs(os.path.dirname(where), exist_ok=True)
+        with open(where, "w") as f:
+            f.write("".join(traceback.format_exception(e)))
+    except OSError:
+        where = "not kept (the log folder cannot be written)"
+    return f"lmforge: rank {rank}: a peer rank ended ({type(e).__name__}: {first[:160]}); traceback: {where}"
+
+
 def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool = False, log=print) -> TrainResult:
     """Role "train": train (pretraining, continued pretraining or fine-tuning, by ``cfg.task_type``) here."""
     plan = plan or LaunchPlan("train", lock="none")
@@ -45,7 +65,7 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
     lock = hold_lock(cfg, plan)
     if lock is not None and int(os.environ.get("RANK", "0")) == 0:
         lock.keep_fresh()
-    report_status(plan, "started", attempt=restart_count())
+    report_status(plan, "started", attempt=restart_count(), started_at=process_started_at())
     secrets.apply(cfg)  # credentials named by `secrets:` → this process's environment
     log = secrets.redacting(log)
     dist = init_distributed(cfg.compute.device)
@@ -79,6 +99,11 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
         if err is e:
             raise
         raise err from None
+    except Exception as e:
+        if not (dist.distributed and peer_lost(e)):
+            raise
+        line = lost_peer_line(e, dist.rank, local_folder(cfg.save_folder))
+        raise PeerLost(line) from None
     finally:
         trainer = None  # its model holds the process group: dropped first (see `destroy`)
         destroy()  # (the lock is held until this process exits: the kernel lets it go then)

@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 from lmforge.config.schema import RunConfig
+from lmforge.distributed.elastic import EVENTS_FILE
 from lmforge.distributed.torchrun import torchrun_command, wait_for_endpoint
 from lmforge.errors import UserError
 from lmforge.goodput.cordon import CORDON_FILE, read_cordon
@@ -56,7 +57,7 @@ def launch(cfg: RunConfig, plan: LaunchPlan, argv: list[str]) -> int:
     # never with --overwrite: rank 0 may be on this node, and the run's checkpoints are what it resumes from.
     rejoin = [a for a in argv if a != "--overwrite"] if watch and cfg.compute.node_rank > 0 else None
     cmd = torchrun_command(cfg, plan.nproc, with_plan(argv, rank), max_restarts=max_restarts, status_file=watch,
-                           rejoin=rejoin)
+                           rejoin=rejoin, events_file=os.path.join(local_folder(cfg.save_folder), EVENTS_FILE))
     if plan.nproc > 1:  # torchrun's own default for several ranks per node, set here without its 4-line banner
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if lock is not None:

@@ -38,7 +38,9 @@ import threading
 import time
 from collections import deque
 
+from lmforge.distributed.elastic import EVENTS_FILE
 from lmforge.errors import environment_error
+from lmforge.goodput.ledger import add_cause, read_jsonl, read_ledger
 from lmforge.process import child_dies_with_me, read_status, speaks_for_node
 from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.progress import MetricsTail, metrics_path, summarize
@@ -127,6 +129,21 @@ def failure_reason(rc: int, tail: list[str]) -> str:
             why = ""
         return f"rank {rank} {describe_exit(code)}{why}"
     return describe_exit(rc) + why
+
+
+def rank_failure(events: list[dict], since: float) -> str | None:
+    """The rank death that ended an attempt, as a node's torchrun recorded it (``rank_failed``, written by
+    `distributed.torchrun` on every node) since ``since``: a rank killed by a signal or hung, before one
+    that only exited (a rank whose peer ended exits with 1). None when no node recorded one."""
+    found = [e for e in events if e.get("event") == "rank_failed" and e.get("time", 0) >= since]
+    found.sort(key=lambda e: (0 if e.get("exit_code") == EXIT_HUNG else 1 if e.get("exit_code", 1) < 0 else 2,
+                              e.get("time", 0)))
+    if not found:
+        return None
+    e = found[0]
+    what = "hung (the watchdog ended it)" if e.get("exit_code") == EXIT_HUNG else describe_exit(int(e.get("exit_code", 1)))
+    rank = f"rank {e['rank']}" if e.get("rank") is not None else f"local rank {e.get('local_rank')}"
+    return f"{rank} on {e.get('node')} {what}"
 
 
 class Supervisor:
@@ -222,6 +239,7 @@ class Supervisor:
             if reshaped:  # a goodput action: bounded by goodput.max_actions (`_reshaped`), not max_retries
                 _note(f"run {self.name}: goodput {reason}; resuming from this step's checkpoint")
                 continue
+            reason = self._cause(reason)
             self.reg.event(self.name, "failure", f"resumption {idx}: {reason}; last log lines:\n{last}")
             if self.restarts >= self.max_retries:
                 n = self.restarts
@@ -255,6 +273,17 @@ class Supervisor:
                        f"resuming on {status['nodes']} node(s) from the checkpoint (action {self.actions} of "
                        f"{max_actions})")
         return self.retry_argv + ["--nnodes", str(status["nodes"])], f"{status.get('action')}: {cause}{where}"
+
+    def _cause(self, reason: str, started_before: float | None = None) -> str:
+        """Why the attempt before ``started_before`` (the newest: None) ended — what a node's torchrun
+        saw die, else ``reason`` (this node's view) — recorded in the goodput ledger beside it."""
+        starts = [r["process_start"] for r in read_ledger(self.local_folder, progress=False)
+                  if r["kind"] == "start" and (started_before is None or r["process_start"] < started_before)]
+        if starts:
+            if not ("killed by" in reason or reason.startswith("hang")):  # this node saw only a consequence
+                reason = rank_failure(read_jsonl(os.path.join(self.local_folder, EVENTS_FILE)), starts[-1]) or reason
+            add_cause(self.local_folder, reason, started_before=started_before)
+        return reason
 
     def _log_path(self) -> str:
         return os.path.join(self.log_dir, f"resumption-{self.idx}.log")
@@ -357,7 +386,7 @@ class Supervisor:
                 self._fatal_seen = True
                 self._kill_child(signal.SIGTERM)
             if status.get("attempt", 0) > attempt:
-                self._torchrun_restarted(status["attempt"] - attempt, list(tail))
+                self._torchrun_restarted(status["attempt"] - attempt, list(tail), status.get("started_at"))
                 tail.clear()  # what follows is the new attempt's output
                 attempt, running = status["attempt"], False
                 metrics.latest, fields["status"] = {}, "STARTING"
@@ -380,7 +409,7 @@ class Supervisor:
                 self.reg.put(self.name, fields)
         status = read_status(status_file)
         if status.get("attempt", 0) > attempt:  # restarted, then ended before we looked
-            self._torchrun_restarted(status["attempt"] - attempt, list(tail))
+            self._torchrun_restarted(status["attempt"] - attempt, list(tail), status.get("started_at"))
         if self._record_stop():  # a stop the trainer obeyed within the same half second
             self.reg.put(self.name, {"status": "TERMINATING"})
         latest = metrics.poll()
@@ -395,10 +424,10 @@ class Supervisor:
         self.reg.event(self.name, "stop", "stop requested: checkpointing at the next step")
         return True
 
-    def _torchrun_restarted(self, count: int, tail: list[str]) -> None:
+    def _torchrun_restarted(self, count: int, tail: list[str], started_at: float | None = None) -> None:
         """torchrun restarted the ranks (``count`` times since we last looked): each restart ends
         the current resumption as a failure and starts a new one, with its own log file."""
-        reason = failure_reason(1, tail)
+        reason = first = self._cause(failure_reason(1, tail), started_at)
         for _ in range(count):
             self.restarts += 1
             self.reg.set_resumption(self.name, self.idx, status="FAILED", reason=reason, ended_at=time.time())
@@ -411,7 +440,8 @@ class Supervisor:
                 self._log.close()
                 self._log = open(log_path, "ab")
             reason = "failed while starting"
-        _note(f"run {self.name}: torchrun restarted the ranks ({self.restarts} of {self.max_retries} restarts used)")
+        _note(f"run {self.name}: {first}; torchrun restarted the ranks ({self.restarts} of {self.max_retries} restarts "
+              "used)")
 
     def _tee(self, fd: int, out, tail: deque) -> None:
         """The child's output as it comes to the terminal (`out`), and as a terminal keeps it — its

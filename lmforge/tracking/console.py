@@ -210,5 +210,5 @@ class ConsoleTracker(Tracker):
         if self._progress is not None:
             self._progress.stop()  # stops the refresh thread and leaves the last frame
             self._progress = None
-        if status != "completed":
+        if status not in ("completed", "failed"):  # a failure says itself: its error line or traceback
             self._println(f"run {self.run_name + ' ' if self.run_name else ''}{status}")

@@ -154,6 +154,7 @@ class Telemetry:
     def after_step(self, step: int, model: torch.nn.Module) -> None:
         self.step = step
         self._steps += 1
+        self.ledger.progress(**self._times())  # a kill leaves this as the attempt's last record
         if self.faults.active and self.faults.after_step(step):
             with torch.no_grad():
                 next(p for p in model.parameters() if p.requires_grad).fill_(math.nan)
@@ -168,10 +169,13 @@ class Telemetry:
 
     def tick(self, kind: str = "tick", **fields) -> None:
         """A ledger record with this attempt's time so far (rank 0)."""
+        self.ledger.write(kind, **self._times(), **fields)
+
+    def _times(self) -> dict:
         loop = time.perf_counter() - self._loop_t0
-        self.ledger.write(kind, step=self.step, steps_s=round(loop - sum(self._blocked.values()), 3),
-                          checkpoint_s=round(self._blocked["checkpoint"], 3),
-                          evaluation_s=round(self._blocked["evaluation"], 3), **fields)
+        return {"step": self.step, "steps_s": round(loop - sum(self._blocked.values()), 3),
+                "checkpoint_s": round(self._blocked["checkpoint"], 3),
+                "evaluation_s": round(self._blocked["evaluation"], 3)}
 
     def interval(self) -> tuple[dict[str, float], Decision | None]:
         """At a log step, on every rank: (metrics, a decision to act or None)."""
