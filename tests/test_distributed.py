@@ -261,6 +261,24 @@ def test_killed_worker_is_restarted_and_training_completes(tmp_path, tiny_data, 
     # restarted rank's first line may still land at the end of resumption 0's log.
     assert (record.logs(0) + record.logs(1)).count("elastic: workers restarted") == 1
     assert "completed after 6 steps" in record.logs(1) and "completed after" not in record.logs(0)
+    assert "Traceback" not in out + err  # a fault the run recovers from is lines, not rank 0's gloo traceback
+    # Killed k steps after its checkpoint, the run reports k steps lost (recomputed here from its own files:
+    # the last step logged before the restart, metrics.jsonl, and the step resumed from, events.jsonl), as
+    # lost work with the cause the registry knows, not inside recovery.
+    from lmforge.goodput.ledger import PARTS, account, read_ledger
+
+    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()
+             if '"train/loss"' in line]
+    before = steps[:next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])]
+    k = before[-1] - restart[0]["step"]
+    acc = account(read_ledger(str(folder)))
+    (resumed,) = acc["resumptions"]
+    assert k >= 1 and resumed["steps_redone"] == k == acc["steps_lost"] and resumed["from_step"] == before[-1]
+    assert resumed["cause"] == "rank 1 killed by SIGKILL" and acc["parts"]["lost"] > 0
+    assert abs(sum(acc["parts"][p] for p in PARTS) - acc["wall_s"]) < 0.01
+    described = cli("runs", "describe", record.name, check=True).stdout
+    assert f"resumed    at step 3 after rank 1 killed by SIGKILL: {k} step(s) redone" in described
+    assert "restarted  by torchrun (restart 1) from step 3" in described
 
 
 @pytest.mark.e2e

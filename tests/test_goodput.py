@@ -277,3 +277,32 @@ def test_telemetry_in_one_process_stretches_a_slow_section_and_acts_on_an_inject
     assert report["cordon"] == [tel.node] and report["nodes"] == 0 and "is cordoned" in report["stop"]
     assert read_cordon(str(tmp_path))[tel.node]["step"] == 2
     tel.close("stopped")
+
+
+def test_a_killed_attempts_last_steps_are_lost_work_with_the_cause_the_supervisor_saw(tmp_path):
+    """Rank 0 overwrites its progress after every step; killed after step 13 (its last tick at 10), the next
+    attempt keeps that progress in the ledger, resumes from the step-10 checkpoint: 3 steps lost, and the
+    cause is the supervisor's, recorded for the attempt that started before the next one."""
+    from lmforge.goodput.ledger import Ledger, add_cause, read_ledger
+    from lmforge.runs.supervisor import rank_failure
+
+    first = Ledger(str(tmp_path), process_start=time.time() - 10)
+    first.write("start", process_start=first.process_start, step=0)
+    first.write("tick", step=10, steps_s=1.0, checkpoint_s=0.1, evaluation_s=0.0)
+    first.progress(step=13, steps_s=1.3, checkpoint_s=0.1, evaluation_s=0.0)
+    add_cause(str(tmp_path), "rank 1 killed by SIGKILL", started_before=time.time())
+    second = Ledger(str(tmp_path), process_start=time.time() + 0.5)
+    second.attempt += "-2"  # (the same pid here)
+    second.write("start", process_start=second.process_start, step=10)
+    second.progress(step=11, steps_s=0.1, checkpoint_s=0.0, evaluation_s=0.0)
+    acc = account(read_ledger(str(tmp_path)))
+    (r,) = acc["resumptions"]
+    assert (r["step"], r["from_step"], r["steps_redone"], acc["steps_lost"]) == (10, 13, 3, 3)
+    assert r["cause"] == "rank 1 killed by SIGKILL" and acc["parts"]["lost"] == pytest.approx(0.3, abs=1e-3)
+    assert sum(acc["parts"][k] for k in PARTS) == pytest.approx(acc["wall_s"], abs=1e-3)
+    assert "lost work 0.3s (3 steps)" in format_goodput(acc)
+    # which rank died, as a node's torchrun saw it: a kill or a hang before a rank whose peer ended
+    events = [{"event": "rank_failed", "node": "n0", "local_rank": 0, "exit_code": 1, "time": 5.0},
+              {"event": "rank_failed", "node": "n1", "local_rank": 1, "exit_code": -9, "time": 6.0}]
+    assert rank_failure(events, since=1.0) == "local rank 1 on n1 killed by SIGKILL"
+    assert rank_failure(events, since=7.0) is None

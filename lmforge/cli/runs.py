@@ -208,23 +208,63 @@ def cmd_describe(args) -> int:
 
 
 def _goodput(save_folder: str) -> dict:
-    """{"goodput": where the wall time went, "cordoned": the nodes cut out} from a local save folder."""
+    """{"goodput": where the wall time went, "cordoned": the nodes cut out, "timeline": faults injected,
+    conditions flagged and acted on, ranks that failed} from a local save folder."""
+    from lmforge.distributed.elastic import EVENTS_FILE
     from lmforge.goodput.cordon import read_cordon
-    from lmforge.goodput.ledger import account, read_ledger
+    from lmforge.goodput.faults import read_faults
+    from lmforge.goodput.ledger import account, read_jsonl, read_ledger
 
     local = save_folder and "://" not in save_folder
-    return {"goodput": account(read_ledger(save_folder)) if local else None,
-            "cordoned": read_cordon(save_folder) if local else {}}
+    if not local:
+        return {"goodput": None, "cordoned": {}, "timeline": []}
+    kinds = ("straggler", "mfu_drop", "health", "throttle", "goodput_action", "diagnosis", "elastic_restart",
+             "rank_failed")
+    timeline = [{"event": "fault"} | f for f in read_faults(save_folder)]
+    timeline += [e for e in read_jsonl(os.path.join(save_folder, EVENTS_FILE)) if e.get("event") in kinds]
+    return {"goodput": account(read_ledger(save_folder)), "cordoned": read_cordon(save_folder),
+            "timeline": sorted(timeline, key=lambda e: e.get("time", 0))}
+
+
+def _event_text(e: dict) -> str:
+    """One line of a run's goodput timeline."""
+    kind = e["event"]
+    if kind == "fault":
+        return f"fault      {e.get('kind')} injected on rank {e.get('rank')} ({e.get('node')}) after step {e.get('step')}"
+    if kind == "rank_failed":
+        return f"failed     local rank {e.get('local_rank')} on {e.get('node')} (pid {e.get('pid')}): exit {e.get('exit_code')}"
+    if kind == "elastic_restart":
+        return f"restarted  by torchrun (restart {e.get('restart')}) from step {e.get('step')}"
+    if kind == "goodput_action":
+        cordoned = f", cordoned {', '.join(e['cordoned'])}" if e.get("cordoned") else ""
+        return f"action     {e.get('action')} at step {e.get('step')}: {e.get('cause')}{cordoned}"
+    if kind == "diagnosis":
+        failing = "; ".join(f"{n} fails: {why}" for n, why in (e.get("failing") or {}).items()) or "every node passes"
+        return f"diagnosis  at step {e.get('step')}: {failing}"
+    what = f"rank {e.get('rank')} ({e.get('node')})" if e.get("rank") is not None else e.get("node") or "the run"
+    score = f" score {e['score']:.2f}" if isinstance(e.get("score"), (int, float)) and e["score"] else ""
+    detail = e.get("detail") or e.get("reason")
+    return f"flagged    {kind} {what}{score} at step {e.get('step')}" + (f": {detail}" if detail else "")
 
 
 def _goodput_lines(save_folder: str) -> None:
     from lmforge.goodput.ledger import format_goodput
 
     found = _goodput(save_folder)
-    if found["goodput"] is not None:
-        print(f"goodput    {format_goodput(found['goodput'])}")
+    acc = found["goodput"]
+    if acc is not None:
+        print(f"goodput    {format_goodput(acc)}")
+        if acc.get("interval"):
+            i = acc["interval"]
+            print(f"interval   checkpoint every {i.get('steps')} steps from step {i.get('step')}: {i.get('why')}")
+        for r in acc["resumptions"]:
+            print(f"resumed    at step {r['step']} after {r['cause']}: {r['steps_redone']} step(s) redone "
+                  f"({r.get('lost_s', 0):.1f}s lost, from step {r.get('from_step', '?')}), recovery "
+                  f"{r.get('recovery_s', 0):.1f}s, start-up {r.get('startup_s', 0):.1f}s")
     for node, why in found["cordoned"].items():
         print(f"cordoned   {node} at step {why.get('step')}: {why.get('reason')}")
+    for e in found["timeline"]:
+        print(_event_text(e))
 
 
 def cmd_logs(args) -> int:

@@ -81,7 +81,7 @@ class Ledger:
             return
         before = [r for r in read_ledger(os.path.dirname(self.path), progress=False)
                   if r["attempt"] == last["attempt"] and r["kind"] in LAST_KINDS]
-        if before and before[-1]["time"] >= last["time"]:
+        if before and (before[-1]["time"], before[-1].get("step", 0)) >= (last["time"], last.get("step", 0)):
             return
         append(self.path, last)
 
@@ -170,9 +170,14 @@ def _attempts(records: list[dict]) -> list[_Attempt]:
     for rec in records:
         if rec["kind"] == "start":
             out[rec["attempt"]] = _Attempt(rec, rec | {"steps_s": 0.0, "checkpoint_s": 0.0, "evaluation_s": 0.0})
-        elif rec["kind"] in LAST_KINDS and rec["attempt"] in out and rec["time"] >= out[rec["attempt"]].last["time"]:
+        elif rec["kind"] in LAST_KINDS and rec["attempt"] in out and _order(rec) >= _order(out[rec["attempt"]].last):
             out[rec["attempt"]].last = rec
     return sorted(out.values(), key=lambda a: a.start["process_start"])
+
+
+def _order(rec: dict) -> tuple:
+    """Which of an attempt's records is its last: the latest, the furthest step, an end over progress."""
+    return rec["time"], rec.get("step", 0), LAST_KINDS.index(rec["kind"]) if rec["kind"] in LAST_KINDS else -1
 
 
 def account(records: list[dict]) -> dict | None:
