@@ -54,8 +54,18 @@ def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKIL
     if not sys.platform.startswith("linux"):
         return
     _libc().prctl(_PR_SET_PDEATHSIG, int(sig))
-    if expected_parent is not None and os.getppid() != expected_parent:
+    # (a rank forked by torchrun's fork server is a grandchild: the server dies with torchrun)
+    if expected_parent is not None and expected_parent not in (os.getppid(), parent_of(os.getppid())):
         os._exit(1)
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent of process ``pid`` (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def child_dies_with_me():
@@ -104,6 +114,31 @@ def process_started_at(pid: int | None = None) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+_MARKS: dict[str, float] = {}  # when this process reached each stage of its start (`mark`)
+
+
+def mark(stage: str) -> None:
+    """Record when this process reached ``stage`` of its start (the first time): a training attempt's
+    ledger keeps them, so that its start-up can be taken apart (imports, process group, resolution,
+    build and checkpoint load)."""
+    _MARKS.setdefault(stage, time.time())
+
+
+def marks() -> dict[str, float]:
+    return dict(_MARKS)
+
+
+def attempt_started_at() -> float | None:
+    """When this training attempt's process began: this process's start — or, for a rank that torchrun
+    forked from its fork server on the node's first attempt, the fork server's start, whose imports
+    were this rank's start-up (on a restart the fork server was already warm: the fork is the start)."""
+    own = process_started_at()
+    server = os.environ.get("LMFORGE_FORKSERVER_AT")  # (`distributed.torchrun.start_fork_server`)
+    if server and own is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return min(own, float(server))
+    return own
 
 
 def process_alive(pid: int | None, start: str | None) -> bool:

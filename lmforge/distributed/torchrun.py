@@ -28,14 +28,22 @@ import socket
 import sys
 import threading
 import time
+import warnings
 
 from lmforge.config.schema import parse_endpoint
 from lmforge.errors import UserError
 from lmforge.process import node_name, process_alive, read_status
 
+# A rank forked from the fork server runs this module again as multiprocessing's `__mp_main__` (it is the
+# agent's __main__), after the server imported it by its name: runpy warns of the second copy, harmlessly.
+warnings.filterwarnings("ignore", message=r"'lmforge\.distributed\.torchrun' found in sys\.modules",
+                        category=RuntimeWarning)
+
 STATUS_FLAG = "--status-file"
 REJOIN_FLAG = "--rejoin"
 EVENTS_FLAG = "--events-file"
+PRELOAD_FLAG = "--forkserver-preload"
+FORKSERVER_AT = "LMFORGE_FORKSERVER_AT"  # when this node's fork server started (`process.attempt_started_at`)
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
@@ -102,18 +110,22 @@ def check_world(cfg, nproc: int) -> None:
 
 
 def torchrun_command(cfg, nproc: int, argv: list[str], *, max_restarts: int, status_file: str | None = None,
-                     rejoin: list[str] | None = None, events_file: str | None = None) -> list[str]:
+                     rejoin: list[str] | None = None, events_file: str | None = None,
+                     preload: tuple[str, ...] = ()) -> list[str]:
     """The torchrun command for ``nproc`` ranks of ``argv``; ``status_file``: where this node's first
     rank reports (`process.speaks_for_node`; the wrapper watches it, and removes it at the end);
     ``rejoin``: a node other than node 0, the `lmforge` arguments it rejoins with after a goodput
     action (`rejoin`); ``events_file``: where the wrapper records a rank it saw fail (``rank_failed``:
-    the supervisor names the cause from it, whichever node it was on)."""
+    the supervisor names the cause from it, whichever node it was on); ``preload``: the modules a rank
+    imports, imported once per node by a fork server the ranks are forked from (`agent_main`)."""
     c = cfg.compute
     cmd = [sys.executable, "-m", "lmforge.distributed.torchrun"]
     if status_file:
         cmd.append(f"{STATUS_FLAG}={status_file}")
     if events_file:
         cmd.append(f"{EVENTS_FLAG}={events_file}")
+    if preload:
+        cmd.append(f"{PRELOAD_FLAG}={','.join(preload)}")
     if rejoin is not None:
         cmd.append(f"{REJOIN_FLAG}=" + json.dumps({"argv": rejoin, "endpoint": c.rdzv_endpoint,
                                                    "timeout_s": c.rdzv_timeout_s}, separators=(",", ":")))
@@ -153,7 +165,7 @@ class _QuietShutdown(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        if "death signal" in msg or "closing signal" in msg:
+        if "death signal" in msg or "closing signal" in msg or "Terminating process" in msg:
             return False
         if m := _WORKER_FAILED.search(msg):  # one line per rank that failed: no traceback of torchrun's own
             record.exc_info, record.exc_text = None, None
@@ -215,27 +227,83 @@ def _pop_flag(argv: list[str], flag: str) -> str | None:
     return None
 
 
+def start_fork_server(modules: list[str]) -> None:
+    """A process that imports ``modules`` (torch and lmforge's trainer: seconds) once, now — beside
+    torchrun's own start and rendezvous — and forks this node's ranks from then on: the first start pays
+    the imports once per node instead of once per rank, and a restart (torchrun's, after a rank failed)
+    pays none. (multiprocessing's fork server: a single-threaded process, safe to fork from.)"""
+    import multiprocessing.forkserver as forkserver
+
+    os.environ[FORKSERVER_AT] = f"{time.time():.3f}"  # (the server, and so every rank it forks, inherits it)
+    forkserver.set_forkserver_preload(modules)
+    forkserver.ensure_running()
+
+
+def run_module(module: str, *argv: str) -> None:
+    """A rank forked from the fork server: ``python -m module argv`` in this process. Like a rank
+    torchrun starts as a program, it leads a session of its own (its data workers in it; the hang
+    watchdog finds its peers so), and its output is line-buffered."""
+    import runpy
+
+    os.setsid()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True)
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _launch(argv: list[str], forked: bool) -> None:
+    """torchrun's `run` for ``argv``; ``forked``: the ranks are `run_module` forked from the fork server
+    (started by `start_fork_server`) instead of new Python processes."""
+    import uuid
+
+    from torch.distributed.run import config_from_args, elastic_launch, parse_args
+
+    args = parse_args(argv)
+    if args.standalone:  # (as torchrun's own `run` does)
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, cmd, cmd_args = config_from_args(args)
+    if forked:
+        from lmforge.distributed import torchrun as named  # (this module runs as __main__: pickled by its name)
+
+        config.start_method = "forkserver"
+        cmd, cmd_args = named.run_module, [args.training_script, *args.training_script_args]
+    elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+
+
 def agent_main(argv: list[str]) -> int:
     """torchrun, quiet when stopped (its ranks checkpoint and exit; then it does too); on a node other
-    than node 0, after a goodput action, the node rejoins the resumed run (`rejoin`)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import main
-
+    than node 0, after a goodput action, the node rejoins the resumed run (`rejoin`). With
+    ``--forkserver-preload`` the ranks are forked from a fork server (`start_fork_server`)."""
     status_file = _pop_flag(argv, STATUS_FLAG)
     events_file = _pop_flag(argv, EVENTS_FLAG)
+    preload = _pop_flag(argv, PRELOAD_FLAG)
     rejoin_with = _pop_flag(argv, REJOIN_FLAG)
+    if preload:
+        start_fork_server(preload.split(","))
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     # Each rendezvous round gets the ranks a store of its own (hosted by rank 0), not the store torchrun
     # shares across rounds: there, keys of the last round's ranks outlive them, and after a rank died on
     # one node of several, the restarted ranks read a dead peer's address (gloo: "connectFullMesh
     # failed ... Connection refused") until no restart is left (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
+                 "torch.multiprocessing.spawn"):
         logging.getLogger(name).addFilter(_QuietShutdown(status_file, events_file))
     watcher = _StopAtFinalFailure(status_file) if status_file else None
     final: dict = {}
     try:
         try:
-            main(argv)
+            _launch(argv, forked=bool(preload))
         except Exception:  # noqa: BLE001 - e.g. ChildFailedError: no restart left (max_retries: 0) before
             # the watcher saw the report; or the rendezvous lost: another node, stopped first, hosted it
             if isinstance(sys.exc_info()[1], SignalException):

@@ -225,12 +225,37 @@ def plan_rows(run: RunData) -> list[tuple[str, str, str]]:
          (format_eta(elapsed) if elapsed is not None else "-")
          + (f" + ~{format_eta(remaining_s)} to finish" if remaining_s else "")),
     ]
+    rows += goodput_rows((plan.get("view") or {}).get("goodput"), run.goodput)
     price = plan.get("price_per_gpu_hour", (run.config.get("compute") or {}).get("price_per_gpu_hour"))
     if price is not None:
         so_far = last.get("cost/so_far")
         to_finish = cost_to_finish(last.get("cost/per_hour"), remaining_s)
         actual = format_cost(so_far) + (f" + ~{format_cost(to_finish)} to finish" if to_finish else "")
         rows.append((f"cost (at {price:g} per device-hour)", format_cost(est.get("cost")), actual))
+    return rows
+
+
+def goodput_rows(planned: dict | None, measured: dict | None) -> list[tuple[str, str, str]]:
+    """Goodput planned (`plan.goodput`) beside what the run's ledger measured, part by part."""
+    if not planned:
+        return []
+    m = measured or {}
+    wall = m.get("wall_s") or 0.0
+    parts = m.get("parts") or {}
+
+    def share(*keys) -> str:
+        return f"{100 * sum(parts.get(k, 0.0) for k in keys) / wall:.1f}%" if wall else "-"
+
+    p = planned["parts"]
+    durable = planned["tiers"][0]
+    chosen = m.get("interval")
+    rows = [("goodput", f"{100 * planned['goodput']:.1f}% ({planned['interruptions']:.2g} interruption(s) expected)",
+             f"{100 * m['goodput']:.1f}% ({len(m['resumptions'])} resumption(s))" if m else "-"),
+            ("restarts (start-up, recovery)", f"{100 * p['restart']:.1f}%", share("startup", "recovery")),
+            ("lost work", f"{100 * p['lost']:.1f}%", share("lost") + (f" ({m['steps_lost']} steps)" if m else "")),
+            ("checkpoints", f"{100 * p['checkpoint']:.1f}%", share("checkpoint")),
+            ("checkpoint interval", durable["reason"],
+             f"{chosen['steps']} steps from step {chosen['step']}: {chosen['why']}" if chosen else "as planned")]
     return rows
 
 

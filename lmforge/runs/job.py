@@ -22,7 +22,7 @@ from lmforge.distributed.dist import destroy, init_distributed, peer_lost
 from lmforge.distributed.elastic import restart_count
 from lmforge.errors import UserError, environment_error
 from lmforge.say import say
-from lmforge.process import die_with_parent, process_started_at
+from lmforge.process import die_with_parent, mark, process_started_at
 from lmforge.runs.launcher import hold_lock
 from lmforge.runs.plan import LaunchPlan
 from lmforge.runs.store import MirrorCallback, local_folder, open_store
@@ -58,6 +58,7 @@ def lost_peer_line(e: BaseException, rank: int, folder: str) -> str:
 
 def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool = False, log=print) -> TrainResult:
     """Role "train": train (pretraining, continued pretraining or fine-tuning, by ``cfg.task_type``) here."""
+    mark("imported")
     plan = plan or LaunchPlan("train", lock="none")
     cfg = resolve(cfg, until="config").config  # names filled (a config built in-process may leave them out)
     if plan.parent_pid:
@@ -69,10 +70,12 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
     secrets.apply(cfg)  # credentials named by `secrets:` → this process's environment
     log = secrets.redacting(log)
     dist = init_distributed(cfg.compute.device)
+    mark("joined")
     store = None
     try:
         silent = lambda *_: None  # noqa: E731 - other ranks print nothing
         run = resolve(cfg, process_machine(dist), log=log if dist.is_main else silent)
+        mark("resolved")
         callbacks = []
         if dist.is_main:
             callbacks.append(TrackingCallback(cfg.experiment_tracker,
@@ -82,6 +85,7 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
                 callbacks.append(MirrorCallback(store))
         trainer = build_trainer(run, dist, save_folder=local_folder(cfg.save_folder), callbacks=callbacks,
                                 overwrite=overwrite, log=log)
+        mark("built")  # the model, its data and its checkpoint loaded
         result = trainer.fit()
     except (UserError, OSError) as e:
         # A full disk or a read-only / forbidden save folder is the user's to fix, like bad input:

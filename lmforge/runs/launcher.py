@@ -22,6 +22,12 @@ from lmforge.runs.plan import LaunchPlan, with_plan
 from lmforge.runs.store import local_folder
 
 
+# What a rank imports before it trains: a node's fork server imports them once, and torchrun forks the
+# node's ranks from it — at the first start and at every restart (`distributed.torchrun.start_fork_server`).
+RANK_MODULES = ("lmforge.cli.main", "lmforge.cli.train", "lmforge.runs.job", "lmforge.train.build",
+                "lmforge.resolve.steps", "lmforge.train.machine")
+
+
 def hold_lock(cfg: RunConfig, plan: LaunchPlan) -> SaveFolderLock | None:
     """Claim (first process of an unsupervised run) or join (the supervisor claimed it) the lock."""
     if plan.lock == "none":
@@ -57,7 +63,8 @@ def launch(cfg: RunConfig, plan: LaunchPlan, argv: list[str]) -> int:
     # never with --overwrite: rank 0 may be on this node, and the run's checkpoints are what it resumes from.
     rejoin = [a for a in argv if a != "--overwrite"] if watch and cfg.compute.node_rank > 0 else None
     cmd = torchrun_command(cfg, plan.nproc, with_plan(argv, rank), max_restarts=max_restarts, status_file=watch,
-                           rejoin=rejoin, events_file=os.path.join(local_folder(cfg.save_folder), EVENTS_FILE))
+                           rejoin=rejoin, events_file=os.path.join(local_folder(cfg.save_folder), EVENTS_FILE),
+                           preload=RANK_MODULES)
     if plan.nproc > 1:  # torchrun's own default for several ranks per node, set here without its 4-line banner
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if lock is not None:

@@ -40,7 +40,7 @@ from lmforge.goodput.cordon import add_to_cordon, resume_layout
 from lmforge.goodput.diagnosis import verdict
 from lmforge.goodput.faults import FAULT_ENV, Injector, parse_faults
 from lmforge.goodput.health import HealthSampler, InjectedHealth, open_source
-from lmforge.process import node_name, process_started_at
+from lmforge.process import attempt_started_at, marks, node_name
 
 STRETCHED = ("forward", "backward", "optimizer")  # the device's compute: what a slow device (fault) stretches
 
@@ -97,7 +97,7 @@ class Telemetry:
             real = open_source(cfg.health.source, dist.device.type, cfg.health.fatal_xids, log)
             sources = [s for s in (real, injected) if s is not None]
         self.health = HealthSampler(sources, cfg.health.interval_s) if sources else None
-        self.ledger = ledger.Ledger(folder if dist.is_main else None, process_started_at() or time.time())
+        self.ledger = ledger.Ledger(folder if dist.is_main else None, attempt_started_at() or time.time())
         self.node_rank = node_rank  # compute.node_rank of this process
         self.nodes: list[str] = [self.node]  # the node of each rank
         self.node_ranks: dict[str, int] = {self.node: node_rank}  # each node → its node rank
@@ -122,8 +122,10 @@ class Telemetry:
         self.conditions = Conditions(self.cfg, nodes, self.scored)
         self._loop_t0 = self._interval_t0 = time.perf_counter()
         self.step = step
+        # how far into its start-up each stage was reached (`process.mark`: imports, process group, resolution)
+        phases = {k: round(t - self.ledger.process_start, 3) for k, t in marks().items()}
         self.ledger.write("start", process_start=round(self.ledger.process_start, 3), step=step,
-                          world_size=self.dist.world_size, nodes=sorted(set(nodes)))
+                          world_size=self.dist.world_size, nodes=sorted(set(nodes)), phases=phases)
 
     @contextmanager
     def section(self, name: str):
