@@ -125,3 +125,67 @@ def test_save_interval_auto_is_dalys_optimum_in_steps_of_the_plans_step_time():
     hand = _plan(save_interval="100ba")
     assert hand.save_interval == 100 and not hand.goodput.durable.auto
     assert _plan(save_interval=None).save_interval == 1000  # the default rule: ~5 per run, at most 1000
+
+
+def _checkpoint(folder, step: int, *, intact: bool = True, complete: bool = True):
+    """A checkpoint folder as `train.checkpoint` leaves it: files, then the state file with their digests."""
+    import json
+
+    from lmforge.checksums import file_digests
+
+    path = folder / "checkpoints" / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"weights %d" % step)
+    if complete:
+        (path / "lmforge-state.json").write_text(json.dumps({"step": step, "files": file_digests(str(path))}))
+    if not intact:
+        (path / "__0_0.distcp").write_bytes(b"bit rot")
+    return str(path)
+
+
+def test_a_resume_takes_the_newest_intact_checkpoint_of_either_tier(tmp_path):
+    from lmforge.train.checkpoint import newest_checkpoint
+
+    durable, local, lines = tmp_path / "durable", tmp_path / "local", []
+    d10 = _checkpoint(durable, 10)
+    assert newest_checkpoint(str(durable), str(local), lines.append) == d10  # no local tier written yet
+    l14 = _checkpoint(local, 14)
+    assert newest_checkpoint(str(durable), str(local), lines.append) == l14  # the newer tier
+    _checkpoint(local, 16, complete=False)  # half-written: no state file, never a checkpoint
+    assert newest_checkpoint(str(durable), str(local), lines.append) == l14
+    d14 = _checkpoint(durable, 14)
+    assert newest_checkpoint(str(durable), str(local), lines.append) == d14  # a tie: the durable one
+    _checkpoint(local, 18, intact=False)  # a corrupt local copy: the intact one before it, or the durable
+    assert newest_checkpoint(str(durable), str(local), lines.append) == d14 and any("18" in ln for ln in lines)
+    lost = tmp_path / "lost"  # a node whose local disk is gone, and the durable tier's checkpoints
+    _checkpoint(lost, 20, intact=False)  # only a corrupt one there: the durable tier covers it
+    assert newest_checkpoint(str(durable), str(lost), lines.append) == d14
+    assert "the local tier has no intact checkpoint" in lines[-1]
+    assert newest_checkpoint(str(tmp_path / "none"), str(local), lines.append) == l14  # local alone
+
+
+def test_an_auto_interval_follows_the_measured_checkpoint_time_and_the_failures_seen():
+    from lmforge.goodput.interval import MIN_SAMPLES, CheckpointSchedule, History
+
+    gp = plan_goodput(devices=4, nodes=2, device="cpu", params=10**6, trained=10**6, optimizer="adamw",
+                      step_s=0.04, run_s=600.0, total_steps=15000, async_checkpoint=False,
+                      failures_per_device_hour=1.0, restart_s=5.0)
+    m = gp.mtbf_s
+    assert m == 900.0
+    s = CheckpointSchedule(gp, gp.durable.interval_steps, history=History())
+    assert s.due(gp.durable.interval_steps) == "durable" and s.due(gp.durable.interval_steps + 1) is None
+    lines = [s.measured("durable", 0.2, 0.04, step) for step in range(MIN_SAMPLES)]
+    assert lines[:-1] == [None, None] and lines[-1] is not None  # re-estimated after MIN_SAMPLES
+    tau = math.sqrt(2 * 0.2 * m) * (1 + math.sqrt(0.2 / (2 * m)) / 3 + 0.2 / (18 * m)) - 0.2
+    assert s.every() == round(tau / 0.04) and "the median of 3 measured" in lines[-1]
+    assert s.measured("durable", 0.21, 0.04, 9) is None  # within CHANGE: no change, no line
+    # failures seen: 3 in 600 s of wall, the planned rate (one per 900 s) worth one more
+    seen = CheckpointSchedule(gp, gp.durable.interval_steps, history=History(failures=3, wall_s=600.0))
+    assert seen.mtbf_s() == pytest.approx((600 + 900) / 4)
+    assert seen.start(0.04) and seen.every() < gp.durable.interval_steps  # more often from the start
+    assert History.of({"wall_s": 10.0, "resumptions": [{"cause": "ended stopped"},
+                                                      {"cause": "rank 1 killed by SIGKILL", "recovery_s": 1.0,
+                                                       "startup_s": 2.0}]}) == History(1, 10.0, 3.0)
+    hand = CheckpointSchedule(gp, 7, 3)
+    hand.tiers[0].auto = False
+    assert hand.due(21) == "durable" and hand.due(9) == "local" and hand.due(8) is None

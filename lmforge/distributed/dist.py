@@ -113,6 +113,11 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def all_ranks(flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is true on every rank (one small all-reduce)."""
+    return not any_rank(not flag, device)
+
+
 def broadcast_object(obj, src: int = 0):
     """Send a picklable object from rank ``src`` to every rank (identity when single process)."""
     if not (td.is_available() and td.is_initialized()):

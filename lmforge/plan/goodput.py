@@ -167,6 +167,7 @@ class GoodputPlan:
     failure_source: str
     mtbf_s: float
     run_s: float  # the steps' planned seconds (without failures)
+    total_steps: int | None  # the run's steps (None: a wall-clock run)
     interruptions: float  # expected over the run's wall time
     checkpoint_bytes: float
     restart_s: float
@@ -254,7 +255,7 @@ def plan_goodput(*, devices: int, nodes: int, device: str, params: int, trained:
                        for t in tiers], mtbf, restart_s, run)
     wall = run_s / used["goodput"] if used["goodput"] > 0 else math.inf
     plan = GoodputPlan(devices=devices, failures_per_device_hour=rate, failure_source=failure_source, mtbf_s=mtbf,
-                       run_s=run_s, interruptions=wall / mtbf, checkpoint_bytes=size, restart_s=restart_s,
+                       run_s=run_s, total_steps=total_steps, interruptions=wall / mtbf, checkpoint_bytes=size, restart_s=restart_s,
                        restart_source=restart_source, step_s=step_s, tiers=tuple(tiers), goodput=used["goodput"],
                        parts=used, optimal_goodput=best["goodput"])
     return _with_note(plan)

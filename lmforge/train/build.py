@@ -21,6 +21,7 @@ Nothing here steps, evaluates or saves: that is `train.trainer`'s.
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from functools import partial
 from typing import Callable, Sequence
@@ -31,14 +32,15 @@ from lmforge.config.identity import run_identity
 from lmforge.data.batch import StreamLayout
 from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
-from lmforge.distributed.dist import DistInfo, barrier, broadcast_object
+from lmforge.distributed.dist import DistInfo, all_ranks, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.float8 import FP8Options
 from lmforge.distributed.parallelize import materialize, parallelize
 from lmforge.errors import UserError
 from lmforge.eval.in_training import load_icl
 from lmforge.goodput.conditions import scored_sections
-from lmforge.layout import read_run_file
+from lmforge.goodput.interval import CheckpointSchedule
+from lmforge.layout import STATE_FILE, read_run_file
 from lmforge.models import build_model
 from lmforge.models.lora import apply_lora
 from lmforge.models.resize import extend_embeddings
@@ -127,7 +129,9 @@ def build_parts(run: ResolvedRun, dist: DistInfo, save_folder: str, callbacks: C
         watchdog=HangWatchdog(cfg.compute.hang_timeout, rank=dist.rank,
                               on_hang=partial(dump_and_exit, restarts=cfg.max_retries > 0)),
         telemetry=Telemetry(cfg.goodput, dist, folder=save_folder, log=log,
-                            scored=scored_sections(layout, plan.optimizer), node_rank=cfg.compute.node_rank))
+                            scored=scored_sections(layout, plan.optimizer), node_rank=cfg.compute.node_rank,
+                            schedule=CheckpointSchedule(plan.goodput, plan.save_interval, plan.local_interval)),
+        local_folder=cfg.local_checkpoints.folder if cfg.local_checkpoints else None)
 
 
 def claim_save_folder(cfg, dist: DistInfo, save_folder: str, callbacks: Callbacks, *, overwrite: bool,
@@ -135,6 +139,7 @@ def claim_save_folder(cfg, dist: DistInfo, save_folder: str, callbacks: Callback
     """Same run in the folder → the latest checkpoint to resume from and the files whose digests rank
     0 checked in choosing it (or COMPLETE); another run → refuse."""
     identity = run_identity(cfg)
+    local = cfg.local_checkpoints.folder if cfg.local_checkpoints else None
     previous = read_run_file(save_folder) if dist.is_main else None
     if dist.is_main:
         callbacks.before_resume(save_folder)
@@ -142,11 +147,13 @@ def claim_save_folder(cfg, dist: DistInfo, save_folder: str, callbacks: Callback
                                             all_local=not is_remote(cfg.save_folder))
         callbacks.resume_decided(save_folder, can_resume and cfg.autoresume, overwrite)
         ckpt.write_run_file(save_folder, identity, redact_config(cfg.model_dump(mode="json")))
+        if local is not None:  # the local tier: the same rules (this run's, or refused; --overwrite clears it)
+            claim_local_folder(local, identity, cfg, overwrite=overwrite)
     barrier()
     latest, checked = None, []
     if cfg.autoresume and dist.is_main:  # rank 0 checks the digests; every rank loads its pick
         try:
-            latest = ckpt.intact_checkpoint(save_folder, log)
+            latest = ckpt.newest_checkpoint(save_folder, local, log)
         except UserError:
             final = ckpt.completed_final(save_folder, previous, str(cfg.training_duration))
             if final is None:
@@ -155,7 +162,25 @@ def claim_save_folder(cfg, dist: DistInfo, save_folder: str, callbacks: Callback
                 "is: nothing to train")
             latest = COMPLETE
         checked = ckpt.files_here(latest) if latest and latest != COMPLETE else []
-    return broadcast_object((latest, checked))
+    latest, checked = broadcast_object((latest, checked))
+    if local is not None and latest and latest.startswith(os.path.join(local, "")) and \
+            not all_ranks(os.path.isfile(os.path.join(latest, STATE_FILE)), dist.device):
+        # a local tier another node cannot read (its own disk): the durable tier's newest instead
+        log(f"warning: {latest} is not readable on every node; resuming from the save_folder's newest checkpoint")
+        latest = ckpt.intact_checkpoint(save_folder, log) if dist.is_main else None
+        checked = ckpt.files_here(latest) if latest else []
+        latest, checked = broadcast_object((latest, checked))
+    return latest, checked
+
+
+def claim_local_folder(folder: str, identity: dict, cfg, *, overwrite: bool) -> None:
+    """The local tier's folder, claimed as the save folder is (rank 0): this run's, resumed; another
+    run's, refused (one line naming local_checkpoints.folder); --overwrite, cleared."""
+    try:
+        ckpt.check_save_folder(folder, identity, overwrite=overwrite, autoresume=cfg.autoresume)
+    except UserError as e:
+        raise UserError(str(e).replace(f"save_folder {folder}", f"local_checkpoints.folder {folder}")) from None
+    ckpt.write_run_file(folder, identity, redact_config(cfg.model_dump(mode="json")))
 
 
 def build_wrapped_model(run: ResolvedRun, dist: DistInfo, *, from_weights: bool,

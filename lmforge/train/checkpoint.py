@@ -280,6 +280,29 @@ def intact_checkpoint(save_folder: str, log=print) -> str | None:
     return None
 
 
+def newest_checkpoint(save_folder: str, local_folder: str | None, log=print) -> str | None:
+    """The checkpoint a run resumes from with a local tier (``local_checkpoints``): the newest intact one
+    of either tier, the durable one on a tie. A local tier with none intact (a corrupt or half-written
+    copy, a node's disk lost) is passed over with a warning: the durable tier covers it. UserError when
+    neither tier has an intact checkpoint but one has damaged ones, as without a local tier."""
+    if not local_folder:
+        return intact_checkpoint(save_folder, log)
+    try:
+        durable, error = intact_checkpoint(save_folder, log), None
+    except UserError as e:
+        durable, error = None, e
+    try:
+        local = intact_checkpoint(local_folder, log)
+    except UserError as e:
+        log(f"warning: the local tier has no intact checkpoint ({e}); resuming from the save_folder's")
+        local = None
+    if local is not None and (durable is None or checkpoint_step(local) > checkpoint_step(durable)):
+        return local
+    if durable is None and error is not None:
+        raise error
+    return durable
+
+
 def completed_final(save_folder: str, previous: dict | None, duration: str) -> str | None:
     """The intact ``final/`` of a run that already completed this very ``training_duration``
     (``previous``: the folder's run.json before this start), else None. Such a run is complete

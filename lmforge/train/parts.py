@@ -37,3 +37,4 @@ class TrainingParts:
     stop: GracefulStop
     watchdog: HangWatchdog
     telemetry: Telemetry
+    local_folder: str | None = None  # the local checkpoint tier (`local_checkpoints`), if any

@@ -13,6 +13,9 @@ The loop calls, on every rank, in this order:
   numbers on every rank, so the same decision — flagged ranks as events (rank 0 writes
   ``events.jsonl``), scores and health as metrics, and the `Decision` to act, if any;
 - `blocked(kind)` around checkpoint writes and evaluation (for the goodput ledger);
+- `checkpoint_due(step)` and, after each checkpoint, `checkpointed(tier)`: the checkpoint schedule
+  (`goodput.interval`: with ``save_interval: auto`` re-estimated from the slowest rank's measured
+  blocking time, the step time and the failures the run has seen — the same numbers on every rank);
 - `act(decision)` after the checkpoint a decision asks for: the diagnostic sweep
   (`distributed.diagnose`), the cordon list, the events; returns what the job reports to the
   supervisor, which resumes on the nodes left.
@@ -39,6 +42,7 @@ from lmforge.goodput.conditions import ROW, SECTIONS, Conditions, Decision
 from lmforge.goodput.cordon import add_to_cordon, resume_layout
 from lmforge.goodput.diagnosis import verdict
 from lmforge.goodput.faults import FAULT_ENV, Injector, parse_faults
+from lmforge.goodput.interval import CheckpointSchedule, History
 from lmforge.goodput.health import HealthSampler, InjectedHealth, open_source
 from lmforge.process import attempt_started_at, marks, node_name
 
@@ -81,7 +85,7 @@ class _Timer:
 
 class Telemetry:
     def __init__(self, cfg: GoodputConfig, dist, *, folder: str, log, scored: tuple[str, ...] = SECTIONS,
-                 node_rank: int = 0, environ=None):
+                 node_rank: int = 0, environ=None, schedule: CheckpointSchedule | None = None):
         import os
 
         environ = os.environ if environ is None else environ
@@ -104,7 +108,10 @@ class Telemetry:
         self.conditions: Conditions | None = None
         self._interval_t0 = 0.0
         self._steps = 0
+        self._steps_total = 0  # steps of this attempt
         self._blocked = {"checkpoint": 0.0, "evaluation": 0.0}
+        self._last_blocked = 0.0  # seconds of the last `blocked` section
+        self.schedule = schedule or CheckpointSchedule(None, 1 << 62)
         self._blocked_mark = 0.0  # blocked seconds at the start of this interval
         self._loop_t0 = 0.0
         self.step = 0
@@ -126,6 +133,7 @@ class Telemetry:
         phases = {k: round(t - self.ledger.process_start, 3) for k, t in marks().items()}
         self.ledger.write("start", process_start=round(self.ledger.process_start, 3), step=step,
                           world_size=self.dist.world_size, nodes=sorted(set(nodes)), phases=phases)
+        self._start_schedule()
 
     @contextmanager
     def section(self, name: str):
@@ -156,6 +164,7 @@ class Telemetry:
     def after_step(self, step: int, model: torch.nn.Module) -> None:
         self.step = step
         self._steps += 1
+        self._steps_total += 1
         self.ledger.progress(**self._times())  # a kill leaves this as the attempt's last record
         if self.faults.active and self.faults.after_step(step):
             with torch.no_grad():
@@ -167,7 +176,53 @@ class Telemetry:
         try:
             yield
         finally:
-            self._blocked[kind] += time.perf_counter() - t0
+            self._last_blocked = time.perf_counter() - t0
+            self._blocked[kind] += self._last_blocked
+
+    # ------------------------------------------------------------------ the checkpoint schedule
+
+    def checkpoint_due(self, step: int) -> str | None:
+        """The tier a checkpoint after ``step`` goes to ("durable" | "local"), or None."""
+        return self.schedule.due(step)
+
+    def checkpointed(self, tier: str) -> None:
+        """After a checkpoint (its `blocked` section just ended), on every rank: the slowest rank's
+        blocking time and step time re-estimate an ``auto`` interval. Collective."""
+        times = self._times()
+        step_s = times["steps_s"] / max(1, self._steps_total)
+        blocking, step_s = self._max([self._last_blocked, step_s])
+        line = self.schedule.measured(tier, blocking, step_s, self.step)
+        self.ledger.write("checkpoint", tier=tier, step=self.step, blocking_s=round(blocking, 4))
+        if line:
+            self.log(line)
+            self._interval_record(tier)
+
+    def _start_schedule(self) -> None:
+        """The failures the run has seen before this attempt (rank 0's ledger, broadcast) set the
+        schedule's failure rate; each tier's interval is recorded with why."""
+        history = History.of(ledger.account(ledger.read_ledger(self.folder))) if self.dist.is_main else None
+        if self.dist.distributed:
+            box = [history]
+            torch.distributed.broadcast_object_list(box, src=0)
+            history = box[0]
+        self.schedule.history = history
+        plan = self.schedule.plan
+        for line in self.schedule.start(plan.step_s if plan else 0.0):
+            self.log(line)
+        for t in self.schedule.tiers:
+            self._interval_record(t.name)
+
+    def _interval_record(self, tier: str) -> None:
+        self.ledger.write("interval", tier=tier, steps=self.schedule.every(tier), step=self.step,
+                          why=self.schedule.why(tier))
+
+    def _max(self, values: list[float]) -> list[float]:
+        """The maximum of each value over the ranks (one small all-reduce)."""
+        if not self.dist.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.dist.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return t.tolist()
 
     def tick(self, kind: str = "tick", **fields) -> None:
         """A ledger record with this attempt's time so far (rank 0)."""

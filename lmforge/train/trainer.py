@@ -135,6 +135,7 @@ class Trainer:
         self.data, self.stream, self.eval_sets = parts.data, parts.stream, parts.eval_sets
         self.icl, self.expert_health, self.saver = parts.icl, parts.expert_health, parts.saver
         self.stop, self.watchdog, self.telemetry = parts.stop, parts.watchdog, parts.telemetry
+        self.local_folder = parts.local_folder  # the local checkpoint tier, if any
         self.resumed = bool(parts.resume_from)
         self.sequence_group = self.model.sequence_group  # context parallelism: the ranks a row is split over
         self._schedule_signature = self.plan.schedule.signature(self.plan.learning_rate)
@@ -270,15 +271,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self) -> None:
-        """A checkpoint of the current step (asynchronous when compute.async_checkpoint). Collective."""
+    def save(self, tier: str = "durable") -> None:
+        """A checkpoint of the current step (asynchronous when compute.async_checkpoint) to ``tier``: the
+        save folder ("durable"), or the local tier ("local"; its own keep-N, not mirrored). Collective."""
         self.state.elapsed_s = self._elapsed()
         state = self.state.state_dict() | {
             "data": self.stream.state_dict(), "world_size": self.dist.world_size,
             "config": redact_config(self.cfg.model_dump(mode="json"))}
-        ckpt.save_checkpoint(self.save_folder, self.state.step, self.model, self.optimizer, state,
-                             rank=self.dist.rank, keep=self.cfg.save_num_checkpoints_to_keep, pending=self.saver,
-                             on_complete=self.callbacks.on_checkpoint if self.dist.is_main else None)
+        local = tier == "local"
+        ckpt.save_checkpoint(self.local_folder if local else self.save_folder, self.state.step, self.model,
+                             self.optimizer, state, rank=self.dist.rank, pending=self.saver,
+                             keep=self.cfg.local_checkpoints.keep if local else self.cfg.save_num_checkpoints_to_keep,
+                             on_complete=self.callbacks.on_checkpoint if self.dist.is_main and not local else None)
 
     def export(self) -> str | None:
         """The run's ``final/`` (on rank 0; every rank takes part in gathering sharded weights)."""
@@ -360,7 +364,8 @@ class Trainer:
             # The last step is logged also when a stop ends the run: its checkpoint, the registry and
             # the report then agree on where it stopped.
             log_now = state.step % self.cfg.log_interval == 0 or state.step == 1 or done or stop
-            save_now = (state.step % plan.save_interval == 0 and not done) or stop
+            tier = None if done else self.telemetry.checkpoint_due(state.step)  # "durable" | "local" | None
+            save_now = tier is not None or stop
             decision = None
             if log_now or save_now:  # the only points that wait for the device
                 first = state.step - len(window) + 1
@@ -381,8 +386,10 @@ class Trainer:
                 with self.watchdog.paused(), self.telemetry.blocked("evaluation"):
                     self.evaluate_icl()
             if save_now:
+                tier = "durable" if stop or decision is not None else tier  # a stop or an action: the durable one
                 with self.watchdog.paused(), self.telemetry.blocked("checkpoint"):
-                    self.save()
+                    self.save(tier)
+                self.telemetry.checkpointed(tier)  # its blocking time: an auto interval re-estimated (collective)
             self.watchdog.beat(state.step)
             if save_now and decision is not None:
                 return self._act(decision)
