@@ -339,13 +339,35 @@ def goodput_row(name: str, folder: Path, log_interval: int = 1) -> dict:
     flagged_after = None
     if flags and name.startswith("slow"):  # log intervals from the first slow step
         flagged_after = -(-(flags[0]["step"] - SLOW_FROM + 1) // log_interval)
+    plan = (json.loads((folder / "plan.json").read_text()).get("view") or {}).get("goodput") \
+        if (folder / "plan.json").exists() else None
     return {"fault": name, "detected_s": None if t_detect is None or t_fault is None else round(t_detect - t_fault, 1),
+            "planned": plan["goodput"] if plan else None, "per_fault": per_fault(ledger, events, fired),
             "flagged_after_intervals": flagged_after, "action": action,
             "recovered_s": round(nxt["time"] - t_detect, 1) if nxt and t_detect else None,
             "steps_lost": sum(r["steps_redone"] for r in acc["resumptions"]), "goodput": round(acc["goodput"], 3),
             "wall_s": round(acc["wall_s"], 1), "parts": acc["parts"],
             "false_flags": len([f for f in flags if f["node"] != "node1"]),
             "completed": (folder / "final" / "model.safetensors").exists()}
+
+
+def per_fault(ledger: list[dict], events: list[dict], fired: list[dict]) -> list[dict]:
+    """Each fault that fired: when it was detected (a node's torchrun saw a rank fail, or a condition's
+    record) and the seconds from there to the next attempt's first step (its loop's start)."""
+    starts = [r for r in ledger if r["kind"] == "start"]
+    detections = [r["time"] for r in ledger if r["kind"] == "detected"] + \
+        [e["time"] for e in events if e.get("event") == "rank_failed"]
+    out, seen = [], set()
+    for f in sorted(fired, key=lambda f: f["time"]):
+        if f["kind"] in seen or f["kind"] not in ("kill", "stop", "xid"):
+            continue
+        seen.add(f["kind"])  # (each of a node's ranks records a node-wide fault)
+        nxt = next((r for r in starts if r["process_start"] > f["time"]), None)
+        found = [t for t in detections if t >= f["time"] and (nxt is None or t <= nxt["time"])]
+        detect = min(found) if found else None
+        out.append({"fault": f["kind"], "step": f["step"], "detected_s": round(detect - f["time"], 1) if detect else None,
+                    "recovered_s": round(nxt["time"] - detect, 1) if nxt and detect else None})
+    return out
 
 
 def same_weights(a: Path, b: Path) -> str:
@@ -415,22 +437,93 @@ def clean_run(minutes: float, work: Path, data: Path, tok: Path, log_interval: i
             "max_score_max": scores[-1] if scores else None}
 
 
-def three_faults(minutes: float, work: Path, data: Path, tok: Path, step_s: float) -> dict:
+def three_faults(minutes: float, work: Path, data: Path, tok: Path, step_s: float, startup_s: float, *,
+                 save_every: int | None = None, local: bool = True, hang_timeout: float = 15.0) -> dict:
     """A 2 × 2 run sized to ``minutes`` at ``step_s`` per step (the reference's), through three faults at
     a quarter, half and three quarters of its steps — a killed rank (torchrun restarts the ranks), a
     stopped rank (the hang watchdog, then a restart) and a fatal XID on node1 (cordoned: node 0 goes on
-    alone) — with a checkpoint every ~15 s: its goodput and where the rest of the wall time went."""
+    alone). Checkpoints: ``save_interval: auto`` (or every ``save_every`` steps) and, with ``local``, a
+    local tier in /dev/shm at its own auto interval. The run is planned with the scenario's failure rate
+    (three interruptions of 4 ranks in ``minutes``) and a restart of the reference's start-up plus the
+    mean detection (a kill ~0.5 s, the hang its timeout, an XID at once): its planned goodput is
+    reported beside the measured one, and beside the model evaluated with the run's own measured inputs."""
     steps = max(40, int(minutes * 60 / step_s))
-    every = max(3, int(15 / step_s))
     q = steps // 4
     fault = (f"kill:node=node1:local_rank=1:step={q},stop:node=node0:local_rank=1:step={2 * q},"
              f"xid:node=node1:step={3 * q}:code=79")
     name = "gp-three"
-    run_nodes(node_config(work, name, data, tok, steps, {"compute": {"hang_timeout": 15}}, save_every=every),
-              work, work / "home", fault, timeout=minutes * 60 * 3 + 900)
+    rate = 3 / (4 * minutes / 60)  # per rank and hour
+    restart = startup_s + (0.5 + hang_timeout + 0.1) / 3
+    extra = {"compute": {"hang_timeout": hang_timeout},
+             "goodput": {"failures_per_gpu_hour": round(rate, 4), "restart_s": round(restart, 2)}}
+    cfg = node_config(work, name, data, tok, steps, extra, save_every=save_every or 1)
+    doc = yaml.safe_load(cfg.read_text())
+    doc["save_interval"] = f"{save_every}ba" if save_every else "auto"
+    shm = Path("/dev/shm") / f"lmforge-bench-{os.getpid()}-{name}"
+    if local:
+        doc["local_checkpoints"] = {"folder": str(shm), "interval": "auto", "keep": 2}
+    cfg.write_text(yaml.safe_dump(doc))
+    try:
+        run_nodes(cfg, work, work / "home", fault, timeout=minutes * 60 * 3 + 900)
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
     row = goodput_row("three faults", work / name)
     fired = list(dict.fromkeys(f["kind"] for f in _jsonl(work / name / "faults.jsonl")))  # (a node's ranks each)
-    return row | {"steps": steps, "save_every": every, "faults": fault, "fired": fired}
+    return row | {"steps": steps, "save_every": doc["save_interval"], "local": local, "faults": fault,
+                  "fired": fired, "hang_timeout": hang_timeout, "model": model_check(work / name)}
+
+
+def model_check(folder: Path) -> dict:
+    """The goodput model (`plan.goodput`) against what the run measured: the plan's projection, made
+    before the run, and the model evaluated with the run's own inputs — its failures over its wall, its
+    restarts (recovery + start-up), its checkpoints' median blocking time per tier, the intervals it
+    used and its step time — beside the measured goodput."""
+    import statistics
+
+    from lmforge.goodput.ledger import account, read_ledger
+    from lmforge.plan.goodput import Tier, goodput_at
+
+    ledger = read_ledger(str(folder))
+    acc = account(ledger)
+    plan = (json.loads((folder / "plan.json").read_text()).get("view") or {}).get("goodput") \
+        if (folder / "plan.json").exists() else None
+    ends = [r for r in ledger if r["kind"] in ("end", "last", "tick")]
+    steps_s = sum(a.get("steps_s", 0) for a in _last_per_attempt(ledger))
+    steps = sum(max(0, a.get("step", 0) - s) for a, s in _span_per_attempt(ledger))
+    step_s = steps_s / steps if steps else 0.0
+    failures = [r for r in acc["resumptions"] if not str(r["cause"]).startswith("ended ")]
+    restart = statistics.mean(r["recovery_s"] + r["startup_s"] for r in failures) if failures else 0.0
+    mtbf = acc["wall_s"] / len(failures) if failures else float("inf")
+    tiers = []
+    for tier in ("durable", "local"):
+        blocking = [r["blocking_s"] for r in ledger if r["kind"] == "checkpoint" and r.get("tier") == tier]
+        every = [r["steps"] for r in ledger if r["kind"] == "interval" and r.get("tier") == tier]
+        if every:
+            covers = next((t["covers"] for t in (plan or {}).get("tiers", []) if t["tier"] == tier), 1.0)
+            tiers.append(Tier(tier, statistics.median(blocking) if blocking else 0.0, 0.0,
+                              statistics.mean(every) * step_s, covers))
+    model = goodput_at(tiers, mtbf, restart, run_s=steps_s) if tiers and ends else None
+    return {"planned": plan["goodput"] if plan else None, "planned_parts": plan["parts"] if plan else None,
+            "with_measured_inputs": model["goodput"] if model else None, "model_parts": model,
+            "measured": acc["goodput"], "inputs": {"mtbf_s": mtbf, "restart_s": restart, "step_s": step_s,
+                                                   "tiers": [t.__dict__ for t in tiers]}}
+
+
+def _last_per_attempt(ledger: list[dict]) -> list[dict]:
+    from lmforge.goodput.ledger import LAST_KINDS
+
+    last: dict[str, dict] = {}
+    for r in ledger:
+        if r["kind"] in LAST_KINDS and (r["attempt"] not in last or r["time"] >= last[r["attempt"]]["time"]):
+            last[r["attempt"]] = r
+    return list(last.values())
+
+
+def _span_per_attempt(ledger: list[dict]) -> list[tuple[dict, int]]:
+    starts = {r["attempt"]: r.get("step", 0) for r in ledger if r["kind"] == "start"}
+    return [(r, starts.get(r["attempt"], 0)) for r in _last_per_attempt(ledger)]
 
 
 def hook_cost(sections_per_step: int, folder: Path) -> dict:
@@ -487,9 +580,9 @@ def telemetry_overhead(pairs: int, work: Path, data: Path, tok: Path, steps: int
             "hooks_share": round(cost["per_step_us"] / (1e6 * off), 5)}
 
 
-def _step_s(work: Path, data: Path, tok: Path) -> float:
+def _step_s(work: Path, data: Path, tok: Path) -> tuple[float, float]:
     """Seconds per step of the 2 × 2 reference, the median over its log steps (the first ones, slower,
-    aside); run now when the goodput rows did not."""
+    aside), and its start-up; run now when the goodput rows did not."""
     import statistics
 
     from lmforge.goodput.ledger import read_ledger
@@ -497,13 +590,16 @@ def _step_s(work: Path, data: Path, tok: Path) -> float:
     ref = work / "gp-reference"
     if not (ref / "final").exists():
         run_nodes(node_config(work, "gp-reference", data, tok, 60, {}), work, work / "home", "")
-    ticks = [r for r in read_ledger(str(ref)) if r["kind"] == "tick"]
-    return statistics.median(b["steps_s"] - a["steps_s"] for a, b in zip(ticks[3:], ticks[4:]) if b["step"] > a["step"])
+    ledger = read_ledger(str(ref))
+    ticks = [r for r in ledger if r["kind"] == "tick"]
+    start = next(r for r in ledger if r["kind"] == "start")
+    step_s = statistics.median(b["steps_s"] - a["steps_s"] for a, b in zip(ticks[3:], ticks[4:]) if b["step"] > a["step"])
+    return step_s, start["time"] - start["process_start"]
 
 
 def print_goodput(rows: list[dict], overhead: dict | None, clean: dict | None, three: dict | None) -> None:
     if rows:
-        print("\n| fault | detected after (s) | action | recovered after (s) | steps lost | goodput | wall (s) | "
+        print("\n| fault | detected after (s) | action | recovered after (s) | steps lost | goodput (planned) | wall (s) | "
               "final weights |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
@@ -513,6 +609,9 @@ def print_goodput(rows: list[dict], overhead: dict | None, clean: dict | None, t
             print(f"| {r['fault']}{extra} | {r['detected_s'] if r['detected_s'] is not None else '-'}{flag} | "
                   f"{r['action'] if not r['fault'].startswith('none') else '-'} | "
                   f"{r['recovered_s'] if r['recovered_s'] is not None else '-'} | {r['steps_lost']} | "
+                  f"{100 * r['goodput']:.1f}% ({100 * r['planned']:.1f}%) | {r['wall_s']} | {r['weights']} |"
+                  if r.get("planned") is not None else
+                  f"{r['recovered_s'] if r['recovered_s'] is not None else '-'} | {r['steps_lost']} | "
                   f"{100 * r['goodput']:.1f}% | {r['wall_s']} | {r['weights']} |")
     if clean:
         print(f"\nclean 2 × 2 run, {clean['minutes']:g} min of training ({clean['steps']} steps, log_interval "
@@ -521,9 +620,16 @@ def print_goodput(rows: list[dict], overhead: dict | None, clean: dict | None, t
               f"{clean['max_score_median']}, p99 {clean['max_score_p99']}, max {clean['max_score_max']}")
     if three:
         parts = ", ".join(f"{k} {v:.1f}s" for k, v in three["parts"].items())
-        print(f"\nthree faults ({', '.join(three['fired'])}) in {three['steps']} steps (checkpoint every "
-              f"{three['save_every']}): goodput {100 * three['goodput']:.1f}% of {three['wall_s']}s wall "
-              f"({parts}); steps lost {three['steps_lost']}")
+        m = three["model"]
+        pct = lambda x: f"{100 * x:.1f}%" if x is not None else "-"  # noqa: E731
+        print(f"\nthree faults ({', '.join(three['fired'])}) in {three['steps']} steps (save_interval "
+              f"{three['save_every']}{', local tier in /dev/shm' if three['local'] else ''}, hang_timeout "
+              f"{three['hang_timeout']:g}s): goodput {100 * three['goodput']:.1f}% of {three['wall_s']}s wall "
+              f"({parts}); steps lost {three['steps_lost']}; recovery per fault (detection → first step): "
+              f"{three['per_fault']}")
+        print(f"  goodput planned {pct(m['planned'])} (before the run), the model with the run's measured inputs "
+              f"{pct(m['with_measured_inputs'])}, measured {pct(m['measured'])}; inputs measured: "
+              f"{json.dumps(m['inputs'], default=str)}")
     if overhead:
         h = overhead["hooks"]
         print(f"\ntelemetry on/off ({overhead['pairs']} interleaved pairs, medians): step {overhead['step_ms_on']} ms "
@@ -550,6 +656,10 @@ def main() -> None:
     ap.add_argument("--clean-minutes", type=float, default=0, help="a fault-free 2 × 2 run this long: its false flags")
     ap.add_argument("--three-faults", type=float, default=0, metavar="MINUTES",
                     help="a 2 × 2 run about this long through three faults: its goodput")
+    ap.add_argument("--save-every", type=int, default=None, metavar="STEPS",
+                    help="--three-faults: checkpoint every STEPS steps (default: save_interval: auto)")
+    ap.add_argument("--no-local", action="store_true", help="--three-faults: no local checkpoint tier")
+    ap.add_argument("--hang-timeout", type=float, default=15.0, help="--three-faults: compute.hang_timeout (s)")
     ap.add_argument("--overhead", type=int, default=0, metavar="PAIRS", help="telemetry on/off, interleaved")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
@@ -569,8 +679,9 @@ def main() -> None:
         clean = clean_run(args.clean_minutes, work, data, tok, args.log_interval) if args.clean_minutes else None
         three = None
         if args.three_faults:
-            step_s = _step_s(work, data, tok)
-            three = three_faults(args.three_faults, work, data, tok, step_s)
+            step_s, startup_s = _step_s(work, data, tok)
+            three = three_faults(args.three_faults, work, data, tok, step_s, startup_s, save_every=args.save_every,
+                                 local=not args.no_local, hang_timeout=args.hang_timeout)
         overhead = telemetry_overhead(args.overhead, work, data, tok, 600) if args.overhead else None
     if args.json:
         print(json.dumps({"seed": seed, "results": results, "stop": stops, "goodput": gp, "clean": clean,

@@ -77,7 +77,7 @@ TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.layout", "lmf
               "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.data.gguf_vocab", "lmforge.scaling.plan",
               "lmforge.scaling.fit", "lmforge.scaling.predict", "lmforge.goodput.conditions",
               "lmforge.goodput.health", "lmforge.goodput.diagnosis", "lmforge.goodput.cordon",
-              "lmforge.goodput.ledger", "lmforge.goodput.faults"]
+              "lmforge.goodput.ledger", "lmforge.goodput.faults", "lmforge.plan.goodput", "lmforge.goodput.interval"]
 
 
 def imports_of(path: Path) -> set[str]:

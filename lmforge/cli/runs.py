@@ -254,9 +254,9 @@ def _goodput_lines(save_folder: str) -> None:
     acc = found["goodput"]
     if acc is not None:
         print(f"goodput    {format_goodput(acc)}")
-        if acc.get("interval"):
-            i = acc["interval"]
-            print(f"interval   checkpoint every {i.get('steps')} steps from step {i.get('step')}: {i.get('why')}")
+        for tier, i in (acc.get("intervals") or {}).items():
+            where = "" if tier == "durable" else f" ({tier} tier)"
+            print(f"interval   checkpoint every {i.get('steps')} steps{where} from step {i.get('step')}: {i.get('why')}")
         for r in acc["resumptions"]:
             print(f"resumed    at step {r['step']} after {r['cause']}: {r['steps_redone']} step(s) redone "
                   f"({r.get('lost_s', 0):.1f}s lost, from step {r.get('from_step', '?')}), recovery "

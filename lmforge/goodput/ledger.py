@@ -210,7 +210,7 @@ def account(records: list[dict]) -> dict | None:
     return {"wall_s": wall, "goodput": parts["productive"] / wall if wall > 0 else 0.0,
             "parts": {k: round(v, 3) for k, v in parts.items()}, "resumptions": resumptions,
             "steps_lost": sum(r["steps_redone"] for r in resumptions),
-            "interval": next((r for r in reversed(records) if r["kind"] == "interval"), None)}
+            "intervals": {r.get("tier", "durable"): r for r in records if r["kind"] == "interval"}}  # each tier's last
 
 
 def _cause(records: list[dict], attempt: str) -> str:

@@ -304,11 +304,12 @@ span = _span  # the one way a goodput duration is written (views, the run's line
 def goodput_view(plan: GoodputPlan) -> dict:
     """The projection as a JSON-ready dict: what `lmforge estimate`, the dry run and the report show."""
     tiers = [{"tier": t.name, "interval_steps": t.interval_steps, "interval_s": t.interval_steps * plan.step_s,
-              "optimal_s": t.optimal_s, "auto": t.auto, "blocking_s": t.blocking_s, "write_s": t.write_s,
+              "optimal_s": t.optimal_s if math.isfinite(t.optimal_s) else None, "auto": t.auto, "blocking_s": t.blocking_s, "write_s": t.write_s,
               "bytes_per_node": t.bytes_per_node, "bytes_per_s": t.bytes_per_s, "bandwidth_source": t.bandwidth_source,
               "covers": t.covers, "reason": plan.reason(t)} for t in plan.tiers]
     return {"devices": plan.devices, "failures_per_device_hour": plan.failures_per_device_hour,
-            "failure_source": plan.failure_source, "mtbf_s": plan.mtbf_s, "interruptions": plan.interruptions,
+            "failure_source": plan.failure_source, "mtbf_s": plan.mtbf_s,
+            "interruptions": plan.interruptions if math.isfinite(plan.interruptions) else None,  # (None: unbounded)
             "checkpoint_bytes": plan.checkpoint_bytes, "restart_s": plan.restart_s,
             "restart_source": plan.restart_source, "step_s": plan.step_s, "tiers": tiers,
             "goodput": plan.goodput, "parts": plan.parts, "optimal_goodput": plan.optimal_goodput, "note": plan.note}
@@ -317,7 +318,9 @@ def goodput_view(plan: GoodputPlan) -> dict:
 def format_goodput_rows(view: dict) -> list[tuple[str, str]]:
     """The projection as rows of the plan's table (`plan.estimate.format_plan`)."""
     p = view["parts"]
-    rows = [("interruptions", f"{view['interruptions']:.2g} expected: one every {span(view['mtbf_s'])} on "
+    expected = f"{view['interruptions']:.2g} expected" if view["interruptions"] is not None else \
+        "more than the run survives (restarts alone outlast the time between failures)"
+    rows = [("interruptions", f"{expected}: one every {span(view['mtbf_s'])} on "
                               f"{view['devices']} device(s) at {view['failures_per_device_hour']:.3g} per device-hour "
                               f"({view['failure_source']})"),
             ("restart", f"{span(view['restart_s'])} from a failure to the next productive step "

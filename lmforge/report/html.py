@@ -247,15 +247,17 @@ def goodput_rows(planned: dict | None, measured: dict | None) -> list[tuple[str,
         return f"{100 * sum(parts.get(k, 0.0) for k in keys) / wall:.1f}%" if wall else "-"
 
     p = planned["parts"]
-    durable = planned["tiers"][0]
-    chosen = m.get("interval")
-    rows = [("goodput", f"{100 * planned['goodput']:.1f}% ({planned['interruptions']:.2g} interruption(s) expected)",
+    expected = f"{planned['interruptions']:.2g} interruption(s) expected" if planned["goodput"] > 0 else \
+        "restarts alone outlast the time between failures"
+    rows = [("goodput", f"{100 * planned['goodput']:.1f}% ({expected})",
              f"{100 * m['goodput']:.1f}% ({len(m['resumptions'])} resumption(s))" if m else "-"),
             ("restarts (start-up, recovery)", f"{100 * p['restart']:.1f}%", share("startup", "recovery")),
             ("lost work", f"{100 * p['lost']:.1f}%", share("lost") + (f" ({m['steps_lost']} steps)" if m else "")),
-            ("checkpoints", f"{100 * p['checkpoint']:.1f}%", share("checkpoint")),
-            ("checkpoint interval", durable["reason"],
-             f"{chosen['steps']} steps from step {chosen['step']}: {chosen['why']}" if chosen else "as planned")]
+            ("checkpoints", f"{100 * p['checkpoint']:.1f}%", share("checkpoint"))]
+    for tier in planned["tiers"]:
+        chosen = (m.get("intervals") or {}).get(tier["tier"])
+        rows.append((f"checkpoint interval ({tier['tier']})", tier["reason"],
+                     f"{chosen['steps']} steps from step {chosen['step']}: {chosen['why']}" if chosen else "as planned"))
     return rows
 
 

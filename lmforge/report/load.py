@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lmforge.errors import UserError
-from lmforge.goodput.ledger import LEDGER_FILE, account
+from lmforge.goodput.ledger import LEDGER_FILE, PROGRESS_FILE, account, ledger_records
 
 METRICS_FILE = "metrics.jsonl"
 GENERATIONS_FILE = "generations.jsonl"
@@ -193,7 +193,7 @@ def load_run(ref: str, *, name: str | None = None, status: str | None = None,
             row = candidate
     data = RunData(name=run_name, folder=folder, config=config, records=records,
                    generations=_jsonl(read(GENERATIONS_FILE)), plan=_json(read(PLAN_FILE)),
-                   goodput=account([r for r in _jsonl(read(LEDGER_FILE)) if "attempt" in r and "time" in r]))
+                   goodput=account(ledger_records(read(LEDGER_FILE), read(PROGRESS_FILE))))
     folder_events = _jsonl(read(EVENTS_FILE))
     _fill_history(data, row, folder_events)
     data.status = status or (row or {}).get("status") or _status_from_events(folder_events)
