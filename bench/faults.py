@@ -145,8 +145,15 @@ def pick_victim(kind: str, sup: int, ranks: int, rng: random.Random) -> int | No
     child = kids[0]  # the trainer, or torchrun
     if ranks == 1:
         return child
-    workers = [p for p in descendants(child) if _parent(p) == child]
+    workers = [p for p in descendants(child) if _leads_session(p)]  # the ranks (forked: below the fork server)
     return rng.choice([child, *workers])
+
+
+def _leads_session(pid: int) -> bool:
+    try:
+        return os.getsid(pid) == pid
+    except OSError:
+        return False
 
 
 def _parent(pid: int) -> int | None:

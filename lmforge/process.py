@@ -21,6 +21,7 @@ import sys
 import time
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -57,6 +58,12 @@ def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKIL
     # (a rank forked by torchrun's fork server is a grandchild: the server dies with torchrun)
     if expected_parent is not None and expected_parent not in (os.getppid(), parent_of(os.getppid())):
         os._exit(1)
+
+
+def name_process(name: str) -> None:
+    """This process's name as `ps` and /proc/<pid>/comm show it (Linux; 15 characters)."""
+    if sys.platform.startswith("linux"):
+        _libc().prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def parent_of(pid: int) -> int | None:

@@ -148,9 +148,12 @@ def worker_with_rank(pid: int, rank: int) -> int | None:
         try:
             with open(f"/proc/{d}/environ", "rb") as f:
                 envs = f.read().split(b"\0")
+            with open(f"/proc/{d}/comm") as f:
+                name = f.read().strip()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in envs and b"TORCHELASTIC_RESTART_COUNT=0" in envs:
+        # a rank torchrun started as a program (its environment), or forked from the fork server (its name)
+        if (f"RANK={rank}".encode() in envs and b"TORCHELASTIC_RESTART_COUNT=0" in envs) or name == f"lmforge-r{rank}.0":
             return d
     return None
 

@@ -32,7 +32,7 @@ import warnings
 
 from lmforge.config.schema import parse_endpoint
 from lmforge.errors import UserError
-from lmforge.process import node_name, process_alive, read_status
+from lmforge.process import name_process, node_name, process_alive, read_status
 
 # A rank forked from the fork server runs this module again as multiprocessing's `__mp_main__` (it is the
 # agent's __main__), after the server imported it by its name: runpy warns of the second copy, harmlessly.
@@ -235,17 +235,20 @@ def start_fork_server(modules: list[str]) -> None:
     import multiprocessing.forkserver as forkserver
 
     os.environ[FORKSERVER_AT] = f"{time.time():.3f}"  # (the server, and so every rank it forks, inherits it)
-    forkserver.set_forkserver_preload(modules)
+    os.environ["LMFORGE_FORKSERVER_PARENT"] = str(os.getpid())
+    forkserver.set_forkserver_preload(["lmforge.distributed.fork_server", *modules])  # (first: it dies with us)
     forkserver.ensure_running()
 
 
 def run_module(module: str, *argv: str) -> None:
     """A rank forked from the fork server: ``python -m module argv`` in this process. Like a rank
     torchrun starts as a program, it leads a session of its own (its data workers in it; the hang
-    watchdog finds its peers so), and its output is line-buffered."""
+    watchdog finds its peers so), and its output is line-buffered; `ps` shows it as
+    ``lmforge-r<RANK>.<restart>`` (its command line is the server's)."""
     import runpy
 
     os.setsid()
+    name_process(f"lmforge-r{os.environ.get('RANK', '?')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(line_buffering=True)

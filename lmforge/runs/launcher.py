@@ -24,8 +24,10 @@ from lmforge.runs.store import local_folder
 
 # What a rank imports before it trains: a node's fork server imports them once, and torchrun forks the
 # node's ranks from it — at the first start and at every restart (`distributed.torchrun.start_fork_server`).
+# torch._dynamo too: lmforge imports it lazily, but building the model imports it (torch's `normal_` under
+# a device context is dynamo-disabled): 1.5-2 s of every rank's start on an idle core.
 RANK_MODULES = ("lmforge.cli.main", "lmforge.cli.train", "lmforge.runs.job", "lmforge.train.build",
-                "lmforge.resolve.steps", "lmforge.train.machine")
+                "lmforge.resolve.steps", "lmforge.train.machine", "torch._dynamo")
 
 
 def hold_lock(cfg: RunConfig, plan: LaunchPlan) -> SaveFolderLock | None:
