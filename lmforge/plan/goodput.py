@@ -320,7 +320,7 @@ def format_goodput_rows(view: dict) -> list[tuple[str, str]]:
     p = view["parts"]
     expected = f"{view['interruptions']:.2g} expected" if view["interruptions"] is not None else \
         "more than the run survives (restarts alone outlast the time between failures)"
-    rows = [("interruptions", f"{expected}: one every {span(view['mtbf_s'])} on "
+    rows = [("failures", f"{expected}: one every {span(view['mtbf_s'])} on "
                               f"{view['devices']} device(s) at {view['failures_per_device_hour']:.3g} per device-hour "
                               f"({view['failure_source']})"),
             ("restart", f"{span(view['restart_s'])} from a failure to the next productive step "
@@ -328,7 +328,7 @@ def format_goodput_rows(view: dict) -> list[tuple[str, str]]:
     for t in view["tiers"]:
         where = "save_folder" if t["tier"] == "durable" else "local tier"
         usable = f", usable after {span(t['write_s'])}" if t["write_s"] > t["blocking_s"] else ""
-        rows.append((f"checkpoint ({t['tier']})", f"{_gb(view['checkpoint_bytes'])}, {_gb(t['bytes_per_node'])} "
+        rows.append(("checkpoint" if t["tier"] == "durable" else "local tier", f"{_gb(view['checkpoint_bytes'])}, {_gb(t['bytes_per_node'])} "
                      f"per node to the {where} at {t['bytes_per_s'] / 1e9:.3g} GB/s ({t['bandwidth_source']}): "
                      f"blocks {span(t['blocking_s'])}{usable}; every {t['reason']}"))
     rows.append(("goodput", f"{100 * view['goodput']:.1f}% planned (restarts {100 * p['restart']:.1f}%, lost work "
