@@ -160,3 +160,15 @@ def test_a_warmup_of_0ba_plans_no_warmup_and_the_resolved_config_keeps_it(tiny_d
                   until="plan", **QUIET)
     assert run.plan.schedule.warmup == 0 and run.plan.warmup_steps == 0
     assert str(run.config.parameters.warmup) in ("0ba", "0.0ba") and run.plan.schedule.factor(0, 0.0, 1.0) == 1.0
+
+
+def test_one_eta_and_one_time_formula():
+    """The ETA every view shows is the training time so far scaled by what is left (`plan.cost.eta_s`),
+    and a modelled speed is `mfu`'s inverse (`plan.hardware.tokens_per_s_at`): each written once."""
+    from lmforge.plan.cost import eta_s
+    from lmforge.plan.hardware import mfu, tokens_per_s_at
+
+    assert eta_s(0.25, 60.0) == 180.0 and eta_s(1.0, 60.0) == 0.0 and eta_s(1.2, 60.0) == 0.0
+    assert eta_s(None, 60.0) is None and eta_s(0.5, None) is None and eta_s(0.0, 10.0) is None
+    rate = tokens_per_s_at(0.4, 6e9, 8, 989e12)
+    assert rate == 0.4 * 8 * 989e12 / 6e9 and abs(mfu(rate, 6e9, 8, 989e12) - 0.4) < 1e-12
