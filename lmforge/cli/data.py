@@ -10,7 +10,7 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-from lmforge.cli.common import OneLineParser, add_command, bounded, check_output_file
+from lmforge.cli.common import OneLineParser, add_command, bounded
 from lmforge.config.limits import MAX_SEQ_LEN
 from lmforge.data import remote
 from lmforge.data.executors import ExecutorSpec
@@ -306,7 +306,10 @@ def _stats(args) -> int:
     from lmforge.data.curate.stats import MARK, corpus_stats, print_stats, write_plots
 
     if args.plot:  # before reading the corpus: a refusal costs nothing
-        check_output_file(args.plot, "--plot", args.overwrite, MARK)
+        from lmforge.guard import check_output_file
+
+        check_output_file(args.plot, "--plot", args.overwrite, same_kind=lambda head: MARK.encode() in head,
+                          reads=[("the corpus", s) for s in args.source])
     stats = corpus_stats(args.source, tokenizer=args.tokenizer, text_field=args.text_field, max_docs=args.max_docs)
     if args.plot:
         stats["plot"] = write_plots(stats, args.plot)
