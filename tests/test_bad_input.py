@@ -503,6 +503,19 @@ def test_bad_input(case: Case, world: World, tmp_path):
         assert not Path(_fill(p, values)).exists(), f"{p} was written"
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("fault,words", [
+    ("kill:step=1.5", ["'step=1.5'", "whole number"]), ("kill:step=-1", ["'step=-1'", "at least 1"]),
+    ("slow:rank=5", ["rank=5", "the run has 1 rank"]), ("slow:factor=nan", ["'factor=nan'", "finite"]),
+    ("slow:factor=inf", ["'factor=inf'", "finite"])], ids=lambda v: v if isinstance(v, str) else None)
+def test_fault_injection_is_refused_before_the_run(fault, words, world, tmp_path, monkeypatch):
+    """Issue 59: each was accepted and did something else (truncated, never fired, trained at normal speed,
+    hung at step 1); now one line before anything starts, the world size known (1 rank here)."""
+    monkeypatch.setenv("LMFORGE_FAULT", fault)
+    assert_one_line_error(cli("train", "-f", world.cfg_path, "--save-folder", tmp_path / "r"), "LMFORGE_FAULT", *words)
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.integration
 def test_output_files_replace_their_own_kind(world, tmp_path):
     """The refusals above end with the remedy: a file the same command wrote is replaced without

@@ -39,8 +39,17 @@ def preflight(cfg: RunConfig, command: str, world_size: int = 1, overwrite: bool
     if cfg.model != "auto":  # model: auto chooses its shape (and vocabulary) later, to fit the budget
         check_vocab(cfg)
     check_save_folder_writable(cfg)
+    check_fault_injection(world_size)
     check_run_owner(cfg.save_folder, cfg.name, overwrite=overwrite)  # another run's folder: never replaced
     plan_run(cfg, world_size)
+
+
+def check_fault_injection(world_size: int) -> None:
+    """``LMFORGE_FAULT``, if set, names faults that can fire in a run of ``world_size`` ranks: refused
+    now, in one line, rather than a run that never fails the way it was asked to (or never ends)."""
+    from lmforge.goodput.faults import FAULT_ENV, check_faults, parse_faults
+
+    check_faults(parse_faults(os.environ.get(FAULT_ENV)), world_size)
 
 
 def plan_run(cfg: RunConfig, world_size: int) -> None:
