@@ -193,6 +193,33 @@ def test_goodput_parts_add_up_to_the_wall_and_redone_steps_are_lost_work():
     assert account([]) is None
 
 
+def test_the_wait_after_an_end_as_asked_is_idle_not_recovery():
+    """Issue 59: a COMPLETED run restarted 34 minutes later counted the 34 minutes as recovery (66.9% →
+    1.6%). A wait after a completed or a requested stop is idle, outside the wall; after a crash or a
+    detected condition it stays recovery."""
+    done = [{"kind": "start", "time": 10.0, "process_start": 0.0, "step": 0},
+            {"kind": "end", "time": 150.0, "step": 100, "steps_s": 100.35, "checkpoint_s": 20.0, "evaluation_s": 19.65,
+             "status": "completed"}]
+    alone = account(_ledger(("1", done)))
+    assert round(100 * alone["goodput"], 1) == 66.9 and alone["idle_s"] == 0
+    later = 150.0 + 34 * 60
+    again = [{"kind": "start", "time": later + 8.0, "process_start": later, "step": 100},
+             {"kind": "end", "time": later + 10.0, "step": 100, "steps_s": 0.0, "checkpoint_s": 2.0,
+              "evaluation_s": 0.0, "status": "completed"}]
+    acc = account(_ledger(("1", done), ("2", again)))
+    assert acc["idle_s"] == 34 * 60 and acc["parts"]["recovery"] == 0
+    assert acc["wall_s"] == pytest.approx(160.0) and sum(acc["parts"][k] for k in PARTS) == pytest.approx(160.0)
+    assert acc["goodput"] == pytest.approx(100.35 / 160.0)  # the restart's own 10 s count, its wait does not
+    assert "2040.0s idle between attempts not counted" in format_goodput(acc)
+    stopped = [dict(r, status="stopped") if r["kind"] == "end" else r for r in done]
+    assert account(_ledger(("1", stopped), ("2", again)))["idle_s"] == 34 * 60  # `runs stop`, restarted later
+    crashed = done[:1] + [dict(done[1], kind="tick")]  # no end: killed, restarted by the supervisor
+    assert account(_ledger(("1", crashed), ("2", again)))["parts"]["recovery"] == 34 * 60
+    detected = stopped + [{"kind": "detected", "time": 149.0, "cause": "straggler", "action": "restart"}]
+    acc = account(_ledger(("1", detected), ("2", again)))
+    assert acc["parts"]["recovery"] == 34 * 60 and acc["idle_s"] == 0
+
+
 def test_fault_specs_parse_target_and_fire_once(tmp_path):
     faults = parse_faults("slow:node=n1:local_rank=0:factor=2:from=5,xid:node=n1:step=3,nan:rank=2:step=4")
     health = InjectedHealth()
