@@ -832,3 +832,93 @@ def test_bad_data_on_two_nodes_is_one_line_on_each(world, tmp_path):
         errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
         assert p.returncode == 2 and len(errors) == 1 and "binary" in errors[0], (p.args[-1], out[-4000:], err[-3000:])
         assert err.strip() == errors[0], err[-3000:]  # nothing else: no traceback, no torchrun warning
+
+
+# --------------------------------------------------------------------------- issue 59: rows, BOMs, lines
+
+
+def test_rows_that_are_json_but_not_objects_say_so(tmp_path):
+    """A JSONL row that is an array was "not valid JSON (Extra data …)" (the file was read as one JSON
+    array); now it is named for what it is, and the rows after it are read."""
+    from lmforge.data.sft import json_rows, row_segments
+    from lmforge.data.sources import SourceStats, list_files, read_source
+    from lmforge.errors import UserError
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('[1, 2]\n{"text": "kept"}\n7\n{"a": 1} {"b": 2}\n')
+    stats = SourceStats()
+    assert [d for s in list_files([str(rows)], stats) for d in read_source(s, stats=stats)] == ["kept"]
+    assert stats.skipped_line_examples == [
+        f'{rows}:1: an array, expected an object with a "text" field',
+        f'{rows}:3: a number, expected an object with a "text" field',
+        f"{rows}:4: more than one JSON value on the line (at column 10); JSONL holds one per line"]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text('{"prompt": "a", "response": "b"}\n[{"prompt": "a", "response": "b"}]\n')
+    with pytest.raises(UserError, match=r"sft.jsonl:2: an array, expected a JSON object with prompt/response"):
+        [row_segments(r, w, "instruction_finetune") for r, w in json_rows([str(sft)])]
+    sft.write_text('{"prompt": "a", "response": "b"} {"prompt": "c", "response": "d"}\n')
+    with pytest.raises(UserError, match=r"sft.jsonl:1: more than one JSON value on the line"):
+        list(json_rows([str(sft)]))
+
+
+def test_a_utf8_bom_is_not_part_of_the_first_row(tmp_path):
+    """A UTF-8 byte-order mark (Windows editors write one) dropped row 1 as "not JSON"; it is stripped,
+    in raw JSONL, a JSON array, a text file, fine-tuning rows and eval task files."""
+    import gzip
+
+    from lmforge.data.sft import json_rows
+    from lmforge.data.sources import SourceStats, list_files, read_source
+    from lmforge.tasks.icl import _read_jsonl
+
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "first"}\n{"text": "second"}\n')
+    (tmp_path / "b.json").write_bytes(bom + b'[{"text": "third"}]')
+    (tmp_path / "c.txt").write_bytes(bom + "fourth\n".encode())
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(bom + b'{"text": "fifth"}\n'))
+    stats = SourceStats()
+    docs = [d for s in list_files([str(tmp_path)], stats) for d in read_source(s, stats=stats)]
+    assert sorted(docs) == ["fifth", "first", "fourth\n", "second", "third"] and stats.skipped_lines == 0
+    (tmp_path / "sft.jsonl").write_bytes(bom + b'{"prompt": "a", "response": "b"}\n')
+    assert [r for r, _ in json_rows([str(tmp_path / "sft.jsonl")])] == [{"prompt": "a", "response": "b"}]
+    (tmp_path / "task.jsonl").write_bytes(bom + b'{"context": "x", "continuation": "y"}\n')
+    assert _read_jsonl(str(tmp_path / "task.jsonl"), "task.jsonl", None)[0][0] == {"context": "x", "continuation": "y"}
+
+
+def test_an_error_on_the_other_stream_starts_its_own_line(tmp_path):
+    """Three fine-tune data errors were printed glued to the line before them: the trainer's stdout
+    and stderr are two pipes the supervisor copies to one terminal, and an unbuffered print writes its
+    text and its newline apart — the error came between them. Each copy now hands on whole lines."""
+    import threading
+    import time
+    from collections import deque
+    from types import SimpleNamespace
+
+    from lmforge.runs.supervisor import EchoLines, Supervisor
+
+    terminal = open(tmp_path / "terminal", "w")
+    pipes = [os.pipe(), os.pipe()]  # the child's stdout, its stderr
+    tails = [deque(), deque()]
+    me = SimpleNamespace(_keep=lambda lines, tail: tail.extend(lines))
+    threads = [threading.Thread(target=Supervisor._tee, args=(me, r, EchoLines(terminal, whole_lines=True), t))
+               for (r, _), t in zip(pipes, tails)]
+    for t in threads:
+        t.start()
+    os.write(pipes[0][1], "chat template: lmforge’s plain one".encode())  # print's text ...
+    os.write(pipes[1][1], b"error: rows.jsonl:2: an array, expected a JSON object\n")
+    deadline = time.monotonic() + 30
+    while not tails[1] and time.monotonic() < deadline:  # the error line is on the terminal
+        time.sleep(0.01)
+    os.write(pipes[0][1], b"\n")  # ... and its newline, written apart
+    for _, w in pipes:
+        os.close(w)
+    for t in threads:
+        t.join(timeout=30)
+    terminal.close()
+    assert (tmp_path / "terminal").read_text().splitlines() == [
+        "error: rows.jsonl:2: an array, expected a JSON object", "chat template: lmforge’s plain one"]
+    echo = EchoLines(SimpleNamespace(buffer=open(tmp_path / "bar", "wb"), flush=lambda: None), whole_lines=True)
+    echo.write(b"\r 10%")
+    echo.write(b"\r 20%")  # a bar redrawn in place goes on at each redraw
+    echo.close()
+    echo.out.buffer.close()
+    assert (tmp_path / "bar").read_bytes() == b"\r 10%\r 20%"
