@@ -27,7 +27,8 @@ def register(subparsers) -> None:
                        help="config override passed on to `lmforge train` (repeatable)")
         p.add_argument("-o", "--output", metavar="FILE",
                        help="where to write the job file (replaces an earlier job file there, nothing else)")
-        p.add_argument("--overwrite", action="store_true", help="replace FILE even if lmforge did not write it")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace FILE even if lmforge did not write it (never the config, nor a file of a run)")
 
     p = add_command(sub, "slurm", "write an sbatch script (srun + torchrun rendezvous)")
     common(p)
