@@ -112,7 +112,9 @@ def parse_faults(text: str | None) -> list[Fault]:
 
 def check_faults(faults: list[Fault], world_size: int) -> None:
     """Each fault's rank exists in a run of ``world_size`` ranks (a node's local rank too: a node has at
-    most that many); a node name is only known once the run starts, and is not checked."""
+    most that many); a node name is only known once the run starts, and is not checked. Checked when
+    the user's command starts the run (`runs.preflight`), not at each resumption: one that a cordon
+    left with fewer ranks goes on without a fault whose rank is gone."""
     for f in faults:
         for key in ("rank", "local_rank"):
             value = getattr(f, key)

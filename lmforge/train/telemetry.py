@@ -38,7 +38,7 @@ from lmforge.goodput import ledger
 from lmforge.goodput.conditions import ROW, SECTIONS, Conditions, Decision
 from lmforge.goodput.cordon import add_to_cordon, resume_layout
 from lmforge.goodput.diagnosis import verdict
-from lmforge.goodput.faults import FAULT_ENV, Injector, check_faults, parse_faults
+from lmforge.goodput.faults import FAULT_ENV, Injector, parse_faults
 from lmforge.goodput.health import HealthSampler, InjectedHealth, open_source
 from lmforge.process import node_name, process_started_at
 
@@ -90,9 +90,7 @@ class Telemetry:
         self.timer = _Timer(dist.device)
         local_rank = int(environ.get("LOCAL_RANK", "0"))
         injected = InjectedHealth() if local_rank == 0 else None
-        faults = parse_faults(environ.get(FAULT_ENV))
-        check_faults(faults, dist.world_size)  # (the CLI's preflight checked it already; the SDK's run here)
-        self.faults = Injector(faults, rank=dist.rank, local_rank=local_rank,
+        self.faults = Injector(parse_faults(environ.get(FAULT_ENV)), rank=dist.rank, local_rank=local_rank,
                                node=self.node, folder=folder, health=injected)
         sources = []
         if local_rank == 0:  # one sampler per node
