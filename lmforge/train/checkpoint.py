@@ -337,8 +337,8 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
 
 # --- run identity: refuse to mix two different runs in one save folder -----------------------
 
-def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, autoresume: bool,
-                      all_local: bool = True) -> bool:
+def open_run_folder(save_folder: str, identity: dict, *, overwrite: bool, autoresume: bool,
+                    all_local: bool = True) -> bool:
     """Returns True when the folder already holds this run's checkpoints (resume is possible).
 
     ``identity`` is `config.identity.run_identity`. A folder that holds a different run is refused
