@@ -53,6 +53,7 @@ import math
 from dataclasses import dataclass
 
 from lmforge.config.goodput import LLAMA3_FAILURES_PER_GPU_HOUR
+from lmforge.frozen import freeze
 
 # One device's interruptions per hour (the default: `config.goodput.LLAMA3_FAILURES_PER_GPU_HOUR`).
 FAILURE_RATE_SOURCE = "Llama 3's: 419 unexpected interruptions in 54 days on 16,384 GPUs"
@@ -178,6 +179,9 @@ class GoodputPlan:
     parts: dict  # restart, lost, checkpoint, goodput (shares)
     optimal_goodput: float  # at τ* for every tier
     note: str | None = None  # an interval set by hand that costs WORTH_NAMING points or more
+
+    def __post_init__(self):  # deep-frozen, as the plan it is part of
+        object.__setattr__(self, "parts", freeze(self.parts))
 
     @property
     def durable(self) -> TierPlan:
@@ -312,7 +316,7 @@ def goodput_view(plan: GoodputPlan) -> dict:
             "interruptions": plan.interruptions if math.isfinite(plan.interruptions) else None,  # (None: unbounded)
             "checkpoint_bytes": plan.checkpoint_bytes, "restart_s": plan.restart_s,
             "restart_source": plan.restart_source, "step_s": plan.step_s, "tiers": tiers,
-            "goodput": plan.goodput, "parts": plan.parts, "optimal_goodput": plan.optimal_goodput, "note": plan.note}
+            "goodput": plan.goodput, "parts": dict(plan.parts), "optimal_goodput": plan.optimal_goodput, "note": plan.note}
 
 
 def format_goodput_rows(view: dict) -> list[tuple[str, str]]:

@@ -60,7 +60,8 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
     """Role "train": train (pretraining, continued pretraining or fine-tuning, by ``cfg.task_type``) here."""
     mark("imported")
     plan = plan or LaunchPlan("train", lock="none")
-    cfg = resolve(cfg, until="config").config  # names filled (a config built in-process may leave them out)
+    named = resolve(cfg, until="config")  # names filled (a config built in-process may leave them out)
+    cfg = named.config  # the lock and the credentials come before the data (which they may need)
     if plan.parent_pid:
         die_with_parent(plan.parent_pid)  # a torchrun rank: die with torchrun
     lock = hold_lock(cfg, plan)
@@ -74,7 +75,8 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
     store = None
     try:
         silent = lambda *_: None  # noqa: E731 - other ranks print nothing
-        run = resolve(cfg, process_machine(dist), log=log if dist.is_main else silent)
+        run = resolve(named, process_machine(dist), log=log if dist.is_main else silent)
+        cfg = run.config  # from here on: the resolved run's
         mark("resolved")
         callbacks = []
         if dist.is_main:

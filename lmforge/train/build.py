@@ -143,8 +143,8 @@ def claim_save_folder(cfg, dist: DistInfo, save_folder: str, callbacks: Callback
     previous = read_run_file(save_folder) if dist.is_main else None
     if dist.is_main:
         callbacks.before_resume(save_folder)
-        can_resume = ckpt.check_save_folder(save_folder, identity, overwrite=overwrite, autoresume=cfg.autoresume,
-                                            all_local=not is_remote(cfg.save_folder))
+        can_resume = ckpt.open_run_folder(save_folder, identity, overwrite=overwrite, autoresume=cfg.autoresume,
+                                          all_local=not is_remote(cfg.save_folder))
         callbacks.resume_decided(save_folder, can_resume and cfg.autoresume, overwrite)
         ckpt.write_run_file(save_folder, identity, redact_config(cfg.model_dump(mode="json")))
         if local is not None:  # the local tier: the same rules (this run's, or refused; --overwrite clears it)
@@ -177,7 +177,7 @@ def claim_local_folder(folder: str, identity: dict, cfg, *, overwrite: bool) -> 
     """The local tier's folder, claimed as the save folder is (rank 0): this run's, resumed; another
     run's, refused (one line naming local_checkpoints.folder); --overwrite, cleared."""
     try:
-        ckpt.check_save_folder(folder, identity, overwrite=overwrite, autoresume=cfg.autoresume)
+        ckpt.open_run_folder(folder, identity, overwrite=overwrite, autoresume=cfg.autoresume)
     except UserError as e:
         raise UserError(str(e).replace(f"save_folder {folder}", f"local_checkpoints.folder {folder}")) from None
     ckpt.write_run_file(folder, identity, redact_config(cfg.model_dump(mode="json")))
