@@ -446,24 +446,24 @@ def clean_run(minutes: float, work: Path, data: Path, tok: Path, log_interval: i
 
 def three_faults(minutes: float, work: Path, data: Path, tok: Path, step_s: float, startup_s: float, *,
                  save_every: int | None = None, local: bool = True, hang_timeout: float = 15.0) -> dict:
-    """A 2 × 2 run sized to ``minutes`` at ``step_s`` per step (the reference's), through three faults at
-    a quarter, half and three quarters of its steps — a killed rank (torchrun restarts the ranks), a
+    """A 2 × 2 run of ``minutes`` of training, through three faults at 20%, 45% and 70% of the steps it is
+    expected to take at ``step_s`` per step (the reference's) — a killed rank (torchrun restarts the ranks), a
     stopped rank (the hang watchdog, then a restart) and a fatal XID on node1 (cordoned: node 0 goes on
     alone). Checkpoints: ``save_interval: auto`` (or every ``save_every`` steps) and, with ``local``, a
     local tier in /dev/shm at its own auto interval. The run is planned with the scenario's failure rate
     (three interruptions of 4 ranks in ``minutes``) and a restart of the reference's start-up plus the
     mean detection (a kill ~0.5 s, the hang its timeout, an XID at once): its planned goodput is
     reported beside the measured one, and beside the model evaluated with the run's own measured inputs."""
-    steps = max(40, int(minutes * 60 / step_s))
-    q = steps // 4
-    fault = (f"kill:node=node1:local_rank=1:step={q},stop:node=node0:local_rank=1:step={2 * q},"
-             f"xid:node=node1:step={3 * q}:code=79")
+    steps = max(40, int(minutes * 60 / step_s))  # expected: the run trains `minutes` of wall-clock time
+    at = [int(f * steps) for f in (0.2, 0.45, 0.7)]  # (a margin before the end: a slower box takes fewer steps)
+    fault = (f"kill:node=node1:local_rank=1:step={at[0]},stop:node=node0:local_rank=1:step={at[1]},"
+             f"xid:node=node1:step={at[2]}:code=79")
     name = "gp-three"
     rate = 3 / (4 * minutes / 60)  # per rank and hour
     restart = startup_s + (0.5 + hang_timeout + 0.1) / 3
     extra = {"compute": {"hang_timeout": hang_timeout},
              "goodput": {"failures_per_gpu_hour": round(rate, 4), "restart_s": round(restart, 2)}}
-    cfg = node_config(work, name, data, tok, steps, extra, save_every=save_every or 1)
+    cfg = node_config(work, name, data, tok, f"{minutes:g}min", extra, save_every=save_every or 1)
     doc = yaml.safe_load(cfg.read_text())
     doc["save_interval"] = f"{save_every}ba" if save_every else "auto"
     shm = Path("/dev/shm") / f"lmforge-bench-{os.getpid()}-{name}"

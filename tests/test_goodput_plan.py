@@ -186,6 +186,11 @@ def test_an_auto_interval_follows_the_measured_checkpoint_time_and_the_failures_
     assert History.of({"wall_s": 10.0, "resumptions": [{"cause": "ended stopped"},
                                                       {"cause": "rank 1 killed by SIGKILL", "recovery_s": 1.0,
                                                        "startup_s": 2.0}]}) == History(1, 10.0, 3.0)
+    # the plan counted in its own step time; the run's is 10× longer: the interval in steps is 10× shorter
+    slow = CheckpointSchedule(gp, gp.durable.interval_steps, history=History())
+    (line,) = slow.stepped(0.4, 20)
+    assert slow.every() == pytest.approx(gp.durable.interval_steps / 10, rel=0.05) and "from step 20" in line
+    assert slow.stepped(0.41, 30) == []  # within CHANGE of the step time it was counted in
     hand = CheckpointSchedule(gp, 7, 3)
     hand.tiers[0].auto = False
     assert hand.due(21) == "durable" and hand.due(9) == "local" and hand.due(8) is None

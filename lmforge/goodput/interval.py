@@ -61,6 +61,7 @@ class CheckpointSchedule:
                  history: History | None = None):
         self.plan = goodput
         self.history = history or History()
+        self._step_s: float | None = None  # the measured step time the intervals were last counted in
         self.tiers = [TierSchedule("durable", durable_every, bool(goodput and goodput.durable.auto),
                                    goodput.durable.covers if goodput else 1.0)]
         if local_every is not None:
@@ -89,6 +90,24 @@ class CheckpointSchedule:
             return []
         return [line for t in self.tiers if t.auto and self.plan is not None
                 for line in [self._retime(t, self._planned(t).blocking_s, step_s, "the start")] if line]
+
+    def stepped(self, step_s: float, step: int) -> list[str]:
+        """At a log step, with the measured ``step_s`` (the slowest rank's): the plan counted its intervals
+        in steps of its own expected step time, which a run may beat or miss many times over; an auto
+        tier is retimed in steps of the measured one (the first time, and when it moves by more than
+        CHANGE). Returns the lines saying what changed."""
+        if self.plan is None or step_s <= 0:
+            return []
+        if self._step_s is not None and abs(step_s - self._step_s) <= CHANGE * self._step_s:
+            return []
+        self._step_s = step_s
+        lines = []
+        for t in self.tiers:
+            if t.auto:
+                cost = statistics.median(t.samples) if len(t.samples) >= MIN_SAMPLES else self._planned(t).blocking_s
+                line = self._retime(t, cost, step_s, f"step {step}")
+                lines += [line] if line else []
+        return lines
 
     def measured(self, tier: str, blocking_s: float, step_s: float, step: int) -> str | None:
         """After a checkpoint of ``tier`` that blocked every rank for ``blocking_s`` (the slowest), at a
@@ -120,6 +139,7 @@ class CheckpointSchedule:
         steps = max(1, round(tau / step_s)) if math.isfinite(tau) else 1_000_000_000
         if self.plan is not None and self.plan.total_steps:
             steps = min(steps, self.plan.total_steps)  # (past the end: the last checkpoint is the run's own)
+        self._step_s = step_s
         if abs(steps - t.every) <= CHANGE * t.every:
             return None
         was, t.every = t.every, steps

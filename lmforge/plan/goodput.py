@@ -71,7 +71,7 @@ CPU_DISK_BYTES_PER_S = 1e9
 # An asynchronous checkpoint blocks the loop only while a device's shard is copied to host memory.
 STAGING_BYTES_PER_S = 10e9
 # What each checkpoint costs beside its bytes: DCP's planning and metadata, barriers, the state file
-# and its fsync, the rename (measured ~0.05 s for a tiny model on one node); more across nodes.
+# and its fsync, the rename (measured ~0.05 s for a tiny model on one node); more across GPU nodes.
 FIXED_S = 0.05
 FIXED_S_NODES = 1.0
 # The share of interruptions a local tier covers: those that leave a node's own storage readable (a
@@ -229,7 +229,7 @@ def plan_goodput(*, devices: int, nodes: int, device: str, params: int, trained:
             (RESTART_S, "assumed for several nodes")
     else:
         restart_source = "goodput.restart_s"
-    fixed = FIXED_S if nodes == 1 else FIXED_S_NODES
+    fixed = FIXED_S if nodes == 1 or device == "cpu" else FIXED_S_NODES  # (CPU "nodes": gloo, mostly one host)
     has_local = local_interval != "none"
 
     def tier(name: str, bandwidth: float, source: str, given: int | None, covers: float) -> TierPlan:

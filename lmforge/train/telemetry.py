@@ -109,6 +109,7 @@ class Telemetry:
         self._interval_t0 = 0.0
         self._steps = 0
         self._steps_total = 0  # steps of this attempt
+        self._intervals = 0  # log intervals of this attempt
         self._blocked = {"checkpoint": 0.0, "evaluation": 0.0}
         self._last_blocked = 0.0  # seconds of the last `blocked` section
         self.schedule = schedule or CheckpointSchedule(None, 1 << 62)
@@ -195,7 +196,7 @@ class Telemetry:
         self.ledger.write("checkpoint", tier=tier, step=self.step, blocking_s=round(blocking, 4))
         if line:
             self.log(line)
-            self._interval_record(tier)
+            self._interval_records(tier)
 
     def _start_schedule(self) -> None:
         """The failures the run has seen before this attempt (rank 0's ledger, broadcast) set the
@@ -209,12 +210,12 @@ class Telemetry:
         plan = self.schedule.plan
         for line in self.schedule.start(plan.step_s if plan else 0.0):
             self.log(line)
-        for t in self.schedule.tiers:
-            self._interval_record(t.name)
+        self._interval_records()
 
-    def _interval_record(self, tier: str) -> None:
-        self.ledger.write("interval", tier=tier, steps=self.schedule.every(tier), step=self.step,
-                          why=self.schedule.why(tier))
+    def _interval_records(self, tier: str | None = None) -> None:
+        for t in self.schedule.tiers:
+            if tier in (None, t.name):
+                self.ledger.write("interval", tier=t.name, steps=t.every, step=self.step, why=self.schedule.why(t.name))
 
     def _max(self, values: list[float]) -> list[float]:
         """The maximum of each value over the ranks (one small all-reduce)."""
@@ -251,6 +252,13 @@ class Telemetry:
             if self.dist.is_main:
                 append_event(self.folder, f.event() | {"step": self.step})
         self.tick()
+        self._intervals += 1
+        steps = rows[0][ROW.index("steps")]
+        if self._intervals > 1 and steps > 0:  # (the first one holds the start's slow steps)
+            step_s = max(r[ROW.index("wall")] for r in rows) / steps  # the slowest rank's: the same on every rank
+            for line in self.schedule.stepped(step_s, self.step):
+                self.log(line)
+                self._interval_records()
         return metrics | self._health_metrics(rows), decision
 
     # ------------------------------------------------------------------ acting on a decision
