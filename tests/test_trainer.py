@@ -100,20 +100,30 @@ def test_evaluate_reports_loss_perplexity_and_bits_per_byte(tiny_data, tmp_path)
 @pytest.mark.e2e
 def test_checkpoint_round_trip_continues_bitwise(tiny_data, tmp_path):
     """Save after 3 steps; a new Trainer on the same folder resumes and its next step is the
-    very step the first trainer takes next (weights, optimizer, data position, counters)."""
-    a = make_trainer(tiny_data, tmp_path / "run")
+    very step the first trainer takes next (weights, optimizer, data position, counters). With a local
+    tier: step 2 to the save folder, step 3 to the local tier — the resume takes the newer, local one;
+    its copy corrupted, the durable one."""
+    local = {"local_checkpoints": {"folder": str(tmp_path / "local"), "interval": "1ba", "keep": 1}}
+    a = make_trainer(tiny_data, tmp_path / "run", **local)
     it = iter(a.stream)
-    for _ in range(3):
+    for _ in range(2):
         a.train_step(next_batches(a, it))
-    a.save()
+    a.save()  # durable: step 2
+    a.train_step(next_batches(a, it))
+    a.save("local")  # local: step 3
     expected = a.train_step(next_batches(a, it))
+    assert [c.name for c in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000002"]
 
-    b = make_trainer(tiny_data, tmp_path / "run")
+    b = make_trainer(tiny_data, tmp_path / "run", **local)
     assert b.resumed and b.state.step == 3
     got = b.train_step(next_batches(b, iter(b.stream)))
     assert got.loss == expected.loss and got.grad_norm == expected.grad_norm
     for (k, va), vb in zip(a.model.state_dict().items(), b.model.state_dict().values()):
         assert torch.equal(va, vb), k
+    shard = next((tmp_path / "local" / "checkpoints" / "step_00000003").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[::-1])  # the local copy corrupted: the durable tier covers it
+    c = make_trainer(tiny_data, tmp_path / "run", **local)
+    assert c.resumed and c.state.step == 2
 
 
 @pytest.mark.e2e
