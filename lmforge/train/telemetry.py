@@ -46,7 +46,8 @@ from lmforge.goodput.interval import CheckpointSchedule, History
 from lmforge.goodput.health import HealthSampler, InjectedHealth, open_source
 from lmforge.process import attempt_started_at, marks, node_name
 
-STRETCHED = ("forward", "backward", "optimizer")  # the device's compute: what a slow device (fault) stretches
+STRETCHED = ("forward", "backward", "optimizer")
+RETIME_AFTER_STEPS = 10  # steps measured before an auto checkpoint interval is counted in them  # the device's compute: what a slow device (fault) stretches
 
 
 class _Timer:
@@ -110,6 +111,7 @@ class Telemetry:
         self._steps = 0
         self._steps_total = 0  # steps of this attempt
         self._intervals = 0  # log intervals of this attempt
+        self._measured = [0.0, 0]  # the slowest rank's seconds and the steps since the first log interval
         self._blocked = {"checkpoint": 0.0, "evaluation": 0.0}
         self._last_blocked = 0.0  # seconds of the last `blocked` section
         self.schedule = schedule or CheckpointSchedule(None, 1 << 62)
@@ -252,14 +254,25 @@ class Telemetry:
             if self.dist.is_main:
                 append_event(self.folder, f.event() | {"step": self.step})
         self.tick()
-        self._intervals += 1
-        steps = rows[0][ROW.index("steps")]
-        if self._intervals > 1 and steps > 0:  # (the first one holds the start's slow steps)
-            step_s = max(r[ROW.index("wall")] for r in rows) / steps  # the slowest rank's: the same on every rank
-            for line in self.schedule.stepped(step_s, self.step):
-                self.log(line)
-                self._interval_records()
+        self._retime(rows)
         return metrics | self._health_metrics(rows), decision
+
+    def _retime(self, rows: list[list[float]]) -> None:
+        """The checkpoint schedule counted in the step time measured so far: the slowest rank's seconds
+        over this attempt's steps since its first log interval (which holds the start's slow steps) —
+        the same numbers on every rank, and steady enough not to move the interval at every step."""
+        self._intervals += 1
+        if self._intervals == 1:
+            return
+        self._measured[0] += max(r[ROW.index("wall")] for r in rows)
+        self._measured[1] += rows[0][ROW.index("steps")]
+        if self._measured[1] < RETIME_AFTER_STEPS:
+            return
+        lines = self.schedule.stepped(self._measured[0] / self._measured[1], self.step)
+        for line in lines:
+            self.log(line)
+        if lines:
+            self._interval_records()
 
     # ------------------------------------------------------------------ acting on a decision
 
