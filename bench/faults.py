@@ -502,20 +502,21 @@ def model_check(folder: Path) -> dict:
     step_s = steps_s / steps if steps else 0.0
     failures = [r for r in acc["resumptions"] if not str(r["cause"]).startswith("ended ")]
     restart = statistics.mean(r["recovery_s"] + r["startup_s"] for r in failures) if failures else 0.0
-    mtbf = acc["wall_s"] / len(failures) if failures else float("inf")
+    first = next((r for r in ledger if r["kind"] == "start"), None)
+    startup = first["time"] - first["process_start"] if first else 0.0
+    mtbf = (acc["wall_s"] - startup) / len(failures) if failures else float("inf")  # (failures strike after it)
     tiers = []
     for tier in ("durable", "local"):
         blocking = [r["blocking_s"] for r in ledger if r["kind"] == "checkpoint" and r.get("tier") == tier]
-        every = [r["steps"] for r in ledger if r["kind"] == "interval" and r.get("tier") == tier]
-        if every:
+        if any(r["kind"] == "interval" and r.get("tier") == tier for r in ledger):
             covers = next((t["covers"] for t in (plan or {}).get("tiers", []) if t["tier"] == tier), 1.0)
-            tiers.append(Tier(tier, statistics.median(blocking) if blocking else 0.0, 0.0,
-                              statistics.mean(every) * step_s, covers))
-    model = goodput_at(tiers, mtbf, restart, run_s=steps_s) if tiers and ends else None
+            period = steps_s / len(blocking) if blocking else steps_s  # the seconds of steps per checkpoint
+            tiers.append(Tier(tier, statistics.median(blocking) if blocking else 0.0, 0.0, period, covers))
+    model = goodput_at(tiers, mtbf, restart, run_s=steps_s, startup_s=startup) if tiers and ends else None
     return {"planned": plan["goodput"] if plan else None, "planned_parts": plan["parts"] if plan else None,
             "with_measured_inputs": model["goodput"] if model else None, "model_parts": model,
             "measured": acc["goodput"], "inputs": {"mtbf_s": mtbf, "restart_s": restart, "step_s": step_s,
-                                                   "tiers": [t.__dict__ for t in tiers]}}
+                                                   "first_start_s": startup, "tiers": [t.__dict__ for t in tiers]}}
 
 
 def _last_per_attempt(ledger: list[dict]) -> list[dict]:

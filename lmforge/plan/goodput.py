@@ -43,7 +43,9 @@ the last one). ``save_interval: auto`` takes ``τ*`` in steps of the plan's step
 re-estimates it from its own checkpoint times and failures (`goodput.interval`). An interval set
 by hand that costs at least `WORTH_NAMING` points of goodput against ``τ*`` is named, with its cost.
 
-Evaluation is left out (it is the run's own choice of how often), and so is the first start-up.
+The run's first start takes ``S`` once (`START_S`; ``goodput.restart_s`` when given): a share
+``S / (run_s/G + S)`` of a run whose steps take ``run_s`` (the other parts shrink by the rest). Evaluation is left out (it is the run's
+own choice of how often).
 No torch: `lmforge estimate` and the dry run plan with it.
 """
 
@@ -62,6 +64,10 @@ FAILURE_RATE_SOURCE = "Llama 3's: 419 unexpected interruptions in 54 days on 16,
 # lost peer (a collective's timeout), the job's rescheduling and collective start-up at scale.
 RESTART_S = 600.0
 RESTART_S_ONE_NODE = 60.0
+# A run's first start: imports, data, the model built and loaded, the process group (on several nodes
+# at scale: minutes). With `goodput.restart_s` given, the first start is taken to cost as much.
+START_S = 300.0
+START_S_ONE_NODE = 10.0
 # A node's write bandwidth to the durable store (a parallel file system or object store: ~1-3 GB/s
 # per node; Llama 3's Tectonic: 2-7 TB/s for ~2,000 nodes) and to a local tier (NVMe: one drive
 # writes ~5 GB/s); a CPU machine writes to its own disk.
@@ -119,9 +125,11 @@ class Tier:
     covers: float  # the share of failures it is resumed from
 
 
-def goodput_at(tiers: list[Tier], mtbf: float, restart_s: float, run_s: float = math.inf) -> dict:
+def goodput_at(tiers: list[Tier], mtbf: float, restart_s: float, run_s: float = math.inf,
+               startup_s: float = 0.0) -> dict:
     """The model's goodput and its parts (shares of the wall time that add up to 1) for ``tiers``; a
-    tier's interval is at most the run (``run_s`` of steps: its last checkpoint ends it)."""
+    tier's interval is at most the run (``run_s`` of steps: its last checkpoint ends it); the run's
+    first start (``startup_s``, once) takes its share of a finite run's wall."""
     lost = cost = 0.0
     for t in tiers:
         period = min(t.interval_s, run_s) + t.blocking_s
@@ -130,7 +138,12 @@ def goodput_at(tiers: list[Tier], mtbf: float, restart_s: float, run_s: float = 
     f = min(1.0, (restart_s + lost) / mtbf) if mtbf > 0 else 1.0
     restart = min(f, restart_s / mtbf) if mtbf > 0 else 1.0
     checkpoint = (1 - f) * min(1.0, cost)
-    return {"goodput": (1 - f) - checkpoint, "restart": restart, "lost": f - restart, "checkpoint": checkpoint}
+    parts = {"goodput": (1 - f) - checkpoint, "restart": restart, "lost": f - restart, "checkpoint": checkpoint,
+             "startup": 0.0}
+    if startup_s > 0 and math.isfinite(run_s) and parts["goodput"] > 0:
+        wall = run_s / parts["goodput"]  # the steady state's wall for the run's steps, then its first start
+        parts = {k: v * wall / (wall + startup_s) for k, v in parts.items()} | {"startup": startup_s / (wall + startup_s)}
+    return parts
 
 
 def exact_goodput(interval_s: float, blocking_s: float, mtbf: float, restart_s: float) -> float:
@@ -227,8 +240,9 @@ def plan_goodput(*, devices: int, nodes: int, device: str, params: int, trained:
     if restart_s is None:
         restart_s, restart_source = (RESTART_S_ONE_NODE, "assumed for one node") if nodes == 1 else \
             (RESTART_S, "assumed for several nodes")
+        start_s = START_S_ONE_NODE if nodes == 1 else START_S
     else:
-        restart_source = "goodput.restart_s"
+        restart_source, start_s = "goodput.restart_s", restart_s
     fixed = FIXED_S if nodes == 1 or device == "cpu" else FIXED_S_NODES  # (CPU "nodes": gloo, mostly one host)
     has_local = local_interval != "none"
 
@@ -254,10 +268,10 @@ def plan_goodput(*, devices: int, nodes: int, device: str, params: int, trained:
                           "measured" if local_bytes_per_s else "assumed for a local NVMe drive",
                           None if local_interval is None else int(local_interval), local_covers))
     run = run_s if run_s > 0 else math.inf
-    used = goodput_at([t.tier(step_s) for t in tiers], mtbf, restart_s, run)
+    used = goodput_at([t.tier(step_s) for t in tiers], mtbf, restart_s, run, startup_s=start_s)
     best = goodput_at([Tier(t.name, t.blocking_s, max(0.0, t.write_s - t.blocking_s), t.optimal_s, t.covers)
-                       for t in tiers], mtbf, restart_s, run)
-    wall = run_s / used["goodput"] if used["goodput"] > 0 else math.inf
+                       for t in tiers], mtbf, restart_s, run, startup_s=start_s)
+    wall = run_s / used["goodput"] if used["goodput"] > 0 else math.inf  # (with its first start)
     plan = GoodputPlan(devices=devices, failures_per_device_hour=rate, failure_source=failure_source, mtbf_s=mtbf,
                        run_s=run_s, total_steps=total_steps, interruptions=wall / mtbf, checkpoint_bytes=size, restart_s=restart_s,
                        restart_source=restart_source, step_s=step_s, tiers=tuple(tiers), goodput=used["goodput"],
@@ -336,6 +350,7 @@ def format_goodput_rows(view: dict) -> list[tuple[str, str]]:
                      f"per node to the {where} at {t['bytes_per_s'] / 1e9:.3g} GB/s ({t['bandwidth_source']}): "
                      f"blocks {span(t['blocking_s'])}{usable}; every {t['reason']}"))
     rows.append(("goodput", f"{100 * view['goodput']:.1f}% planned (restarts {100 * p['restart']:.1f}%, lost work "
-                            f"{100 * p['lost']:.1f}%, checkpoints {100 * p['checkpoint']:.1f}%); "
-                            f"{100 * view['optimal_goodput']:.1f}% at the optimal interval"))
+                            f"{100 * p['lost']:.1f}%, checkpoints {100 * p['checkpoint']:.1f}%, the first start "
+                            f"{100 * p.get('startup', 0.0):.1f}%); {100 * view['optimal_goodput']:.1f}% at the optimal "
+                            "interval"))
     return rows

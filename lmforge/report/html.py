@@ -251,7 +251,8 @@ def goodput_rows(planned: dict | None, measured: dict | None) -> list[tuple[str,
         "restarts alone outlast the time between failures"
     rows = [("goodput", f"{100 * planned['goodput']:.1f}% ({expected})",
              f"{100 * m['goodput']:.1f}% ({len(m['resumptions'])} resumption(s))" if m else "-"),
-            ("restarts (start-up, recovery)", f"{100 * p['restart']:.1f}%", share("startup", "recovery")),
+            ("start-up and restarts", f"{100 * (p['restart'] + p.get('startup', 0.0)):.1f}%",
+             share("startup", "recovery")),
             ("lost work", f"{100 * p['lost']:.1f}%", share("lost") + (f" ({m['steps_lost']} steps)" if m else "")),
             ("checkpoints", f"{100 * p['checkpoint']:.1f}%", share("checkpoint"))]
     for tier in planned["tiers"]:
