@@ -273,7 +273,8 @@ def plan_goodput(*, devices: int, nodes: int, device: str, params: int, trained:
                        for t in tiers], mtbf, restart_s, run, startup_s=start_s)
     wall = run_s / used["goodput"] if used["goodput"] > 0 else math.inf  # (with its first start)
     plan = GoodputPlan(devices=devices, failures_per_device_hour=rate, failure_source=failure_source, mtbf_s=mtbf,
-                       run_s=run_s, total_steps=total_steps, interruptions=wall / mtbf, checkpoint_bytes=size, restart_s=restart_s,
+                       run_s=run_s, total_steps=total_steps, interruptions=wall / mtbf, checkpoint_bytes=size,
+                       restart_s=restart_s,
                        restart_source=restart_source, step_s=step_s, tiers=tuple(tiers), goodput=used["goodput"],
                        parts=used, optimal_goodput=best["goodput"])
     return _with_note(plan)
@@ -322,7 +323,8 @@ span = _span  # the one way a goodput duration is written (views, the run's line
 def goodput_view(plan: GoodputPlan) -> dict:
     """The projection as a JSON-ready dict: what `lmforge estimate`, the dry run and the report show."""
     tiers = [{"tier": t.name, "interval_steps": t.interval_steps, "interval_s": t.interval_steps * plan.step_s,
-              "optimal_s": t.optimal_s if math.isfinite(t.optimal_s) else None, "auto": t.auto, "blocking_s": t.blocking_s, "write_s": t.write_s,
+              "optimal_s": t.optimal_s if math.isfinite(t.optimal_s) else None, "auto": t.auto,
+              "blocking_s": t.blocking_s, "write_s": t.write_s,
               "bytes_per_node": t.bytes_per_node, "bytes_per_s": t.bytes_per_s, "bandwidth_source": t.bandwidth_source,
               "covers": t.covers, "reason": plan.reason(t)} for t in plan.tiers]
     return {"devices": plan.devices, "failures_per_device_hour": plan.failures_per_device_hour,
@@ -346,7 +348,8 @@ def format_goodput_rows(view: dict) -> list[tuple[str, str]]:
     for t in view["tiers"]:
         where = "save_folder" if t["tier"] == "durable" else "local tier"
         usable = f", usable after {span(t['write_s'])}" if t["write_s"] > t["blocking_s"] else ""
-        rows.append(("checkpoint" if t["tier"] == "durable" else "local tier", f"{_gb(view['checkpoint_bytes'])}, {_gb(t['bytes_per_node'])} "
+        label = "checkpoint" if t["tier"] == "durable" else "local tier"
+        rows.append((label, f"{_gb(view['checkpoint_bytes'])}, {_gb(t['bytes_per_node'])} "
                      f"per node to the {where} at {t['bytes_per_s'] / 1e9:.3g} GB/s ({t['bandwidth_source']}): "
                      f"blocks {span(t['blocking_s'])}{usable}; every {t['reason']}"))
     rows.append(("goodput", f"{100 * view['goodput']:.1f}% planned (restarts {100 * p['restart']:.1f}%, lost work "
