@@ -444,25 +444,30 @@ def clean_run(minutes: float, work: Path, data: Path, tok: Path, log_interval: i
             "max_score_max": scores[-1] if scores else None}
 
 
-def three_faults(minutes: float, work: Path, data: Path, tok: Path, step_s: float, startup_s: float, *,
+def three_faults(minutes: float, work: Path, data: Path, tok: Path, step_s: float, start: dict, *,
                  save_every: int | None = None, local: bool = True, hang_timeout: float = 15.0) -> dict:
     """A 2 × 2 run of ``minutes`` of training, through three faults at 20%, 45% and 70% of the steps it is
     expected to take at ``step_s`` per step (the reference's) — a killed rank (torchrun restarts the ranks), a
     stopped rank (the hang watchdog, then a restart) and a fatal XID on node1 (cordoned: node 0 goes on
     alone). Checkpoints: ``save_interval: auto`` (or every ``save_every`` steps) and, with ``local``, a
-    local tier in /dev/shm at its own auto interval. The run is planned with the scenario's failure rate
-    (three interruptions of 4 ranks in ``minutes``) and a restart of the reference's start-up plus the
-    mean detection (a kill ~0.5 s, the hang its timeout, an XID at once): its planned goodput is
-    reported beside the measured one, and beside the model evaluated with the run's own measured inputs."""
+    local tier in /dev/shm at its own auto interval. The run is planned with the scenario's inputs, from
+    the reference run's start (``start``: its whole start-up, and the part after the imports, which a
+    rank forked from a warm fork server still pays): its first start; a restart, the mean of a killed
+    rank's (~0.5 s to notice, then a forked start), the hang's (its timeout, then a forked start) and the
+    XID's (a cordon: the whole chain starts again); three failures of 4 ranks over the wall that makes.
+    Its planned goodput is reported beside the measured one, and beside the model evaluated with the
+    run's own measured inputs."""
     steps = max(40, int(minutes * 60 / step_s))  # expected: the run trains `minutes` of wall-clock time
     at = [int(f * steps) for f in (0.2, 0.45, 0.7)]  # (a margin before the end: a slower box takes fewer steps)
     fault = (f"kill:node=node1:local_rank=1:step={at[0]},stop:node=node0:local_rank=1:step={at[1]},"
              f"xid:node=node1:step={at[2]}:code=79")
     name = "gp-three"
-    rate = 3 / (4 * minutes / 60)  # per rank and hour
-    restart = startup_s + (0.5 + hang_timeout + 0.1) / 3
+    restart = (2 * start["forked_s"] + start["full_s"] + 0.5 + hang_timeout + 0.1) / 3
+    wall = minutes * 60 + start["full_s"] + 3 * restart
+    rate = 3 / (4 * wall / 3600)  # per rank and hour
     extra = {"compute": {"hang_timeout": hang_timeout},
-             "goodput": {"failures_per_gpu_hour": round(rate, 4), "restart_s": round(restart, 2)}}
+             "goodput": {"failures_per_gpu_hour": round(rate, 4), "restart_s": round(restart, 2),
+                         "start_s": round(start["full_s"], 2)}}
     cfg = node_config(work, name, data, tok, f"{minutes:g}min", extra, save_every=save_every or 1)
     doc = yaml.safe_load(cfg.read_text())
     doc["save_interval"] = f"{save_every}ba" if save_every else "auto"
@@ -588,9 +593,10 @@ def telemetry_overhead(pairs: int, work: Path, data: Path, tok: Path, steps: int
             "hooks_share": round(cost["per_step_us"] / (1e6 * off), 5)}
 
 
-def _step_s(work: Path, data: Path, tok: Path) -> tuple[float, float]:
+def _step_s(work: Path, data: Path, tok: Path) -> tuple[float, dict]:
     """Seconds per step of the 2 × 2 reference, the median over its log steps (the first ones, slower,
-    aside), and its start-up; run now when the goodput rows did not."""
+    aside), and its start-up (``full_s``; ``forked_s``: after the imports); run now when the goodput rows
+    did not."""
     import statistics
 
     from lmforge.goodput.ledger import read_ledger
@@ -602,7 +608,8 @@ def _step_s(work: Path, data: Path, tok: Path) -> tuple[float, float]:
     ticks = [r for r in ledger if r["kind"] == "tick"]
     start = next(r for r in ledger if r["kind"] == "start")
     step_s = statistics.median(b["steps_s"] - a["steps_s"] for a, b in zip(ticks[3:], ticks[4:]) if b["step"] > a["step"])
-    return step_s, start["time"] - start["process_start"]
+    full = start["time"] - start["process_start"]
+    return step_s, {"full_s": full, "forked_s": full - (start.get("phases") or {}).get("imported", 0.0)}
 
 
 def print_goodput(rows: list[dict], overhead: dict | None, clean: dict | None, three: dict | None) -> None:
@@ -687,8 +694,8 @@ def main() -> None:
         clean = clean_run(args.clean_minutes, work, data, tok, args.log_interval) if args.clean_minutes else None
         three = None
         if args.three_faults:
-            step_s, startup_s = _step_s(work, data, tok)
-            three = three_faults(args.three_faults, work, data, tok, step_s, startup_s, save_every=args.save_every,
+            step_s, start = _step_s(work, data, tok)
+            three = three_faults(args.three_faults, work, data, tok, step_s, start, save_every=args.save_every,
                                  local=not args.no_local, hang_timeout=args.hang_timeout)
         overhead = telemetry_overhead(args.overhead, work, data, tok, 600) if args.overhead else None
     if args.json:

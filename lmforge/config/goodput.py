@@ -108,6 +108,9 @@ class GoodputConfig(_Strict):
         None, gt=0, le=7 * 86400, description="seconds from a failure to the next productive step (detection, "
         "restart, start-up); default: 60 on one node, 600 on several, replaced by the run's own measurement once "
         "it has restarted")
+    start_s: float | None = Field(
+        None, gt=0, le=7 * 86400, description="seconds from the run's start to its first step (imports, data, "
+        "model, process group); default: restart_s when set, else 10 on one node, 300 on several")
     write_gb_per_s: float | None = Field(
         None, gt=0, le=10_000, description="a node's write bandwidth to the save_folder's store, GB/s; default: 2 "
         "on GPUs (a parallel file system or object store), 1 on a CPU machine, replaced by the run's measured "

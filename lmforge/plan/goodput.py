@@ -43,7 +43,8 @@ the last one). ``save_interval: auto`` takes ``τ*`` in steps of the plan's step
 re-estimates it from its own checkpoint times and failures (`goodput.interval`). An interval set
 by hand that costs at least `WORTH_NAMING` points of goodput against ``τ*`` is named, with its cost.
 
-The run's first start takes ``S`` once (`START_S`; ``goodput.restart_s`` when given): a share
+The run's first start takes ``S`` once (``goodput.start_s``; else ``goodput.restart_s`` when given,
+else `START_S`): a share
 ``S / (run_s/G + S)`` of a run whose steps take ``run_s`` (the other parts shrink by the rest). Evaluation is left out (it is the run's
 own choice of how often).
 No torch: `lmforge estimate` and the dry run plan with it.
@@ -229,6 +230,7 @@ def interval_steps(seconds: float, step_s: float, total_steps: int | None) -> in
 def plan_goodput(*, devices: int, nodes: int, device: str, params: int, trained: int, optimizer: str,
                  step_s: float, run_s: float, total_steps: int | None, async_checkpoint: bool,
                  failures_per_device_hour: float | None = None, restart_s: float | None = None,
+                 start_s: float | None = None,
                  write_bytes_per_s: float | None = None, save_interval: int | None = None, save_rule: str = "as set",
                  local_interval: int | None | str = "none", local_bytes_per_s: float | None = None) -> GoodputPlan:
     """The goodput projection of a run. ``save_interval`` None: auto (τ* in steps); ``local_interval``
@@ -237,12 +239,13 @@ def plan_goodput(*, devices: int, nodes: int, device: str, params: int, trained:
     failure_source = FAILURE_RATE_SOURCE if rate == LLAMA3_FAILURES_PER_GPU_HOUR else "goodput.failures_per_gpu_hour"
     mtbf = mtbf_s(rate, devices)
     size = checkpoint_bytes(params, trained, optimizer)
+    if start_s is None:
+        start_s = restart_s if restart_s is not None else START_S_ONE_NODE if nodes == 1 else START_S
     if restart_s is None:
         restart_s, restart_source = (RESTART_S_ONE_NODE, "assumed for one node") if nodes == 1 else \
             (RESTART_S, "assumed for several nodes")
-        start_s = START_S_ONE_NODE if nodes == 1 else START_S
     else:
-        restart_source, start_s = "goodput.restart_s", restart_s
+        restart_source = "goodput.restart_s"
     fixed = FIXED_S if nodes == 1 or device == "cpu" else FIXED_S_NODES  # (CPU "nodes": gloo, mostly one host)
     has_local = local_interval != "none"
 

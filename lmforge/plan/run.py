@@ -217,7 +217,7 @@ def plan_run_goodput(cfg: RunConfig, machine: Machine, counts: dict, optimizer: 
         devices=machine.world_size, nodes=cfg.compute.nodes, device=machine.device, params=counts["total"],
         trained=trained, optimizer=optimizer, step_s=step_s, run_s=total * step_s if total else time_limit or 0.0,
         total_steps=total, async_checkpoint=cfg.compute.async_checkpoint,
-        failures_per_device_hour=g.failures_per_gpu_hour, restart_s=g.restart_s,
+        failures_per_device_hour=g.failures_per_gpu_hour, restart_s=g.restart_s, start_s=g.start_s,
         write_bytes_per_s=g.write_gb_per_s * 1e9 if g.write_gb_per_s else None,
         save_interval=given, local_interval=local_steps,
         save_rule="as set" if cfg.save_interval else "the default: ~5 per run, at most 1000 steps")
