@@ -475,6 +475,9 @@ def three_faults(minutes: float, work: Path, data: Path, tok: Path, step_s: floa
     if local:
         doc["local_checkpoints"] = {"folder": str(shm), "interval": "auto", "keep": 2}
     cfg.write_text(yaml.safe_dump(doc))
+    dry = subprocess.run([sys.executable, "-m", "lmforge", "train", "-f", str(cfg), "--dry-run", "--json"],
+                         env=env(work / "home"), cwd=REPO, capture_output=True, text=True, check=True)
+    planned = json.loads(dry.stdout)["plan"]["goodput"]  # before the run (its plan.json is each attempt's)
     try:
         run_nodes(cfg, work, work / "home", fault, timeout=minutes * 60 * 3 + 900)
     finally:
@@ -484,12 +487,12 @@ def three_faults(minutes: float, work: Path, data: Path, tok: Path, step_s: floa
     row = goodput_row("three faults", work / name)
     fired = list(dict.fromkeys(f["kind"] for f in _jsonl(work / name / "faults.jsonl")))  # (a node's ranks each)
     return row | {"steps": steps, "save_every": doc["save_interval"], "local": local, "faults": fault,
-                  "fired": fired, "hang_timeout": hang_timeout, "model": model_check(work / name)}
+                  "fired": fired, "hang_timeout": hang_timeout, "model": model_check(work / name, planned)}
 
 
-def model_check(folder: Path) -> dict:
+def model_check(folder: Path, plan: dict | None = None) -> dict:
     """The goodput model (`plan.goodput`) against what the run measured: the plan's projection, made
-    before the run, and the model evaluated with the run's own inputs — its failures over its wall, its
+    before the run (``plan``: its dry run's), and the model evaluated with the run's own inputs — its failures over its wall, its
     restarts (recovery + start-up), its checkpoints' median blocking time per tier, the intervals it
     used and its step time — beside the measured goodput."""
     import statistics
@@ -499,8 +502,8 @@ def model_check(folder: Path) -> dict:
 
     ledger = read_ledger(str(folder))
     acc = account(ledger)
-    plan = (json.loads((folder / "plan.json").read_text()).get("view") or {}).get("goodput") \
-        if (folder / "plan.json").exists() else None
+    if plan is None and (folder / "plan.json").exists():  # (the last attempt's: after a cordon, fewer ranks')
+        plan = (json.loads((folder / "plan.json").read_text()).get("view") or {}).get("goodput")
     ends = [r for r in ledger if r["kind"] in ("end", "last", "tick")]
     steps_s = sum(a.get("steps_s", 0) for a in _last_per_attempt(ledger))
     steps = sum(max(0, a.get("step", 0) - s) for a, s in _span_per_attempt(ledger))

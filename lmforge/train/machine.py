@@ -135,11 +135,11 @@ def process_machine(dist: DistInfo) -> Machine:
 def planned_machine(compute: ComputeConfig, world_size: int | None = None, *, measure: bool = True) -> Machine:
     """The machine a run of ``compute`` trains on, described before it starts (`--dry-run`,
     preflight): this host's device kind and ``world_size`` ranks — by default what the config asks
-    for: ``compute.ranks`` on a CPU, GPUs per node × nodes on GPUs."""
+    for: ``compute.ranks`` × nodes on a CPU, GPUs per node × nodes on GPUs."""
     from lmforge.distributed.torchrun import resolve_device_kind
 
     if resolve_device_kind(compute.device) == "cpu":
-        return cpu_machine(compute.ranks or 1 if world_size is None else world_size, measure=measure)
+        return cpu_machine((compute.ranks or 1) * compute.nodes if world_size is None else world_size, measure=measure)
     import torch  # cuda (the only other kind)
 
     if not torch.cuda.is_available():
