@@ -100,6 +100,20 @@ def default_batch_tokens(non_embedding_params: float, run_tokens: float | None =
     return tokens
 
 
+def default_batch_rule(non_embedding_params: float, run_tokens: float | None = None) -> str:
+    """Which part of the rule gave `default_batch_tokens` its value, in words."""
+    from lmforge.config.counts import human
+
+    i, (bound, tokens) = next((i, b) for i, b in enumerate(BATCH_TOKENS) if non_embedding_params <= b[0])
+    size = f"up to {human(bound)}" if bound != math.inf else f"above {human(BATCH_TOKENS[i - 1][0])}"
+    rule = f"{human(tokens)} tokens per step for models of {size} non-embedding parameters"
+    chosen = default_batch_tokens(non_embedding_params, run_tokens)
+    if chosen != tokens:
+        rule += (f", at most a {MIN_STEPS:,}th of a run of {human(run_tokens)} tokens (a power of two)"
+                 + (f", at least {MIN_BATCH_TOKENS:,}" if chosen == MIN_BATCH_TOKENS else ""))
+    return rule
+
+
 # The default warmup: this share of the run, in the run's own unit (steps, or seconds of a
 # wall-clock budget), and never more than MAX_WARMUP_STEPS steps' worth.
 WARMUP_FRACTION = 0.05

@@ -163,8 +163,10 @@ class EvalConfig(_Strict):
     holdout_fraction: float = Field(
         0.01, ge=0, lt=1, description="share of raw-text documents held out for eval when lmforge prepares the data; "
         "too few documents for one held-out sample (one .txt file): that share of the packed tokens, from the end")
-    interval: DurationField | None = Field(None, description="how often to evaluate, e.g. '500ba' or '1M tok'; default: ~10 evals per run")
-    max_batches: int = Field(20, gt=0, le=1 << 30, description="held-out micro-batches per evaluation")
+    interval: DurationField | None = Field(None, description="how often to evaluate, e.g. '500ba' or '1M tok'; default: up to "
+                                           "10 evals per run, as many as fit in 10% of its planned time (the final one always)")
+    max_batches: int | None = Field(None, gt=0, le=1 << 30, description="held-out micro-batches per rank and evaluation; "
+                                    "default: 20, fewer where one evaluation would take more than 10% of the run's time")
     prompts: list[str] = Field(default_factory=list, description="prompts to generate from at each evaluation")
     max_new_tokens: int = Field(64, gt=0, le=MAX_NEW_TOKENS, description="tokens generated per prompt")
     temperature: float = Field(0.8, ge=0, le=100, description="sampling temperature for prompts (0 = greedy)")
@@ -269,7 +271,10 @@ class ComputeConfig(_Strict):
     gpus: int | Literal["auto"] = Field("auto", description="GPUs per node to use (at least 1)")
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
     ranks: int | None = Field(None, ge=1, le=1024, description="CPU only: run N gloo ranks (for tests / no-GPU users)")
-    data_parallel: Literal["ddp", "fsdp", "hsdp", "none"] = Field("ddp", description="how ranks share the model")
+    data_parallel: Literal["auto", "ddp", "fsdp", "hsdp", "none"] = Field(
+        "auto", description="how ranks share the model: ddp (a whole copy on each), fsdp (states sharded over every "
+        "rank), hsdp (over a node's ranks, copies across nodes), none; auto: none on one device, ddp on CPU ranks or "
+        "where a whole copy fits each GPU, else hsdp on several nodes where a node holds a copy, else fsdp")
     # --- scale-out (lmforge.distributed; see docs/scale-out.md)
     shard_size: int | None = Field(None, ge=1, le=MAX_RANKS, description="hsdp: ranks per shard group (default: ranks per node)")
     expert_parallel: int = Field(

@@ -16,7 +16,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmforge.config.defaults import auto_precision, default_batch_tokens, micro_batch_for, run_optimizer
+from lmforge.config.defaults import (auto_precision, default_batch_rule, default_batch_tokens, micro_batch_for,
+                                     run_optimizer)
+from lmforge.config.counts import human
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import FINETUNE_TASKS, RunConfig
@@ -26,6 +28,11 @@ from lmforge.plan.hardware import mfu_basis, peak_flops
 from lmforge.plan.machine import Machine
 
 CPU_MICRO_BATCH = 8  # the largest micro-batch a CPU takes (`micro_batch_for`): beyond it, no faster
+# A CPU run's shape is timed before its plan (`expected_rate`) when its timing — a warm-up and
+# MEASURED_STEPS steps (`train.throughput`) — is at most this many FLOPs: ~10 s at the ~50 GFLOP/s
+# two cores reach; a larger model's plan assumes its speed and says so.
+CPU_MEASURE_FLOPS = 5e11
+MEASURED_STEPS = 3
 PROBE_MICRO_BATCH = 64  # a GPU's largest, where a shape is timed before its plan
 
 
@@ -79,15 +86,45 @@ def run_tokens(d: Duration, model: ModelConfig, ctx: int, *, tokens_per_s: Calla
 def global_batch(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> int:
     """The global batch in samples: the config's, or the default for ``model`` and a run of
     ``tokens`` tokens; a batch in tokens or the default rounded so every replica gets the same share."""
+    return _global_batch(cfg, model, ctx, replicas, tokens)[0]
+
+
+def batch_change(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> str | None:
+    """The line naming how the planned batch differs from the tokens per step asked for (a batch in
+    tokens, or the default rule's), and why; None where it is as asked."""
+    gbs, asked, what = _global_batch(cfg, model, ctx, replicas, tokens)
+    if asked is None or gbs * ctx == asked:
+        return None
+    samples = max(1, round(asked / ctx))
+    how = [f"{samples:,} whole sample(s) of {ctx:,}"]
+    if gbs != samples:
+        how.append(f"{'raised' if gbs > samples else 'rounded'} to {gbs:,}: the same whole number for each of the "
+                   f"{replicas:,} data-parallel replicas" + (", at least one" if samples < replicas else ""))
+    fewer = ("; fewer tokens per step need fewer replicas (compute.context_parallel, fewer ranks) or a shorter "
+             "context") if gbs > samples and samples < replicas else ""
+    verb = "raised" if gbs * ctx > asked else "lowered"
+    return (f"batch {verb} to {human(gbs * ctx)} tokens per step ({gbs:,} × {ctx:,}) from the {human(asked)} of "
+            f"{what}: " + ", ".join(how) + fewer)
+
+
+def _global_batch(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int,
+                  tokens: float | None) -> tuple[int, float | None, str]:
+    """(samples per step, the tokens per step asked for or None, where that ask comes from)."""
     p = cfg.parameters
     if isinstance(p.global_batch_size, int):
-        return int(p.global_batch_size)  # as given: `plan.checks.check_batch_split` refuses one that does not split
+        # as given: `plan.checks.check_batch_split` refuses one that does not split
+        return int(p.global_batch_size), None, "parameters.global_batch_size"
     if p.global_batch_size is None:
-        gbs = max(1, round(default_batch_tokens(param_counts(model)["non_embedding"], tokens) / ctx))
+        non_embedding = param_counts(model)["non_embedding"]
+        asked = default_batch_tokens(non_embedding, tokens)
+        what = f"the default rule ({default_batch_rule(non_embedding, tokens)})"
+        gbs = max(1, round(asked / ctx))
     else:
         d = parse_duration(p.global_batch_size)
+        asked, what = (d.value, "parameters.global_batch_size") if d.unit == "tok" else \
+            (max(1, int(d.value)) * ctx, "parameters.global_batch_size")
         gbs = max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
-    return replicas * max(1, math.ceil(gbs / replicas))
+    return replicas * max(1, math.ceil(gbs / replicas)), asked, what
 
 
 def probe_micro_batch(gbs: int, replicas: int, device: str) -> int:
@@ -112,14 +149,19 @@ class Rate:
 
 
 def expected_rate(cfg: RunConfig, ctx: int, micro: int, machine: Machine, precision: str) -> Rate:
-    """This machine's cached measurement of the run's shape (`train.throughput`), else FLOPs at the
-    machine's assumed MFU of its peak."""
+    """This machine's measurement of the run's shape (`train.throughput`: cached; on a CPU whose
+    probe measures, timed now when the timing is short, `CPU_MEASURE_FLOPS` — a CPU's MFU is far
+    from a GPU's, and a plan's eval budget and a wall-clock run's steps follow its speed), else
+    FLOPs at the machine's assumed MFU of its peak, which the source says."""
     measured = None
     if cfg.model.vocab_size:
+        timing = (1 + MEASURED_STEPS) * micro * ctx * mfu_flops_per_token(cfg.model, ctx, cfg.lora)
         measured = machine.probe.tokens_per_s(cfg.model, ctx, micro, precision=precision,
-                                              optimizer=plan_optimizer(cfg), measure=False)
+                                              optimizer=plan_optimizer(cfg),
+                                              measure=machine.device == "cpu" and timing <= CPU_MEASURE_FLOPS)
     if measured:
         rate = measured * machine.compute_devices
         return Rate(rate, rate, "measured on this machine")
     assumed = assumed_tokens_per_s(cfg.model, ctx, machine, precision, cfg.lora)
-    return Rate(assumed, assumed / machine.assumed_mfu, "assumed, nothing measured here")
+    return Rate(assumed, assumed / machine.assumed_mfu,
+                f"assumed {machine.assumed_mfu:.0%} of the peak, nothing measured here")

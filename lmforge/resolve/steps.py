@@ -79,8 +79,10 @@ def _pretrain(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
 
 
 def said_lines(plan: TrainPlan) -> list[str]:
-    """What a run says about its plan at its start: how the micro-batch was chosen (GPUs), RoPE scaling."""
-    return ([plan.micro_batch_reason] if plan.micro_batch_reason else []) + list(plan.notes)
+    """What a run says about its plan at its start: how the micro-batch was chosen (GPUs), RoPE scaling,
+    a batch other than asked for, its evaluation."""
+    return ([plan.micro_batch_reason] if plan.micro_batch_reason else []) + list(plan.notes) + \
+        ([plan.evaluation.line] if plan.evaluation else [])
 
 
 def _planned_data(cfg: RunConfig) -> tuple[int | None, int | None]:
@@ -128,12 +130,29 @@ def _with_extension_base(cfg: RunConfig) -> RunConfig:
 
 
 def _known_tokenizer_vocab(cfg: RunConfig) -> int | None:
-    """The tokenizer's vocabulary where it is known without preparing anything (a dry run)."""
+    """The tokenizer's vocabulary where it is known without preparing anything (a dry run): the one
+    to train or extend to, a tokenizer folder's, or — with no `tokenizer` — the one the prepared
+    training data was made with (what the run then loads, `data.resolve.resolve_tokenizer`)."""
+    from lmforge.data.remote import is_remote
+
     spec = cfg.tokenizer
     if isinstance(spec, TokenizerSpec):
+        if spec.extend is not None:
+            return spec.extend.vocab_size
         return spec.train.vocab_size if spec.train and isinstance(spec.train.vocab_size, int) else None
-    if isinstance(spec, str) and os.path.exists(spec):
-        return load_tokenizer(spec).vocab_size
+    if isinstance(spec, str):
+        return load_tokenizer(spec).vocab_size if os.path.exists(spec) else None
+    if without_data(cfg):
+        return None
+    from lmforge.data.prepared import is_prepared, prepared_summary
+
+    for d in cfg.train_data:
+        if is_remote(d.path) or not is_prepared(d.path):
+            continue
+        tok = prepared_summary(d.path).get("tokenizer") or {}
+        if tok.get("path") and os.path.exists(tok["path"]):
+            return load_tokenizer(tok["path"]).vocab_size
+        return tok.get("vocab_size")
     return None
 
 

@@ -127,6 +127,7 @@ class Trainer:
         self.reshape: dict | None = None
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
         self._elapsed0 = 0.0
+        self._evaluated: tuple[int, dict] | None = None  # (step, metrics) of the last held-out evaluation
         if self.complete:
             return
         self.state = parts.state
@@ -255,6 +256,7 @@ class Trainer:
             self.callbacks.on_text(f"generation_{i}", text, self.state.step)
         if metrics:
             self.callbacks.on_metrics(metrics, self.state.step)
+        self._evaluated = (self.state.step, metrics | {"_generations": gens})
         return metrics | {"_generations": gens}
 
     def evaluate_icl(self) -> dict:
@@ -324,9 +326,13 @@ class Trainer:
                            reshape=self.reshape)
 
     def _finish(self) -> dict:
-        """The end of a completed run: a last evaluation, checkpoint and ICL pass."""
-        with self.telemetry.blocked("evaluation"):
-            metrics = self.evaluate()
+        """The end of a completed run: a last evaluation (unless the loop's last step was just
+        evaluated: a wall-clock budget that ran out during it), checkpoint and ICL pass."""
+        if self._evaluated is not None and self._evaluated[0] == self.state.step:
+            metrics = dict(self._evaluated[1])
+        else:
+            with self.telemetry.blocked("evaluation"):
+                metrics = self.evaluate()
         if self.plan.total_steps is None or self.state.step > 0:
             with self.telemetry.blocked("checkpoint"):
                 self.save()
@@ -340,10 +346,11 @@ class Trainer:
         batches = iter(self.stream)
         self._start_clock()
         self.telemetry.start(state.step)
-        meter = _Meter(state.tokens)
+        meter = _Meter(state.tokens, self.telemetry.blocked_s())
         self.train_forward.train()
         phase = None
         window: list[StepOutput] = []  # steps whose loss and grad norm are still on the device
+        out = None
         while not self._done():
             if self.stream.phase() not in (None, phase):  # a curriculum phase begins (or the run resumes in one)
                 phase = self.stream.phase()
@@ -368,11 +375,7 @@ class Trainer:
                 for i, (loss, _) in enumerate(values):
                     meter.watch_spike(loss, first + i, past_warmup=first + i > plan.warmup_steps, log=self.log)
                 if log_now:
-                    loss, grad_norm = values[-1]
-                    read = StepOutput(loss=loss, grad_norm=grad_norm, lr=out.lr, moe=out.moe, stats=out.stats)
-                    goodput, decision = self.telemetry.interval()  # every rank: the same decision
-                    self.callbacks.on_metrics(self._step_metrics(read, meter.tokens_per_s(state.tokens)) | goodput,
-                                              state.step)
+                    decision = self._log_step(out, values[-1], meter)
                     save_now = save_now or (decision is not None and not done)  # checkpoint, then act
             if state.step % plan.eval_interval == 0 and not done and decision is None:
                 with self.watchdog.paused(), self.telemetry.blocked("evaluation"):
@@ -388,7 +391,20 @@ class Trainer:
                 return self._act(decision)
             if stop:
                 return "stopped"
+        if window:  # a wall-clock budget ran out during an evaluation or checkpoint after the last step:
+            # that step is logged too, so the registry, `runs list` and the report end where the run did
+            self._log_step(out, self._read(window)[-1], meter)
         return "completed"
+
+    def _log_step(self, out: StepOutput, read: tuple[float, float], meter: "_Meter"):
+        """The metrics of the step just read (``read``: its loss and gradient norm), through the
+        callbacks; returns the goodput decision of this log step (every rank: the same)."""
+        loss, grad_norm = read
+        goodput, decision = self.telemetry.interval()
+        step_out = StepOutput(loss=loss, grad_norm=grad_norm, lr=out.lr, moe=out.moe, stats=out.stats)
+        rate = meter.tokens_per_s(self.state.tokens, self.telemetry.blocked_s())
+        self.callbacks.on_metrics(self._step_metrics(step_out, rate) | goodput, self.state.step)
+        return decision
 
     def _act(self, decision) -> str:
         """A goodput condition holds: with its checkpoint written, diagnose and cordon as it asks; the
@@ -479,15 +495,19 @@ def _schedule_text(s) -> str:
 
 
 class _Meter:
-    """Tokens/s between log steps and a loss-spike warning (an exponential average of the loss)."""
+    """Tokens/s of the steps between log steps — the time blocked by evaluation, checkpoints and
+    generations left out (``blocked``: telemetry's running total of it, the goodput ledger's
+    split), so throughput and MFU are the steps' own — and a loss-spike warning (an exponential
+    average of the loss)."""
 
-    def __init__(self, tokens: int):
-        self._t, self._tokens, self._ema = time.monotonic(), tokens, None
+    def __init__(self, tokens: int, blocked: float = 0.0):
+        self._t, self._tokens, self._blocked, self._ema = time.perf_counter(), tokens, blocked, None
 
-    def tokens_per_s(self, tokens: int) -> float:
-        now = time.monotonic()
-        rate = (tokens - self._tokens) / max(now - self._t, 1e-9)
-        self._t, self._tokens = now, tokens
+    def tokens_per_s(self, tokens: int, blocked: float = 0.0) -> float:
+        now = time.perf_counter()
+        steps_s = (now - self._t) - (blocked - self._blocked)
+        rate = (tokens - self._tokens) / max(steps_s, 1e-9)
+        self._t, self._tokens, self._blocked = now, tokens, blocked
         return rate
 
     def watch_spike(self, loss: float, step: int, *, past_warmup: bool, log) -> None:
