@@ -53,6 +53,8 @@ def run_icl(model, tokenizer, icl, cfg: RunConfig, dist: DistInfo, sharded: bool
     if not dist.is_main:
         return {}
     metrics = {f"icl/{k}": v["accuracy"] for k, v in results.items() if isinstance(v, dict) and "accuracy" in v}
+    for k, v in results.items():  # lm-evaluation-harness's rules beside Foundry's (`eval.icl`)
+        metrics |= {f"icl/{k}/{rule}": v[rule] for rule in ("acc", "acc_norm") if rule in v}
     if gauntlet is not None:
         scores = gauntlet_scores(results, gauntlet)
         for group in ("categories", "averages"):

@@ -297,7 +297,7 @@ def check_fits(plan: dict) -> None:
         return
     where = f"{cluster['gpus']} × {cluster['gpu_type']} under {mem['data_parallel']}"
     states, usable = _bytes(mem["states_bytes_per_gpu"]), _bytes(mem["usable_bytes"])
-    if mem["data_parallel"] in REPLICATED:  # more GPUs of the same kind do not help: shard instead
+    if mem["data_parallel"] in REPLICATED and cluster["gpus"] > 1:  # more GPUs of the same kind do not help: shard
         more = "--data-parallel fsdp (compute.data_parallel: fsdp) to shard the model states"
     else:
         more = f"at least {mem['min_gpus']} GPUs" if mem["min_gpus"] else "a shorter --seq-len"

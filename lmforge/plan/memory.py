@@ -189,6 +189,7 @@ def memory_plan(total_params: int | float, cfg: ModelConfig | None, seq_len: int
     selective, N); None picks: off if micro-batch 1 fits without it, else full.
     ``context_parallel`` N: each GPU holds seq_len / N tokens of a row (its activations)."""
     dp, sharded = sharding.data_parallel, sharding.data_parallel in SHARDED
+    shardable = sharded or sharding.devices == 1  # one device: more of them would be sharded (`data_parallel_mode`)
     states_total = float(total_params) * BYTES_PER_PARAM
     states = states_total / sharding.shards
     usable = usable_bytes(gpu_memory)
@@ -202,7 +203,7 @@ def memory_plan(total_params: int | float, cfg: ModelConfig | None, seq_len: int
         out.update(gathered_bytes_per_gpu=None, loss_workspace_bytes=None, activation_bytes_per_sample=None,
                    max_micro_batch=None, activation_checkpointing=activation_checkpointing,
                    micro_batch=micro_batch, suggested_micro_batch=None, total_bytes_per_gpu=states,
-                   fits=states <= usable, min_gpus=math.ceil(states_total / usable) if usable > 0 and sharded else None)
+                   fits=states <= usable, min_gpus=math.ceil(states_total / usable) if usable > 0 and shardable else None)
         return out
     _, unsharded, loss = fixed_parts(total_params, cfg, sharding)
     tokens = seq_len // context_parallel
@@ -220,7 +221,7 @@ def memory_plan(total_params: int | float, cfg: ModelConfig | None, seq_len: int
     out.update(gathered_bytes_per_gpu=unsharded, loss_workspace_bytes=loss, activation_bytes_per_sample=act,
                max_micro_batch=max_mb, activation_checkpointing=activation_checkpointing, micro_batch=micro_batch,
                suggested_micro_batch=suggested, total_bytes_per_gpu=total, fits=total <= usable,
-               min_gpus=math.ceil(states_total / room) if room > 0 and sharded else None)
+               min_gpus=math.ceil(states_total / room) if room > 0 and shardable else None)
     return out
 
 

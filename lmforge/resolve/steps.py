@@ -271,8 +271,10 @@ def _rows(cfg: RunConfig, tokenizer: Tokenizer, template, seq_len: int, log) -> 
 
     rows = rows_of(paths)
     eval_rows = rows_of([cfg.eval.data_path]) if cfg.eval.data_path else None
+    from lmforge.data.sft import packing_note
+
     log(f"data: {rows.examples} examples in {len(rows)} rows of {seq_len} tokens"
-        f"{' (packed)' if cfg.sft.packing else ''}"
+        f"{packing_note(rows.examples, len(rows), cfg.sft.packing, 'example')}"
         + (f"; {rows.truncated} cut at the context length" if rows.truncated else "")
         + (f"; {rows.dropped} dropped (no response token fits)" if rows.dropped else ""))
     return SFTData(tokenizer.path, rows, eval_rows, chat_template=chat_template)

@@ -101,3 +101,14 @@ def _progress(m: dict, config: dict) -> tuple[float | None, float | None]:
         return min(done, 1.0), (max(eta, 0.0) if eta is not None else None)
     eta = remaining_tokens / tps if remaining_tokens is not None and tps else None
     return min(frac, 1.0), (max(eta, 0.0) if eta is not None else None)
+
+
+def resolved_model_label(record: dict | None, auto: bool) -> str | None:
+    """The shape a run trains, from the resolved config its save folder's run.json holds (``auto``:
+    `model: auto` chose it — ``auto 4×128``); None where there is none yet."""
+    m = ((record or {}).get("config") or {}).get("model")
+    if not isinstance(m, dict) or not m.get("d_model"):
+        return None
+    label = m.get("preset") or f"{m['n_layers']}×{m['d_model']}" + (f" moe{m['n_experts']}" if m.get("n_experts") else "")
+    return f"auto {label}" if auto else label if m.get("preset") else f"custom {label}"
+
