@@ -12,6 +12,7 @@ import io
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
@@ -20,6 +21,7 @@ from conftest import tiny_run_config
 from lmforge.config.load import build_config
 from lmforge.config.model import ModelConfig, as_trained
 from lmforge.goodput.ledger import account, read_ledger
+from lmforge.layout import MODEL_CONFIG_FILE, latest_checkpoint, read_state
 from lmforge.plan.comm import BF16, FP32, OVERLAP
 from lmforge.plan.evaluation import DEFAULT_EVAL_BATCHES, EVAL_SHARE, plan_evaluation
 from lmforge.plan.machine import nominal_machine
@@ -86,7 +88,7 @@ def test_a_timed_run_logs_its_last_step_and_evaluates_it_once(timed_run):
     raw, folder, result, out = timed_run
     records = metrics(folder)
     train = [r for r in records if "train/loss" in r]
-    state = json.loads((folder / "checkpoints" / f"step_{result.step}" / "lmforge-state.json").read_text())
+    state = read_state(latest_checkpoint(str(folder)))
     assert train[-1]["step"] == result.step == state["step"] > 1  # the registry and the report end here
     assert train[-1]["train/progress"] == 1.0 and train[-1]["train/tokens"] == state["tokens"]
     evals = [r["step"] for r in records if "eval/loss" in r]
@@ -108,7 +110,7 @@ def test_the_dry_run_plans_the_model_that_trained(timed_run):
     planned = resolve(cfg, planned_machine(cfg.compute, measure=False), until="plan", **QUIET).plan
     with safe_open(str(folder / "final" / "model.safetensors"), "pt") as f:
         trained = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    tied = ModelConfig(**json.loads((folder / "final" / "config.json").read_text())).tie_embeddings
+    tied = ModelConfig(**json.loads((folder / "final" / MODEL_CONFIG_FILE).read_text())).tie_embeddings
     assert tied is False and planned.params["total"] == trained
 
 
@@ -117,10 +119,11 @@ def test_the_export_says_the_context_it_was_trained_at(timed_run, tmp_path):
     """`max_position_embeddings` is the context of the run's checkpoint (32), not the model's 64:
     lm-eval and vLLM would otherwise score past what it learned."""
     raw, folder, result, _ = timed_run
-    state = json.loads((folder / "checkpoints" / f"step_{result.step}" / "lmforge-state.json").read_text())
+    checkpoint = latest_checkpoint(str(folder))
+    state = read_state(checkpoint)
     trained_at = state["config"]["parameters"]["context_length"]
-    assert trained_at == 32 < state["config"]["model"]["max_seq_len"] == 64
-    for source in (folder / "final", folder / "checkpoints" / f"step_{result.step}"):
+    assert trained_at == 32 < state["config"]["model"]["max_seq_len"] == 64 and state["step"] == result.step
+    for source in (folder / "final", Path(checkpoint)):
         out = tmp_path / source.name
         cli("export", "--checkpoint", source, "--out", out, check=True)
         assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == trained_at, source

@@ -57,9 +57,11 @@ def eval_seconds(batches: int, *, eval_sets: int, micro_batch: int, context: int
 
 def plan_evaluation(*, interval: int | None, batches: int | None, nominal_steps: int, run_seconds: float,
                     eval_sets: int, micro_batch: int, context: int, replicas: int, tokens_per_s: float,
-                    generated_tokens: int, n_layers: int, rate_source: str = "") -> EvalPlan:
+                    generated_tokens: int, n_layers: int, rate_source: str = "", timed: bool = False) -> EvalPlan:
     """Interval and batches for a run of ``nominal_steps`` steps lasting ``run_seconds`` (planned);
-    ``interval`` / ``batches`` as the user set them (None: sized here)."""
+    ``interval`` / ``batches`` as the user set them (None: sized here). ``timed``: a wall-clock budget,
+    whose steps are only expected — one that runs faster than planned must not meet an evaluation
+    meant for its end in its middle."""
     nominal = max(1, nominal_steps)
 
     def cost(n: int) -> float:
@@ -79,6 +81,8 @@ def plan_evaluation(*, interval: int | None, batches: int | None, nominal_steps:
         # `evals` evaluations, the final one included: every interval steps before the end.
         interval = nominal if evals == 1 else math.ceil(nominal / evals)
         evals = _evals(nominal, interval)
+        if evals == 1 and timed:
+            interval = 2 * nominal  # the end only, also at twice the planned speed
     seconds = cost(batches)
     share = evals * seconds / run_seconds if run_seconds > 0 else 0.0
     speed = f" at the plan's speed ({rate_source})" if rate_source else ""

@@ -274,7 +274,7 @@ def eval_plan(cfg: RunConfig, nominal: int, run_seconds: float, *, ctx: int, mic
     return plan_evaluation(interval=given, batches=e.max_batches, nominal_steps=nominal, run_seconds=run_seconds,
                            eval_sets=sets, micro_batch=micro, context=ctx, replicas=reps, tokens_per_s=tokens_per_s,
                            generated_tokens=len(e.prompts) * e.max_new_tokens, n_layers=cfg.model.n_layers,
-                           rate_source=rate_source)
+                           rate_source=rate_source, timed=cfg.training_duration.unit == "s")
 
 
 @dataclass(frozen=True)
