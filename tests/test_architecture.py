@@ -71,7 +71,7 @@ TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.layout", "lmf
               "lmforge.resolve.auto_model", "lmforge.plan.schedule", "lmforge.tasks.icl",
               "lmforge.plan.estimate", "lmforge.plan.auto", "lmforge.plan.memory", "lmforge.plan.batch",
               "lmforge.plan.checks", "lmforge.plan.fit", "lmforge.plan.context", "lmforge.plan.micro_batch",
-              "lmforge.plan.flops", "lmforge.plan.hardware", "lmforge.plan.comm", "lmforge.plan.cost",
+              "lmforge.plan.flops", "lmforge.plan.hardware", "lmforge.plan.comm", "lmforge.plan.cost", "lmforge.plan.evaluation",
               "lmforge.config.counts", "lmforge.cli.train", "lmforge.runs.preflight", "lmforge.resolve.steps",
               "lmforge.data.prepared", "lmforge.data.chat", "lmforge.train.machine", "lmforge.runs.launcher",
               "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.data.gguf_vocab", "lmforge.scaling.plan",

@@ -28,11 +28,6 @@ from lmforge.plan.hardware import mfu_basis, peak_flops
 from lmforge.plan.machine import Machine
 
 CPU_MICRO_BATCH = 8  # the largest micro-batch a CPU takes (`micro_batch_for`): beyond it, no faster
-# A CPU run's shape is timed before its plan (`expected_rate`) when its timing — a warm-up and
-# MEASURED_STEPS steps (`train.throughput`) — is at most this many FLOPs: ~10 s at the ~50 GFLOP/s
-# two cores reach; a larger model's plan assumes its speed and says so.
-CPU_MEASURE_FLOPS = 5e11
-MEASURED_STEPS = 3
 PROBE_MICRO_BATCH = 64  # a GPU's largest, where a shape is timed before its plan
 
 
@@ -149,19 +144,18 @@ class Rate:
 
 
 def expected_rate(cfg: RunConfig, ctx: int, micro: int, machine: Machine, precision: str) -> Rate:
-    """This machine's measurement of the run's shape (`train.throughput`: cached; on a CPU whose
-    probe measures, timed now when the timing is short, `CPU_MEASURE_FLOPS` — a CPU's MFU is far
-    from a GPU's, and a plan's eval budget and a wall-clock run's steps follow its speed), else
-    FLOPs at the machine's assumed MFU of its peak, which the source says."""
+    """This machine's cached measurement of the run's shape (`train.throughput`: `model: auto`
+    times its shapes), else FLOPs at the machine's assumed MFU of its peak — which the source says,
+    and on a CPU that it reaches far less (timing a shape before every plan would cost a dry run
+    seconds to minutes)."""
     measured = None
     if cfg.model.vocab_size:
-        timing = (1 + MEASURED_STEPS) * micro * ctx * mfu_flops_per_token(cfg.model, ctx, cfg.lora)
         measured = machine.probe.tokens_per_s(cfg.model, ctx, micro, precision=precision,
-                                              optimizer=plan_optimizer(cfg),
-                                              measure=machine.device == "cpu" and timing <= CPU_MEASURE_FLOPS)
+                                              optimizer=plan_optimizer(cfg), measure=False)
     if measured:
         rate = measured * machine.compute_devices
         return Rate(rate, rate, "measured on this machine")
     assumed = assumed_tokens_per_s(cfg.model, ctx, machine, precision, cfg.lora)
+    cpu = "; a CPU reaches far less" if machine.device == "cpu" else ""
     return Rate(assumed, assumed / machine.assumed_mfu,
-                f"assumed {machine.assumed_mfu:.0%} of the peak, nothing measured here")
+                f"assumed {machine.assumed_mfu:.0%} of the peak{cpu}, nothing measured here")
