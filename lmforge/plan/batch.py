@@ -24,7 +24,7 @@ from lmforge.config.model import ModelConfig
 from lmforge.config.schema import FINETUNE_TASKS, RunConfig
 from lmforge.errors import UserError
 from lmforge.plan.flops import mfu_flops_per_token, param_counts
-from lmforge.plan.hardware import mfu_basis, peak_flops
+from lmforge.plan.hardware import mfu_basis, peak_flops, tokens_per_s_at
 from lmforge.plan.machine import Machine
 
 CPU_MICRO_BATCH = 8  # the largest micro-batch a CPU takes (`micro_batch_for`): beyond it, no faster
@@ -78,19 +78,44 @@ def run_tokens(d: Duration, model: ModelConfig, ctx: int, *, tokens_per_s: Calla
     return None
 
 
+def batch_samples(parameters, model: ModelConfig, ctx: int, tokens: float | None) -> int:
+    """``parameters.global_batch_size`` in samples of ``ctx`` tokens: as given (samples, or tokens
+    rounded to whole samples), else the default for ``model`` and a run of ``tokens`` tokens."""
+    global_batch_size = parameters.global_batch_size
+    if isinstance(global_batch_size, int):
+        return int(global_batch_size)
+    if global_batch_size is None:
+        return max(1, round(default_batch_tokens(param_counts(model)["non_embedding"], tokens) / ctx))
+    d = parse_duration(global_batch_size)
+    return max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
+
+
 def global_batch(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> int:
-    """The global batch in samples: the config's, or the default for ``model`` and a run of
-    ``tokens`` tokens; a batch in tokens or the default rounded so every replica gets the same share."""
-    return _global_batch(cfg, model, ctx, replicas, tokens)[0]
+    """The global batch in samples (`batch_samples`); a batch in tokens or the default rounded up so
+    every replica gets the same share."""
+    gbs = batch_samples(cfg.parameters, model, ctx, tokens)
+    if isinstance(cfg.parameters.global_batch_size, int):
+        return gbs  # as given: `plan.checks.check_batch_split` refuses one that does not split
+    return replicas * max(1, math.ceil(gbs / replicas))
 
 
 def batch_change(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> str | None:
     """The line naming how the planned batch differs from the tokens per step asked for (a batch in
-    tokens, or the default rule's), and why; None where it is as asked."""
-    gbs, asked, what = _global_batch(cfg, model, ctx, replicas, tokens)
-    if asked is None or gbs * ctx == asked:
+    tokens, or the default rule's), and why; None where it is as asked (a batch in samples is taken
+    as given)."""
+    p = cfg.parameters
+    if isinstance(p.global_batch_size, int):
         return None
-    samples = max(1, round(asked / ctx))
+    if p.global_batch_size is None:
+        non_embedding = param_counts(model)["non_embedding"]
+        asked = default_batch_tokens(non_embedding, tokens)
+        what = f"the default rule ({default_batch_rule(non_embedding, tokens)})"
+    else:
+        d = parse_duration(p.global_batch_size)
+        asked, what = (d.value if d.unit == "tok" else max(1, int(d.value)) * ctx), "parameters.global_batch_size"
+    gbs, samples = global_batch(cfg, model, ctx, replicas, tokens), batch_samples(p, model, ctx, tokens)
+    if gbs * ctx == asked:
+        return None
     how = [f"{samples:,} whole sample(s) of {ctx:,}"]
     if gbs != samples:
         how.append(f"{'raised' if gbs > samples else 'rounded'} to {gbs:,}: the same whole number for each of the "
@@ -102,26 +127,6 @@ def batch_change(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, to
             f"{what}: " + ", ".join(how) + fewer)
 
 
-def _global_batch(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int,
-                  tokens: float | None) -> tuple[int, float | None, str]:
-    """(samples per step, the tokens per step asked for or None, where that ask comes from)."""
-    p = cfg.parameters
-    if isinstance(p.global_batch_size, int):
-        # as given: `plan.checks.check_batch_split` refuses one that does not split
-        return int(p.global_batch_size), None, "parameters.global_batch_size"
-    if p.global_batch_size is None:
-        non_embedding = param_counts(model)["non_embedding"]
-        asked = default_batch_tokens(non_embedding, tokens)
-        what = f"the default rule ({default_batch_rule(non_embedding, tokens)})"
-        gbs = max(1, round(asked / ctx))
-    else:
-        d = parse_duration(p.global_batch_size)
-        asked, what = (d.value, "parameters.global_batch_size") if d.unit == "tok" else \
-            (max(1, int(d.value)) * ctx, "parameters.global_batch_size")
-        gbs = max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
-    return replicas * max(1, math.ceil(gbs / replicas)), asked, what
-
-
 def probe_micro_batch(gbs: int, replicas: int, device: str) -> int:
     """The micro-batch a shape is run at before its plan (on a CPU: the one its plan takes)."""
     return micro_batch_for(max(1, gbs // replicas), CPU_MICRO_BATCH if device == "cpu" else PROBE_MICRO_BATCH)
@@ -130,8 +135,8 @@ def probe_micro_batch(gbs: int, replicas: int, device: str) -> int:
 def assumed_tokens_per_s(model: ModelConfig, ctx: int, machine: Machine, precision: str, lora=None) -> float:
     """Training tokens/s of the whole run modelled from FLOPs: the machine's assumed MFU of its
     devices' peak (what sizes a default batch; see the module docstring)."""
-    peak = peak_flops(machine.spec, mfu_basis(precision)) * machine.compute_devices
-    return machine.assumed_mfu * peak / mfu_flops_per_token(model, ctx, lora)
+    return tokens_per_s_at(machine.assumed_mfu, mfu_flops_per_token(model, ctx, lora), machine.compute_devices,
+                           peak_flops(machine.spec, mfu_basis(precision)))
 
 
 @dataclass(frozen=True)
