@@ -293,9 +293,10 @@ def register(subparsers) -> None:
     p = add_command(
         subparsers, "estimate", "plan a run: FLOPs, tokens, time, cost and memory per GPU",
         description="Plan a training run before spending, as `lmforge train` plans it: parameters (total/active), "
-        "FLOPs (6·N_active·D plus attention), Chinchilla tokens, the batch split, time and cost at a given MFU on "
-        "a given cluster, memory per GPU (for --data-parallel, full sharding by default) with one verdict that "
-        "names the flags that make a run fit, the context-parallel degree and activation checkpointing the "
+        "FLOPs (6·N_active·D plus attention), Chinchilla tokens, the batch split (and why, where it differs from "
+        "the batch asked for), time and cost at a given MFU on a given cluster with the communication compute "
+        "cannot hide, memory per GPU (for --data-parallel, auto by default as `train` resolves it) with one verdict "
+        "that names the flags that make a run fit, the context-parallel degree and activation checkpointing the "
         "context length needs, and for MoE models the expert traffic per GPU with and without expert parallelism.",
     )
     p._negative_number_matcher = NEGATIVE_VALUE  # (see NEGATIVE_VALUE)
