@@ -248,6 +248,7 @@ def test_a_verdict_under_ddp_never_asks_for_more_gpus_alone():
 
 # --------------------------------------------------------------------------- the dataset's counts
 
+@pytest.mark.integration  # (the statistics load fastText's language model, as test_curate's do)
 def test_data_stats_counts_as_the_dataset_card_does(tiny_data):
     """`data stats` of a prepared dataset says the documents and tokens its marker (the card) says,
     and what its samples hold of them — recounted here from the shards."""
