@@ -39,12 +39,13 @@ def register(sub) -> None:
                     "checkpoint in save_folder (autoresume).")
     add_run_arguments(p)
     p.set_defaults(func=run)
-    p = add_command(sub, "finetune", "fine-tune a model on prompt/response or chat JSONL (SFT), or on "
-                    "preference pairs (DPO, IPO, SimPO, ORPO)",
+    p = add_command(sub, "finetune", "fine-tune a model on prompt/response or chat JSONL (SFT), on "
+                    "preference pairs (DPO, IPO, SimPO, ORPO), or from rewards (RL: GRPO, DAPO, Dr. GRPO, GSPO)",
                     description="Fine-tune from a run config with task_type instruction_finetune (default), "
-                    "chat_completion, preference (prompt/chosen/rejected rows; preference.loss) or "
-                    "continued_pretrain. `model` and `tokenizer` default to those of custom_weights_path. "
-                    "Re-running the same command resumes (autoresume).")
+                    "chat_completion, preference (prompt/chosen/rejected rows; preference.loss), rl (prompt rows "
+                    "whose sampled completions rl.reward scores; docs/rl.md) or continued_pretrain. `model` and "
+                    "`tokenizer` default to those of custom_weights_path. Re-running the same command resumes "
+                    "(autoresume).")
     add_run_arguments(p)
     p.set_defaults(func=run)
 
@@ -139,8 +140,9 @@ def train_here(cfg, args, plan) -> int:
 
 
 # The held-out metrics the end-of-run summary lists (with ICL and gauntlet scores): the loss and its
-# forms, and for preference tuning how often the chosen answer wins and by how much.
-SUMMARY_METRICS = ("/loss", "/bits_per_byte", "/perplexity", "/rewards/accuracy", "/rewards/margin")
+# forms, for preference tuning how often the chosen answer wins and by how much, for reinforcement
+# learning the greedy completions' reward.
+SUMMARY_METRICS = ("/loss", "/bits_per_byte", "/perplexity", "/rewards/accuracy", "/rewards/margin", "/reward")
 
 
 def print_summary(result, as_json: bool = False, console: bool = False) -> None:

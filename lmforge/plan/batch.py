@@ -16,10 +16,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmforge.config.defaults import auto_precision, default_batch_tokens, micro_batch_for, run_optimizer
+from lmforge.config.defaults import (RL_PROMPTS_PER_STEP, auto_precision, default_batch_tokens, micro_batch_for,
+                                     run_optimizer)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.model import ModelConfig
-from lmforge.config.schema import FINETUNE_TASKS, RunConfig
+from lmforge.config.schema import FINETUNE_TASKS, RL_TASK, RunConfig
 from lmforge.errors import UserError
 from lmforge.plan.flops import mfu_flops_per_token, param_counts
 from lmforge.plan.hardware import mfu_basis, peak_flops
@@ -76,12 +77,20 @@ def run_tokens(d: Duration, model: ModelConfig, ctx: int, *, tokens_per_s: Calla
     return None
 
 
+def group_size(cfg: RunConfig) -> int:
+    """Completions sampled per prompt (task_type rl: ``rl.group_size``); 1 for every other task."""
+    return cfg.rl.group_size if cfg.task_type == RL_TASK else 1
+
+
 def global_batch(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> int:
-    """The global batch in samples: the config's, or the default for ``model`` and a run of
-    ``tokens`` tokens; a batch in tokens or the default rounded so every replica gets the same share."""
+    """The global batch in samples (task_type rl: prompts): the config's, or the default for ``model``
+    and a run of ``tokens`` tokens; a batch in tokens or the default rounded so every replica gets the
+    same share."""
     p = cfg.parameters
     if isinstance(p.global_batch_size, int):
         return int(p.global_batch_size)  # as given: `plan.checks.check_batch_split` refuses one that does not split
+    if cfg.task_type == RL_TASK:  # (the config allows no batch in tokens here)
+        return replicas * max(1, math.ceil(RL_PROMPTS_PER_STEP / replicas))
     if p.global_batch_size is None:
         gbs = max(1, round(default_batch_tokens(param_counts(model)["non_embedding"], tokens) / ctx))
     else:
