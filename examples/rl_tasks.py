@@ -37,7 +37,7 @@ def sums(seed: int = 0) -> dict[str, list]:
     for _ in range(20):  # each sum 20 times, in a new order each time: the model learns sums, not their order
         rng.shuffle(rest)
         text += [f"{a} + {b} = {a + b}\n" for a, b in rest]
-    sft = [{"prompt": f"{a} + {b} =", "response": f" {a + b}"} for a, b in rest[:200]]
+    sft = [{"prompt": f"{a} + {b} =", "response": f" {a + b}"} for a, b in rest]
     train = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a, b in rest]
     val = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a, b in held]
     return {"sums.txt": text, "sft.jsonl": sft, "train.jsonl": train, "val.jsonl": val}

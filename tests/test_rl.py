@@ -494,6 +494,33 @@ def test_kl_to_the_reference_several_updates_and_resampling(tmp_path, base, vari
     assert any(f"KL to the {reference} β 0.05" in line for line in log), log
 
 
+@pytest.mark.integration
+def test_a_reward_that_fails_mid_run_is_one_line_and_its_checkpoints_stay(tmp_path, base):
+    """A user's reward raising on its third call (step 2) stops the run with one line naming the function
+    and the rows (tried alone, none fails again), exit 2, and the checkpoint of step 1 intact; a row without the `answer` a built-in
+    needs is refused before anything is written."""
+    (tmp_path / "boom.py").write_text(
+        "import os\n"
+        "def boom(prompts, completions, **kwargs):\n"
+        "    calls = os.path.join(os.path.dirname(__file__), 'calls')\n"
+        "    n = int(open(calls).read()) if os.path.exists(calls) else 0\n"
+        "    open(calls, 'w').write(str(n + 1))\n"
+        "    if n == 2:\n"
+        "        raise RuntimeError('the judge is down')\n"
+        "    return [0.5] * len(completions)\n")
+    raw = rl_config(tmp_path, base, "boom", save_interval="1ba", **{"eval.interval": "4ba"})
+    raw["rl"] |= {"reward": [f"{tmp_path}/boom.py:boom"], "reward_weights": None, "format_regex": None}
+    proc = cli("finetune", "-f", write_config(tmp_path / "boom.yaml", raw), "--no-supervisor")
+    assert_one_line_error(proc, "rl.reward", "boom.py:boom raised RuntimeError: the judge is down on the "
+                          f"completions of rows {tmp_path}/train.jsonl:")  # (it fails once: on no row alone)
+    assert (tmp_path / "boom" / "checkpoints" / "step_00000001").is_dir()
+    bad = write_config(tmp_path / "bad.yaml", rl_config(tmp_path, base, "bad"))
+    write_jsonl(tmp_path / "val.jsonl", [{"prompt": "def h(x):\n    return"}])
+    proc = cli("finetune", "-f", bad, "--no-supervisor")
+    assert_one_line_error(proc, "rl.reward exact_match: needs column 'answer', which", "val.jsonl:1 lacks")
+    assert not [f.name for f in (tmp_path / "bad").iterdir() if f.name != ".lmforge.lock"]  # (the folder's lock)
+
+
 @pytest.mark.e2e
 def test_a_killed_run_resumes_to_the_same_weights(tmp_path, base):
     """`lmforge finetune -f` killed after step 3 (SIGKILL: LMFORGE_FAULT), restarted by its supervisor

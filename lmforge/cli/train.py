@@ -24,7 +24,7 @@ from lmforge import secrets
 from lmforge.cli.common import add_command, bounded
 from lmforge.config.limits import MAX_NODES, MAX_RETRIES
 from lmforge.errors import UserError
-from lmforge.plan.estimate import format_plan
+from lmforge.plan.estimate import batch_rows, batch_split, format_plan
 from lmforge.resolve import resolve
 from lmforge.resolve.request import RunRequest
 from lmforge.runs.plan import launch_plan, started_by_user
@@ -212,7 +212,5 @@ def _print_dry_run(config, plan, view: dict, as_json: bool) -> None:
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     print("---")
     steps = plan.total_steps or f"≈{plan.time_limit_s / plan.step_time_s:,.0f} in {plan.time_limit_s:g}s"
-    print(f"steps: {steps}  batch: {plan.global_batch} × {plan.context_length} tokens "
-          f"(micro-batch {plan.micro_batch} × {plan.grad_accum} accumulation × {plan.replicas} replica(s) of "
-          f"{plan.ranks} rank(s))")
+    print(f"steps: {steps}  batch: {batch_rows(view['batch'])} ({batch_split(view['batch'])})")
     print(format_plan(view), end="")

@@ -173,7 +173,7 @@ def _call(r: Reward, prompts: list, completions: list, kwargs: dict, wheres: Seq
         out = r.fn(prompts=prompts, completions=completions, **kwargs)
     except Exception as e:  # noqa: BLE001 - the user's function: named with the row it fails on
         where = _failing_row(r, prompts, completions, kwargs, wheres)
-        raise RewardError(f"rl.reward {r.name} raised {_first_line(e)} on the completion of {where}") from None
+        raise RewardError(f"rl.reward {r.name} raised {_first_line(e)} on {where}") from None
     try:
         values = list(out)
     except TypeError:
@@ -202,14 +202,15 @@ def _value(r: Reward, v, where: str) -> float | None:
 
 
 def _failing_row(r: Reward, prompts, completions, kwargs, wheres) -> str:
-    """The first row a reward raises on alone (a reward that fails only on the whole batch: the batch)."""
+    """The completion a reward raises on alone, tried one by one (one that fails only on the whole batch,
+    or only once: the batch)."""
     for i, where in enumerate(wheres):
         one = {k: v[i:i + 1] for k, v in kwargs.items()}
         try:
             r.fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], **one)
         except Exception:  # noqa: BLE001
-            return where
-    return f"the rows {_span(wheres)} (together)"
+            return f"the completion of {where}"
+    return f"the completions of rows {_span(wheres)} together (on none of them alone)"
 
 
 def _span(wheres: Sequence[str]) -> str:
