@@ -65,11 +65,11 @@ FORBIDDEN = {
     "report": ("models", "train", "distributed", "runs", "cli"),  # reads a run's files; never trains
     "runs": ("cli",),
 }
-SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say", "uri", "guard")
+SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say", "uri", "guard", "frozen")
 # Modules that must load without torch: `lmforge --help`, `estimate`, a run's resolution up to its
 # plan and the command a user starts (its preflight plans a CPU run, then it supervises) stay light,
 # and the rules live in one torch-free layer that torch code imports.
-TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.layout", "lmforge.guard", "lmforge.config.limits", "lmforge.resolve", "lmforge.plan.run",
+TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.layout", "lmforge.guard", "lmforge.frozen", "lmforge.plan.layout", "lmforge.config.limits", "lmforge.resolve", "lmforge.plan.run",
               "lmforge.plan.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
               "lmforge.resolve.auto_model", "lmforge.plan.schedule", "lmforge.tasks.icl",
               "lmforge.plan.estimate", "lmforge.plan.auto", "lmforge.plan.memory", "lmforge.plan.batch",

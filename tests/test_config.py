@@ -85,7 +85,7 @@ def test_overrides_and_set(tmp_path):
                       sets=["parameters.learning_rate=3e-4", "compute.compile=true", "eval.prompts=[a, b]"])
     assert str(cfg.training_duration) == "5ba" and cfg.model.preset == "llama-125m"
     assert cfg.parameters.learning_rate == 3e-4 and cfg.compute.compile is True
-    assert cfg.eval.prompts == ["a", "b"]
+    assert cfg.eval.prompts == ("a", "b")
     assert cfg.name == "run"  # default name: the config file's name, so re-running resumes
 
 

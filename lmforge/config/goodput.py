@@ -66,7 +66,7 @@ class HealthRule(_Strict):
         "auto", description="where GPU health comes from: nvml (nvidia-ml-py, lmforge[gpu]), off; auto: NVML on "
         "CUDA when installed, else none (fault injection drives it on any machine)")
     interval_s: float = Field(10.0, ge=0.1, le=3600, description="seconds between two samples of a node's GPUs")
-    fatal_xids: list[int] = Field(default_factory=lambda: list(FATAL_XIDS),
+    fatal_xids: tuple[int, ...] = Field(tuple(FATAL_XIDS),
                                   description="XIDs that make a node's health event fatal")
     action: Action = Field("cordon", description="what a fatal health event does: log | restart | diagnose | "
                            "cordon (the node)")

@@ -23,7 +23,7 @@ from lmforge.config.model import ModelConfig
 from lmforge.config.schema import FINETUNE_TASKS, RL_TASK, RunConfig
 from lmforge.errors import UserError
 from lmforge.plan.flops import mfu_flops_per_token, param_counts
-from lmforge.plan.hardware import mfu_basis, peak_flops
+from lmforge.plan.hardware import mfu_basis, peak_flops, tokens_per_s_at
 from lmforge.plan.machine import Machine
 
 CPU_MICRO_BATCH = 8  # the largest micro-batch a CPU takes (`micro_batch_for`): beyond it, no faster
@@ -107,8 +107,8 @@ def probe_micro_batch(gbs: int, replicas: int, device: str) -> int:
 def assumed_tokens_per_s(model: ModelConfig, ctx: int, machine: Machine, precision: str, lora=None) -> float:
     """Training tokens/s of the whole run modelled from FLOPs: the machine's assumed MFU of its
     devices' peak (what sizes a default batch; see the module docstring)."""
-    peak = peak_flops(machine.spec, mfu_basis(precision)) * machine.compute_devices
-    return machine.assumed_mfu * peak / mfu_flops_per_token(model, ctx, lora)
+    return tokens_per_s_at(machine.assumed_mfu, mfu_flops_per_token(model, ctx, lora), machine.compute_devices,
+                           peak_flops(machine.spec, mfu_basis(precision)))
 
 
 @dataclass(frozen=True)

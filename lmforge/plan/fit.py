@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from lmforge.config.counts import gb
 from lmforge.config.model import ModelConfig
 from lmforge.plan.context import checkpointing_label, checkpointing_mode, context_plan, min_gpus
+from lmforge.frozen import freeze
 from lmforge.plan.layout import Sharding
 from lmforge.plan.memory import TRAINED_BYTES_PER_PARAM, usable_bytes
 
@@ -37,6 +38,9 @@ class Remedy:
     gpus: int | None = None
     bytes_per_gpu: float | None = None
     shorter_context: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "settings", freeze(self.settings))
 
     def text(self, names: dict = KEYS) -> str:
         said = [names[k].format(_value(k, v)) for k, v in self.settings.items()]

@@ -23,7 +23,7 @@ The model: seconds per token = FLOPs per token × (1 + recompute) / (peak × eff
   recomputes only element-wise ops (norms, RoPE, SwiGLU's product), memory-bound work worth
   `SELECTIVE_RECOMPUTE` of the step (llama-3b on an H100: ~20k elements per token and layer
   read and written again at ~3 TB/s against ~45 µs of FLOPs per token: 2–3%);
-- efficiency(rows) = `PEAK_MFU` · rows / (rows + `HALF_ROWS`), rows = micro-batch × context:
+- efficiency(rows) = `BLOCK_PEAK_MFU` (plan.hardware) · rows / (rows + `HALF_ROWS`), rows = micro-batch × context:
   the M of every GEMM. Dense bf16 GEMMs of K, N ≥ 2048 on an H100 run near their best from a
   few thousand rows, so beyond one or two sequences of 2048 a larger micro-batch gains little
   and checkpointing's recompute costs more than it buys; at short contexts (rows of a few
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
 from lmforge.plan.flops import block_counts, mfu_flops_per_token, param_counts
+from lmforge.plan.hardware import BLOCK_PEAK_MFU
 from lmforge.config.counts import gb, human
 from lmforge.plan.context import checkpointing_label
 from lmforge.plan.fit import remedy
@@ -51,7 +52,6 @@ from lmforge.plan.memory import (MAX_SUGGESTED_MICRO_BATCH, activation_bytes, ch
 
 # The modes tried, least recompute first: none, selective, every 2nd block (full), full.
 MODES: tuple = (False, "selective", 2, "full")
-PEAK_MFU = 0.55  # the model's best MFU (standard basis) of a dense bf16 block on many rows
 HALF_ROWS = 512  # GEMM rows (micro-batch × context) at which the model's efficiency is half its best
 SELECTIVE_RECOMPUTE = 0.03  # selective checkpointing's element-wise recompute, as a share of the step
 TIE = 0.02  # candidates this close to the fastest count as equally fast
@@ -98,7 +98,7 @@ def recompute_share(cfg: ModelConfig, seq_len: int, checkpointing) -> float:
 
 def modelled_tokens_per_s(cfg: ModelConfig, seq_len: int, micro_batch: int, checkpointing, peak_flops: float) -> float:
     rows = micro_batch * seq_len
-    efficiency = PEAK_MFU * rows / (rows + HALF_ROWS)
+    efficiency = BLOCK_PEAK_MFU * rows / (rows + HALF_ROWS)
     return efficiency * peak_flops / (mfu_flops_per_token(cfg, seq_len) * (1 + recompute_share(cfg, seq_len,
                                                                                                  checkpointing)))
 

@@ -201,7 +201,7 @@ def summary_table(runs: list[RunData]) -> str:
 
 def plan_rows(run: RunData) -> list[tuple[str, str, str]]:
     """(what, planned, actual) for the plan-vs-actual table."""
-    from lmforge.plan.cost import cost_to_finish, format_cost
+    from lmforge.plan.cost import cost_to_finish, eta_s, format_cost
     from lmforge.config.counts import human
     from lmforge.tracking.console import format_eta
 
@@ -215,8 +215,8 @@ def plan_rows(run: RunData) -> list[tuple[str, str, str]]:
     tps, mfu = headline["tokens/s (median)"], headline["MFU (median)"]
     total_tokens = plan.get("total_tokens")
     remaining_s = None
-    if total_tokens and tokens is not None and tps and run.status in ACTIVE:  # an ended run has nothing to finish
-        remaining_s = max(total_tokens - tokens, 0) / tps
+    if run.status in ACTIVE:  # an ended run has nothing to finish
+        remaining_s = eta_s(last.get("train/progress"), elapsed)
     rows = [
         ("devices", *[f"{plan.get('devices', '?')} × {plan.get('device', '?')}" if plan else "-"] * 2),
         ("steps", f"{plan['total_steps']:,}" if plan.get("total_steps") else "-", f"{steps[-1]:,}" if steps else "-"),
