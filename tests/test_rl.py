@@ -540,20 +540,21 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path, base):
 
 
 @pytest.mark.e2e
-def test_two_fsdp_ranks_sample_their_own_prompts(tmp_path, base, monkeypatch):
-    """Two gloo ranks under FSDP2: each samples the completions of its own prompts (every rank as many
-    forwards: the sampler runs to max_new_tokens), the rewards and held-out prompts are counted over
-    both (7 held-out prompts: one rank runs a stand-in), and the run exports."""
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_two_ranks_sample_their_own_prompts(tmp_path, base, monkeypatch, data_parallel):
+    """Two gloo ranks, DDP or FSDP2: each samples the completions of its own prompts (under FSDP every
+    rank as many forwards: the sampler runs to max_new_tokens), the rewards and held-out prompts are
+    counted over both (7 held-out prompts: one rank runs a stand-in under FSDP), and the run exports."""
     monkeypatch.setenv("LMFORGE_NO_SUPERVISOR", "1")
-    raw = rl_config(tmp_path, base, "fsdp", **{"compute.ranks": 2, "compute.data_parallel": "fsdp",
-                                               "training_duration": "2ba", "parameters.micro_batch_size": 4})
+    raw = rl_config(tmp_path, base, data_parallel, **{"compute.ranks": 2, "compute.data_parallel": data_parallel,
+                                                      "training_duration": "2ba", "parameters.micro_batch_size": 4})
     write_jsonl(tmp_path / "val.jsonl", [{"prompt": f"def g{i}(y):\n    return", "answer": " y"} for i in range(7)])
-    lmforge("finetune", "-f", write_config(tmp_path / "fsdp.yaml", raw), check=True)
-    rows = metrics(tmp_path / "fsdp")
+    lmforge("finetune", "-f", write_config(tmp_path / "two.yaml", raw), check=True)
+    rows = metrics(tmp_path / data_parallel)
     evals = [m for m in rows if "eval/reward" in m]
     assert evals and all(m["eval/prompts"] == 7 for m in evals), rows
     assert all(m["train/completion_length_max"] <= 6 for m in rows if "train/loss" in m)
-    assert (tmp_path / "fsdp" / "final" / "model.safetensors").is_file()
+    assert (tmp_path / data_parallel / "final" / "model.safetensors").is_file()
 
 
 def test_example_data_is_what_its_generator_writes(tmp_path):
@@ -570,7 +571,7 @@ def test_example_data_is_what_its_generator_writes(tmp_path):
     for f in data.iterdir():
         assert (tmp_path / f.name).read_text() == f.read_text(), f.name
     cfg = build_config(read_yaml(str(REPO / "examples" / "rl.yaml")) | {"model": "llama-tiny", "tokenizer": "tok"})
-    assert cfg.task_type == "rl" and cfg.rl.reward == ["exact_match"]
+    assert cfg.task_type == "rl" and cfg.rl.reward == ("exact_match",)
     def prompts(name):
         return {json.loads(ln)["prompt"] for ln in (data / name).read_text().splitlines()}
 

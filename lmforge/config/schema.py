@@ -545,7 +545,7 @@ class RLOptions(_Strict):
     def resolved(self) -> "RLOptions":
         """Every default written in: the clip range by loss, a weight of 1 per reward."""
         return self.model_copy(update={"clip": tuple(self.clip or RL_CLIP[self.loss]),
-                                       "reward_weights": self.reward_weights or [1.0] * len(self.reward)})
+                                       "reward_weights": tuple(self.reward_weights or (1.0,) * len(self.reward))})
 # [/rl]
 
 
