@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -233,6 +231,44 @@ def test_each_loss_equals_its_papers_formula(kind, beta):
     assert loss_sum / units == pytest.approx(expected, rel=1e-9, abs=1e-12)
     clipped = policy_terms(kind, logp, old, mask, adv, clip=clip).clipped
     assert 0 < float(clipped.sum()) < clipped.numel()  # the case exercises both sides of the clip
+
+
+@pytest.mark.integration  # importing TRL's trainers takes seconds
+@pytest.mark.parametrize("kind", ["grpo", "dapo", "dr_grpo", "gspo"])
+def test_each_loss_equals_trls(kind):
+    """The same batch through TRL's own `GRPOTrainer._compute_loss` (its loss types; GSPO as TRL runs it:
+    sequence-level importance sampling under the grpo aggregation), the policy's log-probs handed to it
+    as its model's."""
+    pytest.importorskip("trl")
+    from collections import defaultdict
+
+    from trl import GRPOTrainer
+
+    g = torch.Generator().manual_seed(7)
+    B, T, max_new = 6, 7, 9
+    old = -torch.rand(B, T, generator=g) * 3
+    logp = old + 0.3 * torch.randn(B, T, generator=g)
+    ref = old + 0.2 * torch.randn(B, T, generator=g)
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in (7, 3, 5, 1, 6, 4)])
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.5], [0.0, 0.0, 1.0]]), "group").flatten()
+    clip, beta = ((0.2, 0.28) if kind != "gspo" else (0.01, 0.02)), 0.04
+    terms = policy_terms(kind, logp, old, mask, adv, clip=clip, ref_logp=ref, beta=beta)
+    ours = aggregate(kind, terms, mask, max_new) / row_units(kind, mask, max_new).sum()
+    same = lambda x, **_: x  # noqa: E731 - one process: gathering and reducing change nothing
+    trl_self = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, beta=beta, loss_type="grpo" if kind == "gspo" else kind,
+        importance_sampling_level="sequence" if kind == "gspo" else "token", epsilon_low=clip[0], epsilon_high=clip[1],
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        use_vllm=False, vllm_importance_sampling_correction=False, model=SimpleNamespace(training=False),
+        max_completion_length=max_new, current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
+        aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        accelerator=SimpleNamespace(num_processes=1, gather=same, reduce=same, gather_for_metrics=same, sync_gradients=True))
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask, "advantages": adv,
+              "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
+    theirs = GRPOTrainer._compute_loss(trl_self, None, inputs)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
