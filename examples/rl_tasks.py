@@ -4,10 +4,10 @@
 
 Two tasks, each with held-out prompts never seen in training:
 
-- **sums** (`examples/rl.yaml`): "47 + 8 =" → " 55" (a number below 100 and a digit). ``sums.txt``
+- **sums** (`examples/rl.yaml`): "47 + 8 = " → "55" (a number below 100 and a digit). ``sums.txt``
   is a tiny model's pretraining text (800 sums written out, one per line, 20 times over in new
   orders), ``sft.jsonl`` 100
-  prompt/response rows that teach it the task's format (the answer, then the end of text),
+  prompt/response rows in the task's format (the answer, its line's end, then the end of text),
   ``train.jsonl`` / ``val.jsonl`` the prompts the RL run samples from and is evaluated on, with the
   ``answer`` the ``exact_match`` reward compares to. The 200 held-out sums appear in no other file.
 - **operators** (the RL rung of `examples/pipeline.yaml`): the SFT and preference examples' task —
@@ -37,9 +37,10 @@ def sums(seed: int = 0) -> dict[str, list]:
     for _ in range(20):  # each sum 20 times, in a new order each time: the model learns sums, not their order
         rng.shuffle(rest)
         text += [f"{a} + {b} = {a + b}\n" for a, b in rest]
-    sft = [{"prompt": f"{a} + {b} =", "response": f" {a + b}"} for a, b in rest[:100]]
-    train = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a, b in rest]
-    val = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a, b in held]
+    # the answer as the pretraining text writes it (its line ends), then the end of text (SFT adds it)
+    sft = [{"prompt": f"{a} + {b} = ", "response": f"{a + b}\n"} for a, b in rest[:100]]
+    train = [{"prompt": f"{a} + {b} = ", "answer": str(a + b)} for a, b in rest]
+    val = [{"prompt": f"{a} + {b} = ", "answer": str(a + b)} for a, b in held]
     return {"sums.txt": text, "sft.jsonl": sft, "train.jsonl": train, "val.jsonl": val}
 
 

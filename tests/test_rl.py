@@ -611,6 +611,7 @@ def test_example_data_is_what_its_generator_writes(tmp_path):
     def prompts(name):
         return {json.loads(ln)["prompt"] for ln in (data / name).read_text().splitlines()}
 
-    seen = {ln.rsplit(" ", 1)[0] for ln in (data / "sums.txt").read_text().splitlines()}  # "a + b =" of "a + b = c"
+    seen = {ln.rsplit(" ", 1)[0] + " " for ln in (data / "sums.txt").read_text().splitlines()}  # "a + b = " of "a + b = c"
     held = prompts("val.jsonl")
-    assert len(held) == 200 and not held & (seen | prompts("sft.jsonl") | prompts("train.jsonl"))
+    assert len(held) == 200 and prompts("train.jsonl") <= seen
+    assert not held & (seen | prompts("sft.jsonl") | prompts("train.jsonl"))

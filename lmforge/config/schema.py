@@ -447,13 +447,13 @@ RL_CLIP = {"dapo": (0.2, 0.28), "grpo": (0.2, 0.28), "dr_grpo": (0.2, 0.28), "gs
 
 class RLOptions(_Strict):
     """Reinforcement learning from rewards (task_type rl): rewards, rollouts and the policy loss (docs/rl.md)."""
-    reward: list[str] = Field(
-        default_factory=list, description="reward functions, summed (weighted): exact_match (the completion equals "
+    reward: tuple[str, ...] = Field(
+        (), description="reward functions, summed (weighted): exact_match (the completion equals "
         "the row's `answer`), math (the final answer — \\boxed{}, '#### n' or the last number — equals the row's "
         "`answer` as a number), format (rl.format_regex found in the completion), or path/to/file.py:function "
         "(TRL's signature: prompts, completions, the row's columns as keyword arguments → a list of floats, "
         "None for not applicable)")
-    reward_weights: list[float] | None = Field(None, description="one weight per reward; default: 1 each")
+    reward_weights: tuple[float, ...] | None = Field(None, description="one weight per reward; default: 1 each")
     format_regex: str | None = Field(None, description="the regular expression the format reward searches the "
                                      "completion for (re.search, dot matches newlines)")
     group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="completions sampled per prompt (the group "
@@ -462,7 +462,7 @@ class RLOptions(_Strict):
                                 "there is counted as truncated")
     temperature: float = Field(1.0, gt=0, le=100, description="sampling temperature of the rollouts")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold of the rollouts (1: off)")
-    stop: list[str] = Field(default_factory=list, description="strings that end a completion (kept in its tokens, "
+    stop: tuple[str, ...] = Field((), description="strings that end a completion (kept in its tokens, "
                             "left out of the text the rewards see), besides the end-of-text token")
     engine: Literal["native", "vllm"] = Field(
         "native", description="who samples: native (lmforge's batched sampler with a KV cache, every device) or "
