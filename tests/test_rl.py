@@ -608,6 +608,12 @@ def test_example_data_is_what_its_generator_writes(tmp_path):
         assert (tmp_path / f.name).read_text() == f.read_text(), f.name
     cfg = build_config(read_yaml(str(REPO / "examples" / "rl.yaml")) | {"model": "llama-tiny", "tokenizer": "tok"})
     assert cfg.task_type == "rl" and cfg.rl.reward == ("exact_match",)
+    from lmforge.runs.stages import load_pipeline
+
+    stages = load_pipeline(str(REPO / "examples" / "pipeline.yaml"))["stages"]
+    rung = build_config(stages[-1]["config"] | {"model": "llama-tiny", "tokenizer": "tok"})  # the ladder's last rung
+    assert stages[-1]["command"] == "finetune" and rung.task_type == "rl" and rung.eval.data_path
+    assert [s["name"] for s in load_pipeline(str(REPO / "examples" / "rl_base.yaml"))["stages"]] == ["pretrain", "sft"]
     def prompts(name):
         return {json.loads(ln)["prompt"] for ln in (data / name).read_text().splitlines()}
 

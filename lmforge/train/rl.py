@@ -47,7 +47,7 @@ def step_generator(seed: int, step: int, replica: int, device: torch.device) -> 
 
 @dataclass
 class Completions:
-    """A batch of completions as the rewards see them: the prompt each answers (its row), the text."""
+    """A batch of sampled completions, and the text of each as the rewards read it."""
 
     samples: Samples
     texts: list[str]
@@ -157,8 +157,7 @@ class Rollouts:
             c, values, totals, resampled = self._resample(batch, c, values, totals, generator)
             sampled += resampled
         generation_s = time.perf_counter() - t0
-        stats = self._stats(batch.step, totals, values, c, flat, sampled, generation_s)
-        batch_std = stats.pop("_batch_std")
+        batch_std = self._stats(batch.step, totals, values, c, flat, sampled, generation_s)
         adv = group_advantages(totals.float(), self.opts.scale_rewards, batch_std).flatten().tolist()
         trained = [not (self.opts.mask_truncated and f == "length") for f in c.samples.finish]
         micro = self.layout.micro_batch
@@ -200,8 +199,9 @@ class Rollouts:
         return c, values, totals, resampled
 
     def _stats(self, step: int, totals: torch.Tensor, values, c: Completions, flat_first: int, sampled: list,
-               generation_s: float) -> dict:
-        """The step's metrics, summed over the ranks in one all-reduce (and one for the maxima)."""
+               generation_s: float) -> float:
+        """The step's metrics (kept for `metrics`), summed over the ranks in one all-reduce (and one for
+        the maxima); returns the standard deviation of every reward of the step (all ranks)."""
         lengths = [len(t) for t in c.samples.tokens]
         entropy = [e for row in c.samples.entropy for e in row]
         r = totals.flatten()
@@ -220,8 +220,7 @@ class Rollouts:
              "train/flat_groups": flat / groups, "train/completion_length": length / n,
              "train/completion_length_max": top[0], "train/truncated": truncated / n,
              "train/entropy": ent / max(ent_n, 1), "time/generation_s": top[1],
-             "throughput/generation_tokens_per_s": generated / max(top[1], 1e-9),
-             "_batch_std": _std(n, total, total_sq)}
+             "throughput/generation_tokens_per_s": generated / max(top[1], 1e-9)}
         if self.opts.resample_flat_groups:
             m["train/flat_groups_left"] = flat_left / groups
         for k, rw in enumerate(self.rewards):
@@ -230,8 +229,8 @@ class Rollouts:
                 m[f"train/reward/{rw.key}"] = sm / cnt
                 m[f"train/reward_std/{rw.key}"] = _std(cnt, sm, sq)
         self._say_flat(step, flat_left == groups, mean)
-        self._metrics = {k: v for k, v in m.items() if k != "_batch_std"}
-        return m
+        self._metrics = m
+        return m["train/reward_std"]
 
     def _say_flat(self, step: int, all_flat: bool, mean: float) -> None:
         """One line when every group of a step is scored alike (again after a step that was not)."""
