@@ -114,8 +114,10 @@ def held_out_exact_match(weights: str, config: dict) -> float:
     torch.set_num_threads(1)
     cfg = build_config(config | {"model": "llama-tiny", "tokenizer": weights})
     rl = cfg.rl.resolved()
+    from lmforge.resolve.weights import locate
+
     model = load_model(weights)[0]
-    tok = load_tokenizer(weights)
+    tok = load_tokenizer(locate(weights).tokenizer_dir)  # (a run folder's: its final/ one)
     data = load_rl_data([cfg.eval.data_path], cfg.eval.data_path, tok,
                         cfg.parameters.context_length - rl.max_new_tokens, log=lambda *_: None)
     sampler = Sampler(model, tok, rl, sharded=False, compiled=False, autocast=nullcontext)
