@@ -161,9 +161,8 @@ class Trainer:
         same global count). Gradients are synchronized on the last micro-batch only. The step takes
         the objective's ``updates`` optimizer updates on its batches (one, but reinforcement
         learning's μ, ``rl.updates_per_batch``), at one LR; its loss and statistics are their means.
-        Nothing here
-        waits for the device: the returned loss, gradient norm and statistics are device tensors;
-        a non-finite loss is caught when they are read (`_read`: at the next log step or
+        Nothing here waits for the device: the returned loss, gradient norm and statistics are device
+        tensors; a non-finite loss is caught when they are read (`_read`: at the next log step or
         checkpoint, which it then never reaches).
         """
         lr = self.learning_rate()
