@@ -82,20 +82,25 @@ def group_size(cfg: RunConfig) -> int:
     return cfg.rl.group_size if cfg.task_type == RL_TASK else 1
 
 
+def batch_samples(parameters, model: ModelConfig, ctx: int, tokens: float | None) -> int:
+    """``parameters.global_batch_size`` in samples of ``ctx`` tokens: as given (samples, or tokens
+    rounded to whole samples), else the default for ``model`` and a run of ``tokens`` tokens."""
+    global_batch_size = parameters.global_batch_size
+    if isinstance(global_batch_size, int):
+        return int(global_batch_size)
+    if global_batch_size is None:
+        return max(1, round(default_batch_tokens(param_counts(model)["non_embedding"], tokens) / ctx))
+    d = parse_duration(global_batch_size)
+    return max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
+
+
 def global_batch(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> int:
-    """The global batch in samples (task_type rl: prompts): the config's, or the default for ``model``
-    and a run of ``tokens`` tokens; a batch in tokens or the default rounded so every replica gets the
-    same share."""
-    p = cfg.parameters
-    if isinstance(p.global_batch_size, int):
-        return int(p.global_batch_size)  # as given: `plan.checks.check_batch_split` refuses one that does not split
-    if cfg.task_type == RL_TASK:  # (the config allows no batch in tokens here)
-        return replicas * max(1, math.ceil(RL_PROMPTS_PER_STEP / replicas))
-    if p.global_batch_size is None:
-        gbs = max(1, round(default_batch_tokens(param_counts(model)["non_embedding"], tokens) / ctx))
-    else:
-        d = parse_duration(p.global_batch_size)
-        gbs = max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
+    """The global batch in samples (`batch_samples`; task_type rl: prompts, RL_PROMPTS_PER_STEP by
+    default); a batch in tokens or the default rounded up so every replica gets the same share."""
+    if isinstance(cfg.parameters.global_batch_size, int):
+        return int(cfg.parameters.global_batch_size)  # as given: `plan.checks.check_batch_split` refuses one that does not split
+    # (task_type rl: the config allows no batch in tokens)
+    gbs = RL_PROMPTS_PER_STEP if cfg.task_type == RL_TASK else batch_samples(cfg.parameters, model, ctx, tokens)
     return replicas * max(1, math.ceil(gbs / replicas))
 
 

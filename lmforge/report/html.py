@@ -258,8 +258,9 @@ def goodput_table(runs: list[RunData]) -> str:
     if not shown:
         return "<p>No goodput ledger (goodput.jsonl) in the save folder.</p>"
     rows = [[html.escape(r.name), f"{100 * r.goodput['goodput']:.1f}%", f"{r.goodput['wall_s']:.1f}"]
-            + [f"{r.goodput['parts'][k]:.1f}" for k in PARTS] for r in shown]
-    out = _table(["run", "goodput", "wall (s)", *[f"{k} (s)" for k in PARTS]], rows)
+            + [f"{r.goodput['parts'][k]:.1f}" for k in PARTS] + [f"{r.goodput.get('idle_s', 0.0):.1f}"] for r in shown]
+    # idle: waits after a completed run or a requested stop until the next start, outside the wall
+    out = _table(["run", "goodput", "wall (s)", *[f"{k} (s)" for k in PARTS], "idle, not counted (s)"], rows)
     for r in shown:
         for res in r.goodput["resumptions"]:
             out += (f"<div class='sub'>{html.escape(r.name)}: resumed at step {res['step']} "
