@@ -97,8 +97,9 @@ def batch_samples(parameters, model: ModelConfig, ctx: int, tokens: float | None
 def global_batch(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> int:
     """The global batch in samples (`batch_samples`; task_type rl: prompts, RL_PROMPTS_PER_STEP by
     default); a batch in tokens or the default rounded up so every replica gets the same share."""
-    if isinstance(cfg.parameters.global_batch_size, int):
-        return int(cfg.parameters.global_batch_size)  # as given: `plan.checks.check_batch_split` refuses one that does not split
+    given = cfg.parameters.global_batch_size
+    if isinstance(given, int):
+        return given  # as given: `plan.checks.check_batch_split` refuses one that does not split
     # (task_type rl: the config allows no batch in tokens)
     gbs = RL_PROMPTS_PER_STEP if cfg.task_type == RL_TASK else batch_samples(cfg.parameters, model, ctx, tokens)
     return replicas * max(1, math.ceil(gbs / replicas))
