@@ -247,8 +247,8 @@ class PolicyGradient:
                                compiled=compile_enabled(self.cfg.compute.compile, dist.device))
         rewards = ", ".join(f"{r.name}" + (f" × {r.weight:g}" if r.weight != 1 else "") for r in self.rewards)
         log(f"rl: {o.loss} loss, clip [{o.clip[0]:g}, {o.clip[1]:g}], {o.updates_per_batch} update(s) per batch, "
-            f"rewards {rewards} (advantages scaled by {o.scale_rewards}); {o.group_size} completions per prompt of "
-            f"at most {o.max_new_tokens} tokens, temperature {o.temperature:g}, top-p {o.top_p:g}"
+            f"rewards {rewards} (advantages scaled by {o.scale_rewards}); {layout.layout.group_size} completions per "
+            f"prompt of at most {o.max_new_tokens} tokens, temperature {o.temperature:g}, top-p {o.top_p:g}"
             + (f", stop {list(o.stop)}" if o.stop else "")
             + (f"; KL to the {'starting weights' if self.reference is not None else 'base, adapters off'} "
                f"β {o.kl:g}" if o.kl else ""))

@@ -3,7 +3,7 @@ the micro-batches its update trains on.
 
 `Rollouts` is the `BatchStream` a run of task_type rl trains from (the objective of that kind,
 `train.objective.PolicyGradient`, makes it in its ``prepare``). For each step it reads this rank's
-prompts (`data.rl.PromptStream`), samples ``rl.group_size`` completions of each with the policy
+prompts (`data.rl.PromptStream`), samples the layout's ``group_size`` completions of each with the policy
 itself (`models.generate.sample`: one batch, a KV cache; every rank for its own prompts), scores
 them (`rewards.functions`), turns each group's rewards into advantages
 (`models.policy_loss.group_advantages`) and yields the step's ``grad_accum`` micro-batches of
@@ -106,6 +106,7 @@ class Rollouts:
                  layout: StreamLayout, dist: DistInfo, log):
         self.prompts, self.sampler, self.rewards, self.opts = prompts, sampler, rewards, opts
         self.layout, self.dist, self.log = layout, dist, log
+        self.group = layout.layout.group_size  # completions per prompt, as planned
         self.tokenizer = sampler.tokenizer
         self._metrics: dict = {}
         self._generated_at: float | None = None  # when the last step's generation ended
@@ -145,7 +146,7 @@ class Rollouts:
     # -- one step
     def rollout(self, batch: PromptBatch) -> list[RLBatch]:
         """Sample, score and split one step's completions of this rank's prompts."""
-        G, t0 = self.opts.group_size, time.perf_counter()
+        G, t0 = self.group, time.perf_counter()
         generator = step_generator(self.layout.seed, batch.step, self.layout.replica, self.dist.device)
         prompt_ids = [ids for ids in batch.ids() for _ in range(G)]
         c = self.sampler(prompt_ids, generator)
@@ -171,7 +172,7 @@ class Rollouts:
         """Groups scored alike sampled again, up to rl.resample_flat_groups rounds; a group that comes back
         with a signal replaces the flat one. Every rank runs as many rounds (a rank with no flat group
         samples a stand-in under FSDP, whose forwards need every rank)."""
-        G, resampled = self.opts.group_size, []
+        G, resampled = self.group, []
         for _ in range(self.opts.resample_flat_groups):
             flat = [p for p in range(totals.shape[0]) if _flat(totals[p:p + 1])]
             if not _any(bool(flat), self.dist):
@@ -235,10 +236,10 @@ class Rollouts:
     def _say_flat(self, step: int, all_flat: bool, mean: float) -> None:
         """One line when every group of a step is scored alike (again after a step that was not)."""
         if all_flat and not self._flat_said:
-            self.log(f"warning: step {step + 1}: every group's {self.opts.group_size} completions got the same reward "
-                     f"(mean {mean:.3g}): no learning signal; the task is too hard or too easy for the model as it is "
-                     "(a higher rl.temperature or rl.group_size, rl.resample_flat_groups, or SFT first), or the rewards "
-                     "cannot tell completions apart")
+            self.log(f"warning: step {step + 1}: every group's {self.group} completions got the same reward "
+                     f"(mean {mean:.3g}): no learning signal; the task is too hard or too easy for the model as it "
+                     "is (a higher rl.temperature or rl.group_size, rl.resample_flat_groups, or SFT first), or the "
+                     "rewards cannot tell completions apart")
         self._flat_said = all_flat
 
 
