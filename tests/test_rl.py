@@ -531,6 +531,21 @@ def test_kl_to_the_reference_several_updates_and_resampling(tmp_path, base, vari
 
 
 @pytest.mark.integration
+def test_a_flat_reward_says_so_once(tmp_path, base):
+    """Every completion scored 0 (an answer the model never writes): every group is flat, the metrics say
+    so at each step, and the log in one line (once for the run of flat steps, not at every step)."""
+    raw = rl_config(tmp_path, base, "flat", training_duration="3ba", **{"eval.interval": "3ba"})
+    raw["rl"] |= {"reward": ["exact_match"], "reward_weights": None, "format_regex": None}
+    log: list[str] = []
+    train_in_process(raw, log=log.append)
+    said = [line for line in log if "got the same reward" in line]
+    assert len(said) == 1 and said[0].startswith("warning: step 1: every group's 4 completions got the same "
+                                                 "reward (mean 0): no learning signal"), said
+    assert all(m["train/flat_groups"] == 1.0 and m["train/reward"] == 0.0
+               for m in metrics(tmp_path / "flat") if "train/loss" in m)
+
+
+@pytest.mark.integration
 def test_a_reward_that_fails_mid_run_is_one_line_and_its_checkpoints_stay(tmp_path, base):
     """A user's reward raising on its third call (step 2) stops the run with one line naming the function
     and the rows (tried alone, none fails again), exit 2, and the checkpoint of step 1 intact; a row without the `answer` a built-in
