@@ -16,12 +16,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmforge.config.defaults import (auto_precision, default_batch_rule, default_batch_tokens, micro_batch_for,
-                                     run_optimizer)
 from lmforge.config.counts import human
+from lmforge.config.defaults import (RL_PROMPTS_PER_STEP, auto_precision, default_batch_rule, default_batch_tokens,
+                                     micro_batch_for, run_optimizer)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.model import ModelConfig
-from lmforge.config.schema import FINETUNE_TASKS, RunConfig
+from lmforge.config.schema import FINETUNE_TASKS, RL_TASK, RunConfig
 from lmforge.errors import UserError
 from lmforge.plan.flops import mfu_flops_per_token, param_counts
 from lmforge.plan.hardware import mfu_basis, peak_flops, tokens_per_s_at
@@ -78,6 +78,11 @@ def run_tokens(d: Duration, model: ModelConfig, ctx: int, *, tokens_per_s: Calla
     return None
 
 
+def group_size(cfg: RunConfig) -> int:
+    """Completions sampled per prompt (task_type rl: ``rl.group_size``); 1 for every other task."""
+    return cfg.rl.group_size if cfg.task_type == RL_TASK else 1
+
+
 def batch_samples(parameters, model: ModelConfig, ctx: int, tokens: float | None) -> int:
     """``parameters.global_batch_size`` in samples of ``ctx`` tokens: as given (samples, or tokens
     rounded to whole samples), else the default for ``model`` and a run of ``tokens`` tokens."""
@@ -91,11 +96,13 @@ def batch_samples(parameters, model: ModelConfig, ctx: int, tokens: float | None
 
 
 def global_batch(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> int:
-    """The global batch in samples (`batch_samples`); a batch in tokens or the default rounded up so
-    every replica gets the same share."""
-    gbs = batch_samples(cfg.parameters, model, ctx, tokens)
-    if isinstance(cfg.parameters.global_batch_size, int):
-        return gbs  # as given: `plan.checks.check_batch_split` refuses one that does not split
+    """The global batch in samples (`batch_samples`; task_type rl: prompts, RL_PROMPTS_PER_STEP by
+    default); a batch in tokens or the default rounded up so every replica gets the same share."""
+    given = cfg.parameters.global_batch_size
+    if isinstance(given, int):
+        return given  # as given: `plan.checks.check_batch_split` refuses one that does not split
+    # (task_type rl: the config allows no batch in tokens)
+    gbs = RL_PROMPTS_PER_STEP if cfg.task_type == RL_TASK else batch_samples(cfg.parameters, model, ctx, tokens)
     return replicas * max(1, math.ceil(gbs / replicas))
 
 
@@ -106,6 +113,11 @@ def batch_change(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, to
     p = cfg.parameters
     if isinstance(p.global_batch_size, int):
         return None
+    if cfg.task_type == RL_TASK:  # prompts, not tokens
+        gbs = global_batch(cfg, model, ctx, replicas, tokens)
+        return None if gbs == RL_PROMPTS_PER_STEP else (
+            f"batch raised to {gbs:,} prompts per step from the default {RL_PROMPTS_PER_STEP:,}: the same whole number "
+            f"for each of the {replicas:,} data-parallel replicas")
     if p.global_batch_size is None:
         non_embedding = param_counts(model)["non_embedding"]
         asked = default_batch_tokens(non_embedding, tokens)

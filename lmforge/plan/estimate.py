@@ -145,7 +145,7 @@ def plan_view(cfg: RunConfig, plan: TrainPlan, *, names: dict = FLAGS) -> dict:
         tokens_per_s=plan.tokens_per_s, rate_source=plan.rate_source, compute_devices=plan.ranks if gpu else 1,
         batch={"global_batch": plan.global_batch, "context_length": plan.context_length,
                "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "replicas": plan.replicas,
-               "ranks": plan.ranks},
+               "ranks": plan.ranks, "group_size": plan.layout.group_size},
         micro_batch_reason=plan.micro_batch_reason, remedy=plan.remedy.text(names) if plan.remedy else None,
         said=plan.notes + ((plan.evaluation.line,) if plan.evaluation else ()),
         communication=communication_view(plan)))
@@ -161,6 +161,22 @@ def communication_view(plan: TrainPlan) -> dict | None:
             "link_bytes_per_s": spec.link_bytes_per_s, "network_bytes_per_s": spec.network_bytes_per_s,
             "collectives": [{"what": c.what, "bytes": c.bytes, "network": c.network, "hidden": c.hidden,
                              "seconds": c.seconds(spec)} for c in comm.collectives]}
+
+
+def batch_rows(b: dict) -> str:
+    """A plan's global batch in words: samples × tokens (task_type rl: prompts × completions)."""
+    group = b.get("group_size", 1)
+    return f"{b['global_batch']} × {b['context_length']} tokens" if group == 1 else \
+        f"{b['global_batch']} prompts × {group} completions of ≤ {b['context_length']} tokens"
+
+
+def batch_split(b: dict) -> str:
+    return f"micro-batch {b['micro_batch']} × {b['grad_accum']} accumulation × {b['replicas']} replica(s) of " \
+           f"{b['ranks']} rank(s)"
+
+
+def batch_text(b: dict) -> str:
+    return f"{batch_rows(b)} = {batch_split(b)}"
 
 
 def run_record(cfg: RunConfig, plan: TrainPlan) -> dict:
@@ -409,9 +425,7 @@ def format_plan(plan: dict) -> str:
                     f"{c['peak_flops_per_gpu'] / 1e12:.4g} TFLOP/s per device"),
     ]
     if plan.get("batch"):
-        b = plan["batch"]
-        rows.append(("batch", f"{b['global_batch']} × {b['context_length']} tokens = micro-batch {b['micro_batch']} × "
-                              f"{b['grad_accum']} accumulation × {b['replicas']} replica(s) of {b['ranks']} rank(s)"))
+        rows.append(("batch", batch_text(plan["batch"])))
     rows += [
         ("time", f"{_duration(tm['seconds'])} at {tm['mfu']:.1%} MFU, {tm['rate_source']}; "
                  f"{human(tm['tokens_per_second'])} tokens/s ({tm['days_at_100pct_mfu']:.2f} days at 100% MFU)"),

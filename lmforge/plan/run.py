@@ -20,9 +20,10 @@ from lmforge.config.schema import FINETUNE_TASKS, RunConfig, phase_end
 from lmforge.errors import UserError
 from lmforge.frozen import freeze
 from lmforge.plan.batch import (CPU_MICRO_BATCH, assumed_tokens_per_s, batch_change, expected_rate, global_batch,
-                                plan_optimizer, plan_precision, run_tokens, training_context)
+                                group_size, plan_optimizer, plan_precision, run_tokens, training_context)
 from lmforge.plan.comm import OVERLAP, Collective, exposed_seconds, step_collectives
-from lmforge.plan.checks import check_batch_split, check_context, check_context_parallel, check_mesh, replicas
+from lmforge.plan.checks import (check_batch_split, check_context, check_context_parallel, check_mesh, check_rl,
+                                 replicas)
 from lmforge.plan.evaluation import EvalPlan, plan_evaluation
 from lmforge.plan.fit import KEYS, Remedy, does_not_fit_line, host_line, host_verdict, remedy
 from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
@@ -81,7 +82,8 @@ class TrainPlan:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch * self.context_length
+        """The rows of a step at the context length (task_type rl: every completion's row)."""
+        return self.layout.sequences * self.context_length
 
     @property
     def total_tokens(self) -> int | None:
@@ -112,14 +114,16 @@ class DoesNotFit(UserError):
 
 
 def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int | None,
-           flops_per_token: float = 0.0) -> int | None:
-    """A duration in optimizer steps (None for wall-clock durations)."""
+           flops_per_token: float = 0.0, rows: int | None = None) -> int | None:
+    """A duration in optimizer steps (None for wall-clock durations). ``rows``: the rows of a step
+    (task_type rl: its completions; default ``gbs``), which tokens and FLOPs count."""
+    rows = rows or gbs
     if d.unit == "ba":
         return max(1, math.ceil(d.value))
     if d.unit == "tok":
-        return max(1, math.ceil(d.value / (gbs * ctx)))
+        return max(1, math.ceil(d.value / (rows * ctx)))
     if d.unit == "flop":
-        return max(1, math.ceil(d.value / (flops_per_token * gbs * ctx)))
+        return max(1, math.ceil(d.value / (flops_per_token * rows * ctx)))
     if d.unit == "sp":
         return max(1, math.ceil(d.value / gbs))
     if d.unit == "ep":
@@ -143,7 +147,7 @@ def run_layout(cfg: RunConfig, machine: Machine, *, global_batch: int, micro_bat
     c, sharding = cfg.compute, run_sharding(cfg, machine)
     return Layout(ranks=machine.world_size, nodes=c.nodes, data_parallel=c.data_parallel,
                   shard_group=sharding.shards, context_parallel=c.context_parallel, expert_parallel=c.expert_parallel,
-                  global_batch=global_batch, micro_batch=micro_batch, device=machine.device,
+                  global_batch=global_batch, micro_batch=micro_batch, group_size=group_size(cfg), device=machine.device,
                   peak_flops=peak_flops(machine.spec, mfu_basis(precision)))
 
 
@@ -159,6 +163,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     counts = param_counts(cfg.model)
     optimizer = plan_optimizer(cfg)
     check_context(ctx, data_seq_len)
+    check_rl(cfg, ctx, machine.device)
     check_context_parallel(c.context_parallel, ctx, cfg.model, device_type=machine.device,
                            packed_rows=p.document_masking or cfg.task_type in FINETUNE_TASKS)
     precision = plan_precision(cfg, machine)
@@ -168,24 +173,27 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     gbs = global_batch(cfg, cfg.model, ctx, reps, tokens)
     batch_line = batch_change(cfg, cfg.model, ctx, reps, tokens)
     choice = micro_batch_and_checkpointing(cfg, ctx, gbs, machine, precision)
-    check_batch_split(gbs, choice.micro_batch, machine.world_size, c.context_parallel)
+    group = group_size(cfg)
+    check_batch_split(gbs, choice.micro_batch, machine.world_size, c.context_parallel, group)
 
     def steps(d: Duration, what: str) -> int | None:
-        return _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch, flops_per_token=fpt)
+        return _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch, flops_per_token=fpt,
+                      rows=gbs * group)
 
     total = steps(cfg.training_duration, "training_duration")
     time_limit = cfg.training_duration.value if cfg.training_duration.unit == "s" else None
     rate = expected_rate(cfg, ctx, choice.micro_batch, machine, precision)
+    rows = gbs * group  # the rows of a step (task_type rl: every completion's)
     comm = step_communication(cfg, machine, gbs=gbs, micro=choice.micro_batch, ctx=ctx, precision=precision,
-                              checkpointing=choice.checkpointing, compute_s=gbs * ctx / rate.tokens_per_s)
-    step_s = gbs * ctx / rate.tokens_per_s + comm.exposed_s
-    if time_limit is not None and gbs * ctx / rate.fastest_tokens_per_s >= time_limit:
+                              checkpointing=choice.checkpointing, compute_s=rows * ctx / rate.tokens_per_s)
+    step_s = rows * ctx / rate.tokens_per_s + comm.exposed_s
+    if time_limit is not None and rows * ctx / rate.fastest_tokens_per_s >= time_limit:
         raise UserError(f"training_duration: {cfg.training_duration} is shorter than one optimizer step of this model "
-                        f"and batch here (≈{gbs * ctx / rate.fastest_tokens_per_s:.3g}s); expected a longer duration "
-                        "or a smaller batch/model")
+                        f"and batch here (≈{gbs * group * ctx / rate.fastest_tokens_per_s:.3g}s); expected a longer "
+                        "duration or a smaller batch/model")
     nominal = total or max(1, int(time_limit / step_s))  # wall-clock runs: intervals from the expected steps
     evaluation = eval_plan(cfg, nominal, time_limit or nominal * step_s, ctx=ctx, micro=choice.micro_batch,
-                           reps=reps, tokens_per_s=gbs * ctx / step_s, rate_source=rate.source, steps=steps)
+                           reps=reps, tokens_per_s=rows * ctx / step_s, rate_source=rate.source, steps=steps)
     schedule = make_schedule(cfg, total, time_limit, step_s, lambda d: steps(d, "parameters.warmup"))
     warmup = int(schedule.warmup if schedule.warmup_unit == "steps" else math.ceil(schedule.warmup / step_s))
     plan = TrainPlan(
@@ -204,7 +212,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
         model_flops_per_token=flops_per_token(cfg.model, ctx, cfg.lora)["dense"],
         activation_checkpointing=choice.checkpointing, micro_batch_reason=choice.reason, spec=machine.spec,
         memory=choice.memory, remedy=choice.remedy,
-        tokens_per_s=gbs * ctx / step_s, rate_source=rate.source + comm.source, communication=comm,
+        tokens_per_s=rows * ctx / step_s, rate_source=rate.source + comm.source, communication=comm,
         notes=tuple(plan_notes(cfg, ctx)) + ((batch_line,) if batch_line else ()), evaluation=evaluation)
     if not plan.fits:
         raise DoesNotFit(plan, cfg, machine.where)
@@ -301,18 +309,19 @@ def micro_batch_and_checkpointing(cfg: RunConfig, ctx: int, gbs: int, machine: M
     CPU_MICRO_BATCH and no checkpointing. With the memory verdict of what was chosen (`fit_verdict`):
     a pair set by hand, or auto's least-memory pair where nothing fits, may not fit."""
     p, c = cfg.parameters, cfg.compute
-    reps = replicas(machine.world_size, c.context_parallel)
+    reps, group = replicas(machine.world_size, c.context_parallel), group_size(cfg)
     auto_micro, auto_ac = p.micro_batch_size == "auto", c.activation_checkpointing == "auto"
     if auto_micro:
-        check_batch_split(gbs, None, machine.world_size, c.context_parallel)
+        check_batch_split(gbs, None, machine.world_size, c.context_parallel, group)
     given = None if auto_micro else int(p.micro_batch_size)
+    per_rank = gbs * group // reps  # the rows one replica trains on per step (task_type rl: completions)
     if machine.device == "cpu" or not (auto_micro or auto_ac):
-        micro = micro_batch_for(gbs // reps, CPU_MICRO_BATCH) if auto_micro else given
+        micro = micro_batch_for(per_rank, CPU_MICRO_BATCH) if auto_micro else given
         ac = False if auto_ac else c.activation_checkpointing
         return fit_verdict(cfg, ctx, machine, micro, ac, None)
     sharding, local_ctx = run_sharding(cfg, machine), ctx // c.context_parallel  # a GPU holds ctx / N of each row
     peak = peak_flops(machine.spec, mfu_basis(precision))
-    kw = dict(sharding=sharding, gpu_memory=machine.memory_bytes, peak_flops=peak, per_rank=gbs // reps,
+    kw = dict(sharding=sharding, gpu_memory=machine.memory_bytes, peak_flops=peak, per_rank=per_rank,
               micro_batch=given, checkpointing=c.activation_checkpointing)
     if not candidates(cfg.model, local_ctx, **kw):  # nothing fits: the least memory, refused with the remedy
         micro, ac = smallest(cfg.model, local_ctx, given, c.activation_checkpointing)

@@ -12,11 +12,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lmforge.config.model import padded_vocab
-from lmforge.config.schema import FINETUNE_TASKS, PREFERENCE_TASK, RunConfig, TokenizerSpec
+from lmforge.config.schema import FINETUNE_TASKS, PREFERENCE_TASK, RL_TASK, RunConfig, TokenizerSpec
 from lmforge.data.chat import ASSISTANT_HEADER, CHAT_TEMPLATE, chat_prompt, load_chat_template
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.errors import UserError
 from lmforge.plan.batch import training_context
+from lmforge.plan.checks import check_rl
 from lmforge.plan.machine import Machine
 from lmforge.plan.run import TrainPlan, make_plan, resolved_config
 from lmforge.resolve.auto_model import resolve_auto, without_data
@@ -26,6 +27,7 @@ from lmforge.resolve.weights import check_tokenizer_fits, locate
 if TYPE_CHECKING:
     from lmforge.data.preference import PreferenceData
     from lmforge.data.resolve import ResolvedData
+    from lmforge.data.rl import RLData
     from lmforge.data.sft import SFTData
     from lmforge.data.stream import StreamPhase
 
@@ -215,8 +217,9 @@ def _finetune(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
 
     Defaults that differ from pretraining: the learning rate (`config.defaults.task_learning_rate`),
     the chat template (the tokenizer's own, else lmforge's plain one: the one exported with the
-    final tokenizer), the sampling of evaluations (SFT_SAMPLING) and, for preference pairs, the
-    loss's β and reference (`PreferenceOptions.resolved`)."""
+    final tokenizer), the sampling of evaluations (SFT_SAMPLING), for preference pairs the loss's
+    β and reference (`PreferenceOptions.resolved`), for reinforcement learning its clip range and
+    reward weights (`RLOptions.resolved`)."""
     if cfg.model == "auto":
         raise UserError("model: auto sizes a model to pretrain; fine-tuning takes the shape of "
                         "custom_weights_path (leave `model` out)")
@@ -233,15 +236,17 @@ def _finetune(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
     cfg = _with_vocab(cfg, tokenizer.vocab_size)
     template = load_chat_template(tokenizer.path)  # the tokenizer's own, else None → ours
     cfg = _with_context(cfg.model_copy(update={"eval": _sft_eval(cfg, template, tokenizer),
-                                               "preference": _preference(cfg)}), log)
+                                               "preference": _preference(cfg),
+                                               "rl": cfg.rl.resolved() if cfg.task_type == RL_TASK else cfg.rl}), log)
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     if until == "plan":
         plan = make_plan(cfg, machine, samples_per_epoch=None, data_seq_len=seq_len)
         return ResolvedRun(resolved_config(cfg, plan), plan, tokenizer=tokenizer)
     log(f"chat template: {'the tokenizer’s own' if template else 'lmforge’s plain one (the tokenizer has none)'}")
+    check_rl(cfg, seq_len, machine.device)  # (before the prompts are cut to fit beside max_new_tokens)
     data = _rows(cfg, tokenizer, template, seq_len, log)
-    plan = machine.probe.on_main(lambda: make_plan(cfg, machine, samples_per_epoch=len(data.rows),
-                                                   data_seq_len=seq_len))
+    samples = len(data.prompts) if cfg.task_type == RL_TASK else len(data.rows)
+    plan = machine.probe.on_main(lambda: make_plan(cfg, machine, samples_per_epoch=samples, data_seq_len=seq_len))
     for line in said_lines(plan):
         log(line)
     return ResolvedRun(resolved_config(cfg, plan), plan, data, tokenizer)
@@ -254,13 +259,16 @@ def _preference(cfg: RunConfig):
     return cfg.preference.resolved(lora=cfg.lora is not None)
 
 
-def _rows(cfg: RunConfig, tokenizer: Tokenizer, template, seq_len: int, log) -> SFTData | PreferenceData:
-    """The run's rows, packed at the context: prompt/response or chat examples, or preference pairs."""
+def _rows(cfg: RunConfig, tokenizer: Tokenizer, template, seq_len: int, log) -> SFTData | PreferenceData | RLData:
+    """The run's rows, packed at the context: prompt/response or chat examples, or preference pairs;
+    or reinforcement learning's prompts."""
     from lmforge.data.preference import load_preference_data  # torch (rows as tensors)
     from lmforge.data.sft import SFTData, load_rows
 
     chat_template = template.text if template else CHAT_TEMPLATE
     paths = [d.path for d in cfg.train_data]
+    if cfg.task_type == RL_TASK:
+        return _prompts(cfg, paths, tokenizer, template, chat_template, seq_len, log)
     if cfg.task_type == PREFERENCE_TASK:
         return load_preference_data(paths, cfg.eval.data_path, tokenizer, seq_len, packing=cfg.sft.packing,
                                     seed=cfg.parameters.seed, template=template, chat_template=chat_template, log=log)
@@ -278,6 +286,24 @@ def _rows(cfg: RunConfig, tokenizer: Tokenizer, template, seq_len: int, log) -> 
         + (f"; {rows.truncated} cut at the context length" if rows.truncated else "")
         + (f"; {rows.dropped} dropped (no response token fits)" if rows.dropped else ""))
     return SFTData(tokenizer.path, rows, eval_rows, chat_template=chat_template)
+
+
+def _prompts(cfg: RunConfig, paths: list[str], tokenizer: Tokenizer, template, chat_template: str, seq_len: int,
+             log) -> RLData:
+    """Reinforcement learning's prompts (a prompt leaves room for rl.max_new_tokens), and its rewards
+    loaded and checked against every row: a reward file that does not import, or a column a reward
+    needs and a row lacks, is one line before anything is trained."""
+    from lmforge.data.rl import load_rl_data  # torch (the stream's order)
+    from lmforge.rewards.functions import check_columns, load_rewards
+
+    rl = cfg.rl
+    rewards = load_rewards(rl.reward, rl.reward_weights, rl.format_regex)
+    data = load_rl_data(paths, cfg.eval.data_path, tokenizer, seq_len - rl.max_new_tokens, template=template,
+                        chat_template=chat_template, log=log)
+    for prompts in (data.prompts, data.eval_prompts):
+        if prompts is not None:
+            check_columns(rewards, prompts.rows, prompts.wheres)
+    return data
 
 
 def _sft_eval(cfg: RunConfig, template, tokenizer):

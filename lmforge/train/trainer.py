@@ -159,9 +159,11 @@ class Trainer:
         preference pair (`train.objective`): each micro-batch's summed loss is divided by the
         step's unit count (all ranks' mean under data parallelism, which averages gradients; under
         context parallelism each rank computes its part of the rows, `shard_rows`, against the
-        same global count). Gradients are synchronized on the last micro-batch only. Nothing here
-        waits for the device: the returned loss, gradient norm and statistics are device tensors;
-        a non-finite loss is caught when they are read (`_read`: at the next log step or
+        same global count). Gradients are synchronized on the last micro-batch only. The step takes
+        the objective's ``updates`` optimizer updates on its batches (one, but reinforcement
+        learning's μ, ``rl.updates_per_batch``), at one LR; its loss and statistics are their means.
+        Nothing here waits for the device: the returned loss, gradient norm and statistics are device
+        tensors; a non-finite loss is caught when they are read (`_read`: at the next log step or
         checkpoint, which it then never reaches).
         """
         lr = self.learning_rate()
@@ -170,29 +172,31 @@ class Trainer:
         norm = self._unit_norm(batches)
         totals = None  # the step's summed loss, then the objective's summed statistics
         moe: dict = {}
-        for i, batch in enumerate(batches):
-            batch = batch.to(self.device)
-            skip_sync = i < len(batches) - 1 and self.dist.distributed
-            with no_grad_sync(self.train_forward, skip=skip_sync), shard_rows(self.sequence_group, batch) as batch:
-                with self.autocast(), self.telemetry.section("forward"):
-                    out = self.objective(self.train_forward, batch)
-                loss = out.loss_sum / norm
-                if out.aux_loss is not None:
-                    loss = loss + out.aux_loss / len(batches)
-                    moe = out.moe
-                    self.expert_health.add(out.moe)
-                with self.telemetry.section("backward"):
-                    loss.backward()
-            sums = torch.stack([out.loss_sum.detach().float(), *out.stats.values()])
-            totals = sums if totals is None else totals + sums
-        clip = self.cfg.parameters.grad_clip or float("inf")
-        # FSDP: a replicated DTensor holding the norm over all shards (an all-reduce: outside the timed
-        # optimizer section, which telemetry scores as the rank's own time).
-        grad_norm = device_value(clip_grad_norm(self.model.parameters(), clip))
-        totals = all_reduce_sum(totals) / (norm * self.dist.world_size)  # one all-reduce: loss and statistics
-        with self.telemetry.section("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        batches = [b.to(self.device) for b in batches]  # once: every update of the step reads them
+        for _ in range(self.objective.updates):  # one, but reinforcement learning's μ
+            for i, batch in enumerate(batches):
+                skip_sync = i < len(batches) - 1 and self.dist.distributed
+                with no_grad_sync(self.train_forward, skip=skip_sync), shard_rows(self.sequence_group, batch) as batch:
+                    with self.autocast(), self.telemetry.section("forward"):
+                        out = self.objective(self.train_forward, batch)
+                    loss = out.loss_sum / norm
+                    if out.aux_loss is not None:
+                        loss = loss + out.aux_loss / len(batches)
+                        moe = out.moe
+                        self.expert_health.add(out.moe)
+                    with self.telemetry.section("backward"):
+                        loss.backward()
+                sums = torch.stack([out.loss_sum.detach().float(), *out.stats.values()])
+                totals = sums if totals is None else totals + sums
+            clip = self.cfg.parameters.grad_clip or float("inf")
+            # FSDP: a replicated DTensor holding the norm over all shards (an all-reduce: outside the timed
+            # optimizer section, which telemetry scores as the rank's own time).
+            grad_norm = device_value(clip_grad_norm(self.model.parameters(), clip))
+            with self.telemetry.section("optimizer"):
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        # one all-reduce: loss and statistics, means over the step's units (and updates)
+        totals = all_reduce_sum(totals) / (norm * self.dist.world_size * self.objective.updates)
         loss, stats = totals[0], dict(zip(out.stats, totals[1:]))
         self.state.lr, self.state.schedule = lr, self._schedule_signature
         after_optimizer_step(self.model)  # FP8 under FSDP: next step's weight scales, in one all-reduce
@@ -241,7 +245,8 @@ class Trainer:
         for es in self.eval_sets:
             values = self.objective.evaluate(self.model, es, self.device, self.autocast)
             metrics |= {f"{es.name}/{k}": v for k, v in values.items()}
-            losses.append(values["loss"])
+            if "loss" in values:  # (reinforcement learning's held-out metric is a reward)
+                losses.append(values["loss"])
         if len(losses) > 1:
             metrics["eval/loss"] = sum(losses) / len(losses)
         gens = []
@@ -475,7 +480,9 @@ class Trainer:
             f"{plan.time_limit_s:.0f}s of training"
         self.log(f"run {cfg.name}: {cfg.model.label()} model, {plan.params['total'] / 1e6:.1f}M params "
                  f"({plan.params['active'] / 1e6:.1f}M active), {total}")
-        self.log(f"  batch {plan.global_batch} × {plan.context_length} tokens = micro-batch {plan.micro_batch} × "
+        batch = f"{plan.global_batch} × {plan.context_length} tokens" if self.layout.group_size == 1 else \
+            f"{plan.global_batch} prompts × {self.layout.group_size} completions"
+        self.log(f"  batch {batch} = micro-batch {plan.micro_batch} × "
                  f"{plan.grad_accum} accumulation × {self.layout.describe()}; lr {plan.learning_rate:.3g}, "
                  f"warmup {_span(plan.schedule.warmup, plan.schedule.warmup_unit)}, {_schedule_text(plan.schedule)}; "
                  f"{plan.optimizer}; {plan.precision} on {self.device}")
@@ -511,6 +518,7 @@ class _Meter:
         return rate
 
     def watch_spike(self, loss: float, step: int, *, past_warmup: bool, log) -> None:
-        if self._ema is not None and loss > 3 * self._ema and past_warmup:
+        # (a policy-gradient loss hovers around 0 and changes sign: "3× the average" says nothing there)
+        if self._ema is not None and self._ema > 0 and loss > 3 * self._ema and past_warmup:
             log(f"warning: loss spike at step {step}: {loss:.3f} vs recent average {self._ema:.3f}")
         self._ema = loss if self._ema is None else 0.9 * self._ema + 0.1 * loss
