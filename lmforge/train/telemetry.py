@@ -227,6 +227,11 @@ class Telemetry:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return t.tolist()
 
+    def blocked_s(self) -> float:
+        """Seconds the loop was blocked (checkpoints, evaluation) so far in this attempt: what the
+        trainer's throughput leaves out, as the ledger's split does."""
+        return sum(self._blocked.values())
+
     def tick(self, kind: str = "tick", **fields) -> None:
         """A ledger record with this attempt's time so far (rank 0)."""
         self.ledger.write(kind, **self._times(), **fields)
