@@ -341,7 +341,8 @@ def goodput_view(plan: GoodputPlan) -> dict:
 def format_goodput_rows(view: dict) -> list[tuple[str, str]]:
     """The projection as rows of the plan's table (`plan.estimate.format_plan`)."""
     p = view["parts"]
-    expected = f"{view['interruptions']:.2g} expected" if view["interruptions"] is not None else \
+    n = view["interruptions"]
+    expected = (f"{n:,.0f}" if n is not None and n >= 10 else f"{n:.2g}") + " expected" if n is not None else \
         "more than the run survives (restarts alone outlast the time between failures)"
     rows = [("failures", f"{expected}: one every {span(view['mtbf_s'])} on "
                               f"{view['devices']} device(s) at {view['failures_per_device_hour']:.3g} per device-hour "

@@ -251,7 +251,7 @@ def goodput_rows(planned: dict | None, measured: dict | None) -> list[tuple[str,
         return f"{100 * sum(parts.get(k, 0.0) for k in keys) / wall:.1f}%" if wall else "-"
 
     p = planned["parts"]
-    expected = f"{planned['interruptions']:.2g} interruption(s) expected" if planned["goodput"] > 0 else \
+    expected = f"{planned['interruptions']:.3g} interruption(s) expected" if planned["goodput"] > 0 else \
         "restarts alone outlast the time between failures"
     rows = [("goodput", f"{100 * planned['goodput']:.1f}% ({expected})",
              f"{100 * m['goodput']:.1f}% ({len(m['resumptions'])} resumption(s))" if m else "-"),
