@@ -191,7 +191,7 @@ class _flags_named:
         if isinstance(e, UserError) and type(e) is UserError:
             text = str(e)
             for flag, key in self.given:
-                text = text.replace(f"{key}: ", f"{flag} ").replace(key, flag)
+                text = re.sub(re.escape(key) + r"(\.\w+)?: ", f"{flag} ", text).replace(key, flag)  # (a part of it too)
             if text != str(e):
                 raise UserError(text) from None
         return False

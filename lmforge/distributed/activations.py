@@ -223,9 +223,11 @@ class Offload:
         self.stream = torch.cuda.Stream(device)
         self.blocks: dict[int, list[_OnHost]] = {}  # this forward pass's, by block
 
+    def begin(self) -> None:
+        """A new forward pass (its first block): the last one's tensors are all fetched by now."""
+        self.blocks = {}
+
     def send(self, t: torch.Tensor, index: int) -> _OnHost:
-        if index == 0 and any(self.blocks):  # a new forward pass: the last one's are fetched
-            self.blocks = {}
         current = torch.cuda.current_stream(t.device)
         self.stream.wait_stream(current)  # t is complete
         with torch.cuda.stream(self.stream):
@@ -239,7 +241,9 @@ class Offload:
         return out
 
     def fetch(self, index: int) -> None:
-        for part in self.blocks.get(index, ()):
+        """Start bringing block ``index``'s tensors back (once: autograd alone holds them after, and
+        frees them as their backward ends)."""
+        for part in self.blocks.pop(index, ()):
             part.fetch()
 
 
@@ -264,7 +268,8 @@ class _OnHost:
             self.ready.record(stream)
 
     def get(self) -> torch.Tensor:
-        self.offload.fetch(self.index)  # this block's (a no-op once fetched) ...
+        self.fetch()
+        self.offload.fetch(self.index)  # this block's others (a no-op once fetched) ...
         self.offload.fetch(self.index - 1)  # ... and the next one backward needs, while this one computes
         current = torch.cuda.current_stream(self.device)
         current.wait_event(self.ready)
@@ -364,6 +369,8 @@ def _saving(forward, block: nn.Module, index: int, model: nn.Module, policy: Act
         meter = model.activation_meter
         if not torch.is_grad_enabled() or not (acts or meter.armed):
             return forward(*args, **kwargs)
+        if offload is not None and index == 0:
+            offload.begin()
         constants = {b.untyped_storage().data_ptr() for b in model.buffers()}
         saver = _BlockSaver(block, constants, index, compression, policy.scale, offload,
                             rows=(args[0].shape[0], args[0].shape[-2]))
