@@ -12,6 +12,21 @@ class UserError(Exception):
     said = False  # its line is on stderr already (`say`)
 
 
+def json_kind(value) -> str:
+    """A JSON value as a message names it, in JSON's words (a row that is an array: "an array")."""
+    return ("null" if value is None else "true/false" if isinstance(value, bool) else
+            "a number" if isinstance(value, (int, float)) else "a string" if isinstance(value, str) else
+            "an array" if isinstance(value, list) else "an object")
+
+
+def json_error(e) -> str:
+    """Why a JSONL line is not JSON (``e``: its JSONDecodeError), in one phrase: two values on one line
+    is JSONL's own mistake, not "Extra data"."""
+    if e.msg == "Extra data":
+        return f"more than one JSON value on the line (at column {e.colno}); JSONL holds one per line"
+    return f"not valid JSON ({e.msg} at column {e.colno})"
+
+
 class PeerUserError(UserError):
     """Rank 0's bad-input error, raised on the other ranks too so that none waits for it: rank 0
     prints the one line, the others exit with its code without repeating it."""

@@ -26,10 +26,15 @@ STATE_FILE = "lmforge-state.json"  # a checkpoint's JSON state, written last: it
 RUN_FILE = "run.json"  # a save folder's run identity and resolved config
 MODEL_CONFIG_FILE = "lmforge-model.json"  # an exported model's shape (`models.io`)
 DATASET_MARKER = "lmforge-dataset.json"  # a prepared dataset's summary, written last (`data.prepare`)
+DEDUP_MARKER = "curation.json"  # a `data dedup` output's summary, written last (`data.curate.documents`)
+TOKENIZER_MARKER = "lmforge-tokenizer.json"  # in a folder `tokenizer train` (or a run's tokenizer: train) wrote
+# What `data.tokenizer.Tokenizer.save` writes: a folder of only these (with tokenizer.json) is a
+# tokenizer lmforge wrote before it marked its tokenizers (`guard`).
+SAVED_TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", TOKENIZER_MARKER})
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Every name a run writes at the top of its save folder (the trainer, the trackers, the report, the
 # supervisor's lock and logs, a remote run's staging): a folder holding anything else, and no
-# run.json, is not a run's (`guard.check_save_folder`).
+# run.json, is not a run's (`guard.check_run_place`).
 RUN_FOLDER_NAMES = frozenset({
     RUN_FILE, RUN_FILE + ".tmp", "checkpoints", "final", "logs", "metrics.jsonl", "generations.jsonl",
     "events.jsonl", "plan.json", "plan.json.tmp", "report.html", "report.html.tmp", "trackers.json",
@@ -104,6 +109,12 @@ def read_run_file(save_folder: str) -> dict | None:
 def holds_saved_run(save_folder: str) -> bool:
     """Whether a local save folder holds anything of a run to protect: a checkpoint or a final model."""
     return bool(list_checkpoints(save_folder)) or os.path.isdir(os.path.join(save_folder, "final"))
+
+
+def is_variant(name: str, requested: str) -> bool:
+    """Whether ``name`` is the run name ``requested`` or the unique variant ``<requested>-xxxx``
+    that `runs.start` gives a run whose name another run already holds."""
+    return name == requested or re.fullmatch(re.escape(requested) + r"-[0-9a-f]{4}", name) is not None
 
 
 def different_run_error(save_folder: str, existing: dict) -> UserError:

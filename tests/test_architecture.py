@@ -62,11 +62,11 @@ FORBIDDEN = {
     "report": ("models", "train", "distributed", "runs", "cli"),  # reads a run's files; never trains
     "runs": ("cli",),
 }
-SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say", "uri", "guard")
+SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say", "uri", "guard", "frozen")
 # Modules that must load without torch: `lmforge --help`, `estimate`, a run's resolution up to its
 # plan and the command a user starts (its preflight plans a CPU run, then it supervises) stay light,
 # and the rules live in one torch-free layer that torch code imports.
-TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.layout", "lmforge.guard", "lmforge.config.limits", "lmforge.resolve", "lmforge.plan.run",
+TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.layout", "lmforge.guard", "lmforge.frozen", "lmforge.plan.layout", "lmforge.config.limits", "lmforge.resolve", "lmforge.plan.run",
               "lmforge.plan.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
               "lmforge.resolve.auto_model", "lmforge.plan.schedule", "lmforge.tasks.icl",
               "lmforge.plan.estimate", "lmforge.plan.auto", "lmforge.plan.memory", "lmforge.plan.activations", "lmforge.plan.batch",
@@ -268,3 +268,34 @@ def test_core_never_branches_on_attributes():
     for package in ("train", "resolve"):
         for path in (PKG / package).rglob("*.py"):
             assert "hasattr(" not in path.read_text(), path
+
+
+LAYOUT_KEYS = {"compute": {"context_parallel", "data_parallel", "expert_parallel", "shard_size"},
+               "parameters": {"micro_batch_size", "global_batch_size"}}
+PLANNING = ("plan", "config", "resolve", "cli")
+
+
+def test_only_the_planner_reads_the_layout_from_the_config():
+    """The parallel layout and the batch split are the plan's (`plan.layout.Layout`): outside the
+    planner, the config, resolution and the CLI, no code reads them from `compute.*` or the batch sizes
+    of `parameters.*` — directly or through an alias (``c = cfg.compute; c.data_parallel``)."""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        if rel.parts[0] in PLANNING:
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = {section: {"compute" if section == "compute" else "parameters"} for section in LAYOUT_KEYS}
+        for node in ast.walk(tree):  # `c = cfg.compute` / `p = cfg.parameters`: an alias of the section
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and \
+                    node.value.attr in LAYOUT_KEYS:
+                aliases[node.value.attr] |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            for section, keys in LAYOUT_KEYS.items():
+                base = node.value
+                named = base.attr if isinstance(base, ast.Attribute) else base.id if isinstance(base, ast.Name) else None
+                if node.attr in keys and named in aliases[section]:
+                    found.append(f"lmforge/{rel}:{node.lineno} reads {section}.{node.attr}")
+    assert not found, "\n".join(found)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ class World:
              "icl_task_type": "language_modeling"}]}))
         self.values = {"cfg": str(self.cfg_path), "run": str(run), "final": str(run / "final"),
                        "data": str(data.dataset), "tok": str(data.tokenizer), "raw": str(data.raw),
-                       "tasks": str(self.tasks)}
+                       "tasks": str(self.tasks), "home": os.environ["LMFORGE_HOME"]}
 
     def config(self, **changes) -> dict:
         cfg = json.loads(json.dumps(self.cfg))
@@ -140,6 +141,19 @@ def nonempty(name: str):
         (d / name / "notes.txt").write_text("mine\n")
     return make
 
+
+def home_file(world: World, d: Path) -> None:
+    """The home folder holds something to lose, whatever ran before in this session."""
+    (Path(world.values["home"]) / "notes-59.txt").write_text("the registry, the caches\n")
+
+
+# Commands that write a folder --out: `--out DIR [--overwrite]` is appended.
+OUT_COMMANDS = [
+    ("tokenizer", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "300"]),
+    ("export", ["export", "--checkpoint", "{final}"]),
+    ("prepare", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{tok}", "--seq-len", "64"]),
+    ("dedup", ["data", "dedup", "--input", "{raw}", "--dedup", "exact"]),
+]
 
 BINARY = bytes(range(256)) * 4
 LATIN1 = "name: café\n".encode("latin-1")
@@ -259,7 +273,7 @@ CASES = [
                                   "{dir}/o", "--seq-len", "64", "--eval-fraction", "0.1"],
          ["blob.txt", "binary", "no usable documents"], files={"blob.txt": BINARY}),
     Case("prepare-out-not-empty", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{tok}", "--out", "{dir}/o",
-                                   "--seq-len", "64"], ["--out", "not empty", "--overwrite"],
+                                   "--seq-len", "64"], ["--out", "notes.txt", "replaces only a prepared dataset"],
          files={"o": nonempty("o")}, keep=["{dir}/o"]),
     Case("prepare-tokenizer-missing", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{dir}/none",
                                        "--out", "{dir}/o", "--seq-len", "64"], ["none"]),
@@ -280,8 +294,8 @@ CASES = [
          ["model.safetensors", "truncated"], files={"final": damaged_final("truncated")}, was_traceback=True),
     Case("export-bit-flip", ["export", "--checkpoint", "{dir}/final", "--out", "{dir}/hf"],
          ["model.safetensors", "sha256"], files={"final": damaged_final("flip")}),
-    Case("export-out-not-empty", ["export", "--checkpoint", "{final}", "--out", "{dir}/hf"], ["not empty", "--overwrite"],
-         files={"hf": nonempty("hf")}, keep=["{dir}/hf"]),
+    Case("export-out-not-empty", ["export", "--checkpoint", "{final}", "--out", "{dir}/hf"],
+         ["notes.txt", "replaces only an export"], files={"hf": nonempty("hf")}, keep=["{dir}/hf"]),
     Case("export-bad-dtype", ["export", "--checkpoint", "{final}", "--out", "{dir}/hf", "--dtype", "int3"], ["--dtype"]),
     Case("eval-truncated", ["eval", "--checkpoint", "{dir}/final", "--tasks", "{tasks}"],
          ["model.safetensors", "truncated"], files={"final": damaged_final("truncated")}, was_traceback=True),
@@ -304,9 +318,9 @@ CASES = [
          ["--batch-size"]),
     # --- output folders
     Case("tokenizer-out-not-empty", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "300", "--out", "{dir}/t"],
-         ["--out", "not empty", "--overwrite"], files={"t": nonempty("t")}, keep=["{dir}/t"]),
+         ["--out", "notes.txt", "replaces only a tokenizer folder"], files={"t": nonempty("t")}, keep=["{dir}/t"]),
     Case("tokenizer-out-is-a-model", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "300", "--out",
-                                      "{dir}/run/final"], ["not empty", "model.safetensors"],
+                                      "{dir}/run/final"], ["is part of run 'bad-input-run'"],
          files={"run": run_copy}, keep=["{dir}/run/final"]),
     Case("tokenizer-out-is-a-file", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "300", "--out",
                                      "{dir}/t"], ["not a folder"], files={"t": "x\n"}, keep=["{dir}/t"], was_traceback=True),
@@ -316,7 +330,7 @@ CASES = [
          files={"run.yaml": "name: mine\n"}, keep=["{dir}/run.yaml"]),
     Case("launch-output-is-the-config", ["launch", "slurm", "-f", "{dir}/job.yaml", "--nodes", "1",
                                          "--gpus-per-node", "1", "-o", "{dir}/job.yaml"],
-         ["-o", "not written by", "--overwrite"], files={"job.yaml": config("job.yaml")}, keep=["{dir}/job.yaml"]),
+         ["-o", "is the config"], files={"job.yaml": config("job.yaml")}, keep=["{dir}/job.yaml"]),
     Case("stats-plot-over-a-file", ["data", "stats", "{raw}", "--plot", "{dir}/notes.png"],
          ["--plot", "not written by", "--overwrite"], files={"notes.png": b"\x89PNG not ours"},
          keep=["{dir}/notes.png"]),
@@ -394,6 +408,43 @@ CASES = [
          files={"resume.yaml": resumed_config(save_num_checkpoints_to_keep=1), "x": lambda w, d: [
              _flip(f) for f in sorted((d / "run" / "checkpoints").glob("*/*.distcp"))]},
          keep=["{dir}/run/final"]),
+    # --- issue 59: --overwrite replaced the home folder or another run's folder (exit 0, every file gone),
+    # and a GGUF file target ended in a traceback
+    *[Case(f"{name}-out-home-overwrite", argv + ["--out", "{home}", "--overwrite"], ["--out", "is the lmforge home folder"],
+           files={"h": home_file}, keep=["{home}"]) for name, argv in OUT_COMMANDS],
+    *[Case(f"{name}-out-other-run-overwrite", argv + ["--out", "{dir}/run", "--overwrite"],
+           ["--out", "holds run 'bad-input-run'", f"replaces only {what}", "--overwrite or not"],
+           files={"run": run_copy}, keep=["{dir}/run"])
+      for (name, argv), what in zip(OUT_COMMANDS, ["a tokenizer folder", "an export", "a prepared dataset",
+                                                    "a `data dedup` output"])],
+    Case("export-gguf-over-a-file-overwrite", ["export", "--checkpoint", "{final}", "--format", "gguf", "--out",
+                                               "{dir}/m.gguf", "--overwrite"], ["--out", "not a GGUF model"],
+         files={"m.gguf": "my notes\n"}, keep=["{dir}/m.gguf"], was_traceback=True),
+    Case("export-hf-over-a-file-overwrite", ["export", "--checkpoint", "{final}", "--out", "{dir}/m.bin", "--overwrite"],
+         ["--out", "not a folder"], files={"m.bin": "my notes\n"}, keep=["{dir}/m.bin"], was_traceback=True),
+    Case("train-save-folder-other-run-overwrite", ["train", "-f", "{cfg}", "--save-folder", "{dir}/run", "--name",
+                                                   "someone-else", "--overwrite"],
+         ["holds run 'bad-input-run'", "--overwrite replaces only a run of the same name"], files={"run": run_copy},
+         keep=["{dir}/run"]),
+    Case("train-save-folder-home-overwrite", ["train", "-f", "{cfg}", "--save-folder", "{home}", "--overwrite"],
+         ["save_folder", "is the lmforge home folder"], files={"h": home_file}, keep=["{home}"]),
+    Case("tokenizer-out-dataset-overwrite", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "300", "--out",
+                                             "{dir}/ds", "--overwrite"], ["holds a prepared dataset"],
+         files={"ds": lambda w, d: shutil.copytree(w.data.dataset, d / "ds")}, keep=["{dir}/ds"]),
+    Case("prepare-out-holds-a-run-overwrite", ["data", "prepare", "--input", "{raw}", "--tokenizer", "{tok}", "--out",
+                                               "{dir}/ds", "--seq-len", "64", "--overwrite"],
+         ["holds run 'bad-input-run' in", "would remove it"],
+         files={"ds": lambda w, d: shutil.copytree(w.data.dataset, d / "ds"),
+                "x": lambda w, d: run_copy(w, d / "ds")}, keep=["{dir}/ds"]),
+    Case("report-out-a-run-file", ["report", "{run}", "--out", "{dir}/run/metrics.jsonl", "--overwrite"],
+         ["is part of run 'bad-input-run'"], files={"run": run_copy}, keep=["{dir}/run"]),
+    Case("report-out-a-home-file", ["report", "{run}", "--out", "{home}/notes-59.txt", "--overwrite"],
+         ["is part of the lmforge home folder"], files={"h": home_file}, keep=["{home}"]),
+    Case("report-out-missing-folder", ["report", "{run}", "--out", "/nonexistent/dir/r.html"],
+         ["--out", "/nonexistent/dir does not exist", "create it first"], absent=["/nonexistent"]),
+    Case("launch-output-is-the-config-overwrite", ["launch", "slurm", "-f", "{dir}/job.yaml", "--nodes", "1",
+                                                   "--gpus-per-node", "1", "-o", "{dir}/job.yaml", "--overwrite"],
+         ["-o", "is the config"], files={"job.yaml": config("job.yaml")}, keep=["{dir}/job.yaml"]),
 ]
 
 
@@ -450,6 +501,19 @@ def test_bad_input(case: Case, world: World, tmp_path):
         assert _digest(Path(_fill(p, values))) == before, f"{p} changed"
     for p in case.absent:
         assert not Path(_fill(p, values)).exists(), f"{p} was written"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("fault,words", [
+    ("kill:step=1.5", ["'step=1.5'", "whole number"]), ("kill:step=-1", ["'step=-1'", "at least 1"]),
+    ("slow:rank=5", ["rank=5", "the run has 1 rank"]), ("slow:factor=nan", ["'factor=nan'", "finite"]),
+    ("slow:factor=inf", ["'factor=inf'", "finite"])], ids=lambda v: v if isinstance(v, str) else None)
+def test_fault_injection_is_refused_before_the_run(fault, words, world, tmp_path, monkeypatch):
+    """Issue 59: each was accepted and did something else (truncated, never fired, trained at normal speed,
+    hung at step 1); now one line before anything starts, the world size known (1 rank here)."""
+    monkeypatch.setenv("LMFORGE_FAULT", fault)
+    assert_one_line_error(cli("train", "-f", world.cfg_path, "--save-folder", tmp_path / "r"), "LMFORGE_FAULT", *words)
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.integration
@@ -605,11 +669,20 @@ def test_explicit_max_seq_len_below_context_length_warns(world, tmp_path):
     assert "warning: parameters.context_length 64 is longer than model.max_seq_len 32" in proc.stdout
 
 
-def test_tokenizer_overwrite_replaces_the_whole_folder(world, tmp_path):
+@pytest.mark.integration
+def test_tokenizer_overwrite_replaces_only_a_tokenizer(world, tmp_path):
+    """--overwrite replaces a tokenizer folder lmforge made, whole (a file added to it goes with it); a
+    folder of other files is refused, --overwrite or not (issue 59)."""
     nonempty("t")(world, tmp_path)
-    cli("tokenizer", "train", "--input", world.data.raw, "--vocab-size", "300", "--out", tmp_path / "t",
-        "--overwrite", check=True)
-    assert not (tmp_path / "t" / "notes.txt").exists() and (tmp_path / "t" / "tokenizer.json").is_file()
+    argv = ["tokenizer", "train", "--input", world.data.raw, "--vocab-size", "300", "--out"]
+    assert_one_line_error(cli(*argv, tmp_path / "t", "--overwrite"), "notes.txt", "replaces only a tokenizer folder")
+    assert (tmp_path / "t" / "notes.txt").read_text() == "mine\n"
+    cli(*argv, tmp_path / "tok", check=True)
+    (tmp_path / "tok" / "old-merges.txt").write_text("x")
+    assert_one_line_error(cli(*argv, tmp_path / "tok"), "already holds a tokenizer folder", "--overwrite")
+    cli(*argv, tmp_path / "tok", "--overwrite", check=True)
+    assert not (tmp_path / "tok" / "old-merges.txt").exists() and (tmp_path / "tok" / "tokenizer.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t", "tok"]  # nothing left beside it
 
 
 @pytest.fixture
@@ -759,3 +832,93 @@ def test_bad_data_on_two_nodes_is_one_line_on_each(world, tmp_path):
         errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
         assert p.returncode == 2 and len(errors) == 1 and "binary" in errors[0], (p.args[-1], out[-4000:], err[-3000:])
         assert err.strip() == errors[0], err[-3000:]  # nothing else: no traceback, no torchrun warning
+
+
+# --------------------------------------------------------------------------- issue 59: rows, BOMs, lines
+
+
+def test_rows_that_are_json_but_not_objects_say_so(tmp_path):
+    """A JSONL row that is an array was "not valid JSON (Extra data …)" (the file was read as one JSON
+    array); now it is named for what it is, and the rows after it are read."""
+    from lmforge.data.sft import json_rows, row_segments
+    from lmforge.data.sources import SourceStats, list_files, read_source
+    from lmforge.errors import UserError
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('[1, 2]\n{"text": "kept"}\n7\n{"a": 1} {"b": 2}\n')
+    stats = SourceStats()
+    assert [d for s in list_files([str(rows)], stats) for d in read_source(s, stats=stats)] == ["kept"]
+    assert stats.skipped_line_examples == [
+        f'{rows}:1: an array, expected an object with a "text" field',
+        f'{rows}:3: a number, expected an object with a "text" field',
+        f"{rows}:4: more than one JSON value on the line (at column 10); JSONL holds one per line"]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text('{"prompt": "a", "response": "b"}\n[{"prompt": "a", "response": "b"}]\n')
+    with pytest.raises(UserError, match=r"sft.jsonl:2: an array, expected a JSON object with prompt/response"):
+        [row_segments(r, w, "instruction_finetune") for r, w in json_rows([str(sft)])]
+    sft.write_text('{"prompt": "a", "response": "b"} {"prompt": "c", "response": "d"}\n')
+    with pytest.raises(UserError, match=r"sft.jsonl:1: more than one JSON value on the line"):
+        list(json_rows([str(sft)]))
+
+
+def test_a_utf8_bom_is_not_part_of_the_first_row(tmp_path):
+    """A UTF-8 byte-order mark (Windows editors write one) dropped row 1 as "not JSON"; it is stripped,
+    in raw JSONL, a JSON array, a text file, fine-tuning rows and eval task files."""
+    import gzip
+
+    from lmforge.data.sft import json_rows
+    from lmforge.data.sources import SourceStats, list_files, read_source
+    from lmforge.tasks.icl import _read_jsonl
+
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "first"}\n{"text": "second"}\n')
+    (tmp_path / "b.json").write_bytes(bom + b'[{"text": "third"}]')
+    (tmp_path / "c.txt").write_bytes(bom + "fourth\n".encode())
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(bom + b'{"text": "fifth"}\n'))
+    stats = SourceStats()
+    docs = [d for s in list_files([str(tmp_path)], stats) for d in read_source(s, stats=stats)]
+    assert sorted(docs) == ["fifth", "first", "fourth\n", "second", "third"] and stats.skipped_lines == 0
+    (tmp_path / "sft.jsonl").write_bytes(bom + b'{"prompt": "a", "response": "b"}\n')
+    assert [r for r, _ in json_rows([str(tmp_path / "sft.jsonl")])] == [{"prompt": "a", "response": "b"}]
+    (tmp_path / "task.jsonl").write_bytes(bom + b'{"context": "x", "continuation": "y"}\n')
+    assert _read_jsonl(str(tmp_path / "task.jsonl"), "task.jsonl", None)[0][0] == {"context": "x", "continuation": "y"}
+
+
+def test_an_error_on_the_other_stream_starts_its_own_line(tmp_path):
+    """Three fine-tune data errors were printed glued to the line before them: the trainer's stdout
+    and stderr are two pipes the supervisor copies to one terminal, and an unbuffered print writes its
+    text and its newline apart — the error came between them. Each copy now hands on whole lines."""
+    import threading
+    import time
+    from collections import deque
+    from types import SimpleNamespace
+
+    from lmforge.runs.supervisor import EchoLines, Supervisor
+
+    terminal = open(tmp_path / "terminal", "w")
+    pipes = [os.pipe(), os.pipe()]  # the child's stdout, its stderr
+    tails = [deque(), deque()]
+    me = SimpleNamespace(_keep=lambda lines, tail: tail.extend(lines))
+    threads = [threading.Thread(target=Supervisor._tee, args=(me, r, EchoLines(terminal, whole_lines=True), t))
+               for (r, _), t in zip(pipes, tails)]
+    for t in threads:
+        t.start()
+    os.write(pipes[0][1], "chat template: lmforge’s plain one".encode())  # print's text ...
+    os.write(pipes[1][1], b"error: rows.jsonl:2: an array, expected a JSON object\n")
+    deadline = time.monotonic() + 30
+    while not tails[1] and time.monotonic() < deadline:  # the error line is on the terminal
+        time.sleep(0.01)
+    os.write(pipes[0][1], b"\n")  # ... and its newline, written apart
+    for _, w in pipes:
+        os.close(w)
+    for t in threads:
+        t.join(timeout=30)
+    terminal.close()
+    assert (tmp_path / "terminal").read_text().splitlines() == [
+        "error: rows.jsonl:2: an array, expected a JSON object", "chat template: lmforge’s plain one"]
+    echo = EchoLines(SimpleNamespace(buffer=open(tmp_path / "bar", "wb"), flush=lambda: None), whole_lines=True)
+    echo.write(b"\r 10%")
+    echo.write(b"\r 20%")  # a bar redrawn in place goes on at each redraw
+    echo.close()
+    echo.out.buffer.close()
+    assert (tmp_path / "bar").read_bytes() == b"\r 10%\r 20%"

@@ -85,7 +85,7 @@ def test_overrides_and_set(tmp_path):
                       sets=["parameters.learning_rate=3e-4", "compute.compile=true", "eval.prompts=[a, b]"])
     assert str(cfg.training_duration) == "5ba" and cfg.model.preset == "llama-125m"
     assert cfg.parameters.learning_rate == 3e-4 and cfg.compute.compile is True
-    assert cfg.eval.prompts == ["a", "b"]
+    assert cfg.eval.prompts == ("a", "b")
     assert cfg.name == "run"  # default name: the config file's name, so re-running resumes
 
 
@@ -195,18 +195,26 @@ def test_cli_bad_set_and_missing_file(tmp_path, good):
 
 @pytest.mark.e2e
 def test_cli_save_folder_of_another_run_is_refused(tmp_path, good):
+    """A run of another name is never replaced, --overwrite included (issue 59); --overwrite replaces a
+    run of the same name whose model or data changed."""
     lmforge("train", "-f", write_config(tmp_path / "a.yaml", good), check=True)
     run_json = (tmp_path / "run" / "run.json").read_bytes()
     weights = (tmp_path / "run" / "final" / "model.safetensors").read_bytes()
     other = good | {"name": "someone-else"}
-    assert_one_line_error(_run(tmp_path, other), "holds checkpoints of a different run", "--overwrite")
+    assert_one_line_error(_cli(tmp_path, other), f"holds run {good['name']!r}", "not 'someone-else'")
+    assert_one_line_error(_cli(tmp_path, other, "--overwrite"), f"holds run {good['name']!r}",
+                          "--overwrite replaces only a run of the same name")
     # refused by preflight, before the run is registered or any process starts
     assert "no run named 'someone-else'" in lmforge("runs", "describe", "someone-else").stderr
     assert (tmp_path / "run" / "run.json").read_bytes() == run_json
     assert (tmp_path / "run" / "final" / "model.safetensors").read_bytes() == weights
-    # --overwrite replaces it
+    # the same name with another model: refused as another run's checkpoints, replaced with --overwrite
+    wider = json.loads(json.dumps(good))
+    wider["model"]["d_model"] = 32
+    assert_one_line_error(_run(tmp_path, wider), "holds checkpoints of a different run", "--overwrite")
+    assert (tmp_path / "run" / "final" / "model.safetensors").read_bytes() == weights
     lmforge("train", "-f", tmp_path / "bad.yaml", "--overwrite", check=True)
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["identity"]["name"] == "someone-else"
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["identity"]["model"]["d_model"] == 32
 
 
 @pytest.mark.e2e

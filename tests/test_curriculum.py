@@ -165,7 +165,7 @@ def test_plan_checks_end_points_in_steps():
     cfg = build_config(cfg_with([{"until": "25%", "mix": {"a": "x/"}}, {"until": "20ba", "mix": {"a": 1}},
                                  {"mix": {"a": 1}}], "40ba") | {"parameters": {"global_batch_size": 8}})
     assert make_plan(cfg, local_machine(_t.device("cpu")), samples_per_epoch=None,
-                     data_seq_len=None).phase_steps == [10, 20]
+                     data_seq_len=None).phase_steps == (10, 20)
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -369,3 +369,167 @@ def test_bad_input_in_a_real_process_is_one_line_and_never_retried(argv, words, 
     one_clean_line(proc, *words)
     assert "restart" not in proc.stderr and not (cfg_file / "r").exists()
     assert sorted(os.listdir(cfg_file / "other")) == ["thesis.tex"]
+
+
+# --------------------------------------------------------------------------- --overwrite targets (issue 59)
+
+# A world of what lmforge keeps and what it reads, each place labelled by what it is (independently of
+# the guard's own reading): the kind of lmforge output it is, "run:NAME", "home" (LMFORGE_HOME),
+# "input" (what the commands read), "foreign" (someone's files), "part" (inside an output), "holds"
+# (a folder holding outputs), "new" (missing) or "empty".
+PLACES = {
+    "": "holds", "home": "home", "home/cache": "holds", "home/cache/data": "holds", "home/cache/data/k1": "dataset",
+    "home/cache/data/k1/train": "part", "home/cache/tokenizers/k2": "tokenizer", "home/mlruns": "foreign",
+    "runs": "holds", "runs/a": "run:a", "runs/a/final": "part", "runs/a/checkpoints": "part", "runs/a/hf": "new",
+    "runs/b": "run:b", "runs/b/final": "part", "inputs": "input", "inputs/raw": "input", "tok": "tokenizer",
+    "data": "dataset", "data/train": "part", "export": "export", "dedup": "dedup", "mine": "foreign",
+    "mine/notes": "foreign", "mine/empty": "empty", "new": "new", "new/deeper": "new", "data/../tok": "tokenizer",
+    "runs/a/../b": "run:b", "holder": "holds"}
+OUT_KINDS = {"tokenizer": "tokenizer", "export": "export", "prepare": "dataset", "dedup": "dedup"}
+
+
+@pytest.fixture(scope="module")
+def overwrite_world(tmp_path_factory) -> Path:
+    """The world of `PLACES`, made by lmforge itself where lmforge would have made it."""
+    import shutil
+
+    import torch
+
+    from lmforge.checksums import write_export_digests
+    from lmforge.cli.main import main
+    from lmforge.config.model import ModelConfig
+    from lmforge.data.prepare import prepare
+    from lmforge.models import build_model, save_pretrained
+
+    root = tmp_path_factory.mktemp("overwrite") / "world"
+    raw = root / "inputs" / "raw"
+    raw.mkdir(parents=True)
+    (raw / "a.py.txt").write_text("def f(x):\n    return x + 1\n" * 40)
+    (raw / "b.txt").write_text("a few words of a story, told again. " * 60)
+    assert main(["tokenizer", "train", "--input", str(raw), "--vocab-size", "300", "--out", str(root / "tok")]) == 0
+    prepare([str(raw)], str(root / "tok"), str(root / "data"), 16, workers=1)
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=32, vocab_size=300)
+    for name in ("a", "b"):
+        run = root / "runs" / name
+        save_pretrained(build_model(cfg), cfg, run / "final", tokenizer_dir=root / "tok")
+        write_export_digests(str(run / "final"))
+        (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+        (run / "checkpoints" / "step_00000002" / "lmforge-state.json").write_text('{"step": 2}')
+        (run / "run.json").write_text(json.dumps({"identity": {"name": name}, "config": {}}))
+        (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    shutil.copytree(root / "runs" / "a" / "final", root / "export")
+    (root / "dedup").mkdir()
+    (root / "dedup" / "documents.jsonl").write_text('{"text": "kept"}\n')
+    (root / "dedup" / "curation.json").write_text(json.dumps({"format": "lmforge-curation"}))
+    home = root / "home"
+    (home / "mlruns" / "0").mkdir(parents=True)
+    (home / "mlruns" / "0" / "meta.yaml").write_text("name: Default\n")
+    (home / "runs.db").write_bytes(b"SQLite format 3\0 the registry")
+    shutil.copytree(root / "data", home / "cache" / "data" / "k1")
+    shutil.copytree(root / "tok", home / "cache" / "tokenizers" / "k2")
+    (root / "mine" / "notes").mkdir(parents=True)
+    (root / "mine" / "empty").mkdir()
+    (root / "mine" / "thesis.tex").write_text("years of work\n")
+    (root / "mine" / "notes" / "n.txt").write_text("notes\n")
+    (root / "holder").mkdir()
+    shutil.copytree(root / "runs" / "b", root / "holder" / "old-run")  # a folder holding a run
+    return root
+
+
+def _files(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _replaceable(label: str, kind: str, overwrite: bool) -> bool:
+    """The oracle: what the rule lets a command of ``kind`` take (the guard's part: a prepared dataset or a
+    dedup output of the same kind passes it without --overwrite, its command then resumes or refuses)."""
+    return label in ("new", "empty") or (label == kind and (overwrite or kind in ("dataset", "dedup")))
+
+
+@FAST
+@given(place=st.sampled_from(sorted(PLACES)), kind=st.sampled_from(sorted(set(OUT_KINDS.values()))),
+       overwrite=st.booleans())
+def test_the_rule_of_overwrite_against_an_oracle(place, kind, overwrite, overwrite_world):
+    """Every --out target of the world, every kind of output, --overwrite or not: the guard lets a command
+    take a target exactly when it is new, empty or an output of the same kind lmforge made (never the
+    home folder, a run, an input, someone's files, a part of an output or a folder holding one)."""
+    from unittest import mock
+
+    from lmforge.guard import check_output
+
+    with mock.patch.dict(os.environ, {"LMFORGE_HOME": str(overwrite_world / "home")}):
+        try:
+            check_output(str(overwrite_world / place), "--out", kind, overwrite=overwrite,
+                         reads=[("the input", str(overwrite_world / "inputs" / "raw"))])
+            allowed = True
+        except UserError as e:
+            assert "\n" not in str(e) and str(e).startswith("--out "), str(e)
+            allowed = False
+    assert allowed == _replaceable(PLACES[place], kind, overwrite), (place, kind, overwrite)
+
+
+@FAST
+@given(place=st.sampled_from(sorted(PLACES)), name=st.sampled_from(["a", "b", "c"]), overwrite=st.booleans())
+def test_a_save_folder_is_never_another_runs_or_someone_elses(place, name, overwrite, overwrite_world):
+    """A run's save folder, drawn from the same world: refused unless new, empty or a run of its own
+    name (train --overwrite then replaces that run's checkpoints, nothing else)."""
+    from unittest import mock
+
+    from lmforge.guard import check_run_owner, check_run_place
+
+    folder = str(overwrite_world / place)
+    with mock.patch.dict(os.environ, {"LMFORGE_HOME": str(overwrite_world / "home")}):
+        try:
+            check_run_place(folder, reads=[("the training data", str(overwrite_world / "inputs" / "raw"))])
+            check_run_owner(folder, name, overwrite=overwrite)
+            allowed = True
+        except UserError as e:
+            assert "\n" not in str(e) and str(e).startswith("save_folder "), str(e)
+            allowed = False
+    assert allowed == (PLACES[place] in ("new", "empty", f"run:{name}")), (place, name, overwrite)
+
+
+def _command(kind: str, world: Path, out: Path) -> list[str]:
+    raw = str(world / "inputs" / "raw")
+    return {"tokenizer": ["tokenizer", "train", "--input", raw, "--vocab-size", "300"],
+            "export": ["export", "--checkpoint", str(world / "runs" / "b" / "final")],
+            "prepare": ["data", "prepare", "--input", raw, "--tokenizer", str(world / "tok"), "--seq-len", "16",
+                        "--workers", "1"],
+            "dedup": ["data", "dedup", "--input", raw, "--dedup", "exact", "--workers", "1"]}[kind] + ["--out", str(out)]
+
+
+@pytest.mark.integration
+@settings(FAST, max_examples=40)
+@given(place=st.sampled_from(sorted(p for p in PLACES if p)), command=st.sampled_from(sorted(OUT_KINDS)),
+       overwrite=st.booleans())
+def test_overwrite_through_the_commands_never_loses_a_file(place, command, overwrite, overwrite_world,
+                                                           tmp_path_factory):
+    """The commands themselves, in this process, on a fresh copy of the world: a refusal is one line and
+    leaves every file as it was (hashed before and after); a command that goes ahead changes nothing
+    but its target, and only a target that was new, empty or its own kind of output."""
+    import shutil
+    from unittest import mock
+
+    from train_helpers import cli
+
+    world = tmp_path_factory.mktemp("overwrite-run") / "world"
+    shutil.copytree(overwrite_world, world, symlinks=True)
+    argv = _command(command, world, world / place) + (["--overwrite"] if overwrite else [])
+    with mock.patch.dict(os.environ, {"LMFORGE_HOME": str(world / "home")}):
+        before = _files(world)
+        proc = cli(*argv)
+        after = _files(world)
+    assert "Traceback" not in proc.stderr and proc.returncode in (0, 2), proc.stderr[-2000:]
+    if proc.returncode == 2:
+        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: "), proc.stderr
+        assert after == before, (place, command, proc.stderr)
+        return
+    label, target = PLACES[place], os.path.realpath(world / place)
+    assert label in ("new", "empty", OUT_KINDS[command]), (place, command, label)
+    outside = {k: v for k, v in before.items() if not os.path.realpath(world / k).startswith(target + os.sep)}
+    assert {k: v for k, v in after.items() if k in outside} == outside, (place, command)
+    shutil.rmtree(world.parent, ignore_errors=True)

@@ -230,6 +230,31 @@ def test_export_gguf_bad_input_is_one_line(tmp_path, tokenizers):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.integration
+def test_export_gguf_to_a_file_replaces_it_atomically(tmp_path, tokenizers):
+    """`--out FILE.gguf` is the GGUF file itself. An existing one is replaced only with --overwrite, by a
+    file written beside it and renamed over it (issue 59: NotADirectoryError, a traceback, after the
+    whole export was built); a file that is not a GGUF model is never replaced."""
+    import gguf
+
+    ckpt = checkpoint(tmp_path, tokenizers["gpt-2"])
+    out = tmp_path / "m.gguf"
+    cli("export", "--checkpoint", ckpt, "--format", "gguf", "--dtype", "f32", "--out", out, check=True)
+    first = out.read_bytes()
+    assert gguf.GGUFReader(str(out)).fields["general.architecture"] is not None
+    assert_one_line_error(cli("export", "--checkpoint", ckpt, "--format", "gguf", "--out", out),
+                          "already holds a GGUF model", "--overwrite")
+    assert out.read_bytes() == first
+    cli("export", "--checkpoint", ckpt, "--format", "gguf", "--dtype", "f16", "--out", out, "--overwrite", check=True)
+    assert out.read_bytes() != first and len(out.read_bytes()) < len(first)  # the f16 export, whole
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".m", "m."))) == ["m.gguf"]
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("my notes\n")
+    assert_one_line_error(cli("export", "--checkpoint", ckpt, "--format", "gguf", "--out", notes, "--overwrite"),
+                          "not a GGUF model")
+    assert notes.read_text() == "my notes\n"
+
+
 # ------------------------------------------------------------------------------- llama.cpp itself
 
 def checkpoint(tmp_path: Path, tok, family: str | None = None) -> Path:

@@ -194,6 +194,33 @@ def test_goodput_parts_add_up_to_the_wall_and_redone_steps_are_lost_work():
     assert account([]) is None
 
 
+def test_the_wait_after_an_end_as_asked_is_idle_not_recovery():
+    """Issue 59: a COMPLETED run restarted 34 minutes later counted the 34 minutes as recovery (66.9% →
+    1.6%). A wait after a completed or a requested stop is idle, outside the wall; after a crash or a
+    detected condition it stays recovery."""
+    done = [{"kind": "start", "time": 10.0, "process_start": 0.0, "step": 0},
+            {"kind": "end", "time": 150.0, "step": 100, "steps_s": 100.35, "checkpoint_s": 20.0, "evaluation_s": 19.65,
+             "status": "completed"}]
+    alone = account(_ledger(("1", done)))
+    assert round(100 * alone["goodput"], 1) == 66.9 and alone["idle_s"] == 0
+    later = 150.0 + 34 * 60
+    again = [{"kind": "start", "time": later + 8.0, "process_start": later, "step": 100},
+             {"kind": "end", "time": later + 10.0, "step": 100, "steps_s": 0.0, "checkpoint_s": 2.0,
+              "evaluation_s": 0.0, "status": "completed"}]
+    acc = account(_ledger(("1", done), ("2", again)))
+    assert acc["idle_s"] == 34 * 60 and acc["parts"]["recovery"] == 0
+    assert acc["wall_s"] == pytest.approx(160.0) and sum(acc["parts"][k] for k in PARTS) == pytest.approx(160.0)
+    assert acc["goodput"] == pytest.approx(100.35 / 160.0)  # the restart's own 10 s count, its wait does not
+    assert "2040.0s idle between attempts not counted" in format_goodput(acc)
+    stopped = [dict(r, status="stopped") if r["kind"] == "end" else r for r in done]
+    assert account(_ledger(("1", stopped), ("2", again)))["idle_s"] == 34 * 60  # `runs stop`, restarted later
+    crashed = done[:1] + [dict(done[1], kind="tick")]  # no end: killed, restarted by the supervisor
+    assert account(_ledger(("1", crashed), ("2", again)))["parts"]["recovery"] == 34 * 60
+    detected = stopped + [{"kind": "detected", "time": 149.0, "cause": "straggler", "action": "restart"}]
+    acc = account(_ledger(("1", detected), ("2", again)))
+    assert acc["parts"]["recovery"] == 34 * 60 and acc["idle_s"] == 0
+
+
 def test_fault_specs_parse_target_and_fire_once(tmp_path):
     faults = parse_faults("slow:node=n1:local_rank=0:factor=2:from=5,xid:node=n1:step=3,nan:rank=2:step=4")
     health = InjectedHealth()
@@ -207,9 +234,49 @@ def test_fault_specs_parse_target_and_fire_once(tmp_path):
     other = Injector(faults, rank=2, local_rank=1, node="n0", folder=str(tmp_path))
     assert other.slow_factor(10) == 1.0 and other.after_step(4) is True  # nan: the trainer poisons its weights
     for bad, needle in [("boom", "unknown fault 'boom'"), ("slow:speed=2", "is not KEY=VALUE"),
-                        ("kill:step=x", "expected a number"), ("slow:factor=0.5", "at least 1")]:
+                        ("kill:step=x", "expected a whole number"), ("slow:factor=0.5", "at least 1")]:
         with pytest.raises(UserError, match=needle):
             parse_faults(bad)
+
+
+@pytest.mark.parametrize("spec,needle", [
+    # issue 59: each was accepted and silently did something else (truncated, never fired, never slowed, hung)
+    ("kill:step=1.5", "'step=1.5' in 'kill:step=1.5': expected a whole number, at least 1"),
+    ("kill:step=-1", "'step=-1'.*at least 1"),
+    ("nan:step=0", "'step=0'.*at least 1"),
+    ("slow:factor=nan", "'factor=nan'.*finite"),
+    ("slow:factor=inf", "'factor=inf'.*finite"),
+    ("diag:factor=1e400", "'factor=1e400'.*finite"),
+    ("xid:code=-79", "'code=-79'.*an XID"),
+    ("slow:rank=-1", "'rank=-1'.*0 or more"),
+    ("slow:from=2.5", "'from=2.5'.*whole number"),
+    ("kill:step=2:step=3", "step given twice"),
+    ("slow:node=", "expected a node name"),
+])
+def test_fault_specs_are_checked_like_the_config(spec, needle):
+    with pytest.raises(UserError, match=needle) as e:
+        parse_faults(spec)
+    assert str(e.value).startswith("LMFORGE_FAULT: ") and "\n" not in str(e.value)
+
+
+def test_a_fault_names_a_rank_the_run_has():
+    from lmforge.goodput.faults import check_faults
+
+    with pytest.raises(UserError, match=r"rank=5 in 'slow:rank=5': the run has 1 rank \(0 to 0\)"):
+        check_faults(parse_faults("slow:rank=5"), 1)
+    with pytest.raises(UserError, match=r"local_rank=2 .* the run has 2 ranks"):
+        check_faults(parse_faults("kill:node=n1:local_rank=2:step=3"), 2)
+    check_faults(parse_faults("slow:rank=1:factor=2,xid:node=n9:step=3:code=79"), 2)  # a node is known only at start
+    assert parse_faults("kill:step=3")[0].get("step") == 3 and parse_faults("slow:factor=2.5")[0].get("factor") == 2.5
+
+
+@pytest.mark.parametrize("xids", [[-79], [0], [1.5], [True], [79, 10**9]])
+def test_fatal_xids_are_whole_numbers_above_zero(xids):
+    from lmforge.config.load import build_config
+
+    with pytest.raises(UserError, match=r"goodput.health.fatal_xids\[\d\]"):
+        build_config({"model": "llama-tiny", "train_data": "/nonexistent/x.txt", "training_duration": "10ba",
+                      "goodput": {"health": {"fatal_xids": xids}}})
 
 
 def test_the_sampler_keeps_a_fatal_xid_once_seen():

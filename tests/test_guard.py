@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.errors import UserError
-from lmforge.guard import (check_run_folder, check_save_folder, check_target, checkpoint_reads, foreign_files,
+from lmforge.guard import (check_run_folder, check_run_place, check_target, checkpoint_reads, foreign_files,
                            remove_inside)
 
 
@@ -87,25 +87,25 @@ def test_a_checkpoint_read_protects_its_run(tmp_path):
 
 
 def test_a_save_folder_of_other_files_is_refused_unless_it_is_a_run(tmp_path):
-    check_save_folder(str(tmp_path / "new"))
+    check_run_place(str(tmp_path / "new"))
     (tmp_path / "empty").mkdir()
-    check_save_folder(str(tmp_path / "empty"))
+    check_run_place(str(tmp_path / "empty"))
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.tex").write_text("years of work")
     with pytest.raises(UserError, match=r"save_folder .*mine: holds files that are not an lmforge run \(thesis.tex\)"):
-        check_save_folder(str(mine))
+        check_run_place(str(mine))
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     (run / ".lmforge.lock").write_text("")
     assert foreign_files(str(run)) == []  # a first attempt that failed before run.json
-    check_save_folder(str(run))
+    check_run_place(str(run))
     (mine / "run.json").write_text(json.dumps({"identity": {}}))
-    check_save_folder(str(mine))  # a run's folder, with the user's notes beside it
+    check_run_place(str(mine))  # a run's folder, with the user's notes beside it
     with pytest.raises(UserError, match="filesystem root"):
-        check_save_folder("/")
+        check_run_place("/")
     with pytest.raises(UserError, match="is the training data"):
-        check_save_folder(str(tmp_path / "d"), reads=[("the training data", str(tmp_path / "d"))])
+        check_run_place(str(tmp_path / "d"), reads=[("the training data", str(tmp_path / "d"))])
 
 
 def test_runs_delete_purges_only_a_run_folder(tmp_path):

@@ -260,8 +260,10 @@ def test_export_refuses_to_overwrite(base, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert_one_line_error(cli("export", "--checkpoint", base, "--out", out), "not empty", "--overwrite")
-    assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
+    for extra in ([], ["--overwrite"]):  # not an export: never replaced (issue 59)
+        assert_one_line_error(cli("export", "--checkpoint", base, "--out", out, *extra), "keep.txt",
+                              "replaces only an export")
+        assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
 
 
 def test_export_moe_as_mixtral(tmp_path, tiny_data):

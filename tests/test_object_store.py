@@ -131,15 +131,19 @@ def test_train_to_s3_lose_the_machine_resume_from_the_store(s3_env, tmp_path, ti
     other = write_config(tmp_path / "other.yaml", tiny_run_config(tiny_data, uri, name="other", **COMMON))
     clash = _run(other, tmp_path / "machine3")
     assert_one_line_error(clash, "holds checkpoints of a different run", "'tiny-")
-    # ... unless --overwrite, which replaces the store's run too (nothing of 'tiny' is left)
-    short = write_config(tmp_path / "short.yaml", tiny_run_config(
-        tiny_data, uri, name="other", **COMMON | {"training_duration": "4ba", "save_interval": "2ba"}))
+    # --overwrite never replaces a run of another name (issue 59), in a store too ...
+    assert_one_line_error(_run(other, tmp_path / "machine3", "--overwrite"), "holds run 'tiny-",
+                          "--overwrite replaces only a run of the same name")
+    # ... but does replace the store's run of the same name with another model (nothing of the old is left)
+    short_cfg = tiny_run_config(tiny_data, uri, **COMMON | {"training_duration": "4ba", "save_interval": "2ba"})
+    short_cfg["model"]["d_model"] = 32
+    short = write_config(tmp_path / "short.yaml", short_cfg)
     proc3 = _run(short, tmp_path / "machine3", "--overwrite")
     assert proc3.returncode == 0, proc3.stderr[-3000:]
-    # Step 2's upload may be skipped (superseded by step 4 while it waited): either way none of 'tiny' is left.
+    # Step 2's upload may be skipped (superseded by step 4 while it waited): either way none of the old is left.
     steps = _complete_steps(fs, prefix)
     assert steps[-1] == 4 and set(steps) <= {2, 4}, steps
-    assert json.loads(fs.cat_file(f"{prefix}/run.json"))["identity"]["name"] == "other"
+    assert json.loads(fs.cat_file(f"{prefix}/run.json"))["identity"]["model"]["d_model"] == 32
     rows = [json.loads(x) for x in fs.cat_file(f"{prefix}/metrics.jsonl").decode().splitlines()]
     assert max(r["step"] for r in rows) == 4
 

@@ -4,6 +4,8 @@ decides and says, each rule once (lmforge/plan)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,28 @@ def test_a_resolved_config_is_frozen(tiny_data, tmp_path):
         run.config.compute.context_parallel = 2
     changed = run.config.model_copy(update={"name": "other"})  # a copy is how a config changes
     assert changed.name == "other" and run.config.name != "other"
+
+
+def test_mutating_anything_inside_a_resolved_run_raises():
+    """Deep-frozen: the plan's dicts, the config's lists and mappings, the layout — nothing inside a
+    resolved run changes in place, so no view or rank can come to read another plan than the others."""
+    cfg = build_config({"model": "llama-125m", "train_data": ["a", "b"], "training_duration": "10ba",
+                        "eval": {"prompts": ["def f("]}, "compute": {"data_parallel": "fsdp"},
+                        "parameters": {"context_length": 512, "global_batch_size": 16}})
+    run = resolve(cfg, nominal_machine("h100-sxm", 8), until="plan", **QUIET)
+    plan, config = run.plan, run.config
+    changes = [lambda: plan.params.__setitem__("total", 1), lambda: plan.memory.__setitem__("fits", False),
+               lambda: plan.memory.update(fits=False), lambda: plan.memory["activation_bytes_per_sample"].clear(),
+               lambda: config.train_data.append(config.train_data[0]), lambda: config.eval.prompts.append("x"),
+               lambda: config.goodput.health.fatal_xids.append(1), lambda: config.model.model_copy().__setattr__("d_model", 1)]
+    for change in changes:
+        with pytest.raises((TypeError, AttributeError, ValidationError)):
+            change()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.layout.global_batch = 1  # type: ignore[misc]
+    assert plan.fits and plan.params["total"] > 1 and len(config.train_data) == 2 and config.eval.prompts == ("def f(",)
+    assert pickle.loads(pickle.dumps(plan)) == plan  # a plan still travels from rank 0 to the others
+    assert json.loads(json.dumps(plan.memory)) == plan.memory
 
 
 def test_the_batch_splits_over_replicas_not_ranks():
@@ -160,3 +184,15 @@ def test_a_warmup_of_0ba_plans_no_warmup_and_the_resolved_config_keeps_it(tiny_d
                   until="plan", **QUIET)
     assert run.plan.schedule.warmup == 0 and run.plan.warmup_steps == 0
     assert str(run.config.parameters.warmup) in ("0ba", "0.0ba") and run.plan.schedule.factor(0, 0.0, 1.0) == 1.0
+
+
+def test_one_eta_and_one_time_formula():
+    """The ETA every view shows is the training time so far scaled by what is left (`plan.cost.eta_s`),
+    and a modelled speed is `mfu`'s inverse (`plan.hardware.tokens_per_s_at`): each written once."""
+    from lmforge.plan.cost import eta_s
+    from lmforge.plan.hardware import mfu, tokens_per_s_at
+
+    assert eta_s(0.25, 60.0) == 180.0 and eta_s(1.0, 60.0) == 0.0 and eta_s(1.2, 60.0) == 0.0
+    assert eta_s(None, 60.0) is None and eta_s(0.5, None) is None and eta_s(0.0, 10.0) is None
+    rate = tokens_per_s_at(0.4, 6e9, 8, 989e12)
+    assert rate == 0.4 * 8 * 989e12 / 6e9 and abs(mfu(rate, 6e9, 8, 989e12) - 0.4) < 1e-12

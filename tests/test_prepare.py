@@ -121,8 +121,11 @@ def test_refusals_overwrite_and_crash_safety(corpus, tok, tmp_path):
     assert not s.get("already_prepared")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(UserError, match="not empty and is not a prepared dataset"):
-        prepare([str(d)], tok, str(tmp_path / "mine"), SEQ)
+    for overwrite in (False, True):  # another folder: never replaced, --overwrite included (issue 59)
+        with pytest.raises(UserError, match=r"holds files that are not lmforge output \(notes.txt\); `data prepare` "
+                           "replaces only a prepared dataset"):
+            prepare([str(d)], tok, str(tmp_path / "mine"), SEQ, overwrite=overwrite)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     with pytest.raises(UserError, match=r"--seq-len 100000: larger than the data"):
         prepare([str(d)], tok, str(tmp_path / "big"), 100_000)
     # A corrupt file after good ones is skipped and named; with on_bad_input="fail" it fails mid-run

@@ -150,10 +150,11 @@ def test_progress_line_shows_cost_so_far_and_to_finish():
     c = ConsoleTracker(total_steps=10, stream=out, log_every=5)
     for step in range(1, 11):
         c.log_metrics({"train/loss": 3.0, "time/elapsed_s": 36.0 * step, "cost/per_hour": 10.0,
-                       "cost/so_far": 0.1 * step}, step)
+                       "cost/so_far": 0.1 * step, "train/progress": step / 10}, step)
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("step ")]
-    assert "cost 0.10 |" in lines[0]  # no ETA yet at the first step: no estimate either
-    assert re.search(r"cost 0\.50 \(\+\d\.\d\d to finish\)", lines[1]), lines[1]
+    # the one ETA (training time × what is left of the run): 324 s after step 1, 180 s after step 5
+    assert "cost 0.10 (+0.90 to finish) |" in lines[0] and "ETA 0:05:24" in lines[0], lines[0]
+    assert "cost 0.50 (+0.50 to finish) |" in lines[1] and "ETA 0:03:00" in lines[1], lines[1]
     assert "cost 1.00" in lines[-1] and "to finish" not in lines[-1]
 
 

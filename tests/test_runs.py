@@ -121,6 +121,12 @@ def test_detached_runs_side_by_side_complete(tmp_path, tiny_data):
     # a finished run cannot be stopped again: said so, exit 0
     again = cli("runs", "stop", "side-a", check=True)
     assert "already ended: COMPLETED" in again.stdout
+    # nor restarted: it has nothing left to train, and its goodput stays as it was (issue 59)
+    ledger = (folder_a / "goodput.jsonl").read_bytes()
+    assert_one_line_error(cli("runs", "restart", "side-a"), "side-a is COMPLETED: nothing to restart",
+                          "raise training_duration")
+    assert [r["status"] for r in sdk.get_run("side-a").resumptions] == ["COMPLETED"]
+    assert (folder_a / "goodput.jsonl").read_bytes() == ledger
 
 
 @pytest.mark.e2e

@@ -461,7 +461,8 @@ def test_progress_lines_while_rungs_train(tmp_path):
     a.mkdir()
     b.mkdir()
     (a / "metrics.jsonl").write_text(json.dumps({"step": 50, "train/loss": 3.61234, "train/tokens": 102400,
-                                                 "throughput/tokens_per_s": 2048.0}) + "\n")
+                                                 "throughput/tokens_per_s": 2048.0, "time/elapsed_s": 50.0,
+                                                 "train/progress": 0.25}) + "\n")
     running = [_Started(point("2x48-400k", 409600), None, "n", "", str(a)),
                _Started(point("2x64-200k", 204800), None, "m", "", str(b))]
     line = progress_line(running, 3, 8, waiting_s=90.0)

@@ -87,10 +87,11 @@ def test_bad_jsonl_lines_skipped_then_fatal_when_nothing_left(tmp_path):
     p.write_text('{"text": "good"}\nnot json\n{"other": 1}\n{"text": 5}\n[1, 2]\n')
     docs, stats = _docs([str(p)])
     assert docs == ["good"] and stats.skipped_lines == 4
-    assert stats.skipped_line_examples[0] == f"{p}:2: not JSON"
+    assert stats.skipped_line_examples[0] == f"{p}:2: not valid JSON (Expecting value at column 1)"
+    assert stats.skipped_line_examples[3] == f'{p}:5: an array, expected an object with a "text" field'
     bad = tmp_path / "bad.jsonl"
     bad.write_text("nope\n{\"x\": 1}\n")
-    with pytest.raises(UserError, match=r"no usable documents \(2 records skipped, e\.g\. .*bad\.jsonl:1: not JSON"):
+    with pytest.raises(UserError, match=r"no usable documents \(2 records skipped, e\.g\. .*bad\.jsonl:1: not valid JSON"):
         _docs([str(bad)])
 
 

@@ -359,7 +359,7 @@ def test_console_bar_eta_follows_the_training_clock_and_its_lines_reach_a_log():
     assert c.tty
     frames = []
     for step in range(1, 11):  # a step a minute, on the trainer's clock; a moment on the wall clock
-        c.log_metrics(_train(step, 2.0) | {"time/elapsed_s": 60.0 * step}, step)
+        c.log_metrics(_train(step, 2.0) | {"time/elapsed_s": 60.0 * step, "train/progress": step / 10}, step)
         frames.append(out.getvalue())
     text = frames[4]  # after step 5 of 10: 5 more steps at a minute each
     assert "ETA 0:05:00" in text and "-:--:--" not in text, text[-500:]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
 
@@ -112,32 +111,3 @@ def add_command(subparsers, name: str, help: str, description: str | None = None
         description=description or as_sentence(help),
         formatter_class=HelpFormatter,
     )
-
-
-def check_output_file(path: str, flag: str, overwrite: bool, mark: str) -> None:
-    """A file a command writes may replace one the same command wrote before (``mark`` found in
-    its first bytes) — regenerating a report is routine — but nothing else unless ``--overwrite``:
-    a mistyped output name must not eat a config or a script."""
-    if os.path.isdir(path):
-        raise UserError(f"{flag} {path}: is a folder; give a file name")
-    if overwrite or not os.path.exists(path):
-        return
-    with open(path, "rb") as f:
-        head = f.read(8192)
-    if mark.encode() not in head:
-        raise UserError(f"{flag} {path}: the file exists and was not written by this command; choose another "
-                        f"{flag} or pass --overwrite to replace it")
-
-
-def check_output_folder(path: str, flag: str, overwrite: bool) -> bool:
-    """A folder a command writes must be new or empty, unless ``--overwrite`` (then it is replaced).
-    Returns whether it exists (and is to be replaced)."""
-    if not os.path.exists(path):
-        return False
-    if not os.path.isdir(path):
-        raise UserError(f"{flag} {path}: exists and is not a folder; choose another {flag}")
-    if os.listdir(path) and not overwrite:
-        shown = ", ".join(sorted(os.listdir(path))[:3])
-        raise UserError(f"{flag} {path}: folder is not empty (holds {shown}); choose another {flag} or pass "
-                        "--overwrite to replace it")
-    return True

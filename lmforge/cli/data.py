@@ -10,7 +10,7 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-from lmforge.cli.common import OneLineParser, add_command, bounded, check_output_file
+from lmforge.cli.common import OneLineParser, add_command, bounded
 from lmforge.config.limits import MAX_SEQ_LEN
 from lmforge.data import remote
 from lmforge.data.executors import ExecutorSpec
@@ -41,7 +41,8 @@ def register(subparsers) -> None:
                    help="tokenizer processes (without --executor; with one, --tasks)")
     p.add_argument("--compression", default="zstd", help="shard compression: zstd, zstd:LEVEL or none")
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
-    p.add_argument("--overwrite", action="store_true", help="replace a different dataset already in DEST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a different prepared dataset (or an unfinished one) in DEST; nothing else")
     add_bad_input_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_curation_args(p, dedup_default=None)
@@ -59,7 +60,8 @@ def register(subparsers) -> None:
     p.add_argument("--text-field", default="text", help="text field/column of .jsonl/.json/.parquet inputs")
     p.add_argument("--workers", type=bounded(int, 1, 4096), default=min(4, os.cpu_count() or 1),
                    help="worker processes (without --executor; with one, --tasks)")
-    p.add_argument("--overwrite", action="store_true", help="replace DEST if it holds other output")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DEST if it holds another `data dedup` output (or an unfinished one); nothing else")
     add_bad_input_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_curation_args(p, dedup_default="exact,near")
@@ -76,7 +78,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-docs", type=bounded(int, 1), default=None, metavar="N", help="read at most N documents")
     p.add_argument("--plot", metavar="FILE",
                    help="write the plots to FILE.png or FILE.html (replaces earlier plots there, nothing else)")
-    p.add_argument("--overwrite", action="store_true", help="replace the --plot FILE even if lmforge did not write it")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the --plot FILE even if lmforge did not write it (never a file of a run or a dataset)")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
     p.set_defaults(func=_stats)
 
@@ -306,7 +309,10 @@ def _stats(args) -> int:
     from lmforge.data.curate.stats import MARK, corpus_stats, print_stats, write_plots
 
     if args.plot:  # before reading the corpus: a refusal costs nothing
-        check_output_file(args.plot, "--plot", args.overwrite, MARK)
+        from lmforge.guard import check_output_file
+
+        check_output_file(args.plot, "--plot", args.overwrite, same_kind=lambda head: MARK.encode() in head,
+                          reads=[("the corpus", s) for s in args.source])
     stats = corpus_stats(args.source, tokenizer=args.tokenizer, text_field=args.text_field, max_docs=args.max_docs)
     if args.plot:
         stats["plot"] = write_plots(stats, args.plot)

@@ -24,7 +24,7 @@ from lmforge.config.durations import parse_duration
 from lmforge.config.load import load_raw, load_yaml_text, read_text_file
 from lmforge.config.model import PRESETS
 from lmforge.errors import UserError
-from lmforge.plan.hardware import gpu_type_names
+from lmforge.plan.hardware import ASSUMED_MFU, gpu_type_names
 
 # Flags that set a run's config keys: a refusal of the key names the flag the user gave.
 FLAG_KEYS = {"seq_len": ("--seq-len", "parameters.context_length"),
@@ -338,7 +338,7 @@ def register(subparsers) -> None:
     p.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp32"],
                    help="what the run trains in (its peak FLOP/s); unset = what `lmforge train` picks: bf16 on "
                    "GPUs, and on `--gpu-type cpu` bf16 with AMX, else fp32")
-    p.add_argument("--mfu", type=bounded(float, 0, 1, above=True), default=0.4, help="model-FLOPs utilization to assume where nothing is "
+    p.add_argument("--mfu", type=bounded(float, 0, 1, above=True), default=ASSUMED_MFU, help="model-FLOPs utilization to assume where nothing is "
                    "measured, in (0, 1]")
     p.add_argument("--price-per-gpu-hour", type=bounded(float, 0, MAX_PRICE_PER_HOUR), default=None, metavar="P", help="price for the cost line")
     p.add_argument("--seq-len", type=positive_int, default=None, help="context length; unset = the model's "

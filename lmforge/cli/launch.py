@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from lmforge.cli.common import OneLineParser, add_command, bounded, check_output_file
+from lmforge.cli.common import OneLineParser, add_command, bounded
+from lmforge.guard import check_output_file
 from lmforge.config.limits import MAX_NODES
 from lmforge.config.load import load_config
 from lmforge.distributed.cluster import K8S_MARK, SLURM_MARK, k8s_name, pytorchjob_manifest, sbatch_script
@@ -26,7 +27,8 @@ def register(subparsers) -> None:
                        help="config override passed on to `lmforge train` (repeatable)")
         p.add_argument("-o", "--output", metavar="FILE",
                        help="where to write the job file (replaces an earlier job file there, nothing else)")
-        p.add_argument("--overwrite", action="store_true", help="replace FILE even if lmforge did not write it")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace FILE even if lmforge did not write it (never the config, nor a file of a run)")
 
     p = add_command(sub, "slurm", "write an sbatch script (srun + torchrun rendezvous)")
     common(p)
@@ -79,7 +81,8 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
 def run_slurm(args) -> int:
     cfg, name = _checked(args)
     out = args.output or f"{name}.sbatch"
-    check_output_file(out, "-o", args.overwrite, SLURM_MARK)
+    check_output_file(out, "-o", args.overwrite, same_kind=lambda head: SLURM_MARK.encode() in head,
+                      reads=[("the config", args.file)])
     _write(out, sbatch_script(name=name, config_path=os.path.abspath(args.file), nodes=args.nodes,
                               gpus_per_node=args.gpus_per_node, python=sys.executable, partition=args.partition,
                               time=args.time, sets=args.set, cordoned=_cordoned(cfg, name)), 0o755)
@@ -91,7 +94,8 @@ def run_slurm(args) -> int:
 def run_k8s(args) -> int:
     cfg, name = _checked(args)
     out = args.output or f"{k8s_name(name)}-pytorchjob.yaml"
-    check_output_file(out, "-o", args.overwrite, K8S_MARK)
+    check_output_file(out, "-o", args.overwrite, same_kind=lambda head: K8S_MARK.encode() in head,
+                      reads=[("the config", args.file)])
     with open(args.file) as f:
         config_text = f.read()
     _write(out, pytorchjob_manifest(name=name, config_text=config_text, nodes=args.nodes,

@@ -51,7 +51,10 @@ def register(sub) -> None:
     c.add_argument("--purge", action="store_true", help="also delete its local save folder (checkpoints, logs)")
     c.set_defaults(func=cmd_delete)
 
-    c = add_command(rs, "restart", "a new resumption in the background, from the latest checkpoint")
+    c = add_command(rs, "restart", "a new resumption in the background, from the latest checkpoint",
+                    description="A new resumption in the background, from the latest checkpoint, with the run's "
+                    "recorded command. A run still active, or COMPLETED (it has nothing left to train), is not "
+                    "restarted: the command says why in one line and exits with status 2.")
     c.add_argument("name")
     c.set_defaults(func=cmd_restart)
 

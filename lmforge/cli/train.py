@@ -81,7 +81,9 @@ def add_run_arguments(p) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override any key, e.g. --set parameters.learning_rate=3e-4 (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
-    p.add_argument("--overwrite", action="store_true", help="replace checkpoints of a different run in save_folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace checkpoints of a different run of the same name (another model or data) in "
+                   "save_folder; a run of another name is never replaced")
     p.add_argument("--no-autoresume", action="store_true", help="do not continue from an existing checkpoint")
     p.add_argument("--json", action="store_true", help="print the final summary (or the dry-run plan) as JSON")
     # multi-node (docs/scale-out.md): same as compute.nodes / node_rank / rdzv_endpoint and max_retries

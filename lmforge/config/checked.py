@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+
+from lmforge.frozen import freeze
 
 
 def _parts(annotation: Any) -> list[Any]:
@@ -38,8 +40,17 @@ def takes_bool(annotation: Any) -> bool:
 
 
 class Checked(BaseModel):
-    # frozen: a config is a value, changed by model_copy (which validates again), never in place
+    # frozen, deeply: a config is a value, never changed in place (a change is a new config, validated)
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+    @model_validator(mode="after")
+    def _frozen_inside(self):
+        """Its lists as tuples and its dicts as `FrozenDict`s (`lmforge.frozen`): nothing inside it changes."""
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, (dict, list)):
+                object.__setattr__(self, name, freeze(value))
+        return self
 
     @field_validator("*", mode="before")
     @classmethod

@@ -106,7 +106,7 @@ th tk tl tr tt tyv ug uk ur uz vec vep vi vls vo wa war wuu xal xmf yi yo yue zh
 
 
 class LanguageConfig(_Strict):
-    languages: list[str] = Field(["en"], min_length=1, description="ISO 639-1 codes to keep")
+    languages: tuple[str, ...] = Field(("en",), min_length=1, description="ISO 639-1 codes to keep")
 
     @field_validator("languages")
     @classmethod
@@ -140,7 +140,7 @@ class FiltersConfig(_Strict):
 
 
 class DecontaminateConfig(_Strict):
-    tasks: str | list[dict] | None = Field(
+    tasks: str | tuple[dict, ...] | None = Field(
         None, description="ICL tasks YAML, 'default', or a list of tasks; default: the run's eval.icl_tasks")
     data_root: str | None = Field(None, description="folder the tasks' relative dataset paths resolve against; "
                                   "default: the run's eval.data_root")

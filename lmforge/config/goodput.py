@@ -19,12 +19,12 @@ stop, cordon the node the condition names, resume on the rest). docs/goodput.md 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from lmforge.config.checked import Strict
-from lmforge.config.limits import MAX_NODES
+from lmforge.config.limits import MAX_NODES, MAX_XID
 
 ACTIONS = ("log", "restart", "diagnose", "cordon")
 RESUMING_ACTIONS = ("restart", "diagnose", "cordon")  # they stop the run and start it again
@@ -66,8 +66,8 @@ class HealthRule(_Strict):
         "auto", description="where GPU health comes from: nvml (nvidia-ml-py, lmforge[gpu]), off; auto: NVML on "
         "CUDA when installed, else none (fault injection drives it on any machine)")
     interval_s: float = Field(10.0, ge=0.1, le=3600, description="seconds between two samples of a node's GPUs")
-    fatal_xids: list[int] = Field(default_factory=lambda: list(FATAL_XIDS),
-                                  description="XIDs that make a node's health event fatal")
+    fatal_xids: tuple[Annotated[int, Field(strict=True, gt=0, le=MAX_XID)], ...] = Field(
+        tuple(FATAL_XIDS), description="XIDs (whole numbers ≥ 1) that make a node's health event fatal")
     action: Action = Field("cordon", description="what a fatal health event does: log | restart | diagnose | "
                            "cordon (the node)")
 

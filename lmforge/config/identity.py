@@ -9,7 +9,6 @@ run's checkpoints (`train.checkpoint`) and what the run registry compares (`runs
 from __future__ import annotations
 
 import os
-import re
 import time
 
 from lmforge.config.schema import RunConfig
@@ -19,12 +18,6 @@ def default_name(cfg: RunConfig) -> str:
     """The config's `name`, else the model preset and the start time."""
     label = "auto" if cfg.model == "auto" else cfg.model.preset or "custom"
     return cfg.name or f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def is_variant(name: str, requested: str) -> bool:
-    """Whether ``name`` is the run name ``requested`` or the unique variant ``<requested>-xxxx``
-    that `runs.start` gives a run whose name another run already holds."""
-    return name == requested or re.fullmatch(re.escape(requested) + r"-[0-9a-f]{4}", name) is not None
 
 
 def with_default_names(cfg: RunConfig) -> RunConfig:

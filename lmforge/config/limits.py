@@ -14,6 +14,7 @@ MAX_RANKS = 1 << 20  # devices in one run, all nodes together
 MAX_RETRIES = 1000  # restarts of one run (each resumes from a checkpoint)
 MAX_NEW_TOKENS = 100_000  # tokens `generate` writes for one prompt
 MAX_NAME = 128  # characters of a run name: a folder, a registry key and a rendezvous id
+MAX_XID = 1 << 16  # an NVIDIA XID (the catalogue's are below 200: room for new ones, not for typos like -79)
 # Optimization: an LR of 10 already diverges at once; decays past 10 shrink every weight to 0 in a step.
 MAX_LEARNING_RATE = 10.0
 MAX_WEIGHT_DECAY = 10.0

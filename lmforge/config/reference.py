@@ -21,7 +21,9 @@ def _type_name(annotation) -> str:
         return _type_name(typing.get_args(annotation)[0])
     if origin in (list, tuple, dict):
         args = ", ".join(_type_name(a) for a in typing.get_args(annotation) if a is not Ellipsis)
-        return f"{origin.__name__}[{args}]"
+        # a tuple of any length is a YAML list (the config keeps lists as tuples: it is frozen)
+        name = "list" if origin is tuple and Ellipsis in typing.get_args(annotation) else origin.__name__
+        return f"{name}[{args}]"
     if annotation is type(None):
         return "null"
     name = getattr(annotation, "__name__", str(annotation))

@@ -166,12 +166,12 @@ class EvalConfig(_Strict):
         "too few documents for one held-out sample (one .txt file): that share of the packed tokens, from the end")
     interval: DurationField | None = Field(None, description="how often to evaluate, e.g. '500ba' or '1M tok'; default: ~10 evals per run")
     max_batches: int = Field(20, gt=0, le=1 << 30, description="held-out micro-batches per evaluation")
-    prompts: list[str] = Field(default_factory=list, description="prompts to generate from at each evaluation")
+    prompts: tuple[str, ...] = Field((), description="prompts to generate from at each evaluation")
     max_new_tokens: int = Field(64, gt=0, le=MAX_NEW_TOKENS, description="tokens generated per prompt")
     temperature: float = Field(0.8, ge=0, le=100, description="sampling temperature for prompts (0 = greedy)")
     top_k: int | None = Field(50, gt=0, le=MAX_VOCAB, description="sample from the k most likely tokens")
     top_p: float | None = Field(0.95, gt=0, le=1, description="nucleus sampling threshold")
-    icl_tasks: str | list[dict] | None = Field(None, description="ICL task YAML (or a list of tasks)")
+    icl_tasks: str | tuple[dict, ...] | None = Field(None, description="ICL task YAML (or a list of tasks)")
     gauntlet: str | None = Field(None, description="gauntlet YAML grouping the ICL tasks")
     icl_interval: DurationField | None = Field(None, description="how often to run ICL tasks; default: at the end only")
     icl_limit: int | None = Field(None, gt=0, description="examples per ICL task (None = all)")
@@ -385,7 +385,7 @@ class LoRAConfig(_Strict):
     rank: int = Field(4, gt=0, le=1 << 16, description="rank r of each adapter")
     alpha: float = Field(16.0, gt=0, le=1e6, description="the update is scaled by alpha / rank")
     dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapter's input")
-    targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS),
+    targets: tuple[str, ...] = Field(tuple(LORA_TARGETS),
                                description="projections to adapt: " + ", ".join(LORA_TARGETS))
 
     @field_validator("targets")
@@ -469,10 +469,10 @@ class RunConfig(_Strict):
     tokenizer: str | TokenizerSpec | None = Field(
         None, description="tokenizer folder, {train: {vocab_size: N}} to train one, or {extend: {vocab_size: N}} to grow "
         "the custom_weights_path model's; default: the one the data was prepared with")
-    train_data: list[DatasetEntry] = Field(
+    train_data: tuple[DatasetEntry, ...] = Field(
         ..., description="path/URI, list, {name: {path, proportion}} mix, or a curriculum: a list of phases "
         "[{until, mix}, ...] (stored as the datasets here plus `curriculum`)")
-    curriculum: list[Phase] | None = Field(
+    curriculum: tuple[Phase, ...] | None = Field(
         None, description="phases that change the mix (normally written as train_data: [{until, mix}, ...])")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation while training")
     save_folder: str | None = Field(None, description="checkpoints, metrics, exports; default runs/<name>")

@@ -26,6 +26,7 @@ from lmforge.data import remote
 from lmforge.data.executors import JobRun, TaskCrashed, TaskDied, idle_tasks_note, run_job
 from lmforge.data.job import WORK, BadInput, Job, WorkDir, removed_samples, unit_offsets, write_removed
 from lmforge.errors import UserError
+from lmforge.guard import Held, check_replace
 
 OUR_LEFTOVERS = {"train", "val", WORK}  # what a job of ours leaves in DEST before its marker
 
@@ -50,8 +51,9 @@ def listing(out: str) -> list[str] | None:
 
 def claim(out: str, plan: dict, other: str | None, overwrite: bool, what: str) -> bool:
     """Make ``out`` this job's: True when it already holds this very job, unfinished (resume);
-    otherwise refuse other content (without ``overwrite``; ``other`` describes a different complete
-    output found there), clear ``out`` and write the plan."""
+    otherwise refuse other content (a different complete output of this command, ``other``, or an
+    unfinished job of other inputs: without ``overwrite``; anything else always, `guard.check_replace`),
+    clear ``out`` and write the plan."""
     names = listing(out)
     wd = WorkDir(out)
     plan = json.loads(json.dumps(plan))
@@ -59,16 +61,22 @@ def claim(out: str, plan: dict, other: str | None, overwrite: bool, what: str) -
         earlier = wd.read_json("plan.json") if WORK in names else None
         if earlier == plan:
             return True
+        kind = "dataset" if what == "data prepare" else "dedup"
+        if earlier is not None and ("tokenizer" in (earlier.get("identity") or {})) != (kind == "dataset"):
+            other_job = "data dedup" if kind == "dataset" else "data prepare"
+            check_replace(out, "--out", kind, Held(None, f"an unfinished `{other_job}`"), overwrite=overwrite,
+                          command=what)
+        # Only leftovers of our own interrupted upload (train/, val/ without a marker) count as ours.
+        if other is None and earlier is None and not set(names) <= OUR_LEFTOVERS:
+            shown = ", ".join(sorted(names)[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            check_replace(out, "--out", kind, Held(None, f"files that are not lmforge output ({shown})"),
+                          overwrite=overwrite, command=what)
         if not overwrite:
             if other is not None:
                 raise UserError(f"--out {out}: already holds {other}; use --overwrite or another --out")
             if earlier is not None:
                 raise UserError(f"--out {out}: holds an unfinished `{what}` of other inputs or arguments; run that "
                                 "command again to finish it, or use --overwrite or another --out")
-            # Only leftovers of our own interrupted upload (train/, val/ without a marker) are replaced silently.
-            if not set(names) <= OUR_LEFTOVERS:
-                raise UserError(f"--out {out}: folder is not empty and is not a prepared dataset "
-                                f"(holds {', '.join(sorted(names)[:3])}); use --overwrite or another --out")
         remote.remove_tree(out)
     wd.write_json("plan.json", plan)
     return False

@@ -37,7 +37,7 @@ import torch
 from lmforge.config.schema import PREFERENCE_TASK
 from lmforge.data.batch import IGNORE, Batch
 from lmforge.data.sft import SFTData, json_rows, row_segments, tokenize_example
-from lmforge.errors import UserError
+from lmforge.errors import UserError, json_kind
 
 ROW_FIELDS = "prompt / chosen / rejected"
 
@@ -91,7 +91,7 @@ def _answer(template, prompt: list[dict], answer: list[dict], key: str, where: s
 def pair_segments(row, where: str, template=None) -> tuple[list, list]:
     """Validate one row; the (text, trained) segments of its chosen and its rejected sequence."""
     if not isinstance(row, dict):
-        raise UserError(f"{where}: expected a JSON object with {ROW_FIELDS}")
+        raise UserError(f"{where}: {json_kind(row)}, expected a JSON object with {ROW_FIELDS}")
     for key in ("chosen", "rejected"):
         if key not in row:
             hint = " (a prompt/response row: task_type instruction_finetune)" if "response" in row else ""

@@ -49,7 +49,7 @@ from lmforge.data.packing import SPLITS, Encoder
 from lmforge.data.sources import SourceStats, list_files, no_documents_message
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input
-from lmforge.guard import check_target
+from lmforge.guard import check_output, check_target
 from lmforge.errors import UserError
 from lmforge.layout import DATASET_MARKER as MARKER
 
@@ -190,7 +190,10 @@ def prepare(inputs: list[str] | str, tokenizer: str | Tokenizer, out: str, seq_l
     stats = SourceStats()
     sources = list_files(inputs, stats)
     tok_path = tok.path if tok.path is None or not os.path.exists(tok.path) else os.path.abspath(tok.path)
-    check_target(out, "--out", [("the input", i) for i in inputs] + [("the tokenizer", tok_path)])  # before any write
+    reads = [("the input", i) for i in inputs] + [("the tokenizer", tok_path)]
+    check_output(out, "--out", "dataset", overwrite=overwrite, reads=reads, command="data prepare")  # before any write
+    if removed_out is not None:
+        check_target(removed_out, "--removed-out", reads + [("--out", out)])
     marker = {
         "format": "lmforge-dataset",
         "version": FORMAT_VERSION,

@@ -29,7 +29,7 @@ import torch
 
 from lmforge.data.batch import Batch, EvalSet, StreamLayout
 from lmforge.data.chat import CHAT_TEMPLATE, render_chat
-from lmforge.errors import UserError
+from lmforge.errors import UserError, json_error, json_kind
 from lmforge.layout import DATASET_MARKER
 
 ROLES = ("system", "user", "assistant")
@@ -60,7 +60,7 @@ def json_rows(paths: list[str], rows: str = SFT_ROWS):
                 if _raw_text_name(name):  # raw text given to a fine-tuning run: say so, not "bad JSON"
                     raise UserError(f"{name}: raw text, but {task_data(rows)}; for continued pretraining on "
                                     "it use `lmforge train` (task_type continued_pretrain)") from None
-                raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+                raise UserError(f"{where}: {json_error(e)}") from None
 
 
 def _raw_text_name(name: str) -> bool:
@@ -79,7 +79,8 @@ def open_lines(path: str, rows: str = SFT_ROWS):
             if os.path.exists(os.path.join(path, DATASET_MARKER)) else ""
         raise UserError(f"{path} is a folder{prepared}; {task_data(rows)}")
     try:
-        files = fsspec.open_files(path, "rt", compression="infer", encoding="utf-8")
+        # utf-8-sig: a byte-order mark (some editors write one) is dropped, not read as row 1's first character
+        files = fsspec.open_files(path, "rt", compression="infer", encoding="utf-8-sig")
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: cannot open ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     if not files:
@@ -101,7 +102,7 @@ def row_segments(row, where: str, task: str, template=None) -> list[tuple[str, b
     """Validate one row and turn it into (text, trained) segments (`Rendered` ones with a
     tokenizer's chat template)."""
     if not isinstance(row, dict):
-        raise UserError(f"{where}: expected a JSON object with prompt/response or messages")
+        raise UserError(f"{where}: {json_kind(row)}, expected a JSON object with prompt/response or messages")
     if "messages" in row:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:

@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from lmforge.errors import UserError
+from lmforge.errors import UserError, json_error, json_kind
 
 TEXT_EXTS = (".txt", ".text", ".md")
 JSON_EXTS = (".jsonl", ".json")
@@ -218,8 +218,14 @@ def _one_line(e: BaseException) -> str:
     return text[0][:200] if text else type(e).__name__
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def decode_utf8(raw: bytes, where: str, stats: SourceStats | None) -> str:
-    """Decode UTF-8; undecodable bytes become U+FFFD and are counted (exactly) in ``stats``."""
+    """Decode UTF-8; undecodable bytes become U+FFFD and are counted (exactly) in ``stats``. A UTF-8
+    byte-order mark at the start (some editors write one) is dropped: it is no part of the text."""
+    if raw.startswith(UTF8_BOM):
+        raw = raw[len(UTF8_BOM):]
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -334,7 +340,7 @@ def _text_of(record, text_field: str, where: str, stats: SourceStats | None) -> 
             return None
     else:
         if stats is not None:
-            stats.skip_line(where, f"expected an object with a \"{text_field}\" field")
+            stats.skip_line(where, f"{json_kind(record)}, expected an object with a \"{text_field}\" field")
         return None
     if not text:
         if stats is not None:
@@ -348,18 +354,24 @@ def _read_json_file(src: Source, compression: str | None, text_field: str, stats
         if not hasattr(f, "peek"):  # fsspec files have no peek(); a buffered wrapper does
             f = io.BufferedReader(f)
         head = f.peek(64)[:64]
-        if head.lstrip()[:1] == b"[":  # a JSON array: small enough to load whole by nature
+        if head.removeprefix(UTF8_BOM).lstrip()[:1] == b"[":  # a JSON array: small enough to load whole by nature
             raw = f.read()
             try:
                 records = json.loads(decode_utf8(raw, src.uri, stats))
             except json.JSONDecodeError as e:
-                raise UnreadableInput(f"{src.uri}: not valid JSON ({e})") from None
-            for i, rec in enumerate(records):
-                text = _text_of(rec, text_field, f"{src.uri}[{i}]", stats)
-                if text is not None:
-                    yield text
-            return
-        for lineno, line in enumerate(f, 1):
+                if e.msg != "Extra data":
+                    raise UnreadableInput(f"{src.uri}: not valid JSON ({e})") from None
+                records = None  # JSON Lines whose first row is an array: read as lines, each row judged
+            if records is not None:
+                for i, rec in enumerate(records):
+                    text = _text_of(rec, text_field, f"{src.uri}[{i}]", stats)
+                    if text is not None:
+                        yield text
+                return
+            lines = io.BytesIO(raw)
+        else:
+            lines = f
+        for lineno, line in enumerate(lines, 1):
             text = _json_line(line, f"{src.uri}:{lineno}", text_field, stats)
             if text is not None:
                 yield text
@@ -371,9 +383,9 @@ def _json_line(line: bytes, where: str, text_field: str, stats: SourceStats | No
         return None
     try:
         rec = json.loads(decode_utf8(line, where, stats))
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as e:
         if stats is not None:
-            stats.skip_line(where, "not JSON")
+            stats.skip_line(where, json_error(e))
         return None
     return _text_of(rec, text_field, where, stats)
 

@@ -20,8 +20,6 @@ from lmforge.goodput.diagnosis import Sweep, neighbour_links
 # Sizes: big enough to reach a device's rate, small enough for a test of a few seconds.
 MATMUL_N = {"cuda": 8192, "cpu": 512}
 ALLREDUCE_ELEMENTS = {"cuda": 64 * 2**20, "cpu": 2**20}
-# A dense bf16 matmul reaches about this share of a GPU's peak; a device well below it is degraded.
-EXPECTED_SHARE_OF_PEAK = 0.6
 
 
 def _sync(device: torch.device) -> None:

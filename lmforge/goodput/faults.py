@@ -23,6 +23,7 @@ detection from it), and a resumed run does not fire it again.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -42,7 +43,7 @@ ONCE = ("stop", "kill", "xid", "nan")
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    options: tuple[tuple[str, float], ...]
+    options: tuple[tuple[str, float | int], ...]
     rank: int | None = None
     node: str | None = None
     local_rank: int | None = None
@@ -60,8 +61,14 @@ class Fault:
                          *(f"{t}={getattr(self, t)}" for t in TARGETS if getattr(self, t) is not None)])
 
 
+INTEGER_KEYS = ("step", "from", "code")  # steps and XIDs are whole numbers ≥ 1; factors finite numbers ≥ 1
+
+
 def parse_faults(text: str | None) -> list[Fault]:
-    """The faults of an ``LMFORGE_FAULT`` value; UserError naming the part that is wrong."""
+    """The faults of an ``LMFORGE_FAULT`` value; UserError naming the part that is wrong. Steps,
+    ranks and XIDs are whole numbers (``step=1.5`` is refused, not truncated), steps and XIDs ≥ 1,
+    ranks ≥ 0; factors are finite and ≥ 1 (``nan`` would never slow, ``inf`` never end a step). That a
+    rank exists is checked once the run's size is known (`check_faults`)."""
     out = []
     for spec in filter(None, (s.strip() for s in (text or "").split(","))):
         kind, *pairs = spec.split(":")
@@ -73,19 +80,47 @@ def parse_faults(text: str | None) -> list[Fault]:
             if not eq or (key not in KINDS[kind] and key not in TARGETS):
                 allowed = ", ".join([*KINDS[kind], *TARGETS])
                 raise UserError(f"{FAULT_ENV}: {pair!r} in {spec!r} is not KEY=VALUE with KEY one of {allowed}")
-            try:
-                if key == "node":
-                    targets[key] = value
-                elif key in TARGETS:
-                    targets[key] = int(value)
-                else:
-                    options[key] = float(value)
-            except ValueError:
-                raise UserError(f"{FAULT_ENV}: {pair!r} in {spec!r}: expected a number") from None
-        if kind in ("slow", "diag") and options.get("factor", 2.0) < 1:
-            raise UserError(f"{FAULT_ENV}: factor in {spec!r} must be at least 1 (a slower device)")
+            if key in options or key in targets:
+                raise UserError(f"{FAULT_ENV}: {key} given twice in {spec!r}")
+            if key == "node":
+                if not value:
+                    raise UserError(f"{FAULT_ENV}: {pair!r} in {spec!r}: expected a node name")
+                targets[key] = value
+            elif key in TARGETS or key in INTEGER_KEYS:
+                low = 0 if key in TARGETS else 1
+                try:
+                    number = int(value)
+                except ValueError:
+                    number = None
+                if number is None or number < low:
+                    what = "a rank (a whole number, 0 or more)" if key in TARGETS else \
+                        f"a whole number, at least 1 ({'an XID' if key == 'code' else 'a training step'})"
+                    raise UserError(f"{FAULT_ENV}: {pair!r} in {spec!r}: expected {what}")
+                (targets if key in TARGETS else options)[key] = number
+            else:  # factor
+                try:
+                    number = float(value)
+                except ValueError:
+                    number = math.nan
+                if not math.isfinite(number) or number < 1:
+                    raise UserError(f"{FAULT_ENV}: {pair!r} in {spec!r}: expected a finite number, at least 1 "
+                                    "(how many times slower)")
+                options[key] = number
         out.append(Fault(kind, tuple(sorted(options.items())), **targets))
     return out
+
+
+def check_faults(faults: list[Fault], world_size: int) -> None:
+    """Each fault's rank exists in a run of ``world_size`` ranks (a node's local rank too: a node has at
+    most that many); a node name is only known once the run starts, and is not checked. Checked when
+    the user's command starts the run (`runs.preflight`), not at each resumption: one that a cordon
+    left with fewer ranks goes on without a fault whose rank is gone."""
+    for f in faults:
+        for key in ("rank", "local_rank"):
+            value = getattr(f, key)
+            if value is not None and value >= world_size:
+                raise UserError(f"{FAULT_ENV}: {key}={value} in {f.key()!r}: the run has {world_size} rank"
+                                f"{'' if world_size == 1 else 's'} (0 to {world_size - 1})")
 
 
 class Injector:

@@ -19,6 +19,11 @@ parts that add up to it exactly:
   diagnosis, the restart; a crash also loses here the part of a log interval it cut short);
 - ``other``: what remains (0 for sequential attempts; kept so that the parts always add up).
 
+Time between an attempt that ended as asked — completed, or stopped on request (`runs stop`, a
+signal) with no condition detected — and the next attempt's start is nobody's recovery: the run
+was not meant to be running (a finished run started again, a stopped run restarted the next day).
+It is ``idle_s``, outside the wall time, so that such a wait never lowers the run's goodput.
+
 goodput = productive / wall.
 """
 
@@ -91,11 +96,13 @@ def _attempts(records: list[dict]) -> list[_Attempt]:
 
 
 def account(records: list[dict]) -> dict | None:
-    """{"wall_s", "goodput", "parts": {part: seconds}, "resumptions": [...]} or None without records."""
+    """{"wall_s", "goodput", "parts": {part: seconds}, "idle_s", "resumptions": [...]} or None without
+    records."""
     attempts = _attempts(records)
     if not attempts:
         return None
     parts = dict.fromkeys(PARTS, 0.0)
+    idle = 0.0
     resumptions = []
     for i, a in enumerate(attempts):
         parts["startup"] += max(0.0, a.start["time"] - a.start["process_start"])
@@ -107,15 +114,29 @@ def account(records: list[dict]) -> dict | None:
             nxt = attempts[i + 1].start
             redone = max(0, s1 - nxt.get("step", 0))
             lost = steps_s * min(1.0, redone / (s1 - s0)) if s1 > s0 else 0.0
-            parts["recovery"] += max(0.0, nxt["process_start"] - a.last["time"])
+            gap = max(0.0, nxt["process_start"] - a.last["time"])
+            if _ended_as_asked(records, a.start["attempt"]):
+                idle += gap
+            else:
+                parts["recovery"] += gap
             resumptions.append({"time": nxt["time"], "step": nxt.get("step", 0), "steps_redone": redone,
                                 "cause": _cause(records, a.start["attempt"])})
         parts["lost"] += lost
         parts["productive"] += steps_s - lost
-    wall = attempts[-1].last["time"] - attempts[0].start["process_start"]
+    wall = attempts[-1].last["time"] - attempts[0].start["process_start"] - idle
     parts["other"] = wall - sum(v for k, v in parts.items() if k != "other")
     return {"wall_s": wall, "goodput": parts["productive"] / wall if wall > 0 else 0.0,
-            "parts": {k: round(v, 3) for k, v in parts.items()}, "resumptions": resumptions}
+            "parts": {k: round(v, 3) for k, v in parts.items()}, "idle_s": round(idle, 3),
+            "resumptions": resumptions}
+
+
+def _ended_as_asked(records: list[dict], attempt: str) -> bool:
+    """The attempt wrote its end as completed or stopped, and no condition stopped it: whatever came
+    next was a new request (a restart, a longer run), not a recovery."""
+    mine = [r for r in records if r["attempt"] == attempt]
+    end = next((r for r in mine if r["kind"] == "end"), None)
+    return end is not None and end.get("status") in ("completed", "stopped") and \
+        not any(r["kind"] == "detected" for r in mine)
 
 
 def _cause(records: list[dict], attempt: str) -> str:
@@ -132,10 +153,12 @@ def format_goodput(acc: dict) -> str:
     names = {"productive": "steps", "startup": "start-up", "checkpoint": "checkpoints", "evaluation": "eval",
              "recovery": "recovery", "lost": "lost work", "other": "other"}
     spent = ", ".join(f"{names[k]} {p[k]:.1f}s" for k in PARTS if k == "productive" or abs(p[k]) >= 0.05)
-    return f"{100 * acc['goodput']:.1f}% of {acc['wall_s']:.1f}s wall ({spent})"
+    idle = acc.get("idle_s", 0.0)
+    return (f"{100 * acc['goodput']:.1f}% of {acc['wall_s']:.1f}s wall ({spent})"
+            + (f"; {idle:.1f}s idle between attempts not counted" if idle >= 0.05 else ""))
 
 
 def metrics(acc: dict) -> dict[str, float]:
     """The accounting as tracker metrics (`goodput/…`)."""
-    return {"goodput/fraction": round(acc["goodput"], 4), "goodput/wall_s": round(acc["wall_s"], 3)} | {
-        f"goodput/{k}_s": v for k, v in acc["parts"].items()}
+    return {"goodput/fraction": round(acc["goodput"], 4), "goodput/wall_s": round(acc["wall_s"], 3),
+            "goodput/idle_s": acc.get("idle_s", 0.0)} | {f"goodput/{k}_s": v for k, v in acc["parts"].items()}

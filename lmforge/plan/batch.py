@@ -22,7 +22,7 @@ from lmforge.config.model import ModelConfig
 from lmforge.config.schema import FINETUNE_TASKS, RunConfig
 from lmforge.errors import UserError
 from lmforge.plan.flops import mfu_flops_per_token, param_counts
-from lmforge.plan.hardware import mfu_basis, peak_flops
+from lmforge.plan.hardware import mfu_basis, peak_flops, tokens_per_s_at
 from lmforge.plan.machine import Machine
 
 CPU_MICRO_BATCH = 8  # the largest micro-batch a CPU takes (`micro_batch_for`): beyond it, no faster
@@ -76,17 +76,24 @@ def run_tokens(d: Duration, model: ModelConfig, ctx: int, *, tokens_per_s: Calla
     return None
 
 
+def batch_samples(parameters, model: ModelConfig, ctx: int, tokens: float | None) -> int:
+    """``parameters.global_batch_size`` in samples of ``ctx`` tokens: as given (samples, or tokens
+    rounded to whole samples), else the default for ``model`` and a run of ``tokens`` tokens."""
+    global_batch_size = parameters.global_batch_size
+    if isinstance(global_batch_size, int):
+        return int(global_batch_size)
+    if global_batch_size is None:
+        return max(1, round(default_batch_tokens(param_counts(model)["non_embedding"], tokens) / ctx))
+    d = parse_duration(global_batch_size)
+    return max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
+
+
 def global_batch(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> int:
-    """The global batch in samples: the config's, or the default for ``model`` and a run of
-    ``tokens`` tokens; a batch in tokens or the default rounded so every replica gets the same share."""
-    p = cfg.parameters
-    if isinstance(p.global_batch_size, int):
-        return int(p.global_batch_size)  # as given: `plan.checks.check_batch_split` refuses one that does not split
-    if p.global_batch_size is None:
-        gbs = max(1, round(default_batch_tokens(param_counts(model)["non_embedding"], tokens) / ctx))
-    else:
-        d = parse_duration(p.global_batch_size)
-        gbs = max(1, round(d.value / ctx)) if d.unit == "tok" else max(1, int(d.value))
+    """The global batch in samples (`batch_samples`); a batch in tokens or the default rounded up so
+    every replica gets the same share."""
+    gbs = batch_samples(cfg.parameters, model, ctx, tokens)
+    if isinstance(cfg.parameters.global_batch_size, int):
+        return gbs  # as given: `plan.checks.check_batch_split` refuses one that does not split
     return replicas * max(1, math.ceil(gbs / replicas))
 
 
@@ -98,8 +105,8 @@ def probe_micro_batch(gbs: int, replicas: int, device: str) -> int:
 def assumed_tokens_per_s(model: ModelConfig, ctx: int, machine: Machine, precision: str, lora=None) -> float:
     """Training tokens/s of the whole run modelled from FLOPs: the machine's assumed MFU of its
     devices' peak (what sizes a default batch; see the module docstring)."""
-    peak = peak_flops(machine.spec, mfu_basis(precision)) * machine.compute_devices
-    return machine.assumed_mfu * peak / mfu_flops_per_token(model, ctx, lora)
+    return tokens_per_s_at(machine.assumed_mfu, mfu_flops_per_token(model, ctx, lora), machine.compute_devices,
+                           peak_flops(machine.spec, mfu_basis(precision)))
 
 
 @dataclass(frozen=True)

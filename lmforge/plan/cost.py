@@ -19,6 +19,17 @@ def live_cost(elapsed_s: float, devices: int, price_per_device_hour: float | Non
     return {"cost/per_hour": rate, "cost/so_far": rate * float(elapsed_s) / 3600.0}
 
 
+def eta_s(progress: float | None, elapsed_s: float | None) -> float | None:
+    """The one ETA of a run, for the console, `runs list`/`describe` and the report: its training
+    time so far (``elapsed_s``, the trainer's clock over every attempt: steps, evaluations and
+    checkpoints alike) scaled by what is left of it (``progress``: the share done, `train/progress`,
+    whatever the unit of its duration — steps, tokens, epochs or a wall-clock budget)."""
+    if progress is None or elapsed_s is None or progress <= 0:
+        return None
+    elapsed = float(elapsed_s)
+    return max(0.0, elapsed / min(float(progress), 1.0) - elapsed)
+
+
 def cost_to_finish(per_hour: float | None, eta_s: float | None) -> float | None:
     """The estimated cost of the remaining ``eta_s`` seconds at the burn rate ``per_hour``."""
     if per_hour is None or eta_s is None:

@@ -26,8 +26,7 @@ from lmforge.plan.comm import moe_traffic
 from lmforge.plan.context import checkpointing_label, context_plan, setting
 from lmforge.plan.fit import FLAGS, KEYS, remedy
 from lmforge.plan.flops import DEFAULT_VOCAB, flops_per_token, param_counts
-from lmforge.plan.hardware import GPUSpec, get_gpu_type, mfu_basis, peak_flops
-from lmforge.plan.machine import ASSUMED_MFU
+from lmforge.plan.hardware import ASSUMED_MFU, GPUSpec, get_gpu_type, mfu_basis, peak_flops, tokens_per_s_at
 from lmforge.plan.layout import REPLICATED, Sharding, shard_group
 from lmforge.plan.memory import memory_plan
 from lmforge.plan.micro_batch import Choice, choose
@@ -186,12 +185,11 @@ def estimate_run(x: EstimateInputs) -> dict:
     peak = peak_flops(spec, x.precision)
     training_flops, attention_flops = per_token["dense"] * tokens, per_token["attention"] * tokens
     devices = x.compute_devices or n
-    if x.tokens_per_s:  # a plan's speed: measured here, or its machine's assumed MFU
-        seconds = tokens / x.tokens_per_s
-        mfu = x.tokens_per_s * per_token["total"] / (peak * devices)
-    else:  # MFU is on the standard basis (6·N_active + attention), as the trainer logs it
-        seconds = (training_flops + attention_flops) / (x.mfu * peak * devices)
-        mfu = x.mfu
+    # A plan's speed (measured here, or its machine's assumed MFU), else the one at --mfu; MFU is on the
+    # standard basis (6·N_active + attention), as the trainer logs it.
+    tokens_per_s = x.tokens_per_s or tokens_per_s_at(x.mfu, per_token["total"], devices, peak)
+    seconds = tokens / tokens_per_s
+    mfu = tokens_per_s * per_token["total"] / (peak * devices)
     gpu_hours = seconds * n / 3600
     choice = _auto_micro_batch(x, cfg, seq_len, spec, sharding) if x.micro_batch == "auto" and x.memory is None \
         else None

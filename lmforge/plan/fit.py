@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from lmforge.config.counts import gb
 from lmforge.config.model import ModelConfig
+from lmforge.frozen import freeze
 from lmforge.plan.activations import option_words
 from lmforge.plan.context import checkpointing_mode, context_plan, min_gpus
 from lmforge.plan.layout import Sharding
@@ -38,6 +39,9 @@ class Remedy:
     gpus: int | None = None
     bytes_per_gpu: float | None = None
     shorter_context: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "settings", freeze(self.settings))
 
     def text(self, names: dict = KEYS) -> str:
         said = [names[k].format(_value(k, v)) for k, v in self.settings.items()]

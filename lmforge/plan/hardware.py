@@ -91,11 +91,27 @@ def mfu_basis(precision: str) -> str:
     return "fp32" if precision == "fp32" else "bf16"
 
 
+# The efficiencies assumed where nothing is measured, each named for what it is and kept here once:
+# a whole run's MFU (standard basis) — the speed of a plan, `lmforge estimate` (`--mfu`'s default),
+# `model: auto`'s first ranking — where a block at its best (many GEMM rows, `plan.micro_batch`'s
+# model) reaches BLOCK_PEAK_MFU and a bare large bf16 matmul MATMUL_SHARE_OF_PEAK (the diagnostic
+# sweep's bar for a healthy GPU); a run loses the difference to attention, norms, the loss and
+# communication.
+ASSUMED_MFU = 0.4
+BLOCK_PEAK_MFU = 0.55
+MATMUL_SHARE_OF_PEAK = 0.6
+
+
 def mfu(tokens_per_second: float, flops_per_token: float, n_devices: int, peak_per_device: float) -> float:
     """Model-FLOPs utilization: achieved model FLOP/s over the cluster's peak FLOP/s."""
     if n_devices <= 0 or peak_per_device <= 0:
         raise ValueError("mfu: n_devices and peak_per_device must be positive")
     return tokens_per_second * flops_per_token / (n_devices * peak_per_device)
+
+
+def tokens_per_s_at(mfu_: float, flops_per_token: float, n_devices: int, peak_per_device: float) -> float:
+    """The training speed at an MFU: `mfu`'s inverse, the one time formula of every modelled plan."""
+    return mfu_ * n_devices * peak_per_device / flops_per_token
 
 
 def _match_cuda_name(name: str) -> GPUSpec | None:

@@ -19,12 +19,9 @@ from typing import Protocol, TypeVar
 
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import RunConfig
-from lmforge.plan.hardware import GPUSpec, get_gpu_type
+from lmforge.plan.hardware import ASSUMED_MFU, GPUSpec, get_gpu_type
 
 T = TypeVar("T")
-# The share of a device's peak FLOP/s a run is assumed to reach where nothing is measured: the
-# planned speed of `lmforge estimate`, `model: auto`'s first ranking and a plan's step time.
-ASSUMED_MFU = 0.4
 FP8_DEVICES = "an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: H100, H200, L4, B200)"
 NO_FP8 = f"parameters.precision: fp8 needs {FP8_DEVICES}; use bf16 or auto"
 

@@ -33,7 +33,7 @@ FLOPs per token / (peak × efficiency) and
   (llama-3b on an H100: ~9 MB read and written per token at ~3 TB/s against ~40 µs of FLOPs: 6–8%);
 - offload: `OFFLOAD_SHARE` of the step (streams, pinned copies), plus whatever of the transfer to
   the host and back (at `HOST_BANDWIDTH`) the compute does not hide;
-- efficiency(rows) = `PEAK_MFU` · rows / (rows + `HALF_ROWS`), rows = micro-batch × context:
+- efficiency(rows) = `BLOCK_PEAK_MFU` (plan.hardware) · rows / (rows + `HALF_ROWS`), rows = micro-batch × context:
   the M of every GEMM. Dense bf16 GEMMs of K, N ≥ 2048 on an H100 run near their best from a
   few thousand rows, so beyond one or two sequences of 2048 a larger micro-batch gains little
   and checkpointing's recompute costs more than it buys; at short contexts (rows of a few
@@ -55,13 +55,13 @@ from lmforge.errors import UserError
 from lmforge.plan.activations import activation_policy, checkpointing_setting, option_words
 from lmforge.plan.fit import remedy
 from lmforge.plan.flops import block_counts, mfu_flops_per_token, param_counts
+from lmforge.plan.hardware import BLOCK_PEAK_MFU
 from lmforge.plan.layout import Sharding
 from lmforge.plan.memory import (MAX_SUGGESTED_MICRO_BATCH, activation_bytes, fixed_bytes, fixed_parts,
                                  offloaded_bytes, usable_bytes)
 
 # The checkpointing granularities `auto` tries, each on the fewest leading blocks that fit.
 GRANULARITIES: tuple = ("selective", "attention", "mlp", "experts", "block")
-PEAK_MFU = 0.55  # the model's best MFU (standard basis) of a dense bf16 block on many rows
 HALF_ROWS = 512  # GEMM rows (micro-batch × context) at which the model's efficiency is half its best
 SELECTIVE_RECOMPUTE = 0.03  # selective checkpointing's element-wise recompute, as a share of the step
 COMPRESSION_SHARE = 0.07  # quantizing and restoring every block's saved tensors, as a share of the step
@@ -135,7 +135,7 @@ def recompute_share(cfg: ModelConfig, seq_len: int, checkpointing, compression="
 def modelled_tokens_per_s(cfg: ModelConfig, seq_len: int, micro_batch: int, checkpointing, peak_flops: float,
                           compression="off", offload: bool = False, precision: str = "bf16") -> float:
     rows = micro_batch * seq_len
-    efficiency = PEAK_MFU * rows / (rows + HALF_ROWS)
+    efficiency = BLOCK_PEAK_MFU * rows / (rows + HALF_ROWS)
     compute = mfu_flops_per_token(cfg, seq_len) / (efficiency * peak_flops)
     seconds = compute * (1 + recompute_share(cfg, seq_len, checkpointing, compression))
     if offload:

@@ -18,6 +18,7 @@ from lmforge.config.defaults import MAX_WARMUP_STEPS, WARMUP_FRACTION, micro_bat
 from lmforge.config.durations import Duration
 from lmforge.config.schema import FINETUNE_TASKS, RunConfig, phase_end
 from lmforge.errors import UserError
+from lmforge.frozen import freeze
 from lmforge.plan.batch import (CPU_MICRO_BATCH, assumed_tokens_per_s, expected_rate, global_batch, plan_optimizer,
                                 plan_precision, run_tokens, training_context)
 from lmforge.plan.checks import check_batch_split, check_context, check_context_parallel, check_mesh, replicas
@@ -71,6 +72,10 @@ class TrainPlan:
     device = property(lambda self: self.layout.device)  # what the plan was made for: "cpu" | "cuda"
     context_parallel = property(lambda self: self.layout.context_parallel)
     sharding = property(lambda self: self.layout.sharding)  # how the devices hold the model states
+
+    def __post_init__(self):  # deep-frozen: no view or rank can change what every other one reads
+        for name in ("params", "memory", "phase_steps", "notes"):
+            object.__setattr__(self, name, freeze(getattr(self, name)))
 
     @property
     def tokens_per_step(self) -> int:

@@ -197,7 +197,7 @@ def summary_table(runs: list[RunData]) -> str:
 
 def plan_rows(run: RunData) -> list[tuple[str, str, str]]:
     """(what, planned, actual) for the plan-vs-actual table."""
-    from lmforge.plan.cost import cost_to_finish, format_cost
+    from lmforge.plan.cost import cost_to_finish, eta_s, format_cost
     from lmforge.config.counts import human
     from lmforge.tracking.console import format_eta
 
@@ -211,8 +211,8 @@ def plan_rows(run: RunData) -> list[tuple[str, str, str]]:
     tps, mfu = headline["tokens/s (median)"], headline["MFU (median)"]
     total_tokens = plan.get("total_tokens")
     remaining_s = None
-    if total_tokens and tokens is not None and tps and run.status in ACTIVE:  # an ended run has nothing to finish
-        remaining_s = max(total_tokens - tokens, 0) / tps
+    if run.status in ACTIVE:  # an ended run has nothing to finish
+        remaining_s = eta_s(last.get("train/progress"), elapsed)
     rows = [
         ("devices", *[f"{plan.get('devices', '?')} × {plan.get('device', '?')}" if plan else "-"] * 2),
         ("steps", f"{plan['total_steps']:,}" if plan.get("total_steps") else "-", f"{steps[-1]:,}" if steps else "-"),
@@ -254,8 +254,9 @@ def goodput_table(runs: list[RunData]) -> str:
     if not shown:
         return "<p>No goodput ledger (goodput.jsonl) in the save folder.</p>"
     rows = [[html.escape(r.name), f"{100 * r.goodput['goodput']:.1f}%", f"{r.goodput['wall_s']:.1f}"]
-            + [f"{r.goodput['parts'][k]:.1f}" for k in PARTS] for r in shown]
-    out = _table(["run", "goodput", "wall (s)", *[f"{k} (s)" for k in PARTS]], rows)
+            + [f"{r.goodput['parts'][k]:.1f}" for k in PARTS] + [f"{r.goodput.get('idle_s', 0.0):.1f}"] for r in shown]
+    # idle: waits after a completed run or a requested stop until the next start, outside the wall
+    out = _table(["run", "goodput", "wall (s)", *[f"{k} (s)" for k in PARTS], "idle, not counted (s)"], rows)
     for r in shown:
         for res in r.goodput["resumptions"]:
             out += (f"<div class='sub'>{html.escape(r.name)}: resumed at step {res['step']} "

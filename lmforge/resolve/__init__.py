@@ -29,10 +29,15 @@ from lmforge.resolve.resolved import ResolvedRun, Stage
 
 __all__ = ["Machine", "ResolvedRun", "RunRequest", "Stage", "resolve"]
 
-def resolve(request: RunRequest | RunConfig, machine: Machine | None = None, *, until: Stage = "run",
+def resolve(request: RunRequest | RunConfig | ResolvedRun, machine: Machine | None = None, *, until: Stage = "run",
             log=print) -> ResolvedRun:
-    """Resolve ``request`` (or an already validated config) for ``machine`` up to stage ``until``."""
-    cfg = run_config(request) if isinstance(request, RunRequest) else with_default_names(request)
+    """Resolve ``request`` (or an already validated config) for ``machine`` up to stage ``until``;
+    a run resolved to stage "config" goes on from there (what a job does: its lock and credentials
+    come first, from the same config)."""
+    if isinstance(request, ResolvedRun):
+        cfg = request.config
+    else:
+        cfg = run_config(request) if isinstance(request, RunRequest) else with_default_names(request)
     if until == "config":
         return ResolvedRun(cfg)
     if machine is None:

@@ -17,7 +17,7 @@ from lmforge.config.identity import with_default_names
 from lmforge.config.load import build_config, load_raw
 from lmforge.config.schema import RunConfig
 from lmforge.errors import UserError
-from lmforge.guard import check_save_folder, checkpoint_reads
+from lmforge.guard import check_run_place, checkpoint_reads
 from lmforge.resolve.weights import fill_from_weights
 
 COMMANDS = ("train", "finetune")
@@ -70,7 +70,7 @@ def run_config(request: RunRequest) -> RunConfig:
                         "its final/, a checkpoint or hf:/path): set it in the config or pass --weights")
     cfg = with_default_names(build_config(fill_from_weights(raw), source=request.source))
     cfg.compute.check_nodes()  # several nodes need their rendezvous: refused before anything runs, dry run too
-    check_save_folder(cfg.save_folder, reads=run_reads(cfg))  # a run writes, resumes and prunes there
+    check_run_place(cfg.save_folder, reads=run_reads(cfg))  # a run writes, resumes and prunes there
     return cfg
 
 

@@ -39,7 +39,8 @@ from lmforge.train.trainer import TrainResult
 def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool = False, log=print) -> TrainResult:
     """Role "train": train (pretraining, continued pretraining or fine-tuning, by ``cfg.task_type``) here."""
     plan = plan or LaunchPlan("train", lock="none")
-    cfg = resolve(cfg, until="config").config  # names filled (a config built in-process may leave them out)
+    named = resolve(cfg, until="config")  # names filled (a config built in-process may leave them out)
+    cfg = named.config  # the lock and the credentials come before the data (which they may need)
     if plan.parent_pid:
         die_with_parent(plan.parent_pid)  # a torchrun rank: die with torchrun
     lock = hold_lock(cfg, plan)
@@ -52,7 +53,8 @@ def run_job(cfg: RunConfig, plan: LaunchPlan | None = None, *, overwrite: bool =
     store = None
     try:
         silent = lambda *_: None  # noqa: E731 - other ranks print nothing
-        run = resolve(cfg, process_machine(dist), log=log if dist.is_main else silent)
+        run = resolve(named, process_machine(dist), log=log if dist.is_main else silent)
+        cfg = run.config  # from here on: the resolved run's
         callbacks = []
         if dist.is_main:
             callbacks.append(TrackingCallback(cfg.experiment_tracker,

@@ -31,11 +31,12 @@ import yaml
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
+from lmforge.plan.batch import CPU_MICRO_BATCH
 from lmforge.runs.progress import MetricsTail, metrics_path, read_history, summarize
 from lmforge.runs.registry import ACTIVE, Registry
 from lmforge.scaling.config import LadderConfig
 from lmforge.config.counts import human
-from lmforge.scaling.plan import (EVAL_MICRO_BATCH, LadderPlan, Point, family_shape, ladder_context,
+from lmforge.scaling.plan import (LadderPlan, Point, family_shape, ladder_context,
                                   learning_rate, params_of, plan_ladder, prior_target, run_batch_tokens, WIDTHS)
 from lmforge.scaling.predict import predict
 
@@ -122,7 +123,7 @@ def _rate_fn(cfg: LadderConfig, context: int, threads: int, log):
         torch.set_num_threads(threads)
         try:
             # The mean of 8 steps: on a shared machine a few steps catch a quiet moment or a busy one.
-            tps = measure_tokens_per_s(m, context, EVAL_MICRO_BATCH, precision=precision,
+            tps = measure_tokens_per_s(m, context, CPU_MICRO_BATCH, precision=precision,
                                        optimizer=cfg.optimizer, device=device, steps=8, typical=True)
         finally:
             torch.set_num_threads(before)

@@ -25,7 +25,8 @@ from lmforge.config.model import padded_vocab
 from lmforge.config.schema import FINETUNE_TASKS, RunConfig
 from lmforge.data.remote import is_remote, local_path
 from lmforge.errors import UserError, environment_error
-from lmforge.layout import DATASET_MARKER, different_run_error, holds_saved_run, read_run_file
+from lmforge.guard import check_run_owner
+from lmforge.layout import DATASET_MARKER
 
 
 
@@ -37,10 +38,18 @@ def preflight(cfg: RunConfig, command: str, world_size: int = 1, overwrite: bool
         check_weights(cfg.custom_weights_path)
     if cfg.model != "auto":  # model: auto chooses its shape (and vocabulary) later, to fit the budget
         check_vocab(cfg)
-    check_save_folder(cfg)
-    if not overwrite:
-        check_not_another_run(cfg)
+    check_save_folder_writable(cfg)
+    check_fault_injection(world_size)
+    check_run_owner(cfg.save_folder, cfg.name, overwrite=overwrite)  # another run's folder: never replaced
     plan_run(cfg, world_size)
+
+
+def check_fault_injection(world_size: int) -> None:
+    """``LMFORGE_FAULT``, if set, names faults that can fire in a run of ``world_size`` ranks: refused
+    now, in one line, rather than a run that never fails the way it was asked to (or never ends)."""
+    from lmforge.goodput.faults import FAULT_ENV, check_faults, parse_faults
+
+    check_faults(parse_faults(os.environ.get(FAULT_ENV)), world_size)
 
 
 def plan_run(cfg: RunConfig, world_size: int) -> None:
@@ -106,7 +115,7 @@ def _prepared(cfg: RunConfig) -> list[tuple[str, dict]]:
     return out
 
 
-def check_save_folder(cfg: RunConfig) -> None:
+def check_save_folder_writable(cfg: RunConfig) -> None:
     folder = cfg.save_folder
     if not folder or is_remote(folder):
         return
@@ -127,24 +136,6 @@ def check_save_folder(cfg: RunConfig) -> None:
         if err is None:
             raise UserError(f"save_folder {folder}: cannot be written ({e.strerror or e})") from None
         raise err from None
-
-
-def check_not_another_run(cfg: RunConfig) -> None:
-    """A local save folder holding another run's checkpoints is refused now, before a tokenizer is
-    trained, data prepared or a process started. Here only a run of another name is known to be
-    another run: the trainer compares the whole identity (`train.checkpoint.check_save_folder`)
-    once the name is registered and the model resolved (`model: auto`), and refuses the rest."""
-    folder = cfg.save_folder
-    if not folder or is_remote(folder) or not os.path.isdir(folder):
-        return
-    from lmforge.config.identity import is_variant
-
-    existing = read_run_file(folder)
-    if existing is None or not holds_saved_run(folder):
-        return  # nothing of a run here (or a start that failed before its first checkpoint)
-    name = (existing.get("identity") or {}).get("name")
-    if not name or not is_variant(name, cfg.name):
-        raise different_run_error(folder, existing)
 
 
 def check_weights(path: str) -> None:

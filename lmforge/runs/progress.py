@@ -10,6 +10,7 @@ import json
 import os
 
 from lmforge.config.durations import parse_duration
+from lmforge.plan.cost import eta_s
 from lmforge.tracking.jsonl import read_metrics
 
 
@@ -82,22 +83,16 @@ def summarize(record: dict, config: dict | None, eval_record: dict | None = None
 
 
 def _progress(m: dict, config: dict) -> tuple[float | None, float | None]:
-    try:
-        d = parse_duration(config.get("training_duration"))
-    except (ValueError, TypeError):
-        return None, None
-    step, tokens, tps = m.get("step") or 0, m.get("tokens") or 0, m.get("tokens_per_s")
-    if d.unit == "ba":
-        frac = step / d.value
-        remaining_tokens = (d.value - step) * (tokens / step) if step else None
-    elif d.unit == "tok":
-        frac = tokens / d.value
-        remaining_tokens = d.value - tokens
-    else:  # samples, epochs and wall-clock: the share the trainer logs (it knows their steps, or its budget)
-        done, elapsed = m.get("done"), m.get("elapsed_s")
-        if done is None:
+    """(the share done, the ETA): the share the trainer logs (`train/progress`: it knows the run's steps,
+    or its budget) — for a record of an older version without it, the share of a `ba` or `tok` duration
+    — and the one ETA (`plan.cost.eta_s`)."""
+    done = m.get("done")
+    if done is None:
+        try:
+            d = parse_duration(config.get("training_duration"))
+        except (ValueError, TypeError):
             return None, None
-        eta = elapsed * (1 - done) / done if elapsed is not None and done > 0 else None
-        return min(done, 1.0), (max(eta, 0.0) if eta is not None else None)
-    eta = remaining_tokens / tps if remaining_tokens is not None and tps else None
-    return min(frac, 1.0), (max(eta, 0.0) if eta is not None else None)
+        if d.unit not in ("ba", "tok"):
+            return None, None
+        done = (m.get("step") or 0) / d.value if d.unit == "ba" else (m.get("tokens") or 0) / d.value
+    return min(done, 1.0), eta_s(done, m.get("elapsed_s"))

@@ -127,7 +127,9 @@ class Run:
 
     def restart(self) -> "Run":
         """A new resumption that continues from the latest checkpoint, supervised in the background.
-        Refused while any process of the run (or of another run in its save folder) is alive."""
+        Refused while any process of the run (or of another run in its save folder) is alive, and for a
+        COMPLETED run: it has nothing left to train (a restart would only re-export it, and its wait
+        would read as recovery time in its goodput)."""
         from lmforge.runs.start import spawn_supervisor, wait_registered  # torch (through the trainer)
         from lmforge.runs.store import local_folder  # (same: lazy, `import lmforge` stays free of torch)
 
@@ -135,6 +137,10 @@ class Run:
         if not self.is_terminal:
             raise UserError(f"run {self.name} is {self.status}; it cannot be restarted until it ends "
                             f"(`lmforge runs stop {self.name}`)")
+        if self.status == "COMPLETED":
+            raise UserError(f"run {self.name} is COMPLETED: nothing to restart, it trained its whole "
+                            f"training_duration; to train further, raise training_duration and run its command "
+                            f"again (it resumes from its last checkpoint)")
         if not self.command:
             raise UserError(f"run {self.name} has no recorded command to restart")
         if any(MASK in a for a in self.command):  # the registry never keeps a secret (`register`)

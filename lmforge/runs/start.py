@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from lmforge.config.schema import FINETUNE_TASKS
-from lmforge.config.identity import default_name, is_variant, run_identity
+from lmforge.config.identity import default_name, run_identity
+from lmforge.layout import is_variant
 from lmforge.data.remote import is_remote
 from lmforge.distributed.torchrun import exit_now
 from lmforge.errors import UserError

@@ -312,7 +312,10 @@ class Supervisor:
             streams = [(master, sys.stdout)]
         else:
             streams = [(self.proc.stdout.fileno(), sys.stdout), (self.proc.stderr.fileno(), sys.stderr)]
-        threads = [threading.Thread(target=self._tee, args=(fd, out if self.echo else None, tail), daemon=True)
+        # Two pipes to one terminal: each hands on whole lines only, or the trainer's last line, still
+        # without its newline, would get the other stream's error line glued to it (`EchoLines`).
+        threads = [threading.Thread(target=self._tee, args=(fd, EchoLines(out, whole_lines=not use_pty)
+                                                            if self.echo else None, tail), daemon=True)
                    for fd, out in streams]
         for t in threads:
             t.start()
@@ -413,7 +416,7 @@ class Supervisor:
             reason = "failed while starting"
         _note(f"run {self.name}: torchrun restarted the ranks ({self.restarts} of {self.max_retries} restarts used)")
 
-    def _tee(self, fd: int, out, tail: deque) -> None:
+    def _tee(self, fd: int, out: EchoLines | None, tail: deque) -> None:
         """The child's output as it comes to the terminal (`out`), and as a terminal keeps it — its
         lines, without the redraws and escape codes of a live bar — to the log file and the tail."""
         text = TerminalText()
@@ -425,12 +428,10 @@ class Supervisor:
             if not chunk:
                 break
             if out is not None:
-                try:
-                    out.buffer.write(chunk)
-                    out.flush()
-                except (OSError, ValueError):
-                    pass
+                out.write(chunk)
             self._keep(text.feed(chunk), tail)
+        if out is not None:
+            out.close()
         self._keep(text.close(), tail)
 
     def _keep(self, lines: list[str], tail: deque) -> None:
@@ -446,6 +447,36 @@ class Supervisor:
                     self.reg.event(self.name, "warning", f"writing the log stopped: "
                                    f"{environment_error(e, where=self._log.name) or e}")
         tail.extend(lines)
+
+
+class EchoLines:
+    """The child's bytes to one of our streams. With ``whole_lines`` (its stdout and stderr are two
+    pipes that meet again in one terminal or file) only up to the last line end (``\n``, or ``\r``
+    of a bar redrawn in place) is handed on; the rest waits for its end, or for the stream's close.
+    An unbuffered ``print`` writes its text and its newline apart: without this, an error written to
+    the other stream between the two is glued to the end of the line before it."""
+
+    def __init__(self, out, *, whole_lines: bool):
+        self.out, self.whole_lines, self.pending = out, whole_lines, b""
+
+    def write(self, chunk: bytes) -> None:
+        data = self.pending + chunk
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1 if self.whole_lines else len(data)
+        self.pending = data[cut:]
+        self._put(data[:cut])
+
+    def close(self) -> None:
+        self._put(self.pending)
+        self.pending = b""
+
+    def _put(self, data: bytes) -> None:
+        if not data:
+            return
+        try:
+            self.out.buffer.write(data)
+            self.out.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def _copy_winsize(src: int, dst: int) -> None:

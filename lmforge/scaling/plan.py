@@ -35,10 +35,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from lmforge.config.defaults import MAX_WARMUP_STEPS, WARMUP_FRACTION, default_batch_tokens, default_learning_rate
+from lmforge.config.defaults import MAX_WARMUP_STEPS, WARMUP_FRACTION, default_learning_rate
 from lmforge.config.model import ModelConfig, padded_vocab, resolve_model
 from lmforge.errors import UserError
 from lmforge.config.counts import human
+from lmforge.plan.batch import CPU_MICRO_BATCH, batch_samples
 from lmforge.plan.auto import TOKENS_PER_PARAM  # Chinchilla's ratio: the target's prior before any fit
 from lmforge.plan.flops import param_counts
 from lmforge.scaling.config import LadderConfig
@@ -48,7 +49,6 @@ SMALL_CONTEXT = 256  # the context of a ladder whose target is small (as `model:
 LARGE_TARGET = 50e6  # parameters; a larger target's ladder trains at context 2048
 WIDTHS = (32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 2560, 3072,
           4096, 5120, 6144, 8192)
-EVAL_MICRO_BATCH = 8  # every run and the target evaluate the same held-out samples, in batches of this
 
 
 def family_shape(d_model: int, vocab: int, context: int) -> ModelConfig:
@@ -142,16 +142,8 @@ class LadderPlan:
 
 def run_batch_tokens(cfg: LadderConfig, model: ModelConfig, tokens: float, context: int) -> int:
     """Tokens per optimizer step: the ladder file's ``global_batch_size``, else lmforge's default for
-    the size and run length (the same rule the target gets)."""
-    gbs = cfg.base_config.parameters.global_batch_size
-    if gbs is None:
-        return default_batch_tokens(param_counts(model)["non_embedding"], tokens)
-    if isinstance(gbs, str):
-        from lmforge.config.durations import parse_duration
-
-        d = parse_duration(gbs)
-        return int(d.value) if d.unit == "tok" else int(d.value) * context
-    return int(gbs) * context
+    the size and run length — the planner's rule (`plan.batch.batch_samples`), as the target gets it."""
+    return batch_samples(cfg.base_config.parameters, model, context, tokens) * context
 
 
 def warmup_steps(cfg: LadderConfig, target: "TargetPlan", vocab: int, context: int) -> int | None:
@@ -233,7 +225,9 @@ def plan_ladder(cfg: LadderConfig, *, vocab: int, context: int, unique_tokens: f
     machine now; ``overhead_s``: a run's cost besides training (start-up, evaluation, export)."""
     opts = cfg.ladder
     target = prior_target(cfg, vocab, context)
-    micro = EVAL_MICRO_BATCH
+    # Every run and the target take the planner's CPU micro-batch, so that `eval.max_batches` of them
+    # are the same held-out samples for all (their batches are whole multiples of it).
+    micro = CPU_MICRO_BATCH
     eval_batches = int(val_tokens // context) // micro
     if eval_batches < 1:
         raise UserError(f"eval: the held-out data has {human(val_tokens)} tokens, less than one batch of {micro} × "

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmforge.errors import UserError
+from lmforge.errors import UserError, json_kind
 from lmforge.tasks.yaml_lines import at, load_yaml
 
 LANGUAGE_MODELING = "language_modeling"
@@ -295,7 +295,7 @@ def _read_jsonl(uri: str, given: str, data_root) -> list[tuple[dict, str]]:
                 data = f.read()
         else:
             data = Path(uri).read_bytes()
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a UTF-8 BOM (some editors write one) is not part of the first row
     except (FileNotFoundError, IsADirectoryError):
         hint = "" if data_root else " (pass --data-root DIR: the folder holding LLM Foundry's eval local_data files)"
         raise UserError(f"task data {uri} not found (dataset_uri {given!r}){hint}") from None
@@ -316,7 +316,7 @@ def _read_jsonl(uri: str, given: str, data_root) -> list[tuple[dict, str]]:
             raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
                             "expected one JSON object per line") from None
         if not isinstance(example, dict):
-            raise UserError(f"{where}: expected a JSON object, got {type(example).__name__}")
+            raise UserError(f"{where}: expected a JSON object per line, got {json_kind(example)}")
         rows.append((example, where))
     if not rows:
         raise UserError(f"{uri}: no examples (empty file)")

@@ -11,11 +11,11 @@ count), the time left of the budget, from the share done the trainer logs (``tra
 from __future__ import annotations
 
 import sys
-import time
 from datetime import timedelta
 from typing import TextIO
 
 from lmforge.config.counts import human
+from lmforge.plan.cost import eta_s
 from lmforge.tracking.base import Tracker, scalar_metrics
 
 
@@ -98,7 +98,6 @@ class ConsoleTracker(Tracker):
         self.log_every = log_every or default_log_every(total_steps)
         self.run_name = run_name
         self.width = width  # None: the terminal's width
-        self._first: tuple[float, int] | None = None  # (time, step) of the first logged step
         self._printed: int | None = None  # the step of the last plain training line
         self._progress = None
         self._task = None
@@ -111,20 +110,6 @@ class ConsoleTracker(Tracker):
             self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
         else:
             print(line, file=self.stream, flush=True)
-
-    def _eta(self, step: int, now: float | None = None, progress: float | None = None) -> float | None:
-        """Seconds to the last step at the pace since the first logged step. ``now`` is the
-        trainer's ``time/elapsed_s`` when it logs one (the same clock as the cost), else the wall clock.
-        A wall-clock budget's: the time left of it (``progress``: the share of the budget done)."""
-        if not self.total_steps and progress and now is not None:
-            return now / progress - now
-        if self._first is None or not self.total_steps:
-            return None
-        t0, s0 = self._first
-        done = step - s0
-        if done <= 0:
-            return None
-        return ((time.monotonic() if now is None else now) - t0) / done * (self.total_steps - step)
 
     # -- live mode ------------------------------------------------------------------
     def _start_bar(self, timed: bool) -> None:
@@ -172,10 +157,8 @@ class ConsoleTracker(Tracker):
         step = int(step)
         is_train = any(k.startswith(("train/", "throughput/")) for k in m)
         clock = m.get("time/elapsed_s")
-        if is_train and self._first is None:
-            self._first = (time.monotonic() if clock is None else clock, step)
         timed = not self.total_steps and "train/progress" in m  # a wall-clock budget
-        eta = self._eta(step, clock, m.get("train/progress")) if is_train else None
+        eta = eta_s(m.get("train/progress"), clock) if is_train else None  # the trainer's clock, as the cost
         if self.tty and is_train:
             if self._progress is None:
                 self._start_bar(timed)

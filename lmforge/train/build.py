@@ -138,8 +138,8 @@ def claim_save_folder(cfg, dist: DistInfo, save_folder: str, callbacks: Callback
     previous = read_run_file(save_folder) if dist.is_main else None
     if dist.is_main:
         callbacks.before_resume(save_folder)
-        can_resume = ckpt.check_save_folder(save_folder, identity, overwrite=overwrite, autoresume=cfg.autoresume,
-                                            all_local=not is_remote(cfg.save_folder))
+        can_resume = ckpt.open_run_folder(save_folder, identity, overwrite=overwrite, autoresume=cfg.autoresume,
+                                          all_local=not is_remote(cfg.save_folder))
         callbacks.resume_decided(save_folder, can_resume and cfg.autoresume, overwrite)
         ckpt.write_run_file(save_folder, identity, redact_config(cfg.model_dump(mode="json")))
     barrier()

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from lmforge.checksums import EXPORT_FILE, DamagedFile, file_digests, verify_export, verify_files
 from lmforge.distributed.dist import barrier
 from lmforge.errors import UserError
-from lmforge.guard import remove_inside
+from lmforge.guard import check_run_owner, remove_inside
 from lmforge.layout import (DAMAGED, RUN_FILE, STATE_FILE, checkpoint_step, checkpoints_dir, damaged_checkpoints,
                             different_run_error, holds_saved_run, list_checkpoints, read_run_file, read_state)
 
@@ -337,8 +337,8 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
 
 # --- run identity: refuse to mix two different runs in one save folder -----------------------
 
-def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, autoresume: bool,
-                      all_local: bool = True) -> bool:
+def open_run_folder(save_folder: str, identity: dict, *, overwrite: bool, autoresume: bool,
+                    all_local: bool = True) -> bool:
     """Returns True when the folder already holds this run's checkpoints (resume is possible).
 
     ``identity`` is `config.identity.run_identity`. A folder that holds a different run is refused
@@ -351,6 +351,8 @@ def check_save_folder(save_folder: str, identity: dict, *, overwrite: bool, auto
         return False
     same = existing.get("identity") == identity
     if overwrite:
+        if not all_local or holds_saved_run(save_folder):  # never another run's (`guard.check_run_owner`)
+            check_run_owner(save_folder, identity.get("name") or "", overwrite=True, existing=existing)
         for name in ("checkpoints", "final", "metrics.jsonl", "trackers.json", RUN_FILE):
             remove_inside(os.path.join(save_folder, name), save_folder)
         return False

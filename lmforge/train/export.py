@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
-from lmforge.guard import check_target, checkpoint_reads
+from lmforge.guard import check_output, check_output_file, checkpoint_reads, replace_folder
 from lmforge.models.hf import to_hf_config, to_hf_state_dict
 from lmforge.models.io import _copy_tokenizer, _state_dict, save_pretrained
 from lmforge.checksums import write_export_digests
@@ -41,13 +41,18 @@ def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None 
            max_shard_size: str = "5GB", allow_clip_qkv: bool = False, overwrite: bool = False,
            merge: bool = False) -> Path:
     """``dtype``: float32 / bfloat16 / float16 (default float32); for gguf f32 / f16 / bf16 / q8_0 (default f16).
-    ``merge``: a LoRA run's adapters merged into the GGUF's weights (required for such a run)."""
+    ``merge``: a LoRA run's adapters merged into the GGUF's weights (required for such a run).
+    ``out`` is a folder, or for gguf a ``FILE.gguf`` (the GGUF alone, no Modelfile); ``overwrite``
+    replaces an earlier export there (`guard.check_output`), nothing else."""
     out_path = Path(out)
-    check_target(out, "--out", [*checkpoint_reads(checkpoint), ("the tokenizer", tokenizer)])
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not overwrite:
-        raise UserError(f"--out {out}: already exists and is not empty; choose another folder or pass --overwrite")
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    reads = [*checkpoint_reads(checkpoint), ("the tokenizer", tokenizer)]
+    if gguf_file(fmt, out):
+        check_output_file(out, "--out", overwrite, same_kind=lambda head: head.startswith(b"GGUF"), reads=reads,
+                          strict=True, writes="a GGUF model")
+    else:
+        check_output(out, "--out", "export", overwrite=overwrite, reads=reads, command="export")
     if fmt == "gguf":
         return _export_gguf(checkpoint, out_path, tokenizer, dtype or GGUF_DEFAULT_DTYPE, merge)
     dtype = dtype or "float32"
@@ -76,20 +81,35 @@ def export(checkpoint: str, out: str, *, fmt: str = "hf", tokenizer: str | None 
     return out_path
 
 
+def gguf_file(fmt: str, out: str) -> bool:
+    """``--format gguf --out FILE.gguf``: the GGUF file itself, not a folder for it and its Modelfile."""
+    return fmt == "gguf" and str(out).lower().endswith(".gguf") and not os.path.isdir(out)
+
+
 @contextmanager
 def _staged(out: Path):
     """A fresh folder beside ``out`` to write into; it replaces ``out`` once the block ends without an
-    error, and is removed otherwise (``out`` is then left as it was)."""
+    error (`guard.replace_folder`), and is removed otherwise (``out`` is then left as it was)."""
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
         yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_folder(str(tmp), str(out))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _staged_file(out: Path):
+    """A path beside the file ``out`` to write; renamed over ``out`` (atomic) once the block ends
+    without an error, removed otherwise."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _export_gguf(checkpoint: str, out: Path, tokenizer: str | None, dtype: str, merge: bool) -> Path:
@@ -124,6 +144,10 @@ def _export_gguf(checkpoint: str, out: Path, tokenizer: str | None, dtype: str, 
     name = f"model-{dtype}.gguf"
     fmt = None if template is None else chat_format(
         lambda m: template.render(m, add_generation_prompt=True), tok.eos_token, template.hf.bos_token)
+    if gguf_file("gguf", str(out)):
+        with _staged_file(out) as tmp:
+            write_gguf(model, cfg, vocab, tmp, dtype=dtype, name=_model_name(loc.path))
+        return out
     with _staged(out) as tmp:
         write_gguf(model, cfg, vocab, tmp / name, dtype=dtype, name=_model_name(loc.path))
         (tmp / "Modelfile").write_text(modelfile(name, fmt, tok.eos_token, template is not None))
@@ -155,6 +179,7 @@ def _export_adapter(checkpoint: str, out: Path) -> Path:
         else:
             raise UserError(f"checkpoint {checkpoint}: holds no LoRA adapter (--format peft needs a run trained "
                             "with lora:)")
+        write_export_digests(str(tmp))  # its marker too: what a later --overwrite may replace
     return out
 
 

@@ -24,7 +24,7 @@ from lmforge.data.job import Job, WorkDir, source_stats, source_summary, unit_ma
 from lmforge.data.sources import SourceStats, list_files, no_documents_message
 from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input
 from lmforge.errors import UserError
-from lmforge.guard import check_target
+from lmforge.guard import check_output, check_target
 
 MARKER = "curation.json"
 
@@ -46,7 +46,11 @@ def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int =
         raise UserError(f"--out {out}: `data dedup` writes to a local folder")
     if removed_out is not None and os.path.isfile(removed_out):
         raise UserError(f"--removed-out {removed_out}: exists and is not a folder")
-    check_target(out, "--out", [("the input", i) for i in inputs] + [("--removed-out", removed_out)])
+    reads = [("the input", i) for i in inputs]
+    check_output(out, "--out", "dedup", overwrite=overwrite, reads=reads + [("--removed-out", removed_out)],
+                 command="data dedup")
+    if removed_out is not None:
+        check_target(removed_out, "--removed-out", reads + [("--out", out)])
     stats = SourceStats()
     sources = list_files(inputs, stats)
     identity = {"inputs": inputs, "input_fingerprint": input_fingerprint(sources), "text_field": text_field,

@@ -261,9 +261,12 @@ def write_plots(s: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+    from pathlib import Path
+
+    from lmforge.data.remote import write_local_atomic  # written beside it and renamed: never half a file
+
     if ext == ".png":
-        with open(path, "wb") as f:
-            f.write(buf.getvalue())
+        write_local_atomic(Path(path), buf.getvalue())
         return path
     img = base64.b64encode(buf.getvalue()).decode()
     rows = "".join(f"<tr><td>{escape(k)}</td><td class='num'>{escape(v)}</td></tr>" for k, v in stat_rows(s))
@@ -272,6 +275,5 @@ def write_plots(s: dict, path: str) -> str:
             "td{border:1px solid #ddd;padding:3px 8px} td.num{text-align:right}</style>"
             f"<h2>{escape(s['kind'])} corpus {escape(' '.join(s['source']))}</h2>"
             f"<img style='max-width:100%;height:auto' src='data:image/png;base64,{img}'><table>{rows}</table>")
-    with open(path, "w") as f:
-        f.write(html)
+    write_local_atomic(Path(path), html.encode("utf-8"))
     return path
