@@ -105,7 +105,7 @@ def paper() -> dict:
         main(["estimate", "--model", "moe-73b", "--seq-len", "4096", "--gpus", "8", "--nodes", "8",
               "--expert-parallel", "8", "--micro-batch", "1", "--activation-checkpointing", "full", "--json"])
     mem = json.loads(buf.getvalue())["memory"]
-    options = mem["activation_options"]
+    options = list(mem["activation_options"].values())
     none, best = options[0], min(options, key=lambda o: o["total_bytes_per_gpu"])
     from lmforge.plan.activations import option_words
 

@@ -439,8 +439,8 @@ def options_table(mem: dict) -> str:
     for name, justify in (("activations kept", "left"), ("per sequence", "right"), ("total per GPU", "right"),
                           ("fits", "left")):
         table.add_column(name, justify=justify)
-    for o in options:
-        table.add_row(option_words(o["checkpointing"], o["compression"], o["offload"]), _bytes(o["bytes_per_sample"]),
+    for words, o in options.items():
+        table.add_row(words, _bytes(o["bytes_per_sample"]),
                       _bytes(o["total_bytes_per_gpu"]), ("yes" if o["fits"] else "no") + (" (this run)" if o["chosen"]
                                                                                           else ""))
     buf = io.StringIO()

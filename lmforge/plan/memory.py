@@ -77,7 +77,8 @@ from dataclasses import dataclass
 
 from lmforge.config.model import ModelConfig
 from lmforge.plan.activations import (MIN_ROW, OFFLOAD_IN_FLIGHT, SCALE_BLOCK, SCALE_BYTES, activation_options,
-                                      activation_policy, canonical_checkpointing, canonical_compression)
+                                      activation_policy, canonical_checkpointing, canonical_compression,
+                                      option_words)
 from lmforge.plan.flops import block_counts, vocab_of
 from lmforge.plan.layout import SHARDED, Sharding
 
@@ -296,8 +297,9 @@ def memory_plan(total_params: int | float, cfg: ModelConfig | None, seq_len: int
     selective, N, {granularity, layers}); None picks: off if micro-batch 1 fits without it, else full.
     ``compression``, ``offload``: `compute.activation_compression` and `activation_offload` values.
     ``context_parallel`` N: each GPU holds seq_len / N tokens of a row (its activations).
-    ``activation_options``: the per-GPU memory of each way of keeping activations
-    (`plan.activations.activation_options`; offload on ``device`` cuda only) at the same micro-batch."""
+    ``activation_options``: the per-GPU memory of each way of keeping activations, by the way in
+    words (`plan.activations.activation_options`; offload on ``device`` cuda only), at the same
+    micro-batch."""
     dp, sharded = sharding.data_parallel, sharding.data_parallel in SHARDED
     states_total = float(total_params) * BYTES_PER_PARAM
     states = states_total / sharding.shards
@@ -334,14 +336,15 @@ def memory_plan(total_params: int | float, cfg: ModelConfig | None, seq_len: int
     total = states + unsharded + loss + mb * chosen
     # GPUs needed for micro-batch 1 with checkpointing: shards shrink, the rest does not.
     room = usable - unsharded - loss - act["ac"]
-    options = []
+    options = {}  # by the way in words
     own = (activation_checkpointing, canonical_compression(compression), bool(offload))
     ways = activation_options(cfg, offload=device == "cuda")
     for ckpt, comp, off in ways + ([own] if own not in ways else []):  # the run's own way too
         per = activation_bytes(cfg, tokens, ckpt, compression=comp, offload=off, precision=precision)
-        options.append({"checkpointing": ckpt, "compression": comp, "offload": off, "bytes_per_sample": per,
-                        "total_bytes_per_gpu": states + unsharded + loss + mb * per,
-                        "fits": states + unsharded + loss + mb * per <= usable, "chosen": (ckpt, comp, off) == own})
+        options[option_words(ckpt, comp, off)] = {
+            "checkpointing": ckpt, "compression": comp, "offload": off, "bytes_per_sample": per,
+            "total_bytes_per_gpu": states + unsharded + loss + mb * per,
+            "fits": states + unsharded + loss + mb * per <= usable, "chosen": (ckpt, comp, off) == own}
     out.update(gathered_bytes_per_gpu=unsharded, loss_workspace_bytes=loss, activation_bytes_per_sample=act,
                max_micro_batch=max_mb, activation_checkpointing=activation_checkpointing, micro_batch=micro_batch,
                suggested_micro_batch=suggested, total_bytes_per_gpu=total, fits=total <= usable,

@@ -74,7 +74,7 @@ class TrainPlan:
     sharding = property(lambda self: self.layout.sharding)  # how the devices hold the model states
 
     def __post_init__(self):  # deep-frozen: no view or rank can change what every other one reads
-        for name in ("params", "memory", "phase_steps", "notes"):
+        for name in ("params", "memory", "phase_steps", "notes", "activation_checkpointing", "activation_compression"):
             object.__setattr__(self, name, freeze(getattr(self, name)))
 
     @property
