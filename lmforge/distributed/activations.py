@@ -372,8 +372,8 @@ def _saving(forward, block: nn.Module, index: int, model: nn.Module, policy: Act
         if offload is not None and index == 0:
             offload.begin()
         constants = {b.untyped_storage().data_ptr() for b in model.buffers()}
-        saver = _BlockSaver(block, constants, index, compression, policy.scale, offload,
-                            rows=(args[0].shape[0], args[0].shape[-2]))
+        x = args[0] if args else kwargs["x"]  # the block's input [rows, positions, d]
+        saver = _BlockSaver(block, constants, index, compression, policy.scale, offload, rows=(x.shape[0], x.shape[-2]))
         counting = _KeptBySelective(saver) if selective and meter.armed else nullcontext()
         with torch.autograd.graph.saved_tensors_hooks(saver.pack, saver.unpack), counting:
             out = forward(*args, **kwargs)
