@@ -180,7 +180,9 @@ def compress(flat: torch.Tensor, kind: str, scale: str) -> tuple[torch.Tensor, t
         pad = -flat.numel() % SCALE_BLOCK
         rows = (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(-1, SCALE_BLOCK)
     scales = (rows.abs().amax(dim=1, keepdim=True).float() / top).clamp_(min=torch.finfo(torch.float32).tiny)
-    scaled = (rows.float() / scales).clamp_(-top, top)  # (one tensor's fp32 copy at a time)
+    # |value| ≤ top by the scale's choice (up to a rounding, which the casts take: fp8 saturates at
+    # its largest finite value, int8 receives rounded values); one tensor's fp32 copy at a time.
+    scaled = rows.float() / scales
     if kind == "int8":
         scaled = scaled.round_()
     return scaled.to(dtype), scales
