@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,12 +67,15 @@ def _cpu_seconds() -> float:
 
 @pytest.fixture(autouse=True)
 def _unit_tests_take_under_a_second(request):
-    if any(request.node.get_closest_marker(tier) for tier in TIERS):
-        yield
-        return
-    start = _cpu_seconds()
+    start, wall = _cpu_seconds(), time.monotonic()
     yield
     spent = _cpu_seconds() - start
+    if os.environ.get("LMFORGE_TEST_COSTS"):  # where the suite's time goes: one line per test (bench/suite.py)
+        with open(os.environ["LMFORGE_TEST_COSTS"], "a") as f:
+            f.write(json.dumps({"test": request.node.nodeid, "cpu_s": round(spent, 2),
+                                "wall_s": round(time.monotonic() - wall, 2)}) + "\n")
+    if any(request.node.get_closest_marker(tier) for tier in TIERS):
+        return
     if spent > UNIT_CPU_SECONDS:
         pytest.fail(f"an unmarked (unit) test took {spent:.1f} CPU seconds, more than {UNIT_CPU_SECONDS:g}: make it "
                     "fast, or mark it integration (trains in this process, talks to a server) or e2e (starts "

@@ -69,7 +69,7 @@ def check_reshard_from_one_rank(checkpoint: str, run_yaml: str, dist) -> None:
         model = Transformer(shape)
     c = cfg.compute
     parallelize(model, Layout(ranks=dist.world_size, data_parallel=c.data_parallel, shard_group=dist.world_size,
-                              expert_parallel=c.expert_parallel), dist)
+                              expert_parallel=c.expert_parallel, global_batch=dist.world_size), dist)
     materialize(model, dist.device, build_model(shape).state_dict() if dist.is_main else None)
     assert model.blocks[0].mlp.experts.w13.to_local().shape[0] == shape.n_experts // 2  # E/N experts here
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, device_type="cpu")

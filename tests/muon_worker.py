@@ -27,9 +27,9 @@ from lmforge.models import build_model
 from lmforge.plan.layout import Layout
 from lmforge.train.optim import build_optimizer
 
-LAYOUTS = [Layout(ranks=4, data_parallel="fsdp", shard_group=4, expert_parallel=2),
-           Layout(ranks=4, data_parallel="hsdp", shard_group=2, expert_parallel=2),
-           Layout(ranks=4, data_parallel="fsdp", shard_group=4)]
+LAYOUTS = [Layout(ranks=4, data_parallel="fsdp", shard_group=4, expert_parallel=2, global_batch=4),
+           Layout(ranks=4, data_parallel="hsdp", shard_group=2, expert_parallel=2, global_batch=4),
+           Layout(ranks=4, data_parallel="fsdp", shard_group=4, global_batch=4)]
 # d_model 36: the 36-row attention weights and the 18-row KV projections split unevenly over 4 ranks.
 CFG = ModelConfig(d_model=36, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16, n_experts=4,
                   top_k=2, expansion_ratio=1.0)

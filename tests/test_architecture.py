@@ -6,7 +6,8 @@ the trackers, reports). The layers, from the bottom:
 
     errors, home, layout, checksums, process, secrets, say,   (small shared modules)
     uri, guard
-    config · tasks                                              torch-free: the rules and constants
+    config · tasks · rewards                                    torch-free: the rules and constants (rewards:
+                                                                what scores reinforcement learning's completions)
     plan                                                        torch-free: the one planner (FLOPs, memory,
                                                                 batch, checks, model: auto, the run plan,
                                                                 schedule, the estimate as its view)
@@ -33,7 +34,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "lmforge"
-EVERYTHING = ("config", "tasks", "plan", "scaling", "goodput", "resolve", "data", "models", "distributed", "eval", "train",
+EVERYTHING = ("config", "tasks", "rewards", "plan", "scaling", "goodput", "resolve", "data", "models", "distributed", "eval", "train",
               "tracking", "report", "runs", "cli")
 
 
@@ -47,6 +48,8 @@ def above(package: str) -> tuple[str, ...]:
 FORBIDDEN = {
     "config": above("config"),
     "tasks": tuple(p for p in above("config") if p != "tasks"),  # beside config: read by eval and curation alike
+    # beside config and tasks: rules that score text, read by resolution and the trainer; no torch
+    "rewards": ("config", "tasks") + above("rewards"),
     "plan": above("plan"),
     # plans, fits and predicts from numbers; running the ladder is `runs.ladder`'s
     "scaling": above("scaling"),
@@ -71,13 +74,14 @@ TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.layout", "lmf
               "lmforge.resolve.auto_model", "lmforge.plan.schedule", "lmforge.tasks.icl",
               "lmforge.plan.estimate", "lmforge.plan.auto", "lmforge.plan.memory", "lmforge.plan.activations", "lmforge.plan.batch",
               "lmforge.plan.checks", "lmforge.plan.fit", "lmforge.plan.context", "lmforge.plan.micro_batch",
-              "lmforge.plan.flops", "lmforge.plan.hardware", "lmforge.plan.comm", "lmforge.plan.cost",
+              "lmforge.plan.flops", "lmforge.plan.hardware", "lmforge.plan.comm", "lmforge.plan.cost", "lmforge.plan.evaluation",
               "lmforge.config.counts", "lmforge.cli.train", "lmforge.runs.preflight", "lmforge.resolve.steps",
               "lmforge.data.prepared", "lmforge.data.chat", "lmforge.train.machine", "lmforge.runs.launcher",
               "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.data.gguf_vocab", "lmforge.scaling.plan",
               "lmforge.scaling.fit", "lmforge.scaling.predict", "lmforge.goodput.conditions",
               "lmforge.goodput.health", "lmforge.goodput.diagnosis", "lmforge.goodput.cordon",
-              "lmforge.goodput.ledger", "lmforge.goodput.faults"]
+              "lmforge.goodput.ledger", "lmforge.goodput.faults", "lmforge.rewards.functions",
+              "lmforge.rewards.answers"]
 
 
 def imports_of(path: Path) -> set[str]:

@@ -314,12 +314,15 @@ def test_stats_raw_and_prepared(corpus, tok, prepared, tmp_path, capsys):
     assert (tmp_path / "s.html").read_text().startswith("<!doctype html>")
     code, out, _ = cli(capsys, "data", "stats", prepared.out, "--plot", tmp_path / "p.png", "--json")
     p = json.loads(out)
-    # 40 kept; the last one ends in the partial sample that packing drops, so 39 end with EOS in the shards.
-    assert p["kind"] == "prepared" and p["documents"] == 39 and p["duplicates"]["exact_rate"] == 0
+    # 40 kept, as the dataset's card says; the last one ends in the partial sample that packing drops, so
+    # 39 end with EOS in the shards: said beside it, not instead of it.
+    assert p["kind"] == "prepared" and p["documents"] == 40 and p["in_samples"]["documents"] == 39
+    assert p["duplicates"]["exact_rate"] == 0
     assert list(p["languages"]) == ["en"]  # the French page was filtered out
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     code, table, _ = cli(capsys, "data", "stats", prepared.out)
     assert code == 0 and "exact-duplicate rate" in table and "language en" in table
+    assert "whole documents in the samples" in table and "tokens dropped" in table
 
 
 @pytest.mark.integration

@@ -206,8 +206,8 @@ def test_the_memory_verdict_names_the_data_parallel_mode_it_is_for():
     assert states["ddp"] == pytest.approx(8 * states["fsdp"]) and states["hsdp"] == states["fsdp"]  # one node
     two_nodes = estimate_run(EstimateInputs(cfg, 1e9, gpus=8, nodes=2, gpu_type="h100-sxm", data_parallel="hsdp"))["memory"]
     assert two_nodes["states_bytes_per_gpu"] == pytest.approx(states["hsdp"])  # sharded within a node
-    assert estimate_run(EstimateInputs(cfg, 1e9, gpus=8, nodes=2, gpu_type="h100-sxm"))["memory"]["states_bytes_per_gpu"] == \
-        pytest.approx(states["fsdp"] / 2)  # fsdp: over all 16
+    assert estimate_run(EstimateInputs(cfg, 1e9, gpus=8, nodes=2, gpu_type="h100-sxm", data_parallel="fsdp")
+                        )["memory"]["states_bytes_per_gpu"] == pytest.approx(states["fsdp"] / 2)  # fsdp: over all 16
     assert plans["ddp"]["memory"]["data_parallel"] == "ddp" and plans["fsdp"]["memory"]["data_parallel"] == "fsdp"
     for dp, plan in plans.items():
         rows = {ln.split()[0]: ln for ln in format_plan(plan).splitlines() if ln.split()}
@@ -456,15 +456,15 @@ def test_cli_long_context_line_and_context_parallel():
     assert plan["context"]["choice"]["checkpointing"] == "selective"
     text = format_plan(plan)
     assert "long context" in text and "fits first with --context-parallel 1 and selective" in text
-    split = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768, context_parallel=2))["memory"]
-    whole = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768))["memory"]
+    fsdp = dict(gpus=2, seq_len=32768, data_parallel="fsdp")
+    split = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, context_parallel=2, **fsdp))["memory"]
+    whole = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, **fsdp))["memory"]
     assert split["activation_bytes_per_sample"]["no_ac"] == pytest.approx(whole["activation_bytes_per_sample"]["no_ac"] / 2)
     # the verdict (micro-batch 1, each mode) counts a rank's half of the row too, not the whole row
     for ac in (False, True):
         one = dict(micro_batch=1, activation_checkpointing=ac)
-        halves = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768, context_parallel=2,
-                                             **one))["memory"]
-        rows = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, gpus=2, seq_len=32768, **one))["memory"]
+        halves = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, context_parallel=2, **fsdp, **one))["memory"]
+        rows = estimate_run(EstimateInputs(get_preset("llama-1b"), 1e9, **fsdp, **one))["memory"]
         key = "ac" if ac else "no_ac"
         assert rows["total_bytes_per_gpu"] - halves["total_bytes_per_gpu"] == pytest.approx(
             rows["activation_bytes_per_sample"][key] - halves["activation_bytes_per_sample"][key])

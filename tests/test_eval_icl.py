@@ -12,7 +12,7 @@ import torch
 from eval_helpers import SHARED_EVAL, SHARED_TEXT, CharTokenizer, sentence, tiny_model, write_jsonl
 from lmforge.errors import UserError
 from lmforge.eval.icl import (
-    TASK_TYPES, answer_matches, evaluate_icl, fewshot_indices, final_answer, load_tasks, score_task,
+    TASK_TYPES, answer_matches, evaluate_icl, fewshot_indices, final_answer, load_tasks, score_task, summarize,
 )
 from lmforge.eval.icl_metrics import calibration_error
 
@@ -194,6 +194,15 @@ def test_task_type_matches_reference(task_type, task_files, model, tok):
             assert r.scores == pytest.approx(w[2], abs=1e-4)
             if w[3] is not None:
                 assert r.calibration[0] == pytest.approx(w[3][0], abs=1e-4) and r.calibration[1] == w[3][1]
+        if task_type in ("multiple_choice", "schema"):  # lm-evaluation-harness's acc and acc_norm, by hand
+            for i, r in enumerate(got):
+                texts, gold = ref_texts(task, i, k), task.examples[i]["gold"]
+                sums = [-ref_option(model, tok.encode(c), tok.encode(a))[0] * len(tok.encode(a)) for c, a in texts]
+                per_char = [ll / len(a) for ll, (_, a) in zip(sums, texts)]
+                assert (r.acc, r.acc_norm) == (sums.index(max(sums)) == gold, per_char.index(max(per_char)) == gold)
+            result = summarize(task, got)
+            assert result["acc"] == sum(r.acc for r in got) / len(got) and set(result["rules"]) == {
+                "accuracy", "acc", "acc_norm"}
     if task_type in ("language_modeling", "generation_task_with_answers"):
         # Built so that half the examples are right at 0 shots: the test can fail both ways.
         zero = score_task(model, tok, task, 0)

@@ -124,7 +124,8 @@ def test_nothing_fits_says_the_smallest_footprint_and_the_remedy():
 def test_estimate_shows_the_choice_without_a_gpu():
     from lmforge.plan.estimate import EstimateInputs, estimate_run, format_plan
 
-    plan = estimate_run(EstimateInputs(LLAMA_3B, 1e9, gpus=1, gpu_type="h100-sxm", seq_len=2048, micro_batch="auto"))
+    plan = estimate_run(EstimateInputs(LLAMA_3B, 1e9, gpus=1, gpu_type="h100-sxm", seq_len=2048, micro_batch="auto",
+                                       data_parallel="fsdp"))
     choice = choose(LLAMA_3B, 2048, sharding=Sharding("fsdp", 1), gpu_memory=H100.memory_bytes,
                     peak_flops=H100.bf16, where="1 × h100-sxm")
     assert plan["memory"]["micro_batch"] == choice.micro_batch

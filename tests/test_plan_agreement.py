@@ -62,6 +62,10 @@ CASES = [
     _case("h100-8-moe-ep8-auto", gpus=8, dp="fsdp", micro="auto", model=MOE, ep=8, gbs=64),
     _case("h100-8-lora-auto", gpus=8, dp="fsdp", task="lora", micro="auto", gbs=16),
     _case("h100-2-preference-ddp-auto", gpus=2, task="preference", micro="auto"),
+    # compute.data_parallel: auto (the default), resolved once by the planner: every path the same mode
+    _case("cpu-2-dp-auto", ranks=2, dp="auto", micro="auto"),
+    _case("h100-8-llama7b-dp-auto", gpus=8, dp="auto", micro="auto", model="llama-7b", gbs=64),
+    _case("h100-16-llama7b-dp-auto", gpus=8, nodes=2, dp="auto", micro="auto", model="llama-7b", gbs=64),
 ]
 
 
@@ -113,12 +117,13 @@ def _outcome(fn):
         return "refused: " + str(e).split(":")[0]
     view = plan_view(config, plan)
     decided = (plan.micro_batch, plan.grad_accum, plan.replicas, plan.activation_checkpointing,
-               bool(plan.memory["fits"]), plan.global_batch, plan.context_length)
+               bool(plan.memory["fits"]), plan.global_batch, plan.context_length, plan.layout.data_parallel)
     shown = (view["batch"]["micro_batch"], view["batch"]["grad_accum"], view["batch"]["replicas"],
              view["memory"]["activation_checkpointing"], bool(view["memory"]["fits"]), view["batch"]["global_batch"],
-             view["batch"]["context_length"])
+             view["batch"]["context_length"], view["memory"]["data_parallel"])
     assert shown == decided, (shown, decided)  # the view shows the plan as it is
-    return decided
+    assert config.compute.data_parallel == plan.layout.data_parallel  # `auto` resolved once, written in
+    return decided + (plan.eval_interval, plan.eval_batches)
 
 
 @pytest.mark.parametrize("case", CASES)

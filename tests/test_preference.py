@@ -83,8 +83,9 @@ def pref_config(tmp_path, weights, name="dpo", **extra) -> dict:
            "log_interval": 1,
            "parameters": {"global_batch_size": 8, "micro_batch_size": 4, "learning_rate": 3e-3,
                           "context_length": 64, "warmup": "2ba", "precision": "fp32"},
+           # every held-out pair each time (a budget sized to these short runs would read fewer)
            "eval": {"data_path": str(write_jsonl(tmp_path / "val.jsonl", held)), "interval": "10ba",
-                    "prompts": []},
+                    "max_batches": 20, "prompts": []},
            "experiment_tracker": {"mlflow": None, "console": True}}
     for key, value in extra.items():
         node = cfg

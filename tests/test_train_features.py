@@ -88,6 +88,9 @@ def test_quickstart_runs_end_to_end_shortened(tmp_path):
     assert "eval step 3 | loss " in out and "| bpb " in out and "final model:" in out
     assert "mlflow ui --backend-store-uri" in out
     assert [out.count(f"--- generation_{i} at step 3 ---") for i in range(3)] == [1, 1, 1] and "def fibonacci(n):" in out
+    row = next(ln for ln in lmforge("runs", "list", check=True, env=home).stdout.splitlines()
+               if ln.startswith("quickstart "))
+    assert "COMPLETED" in row and "auto 4×128" in row and "100% step 3" in row, row  # the shape chosen, the end
     args[args.index("--save-folder") + 1] = tmp_path / "qs2"
     again = lmforge(*args, "--name", "qs2", timeout=600, check=True, env=home).stdout
     assert "tokenizer: reusing" in again and "data: preparing" not in again

@@ -126,7 +126,7 @@ def run_document(args) -> tuple[dict, str | None]:
             doc["training_duration"] = f"{int(count(args.tokens, '--tokens'))}tok"
         elif args.chinchilla:
             doc["training_duration"] = _chinchilla(doc.get("model"), args)
-        return _with_flags(doc, args, dp_default=None), value
+        return _with_flags(doc, args), value
     model, seq = _model_of(value)
     doc = {"model": model, "train_data": _no_data(), "autoresume": False}
     if seq and args.seq_len is None:
@@ -142,13 +142,13 @@ def _no_data() -> str:
     return NO_DATA
 
 
-def _with_flags(doc: dict, args, skip: tuple = (), dp_default: str | None = "fsdp") -> dict:
-    """``doc`` with the flags given written over its keys (--gpus × --nodes are the machine's)."""
+def _with_flags(doc: dict, args, skip: tuple = ()) -> dict:
+    """``doc`` with the flags given written over its keys (--gpus × --nodes are the machine's); what
+    they leave unset keeps the run's default, as `lmforge train` plans it (``compute.data_parallel:
+    auto`` among them)."""
     from lmforge.config.load import set_path
 
     values = {k: getattr(args, k) for k in FLAG_KEYS if k not in skip and getattr(args, k) is not None}
-    if dp_default and "data_parallel" not in values:
-        values["data_parallel"] = dp_default
     for name, value in values.items():
         set_path(doc, FLAG_KEYS[name][1], value)
     doc.setdefault("name", "estimate")
@@ -263,7 +263,7 @@ def _nominal(args) -> int:
         count(args.params, "--params"), tokens=count(args.tokens, "--tokens") if args.tokens else None,
         gpus=_gpus(args), nodes=args.nodes, gpu_type=args.gpu_type, mfu=args.mfu, price=args.price_per_gpu_hour,
         seq_len=args.seq_len, active_params=count(args.active_params, "--active-params") if args.active_params else None,
-        precision=args.precision or "bf16", micro_batch=args.micro_batch, data_parallel=args.data_parallel or "fsdp"))
+        precision=args.precision or "bf16", micro_batch=args.micro_batch, data_parallel=args.data_parallel or "auto"))
     _print(plan, args)
     check_fits(plan)
     return 0
@@ -312,9 +312,10 @@ def register(subparsers) -> None:
     p = add_command(
         subparsers, "estimate", "plan a run: FLOPs, tokens, time, cost and memory per GPU",
         description="Plan a training run before spending, as `lmforge train` plans it: parameters (total/active), "
-        "FLOPs (6·N_active·D plus attention), Chinchilla tokens, the batch split, time and cost at a given MFU on "
-        "a given cluster, memory per GPU (for --data-parallel, full sharding by default) with one verdict that "
-        "names the flags that make a run fit, the context-parallel degree and activation checkpointing the "
+        "FLOPs (6·N_active·D plus attention), Chinchilla tokens, the batch split (and why, where it differs from "
+        "the batch asked for), time and cost at a given MFU on a given cluster with the communication compute "
+        "cannot hide, memory per GPU (for --data-parallel, auto by default as `train` resolves it) with one verdict "
+        "that names the flags that make a run fit, the context-parallel degree and activation checkpointing the "
         "context length needs, and for MoE models the expert traffic per GPU with and without expert parallelism.",
     )
     p._negative_number_matcher = NEGATIVE_VALUE  # (see NEGATIVE_VALUE)
@@ -358,10 +359,11 @@ def register(subparsers) -> None:
     p.add_argument("--activation-offload", type=_offload, default=None, metavar="true|false|auto",
                    help="CUDA: keep what blocks save for backward in pinned host memory; unset = a run YAML's, "
                    "else false")
-    p.add_argument("--data-parallel", default=None, choices=["fsdp", "hsdp", "ddp"],
+    p.add_argument("--data-parallel", default=None, choices=["auto", "fsdp", "hsdp", "ddp"],
                    help="how the GPUs share the model, which the memory verdict is for: fsdp shards the model "
-                   "states over every GPU, hsdp over a node's, ddp keeps them whole on each (what `lmforge "
-                   "train` uses unless compute.data_parallel says otherwise); unset = a run YAML's own, else fsdp")
+                   "states over every GPU, hsdp over a node's, ddp keeps them whole on each; unset = a run YAML's "
+                   "own, else auto, as `lmforge train` resolves it (ddp where a whole copy fits each GPU, else hsdp "
+                   "on several nodes where a node holds one, else fsdp)")
     p.add_argument("--expert-parallel", type=positive_int, default=None, metavar="N",
                    help="MoE: GPUs each layer's experts are split over (memory and all-to-all traffic)")
     p.add_argument("--context-parallel", type=positive_int, default=None, metavar="N",

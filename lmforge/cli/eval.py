@@ -95,10 +95,18 @@ def _print_tables(results: dict, scores: dict | None, tasks) -> None:
     console = Console()
     types = {t.label: t.task_type for t in tasks}
     ece = any("calibration_error" in r for r in results.values())
-    table = Table(title="In-context learning")
-    columns = [("task", "left"), ("shots", "right"), ("type", "left"), ("accuracy", "right"), ("n", "right")]
-    for col, justify in columns + ([("calibration error", "right")] if ece else []):
+    lm_eval = any("acc" in r for r in results.values())
+    rules = next((r["rules"] for r in results.values() if "rules" in r), None)
+    caption = None if rules is None else "accuracy: " + rules["accuracy"] + "; " + "; ".join(
+        rules[k] for k in ("acc", "acc_norm"))
+    table = Table(title="In-context learning", caption=caption)
+    columns = [("task", "left"), ("shots", "right"), ("type", "left"), ("accuracy", "right")]
+    columns += [("acc (lm-eval)", "right"), ("acc_norm (lm-eval)", "right")] if lm_eval else []
+    for col, justify in columns + [("n", "right")] + ([("calibration error", "right")] if ece else []):
         table.add_column(col, justify=justify)
+
+    def rules_of(r: dict) -> list[str]:
+        return [f"{r[k]:.4f}" if k in r else "" for k in ("acc", "acc_norm")] if lm_eval else []
 
     def extra(r: dict) -> list[str]:
         if not ece:
@@ -107,10 +115,10 @@ def _print_tables(results: dict, scores: dict | None, tasks) -> None:
 
     for key, r in results.items():
         label, shots = key.rsplit("/", 1)
-        table.add_row(label, shots.removesuffix("-shot"), types.get(label, ""), f"{r['accuracy']:.4f}",
+        table.add_row(label, shots.removesuffix("-shot"), types.get(label, ""), f"{r['accuracy']:.4f}", *rules_of(r),
                       f"{r['n']}/{r['size']}" if r["n"] != r["size"] else str(r["n"]), *extra(r))
         for cat, c in r.get("categories", {}).items():
-            table.add_row(f"  {cat}", "", "", f"{c['accuracy']:.4f}", str(c["n"]), *extra(c))
+            table.add_row(f"  {cat}", "", "", f"{c['accuracy']:.4f}", *rules_of(c), str(c["n"]), *extra(c))
     console.print(table)
     if scores is None:
         return

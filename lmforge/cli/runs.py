@@ -142,17 +142,31 @@ def _preference(m: dict) -> str:
     return f"  accuracy {m['accuracy']:.3f}  margin {m.get('margin', float('nan')):.4g}"
 
 
+def _reward(m: dict) -> str:
+    """A reinforcement learning run's "reward 0.62  flat 12%" (the completions' mean reward; the share of
+    groups scored alike, which teach nothing)."""
+    if m.get("reward") is None:
+        return ""
+    flat = f"  flat {100 * m['flat_groups']:.0f}%" if m.get("flat_groups") is not None else ""
+    return f"  reward {m['reward']:.3f}{flat}"
+
+
 def metrics_lines(run) -> list[str]:
-    """`runs describe`'s latest metrics: training (with a preference run's accuracy and margin), the
-    last held-out evaluation, the cost."""
+    """`runs describe`'s latest metrics: training (with a preference run's accuracy and margin, a
+    reinforcement learning run's reward), the last held-out evaluation, the cost."""
     m = run.latest_metrics
     if not m:
         return []
     mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "-"
     lines = [f"metrics    step {m.get('step')}  tokens {_human(m.get('tokens'))}  loss {m.get('loss', 0):.4f}"
-             f"{_preference(m)}  {_human(m.get('tokens_per_s'))} tok/s  MFU {mfu}  progress {progress_text(m)}  "
-             f"ETA {format_eta(m.get('eta_s')) if not run.is_terminal else '-'}"]
+             f"{_preference(m)}{_reward(m)}  {_human(m.get('tokens_per_s'))} tok/s  MFU {mfu}  progress "
+             f"{progress_text(m)}  ETA {format_eta(m.get('eta_s')) if not run.is_terminal else '-'}"]
     ev = m.get("eval")
+    if ev and ev.get("reward") is not None and ev.get("loss") is None:  # reinforcement learning: greedy completions
+        each = "".join(f"  {k.removeprefix('reward/')} {v:.3f}" for k, v in sorted(ev.items())
+                       if k.startswith("reward/"))
+        lines.append(f"held-out   step {ev.get('step')}  reward {ev['reward']:.3f} (greedy){each}  "
+                     f"({int(ev.get('prompts') or 0):,} prompts)")
     if ev and ev.get("loss") is not None:
         extra = "".join(f"  {name} {ev[key]:.4f}" for key, name in (("perplexity", "ppl"), ("bits_per_byte", "bpb"))
                         if ev.get(key) is not None)

@@ -24,7 +24,7 @@ from lmforge import secrets
 from lmforge.cli.common import add_command, bounded
 from lmforge.config.limits import MAX_NODES, MAX_RETRIES
 from lmforge.errors import UserError
-from lmforge.plan.estimate import format_plan
+from lmforge.plan.estimate import batch_rows, batch_split, format_plan
 from lmforge.resolve import resolve
 from lmforge.resolve.request import RunRequest
 from lmforge.runs.plan import launch_plan, started_by_user
@@ -39,12 +39,13 @@ def register(sub) -> None:
                     "checkpoint in save_folder (autoresume).")
     add_run_arguments(p)
     p.set_defaults(func=run)
-    p = add_command(sub, "finetune", "fine-tune a model on prompt/response or chat JSONL (SFT), or on "
-                    "preference pairs (DPO, IPO, SimPO, ORPO)",
+    p = add_command(sub, "finetune", "fine-tune a model on prompt/response or chat JSONL (SFT), on "
+                    "preference pairs (DPO, IPO, SimPO, ORPO), or from rewards (RL: GRPO, DAPO, Dr. GRPO, GSPO)",
                     description="Fine-tune from a run config with task_type instruction_finetune (default), "
-                    "chat_completion, preference (prompt/chosen/rejected rows; preference.loss) or "
-                    "continued_pretrain. `model` and `tokenizer` default to those of custom_weights_path. "
-                    "Re-running the same command resumes (autoresume).")
+                    "chat_completion, preference (prompt/chosen/rejected rows; preference.loss), rl (prompt rows "
+                    "whose sampled completions rl.reward scores; docs/rl.md) or continued_pretrain. `model` and "
+                    "`tokenizer` default to those of custom_weights_path. Re-running the same command resumes "
+                    "(autoresume).")
     add_run_arguments(p)
     p.set_defaults(func=run)
 
@@ -141,8 +142,9 @@ def train_here(cfg, args, plan) -> int:
 
 
 # The held-out metrics the end-of-run summary lists (with ICL and gauntlet scores): the loss and its
-# forms, and for preference tuning how often the chosen answer wins and by how much.
-SUMMARY_METRICS = ("/loss", "/bits_per_byte", "/perplexity", "/rewards/accuracy", "/rewards/margin")
+# forms, for preference tuning how often the chosen answer wins and by how much, for reinforcement
+# learning the greedy completions' reward.
+SUMMARY_METRICS = ("/loss", "/bits_per_byte", "/perplexity", "/rewards/accuracy", "/rewards/margin", "/reward")
 
 
 def print_summary(result, as_json: bool = False, console: bool = False) -> None:
@@ -212,7 +214,5 @@ def _print_dry_run(config, plan, view: dict, as_json: bool) -> None:
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     print("---")
     steps = plan.total_steps or f"≈{plan.time_limit_s / plan.step_time_s:,.0f} in {plan.time_limit_s:g}s"
-    print(f"steps: {steps}  batch: {plan.global_batch} × {plan.context_length} tokens "
-          f"(micro-batch {plan.micro_batch} × {plan.grad_accum} accumulation × {plan.replicas} replica(s) of "
-          f"{plan.ranks} rank(s))")
+    print(f"steps: {steps}  batch: {batch_rows(view['batch'])} ({batch_split(view['batch'])})")
     print(format_plan(view), end="")

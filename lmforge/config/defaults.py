@@ -39,11 +39,16 @@ BATCH_TOKENS = [(30e6, 8192), (200e6, 524288), (2e9, 1048576), (20e9, 2097152), 
 # Fine-tuning's learning rate, as a share of the size-based pretraining default:
 # - SFT, all weights: one tenth (e.g. 1.2e-5 for 7B), the usual SFT range;
 # - preference tuning: one hundredth (7B: 1.2e-6; TRL's DPO default is 1e-6, Zephyr's and Tulu 3's
-#   DPO 5e-7).
+#   DPO 5e-7);
+# - reinforcement learning (task_type rl): one hundredth too (7B: 1.2e-6; TRL's GRPO default is 1e-6).
 # LoRA takes ten times that (adapters take ~10× the full fine-tuning rate): SFT with LoRA keeps the
 # pretraining default itself.
-TASK_LR_FACTOR = {"instruction_finetune": 0.1, "chat_completion": 0.1, "preference": 0.01}
+TASK_LR_FACTOR = {"instruction_finetune": 0.1, "chat_completion": 0.1, "preference": 0.01, "rl": 0.01}
 LORA_LR_MULTIPLIER = 10
+# Reinforcement learning's default batch: prompts per step, each sampled rl.group_size times (TRL's
+# GRPO defaults come to one prompt per device; DAPO and the GSPO paper take 256-512 on clusters):
+# enough groups that one step's advantage is not a handful of prompts' luck.
+RL_PROMPTS_PER_STEP = 16
 
 
 def task_learning_rate(non_embedding_params: float, task_type: str, lora: bool, optimizer: str = "adamw") -> float:
@@ -98,6 +103,20 @@ def default_batch_tokens(non_embedding_params: float, run_tokens: float | None =
         cap = 2 ** int(math.log2(max(1.0, run_tokens / MIN_STEPS)))
         tokens = min(tokens, max(MIN_BATCH_TOKENS, cap))
     return tokens
+
+
+def default_batch_rule(non_embedding_params: float, run_tokens: float | None = None) -> str:
+    """Which part of the rule gave `default_batch_tokens` its value, in words."""
+    from lmforge.config.counts import human
+
+    i, (bound, tokens) = next((i, b) for i, b in enumerate(BATCH_TOKENS) if non_embedding_params <= b[0])
+    size = f"up to {human(bound)}" if bound != math.inf else f"above {human(BATCH_TOKENS[i - 1][0])}"
+    rule = f"{human(tokens)} tokens per step for models of {size} non-embedding parameters"
+    chosen = default_batch_tokens(non_embedding_params, run_tokens)
+    if chosen != tokens:
+        rule += (f", at most a {MIN_STEPS:,}th of a run of {human(run_tokens)} tokens (a power of two)"
+                 + (f", at least {MIN_BATCH_TOKENS:,}" if chosen == MIN_BATCH_TOKENS else ""))
+    return rule
 
 
 # The default warmup: this share of the run, in the run's own unit (steps, or seconds of a

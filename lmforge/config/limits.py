@@ -13,6 +13,8 @@ MAX_NODES = 1 << 16
 MAX_RANKS = 1 << 20  # devices in one run, all nodes together
 MAX_RETRIES = 1000  # restarts of one run (each resumes from a checkpoint)
 MAX_NEW_TOKENS = 100_000  # tokens `generate` writes for one prompt
+MAX_GROUP_SIZE = 1024  # completions sampled per prompt in one RL step (published: 4 to 64)
+MAX_UPDATES_PER_BATCH = 64  # optimizer updates on one RL batch (GRPO's μ; published: 1 to 4)
 MAX_NAME = 128  # characters of a run name: a folder, a registry key and a rendezvous id
 MAX_XID = 1 << 16  # an NVIDIA XID (the catalogue's are below 200: room for new ones, not for typos like -79)
 # Optimization: an LR of 10 already diverges at once; decays past 10 shrink every weight to 0 in a step.

@@ -241,6 +241,17 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def as_trained(model: ModelConfig, context_length: int | None, from_scratch: bool) -> ModelConfig:
+    """The model as its run trained it. Trained from scratch at a context shorter than its
+    ``max_seq_len``, it has learned positions up to that context only: that is the length its weights
+    claim — what `final/` and an export's ``max_position_embeddings`` say, so that lm-eval or vLLM do
+    not score past it (RoPE tables are derived, not stored: the weights are the same). Weights
+    continued from (fine-tuning, continued pretraining) keep the length they came with."""
+    if from_scratch and context_length and context_length < model.max_seq_len and model.rope_scaling is None:
+        return model.model_copy(update={"max_seq_len": int(context_length)})
+    return model
+
+
 def preset_names() -> list[str]:
     return list(PRESETS)
 

@@ -16,9 +16,9 @@ from pydantic import BeforeValidator, Field, PlainSerializer, field_validator, m
 from lmforge.config.activations import CheckpointingSpec, CompressionSpec
 from lmforge.config.checked import Strict
 from lmforge.config.curation import CurateConfig
-from lmforge.config.limits import (MAX_BATCH_TOKENS, MAX_GRAD_CLIP, MAX_LEARNING_RATE, MAX_NAME, MAX_NEW_TOKENS,
-                                    MAX_NODES, MAX_PRICE_PER_HOUR, MAX_RANKS, MAX_RETRIES, MAX_SEED, MAX_SEQ_LEN, MAX_VOCAB,
-                                    MAX_WEIGHT_DECAY)
+from lmforge.config.limits import (MAX_BATCH_TOKENS, MAX_GRAD_CLIP, MAX_GROUP_SIZE, MAX_LEARNING_RATE, MAX_NAME,
+                                    MAX_NEW_TOKENS, MAX_NODES, MAX_PRICE_PER_HOUR, MAX_RANKS, MAX_RETRIES, MAX_SEED,
+                                    MAX_SEQ_LEN, MAX_UPDATES_PER_BATCH, MAX_VOCAB, MAX_WEIGHT_DECAY)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.goodput import GoodputConfig
 from lmforge.config.model import ModelConfig, resolve_model
@@ -164,8 +164,10 @@ class EvalConfig(_Strict):
     holdout_fraction: float = Field(
         0.01, ge=0, lt=1, description="share of raw-text documents held out for eval when lmforge prepares the data; "
         "too few documents for one held-out sample (one .txt file): that share of the packed tokens, from the end")
-    interval: DurationField | None = Field(None, description="how often to evaluate, e.g. '500ba' or '1M tok'; default: ~10 evals per run")
-    max_batches: int = Field(20, gt=0, le=1 << 30, description="held-out micro-batches per evaluation")
+    interval: DurationField | None = Field(None, description="how often to evaluate, e.g. '500ba' or '1M tok'; default: up to "
+                                           "10 evals per run, as many as fit in 10% of its planned time (the final one always)")
+    max_batches: int | None = Field(None, gt=0, le=1 << 30, description="held-out micro-batches per rank and evaluation; "
+                                    "default: 20, fewer where one evaluation would take more than 10% of the run's time")
     prompts: tuple[str, ...] = Field((), description="prompts to generate from at each evaluation")
     max_new_tokens: int = Field(64, gt=0, le=MAX_NEW_TOKENS, description="tokens generated per prompt")
     temperature: float = Field(0.8, ge=0, le=100, description="sampling temperature for prompts (0 = greedy)")
@@ -270,7 +272,10 @@ class ComputeConfig(_Strict):
     gpus: int | Literal["auto"] = Field("auto", description="GPUs per node to use (at least 1)")
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="number of nodes")
     ranks: int | None = Field(None, ge=1, le=1024, description="CPU only: run N gloo ranks (for tests / no-GPU users)")
-    data_parallel: Literal["ddp", "fsdp", "hsdp", "none"] = Field("ddp", description="how ranks share the model")
+    data_parallel: Literal["auto", "ddp", "fsdp", "hsdp", "none"] = Field(
+        "auto", description="how ranks share the model: ddp (a whole copy on each), fsdp (states sharded over every "
+        "rank), hsdp (over a node's ranks, copies across nodes), none; auto: none on one device, ddp on CPU ranks or "
+        "where a whole copy fits each GPU, else hsdp on several nodes where a node holds a copy, else fsdp")
     # --- scale-out (lmforge.distributed; see docs/scale-out.md)
     shard_size: int | None = Field(None, ge=1, le=MAX_RANKS, description="hsdp: ranks per shard group (default: ranks per node)")
     expert_parallel: int = Field(
@@ -407,7 +412,8 @@ class SFTOptions(_Strict):
 
 # Task types `lmforge finetune` runs on JSONL rows (the others pretrain on text or prepared data).
 PREFERENCE_TASK = "preference"  # pairs of a chosen and a rejected response (lmforge/data/preference.py)
-FINETUNE_TASKS = ("instruction_finetune", "chat_completion", PREFERENCE_TASK)
+RL_TASK = "rl"  # prompts whose sampled completions are scored by rewards (lmforge/data/rl.py, lmforge/train/rl.py)
+FINETUNE_TASKS = ("instruction_finetune", "chat_completion", PREFERENCE_TASK, RL_TASK)
 
 # [preference] preference tuning after SFT (lmforge/data/preference.py, lmforge/models/preference_loss.py)
 PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo")
@@ -460,6 +466,120 @@ class PreferenceOptions(_Strict):
 # [/preference]
 
 
+# [rl] reinforcement learning from rewards (lmforge/train/rl.py, lmforge/models/policy_loss.py, lmforge/rewards/)
+RL_LOSSES = ("dapo", "grpo", "dr_grpo", "gspo")
+BUILTIN_REWARDS = ("exact_match", "math", "format")
+# A user's reward: a Python file and a function in it, TRL's signature (lmforge/rewards/functions.py).
+USER_REWARD = re.compile(r"^(?P<path>.+\.py):(?P<function>[A-Za-z_][A-Za-z0-9_]*)$")
+# rl.clip by loss: DAPO's "clip-higher" [0.2, 0.28] (Yu et al. 2025) for the token-level ratios; GSPO's
+# sequence-level ratio (a geometric mean of token ratios) moves far less: [3e-4, 4e-4] (Zheng et al. 2025).
+RL_CLIP = {"dapo": (0.2, 0.28), "grpo": (0.2, 0.28), "dr_grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+
+
+class RLOptions(_Strict):
+    """Reinforcement learning from rewards (task_type rl): rewards, rollouts and the policy loss (docs/rl.md)."""
+    reward: tuple[str, ...] = Field(
+        (), description="reward functions, summed (weighted): exact_match (the completion equals "
+        "the row's `answer`), math (the final answer — \\boxed{}, '#### n' or the last number — equals the row's "
+        "`answer` as a number), format (rl.format_regex found in the completion), or path/to/file.py:function "
+        "(TRL's signature: prompts, completions, the row's columns as keyword arguments → a list of floats, "
+        "None for not applicable)")
+    reward_weights: tuple[float, ...] | None = Field(None, description="one weight per reward; default: 1 each")
+    format_regex: str | None = Field(None, description="the regular expression the format reward searches the "
+                                     "completion for (re.search, dot matches newlines)")
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="completions sampled per prompt (the group "
+                            "whose rewards are compared)")
+    max_new_tokens: int = Field(256, gt=0, le=MAX_NEW_TOKENS, description="tokens a completion may have; one cut "
+                                "there is counted as truncated")
+    temperature: float = Field(1.0, gt=0, le=100, description="sampling temperature of the rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold of the rollouts (1: off)")
+    stop: tuple[str, ...] = Field((), description="strings that end a completion (kept in its tokens, "
+                            "left out of the text the rewards see), besides the end-of-text token")
+    engine: Literal["native", "vllm"] = Field(
+        "native", description="who samples: native (lmforge's batched sampler with a KV cache, every device) or "
+        "vllm (CUDA and the vllm extra; not available in this version: refused with a line)")
+    loss: Literal["dapo", "grpo", "dr_grpo", "gspo"] = Field(
+        "dapo", description="dapo (token-level mean over the batch; Yu et al. 2025), grpo (each completion's token "
+        "mean, then the mean; Shao et al. 2024), dr_grpo (token sum over group_size·max_new_tokens per prompt; "
+        "Liu et al. 2025), gspo (sequence-level ratio: the geometric mean of the token ratios; Zheng et al. 2025)")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="advantages are rewards minus their group's mean, divided by the group's standard "
+        "deviation (group), the whole batch's (batch) or nothing (none: Dr. GRPO)")
+    clip: tuple[float, float] | None = Field(
+        None, description="[low, high]: the ratio is clipped to [1 − low, 1 + high]; default [0.2, 0.28] "
+        "(DAPO's clip-higher), gspo [3e-4, 4e-4]")
+    updates_per_batch: int = Field(1, ge=1, le=MAX_UPDATES_PER_BATCH, description="optimizer updates on each batch "
+                                   "of completions (GRPO's μ); with 1 the ratio is 1 and clipping never acts")
+    kl: float = Field(0.0, ge=0, le=1e3, description="β of a KL penalty to the starting weights (the k3 "
+                      "estimator); 0: none, no reference model")
+    resample_flat_groups: int = Field(0, ge=0, le=16, description="groups whose rewards are all equal (no "
+                                      "learning signal) are sampled again up to N times; 0: only counted")
+    mask_truncated: bool = Field(False, description="completions cut at max_new_tokens are left out of the loss "
+                                 "(DAPO's overlong filtering); else only counted")
+
+    @field_validator("reward")
+    @classmethod
+    def _reward(cls, v):
+        for name in v:
+            if name not in BUILTIN_REWARDS and not USER_REWARD.match(name):
+                raise ValueError(f"{name!r} is not a reward; expected {', '.join(BUILTIN_REWARDS)} or "
+                                 "path/to/file.py:function")
+        if len(set(v)) != len(v):
+            raise ValueError("a reward is listed twice; each is scored and logged once")
+        return v
+
+    @field_validator("reward_weights")
+    @classmethod
+    def _weights(cls, v):
+        if v is not None and any(abs(w) > 1e6 for w in v):
+            raise ValueError("a weight is beyond ±1e6")
+        return v
+
+    @field_validator("format_regex")
+    @classmethod
+    def _regex(cls, v):
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"{v!r} is not a regular expression ({e})") from None
+        return v
+
+    @field_validator("clip")
+    @classmethod
+    def _clip(cls, v):
+        if v is not None and not (0 <= v[0] < 1 and 0 <= v[1] <= 10):
+            raise ValueError(f"expected [low, high] with 0 ≤ low < 1 and 0 ≤ high ≤ 10 (the ratio is kept in "
+                             f"[1 − low, 1 + high]), got {list(v)}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if any(not s for s in v):
+            raise ValueError("a stop string is empty")
+        if len(v) > 16:
+            raise ValueError("at most 16 stop strings")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
+            raise ValueError(f"{len(self.reward_weights)} rl.reward_weights for {len(self.reward)} reward(s) in "
+                             "rl.reward; give one weight per reward")
+        if "format" in self.reward and self.format_regex is None:
+            raise ValueError("the format reward needs rl.format_regex (the pattern the completion must contain)")
+        if self.format_regex is not None and "format" not in self.reward:
+            raise ValueError("rl.format_regex is set, but `format` is not among rl.reward")
+        return self
+
+    def resolved(self) -> "RLOptions":
+        """Every default written in: the clip range by loss, a weight of 1 per reward."""
+        return self.model_copy(update={"clip": tuple(self.clip or RL_CLIP[self.loss]),
+                                       "reward_weights": tuple(self.reward_weights or (1.0,) * len(self.reward))})
+# [/rl]
+
+
 class RunConfig(_Strict):
     name: str | None = Field(None, description="run name (a folder name and registry key: no '/'); default: the config file's "
                                       "name, else model + timestamp")
@@ -486,14 +606,17 @@ class RunConfig(_Strict):
         None, description="weights to start from: a run folder, its final/, a checkpoints/step_N folder or a "
         "Hugging Face folder (hf:/path); fresh optimizer and schedule")
     task_type: Literal["pretrain", "continued_pretrain", "instruction_finetune", "chat_completion",
-                       "preference"] = Field(
+                       "preference", "rl"] = Field(
         "pretrain", description="instruction_finetune / chat_completion: train_data and eval.data_path are "
         "JSONL prompt/response or messages rows, loss on responses only; preference: JSONL prompt/chosen/rejected "
-        "rows, DPO and its kin (lmforge finetune)")
+        "rows, DPO and its kin; rl: JSONL prompt (or messages) rows whose other columns reach the rewards, "
+        "GRPO and its kin (lmforge finetune)")
     sft: SFTOptions = Field(default_factory=SFTOptions, description="fine-tuning data options (sft.packing: "
                             "preference pairs too)")
     preference: PreferenceOptions = Field(default_factory=PreferenceOptions,
                                           description="task_type preference: the loss and its reference")
+    rl: RLOptions = Field(default_factory=RLOptions, description="task_type rl: rewards, rollouts and the "
+                          "policy loss (docs/rl.md)")
     lora: LoRAConfig | None = Field(
         None, description="train low-rank adapters on the frozen custom_weights_path model instead of all weights "
         "({rank, alpha, dropout, targets}); the final model is merged, final/adapter is a PEFT adapter")
@@ -612,6 +735,7 @@ class RunConfig(_Strict):
             raise ValueError("preference.reference: live is the base with its LoRA adapters off and needs lora:; "
                              "full fine-tuning uses reference: precomputed (the same log-probs, without a second "
                              "copy of the model)")
+        self._check_rl()
         if isinstance(self.tokenizer, TokenizerSpec) and self.tokenizer.extend and not self.custom_weights_path:
             raise ValueError("tokenizer.extend: needs custom_weights_path (the model whose vocabulary is extended)")
         for entry in self.train_data:
@@ -623,6 +747,18 @@ class RunConfig(_Strict):
             self._check_curriculum()
         self.goodput.check(nodes=self.compute.nodes, autoresume=self.autoresume)
         return self
+
+    def _check_rl(self) -> None:
+        if self.rl != RLOptions() and self.task_type != RL_TASK:
+            raise ValueError(f"rl: applies to task_type rl (this run's is {self.task_type})")
+        if self.task_type != RL_TASK:
+            return
+        if not self.rl.reward:
+            raise ValueError("rl.reward: task_type rl needs at least one reward (exact_match, math, format or "
+                             "path/to/file.py:function)")
+        if isinstance(self.parameters.global_batch_size, str):
+            raise ValueError(f"parameters.global_batch_size: task_type rl counts prompts per step (each sampled "
+                             f"rl.group_size times); expected an integer, not {self.parameters.global_batch_size!r}")
 
     @field_validator("train_data")
     @classmethod

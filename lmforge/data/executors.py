@@ -99,9 +99,10 @@ def check_ray_address(address: str | None) -> None:
 @dataclass
 class JobRun:
     seconds: float
-    cores: int
+    cores: int  # the cores the job could use (this machine's, or its Ray tasks' share of the cluster)
     new_units: list[int]  # units done by this run (the others were done by an earlier one)
     submitted: list[dict] | None = None  # slurm: the jobs submitted, nothing run here
+    cpu_seconds: float | None = None  # CPU time of this process and the processes it waited for (None: Ray's)
 
 
 def run_job(job: Job, spec: ExecutorSpec | None, workers: int = 1, progress: bool = False) -> JobRun:
@@ -115,7 +116,7 @@ def run_job(job: Job, spec: ExecutorSpec | None, workers: int = 1, progress: boo
         return JobRun(0.0, 0, [], submitted=_submit_slurm(job, stages, spec))
     before = wd.done("units")
     remote.remove_tree(wd.uri("errors"))  # an earlier run's
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), cpu_seconds()
     cores = os.cpu_count() or 1  # in this process the tokenizer's threads fill every core, whatever --workers
     with _Progress(job, stages, progress):
         if spec is None:
@@ -126,7 +127,18 @@ def run_job(job: Job, spec: ExecutorSpec | None, workers: int = 1, progress: boo
             cores = _run_in_runner(job, stages, spec)
     for stage in stages:
         _check_done(job, stage)
-    return JobRun(time.perf_counter() - start, cores, sorted(wd.done("units") - before))
+    # The work's CPU time, where its processes are ours (Ray's run in the cluster's own workers).
+    cpu = None if spec is not None and spec.kind == "ray" else cpu_seconds() - cpu0
+    return JobRun(time.perf_counter() - start, cores, sorted(wd.done("units") - before), cpu_seconds=cpu)
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and of every process it waited for (the task pool's,
+    the runner's and theirs, which each wait for their own)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _check_done(job: Job, stage: Stage) -> None:
@@ -384,13 +396,20 @@ def format_duration(s: float) -> str:
 PROJECTION_SECONDS = 60  # less work than this (start-up, a tail of idle tasks) says little about 1T tokens
 
 
-def throughput_line(tokens: int, seconds: float, cores: int) -> str:
+def throughput_line(tokens: int, seconds: float, cores: int, cpu_seconds: float | None = None) -> str:
     """tokens/s per core, and what 1T tokens would take on 1, 10 and 100 such machines: only from a
-    run of at least a minute (a few seconds are mostly start-up)."""
+    run of at least a minute (a few seconds are mostly start-up). Per core is per CPU-second the
+    work used (``cpu_seconds``: one task on a 2-core machine is one core's work, not two), else per
+    core it could use (``cores``)."""
     if tokens <= 0 or seconds <= 0:
         return ""
-    per_core = tokens / seconds / max(1, cores)
-    rate = f"{tokens / seconds:,.0f} tokens/s, {per_core:,.0f} tokens/s per core ({cores} cores)"
+    if cpu_seconds:
+        per_core = tokens / cpu_seconds
+        used = f"{cpu_seconds / seconds:.2g} of {cores} cores busy on average: {cpu_seconds:,.1f} CPU-seconds"
+    else:
+        per_core = tokens / seconds / max(1, cores)
+        used = f"{cores} cores"
+    rate = f"{tokens / seconds:,.0f} tokens/s, {per_core:,.0f} tokens/s per core ({used})"
     if seconds < PROJECTION_SECONDS:
         return (f"{rate} over {seconds:.1f} s: too little work to project 1T tokens from (it takes a run of "
                 f"{PROJECTION_SECONDS} s or more)")

@@ -36,7 +36,7 @@ import torch
 
 from lmforge.config.schema import PREFERENCE_TASK
 from lmforge.data.batch import IGNORE, Batch
-from lmforge.data.sft import SFTData, json_rows, row_segments, tokenize_example
+from lmforge.data.sft import SFTData, json_rows, packing_note, row_segments, tokenize_example
 from lmforge.errors import UserError, json_kind
 
 ROW_FIELDS = "prompt / chosen / rejected"
@@ -380,7 +380,7 @@ def load_preference_data(train_paths: list[str], eval_path: str | None, tokenize
     if eval_path:
         eval_rows = load_pairs([eval_path], tokenizer, seq_len, packing=packing, seed=seed, template=template)
     fits = [fit_summary(rows)] + ([fit_summary(eval_rows, "held-out ")] if eval_rows is not None else [])
-    log(f"data: {rows.pairs} pairs in {len(rows)} rows of {seq_len} tokens{' (packed)' if packing else ''}"
+    log(f"data: {rows.pairs} pairs in {len(rows)} rows of {seq_len} tokens{packing_note(rows.pairs, len(rows), packing, 'pair')}"
         + (f"; {eval_rows.pairs} held-out pairs" if eval_rows is not None else "")
         + "".join(f"; {f}" for f in fits if f))
     return PreferenceData(tokenizer.path, rows, eval_rows, chat_template=chat_template)

@@ -299,7 +299,9 @@ def finalize(job: Job, run: JobRun | None = None) -> dict:
         marker["units_done_earlier"] = len(markers) - len(new)  # by an interrupted run of the same command
     if run is not None and tokens_now and seconds > 0:
         marker["cores"] = run.cores
-        marker["throughput"] = throughput_line(tokens_now, seconds, run.cores)
+        if run.cpu_seconds is not None:
+            marker["cpu_seconds"] = round(run.cpu_seconds, 3)
+        marker["throughput"] = throughput_line(tokens_now, seconds, run.cores, run.cpu_seconds)
     if curation is not None:
         marker["curation"] = curation
     marker["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -321,3 +321,13 @@ class SFTData:
         if self.eval_rows is None:
             return []
         return [EvalSet("eval", partial(eval_batches, self.eval_rows, layout, max_batches))]
+
+
+def packing_note(items: int, rows: int, packing: bool, what: str) -> str:
+    """What packing did, for a data line: " (packed: 2.4 pairs a row)", or that nothing was packed."""
+    if not packing:
+        return ""
+    if rows >= items:
+        return f" (one {what} a row: sft.packing is on, but no two fit in one)"
+    return f" (packed: {items / rows:.3g} {what}s a row)"
+

@@ -92,6 +92,12 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if td.is_available() and td.is_initialized():
+        td.all_reduce(t, op=td.ReduceOp.MAX)
+    return t
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if it is true on any (one small all-reduce; no pickling)."""
     if not (td.is_available() and td.is_initialized()):

@@ -10,6 +10,13 @@ rules; this module runs the model. Four task types:
   negative log-likelihood (NLL) is the prediction (first one on ties).
 - ``schema``: ``context_options``, ``continuation``, ``gold``; the context under which the shared
   continuation has the lowest mean NLL.
+
+That ``accuracy`` is Foundry's rule (lowest mean loss per token, `ACCURACY_RULE`). The same
+log-likelihoods give lm-evaluation-harness's two (0.4: its ``acc`` and ``acc_norm``), reported
+beside it for these two types so that a number compares with either ecosystem: ``acc``, the
+highest *summed* log-likelihood (a longer choice pays for every token), and ``acc_norm``, the
+summed log-likelihood divided by the choice's length in characters (the option's text; schema
+tasks share their continuation, so there both equal ``acc``).
 - ``generation_task_with_answers``: ``context``, ``answer``, ``aliases``; greedy generation up to
   the longest answer's length (or ``generation_kwargs.max_new_tokens``) or EOS, graded by
   ``icl_metrics``.
@@ -36,8 +43,15 @@ from lmforge.eval.icl_prompts import (
     preamble_text,
 )
 from lmforge.tasks.icl import (
-    DEFAULT_TASKS, GENERATION, LANGUAGE_MODELING, TASK_TYPES, ICLTask, load_tasks,
+    DEFAULT_TASKS, GENERATION, LANGUAGE_MODELING, SCHEMA, TASK_TYPES, ICLTask, load_tasks,
 )
+
+
+# What each accuracy of a likelihood-scored choice task means (`summarize` names them with its results).
+ACCURACY_RULE = "LLM Foundry's: the option with the lowest mean loss per token"
+LM_EVAL_RULES = {"acc": "lm-evaluation-harness's acc: the highest summed log-likelihood",
+                 "acc_norm": "lm-evaluation-harness's acc_norm: the highest summed log-likelihood per character of "
+                             "the option"}
 
 
 @dataclass
@@ -51,6 +65,9 @@ class ExampleResult:
     category: str | None = None
     # (confidence, right) as the calibration metric sees it; only when the task asks for it.
     calibration: tuple[float, bool] | None = None
+    # lm-evaluation-harness's rules (multiple choice, schema): right by the summed NLL, and by it per character
+    acc: bool | None = None
+    acc_norm: bool | None = None
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -92,11 +109,16 @@ def evaluate_icl(
 def summarize(task: ICLTask, rows: list[ExampleResult]) -> dict[str, Any]:
     def stats(part: list[ExampleResult], size: int) -> dict[str, Any]:
         out: dict[str, Any] = {"accuracy": sum(r.correct for r in part) / len(part), "n": len(part), "size": size}
+        if part and part[0].acc is not None:  # lm-eval's rules beside Foundry's
+            out["acc"] = sum(bool(r.acc) for r in part) / len(part)
+            out["acc_norm"] = sum(bool(r.acc_norm) for r in part) / len(part)
         if "calibration_error" in task.metrics:
             out["calibration_error"] = calibration_error([r.calibration for r in part])
         return out
 
     out = stats(rows, len(task.examples))
+    if "acc" in out:
+        out["rules"] = {"accuracy": ACCURACY_RULE} | LM_EVAL_RULES
     if task.has_categories:
         groups: dict[str, list[ExampleResult]] = {}
         for r in rows:
@@ -152,6 +174,7 @@ def _score_likelihood(model, tokenizer, task: ICLTask, k: int, indices: list[int
             requests.append((pos, ctx or [_start_id(tokenizer)], cont))
 
     nll = [0.0] * len(requests)
+    summed = [0.0] * len(requests)
     greedy = [False] * len(requests)
     confidence = [0.0] * len(requests)
     # Longest first so each batch pads little; results go back to their request's slot.
@@ -168,6 +191,7 @@ def _score_likelihood(model, tokenizer, task: ICLTask, k: int, indices: list[int
             target = torch.tensor(cont, device=lp.device)
             picked = lp.gather(1, target[:, None])[:, 0]
             nll[r] = -picked.mean().item()
+            summed[r] = -picked.sum().item()
             greedy[r] = bool((lp.argmax(dim=-1) == target).all())
             if calibrate:
                 confidence[r] = lm_confidence(lp) if task.task_type == LANGUAGE_MODELING else \
@@ -182,7 +206,7 @@ def _score_likelihood(model, tokenizer, task: ICLTask, k: int, indices: list[int
     for pos, i in enumerate(indices):
         ex, rs = task.examples[i], by_example[pos]
         scores = [nll[r] for r in rs]
-        calibration = None
+        calibration = acc = acc_norm = None
         if task.task_type == LANGUAGE_MODELING:
             correct, pred = greedy[rs[0]], None
             if calibrate:
@@ -193,7 +217,12 @@ def _score_likelihood(model, tokenizer, task: ICLTask, k: int, indices: list[int
             if calibrate:
                 best, conf = choice_confidence([confidence[r] for r in rs])
                 calibration = (conf, best == ex["gold"])
-        results.append(ExampleResult(i, correct, pred, scores, ex.get("category"), calibration))
+            sums = [summed[r] for r in rs]
+            chars = [max(1, len(c)) for c in (ex["choices"] if task.task_type != SCHEMA else
+                                              [ex["continuation"]] * len(rs))]
+            acc = min(range(len(sums)), key=sums.__getitem__) == ex["gold"]  # lm-eval: argmax, first of ties
+            acc_norm = min(range(len(sums)), key=lambda k: sums[k] / chars[k]) == ex["gold"]
+        results.append(ExampleResult(i, correct, pred, scores, ex.get("category"), calibration, acc, acc_norm))
     return results
 
 

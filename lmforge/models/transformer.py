@@ -359,13 +359,19 @@ class Transformer(nn.Module):
         per-token twin of `head_loss`, compiled as one unit like it (`models.loss.token_logprobs`)."""
         return token_logprobs(self.norm(h), self.output_weight, targets, softcap=self.cfg.logit_softcap)
 
-    def decode(self, input_ids: torch.Tensor, kv_cache: KVCache, start_pos: int = 0) -> torch.Tensor:
-        """Logits [B, T, V] of ``input_ids`` placed at ``start_pos``, reading and filling ``kv_cache``."""
+    def decode(self, input_ids: torch.Tensor, kv_cache: KVCache, start_pos: int = 0,
+               key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] of ``input_ids`` placed at ``start_pos``, reading and filling ``kv_cache``.
+        ``key_mask`` [B, start_pos + T] (rows of different lengths, left-padded to one): False at the
+        padding, which no other position attends to."""
         B, T = input_ids.shape
         if start_pos + T > min(kv_cache.max_len, self.cfg.max_seq_len):
             raise ValueError(f"sequence end {start_pos + T} exceeds max_seq_len/cache length {kv_cache.max_len}")
         h = self.embed(input_ids)
         layers = self._attention_inputs(T, start_pos, None, input_ids.device)
+        if key_mask is not None:
+            masks = {id(m): padding_mask(m, key_mask, T, start_pos) for _, _, m in layers}
+            layers = [(cos, sin, masks[id(m)]) for cos, sin, m in layers]
         for i, (block, (cos, sin, mask)) in enumerate(zip(self.blocks, layers)):
             h, _ = block(h, cos, sin, (kv_cache.k[i], kv_cache.v[i]), start_pos, mask)
         return self._logits(h)
@@ -441,6 +447,18 @@ def attention_mask(T: int, start_pos: int, doc_ids: torch.Tensor | None, window:
     if doc_ids is not None:
         mask = (mask & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]  # [B, 1, T, T]
     return mask
+
+
+def padding_mask(mask: torch.Tensor | None, key_mask: torch.Tensor, T: int, start_pos: int) -> torch.Tensor:
+    """`attention_mask`'s boolean ``mask`` (None: plain causal) of queries start_pos … start_pos + T − 1,
+    [B, 1, T, S] with keys where ``key_mask`` [B, S] is False left out — but each query's own position
+    kept, so a padding query still attends to something and its row stays finite (its output is
+    never read)."""
+    end = start_pos + T
+    q = torch.arange(start_pos, end, device=key_mask.device)[:, None]
+    k = torch.arange(end, device=key_mask.device)[None, :]
+    base = (k <= q) if mask is None else mask
+    return (base & (key_mask[:, None, :end] | (k == q)))[:, None]
 
 
 def flex_mask(T: int, doc_ids: torch.Tensor | None, window: int | None, device) -> BlockMask:

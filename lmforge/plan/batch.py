@@ -16,10 +16,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmforge.config.defaults import auto_precision, default_batch_tokens, micro_batch_for, run_optimizer
+from lmforge.config.counts import human
+from lmforge.config.defaults import (RL_PROMPTS_PER_STEP, auto_precision, default_batch_rule, default_batch_tokens,
+                                     micro_batch_for, run_optimizer)
 from lmforge.config.durations import Duration, parse_duration
 from lmforge.config.model import ModelConfig
-from lmforge.config.schema import FINETUNE_TASKS, RunConfig
+from lmforge.config.schema import FINETUNE_TASKS, RL_TASK, RunConfig
 from lmforge.errors import UserError
 from lmforge.plan.flops import mfu_flops_per_token, param_counts
 from lmforge.plan.hardware import mfu_basis, peak_flops, tokens_per_s_at
@@ -76,6 +78,11 @@ def run_tokens(d: Duration, model: ModelConfig, ctx: int, *, tokens_per_s: Calla
     return None
 
 
+def group_size(cfg: RunConfig) -> int:
+    """Completions sampled per prompt (task_type rl: ``rl.group_size``); 1 for every other task."""
+    return cfg.rl.group_size if cfg.task_type == RL_TASK else 1
+
+
 def batch_samples(parameters, model: ModelConfig, ctx: int, tokens: float | None) -> int:
     """``parameters.global_batch_size`` in samples of ``ctx`` tokens: as given (samples, or tokens
     rounded to whole samples), else the default for ``model`` and a run of ``tokens`` tokens."""
@@ -89,12 +96,47 @@ def batch_samples(parameters, model: ModelConfig, ctx: int, tokens: float | None
 
 
 def global_batch(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> int:
-    """The global batch in samples (`batch_samples`); a batch in tokens or the default rounded up so
-    every replica gets the same share."""
-    gbs = batch_samples(cfg.parameters, model, ctx, tokens)
-    if isinstance(cfg.parameters.global_batch_size, int):
-        return gbs  # as given: `plan.checks.check_batch_split` refuses one that does not split
+    """The global batch in samples (`batch_samples`; task_type rl: prompts, RL_PROMPTS_PER_STEP by
+    default); a batch in tokens or the default rounded up so every replica gets the same share."""
+    given = cfg.parameters.global_batch_size
+    if isinstance(given, int):
+        return given  # as given: `plan.checks.check_batch_split` refuses one that does not split
+    # (task_type rl: the config allows no batch in tokens)
+    gbs = RL_PROMPTS_PER_STEP if cfg.task_type == RL_TASK else batch_samples(cfg.parameters, model, ctx, tokens)
     return replicas * max(1, math.ceil(gbs / replicas))
+
+
+def batch_change(cfg: RunConfig, model: ModelConfig, ctx: int, replicas: int, tokens: float | None) -> str | None:
+    """The line naming how the planned batch differs from the tokens per step asked for (a batch in
+    tokens, or the default rule's), and why; None where it is as asked (a batch in samples is taken
+    as given)."""
+    p = cfg.parameters
+    if isinstance(p.global_batch_size, int):
+        return None
+    if cfg.task_type == RL_TASK:  # prompts, not tokens
+        gbs = global_batch(cfg, model, ctx, replicas, tokens)
+        return None if gbs == RL_PROMPTS_PER_STEP else (
+            f"batch raised to {gbs:,} prompts per step from the default {RL_PROMPTS_PER_STEP:,}: the same whole number "
+            f"for each of the {replicas:,} data-parallel replicas")
+    if p.global_batch_size is None:
+        non_embedding = param_counts(model)["non_embedding"]
+        asked = default_batch_tokens(non_embedding, tokens)
+        what = f"the default rule ({default_batch_rule(non_embedding, tokens)})"
+    else:
+        d = parse_duration(p.global_batch_size)
+        asked, what = (d.value if d.unit == "tok" else max(1, int(d.value)) * ctx), "parameters.global_batch_size"
+    gbs, samples = global_batch(cfg, model, ctx, replicas, tokens), batch_samples(p, model, ctx, tokens)
+    if gbs * ctx == asked:
+        return None
+    how = [f"{samples:,} whole sample(s) of {ctx:,}"]
+    if gbs != samples:
+        how.append(f"{'raised' if gbs > samples else 'rounded'} to {gbs:,}: the same whole number for each of the "
+                   f"{replicas:,} data-parallel replicas" + (", at least one" if samples < replicas else ""))
+    fewer = ("; fewer tokens per step need fewer replicas (compute.context_parallel, fewer ranks) or a shorter "
+             "context") if gbs > samples and samples < replicas else ""
+    verb = "raised" if gbs * ctx > asked else "lowered"
+    return (f"batch {verb} to {human(gbs * ctx)} tokens per step ({gbs:,} × {ctx:,}) from the {human(asked)} of "
+            f"{what}: " + ", ".join(how) + fewer)
 
 
 def probe_micro_batch(gbs: int, replicas: int, device: str) -> int:
@@ -119,8 +161,10 @@ class Rate:
 
 
 def expected_rate(cfg: RunConfig, ctx: int, micro: int, machine: Machine, precision: str) -> Rate:
-    """This machine's cached measurement of the run's shape (`train.throughput`), else FLOPs at the
-    machine's assumed MFU of its peak."""
+    """This machine's cached measurement of the run's shape (`train.throughput`: `model: auto`
+    times its shapes), else FLOPs at the machine's assumed MFU of its peak — which the source says,
+    and on a CPU that it reaches far less (timing a shape before every plan would cost a dry run
+    seconds to minutes)."""
     measured = None
     if cfg.model.vocab_size:
         measured = machine.probe.tokens_per_s(cfg.model, ctx, micro, precision=precision,
@@ -129,4 +173,6 @@ def expected_rate(cfg: RunConfig, ctx: int, micro: int, machine: Machine, precis
         rate = measured * machine.compute_devices
         return Rate(rate, rate, "measured on this machine")
     assumed = assumed_tokens_per_s(cfg.model, ctx, machine, precision, cfg.lora)
-    return Rate(assumed, assumed / machine.assumed_mfu, "assumed, nothing measured here")
+    cpu = "; a CPU reaches far less" if machine.device == "cpu" else ""
+    return Rate(assumed, assumed / machine.assumed_mfu,
+                f"assumed {machine.assumed_mfu:.0%} of the peak{cpu}, nothing measured here")

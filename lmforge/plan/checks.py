@@ -6,13 +6,14 @@ and the torch code that builds the mesh (`distributed.parallelize`) calls `check
 - `check_batch_split`: the global batch splits over the data-parallel *replicas* (ranks that read
   different rows: context-parallel ranks share theirs) and into whole micro-batches;
 - `check_context`: the context fits the prepared samples;
-- `check_context_parallel`: what a row split over ranks needs (equal chunks; CUDA's ring attention).
+- `check_context_parallel`: what a row split over ranks needs (equal chunks; CUDA's ring attention);
+- `check_rl`: what reinforcement learning needs of the context, the ranks and the machine.
 """
 
 from __future__ import annotations
 
 from lmforge.config.model import ModelConfig
-from lmforge.config.schema import FINETUNE_TASKS, ComputeConfig
+from lmforge.config.schema import FINETUNE_TASKS, RL_TASK, ComputeConfig
 from lmforge.errors import UserError
 from lmforge.plan.layout import SHARDED, shard_group
 
@@ -90,13 +91,22 @@ def replicas(ranks: int, context_parallel: int) -> int:
     return max(1, ranks // context_parallel)
 
 
-def check_batch_split(gbs: int, micro: int | None, ranks: int, context_parallel: int = 1) -> None:
+def check_batch_split(gbs: int, micro: int | None, ranks: int, context_parallel: int = 1, group: int = 1) -> None:
     """The global batch (samples) splits evenly over the replicas and, ``micro`` given, into whole
-    micro-batches on each."""
+    micro-batches on each. ``group`` (task_type rl): ``gbs`` counts prompts, each sampled ``group``
+    times by the rank that holds it, and the micro-batches split the completions."""
     n = replicas(ranks, context_parallel)
     who = f"ranks ({n})" if context_parallel == 1 else \
         f"data-parallel replicas ({n}: {ranks} ranks / compute.context_parallel {context_parallel})"
-    if micro is None:
+    if group > 1:
+        if gbs % n:
+            raise UserError(f"parameters.global_batch_size ({gbs} prompts) must be divisible by the number of {who}: "
+                            "each rank samples the completions of its own prompts")
+        if micro is not None and gbs * group % (micro * n):
+            raise UserError(f"parameters.micro_batch_size ({micro}) × {who} = {micro * n} must divide the "
+                            f"completions of a step: parameters.global_batch_size ({gbs}) × rl.group_size ({group}) "
+                            f"= {gbs * group}")
+    elif micro is None:
         if gbs % n:
             raise UserError(f"parameters.global_batch_size ({gbs}) must be divisible by the number of {who}")
     elif gbs % (micro * n):
@@ -133,3 +143,35 @@ def check_context_parallel(context_parallel: int, seq_len: int, model: ModelConf
         raise UserError(f"{key}: on CUDA the sequence is sharded by torch's ring attention, which is plain causal "
                         f"and cannot take {unsupported[0]}; use context_parallel: 1 for this run (the CPU path "
                         "all-gathers keys and values and takes every mask)")
+
+
+VLLM_NEEDS = "rl.engine: vllm needs CUDA and the vllm extra"
+
+
+def check_rl(cfg, ctx: int, device_type: str) -> None:
+    """Reinforcement learning (task_type rl): a completion of ``rl.max_new_tokens`` leaves room for a
+    prompt in the context; whole rows on each rank (the policy samples them); a KL penalty without
+    LoRA keeps a frozen copy of the model on every rank, which fsdp/hsdp would have to shard; the vLLM
+    engine is CUDA's, and not in this version (docs/rl.md)."""
+    if cfg.task_type != RL_TASK:
+        return
+    rl, c = cfg.rl, cfg.compute
+    if rl.max_new_tokens >= ctx:
+        raise UserError(f"rl.max_new_tokens ({rl.max_new_tokens}) leaves no room for a prompt within "
+                        f"parameters.context_length ({ctx}); expected fewer new tokens or a longer context")
+    if c.context_parallel > 1:
+        raise UserError("compute.context_parallel: the policy samples and scores whole completions on one rank; "
+                        "expected context_parallel 1 for task_type rl")
+    if rl.kl and cfg.lora is None and c.data_parallel in SHARDED:
+        raise UserError(f"rl.kl: the reference of full fine-tuning is a frozen copy of the starting weights, kept "
+                        f"whole on every rank, which data_parallel {c.data_parallel} does not do; use lora: (the "
+                        "reference is then the base with its adapters off), data_parallel ddp, or rl.kl: 0")
+    if rl.engine == "vllm":
+        import importlib.util
+
+        if device_type != "cuda" or importlib.util.find_spec("vllm") is None:
+            raise UserError(f"{VLLM_NEEDS} (pip install 'lmforge[vllm]'); this machine: "
+                            f"{device_type}{'' if device_type != 'cuda' else ', vllm not installed'}; "
+                            "rl.engine: native samples on every device")
+        raise UserError("rl.engine: vllm is not available in this version (its weight sync and log-prob check are "
+                        "not measured yet, docs/rl.md); rl.engine: native samples on CUDA too")

@@ -27,7 +27,7 @@ from dataclasses import replace
 from lmforge.config.model import ModelConfig
 from lmforge.plan.activations import canonical_checkpointing, checkpointing_words
 from lmforge.plan.flops import param_counts
-from lmforge.plan.layout import Sharding
+from lmforge.plan.layout import REPLICATED, Sharding
 from lmforge.plan.memory import activation_bytes, fixed_bytes, usable_bytes
 
 MODES = ("none", "selective", "full")
@@ -91,8 +91,17 @@ def context_plan(cfg: ModelConfig, seq_len: int, sharding: Sharding, gpu_memory:
         o["fits"] = o["bytes_per_gpu"] <= usable
     choice = next((o for o in options if o["fits"]), None)
     more = None if choice else min_gpus(cfg, seq_len, sharding, usable, micro_batch)
-    return {"seq_len": seq_len, "gpus": sharding.devices, "micro_batch": micro_batch, "usable_bytes": usable,
-            "options": options, "choice": choice, "min_gpus": more[0] if more else None}
+    out = {"seq_len": seq_len, "gpus": sharding.devices, "micro_batch": micro_batch, "usable_bytes": usable,
+           "options": options, "choice": choice, "min_gpus": more[0] if more else None,
+           "data_parallel": sharding.data_parallel}
+    if choice is None and sharding.data_parallel in REPLICATED and sharding.devices > 1:
+        # More GPUs do not help a replicated model: what sharding it over these GPUs would fit first.
+        sharded = replace(sharding, data_parallel="fsdp", shard_size=None)
+        out["sharded_choice"] = next((o for o in (
+            {"context_parallel": cp, "checkpointing": mode,
+             "bytes_per_gpu": per_gpu_bytes(cfg, seq_len, sharded, cp, mode, micro_batch)}
+            for cp in degrees(seq_len, sharded) for mode in MODES) if o["bytes_per_gpu"] <= usable), None)
+    return out
 
 
 def min_gpus(cfg: ModelConfig, seq_len: int, sharding: Sharding, usable: float, micro_batch: int = 1

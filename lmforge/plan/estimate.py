@@ -13,7 +13,7 @@ nominal path; `plan_view` fills its inputs from the plan), `format_plan` renders
 from __future__ import annotations
 
 import io
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, replace
 
 from lmforge.config.counts import human
 from lmforge.config.model import ModelConfig
@@ -22,13 +22,13 @@ from lmforge.errors import UserError
 from lmforge.plan.activations import option_words
 from lmforge.plan.auto import TOKENS_PER_PARAM
 from lmforge.plan.checks import check_context_parallel, check_mesh
-from lmforge.plan.comm import moe_traffic
+from lmforge.plan.comm import OVERLAP, moe_traffic
 from lmforge.plan.context import checkpointing_label, context_plan, setting
 from lmforge.plan.fit import FLAGS, KEYS, remedy
 from lmforge.plan.flops import DEFAULT_VOCAB, flops_per_token, param_counts
 from lmforge.plan.hardware import ASSUMED_MFU, GPUSpec, get_gpu_type, mfu_basis, peak_flops, tokens_per_s_at
 from lmforge.plan.layout import REPLICATED, Sharding, shard_group
-from lmforge.plan.memory import memory_plan
+from lmforge.plan.memory import data_parallel_mode, memory_plan
 from lmforge.plan.micro_batch import Choice, choose
 from lmforge.plan.run import TrainPlan
 
@@ -77,7 +77,7 @@ class EstimateInputs:
     expert_parallel: int = 1
     grad_accum: int = 1
     context_parallel: int = 1
-    data_parallel: str = "fsdp"
+    data_parallel: str = "auto"  # resolved as `lmforge train` resolves it
     shard_size: int | None = None  # hsdp: GPUs of a shard group (default: a node's)
     # --- from a plan
     memory: dict | None = None  # its memory verdict
@@ -88,6 +88,7 @@ class EstimateInputs:
     micro_batch_reason: str | None = None
     remedy: str | None = None  # what makes a plan that does not fit fit, in the reader's words
     said: tuple[str, ...] = ()  # what the plan says (RoPE scaling, ...)
+    communication: dict | None = None  # a step's collectives and the time they add (`communication_view`)
     tokens_source: str | None = None  # where ``tokens`` come from, when not given by hand
 
 
@@ -144,13 +145,42 @@ def plan_view(cfg: RunConfig, plan: TrainPlan, *, names: dict = FLAGS) -> dict:
         activation_checkpointing=plan.activation_checkpointing, activation_compression=plan.activation_compression,
         activation_offload=plan.activation_offload, precision=mfu_basis(plan.precision),
         expert_parallel=c.expert_parallel if gpu else 1, context_parallel=c.context_parallel,
-        data_parallel=c.data_parallel, shard_size=plan.sharding.shard_size, memory=plan.memory,
+        data_parallel=plan.layout.data_parallel, shard_size=plan.sharding.shard_size, memory=plan.memory,
         tokens_per_s=plan.tokens_per_s, rate_source=plan.rate_source, compute_devices=plan.ranks if gpu else 1,
         batch={"global_batch": plan.global_batch, "context_length": plan.context_length,
                "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "replicas": plan.replicas,
-               "ranks": plan.ranks},
+               "ranks": plan.ranks, "group_size": plan.layout.group_size},
         micro_batch_reason=plan.micro_batch_reason, remedy=plan.remedy.text(names) if plan.remedy else None,
-        said=plan.notes))
+        said=plan.notes + ((plan.evaluation.line,) if plan.evaluation else ()),
+        communication=communication_view(plan)))
+
+
+def communication_view(plan: TrainPlan) -> dict | None:
+    """A plan's step communication (`plan.run.StepCommunication`) as the view's dict; None without any."""
+    comm = plan.communication
+    if comm is None or not comm.collectives:
+        return None
+    spec = plan.spec
+    return {"compute_s": comm.compute_s, "exposed_s": comm.exposed_s, "step_s": plan.step_time_s, "overlap": OVERLAP,
+            "link_bytes_per_s": spec.link_bytes_per_s, "network_bytes_per_s": spec.network_bytes_per_s,
+            "collectives": [{"what": c.what, "bytes": c.bytes, "network": c.network, "hidden": c.hidden,
+                             "seconds": c.seconds(spec)} for c in comm.collectives]}
+
+
+def batch_rows(b: dict) -> str:
+    """A plan's global batch in words: samples × tokens (task_type rl: prompts × completions)."""
+    group = b.get("group_size", 1)
+    return f"{b['global_batch']} × {b['context_length']} tokens" if group == 1 else \
+        f"{b['global_batch']} prompts × {group} completions of ≤ {b['context_length']} tokens"
+
+
+def batch_split(b: dict) -> str:
+    return f"micro-batch {b['micro_batch']} × {b['grad_accum']} accumulation × {b['replicas']} replica(s) of " \
+           f"{b['ranks']} rank(s)"
+
+
+def batch_text(b: dict) -> str:
+    return f"{batch_rows(b)} = {batch_split(b)}"
 
 
 def run_record(cfg: RunConfig, plan: TrainPlan) -> dict:
@@ -179,6 +209,11 @@ def estimate_run(x: EstimateInputs) -> dict:
     if tokens is None:
         tokens, tokens_source = chinchilla, f"Chinchilla-optimal ({TOKENS_PER_PARAM:g} × parameters)"
     n = x.gpus * x.nodes
+    if x.data_parallel == "auto":  # the rule `lmforge train` resolves it by (`plan.memory.data_parallel_mode`)
+        x = replace(x, data_parallel=data_parallel_mode(
+            "auto", counts["total"], cfg, seq_len, devices=n, nodes=x.nodes, gpu=spec.name != "cpu",
+            gpu_memory=spec.memory_bytes, expert_parallel=x.expert_parallel, shard_size=x.shard_size,
+            context_parallel=x.context_parallel))
     sharding = Sharding(x.data_parallel, n, shard_group(x.data_parallel, n, x.nodes, x.shard_size), x.expert_parallel)
     if x.memory is None:
         _check_layout(x, cfg, n, seq_len)
@@ -234,6 +269,7 @@ def estimate_run(x: EstimateInputs) -> dict:
         "micro_batch_choice": choice.reason if choice else x.micro_batch_reason,
         "context": context,
         "moe_traffic": _moe_traffic(cfg, memory, seq_len, x, n),
+        "communication": x.communication,
         "notes": list(x.said) + notes,
     }
 
@@ -283,7 +319,7 @@ def check_fits(plan: dict) -> None:
         return
     where = f"{cluster['gpus']} × {cluster['gpu_type']} under {mem['data_parallel']}"
     states, usable = _bytes(mem["states_bytes_per_gpu"]), _bytes(mem["usable_bytes"])
-    if mem["data_parallel"] in REPLICATED:  # more GPUs of the same kind do not help: shard instead
+    if mem["data_parallel"] in REPLICATED and cluster["gpus"] > 1:  # more GPUs of the same kind do not help: shard
         more = "--data-parallel fsdp (compute.data_parallel: fsdp) to shard the model states"
     else:
         more = f"at least {mem['min_gpus']} GPUs" if mem["min_gpus"] else "a shorter --seq-len"
@@ -336,6 +372,17 @@ def _context_text(ctx: dict) -> str:
     choice = ctx["choice"]
     where = f"{ctx['seq_len']} tokens per row (micro-batch {ctx['micro_batch']})"
     if choice is None:
+        dp = ctx.get("data_parallel", "fsdp")
+        if dp in REPLICATED:  # whole model states on each GPU: more GPUs do not help, sharding does
+            sharded = ctx.get("sharded_choice")
+            if sharded is not None:
+                return (f"{where}: no context-parallel degree or checkpointing fits under {dp} (whole model states "
+                        f"on each GPU); --data-parallel fsdp fits first with --context-parallel "
+                        f"{sharded['context_parallel']} and {checkpointing_label(setting(sharded['checkpointing']))} "
+                        f"({_bytes(sharded['bytes_per_gpu'])} per GPU)")
+            more = f" on at least {ctx['min_gpus']} GPUs" if ctx["min_gpus"] else " on more GPUs"
+            return (f"{where}: no context-parallel degree or checkpointing fits under {dp} (whole model states on "
+                    f"each GPU); needs --data-parallel fsdp{more}")
         more = f"at least {ctx['min_gpus']} GPUs" if ctx["min_gpus"] else "more GPUs"
         return f"{where}: no context-parallel degree or checkpointing fits on {ctx['gpus']} GPU(s); needs {more}"
     cp = choice["context_parallel"]
@@ -387,9 +434,7 @@ def format_plan(plan: dict) -> str:
                     f"{c['peak_flops_per_gpu'] / 1e12:.4g} TFLOP/s per device"),
     ]
     if plan.get("batch"):
-        b = plan["batch"]
-        rows.append(("batch", f"{b['global_batch']} × {b['context_length']} tokens = micro-batch {b['micro_batch']} × "
-                              f"{b['grad_accum']} accumulation × {b['replicas']} replica(s) of {b['ranks']} rank(s)"))
+        rows.append(("batch", batch_text(plan["batch"])))
     rows += [
         ("time", f"{_duration(tm['seconds'])} at {tm['mfu']:.1%} MFU, {tm['rate_source']}; "
                  f"{human(tm['tokens_per_second'])} tokens/s ({tm['days_at_100pct_mfu']:.2f} days at 100% MFU)"),
@@ -408,6 +453,7 @@ def format_plan(plan: dict) -> str:
         rows.append(("activations", f"{_bytes(act['no_ac'])} per sequence of {m['seq_len']}{split} "
                                     f"({_bytes(act['ac'])} with activation checkpointing); {_max_micro_text(m)}"))
     rows += _moe_rows(plan.get("moe_traffic"), m["seq_len"])
+    rows += _communication_rows(plan.get("communication"))
     if plan.get("context") is not None:
         rows.append(("long context", _context_text(plan["context"])))
     rows.append(("fits", _verdict(plan)))
@@ -446,6 +492,22 @@ def options_table(mem: dict) -> str:
     buf = io.StringIO()
     Console(file=buf, width=110, color_system=None, force_terminal=False).print(table)
     return "\n".join(line.rstrip() for line in buf.getvalue().strip("\n").splitlines()) + "\n"
+
+
+def _communication_rows(comm: dict | None) -> list[tuple[str, str]]:
+    """A step's collectives, each with its bytes, link and time, and what of them the step waits for."""
+    if comm is None:
+        return []
+    def link(c: dict) -> str:
+        rate = comm["network_bytes_per_s"] if c["network"] else comm["link_bytes_per_s"]
+        return f"{'across nodes' if c['network'] else 'within a node'} at {rate / 1e9:g} GB/s"
+
+    parts = "; ".join(f"{c['what']} {_bytes(c['bytes'])} {link(c)}: {c['seconds']:.3g}s"
+                      + ("" if c["hidden"] else " (not overlapped)") for c in comm["collectives"])
+    return [("communication", f"per GPU and step: {parts}"),
+            ("", f"step {comm['step_s']:.3g}s = compute {comm['compute_s']:.3g}s + {comm['exposed_s']:.3g}s of "
+                 f"communication not hidden (collectives overlap at most {comm['overlap']:.0%} of the compute; "
+                 "an all-to-all none)")]
 
 
 def _moe_rows(moe: dict | None, seq_len: int) -> list[tuple[str, str]]:

@@ -17,6 +17,21 @@ errs on the safe side for fit checks).
 
 A100 has no FP8 tensor cores, so asking for its fp8 peak is an error. The CPU entry
 is computed for the machine at hand, see `cpu_spec`.
+
+Links, per GPU and direction (what a collective's time is counted against, `plan.comm`): within a
+node, NVLink (A100 NVLink 3: 600 GB/s both ways; H100/H200 NVLink 4: 900; B200 NVLink 5: 1.8 TB/s)
+or, for a PCIe card, its PCIe 5.0 x16 slot (64 GB/s); across nodes, one NIC per GPU as in NVIDIA's
+DGX/HGX reference designs (A100: HDR 200 Gb/s; H100, H200, B200: NDR 400 Gb/s ConnectX-7). These
+are the links' rates; NCCL's bus bandwidth reaches 70–90% of them, which the overlap the
+estimate assumes does not make up for: its communication time is a floor.
+
+| type      | within a node GB/s | across nodes GB/s |
+|-----------|-------------------:|------------------:|
+| a100-*    |                300 |                25 |
+| h100-sxm  |                450 |                50 |
+| h100-pcie |                 64 |                50 |
+| h200      |                450 |                50 |
+| b200      |                900 |                50 |
 """
 
 from __future__ import annotations
@@ -45,18 +60,21 @@ class GPUSpec:
     fp32: float
     memory_bytes: float
     description: str = ""
+    link_bytes_per_s: float = 0.0  # to another GPU of the node, one direction (0: not counted, e.g. a CPU)
+    network_bytes_per_s: float = 0.0  # to a GPU of another node, one direction
 
 
+GB = 1e9
 GPU_TYPES: dict[str, GPUSpec] = {
-    "a100-40g": GPUSpec("a100-40g", 312 * T, None, 19.5 * T, 40e9, "NVIDIA A100 SXM4 40GB"),
-    "a100-80g": GPUSpec("a100-80g", 312 * T, None, 19.5 * T, 80e9, "NVIDIA A100 SXM4 80GB"),
-    "h100-sxm": GPUSpec("h100-sxm", 989.4 * T, 1978.9 * T, 67 * T, 80e9, "NVIDIA H100 SXM5 80GB"),
-    "h100-pcie": GPUSpec("h100-pcie", 756 * T, 1513 * T, 51 * T, 80e9, "NVIDIA H100 PCIe 80GB"),
-    "h200": GPUSpec("h200", 989.4 * T, 1978.9 * T, 67 * T, 141e9, "NVIDIA H200 141GB"),
-    "b200": GPUSpec("b200", 2250 * T, 4500 * T, 75 * T, 180e9, "NVIDIA B200 180GB"),
+    "a100-40g": GPUSpec("a100-40g", 312 * T, None, 19.5 * T, 40e9, "NVIDIA A100 SXM4 40GB", 300 * GB, 25 * GB),
+    "a100-80g": GPUSpec("a100-80g", 312 * T, None, 19.5 * T, 80e9, "NVIDIA A100 SXM4 80GB", 300 * GB, 25 * GB),
+    "h100-sxm": GPUSpec("h100-sxm", 989.4 * T, 1978.9 * T, 67 * T, 80e9, "NVIDIA H100 SXM5 80GB", 450 * GB, 50 * GB),
+    "h100-pcie": GPUSpec("h100-pcie", 756 * T, 1513 * T, 51 * T, 80e9, "NVIDIA H100 PCIe 80GB", 64 * GB, 50 * GB),
+    "h200": GPUSpec("h200", 989.4 * T, 1978.9 * T, 67 * T, 141e9, "NVIDIA H200 141GB", 450 * GB, 50 * GB),
+    "b200": GPUSpec("b200", 2250 * T, 4500 * T, 75 * T, 180e9, "NVIDIA B200 180GB", 900 * GB, 50 * GB),
 }
 # Not user-selectable; what an unrecognised CUDA GPU is assumed to be.
-GENERIC_GPU = GPUSpec("gpu", 312 * T, None, 19.5 * T, 40e9, "unknown CUDA GPU (A100-class guess)")
+GENERIC_GPU = GPUSpec("gpu", 312 * T, None, 19.5 * T, 40e9, "unknown CUDA GPU (A100-class guess)", 300 * GB, 25 * GB)
 
 PRECISIONS = ("bf16", "fp8", "fp32")
 
@@ -142,7 +160,8 @@ def detect_device_spec(device: torch.device | str) -> GPUSpec:
         if spec is None:
             warnings.warn(f"unknown GPU {name!r}: MFU assumes an A100-class peak of 312 TFLOP/s bf16", stacklevel=2)
             total = float(torch.cuda.get_device_properties(device).total_memory)
-            return GPUSpec("gpu", GENERIC_GPU.bf16, None, GENERIC_GPU.fp32, total, name)
+            return GPUSpec("gpu", GENERIC_GPU.bf16, None, GENERIC_GPU.fp32, total, name, GENERIC_GPU.link_bytes_per_s,
+                           GENERIC_GPU.network_bytes_per_s)
         return spec
     warnings.warn(f"no peak FLOP/s known for device type {device.type!r}; MFU assumes an A100-class GPU", stacklevel=2)
     return GENERIC_GPU

@@ -14,6 +14,9 @@ The mesh, outermost first::
     ranks = replicas × context_parallel  (consecutive ranks share each row under context parallelism)
 
 and the batch: ``global_batch = micro_batch × grad_accum × replicas`` samples per optimizer step.
+Reinforcement learning (task_type rl) samples ``group_size`` completions of each of its
+``global_batch`` prompts, every rank for its own prompts; its update splits the completions:
+``global_batch × group_size = micro_batch × grad_accum × replicas`` (every other task: a group of 1).
 """
 
 from __future__ import annotations
@@ -55,13 +58,15 @@ class Layout:
     shard_group: int = 1  # ranks one copy of the model states is split over (fsdp: all; hsdp: a group; else 1)
     context_parallel: int = 1  # consecutive ranks that split each row's tokens
     expert_parallel: int = 1  # ranks of a shard group that split each MoE layer's experts
-    global_batch: int = 1  # samples per optimizer step, all ranks
-    micro_batch: int = 1  # samples per forward pass, per rank
+    global_batch: int = 1  # samples per optimizer step, all ranks (task_type rl: prompts)
+    micro_batch: int = 1  # samples per forward pass, per rank (task_type rl: completions)
+    group_size: int = 1  # task_type rl: completions sampled per prompt; 1 otherwise
     device: str = "cpu"  # "cpu" | "cuda"
     peak_flops: float = 0.0  # one device's peak FLOP/s at the run's precision (MFU's denominator)
 
     def __post_init__(self):
-        if self.ranks % self.context_parallel or self.global_batch % (self.micro_batch * self.replicas):
+        if self.ranks % self.context_parallel or self.global_batch % self.replicas or \
+                self.sequences % (self.micro_batch * self.replicas):
             raise ValueError(f"layout: an unchecked split reached the layout ({self})")  # `plan.checks` failed to
 
     @property
@@ -70,13 +75,18 @@ class Layout:
         return self.ranks // self.context_parallel
 
     @property
+    def sequences(self) -> int:
+        """Rows trained on per optimizer step, all ranks: the samples (task_type rl: every completion)."""
+        return self.global_batch * self.group_size
+
+    @property
     def grad_accum(self) -> int:
         """Micro-batches per rank and optimizer step."""
-        return self.global_batch // (self.micro_batch * self.replicas)
+        return self.sequences // (self.micro_batch * self.replicas)
 
     @property
     def per_replica(self) -> int:
-        """Samples one replica reads per optimizer step."""
+        """Samples (task_type rl: prompts) one replica reads per optimizer step."""
         return self.global_batch // self.replicas
 
     @property

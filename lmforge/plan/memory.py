@@ -1,6 +1,7 @@
 """Memory per GPU of a training run, for the way its GPUs share the model (`compute.data_parallel`):
 ``fsdp`` shards the model states over every GPU, ``hsdp`` over the GPUs of a shard group (a node),
-``ddp`` (what `lmforge train` uses unless told otherwise) and ``none`` keep all of them on every GPU.
+``ddp`` and ``none`` keep all of them on every GPU; ``auto`` (the default of `train`, its dry run
+and `estimate` alike) is resolved by `data_parallel_mode`.
 
 Model states, in bytes per parameter (sharded evenly over the shard group's GPUs, or whole):
 
@@ -301,6 +302,7 @@ def memory_plan(total_params: int | float, cfg: ModelConfig | None, seq_len: int
     words (`plan.activations.activation_options`; offload on ``device`` cuda only), at the same
     micro-batch."""
     dp, sharded = sharding.data_parallel, sharding.data_parallel in SHARDED
+    shardable = sharded or sharding.devices == 1  # one device: more of them would be sharded (`data_parallel_mode`)
     states_total = float(total_params) * BYTES_PER_PARAM
     states = states_total / sharding.shards
     usable = usable_bytes(gpu_memory)
@@ -315,7 +317,7 @@ def memory_plan(total_params: int | float, cfg: ModelConfig | None, seq_len: int
         out.update(gathered_bytes_per_gpu=None, loss_workspace_bytes=None, activation_bytes_per_sample=None,
                    max_micro_batch=None, activation_checkpointing=activation_checkpointing,
                    micro_batch=micro_batch, suggested_micro_batch=None, total_bytes_per_gpu=states,
-                   fits=states <= usable, min_gpus=math.ceil(states_total / usable) if usable > 0 and sharded else None,
+                   fits=states <= usable, min_gpus=math.ceil(states_total / usable) if usable > 0 and shardable else None,
                    activation_options=None)
         return out
     _, unsharded, loss = fixed_parts(total_params, cfg, sharding)
@@ -348,6 +350,41 @@ def memory_plan(total_params: int | float, cfg: ModelConfig | None, seq_len: int
     out.update(gathered_bytes_per_gpu=unsharded, loss_workspace_bytes=loss, activation_bytes_per_sample=act,
                max_micro_batch=max_mb, activation_checkpointing=activation_checkpointing, micro_batch=micro_batch,
                suggested_micro_batch=suggested, total_bytes_per_gpu=total, fits=total <= usable,
-               min_gpus=math.ceil(states_total / room) if room > 0 and sharded else None,
+               min_gpus=math.ceil(states_total / room) if room > 0 and shardable else None,
                activation_options=options)
     return out
+
+
+def data_parallel_mode(mode: str, total_params: int | float, cfg: ModelConfig | None, seq_len: int, *,
+                       devices: int, nodes: int, gpu: bool, gpu_memory: float, expert_parallel: int = 1,
+                       shard_size: int | None = None, context_parallel: int = 1) -> str:
+    """``compute.data_parallel`` with ``auto`` resolved — the one rule, planned once (`plan.run`):
+
+    - one device: ``none`` (nothing to share); ``compute.shard_size`` given: ``hsdp``;
+    - CPU ranks: ``ddp`` (one machine's memory either way; nothing to gather);
+    - expert parallelism: ``fsdp`` (the experts are split within a shard group);
+    - GPUs: ``ddp`` where a whole copy of the model states, a micro-batch of one row and no
+      activation checkpointing fit on each (no weights to gather, one all-reduce a step); else
+      ``hsdp`` on several nodes where a node's GPUs hold a copy that way (its gathers stay on the
+      node's links), else ``fsdp`` (the states over every GPU).
+    """
+    if mode != "auto":
+        return mode
+    if devices <= 1:
+        return "none"
+    if shard_size is not None:  # a shard group asked for: HSDP's
+        return "hsdp"
+    if not gpu:
+        return "ddp"
+    if expert_parallel > 1:
+        return "fsdp"
+
+    def fits(sharding: Sharding) -> bool:
+        return memory_plan(total_params, cfg, seq_len, sharding, gpu_memory, micro_batch=1,
+                           activation_checkpointing=False, context_parallel=context_parallel)["fits"]
+
+    if fits(Sharding("ddp", devices)):
+        return "ddp"
+    if nodes > 1 and fits(Sharding("hsdp", devices, shard_size or max(1, devices // nodes))):
+        return "hsdp"
+    return "fsdp"

@@ -19,16 +19,19 @@ from lmforge.config.durations import Duration
 from lmforge.config.schema import FINETUNE_TASKS, RunConfig, phase_end
 from lmforge.errors import UserError
 from lmforge.frozen import freeze
-from lmforge.plan.batch import (CPU_MICRO_BATCH, assumed_tokens_per_s, expected_rate, global_batch, plan_optimizer,
-                                plan_precision, run_tokens, training_context)
-from lmforge.plan.checks import check_batch_split, check_context, check_context_parallel, check_mesh, replicas
+from lmforge.plan.batch import (CPU_MICRO_BATCH, assumed_tokens_per_s, batch_change, expected_rate, global_batch,
+                                group_size, plan_optimizer, plan_precision, run_tokens, training_context)
+from lmforge.plan.comm import OVERLAP, Collective, exposed_seconds, step_collectives
+from lmforge.plan.checks import (check_batch_split, check_context, check_context_parallel, check_mesh, check_rl,
+                                 replicas)
+from lmforge.plan.evaluation import EvalPlan, plan_evaluation
 from lmforge.plan.fit import KEYS, Remedy, does_not_fit_line, host_line, host_verdict, remedy
 from lmforge.plan.flops import flops_per_token, mfu_flops_per_token, param_counts
 from lmforge.plan.hardware import GPUSpec, mfu_basis, peak_flops
 from lmforge.plan.machine import Machine
 from lmforge.plan.layout import SHARDED, Layout, Sharding, shard_group
 from lmforge.plan.activations import OFFLOAD_KEY, activation_policy, canonical_checkpointing, canonical_compression
-from lmforge.plan.memory import memory_plan
+from lmforge.plan.memory import data_parallel_mode, memory_plan
 from lmforge.plan.micro_batch import candidates, choose, smallest
 from lmforge.plan.schedule import Schedule
 
@@ -42,6 +45,7 @@ class TrainPlan:
     warmup_steps: int  # the warmup in steps (estimated from step_time_s when it is given in seconds)
     learning_rate: float
     eval_interval: int
+    eval_batches: int  # held-out micro-batches per rank and evaluation (eval.max_batches)
     save_interval: int
     icl_interval: int | None
     precision: str  # "bf16" | "fp32" | "fp8"
@@ -60,8 +64,10 @@ class TrainPlan:
     memory: dict | None = None  # the memory verdict (`plan.memory.memory_plan`; on a CPU `fits` is `fit.host_verdict`'s)
     remedy: Remedy | None = None  # what makes a plan that does not fit fit
     tokens_per_s: float = 0.0  # expected training tokens/s of the whole run
-    rate_source: str = ""  # where that rate comes from (measured here, or assumed)
+    rate_source: str = ""  # where that rate comes from (measured here, or assumed; with what communication adds)
+    communication: StepCommunication | None = None  # a step's collectives and the time they add to it
     notes: tuple[str, ...] = ()  # what the run says about its plan at its start (RoPE scaling, ...)
+    evaluation: EvalPlan | None = None  # how often, on how much, and what it costs (`plan.evaluation`)
 
     # The layout's numbers under the names the views use (one source: `layout`).
     global_batch = property(lambda self: self.layout.global_batch)  # samples per optimizer step, all ranks
@@ -79,7 +85,8 @@ class TrainPlan:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch * self.context_length
+        """The rows of a step at the context length (task_type rl: every completion's row)."""
+        return self.layout.sequences * self.context_length
 
     @property
     def total_tokens(self) -> int | None:
@@ -110,14 +117,16 @@ class DoesNotFit(UserError):
 
 
 def _steps(d: Duration, what: str, *, gbs: int, ctx: int, samples_per_epoch: int | None,
-           flops_per_token: float = 0.0) -> int | None:
-    """A duration in optimizer steps (None for wall-clock durations)."""
+           flops_per_token: float = 0.0, rows: int | None = None) -> int | None:
+    """A duration in optimizer steps (None for wall-clock durations). ``rows``: the rows of a step
+    (task_type rl: its completions; default ``gbs``), which tokens and FLOPs count."""
+    rows = rows or gbs
     if d.unit == "ba":
         return max(1, math.ceil(d.value))
     if d.unit == "tok":
-        return max(1, math.ceil(d.value / (gbs * ctx)))
+        return max(1, math.ceil(d.value / (rows * ctx)))
     if d.unit == "flop":
-        return max(1, math.ceil(d.value / (flops_per_token * gbs * ctx)))
+        return max(1, math.ceil(d.value / (flops_per_token * rows * ctx)))
     if d.unit == "sp":
         return max(1, math.ceil(d.value / gbs))
     if d.unit == "ep":
@@ -141,7 +150,7 @@ def run_layout(cfg: RunConfig, machine: Machine, *, global_batch: int, micro_bat
     c, sharding = cfg.compute, run_sharding(cfg, machine)
     return Layout(ranks=machine.world_size, nodes=c.nodes, data_parallel=c.data_parallel,
                   shard_group=sharding.shards, context_parallel=c.context_parallel, expert_parallel=c.expert_parallel,
-                  global_batch=global_batch, micro_batch=micro_batch, device=machine.device,
+                  global_batch=global_batch, micro_batch=micro_batch, group_size=group_size(cfg), device=machine.device,
                   peak_flops=peak_flops(machine.spec, mfu_basis(precision)))
 
 
@@ -149,13 +158,15 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
               data_seq_len: int | None) -> TrainPlan:
     """Fill every default; raises UserError for impossible combinations (DoesNotFit, with the plan,
     for one that does not fit in memory)."""
+    ctx = training_context(cfg.parameters.context_length, cfg.model.max_seq_len, data_seq_len)
+    cfg = with_data_parallel(cfg, machine, ctx)
     p, c = cfg.parameters, cfg.compute
     check_mesh(c, machine.world_size, c.nodes, n_experts=cfg.model.n_experts)
     reps = replicas(machine.world_size, c.context_parallel)
     counts = param_counts(cfg.model)
     optimizer = plan_optimizer(cfg)
-    ctx = training_context(p.context_length, cfg.model.max_seq_len, data_seq_len)
     check_context(ctx, data_seq_len)
+    check_rl(cfg, ctx, machine.device)
     check_context_parallel(c.context_parallel, ctx, cfg.model, device_type=machine.device,
                            packed_rows=p.document_masking or cfg.task_type in FINETUNE_TASKS)
     precision = plan_precision(cfg, machine)
@@ -164,21 +175,29 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     tokens = run_tokens(cfg.training_duration, cfg.model, ctx, lora=cfg.lora, samples_per_epoch=samples_per_epoch,
                         tokens_per_s=lambda: assumed_tokens_per_s(cfg.model, ctx, machine, precision, cfg.lora))
     gbs = global_batch(cfg, cfg.model, ctx, reps, tokens)
+    batch_line = batch_change(cfg, cfg.model, ctx, reps, tokens)
     choice = micro_batch_and_checkpointing(cfg, ctx, gbs, machine, precision)
-    check_batch_split(gbs, choice.micro_batch, machine.world_size, c.context_parallel)
+    group = group_size(cfg)
+    check_batch_split(gbs, choice.micro_batch, machine.world_size, c.context_parallel, group)
 
     def steps(d: Duration, what: str) -> int | None:
-        return _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch, flops_per_token=fpt)
+        return _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch, flops_per_token=fpt,
+                      rows=gbs * group)
 
     total = steps(cfg.training_duration, "training_duration")
     time_limit = cfg.training_duration.value if cfg.training_duration.unit == "s" else None
     rate = expected_rate(cfg, ctx, choice.micro_batch, machine, precision)
-    step_s = gbs * ctx / rate.tokens_per_s
-    if time_limit is not None and gbs * ctx / rate.fastest_tokens_per_s >= time_limit:
+    rows = gbs * group  # the rows of a step (task_type rl: every completion's)
+    comm = step_communication(cfg, machine, gbs=gbs, micro=choice.micro_batch, ctx=ctx, precision=precision,
+                              checkpointing=choice.checkpointing, compute_s=rows * ctx / rate.tokens_per_s)
+    step_s = rows * ctx / rate.tokens_per_s + comm.exposed_s
+    if time_limit is not None and rows * ctx / rate.fastest_tokens_per_s >= time_limit:
         raise UserError(f"training_duration: {cfg.training_duration} is shorter than one optimizer step of this model "
-                        f"and batch here (≈{gbs * ctx / rate.fastest_tokens_per_s:.3g}s); expected a longer duration "
-                        "or a smaller batch/model")
+                        f"and batch here (≈{gbs * group * ctx / rate.fastest_tokens_per_s:.3g}s); expected a longer "
+                        "duration or a smaller batch/model")
     nominal = total or max(1, int(time_limit / step_s))  # wall-clock runs: intervals from the expected steps
+    evaluation = eval_plan(cfg, nominal, time_limit or nominal * step_s, ctx=ctx, micro=choice.micro_batch,
+                           reps=reps, tokens_per_s=rows * ctx / step_s, rate_source=rate.source, steps=steps)
     schedule = make_schedule(cfg, total, time_limit, step_s, lambda d: steps(d, "parameters.warmup"))
     warmup = int(schedule.warmup if schedule.warmup_unit == "steps" else math.ceil(schedule.warmup / step_s))
     plan = TrainPlan(
@@ -189,7 +208,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
         learning_rate=p.learning_rate or task_learning_rate(counts["non_embedding"], cfg.task_type, cfg.lora is not None,
                                                             optimizer),
         optimizer=optimizer,
-        eval_interval=_interval(cfg.eval.interval, "eval.interval", max(1, nominal // 10), steps),
+        eval_interval=evaluation.interval, eval_batches=evaluation.batches,
         save_interval=_interval(cfg.save_interval, "save_interval", max(1, min(1000, nominal // 5)), steps),
         icl_interval=_interval(cfg.eval.icl_interval, "eval.icl_interval", 0, steps) or None,
         precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
@@ -198,10 +217,24 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
         activation_checkpointing=choice.checkpointing, activation_compression=choice.compression,
         activation_offload=choice.offload, micro_batch_reason=choice.reason, spec=machine.spec,
         memory=choice.memory, remedy=choice.remedy,
-        tokens_per_s=rate.tokens_per_s, rate_source=rate.source, notes=tuple(plan_notes(cfg, ctx)))
+        tokens_per_s=rows * ctx / step_s, rate_source=rate.source + comm.source, communication=comm,
+        notes=tuple(plan_notes(cfg, ctx)) + ((batch_line,) if batch_line else ()), evaluation=evaluation)
     if not plan.fits:
         raise DoesNotFit(plan, cfg, machine.where)
     return plan
+
+
+def with_data_parallel(cfg: RunConfig, machine: Machine, ctx: int) -> RunConfig:
+    """The config with ``compute.data_parallel: auto`` resolved for ``machine`` (`plan.memory.data_parallel_mode`):
+    what the plan, its layout and the resolved config then say."""
+    c = cfg.compute
+    mode = data_parallel_mode(c.data_parallel, param_counts(cfg.model)["total"], cfg.model, ctx,
+                              devices=machine.world_size, nodes=c.nodes, gpu=machine.device == "cuda",
+                              gpu_memory=machine.memory_bytes, expert_parallel=c.expert_parallel,
+                              shard_size=c.shard_size, context_parallel=c.context_parallel)
+    if mode == c.data_parallel:
+        return cfg
+    return cfg.model_copy(update={"compute": c.model_copy(update={"data_parallel": mode})})
 
 
 def plan_notes(cfg: RunConfig, ctx: int) -> list[str]:
@@ -227,6 +260,54 @@ def check_activations(cfg: RunConfig, machine: Machine) -> None:
 
 
 @dataclass(frozen=True)
+class StepCommunication:
+    """A step's collectives (`plan.comm`) and the seconds of them compute does not hide."""
+
+    collectives: tuple[Collective, ...] = ()
+    compute_s: float = 0.0  # the step's compute, at the plan's rate
+    exposed_s: float = 0.0  # added to it
+
+    @property
+    def source(self) -> str:
+        """What the plan's speed says of it (beside where its compute rate comes from)."""
+        if not self.collectives:
+            return ""
+        return (f", with {self.exposed_s:.3g}s of communication per step not hidden behind compute "
+                f"(at most {OVERLAP:.0%} of it overlapped)" if self.exposed_s > 0 else
+                ", communication hidden behind compute")
+
+
+def step_communication(cfg: RunConfig, machine: Machine, *, gbs: int, micro: int, ctx: int, precision: str,
+                       checkpointing, compute_s: float) -> StepCommunication:
+    """The collectives of one step on ``machine`` (GPUs: a CPU's gloo traffic shares the measured rate's
+    cores) and what of them is added to its ``compute_s``."""
+    c = cfg.compute
+    if machine.device != "cuda" or machine.world_size <= 1:
+        return StepCommunication(compute_s=compute_s)
+    reps = replicas(machine.world_size, c.context_parallel)
+    collectives = tuple(step_collectives(
+        cfg.model, run_sharding(cfg, machine), nodes=c.nodes, micro_batch=micro, grad_accum=gbs // (micro * reps),
+        seq_len=ctx, context_parallel=c.context_parallel, precision=mfu_basis(precision),
+        reshard_after_forward=c.reshard_after_forward, full_recompute=checkpointing in (True, "full")))
+    return StepCommunication(collectives, compute_s, exposed_seconds(list(collectives), machine.spec, compute_s))
+
+
+def eval_plan(cfg: RunConfig, nominal: int, run_seconds: float, *, ctx: int, micro: int, reps: int,
+              tokens_per_s: float, rate_source: str, steps) -> EvalPlan:
+    """`eval.interval` and `eval.max_batches`, those left unset sized to the run (`plan.evaluation`)."""
+    e = cfg.eval
+    given = None if e.interval is None else _interval(e.interval, "eval.interval", 0, steps)
+    if e.data_path:
+        sets = 1
+    else:  # a fine-tuning run holds out only what eval.data_path gives; pretraining: each dataset's split
+        sets = 0 if cfg.task_type in FINETUNE_TASKS else len(cfg.train_data)
+    return plan_evaluation(interval=given, batches=e.max_batches, nominal_steps=nominal, run_seconds=run_seconds,
+                           eval_sets=sets, micro_batch=micro, context=ctx, replicas=reps, tokens_per_s=tokens_per_s,
+                           generated_tokens=len(e.prompts) * e.max_new_tokens, n_layers=cfg.model.n_layers,
+                           rate_source=rate_source, timed=cfg.training_duration.unit == "s")
+
+
+@dataclass(frozen=True)
 class MicroBatch:
     """The micro-batch and way of keeping activations a plan takes, why, and its memory verdict."""
 
@@ -249,24 +330,13 @@ def micro_batch_and_checkpointing(cfg: RunConfig, ctx: int, gbs: int, machine: M
     what was chosen (`fit_verdict`): a pair set by hand, or auto's least-memory pair where nothing
     fits, may not fit."""
     p, c = cfg.parameters, cfg.compute
-    reps = replicas(machine.world_size, c.context_parallel)
+    reps, group = replicas(machine.world_size, c.context_parallel), group_size(cfg)
     auto_micro, auto_ac = p.micro_batch_size == "auto", c.activation_checkpointing == "auto"
     if auto_micro:
-        check_batch_split(gbs, None, machine.world_size, c.context_parallel)
+        check_batch_split(gbs, None, machine.world_size, c.context_parallel, group)
     given = None if auto_micro else int(p.micro_batch_size)
-    ac_set = canonical_checkpointing(c.activation_checkpointing)
-    if machine.device == "cpu" or not (auto_micro or auto_ac):
-        micro = micro_batch_for(gbs // reps, CPU_MICRO_BATCH) if auto_micro else given
-        comp = "off" if c.activation_compression == "auto" else canonical_compression(c.activation_compression)
-        offload = c.activation_offload is True
-        return fit_verdict(cfg, ctx, machine, micro, False if auto_ac else ac_set, None, precision, comp, offload)
-    sharding, local_ctx = run_sharding(cfg, machine), ctx // c.context_parallel  # a GPU holds ctx / N of each row
-    peak = peak_flops(machine.spec, mfu_basis(precision))
-    ways = dict(checkpointing=ac_set, compression=canonical_compression(c.activation_compression)
-                if c.activation_compression != "auto" else "auto", offload=c.activation_offload,
-                precision=precision)
-    kw = dict(sharding=sharding, gpu_memory=machine.memory_bytes, peak_flops=peak, per_rank=gbs // reps,
-              micro_batch=given, **ways)
+from lmforge.plan.activations import OFFLOAD_KEY, activation_policy, canonical_checkpointing, canonical_compression
+from lmforge.plan.memory import data_parallel_mode, memory_plan
     if not candidates(cfg.model, local_ctx, **kw):  # nothing fits: the least memory, refused with the remedy
         micro, ac, comp, offload = smallest(cfg.model, local_ctx, given, **ways)
         return fit_verdict(cfg, ctx, machine, micro, ac, None, precision, comp, offload)
@@ -372,12 +442,12 @@ def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
         warmup=_warmup_text(plan.schedule), precision=plan.precision,
         optimizer=plan.optimizer)
     data["eval"]["interval"] = f"{plan.eval_interval}ba"
+    data["eval"]["max_batches"] = plan.eval_batches
     if plan.icl_interval:
         data["eval"]["icl_interval"] = f"{plan.icl_interval}ba"
     data["save_interval"] = f"{plan.save_interval}ba"
-    data["compute"].update(activation_checkpointing=plan.activation_checkpointing,
-                           activation_compression=plan.activation_compression,
-                           activation_offload=plan.activation_offload)
+from lmforge.plan.activations import OFFLOAD_KEY, activation_policy, canonical_checkpointing, canonical_compression
+from lmforge.plan.memory import data_parallel_mode, memory_plan
     return RunConfig.model_validate(data)
 
 

@@ -45,10 +45,11 @@ def _median_of(run: RunData, key: str, skip_first: bool = True) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _best(run: RunData, key: str) -> float | None:
+def _best(run: RunData, key: str, highest: bool = False) -> float | None:
+    """The best value of a series: the lowest (a loss), or the ``highest`` (a reward)."""
     _, values = run.series(key)
     finite = [v for v in values if v is not None and math.isfinite(v)]
-    return min(finite) if finite else None
+    return (max if highest else min)(finite) if finite else None
 
 
 def eval_prefixes(run: RunData) -> list[str]:
@@ -74,6 +75,10 @@ def summary(run: RunData) -> dict[str, float | str | None]:
         "eval preference accuracy (last)": run.last("eval/rewards/accuracy"),
         "eval preference margin (last)": run.last("eval/rewards/margin"),
         "train preference accuracy (last)": last.get("train/rewards/accuracy"),
+        # reinforcement learning: the completions' mean reward, and the held-out greedy completions'
+        "train reward (last)": last.get("train/reward"),
+        "eval reward (last)": run.last("eval/reward"),
+        "eval reward (best)": _best(run, "eval/reward", highest=True),
         "tokens/s (median)": _median_of(run, "throughput/tokens_per_s"),
         "MFU (median)": _median_of(run, "throughput/mfu"),
         "peak memory GB": run.last("memory/max_allocated_gb"),

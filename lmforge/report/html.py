@@ -44,6 +44,10 @@ CHARTS: list[tuple[str, str, Callable[[RunData], list[str]], float]] = [
      _keys_matching(lambda k: k.endswith("rewards/accuracy")), 1.0),
     ("Preference rewards", "implicit reward",
      _keys_matching(lambda k: k.endswith(("rewards/chosen", "rewards/rejected", "rewards/margin"))), 1.0),
+    # reinforcement learning: the sampled completions' reward, and the held-out greedy one
+    ("Reward", "mean reward", lambda r: [k for k in ("train/reward", "eval/reward") if k in r.keys()], 1.0),
+    ("Rollouts", "share of completions / groups",
+     lambda r: [k for k in ("train/flat_groups", "train/truncated", "train/clip_fraction") if k in r.keys()], 1.0),
     ("Learning rate", "lr", _exact("train/lr"), 1.0),
     ("Gradient norm", "norm (before clipping)", _exact("train/grad_norm"), 1.0),
     ("Throughput", "tokens/s", _exact("throughput/tokens_per_s"), 1.0),

@@ -12,11 +12,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lmforge.config.model import padded_vocab
-from lmforge.config.schema import FINETUNE_TASKS, PREFERENCE_TASK, RunConfig, TokenizerSpec
+from lmforge.config.schema import FINETUNE_TASKS, PREFERENCE_TASK, RL_TASK, RunConfig, TokenizerSpec
 from lmforge.data.chat import ASSISTANT_HEADER, CHAT_TEMPLATE, chat_prompt, load_chat_template
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.errors import UserError
 from lmforge.plan.batch import training_context
+from lmforge.plan.checks import check_rl
 from lmforge.plan.machine import Machine
 from lmforge.plan.run import TrainPlan, make_plan, resolved_config
 from lmforge.resolve.auto_model import resolve_auto, without_data
@@ -26,6 +27,7 @@ from lmforge.resolve.weights import check_tokenizer_fits, locate
 if TYPE_CHECKING:
     from lmforge.data.preference import PreferenceData
     from lmforge.data.resolve import ResolvedData
+    from lmforge.data.rl import RLData
     from lmforge.data.sft import SFTData
     from lmforge.data.stream import StreamPhase
 
@@ -79,8 +81,10 @@ def _pretrain(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
 
 
 def said_lines(plan: TrainPlan) -> list[str]:
-    """What a run says about its plan at its start: how the micro-batch was chosen (GPUs), RoPE scaling."""
-    return ([plan.micro_batch_reason] if plan.micro_batch_reason else []) + list(plan.notes)
+    """What a run says about its plan at its start: how the micro-batch was chosen (GPUs), RoPE scaling,
+    a batch other than asked for, its evaluation."""
+    return ([plan.micro_batch_reason] if plan.micro_batch_reason else []) + list(plan.notes) + \
+        ([plan.evaluation.line] if plan.evaluation else [])
 
 
 def _planned_data(cfg: RunConfig) -> tuple[int | None, int | None]:
@@ -128,12 +132,29 @@ def _with_extension_base(cfg: RunConfig) -> RunConfig:
 
 
 def _known_tokenizer_vocab(cfg: RunConfig) -> int | None:
-    """The tokenizer's vocabulary where it is known without preparing anything (a dry run)."""
+    """The tokenizer's vocabulary where it is known without preparing anything (a dry run): the one
+    to train or extend to, a tokenizer folder's, or — with no `tokenizer` — the one the prepared
+    training data was made with (what the run then loads, `data.resolve.resolve_tokenizer`)."""
+    from lmforge.data.remote import is_remote
+
     spec = cfg.tokenizer
     if isinstance(spec, TokenizerSpec):
+        if spec.extend is not None:
+            return spec.extend.vocab_size
         return spec.train.vocab_size if spec.train and isinstance(spec.train.vocab_size, int) else None
-    if isinstance(spec, str) and os.path.exists(spec):
-        return load_tokenizer(spec).vocab_size
+    if isinstance(spec, str):
+        return load_tokenizer(spec).vocab_size if os.path.exists(spec) else None
+    if without_data(cfg):
+        return None
+    from lmforge.data.prepared import is_prepared, prepared_summary
+
+    for d in cfg.train_data:
+        if is_remote(d.path) or not is_prepared(d.path):
+            continue
+        tok = prepared_summary(d.path).get("tokenizer") or {}
+        if tok.get("path") and os.path.exists(tok["path"]):
+            return load_tokenizer(tok["path"]).vocab_size
+        return tok.get("vocab_size")
     return None
 
 
@@ -196,8 +217,9 @@ def _finetune(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
 
     Defaults that differ from pretraining: the learning rate (`config.defaults.task_learning_rate`),
     the chat template (the tokenizer's own, else lmforge's plain one: the one exported with the
-    final tokenizer), the sampling of evaluations (SFT_SAMPLING) and, for preference pairs, the
-    loss's β and reference (`PreferenceOptions.resolved`)."""
+    final tokenizer), the sampling of evaluations (SFT_SAMPLING), for preference pairs the loss's
+    β and reference (`PreferenceOptions.resolved`), for reinforcement learning its clip range and
+    reward weights (`RLOptions.resolved`)."""
     if cfg.model == "auto":
         raise UserError("model: auto sizes a model to pretrain; fine-tuning takes the shape of "
                         "custom_weights_path (leave `model` out)")
@@ -214,15 +236,17 @@ def _finetune(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
     cfg = _with_vocab(cfg, tokenizer.vocab_size)
     template = load_chat_template(tokenizer.path)  # the tokenizer's own, else None → ours
     cfg = _with_context(cfg.model_copy(update={"eval": _sft_eval(cfg, template, tokenizer),
-                                               "preference": _preference(cfg)}), log)
+                                               "preference": _preference(cfg),
+                                               "rl": cfg.rl.resolved() if cfg.task_type == RL_TASK else cfg.rl}), log)
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     if until == "plan":
         plan = make_plan(cfg, machine, samples_per_epoch=None, data_seq_len=seq_len)
         return ResolvedRun(resolved_config(cfg, plan), plan, tokenizer=tokenizer)
     log(f"chat template: {'the tokenizer’s own' if template else 'lmforge’s plain one (the tokenizer has none)'}")
+    check_rl(cfg, seq_len, machine.device)  # (before the prompts are cut to fit beside max_new_tokens)
     data = _rows(cfg, tokenizer, template, seq_len, log)
-    plan = machine.probe.on_main(lambda: make_plan(cfg, machine, samples_per_epoch=len(data.rows),
-                                                   data_seq_len=seq_len))
+    samples = len(data.prompts) if cfg.task_type == RL_TASK else len(data.rows)
+    plan = machine.probe.on_main(lambda: make_plan(cfg, machine, samples_per_epoch=samples, data_seq_len=seq_len))
     for line in said_lines(plan):
         log(line)
     return ResolvedRun(resolved_config(cfg, plan), plan, data, tokenizer)
@@ -235,13 +259,16 @@ def _preference(cfg: RunConfig):
     return cfg.preference.resolved(lora=cfg.lora is not None)
 
 
-def _rows(cfg: RunConfig, tokenizer: Tokenizer, template, seq_len: int, log) -> SFTData | PreferenceData:
-    """The run's rows, packed at the context: prompt/response or chat examples, or preference pairs."""
+def _rows(cfg: RunConfig, tokenizer: Tokenizer, template, seq_len: int, log) -> SFTData | PreferenceData | RLData:
+    """The run's rows, packed at the context: prompt/response or chat examples, or preference pairs;
+    or reinforcement learning's prompts."""
     from lmforge.data.preference import load_preference_data  # torch (rows as tensors)
     from lmforge.data.sft import SFTData, load_rows
 
     chat_template = template.text if template else CHAT_TEMPLATE
     paths = [d.path for d in cfg.train_data]
+    if cfg.task_type == RL_TASK:
+        return _prompts(cfg, paths, tokenizer, template, chat_template, seq_len, log)
     if cfg.task_type == PREFERENCE_TASK:
         return load_preference_data(paths, cfg.eval.data_path, tokenizer, seq_len, packing=cfg.sft.packing,
                                     seed=cfg.parameters.seed, template=template, chat_template=chat_template, log=log)
@@ -252,11 +279,31 @@ def _rows(cfg: RunConfig, tokenizer: Tokenizer, template, seq_len: int, log) -> 
 
     rows = rows_of(paths)
     eval_rows = rows_of([cfg.eval.data_path]) if cfg.eval.data_path else None
+    from lmforge.data.sft import packing_note
+
     log(f"data: {rows.examples} examples in {len(rows)} rows of {seq_len} tokens"
-        f"{' (packed)' if cfg.sft.packing else ''}"
+        f"{packing_note(rows.examples, len(rows), cfg.sft.packing, 'example')}"
         + (f"; {rows.truncated} cut at the context length" if rows.truncated else "")
         + (f"; {rows.dropped} dropped (no response token fits)" if rows.dropped else ""))
     return SFTData(tokenizer.path, rows, eval_rows, chat_template=chat_template)
+
+
+def _prompts(cfg: RunConfig, paths: list[str], tokenizer: Tokenizer, template, chat_template: str, seq_len: int,
+             log) -> RLData:
+    """Reinforcement learning's prompts (a prompt leaves room for rl.max_new_tokens), and its rewards
+    loaded and checked against every row: a reward file that does not import, or a column a reward
+    needs and a row lacks, is one line before anything is trained."""
+    from lmforge.data.rl import load_rl_data  # torch (the stream's order)
+    from lmforge.rewards.functions import check_columns, load_rewards
+
+    rl = cfg.rl
+    rewards = load_rewards(rl.reward, rl.reward_weights, rl.format_regex)
+    data = load_rl_data(paths, cfg.eval.data_path, tokenizer, seq_len - rl.max_new_tokens, template=template,
+                        chat_template=chat_template, log=log)
+    for prompts in (data.prompts, data.eval_prompts):
+        if prompts is not None:
+            check_columns(rewards, prompts.rows, prompts.wheres)
+    return data
 
 
 def _sft_eval(cfg: RunConfig, template, tokenizer):

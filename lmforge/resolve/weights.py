@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmforge.config.model import ModelConfig
+from lmforge.config.model import ModelConfig, as_trained
 from lmforge.config.schema import LoRAConfig
 from lmforge.errors import UserError
 from lmforge.layout import MODEL_CONFIG_FILE, STATE_FILE, latest_checkpoint, read_state
@@ -88,10 +88,15 @@ def model_config_of(path: str) -> ModelConfig:
 
 
 def dcp_model_config(folder: str) -> ModelConfig:
-    model = (read_state(folder).get("config") or {}).get("model")
+    """A checkpoint's model, as its run trained it (`config.model.as_trained`: the context it was
+    trained at, where that is shorter than the model's length and the run started from scratch)."""
+    config = read_state(folder).get("config") or {}
+    model = config.get("model")
     if not isinstance(model, dict):
         raise UserError(f"checkpoint {folder}: its lmforge-state.json has no model config")
-    return ModelConfig(**model)
+    ctx = (config.get("parameters") or {}).get("context_length")
+    return as_trained(ModelConfig(**model), ctx if isinstance(ctx, int) else None,
+                      from_scratch=not config.get("custom_weights_path"))
 
 
 def lora_config_of(path: str) -> LoRAConfig | None:

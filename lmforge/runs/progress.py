@@ -44,7 +44,7 @@ class MetricsTail:
                 continue
             if "train/loss" in rec:
                 self.latest = rec
-            elif "eval/loss" in rec:
+            elif "eval/loss" in rec or "eval/reward" in rec:  # (reinforcement learning's held-out: a reward)
                 self.latest_eval = rec
         return self.latest
 
@@ -56,7 +56,8 @@ def read_history(save_folder: str) -> list[dict]:
 
 def summarize(record: dict, config: dict | None, eval_record: dict | None = None) -> dict:
     """step, tokens, loss, tokens/s, MFU, progress (0..1), ETA and training time in seconds from one
-    record; with a price also the cost so far and the estimated cost to finish; a preference run's
+    record; with a price also the cost so far and the estimated cost to finish; a reinforcement learning
+    run's reward and share of flat groups; a preference run's
     accuracy and margin; and ``eval``: the last held-out evaluation's metrics (``eval_record``)."""
     if not record:
         return {}
@@ -70,6 +71,9 @@ def summarize(record: dict, config: dict | None, eval_record: dict | None = None
     for key in ("accuracy", "margin"):  # preference tuning: how often, and by how much, the chosen answer wins
         if record.get(f"train/rewards/{key}") is not None:
             out[key] = record[f"train/rewards/{key}"]
+    for key in ("reward", "flat_groups"):  # reinforcement learning: the completions' reward, the groups without signal
+        if record.get(f"train/{key}") is not None:
+            out[key] = record[f"train/{key}"]
     if eval_record:
         out["eval"] = {"step": eval_record.get("step")} | {
             k.removeprefix("eval/"): v for k, v in eval_record.items() if k.startswith("eval/")}
@@ -96,3 +100,13 @@ def _progress(m: dict, config: dict) -> tuple[float | None, float | None]:
             return None, None
         done = (m.get("step") or 0) / d.value if d.unit == "ba" else (m.get("tokens") or 0) / d.value
     return min(done, 1.0), eta_s(done, m.get("elapsed_s"))
+
+
+def resolved_model_label(record: dict | None, auto: bool) -> str | None:
+    """The shape a run trains, from the resolved config its save folder's run.json holds (``auto``:
+    `model: auto` chose it — ``auto 4×128``); None where there is none yet."""
+    m = ((record or {}).get("config") or {}).get("model")
+    if not isinstance(m, dict) or not m.get("d_model"):
+        return None
+    label = m.get("preset") or f"{m['n_layers']}×{m['d_model']}" + (f" moe{m['n_experts']}" if m.get("n_experts") else "")
+    return f"auto {label}" if auto else label if m.get("preset") else f"custom {label}"

@@ -39,9 +39,10 @@ import time
 from collections import deque
 
 from lmforge.errors import environment_error
+from lmforge.layout import read_run_file
 from lmforge.process import child_dies_with_me, read_status, speaks_for_node
 from lmforge.runs.plan import LaunchPlan, with_plan
-from lmforge.runs.progress import MetricsTail, metrics_path, summarize
+from lmforge.runs.progress import MetricsTail, metrics_path, resolved_model_label, summarize
 from lmforge.runs.registry import Registry
 from lmforge.runs.registry import status_file as status_path
 from lmforge.runs.terminal_text import TerminalText
@@ -371,6 +372,9 @@ class Supervisor:
             if latest and not running and not self._stop_recorded:
                 running = True
                 fields["status"] = "RUNNING"
+                label = resolved_model_label(read_run_file(self.local_folder), auto=self.config.get("model") == "auto")
+                if label:
+                    fields["model"] = label
                 self.reg.set_resumption(self.name, self.idx, status="RUNNING")
             now = time.time()
             fresh = latest and latest is not last_written and now - last_beat >= METRICS_S

@@ -47,6 +47,9 @@ def train_summary(m: dict[str, float], total_tokens: int | None = None, eta_s: f
         parts.append(f"loss {m['train/loss']:.4f}")
     if "train/rewards/accuracy" in m:  # preference tuning: how often the chosen answer wins, and by how much
         parts.append(f"acc {m['train/rewards/accuracy']:.2f} margin {m['train/rewards/margin']:.3g}")
+    if "train/reward" in m:  # reinforcement learning: the completions' mean reward, the groups without a signal
+        parts.append(f"reward {m['train/reward']:.3f} flat {100 * m['train/flat_groups']:.0f}% "
+                     f"len {m['train/completion_length']:.1f}")
     if "train/lr" in m:
         parts.append(f"lr {m['train/lr']:.2e}")
     if "train/grad_norm" in m:
@@ -75,8 +78,11 @@ def eval_summary(m: dict[str, float]) -> list[str]:
         parts.append(f"bpb {m['eval/bits_per_byte']:.4f}")
     if "eval/rewards/accuracy" in m:  # preference tuning, as the training lines show it
         parts.append(f"acc {m['eval/rewards/accuracy']:.2f} margin {m.get('eval/rewards/margin', float('nan')):.3g}")
-    # Other eval metrics (e.g. ICL accuracies) follow in name order.
-    known = {"eval/loss", "eval/perplexity", "eval/bits_per_byte", "eval/rewards/accuracy", "eval/rewards/margin"}
+    if "eval/reward" in m:  # reinforcement learning: the greedy completions' reward on the held-out prompts
+        parts.append(f"reward {m['eval/reward']:.3f} (greedy, {int(m.get('eval/prompts', 0))} prompts)")
+    # Other eval metrics (e.g. ICL accuracies, each reward's) follow in name order.
+    known = {"eval/loss", "eval/perplexity", "eval/bits_per_byte", "eval/rewards/accuracy", "eval/rewards/margin",
+             "eval/reward", "eval/prompts"}
     for key in sorted(k for k in m if k.startswith("eval/") and k not in known):
         parts.append(f"{key[len('eval/'):]} {m[key]:.4g}")
     return parts

@@ -9,7 +9,8 @@ device's peak) — never `compute.*` or a batch size worked out again:
 2. the model: the same seed on every rank; replicated, or (fsdp/hsdp) built whole by rank 0 on
    the CPU and scattered shard by shard into a meta-device twin on the others; starting weights
    (``custom_weights_path``) and LoRA adapters before it is wrapped;
-3. the objective by the data's kind, and the optimizer over the wrapped model;
+3. the objective by the data's kind (reinforcement learning's KL penalty without LoRA: a frozen
+   copy of the starting weights), and the optimizer over the wrapped model;
 4. this rank's stream layout, the data as the objective prepares it (reference log-probs from
    the starting weights, before any step or checkpoint load) and its streams;
 5. the checkpoint loaded (`train.resume`), and what watches the loop: ICL tasks (bad task files
@@ -28,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from lmforge.config.identity import run_identity
+from lmforge.config.schema import RL_TASK
 from lmforge.data.batch import StreamLayout
 from lmforge.data.remote import is_remote
 from lmforge.data.vocab_extension import read_extension
@@ -95,7 +97,7 @@ def build_parts(run: ResolvedRun, dist: DistInfo, save_folder: str, callbacks: C
     if resume_from == COMPLETE:
         return None
     model, train_forward = build_wrapped_model(run, dist, from_weights=not resume_from, log=log)
-    objective = objective_for(run.data, cfg, model)
+    objective = objective_for(run.data, cfg, model, reference=frozen_reference(run, dist))
     p = cfg.parameters
     # Muon's Newton–Schulz iterations run in the run's matmul dtype (bf16 on GPUs, fp32 on most CPUs).
     ns_dtype = torch.bfloat16 if plan.precision in ("bf16", "fp8") else torch.float32
@@ -183,6 +185,20 @@ def build_wrapped_model(run: ResolvedRun, dist: DistInfo, *, from_weights: bool,
     train_forward = parallelize(model, layout, dist, **options)
     materialize(model, dist.device, full)
     return model, train_forward
+
+
+def frozen_reference(run: ResolvedRun, dist: DistInfo) -> Transformer | None:
+    """Reinforcement learning's reference for its KL penalty (``rl.kl``) when it trains every weight: a
+    frozen copy of the starting weights on this device (with LoRA the base with its adapters off is
+    the reference: nothing to build). Whole on every rank: resolution refuses it under fsdp/hsdp."""
+    cfg = run.config
+    if cfg.task_type != RL_TASK or not cfg.rl.kl or cfg.lora is not None:
+        return None
+    torch.manual_seed(cfg.parameters.seed)
+    reference = build_model(cfg.model, device=dist.device)
+    if cfg.custom_weights_path:
+        load_custom_weights(reference, cfg, run.data.tokenizer_path, _silent)
+    return reference.eval().requires_grad_(False)
 
 
 def load_custom_weights(model: Transformer, cfg, tokenizer_path: str | None, log) -> None:

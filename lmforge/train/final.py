@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from lmforge.checksums import write_export_digests
+from lmforge.config.model import as_trained
 from lmforge.distributed.dist import DistInfo
 from lmforge.distributed.parallelize import full_state_dict, is_sharded
 from lmforge.models import build_model, save_pretrained
@@ -29,8 +30,9 @@ def write_final(model: Transformer, cfg, dist: DistInfo, save_folder: str, token
     final_dir = os.path.join(save_folder, "final")
     if cfg.lora:  # final/ = the merged model, final/adapter = the PEFT adapter
         save_lora_final(model, cfg, final_dir, tokenizer_path)
-    else:
-        save_pretrained(model, cfg.model, final_dir, tokenizer_dir=tokenizer_path)
+    else:  # its config says the context it was trained at (`config.model.as_trained`)
+        trained = as_trained(cfg.model, cfg.parameters.context_length, from_scratch=not cfg.custom_weights_path)
+        save_pretrained(model, trained, final_dir, tokenizer_dir=tokenizer_path)
     if chat_template:
         write_chat_template(final_dir, chat_template)
     write_export_digests(final_dir)  # last: what load_pretrained checks the weights against

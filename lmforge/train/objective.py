@@ -14,6 +14,16 @@ metrics:
   DPO and IPO need the reference model's log-probs: precomputed once before training
   (`train.reference`, stored with the run) or, with LoRA, the base with its adapters off at
   every step (``preference.reference: live``).
+- `PolicyGradient` (``task_type: rl``): the batches are completions the policy sampled itself
+  (`train.rl.Rollouts`, which its ``prepare`` makes the training stream); the loss is GRPO, DAPO,
+  Dr. GRPO or GSPO (`models.policy_loss`) and its units are what that loss averages over
+  (tokens, completions, or completions × max_new_tokens); it takes ``rl.updates_per_batch``
+  updates per batch and reports the clip fraction, the KL to the reference (``rl.kl``) and how far
+  the sampler's log-probs are from the trainer's. Held out: the reward of greedy completions of the
+  eval prompts.
+
+Every objective says how many optimizer updates a step takes on its batches (``updates``): one,
+but for reinforcement learning's μ.
 """
 
 from __future__ import annotations
@@ -25,14 +35,19 @@ from typing import Callable, Protocol
 
 import torch
 
-from lmforge.config.schema import RunConfig
+from lmforge.config.schema import RL_TASK, RunConfig
 from lmforge.data.batch import Batch, EvalSet, StreamLayout, TrainingData
 from lmforge.data.preference import PreferenceBatch, PreferenceData
+from lmforge.data.rl import RLBatch, RLData
 from lmforge.distributed.dist import DistInfo, all_reduce_sum
+from lmforge.distributed.parallelize import compile_enabled
 from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.models.lora import adapters_off
+from lmforge.models.policy_loss import aggregate, per_unit, policy_terms, row_units
 from lmforge.models.preference_loss import PairLogps, pair_terms
+from lmforge.rewards.functions import load_rewards
 from lmforge.train.reference import attach_reference, legacy_weights_tag, weights_tag
+from lmforge.train.rl import RolloutData, Sampler, greedy_rewards
 
 # forward(input_ids, targets, doc_ids, positions=None, per_token=False) -> models.loss.LossOutput: the module
 # `distributed.parallelize` returns (gradients synchronized), or the bare model's training_loss.
@@ -50,6 +65,8 @@ class MicroLoss:
 
 
 class Objective(Protocol):
+    updates: int  # optimizer updates a step takes on its batches (reinforcement learning's μ; else 1)
+
     def units(self, batch: Batch) -> torch.Tensor:
         """How many units the loss is a mean over, counted on the host copy (no device wait)."""
         ...
@@ -77,6 +94,8 @@ def model_forward(model: torch.nn.Module) -> Forward:
 class NextToken:
     """Summed next-token cross-entropy over the trained-on targets."""
 
+    updates = 1
+
     def units(self, batch: Batch) -> torch.Tensor:
         return batch.num_targets()
 
@@ -102,6 +121,8 @@ PAIR_STATS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/a
 class Preference:
     """DPO / IPO / SimPO / ORPO over pairs (``cfg.preference``). ``model``: the unwrapped model,
     for a live reference (its base with the adapters off)."""
+
+    updates = 1
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module):
         p = cfg.preference.resolved(lora=cfg.lora is not None)
@@ -172,6 +193,72 @@ class Preference:
                                 legacy_weights=legacy_weights_tag(*self.start) if main else None)
 
 
-def objective_for(data: TrainingData, cfg: RunConfig, model: torch.nn.Module) -> Objective:
-    """The objective of the data's declared kind: preference pairs, else next-token prediction."""
+class PolicyGradient:
+    """GRPO, DAPO, Dr. GRPO or GSPO (``cfg.rl``) on completions the policy samples itself. ``model``:
+    the unwrapped model (it samples; with LoRA and ``rl.kl`` its base with the adapters off is the
+    reference); ``reference``: a frozen copy of the starting weights (``rl.kl`` without LoRA), or None."""
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, reference: torch.nn.Module | None = None):
+        self.opts = o = cfg.rl.resolved()
+        self.loss, self.clip, self.beta, self.max_new_tokens, self.updates = \
+            o.loss, o.clip, o.kl, o.max_new_tokens, o.updates_per_batch
+        self.model, self.reference, self.cfg = model, reference, cfg
+        self.rewards = load_rewards(o.reward, o.reward_weights, o.format_regex)
+        self.sampler: Sampler | None = None  # made in `prepare` (it needs the run's ranks and autocast)
+        self.dist: DistInfo | None = None
+
+    def units(self, batch: RLBatch) -> torch.Tensor:
+        return row_units(self.loss, batch.mask(), self.max_new_tokens).sum()
+
+    def __call__(self, forward: Forward, batch: RLBatch) -> MicroLoss:
+        if self.beta and batch.ref_logp is None:  # first: the policy's forward is then followed right by its backward
+            batch.ref_logp = self._reference(batch)
+        out = forward(batch.input_ids, batch.targets, batch.doc_ids, per_token=True)
+        mask = batch.mask()
+        if batch.old_logp is None:  # the step's first update: the weights that sampled the batch (ratio 1)
+            batch.old_logp = out.token_logp.detach()
+        terms = policy_terms(self.loss, out.token_logp, batch.old_logp, mask, batch.advantages, clip=self.clip,
+                             ref_logp=batch.ref_logp, beta=self.beta)
+        units = row_units(self.loss, mask, self.max_new_tokens)
+        stats = {"clip_fraction": per_unit(terms.clipped, mask, units),
+                 # the sampler's log-probs against the trainer's, on the same weights: 0 but for rounding
+                 "logprob_gap": per_unit((batch.old_logp - batch.sampler_logp).abs(), mask, units)}
+        if terms.kl is not None:
+            stats["kl"] = per_unit(terms.kl.detach(), mask, units)
+        return MicroLoss(aggregate(self.loss, terms, mask, self.max_new_tokens), out.aux_loss, out.moe, stats)
+
+    @torch.no_grad()
+    def _reference(self, batch: RLBatch) -> torch.Tensor:
+        """[B, T] the reference's log-probs: a frozen copy of the starting weights, or the base with its
+        adapters off."""
+        if self.reference is not None:
+            return self.reference.training_loss(batch.input_ids, batch.targets, per_token=True).token_logp
+        with adapters_off(self.model):
+            return self.model.training_loss(batch.input_ids, batch.targets, per_token=True).token_logp
+
+    def evaluate(self, model, eval_set: EvalSet, device, autocast=nullcontext) -> dict:
+        """The held-out reward of greedy completions of the eval prompts (`train.rl.greedy_rewards`)."""
+        return greedy_rewards(self.sampler, self.rewards, eval_set.batches(), self.dist)
+
+    def prepare(self, data: RLData, model, layout: StreamLayout, save_folder, dist, autocast, *, resuming, log):
+        o = self.opts
+        self.dist = dist
+        self.sampler = Sampler(model, data.tokenizer, o, sharded=layout.layout.sharded, autocast=autocast,
+                               compiled=compile_enabled(self.cfg.compute.compile, dist.device))
+        rewards = ", ".join(f"{r.name}" + (f" × {r.weight:g}" if r.weight != 1 else "") for r in self.rewards)
+        log(f"rl: {o.loss} loss, clip [{o.clip[0]:g}, {o.clip[1]:g}], {o.updates_per_batch} update(s) per batch, "
+            f"rewards {rewards} (advantages scaled by {o.scale_rewards}); {layout.layout.group_size} completions per "
+            f"prompt of at most {o.max_new_tokens} tokens, temperature {o.temperature:g}, top-p {o.top_p:g}"
+            + (f", stop {list(o.stop)}" if o.stop else "")
+            + (f"; KL to the {'starting weights' if self.reference is not None else 'base, adapters off'} "
+               f"β {o.kl:g}" if o.kl else ""))
+        return RolloutData(data, self.sampler, self.rewards, o, dist, log)
+
+
+def objective_for(data: TrainingData, cfg: RunConfig, model: torch.nn.Module,
+                  reference: torch.nn.Module | None = None) -> Objective:
+    """The objective of the data's declared kind: preference pairs, prompts to sample (reinforcement
+    learning; ``reference``: its frozen starting weights, if any), else next-token prediction."""
+    if data.kind == RL_TASK:
+        return PolicyGradient(cfg, model, reference)
     return Preference(cfg, model) if data.kind == "preference" else NextToken()

@@ -166,6 +166,11 @@ class Telemetry:
         finally:
             self._blocked[kind] += time.perf_counter() - t0
 
+    def blocked_s(self) -> float:
+        """Seconds the loop was blocked (checkpoints, evaluation) so far in this attempt: what the
+        trainer's throughput leaves out, as the ledger's split does."""
+        return sum(self._blocked.values())
+
     def tick(self, kind: str = "tick", **fields) -> None:
         """A ledger record with this attempt's time so far (rank 0)."""
         loop = time.perf_counter() - self._loop_t0

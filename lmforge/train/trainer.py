@@ -126,6 +126,7 @@ class Trainer:
         self.reshape: dict | None = None
         self._t0: float | None = None  # when this attempt's loop started (see _elapsed)
         self._elapsed0 = 0.0
+        self._evaluated: tuple[int, dict] | None = None  # (step, metrics) of the last held-out evaluation
         if self.complete:
             return
         self.state = parts.state
@@ -158,9 +159,11 @@ class Trainer:
         preference pair (`train.objective`): each micro-batch's summed loss is divided by the
         step's unit count (all ranks' mean under data parallelism, which averages gradients; under
         context parallelism each rank computes its part of the rows, `shard_rows`, against the
-        same global count). Gradients are synchronized on the last micro-batch only. Nothing here
-        waits for the device: the returned loss, gradient norm and statistics are device tensors;
-        a non-finite loss is caught when they are read (`_read`: at the next log step or
+        same global count). Gradients are synchronized on the last micro-batch only. The step takes
+        the objective's ``updates`` optimizer updates on its batches (one, but reinforcement
+        learning's μ, ``rl.updates_per_batch``), at one LR; its loss and statistics are their means.
+        Nothing here waits for the device: the returned loss, gradient norm and statistics are device
+        tensors; a non-finite loss is caught when they are read (`_read`: at the next log step or
         checkpoint, which it then never reaches).
         """
         lr = self.learning_rate()
@@ -169,29 +172,31 @@ class Trainer:
         norm = self._unit_norm(batches)
         totals = None  # the step's summed loss, then the objective's summed statistics
         moe: dict = {}
-        for i, batch in enumerate(batches):
-            batch = batch.to(self.device)
-            skip_sync = i < len(batches) - 1 and self.dist.distributed
-            with no_grad_sync(self.train_forward, skip=skip_sync), shard_rows(self.sequence_group, batch) as batch:
-                with self.autocast(), self.telemetry.section("forward"):
-                    out = self.objective(self.train_forward, batch)
-                loss = out.loss_sum / norm
-                if out.aux_loss is not None:
-                    loss = loss + out.aux_loss / len(batches)
-                    moe = out.moe
-                    self.expert_health.add(out.moe)
-                with self.telemetry.section("backward"):
-                    loss.backward()
-            sums = torch.stack([out.loss_sum.detach().float(), *out.stats.values()])
-            totals = sums if totals is None else totals + sums
-        clip = self.cfg.parameters.grad_clip or float("inf")
-        # FSDP: a replicated DTensor holding the norm over all shards (an all-reduce: outside the timed
-        # optimizer section, which telemetry scores as the rank's own time).
-        grad_norm = device_value(clip_grad_norm(self.model.parameters(), clip))
-        totals = all_reduce_sum(totals) / (norm * self.dist.world_size)  # one all-reduce: loss and statistics
-        with self.telemetry.section("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        batches = [b.to(self.device) for b in batches]  # once: every update of the step reads them
+        for _ in range(self.objective.updates):  # one, but reinforcement learning's μ
+            for i, batch in enumerate(batches):
+                skip_sync = i < len(batches) - 1 and self.dist.distributed
+                with no_grad_sync(self.train_forward, skip=skip_sync), shard_rows(self.sequence_group, batch) as batch:
+                    with self.autocast(), self.telemetry.section("forward"):
+                        out = self.objective(self.train_forward, batch)
+                    loss = out.loss_sum / norm
+                    if out.aux_loss is not None:
+                        loss = loss + out.aux_loss / len(batches)
+                        moe = out.moe
+                        self.expert_health.add(out.moe)
+                    with self.telemetry.section("backward"):
+                        loss.backward()
+                sums = torch.stack([out.loss_sum.detach().float(), *out.stats.values()])
+                totals = sums if totals is None else totals + sums
+            clip = self.cfg.parameters.grad_clip or float("inf")
+            # FSDP: a replicated DTensor holding the norm over all shards (an all-reduce: outside the timed
+            # optimizer section, which telemetry scores as the rank's own time).
+            grad_norm = device_value(clip_grad_norm(self.model.parameters(), clip))
+            with self.telemetry.section("optimizer"):
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        # one all-reduce: loss and statistics, means over the step's units (and updates)
+        totals = all_reduce_sum(totals) / (norm * self.dist.world_size * self.objective.updates)
         loss, stats = totals[0], dict(zip(out.stats, totals[1:]))
         self.state.lr, self.state.schedule = lr, self._schedule_signature
         after_optimizer_step(self.model)  # FP8 under FSDP: next step's weight scales, in one all-reduce
@@ -240,7 +245,8 @@ class Trainer:
         for es in self.eval_sets:
             values = self.objective.evaluate(self.model, es, self.device, self.autocast)
             metrics |= {f"{es.name}/{k}": v for k, v in values.items()}
-            losses.append(values["loss"])
+            if "loss" in values:  # (reinforcement learning's held-out metric is a reward)
+                losses.append(values["loss"])
         if len(losses) > 1:
             metrics["eval/loss"] = sum(losses) / len(losses)
         gens = []
@@ -254,6 +260,7 @@ class Trainer:
             self.callbacks.on_text(f"generation_{i}", text, self.state.step)
         if metrics:
             self.callbacks.on_metrics(metrics, self.state.step)
+        self._evaluated = (self.state.step, metrics | {"_generations": gens})
         return metrics | {"_generations": gens}
 
     def evaluate_icl(self) -> dict:
@@ -323,9 +330,13 @@ class Trainer:
                            reshape=self.reshape)
 
     def _finish(self) -> dict:
-        """The end of a completed run: a last evaluation, checkpoint and ICL pass."""
-        with self.telemetry.blocked("evaluation"):
-            metrics = self.evaluate()
+        """The end of a completed run: a last evaluation (unless the loop's last step was just
+        evaluated: a wall-clock budget that ran out during it), checkpoint and ICL pass."""
+        if self._evaluated is not None and self._evaluated[0] == self.state.step:
+            metrics = dict(self._evaluated[1])
+        else:
+            with self.telemetry.blocked("evaluation"):
+                metrics = self.evaluate()
         if self.plan.total_steps is None or self.state.step > 0:
             with self.telemetry.blocked("checkpoint"):
                 self.save()
@@ -339,10 +350,11 @@ class Trainer:
         batches = iter(self.stream)
         self._start_clock()
         self.telemetry.start(state.step)
-        meter = _Meter(state.tokens)
+        meter = _Meter(state.tokens, self.telemetry.blocked_s())
         self.train_forward.train()
         phase = None
         window: list[StepOutput] = []  # steps whose loss and grad norm are still on the device
+        out = None
         while not self._done():
             if self.stream.phase() not in (None, phase):  # a curriculum phase begins (or the run resumes in one)
                 phase = self.stream.phase()
@@ -370,11 +382,7 @@ class Trainer:
                 for i, (loss, _) in enumerate(values):
                     meter.watch_spike(loss, first + i, past_warmup=first + i > plan.warmup_steps, log=self.log)
                 if log_now:
-                    loss, grad_norm = values[-1]
-                    read = StepOutput(loss=loss, grad_norm=grad_norm, lr=out.lr, moe=out.moe, stats=out.stats)
-                    goodput, decision = self.telemetry.interval()  # every rank: the same decision
-                    self.callbacks.on_metrics(self._step_metrics(read, meter.tokens_per_s(state.tokens)) | goodput,
-                                              state.step)
+                    decision = self._log_step(out, values[-1], meter)
                     save_now = save_now or (decision is not None and not done)  # checkpoint, then act
             if state.step % plan.eval_interval == 0 and not done and decision is None:
                 with self.watchdog.paused(), self.telemetry.blocked("evaluation"):
@@ -390,7 +398,20 @@ class Trainer:
                 return self._act(decision)
             if stop:
                 return "stopped"
+        if window:  # a wall-clock budget ran out during an evaluation or checkpoint after the last step:
+            # that step is logged too, so the registry, `runs list` and the report end where the run did
+            self._log_step(out, self._read(window)[-1], meter)
         return "completed"
+
+    def _log_step(self, out: StepOutput, read: tuple[float, float], meter: "_Meter"):
+        """The metrics of the step just read (``read``: its loss and gradient norm), through the
+        callbacks; returns the goodput decision of this log step (every rank: the same)."""
+        loss, grad_norm = read
+        goodput, decision = self.telemetry.interval()
+        step_out = StepOutput(loss=loss, grad_norm=grad_norm, lr=out.lr, moe=out.moe, stats=out.stats)
+        rate = meter.tokens_per_s(self.state.tokens, self.telemetry.blocked_s())
+        self.callbacks.on_metrics(self._step_metrics(step_out, rate) | goodput, self.state.step)
+        return decision
 
     def _act(self, decision) -> str:
         """A goodput condition holds: with its checkpoint written, diagnose and cordon as it asks; the
@@ -467,7 +488,9 @@ class Trainer:
             f"{plan.time_limit_s:.0f}s of training"
         self.log(f"run {cfg.name}: {cfg.model.label()} model, {plan.params['total'] / 1e6:.1f}M params "
                  f"({plan.params['active'] / 1e6:.1f}M active), {total}")
-        self.log(f"  batch {plan.global_batch} × {plan.context_length} tokens = micro-batch {plan.micro_batch} × "
+        batch = f"{plan.global_batch} × {plan.context_length} tokens" if self.layout.group_size == 1 else \
+            f"{plan.global_batch} prompts × {self.layout.group_size} completions"
+        self.log(f"  batch {batch} = micro-batch {plan.micro_batch} × "
                  f"{plan.grad_accum} accumulation × {self.layout.describe()}; lr {plan.learning_rate:.3g}, "
                  f"warmup {_span(plan.schedule.warmup, plan.schedule.warmup_unit)}, {_schedule_text(plan.schedule)}; "
                  f"{plan.optimizer}; {plan.precision} on {self.device}")
@@ -487,18 +510,23 @@ def _schedule_text(s) -> str:
 
 
 class _Meter:
-    """Tokens/s between log steps and a loss-spike warning (an exponential average of the loss)."""
+    """Tokens/s of the steps between log steps — the time blocked by evaluation, checkpoints and
+    generations left out (``blocked``: telemetry's running total of it, the goodput ledger's
+    split), so throughput and MFU are the steps' own — and a loss-spike warning (an exponential
+    average of the loss)."""
 
-    def __init__(self, tokens: int):
-        self._t, self._tokens, self._ema = time.monotonic(), tokens, None
+    def __init__(self, tokens: int, blocked: float = 0.0):
+        self._t, self._tokens, self._blocked, self._ema = time.perf_counter(), tokens, blocked, None
 
-    def tokens_per_s(self, tokens: int) -> float:
-        now = time.monotonic()
-        rate = (tokens - self._tokens) / max(now - self._t, 1e-9)
-        self._t, self._tokens = now, tokens
+    def tokens_per_s(self, tokens: int, blocked: float = 0.0) -> float:
+        now = time.perf_counter()
+        steps_s = (now - self._t) - (blocked - self._blocked)
+        rate = (tokens - self._tokens) / max(steps_s, 1e-9)
+        self._t, self._tokens, self._blocked = now, tokens, blocked
         return rate
 
     def watch_spike(self, loss: float, step: int, *, past_warmup: bool, log) -> None:
-        if self._ema is not None and loss > 3 * self._ema and past_warmup:
+        # (a policy-gradient loss hovers around 0 and changes sign: "3× the average" says nothing there)
+        if self._ema is not None and self._ema > 0 and loss > 3 * self._ema and past_warmup:
             log(f"warning: loss spike at step {step}: {loss:.3f} vs recent average {self._ema:.3f}")
         self._ema = loss if self._ema is None else 0.9 * self._ema + 0.1 * loss

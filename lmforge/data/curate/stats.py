@@ -40,7 +40,9 @@ def _raw_documents(inputs: list[str], text_field: str, max_docs: int | None):
 
 
 def _prepared_documents(path: str, max_docs: int | None):
-    """(document texts, token lengths, tokenizer path) of a prepared dataset's train split."""
+    """(summary, document texts, token lengths, tokenizer path, stored tokens) of a prepared dataset's
+    train split: its documents are the EOS-ended runs of its samples' tokens (whole documents; a
+    packing unit's last document, cut where its last full sample ended, has no EOS in them)."""
     import tempfile
 
     from lmforge.data.mds import MDSReader
@@ -62,7 +64,7 @@ def _prepared_documents(path: str, max_docs: int | None):
     lengths = (ends - starts).astype(np.int64)
     tok = load_tokenizer(tok_info["path"]) if tok_info.get("path") and os.path.exists(tok_info["path"]) else None
     texts = [tok.decode(flat[a:b - 1].tolist()) for a, b in zip(starts, ends)] if tok else None
-    return summary, texts, lengths, tok_info.get("path")
+    return summary, texts, lengths, tok_info.get("path"), int(len(flat))
 
 
 def _histogram(values: np.ndarray) -> dict:
@@ -120,11 +122,17 @@ def corpus_stats(sources: list[str] | str, *, tokenizer: str | None = None, text
         raise UserError(f"--max-docs {max_docs}: expected a positive integer")
     out: dict = {"source": sources}
     if len(sources) == 1 and is_prepared(sources[0]) and os.path.isdir(os.path.join(sources[0], "train")):
-        summary, texts, lengths, tok_path = _prepared_documents(sources[0], max_docs)
+        summary, texts, lengths, tok_path, stored = _prepared_documents(sources[0], max_docs)
         train = (summary.get("splits") or {}).get("train") or {}
-        out |= {"kind": "prepared", "tokenizer": tok_path, "documents": int(len(lengths)),
-                "tokens": int(lengths.sum()), "bytes": train.get("bytes"), "bytes_per_token": train.get("bytes_per_token"),
-                "length_unit": "tokens"}
+        whole = {"documents": int(len(lengths)), "tokens": int(lengths.sum()), "stored_tokens": stored,
+                 "dropped_tokens": train.get("dropped_tokens")}
+        # The counts the dataset's card (its marker) says — every document tokenized, whole or cut where a
+        # packing unit's last full sample ended — beside what its samples hold (`whole`, `stat_rows`).
+        recorded = not max_docs and train.get("documents") is not None and train.get("tokens") is not None
+        out |= {"kind": "prepared", "tokenizer": tok_path,
+                "documents": int(train["documents"]) if recorded else whole["documents"],
+                "tokens": int(train["tokens"]) if recorded else whole["tokens"], "in_samples": whole,
+                "bytes": train.get("bytes"), "bytes_per_token": train.get("bytes_per_token"), "length_unit": "tokens"}
         if summary.get("curation"):
             out["curation"] = summary["curation"]
     else:
@@ -156,7 +164,14 @@ def stat_rows(s: dict) -> list[tuple[str, str]]:
         return "-" if v is None else f"{v:,}" if isinstance(v, int) else f"{v:.3f}" if isinstance(v, float) else str(v)
 
     rows = [(k.replace("_", " "), fmt(s.get(k))) for k in ("documents", "bytes", "tokens", "bytes_per_token")]
+    packed = s.get("in_samples")
+    if packed:  # a prepared dataset: what its samples hold of those documents and tokens
+        rows.append(("whole documents in the samples", fmt(packed["documents"])))
+        rows.append(("tokens stored in the samples", fmt(packed["stored_tokens"])))
+        if packed.get("dropped_tokens") is not None:
+            rows.append(("tokens dropped (a packing unit's tail)", fmt(packed["dropped_tokens"])))
     d, unit = s["doc_length"], s["length_unit"]
+    unit = f"{unit}, whole documents" if packed else unit
     rows += [(f"doc length {k} ({unit})", f"{d[k]:,.0f}") for k in ("mean", "p50", "p90", "p99", "max")]
     dup = s.get("duplicates") or {}
     rows.append(("exact-duplicate rate", "-" if dup.get("exact_rate") is None else f"{dup['exact_rate']:.2%}"))
