@@ -335,8 +335,20 @@ def micro_batch_and_checkpointing(cfg: RunConfig, ctx: int, gbs: int, machine: M
     if auto_micro:
         check_batch_split(gbs, None, machine.world_size, c.context_parallel, group)
     given = None if auto_micro else int(p.micro_batch_size)
-from lmforge.plan.activations import OFFLOAD_KEY, activation_policy, canonical_checkpointing, canonical_compression
-from lmforge.plan.memory import data_parallel_mode, memory_plan
+    per_rank = gbs * group // reps  # the rows one replica trains on per step (task_type rl: completions)
+    ac_set = canonical_checkpointing(c.activation_checkpointing)
+    if machine.device == "cpu" or not (auto_micro or auto_ac):
+        micro = micro_batch_for(per_rank, CPU_MICRO_BATCH) if auto_micro else given
+        comp = "off" if c.activation_compression == "auto" else canonical_compression(c.activation_compression)
+        offload = c.activation_offload is True
+        return fit_verdict(cfg, ctx, machine, micro, False if auto_ac else ac_set, None, precision, comp, offload)
+    sharding, local_ctx = run_sharding(cfg, machine), ctx // c.context_parallel  # a GPU holds ctx / N of each row
+    peak = peak_flops(machine.spec, mfu_basis(precision))
+    ways = dict(checkpointing=ac_set, compression=canonical_compression(c.activation_compression)
+                if c.activation_compression != "auto" else "auto", offload=c.activation_offload,
+                precision=precision)
+    kw = dict(sharding=sharding, gpu_memory=machine.memory_bytes, peak_flops=peak, per_rank=per_rank,
+              micro_batch=given, **ways)
     if not candidates(cfg.model, local_ctx, **kw):  # nothing fits: the least memory, refused with the remedy
         micro, ac, comp, offload = smallest(cfg.model, local_ctx, given, **ways)
         return fit_verdict(cfg, ctx, machine, micro, ac, None, precision, comp, offload)
@@ -446,8 +458,9 @@ def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
     if plan.icl_interval:
         data["eval"]["icl_interval"] = f"{plan.icl_interval}ba"
     data["save_interval"] = f"{plan.save_interval}ba"
-from lmforge.plan.activations import OFFLOAD_KEY, activation_policy, canonical_checkpointing, canonical_compression
-from lmforge.plan.memory import data_parallel_mode, memory_plan
+    data["compute"].update(activation_checkpointing=plan.activation_checkpointing,
+                           activation_compression=plan.activation_compression,
+                           activation_offload=plan.activation_offload, data_parallel=plan.layout.data_parallel)
     return RunConfig.model_validate(data)
 
 
