@@ -383,6 +383,7 @@ def _saving(forward, block: nn.Module, index: int, model: nn.Module, policy: Act
             meter._add(index, saver.device_bytes, saver.host_bytes)
         return out
 
+    run.__wrapped__ = forward  # what it runs (a compiled block's forward, say)
     return run
 
 
