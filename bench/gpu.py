@@ -206,6 +206,8 @@ def ac_label(value) -> str:
         return "none"
     if value is True or value == "full":
         return "full"
+    if isinstance(value, dict):  # {granularity, layers} (`plan.activations`)
+        return f"{value['granularity']} {value.get('layers', 'all')}"
     return "selective" if value == "selective" else f"every {value}"
 
 

@@ -72,9 +72,12 @@ def test_compile_auto_means_cuda_and_wraps_blocks_and_the_loss(model):
     assert ComputeConfig().compile == "auto"
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     plain = Transformer(CFG)
+    def compiled(forward) -> bool:  # (inside the saved-tensor hooks' wrapper, `distributed.activations`)
+        return hasattr(getattr(forward, "__wrapped__", forward), "_torchdynamo_orig_callable")
+
     parallelize(plain, Layout(), dist)  # auto on the CPU: nothing compiled
-    assert "head_loss" not in vars(plain) and "forward" not in vars(plain.blocks[0])
+    assert "head_loss" not in vars(plain) and not compiled(plain.blocks[0].forward)
     parallelize(model, Layout(), dist, compute=ComputeConfig(compile=True))
     # compiled on the instance (names, and so checkpoints, unchanged)
-    assert "head_loss" in vars(model) and "head_logprobs" in vars(model) and all("forward" in vars(b) for b in model.blocks)
+    assert "head_loss" in vars(model) and "head_logprobs" in vars(model) and all(compiled(b.forward) for b in model.blocks)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]

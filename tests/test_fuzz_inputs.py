@@ -108,7 +108,29 @@ ISSUE_47 = [  # id, argv, words of the one error line
 ]
 
 
-@pytest.mark.parametrize("case", ISSUE_47, ids=[c[0] for c in ISSUE_47])
+# Issue 55's activation settings: refused at validation where the form is wrong, at planning (the
+# dry run) where only the model's depth or the device says so.
+ISSUE_55 = [
+    ("ac-range-backwards", DRY + ["--set", "compute.activation_checkpointing={granularity: mlp, layers: 'range(5,2)'}"],
+     ["compute.activation_checkpointing.layers", "range(5,2) is empty"]),
+    ("ac-past-depth", DRY + ["--set", "compute.activation_checkpointing={granularity: block, layers: 'range(2,9)'}"],
+     ["compute.activation_checkpointing.layers", "past the model's 6 blocks"]),
+    ("ac-unknown-granularity", DRY + ["--set", "compute.activation_checkpointing={granularity: heads}"],
+     ["compute.activation_checkpointing.granularity"]),
+    ("ac-experts-of-dense", DRY + ["--set", "compute.activation_checkpointing={granularity: experts}"],
+     ["compute.activation_checkpointing.granularity", "dense"]),
+    ("compression-kind", DRY + ["--set", "compute.activation_compression={kind: fp4}"],
+     ["compute.activation_compression.kind"]),
+    ("compression-past-depth", DRY + ["--set", "compute.activation_compression={kind: int8, layers: last-9}"],
+     ["compute.activation_compression.layers", "more blocks than the model's 6"]),
+    ("offload-on-cpu", DRY + ["--set", "compute.activation_offload=true", "--set", "compute.device=cpu"],
+     ["compute.activation_offload", "needs CUDA"]),
+    ("estimate-ac-form", ["estimate", "--model", "llama-tiny", "--activation-checkpointing", "mlp:first-x"],
+     ["--activation-checkpointing", "first-x"]),
+]
+
+
+@pytest.mark.parametrize("case", ISSUE_47 + ISSUE_55, ids=[c[0] for c in ISSUE_47 + ISSUE_55])
 def test_issue_47_input(case, cfg_file):
     _, argv, words = case
     one_clean_line(cli(*[a.replace("{d}", str(cfg_file)) for a in argv]), *words)
@@ -132,6 +154,8 @@ def leaf_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 FIELDS = leaf_fields(RunConfig) + [f"model.{k}" for k in ("d_model", "n_layers", "max_seq_len", "rope_theta",
                                                           "vocab_size", "n_experts", "init_std")]
+# Keys that take a value or a section, as a whole (`activation_checkpointing: full | {granularity, layers}`).
+FIELDS += ["compute.activation_checkpointing", "compute.activation_compression"]
 HOSTILE = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0, -1, 1e308, -0.0, 1e-320, 2**63]),

@@ -15,7 +15,7 @@ from lmforge.plan.hardware import GPU_TYPES
 from lmforge.plan.flops import param_counts
 from lmforge.plan.layout import Sharding
 from lmforge.plan.memory import MARGIN, RESERVED_BYTES, activation_bytes, fixed_bytes, usable_bytes
-from lmforge.plan.micro_batch import MODES, PROBED, choose
+from lmforge.plan.micro_batch import GRANULARITIES, PROBED, candidates, choose
 from train_helpers import cli
 
 H100 = GPU_TYPES["h100-sxm"]
@@ -29,21 +29,37 @@ def _choose(cfg=LLAMA_3B, seq=2048, n=1, dp="fsdp", **kw):
                   where=f"{n} × h100", **kw)
 
 
+MODES = (False, "selective", 2, "full")
+
+
 def test_each_checkpointing_mode_keeps_less():
     none, selective, every2, full = (activation_bytes(LLAMA_3B, 2048, m) for m in MODES)
-    assert none > selective > every2 > full > 0
+    assert none > max(selective, every2) and min(selective, every2) > full > 0
     assert activation_bytes(LLAMA_3B, 2048, "auto") == none  # unresolved auto: no checkpointing
     assert activation_bytes(LLAMA_3B, 2048, 64) == none  # every 64th of 28 blocks: none of them
     assert activation_bytes(LLAMA_3B, 2048, True) == full
+    first = [activation_bytes(LLAMA_3B, 2048, {"granularity": "block", "layers": f"first-{n}"}) for n in (1, 14, 28)]
+    assert none > first[0] > first[1] > first[2] == full  # the fewer blocks recomputed, the more kept
+
+
+def _granularity(c) -> str | None:
+    """A candidate's checkpointing granularity (block for full and every-N)."""
+    value = c.checkpointing
+    if value is False:
+        return None
+    return value["granularity"] if isinstance(value, dict) else "block" if value in ("full", True) or \
+        isinstance(value, int) else value
 
 
 def test_auto_takes_the_fastest_candidate_that_fits():
     choice = _choose()
     usable = usable_bytes(H100.memory_bytes)
-    assert {c.checkpointing for c in choice.candidates} == set(MODES)  # one candidate per mode
+    grains = {_granularity(c) for c in choice.candidates}
+    assert grains <= {None, *GRANULARITIES} and len(grains) == len(choice.candidates) >= 4  # one per option
     assert all(c.bytes_per_gpu <= usable for c in choice.candidates)
-    by_mode = {c.checkpointing: c for c in choice.candidates}
-    assert by_mode["full"].micro_batch > by_mode[2].micro_batch > by_mode[False].micro_batch >= 1
+    by_mode = {_granularity(c): c for c in choice.candidates}
+    # Each option checkpoints only the leading blocks its micro-batch needs: never more than every block.
+    assert by_mode["block"].micro_batch >= by_mode[None].micro_batch >= 1
     assert (choice.micro_batch, choice.checkpointing) == (choice.best.micro_batch, choice.best.checkpointing)
     assert choice.best.modelled_tokens_per_s >= max(c.modelled_tokens_per_s for c in choice.candidates) * 0.98
     assert not choice.measured and "modelled" in choice.reason and "\n" not in choice.reason
@@ -53,36 +69,36 @@ def test_auto_takes_the_fastest_candidate_that_fits():
     tight = (fixed + 1.5 * activation_bytes(LLAMA_3B, 1024, False) + RESERVED_BYTES) / (1 - MARGIN)
     choice = choose(LLAMA_3B, 1024, sharding=Sharding("fsdp", 1), gpu_memory=tight, peak_flops=H100.bf16,
                     where="1 × h100")
-    assert {c.checkpointing: c.micro_batch for c in choice.candidates}[False] == 1
+    assert {_granularity(c): c.micro_batch for c in choice.candidates}[None] == 1
     assert choice.checkpointing is not False and choice.micro_batch > 1, choice.reason
 
 
 def test_ddp_replicas_leave_room_for_their_gradient_buckets():
     """Several DDP replicas hold fp32 gradient buckets (4 B per parameter) beside their whole
     states: every candidate's footprint counts them, as `lmforge estimate`'s verdict does."""
-    alone, replicated = _choose(), _choose(n=8, dp="ddp")
+    alone = _choose()
     params = param_counts(LLAMA_3B)["total"]
-    by_mode = {c.checkpointing: c for c in alone.candidates}
-    for c in replicated.candidates:
-        assert c.bytes_per_gpu <= usable_bytes(H100.memory_bytes)
-        assert c.micro_batch <= by_mode[c.checkpointing].micro_batch
-    assert sum(c.micro_batch for c in replicated.candidates) < sum(c.micro_batch for c in alone.candidates)
+    for c in alone.candidates:  # the same option and micro-batch on 8 replicas: 4 B per parameter more, or no fit
+        same = dict(checkpointing=c.checkpointing, micro_batch=c.micro_batch, compression=c.compression)
+        replicated = candidates(LLAMA_3B, 2048, sharding=Sharding("ddp", 8), gpu_memory=H100.memory_bytes,
+                                peak_flops=H100.bf16, **same)
+        assert all(r.bytes_per_gpu == c.bytes_per_gpu + 4 * params for r in replicated)
+        assert replicated or c.bytes_per_gpu + 4 * params > usable_bytes(H100.memory_bytes)
     assert fixed_bytes(params, LLAMA_3B, Sharding("ddp", 8)) - fixed_bytes(params, LLAMA_3B, Sharding("ddp", 1)) \
         == 4 * params  # one process is not wrapped in DDP
 
 
 def test_a_probe_decides_among_the_models_first_candidates():
+    ranked = [c.checkpointing for c in _choose().candidates]
     timed = []
 
-    def probe(c):  # as if the GPU ran full checkpointing fastest, and the rest at the model's rate
+    def probe(c):  # as if the GPU ran the model's third choice fastest, the rest at the model's rate
         timed.append(c.label)
-        return c.modelled_tokens_per_s * (3.0 if c.checkpointing == "full" else 1.0)
+        return c.modelled_tokens_per_s * (3.0 if c.checkpointing == ranked[PROBED - 1] else 1.0)
 
-    ranked = [c.checkpointing for c in _choose().candidates]
     choice = _choose(measure=probe, measured_as="measured here")
     assert len(timed) == PROBED
-    if "full" in ranked[:PROBED]:
-        assert choice.checkpointing == "full" and choice.measured and "measured here" in choice.reason
+    assert choice.checkpointing == ranked[PROBED - 1] and choice.measured and "measured here" in choice.reason
     # a candidate the probe cannot run (out of memory) is never chosen
     choice = _choose(measure=lambda c: None if c.checkpointing == ranked[0] else c.modelled_tokens_per_s)
     assert choice.checkpointing != ranked[0]
@@ -90,6 +106,9 @@ def test_a_probe_decides_among_the_models_first_candidates():
 
 def test_what_the_config_sets_is_kept():
     assert {c.checkpointing for c in _choose(checkpointing="full").candidates} == {"full"}
+    mlp = {"granularity": "mlp", "layers": "range(2,6)"}
+    assert [c.checkpointing for c in _choose(checkpointing=mlp).candidates] == [mlp]
+    assert {c.compression for c in _choose(compression="int8").candidates} == {"int8"}
     assert all(c.micro_batch == 1 for c in _choose(micro_batch=1).candidates)
     assert all(12 % c.micro_batch == 0 for c in _choose(per_rank=12).candidates)  # divides the rank's batch
 

@@ -30,6 +30,8 @@ from lmforge.plan.hardware import ASSUMED_MFU, gpu_type_names
 FLAG_KEYS = {"seq_len": ("--seq-len", "parameters.context_length"),
              "micro_batch": ("--micro-batch", "parameters.micro_batch_size"),
              "activation_checkpointing": ("--activation-checkpointing", "compute.activation_checkpointing"),
+             "activation_compression": ("--activation-compression", "compute.activation_compression"),
+             "activation_offload": ("--activation-offload", "compute.activation_offload"),
              "data_parallel": ("--data-parallel", "compute.data_parallel"),
              "context_parallel": ("--context-parallel", "compute.context_parallel"),
              "expert_parallel": ("--expert-parallel", "compute.expert_parallel"),
@@ -189,7 +191,7 @@ class _flags_named:
         if isinstance(e, UserError) and type(e) is UserError:
             text = str(e)
             for flag, key in self.given:
-                text = text.replace(f"{key}: ", f"{flag} ").replace(key, flag)
+                text = re.sub(re.escape(key) + r"(\.\w+)?: ", f"{flag} ", text).replace(key, flag)  # (a part of it too)
             if text != str(e):
                 raise UserError(text) from None
         return False
@@ -278,15 +280,32 @@ def _micro_batch(text: str):
 
 
 def _checkpointing(text: str):
-    """--activation-checkpointing: auto, none/false, selective, full/true, or N (every N-th block)."""
+    """--activation-checkpointing: auto, none/false, selective, full/true, N (every N-th block), or
+    GRANULARITY[:LAYERS] (block, attention, mlp, experts, selective; LAYERS as the config's)."""
     value = {"none": False, "false": False, "true": "full"}.get(text.lower(), text.lower())
     if value in (False, "auto", "selective", "full"):
         return value
+    granularity, _, layers = value.partition(":")
+    if granularity in ("block", "attention", "mlp", "experts", "selective"):
+        from lmforge.config.activations import parse_layers
+
+        try:
+            return {"granularity": granularity, "layers": str(parse_layers(layers or "all"))}
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     try:
         return positive_int(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected auto, none, selective, full or a whole number N above 0, "
-                                         f"got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected auto, none, selective, full, a whole number N above 0 or "
+                                         f"GRANULARITY:LAYERS such as mlp:first-8, got {text!r}") from None
+
+
+def _offload(text: str):
+    """--activation-offload: true, false or auto."""
+    value = {"true": True, "false": False, "auto": "auto"}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true, false or auto, got {text!r}")
+    return value
 
 
 def register(subparsers) -> None:
@@ -331,7 +350,15 @@ def register(subparsers) -> None:
                    help="micro-batch per GPU; unset = a run YAML's, else auto: the micro-batch and "
                    "activation-checkpointing mode `micro_batch_size: auto` chooses for speed (modelled)")
     p.add_argument("--activation-checkpointing", type=_checkpointing, default=None, metavar="MODE",
-                   help="auto, none, selective, full or N (every N-th block); unset = a run YAML's, else auto")
+                   help="auto, none, selective, full, N (every N-th block) or GRANULARITY:LAYERS (block, attention, "
+                   "mlp, experts or selective on all, first-N, last-N, range(M,K) or every-N blocks, e.g. "
+                   "mlp:first-8); unset = a run YAML's, else auto")
+    p.add_argument("--activation-compression", default=None, choices=["off", "auto", "fp8", "int8"],
+                   help="store what blocks save for backward in one byte per element; auto: --micro-batch auto may "
+                   "choose it; unset = a run YAML's, else off")
+    p.add_argument("--activation-offload", type=_offload, default=None, metavar="true|false|auto",
+                   help="CUDA: keep what blocks save for backward in pinned host memory; unset = a run YAML's, "
+                   "else false")
     p.add_argument("--data-parallel", default=None, choices=["auto", "fsdp", "hsdp", "ddp"],
                    help="how the GPUs share the model, which the memory verdict is for: fsdp shards the model "
                    "states over every GPU, hsdp over a node's, ddp keeps them whole on each; unset = a run YAML's "

@@ -134,8 +134,10 @@ def format_error(e: ValidationError, model: type[BaseModel] = RunConfig, source:
     same_key = [x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]]
     err = next((x for x in errors if x["type"] == "extra_forbidden"), max(same_key, key=lambda x: len(x["loc"])))
     loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and "[" in x and x not in ("",)))
-    # Drop pydantic's union-branch tags such as 'str' or 'function-before[...]'.
-    loc = tuple(x for x in loc if not (isinstance(x, str) and (x in ("str", "int", "list", "dict") or "(" in x)))
+    # Drop pydantic's union-branch tags such as 'str', 'function-before[...]' or a section's class name
+    # (config keys are snake_case).
+    loc = tuple(x for x in loc if not (isinstance(x, str) and (x in ("str", "int", "bool", "list", "dict") or "(" in x
+                                                               or x[:1].isupper())))
     key, valid = _describe(loc, model)
     prefix = f"{source}: " if source else ""
     if err["type"] == "extra_forbidden":

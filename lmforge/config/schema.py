@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, PlainSerializer, field_validator, model_validator
 
+from lmforge.config.activations import CheckpointingSpec, CompressionSpec
 from lmforge.config.checked import Strict
 from lmforge.config.curation import CurateConfig
 from lmforge.config.limits import (MAX_BATCH_TOKENS, MAX_GRAD_CLIP, MAX_GROUP_SIZE, MAX_LEARNING_RATE, MAX_NAME,
@@ -289,10 +290,18 @@ class ComputeConfig(_Strict):
     node_rank: int = Field(0, ge=0, lt=MAX_NODES, description="multi-node: this node's index (0 … nodes-1)")
     rdzv_endpoint: str | None = Field(None, description="multi-node: HOST:PORT of the torchrun c10d rendezvous")
     rdzv_timeout_s: int = Field(300, gt=0, le=7 * 86400, description="multi-node: seconds to wait for every node to join")
-    activation_checkpointing: bool | Literal["auto", "full", "selective"] | int = Field(
+    activation_checkpointing: bool | Literal["auto", "full", "selective"] | int | CheckpointingSpec = Field(
         "auto", description="recompute activations in backward: true/full (every block), selective (keep matmul "
-        "outputs, recompute the rest), N (every N-th block), false; auto: on GPUs chosen with micro_batch_size auto "
-        "for the most tokens/s that fit (`lmforge estimate --micro-batch auto` shows it), else false")
+        "outputs, recompute the rest), N (every N-th block), false, or {granularity, layers}; auto: on GPUs chosen "
+        "with micro_batch_size auto for the most tokens/s that fit (`lmforge estimate --micro-batch auto` shows "
+        "it), else false")
+    activation_compression: Literal["off", "auto", "fp8", "int8"] | CompressionSpec = Field(
+        "off", description="store the activations blocks save for backward in one byte per element (fp8 or int8 "
+        "with fp32 scales per 128 elements; {kind, scale, layers} to choose); auto: on GPUs the planner may choose "
+        "it with activation_checkpointing auto (docs/activation-memory.md)")
+    activation_offload: bool | Literal["auto"] = Field(
+        False, description="CUDA: move the activations blocks save for backward to pinned host memory, fetched "
+        "back for backward (unmeasured); auto: on GPUs the planner may choose it")
     async_checkpoint: bool = Field(True, description="write checkpoints in the background while training continues")
     # --- end scale-out
     compile: bool | Literal["auto"] = Field(
@@ -346,11 +355,28 @@ class ComputeConfig(_Strict):
             raise ValueError("expected auto or a whole number of GPUs, at least 1 (on a CPU: compute.ranks)")
         return v
 
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _ac_word(cls, v):
+        word = isinstance(v, str) and (v in ("auto", "full", "selective", "true", "false") or v.isdigit())
+        if not (word or isinstance(v, (int, dict, CheckpointingSpec))):
+            raise ValueError(f"expected auto, false, true, full, selective, a positive integer N (every N-th block) "
+                             f"or {{granularity, layers}}, got {v!r}")
+        return v
+
+    @field_validator("activation_compression", mode="before")
+    @classmethod
+    def _compression_word(cls, v):
+        if not (v in ("off", "auto", "fp8", "int8") if isinstance(v, str) else isinstance(v, (dict, CompressionSpec))):
+            raise ValueError(f"expected off, auto, fp8, int8 or {{kind, scale, layers}}, got {v!r}")
+        return v
+
     @field_validator("activation_checkpointing")
     @classmethod
     def _ac(cls, v):
         if isinstance(v, int) and not isinstance(v, bool) and v < 1:
-            raise ValueError("expected auto, false, true, full, selective or a positive integer N (every N-th block)")
+            raise ValueError("expected auto, false, true, full, selective, a positive integer N (every N-th block) "
+                             "or {granularity, layers}")
         return v
 
 

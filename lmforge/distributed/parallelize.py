@@ -1,8 +1,9 @@
 """Apply parallelism and compilation to a model, in one place and one order.
 
 Order (as in torchtitan): expert parallelism → activation checkpointing → FP8 → torch.compile
-(per block, and the final norm + head + loss) → data parallel wrapping (DDP, or FSDP2
-``fully_shard`` per block then the root). Expert parallelism is model parallelism: it splits the
+(per block, and the final norm + head + loss) → the blocks' saved-tensor hooks (compression,
+offload, the meter: `activations.py`, around each compiled block) → data parallel wrapping (DDP,
+or FSDP2 ``fully_shard`` per block then the root). Expert parallelism is model parallelism: it splits the
 expert weights first, so everything after sees the layout training runs with. Checkpointing wraps
 block forwards next so compile sees the recompute region; FP8 (torchao) swaps the linear layers
 next — after checkpointing and before compile, as torchao documents — so compile traces the FP8
@@ -43,7 +44,6 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as td
@@ -53,76 +53,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoint,
-                                   create_selective_checkpoint_contexts)
 
 from lmforge.config.schema import ComputeConfig
+from lmforge.distributed import activations
+from lmforge.distributed.activations import apply_activation_checkpointing
 from lmforge.distributed.context_parallel import sequence_group
 from lmforge.distributed.dist import DistInfo
 from lmforge.distributed.float8 import FP8Options, apply_float8, check_fp8_supported
 from lmforge.plan.layout import Layout
-from lmforge.plan.memory import checkpointed_blocks
-
-
-# --------------------------------------------------------------------------- activation checkpointing
-
-def _selective_policy():
-    from lmforge.models import grouped_mm, moe  # noqa: F401 - registers the lmforge:: ops
-
-    aten = torch.ops.aten
-    # Expensive to recompute: keep their outputs (matmuls, the MoE experts' grouped GEMMs and
-    # the CPU loop's forward, attention, and the expert-parallel all-to-all, which recomputing
-    # would send again).
-    # The router's top-k too: a recompute must route exactly as the forward did (on a GPU a tie
-    # could flip, and the all-to-all's split sizes with it), as torchtitan does.
-    # Norms, activations, RoPE, the rest of routing: recompute.
-    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._grouped_mm.default,
-            torch.ops.lmforge.grouped_mm.default, torch.ops.lmforge.expert_loop.default, aten.topk.default,
-            torch.ops._c10d_functional.all_to_all_single.default,
-            torch.ops._c10d_functional_autograd.all_to_all_single.default,  # (what torch 2.11's autograd
-            # all-to-all dispatches; 2.13's dispatches the plain one)
-            aten._scaled_mm.default,  # FP8 (torchao) matmuls
-            aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_cudnn_attention.default,  # where SDPA picks cuDNN (H100)
-            aten._scaled_dot_product_flash_attention_for_cpu.default}
-    # Expert parallelism nests the experts' FSDP unit inside the block: on recompute FSDP opens one
-    # more profiler range there (it takes the iteration's root role again) than in forward, and
-    # SAC would look for that extra op in its cache. Profiler ranges compute nothing: skip them.
-    SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
-                            torch.ops.profiler._record_function_exit._RecordFunction})
-
-    # FlexAttention (packed documents on CUDA) is attention too: keep its output.
-    keep.add(torch._higher_order_ops.flex_attention)
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return partial(create_selective_checkpoint_contexts, policy)
-
-
-def _checkpointed(forward, selective: bool):
-    context_fn = _selective_policy() if selective else None
-
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():  # eval / generation: nothing to save
-            return forward(*args, **kwargs)
-        extra = {"context_fn": context_fn} if context_fn else {}
-        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
-
-    return run
-
-
-def apply_activation_checkpointing(model: nn.Module, value=True) -> None:
-    """Recompute blocks' activations in backward instead of storing them.
-
-    The block's ``forward`` is replaced on the instance (not wrapped in a new module), so
-    parameter names — and therefore checkpoints — are the same with and without it.
-    """
-    mode, which = checkpointed_blocks(value, len(model.blocks))
-    for i in which:
-        block = model.blocks[i]
-        block.forward = _checkpointed(block.forward, selective=mode == "selective")
+from lmforge.plan.activations import activation_policy
 
 
 def compile_enabled(value, device: torch.device) -> bool:
@@ -269,12 +208,14 @@ def _experts_grouped(model: nn.Module, precision: str, device: torch.device) -> 
 
 
 def parallelize(model: nn.Module, layout: Layout, dist: DistInfo, *, compute: ComputeConfig = ComputeConfig(),
-                checkpointing=False, precision: str = "fp32", fp8: FP8Options = FP8Options()) -> nn.Module:
+                checkpointing=False, compression="off", offload: bool = False, precision: str = "fp32",
+                fp8: FP8Options = FP8Options()) -> nn.Module:
     """Apply, in this order, expert parallelism → activation checkpointing (``checkpointing``: the
-    plan's mode) → FP8 (``precision`` "fp8", as ``fp8`` says) → compile → data parallelism, as the
-    run's ``layout`` says; returns the module that runs one training forward (a `TrainingForward`,
-    inside DDP when replicated). ``compute``: the switches that are not the layout (compile, the
-    loss kernel, resharding after forward).
+    plan's mode) → FP8 (``precision`` "fp8", as ``fp8`` says) → compile → what the blocks keep for
+    backward (``compression``, ``offload``: the plan's; and the meter, `distributed.activations`) →
+    data parallelism, as the run's ``layout`` says; returns the module that runs one training forward
+    (a `TrainingForward`, inside DDP when replicated). ``compute``: the switches that are not the
+    layout (compile, the loss kernel, resharding after forward).
 
     With fsdp/hsdp, ``model`` may live on the meta device; call ``materialize`` afterwards.
     """
@@ -287,8 +228,9 @@ def parallelize(model: nn.Module, layout: Layout, dist: DistInfo, *, compute: Co
     meshes = build_meshes(layout, dist) if layout.sharded else None
     if meshes is not None and meshes.ep is not None:
         apply_expert_parallel(model, meshes.ep)
-    if checkpointing:
-        apply_activation_checkpointing(model, checkpointing)
+    policy = activation_policy(checkpointing, compression, offload, n_layers=len(model.blocks),
+                               moe=model.cfg.is_moe)
+    apply_activation_checkpointing(model, policy)
     if precision == "fp8":
         if fp8.experts:
             check_fp8_supported(dist.device, experts=True)
@@ -298,6 +240,7 @@ def parallelize(model: nn.Module, layout: Layout, dist: DistInfo, *, compute: Co
         # (the all-gathered K/V of context parallelism off CUDA are collectives dynamo breaks at)
         whole_blocks = whole_blocks and (model.sequence_group is None or model.sequence_group.ring)
         apply_compile(model, fullgraph=whole_blocks)
+    activations.install(model, policy, dist.device)
     if meshes is not None:
         apply_fsdp(model, meshes, bf16=precision in ("bf16", "fp8"),
                    reshard_after_forward=compute.reshard_after_forward)

@@ -212,14 +212,24 @@ class Block(nn.Module):
             self.mlp_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def forward(self, x, cos, sin, cache=None, start_pos: int = 0, attn_mask=None):
+        x = x + self.attention(x, cos, sin, cache, start_pos, attn_mask)
+        h, aux = self.feed_forward(x)
+        return x + h, aux
+
+    # The two sublayers, each with its norms: what it adds to the residual stream. Activation
+    # checkpointing of one of them (`distributed.parallelize`) replaces the method on the instance.
+    def attention(self, x, cos, sin, cache=None, start_pos: int = 0, attn_mask=None):
         if self.post_norm:  # normalize what each sublayer writes into the residual stream
-            x = x + self.attn_norm(self.attn(x, cos, sin, cache, start_pos, attn_mask))
-            h, aux = _with_aux(self.mlp(x))
-            return x + self.mlp_norm(h), aux
+            return self.attn_norm(self.attn(x, cos, sin, cache, start_pos, attn_mask))
         h = self.attn(self.attn_norm(x), cos, sin, cache, start_pos, attn_mask)
-        x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
+        return h if self.attn_out_norm is None else self.attn_out_norm(h)
+
+    def feed_forward(self, x) -> tuple[torch.Tensor, dict]:
+        if self.post_norm:
+            h, aux = _with_aux(self.mlp(x))
+            return self.mlp_norm(h), aux
         h, aux = _with_aux(self.mlp(self.mlp_norm(x)))
-        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h)), aux
+        return (h if self.mlp_out_norm is None else self.mlp_out_norm(h)), aux
 
 
 def _with_aux(out) -> tuple[torch.Tensor, dict]:
@@ -234,6 +244,9 @@ class Transformer(nn.Module):
     # The ranks each row is split over (compute.context_parallel), set by `distributed.parallelize`;
     # None: every rank holds whole rows.
     sequence_group: SequenceGroup | None = None
+    # What the blocks save for backward, counted over a micro-batch on request (`memory/activations_saved`),
+    # set by `distributed.parallelize` (a `distributed.activations.Meter`); None outside a training run.
+    activation_meter = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -25,6 +25,7 @@ import math
 from dataclasses import replace
 
 from lmforge.config.model import ModelConfig
+from lmforge.plan.activations import canonical_checkpointing, checkpointing_words
 from lmforge.plan.flops import param_counts
 from lmforge.plan.layout import REPLICATED, Sharding
 from lmforge.plan.memory import activation_bytes, fixed_bytes, usable_bytes
@@ -33,27 +34,23 @@ MODES = ("none", "selective", "full")
 MAX_GPUS = 4096  # where the search for "how many GPUs would it take" gives up
 
 
-def checkpointing_mode(value) -> str | int:
-    """`compute.activation_checkpointing` → none | selective | full | N (every N-th block, full)."""
+def checkpointing_mode(value) -> str | int | dict:
+    """`compute.activation_checkpointing` → none | selective | full | N (every N-th block, full) |
+    {granularity, layers}."""
+    value = canonical_checkpointing(value)
     if value is False or value is None or value == "none":
         return "none"
     if value is True or value == "full":
         return "full"
-    if value == "selective":
-        return "selective"
+    if value == "selective" or isinstance(value, dict):
+        return value
     return int(value)
 
 
 def checkpointing_label(value) -> str:
-    """A `compute.activation_checkpointing` value in words: "full checkpointing", "no checkpointing"."""
-    if value is False or value is None or value == "none":
-        return "no checkpointing"
-    if value == "selective":
-        return "selective checkpointing"
-    if value is True or value == "full":
-        return "full checkpointing"
-    n = int(value)
-    return f"checkpointing every {n}{'nd' if n == 2 else 'rd' if n == 3 else 'th'} block"
+    """A `compute.activation_checkpointing` value in words: "full checkpointing", "no checkpointing"
+    (`plan.activations.checkpointing_words`)."""
+    return checkpointing_words(False if value == "none" else value)
 
 
 def setting(mode: str | int):

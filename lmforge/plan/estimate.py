@@ -19,6 +19,7 @@ from lmforge.config.counts import human
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import ComputeConfig, RunConfig
 from lmforge.errors import UserError
+from lmforge.plan.activations import option_words
 from lmforge.plan.auto import TOKENS_PER_PARAM
 from lmforge.plan.checks import check_context_parallel, check_mesh
 from lmforge.plan.comm import OVERLAP, moe_traffic
@@ -70,7 +71,9 @@ class EstimateInputs:
     vocab_size: int | None = None
     precision: str = "bf16"
     micro_batch: int | str | None = None  # "auto": what `micro_batch_size: auto` chooses (modelled)
-    activation_checkpointing: bool | str | int | None = None
+    activation_checkpointing: bool | str | int | dict | None = None
+    activation_compression: str | dict = "off"
+    activation_offload: bool | str = False
     spec: GPUSpec | None = None
     expert_parallel: int = 1
     grad_accum: int = 1
@@ -141,7 +144,8 @@ def plan_view(cfg: RunConfig, plan: TrainPlan, *, names: dict = FLAGS) -> dict:
     return estimate_run(EstimateInputs(
         cfg.model, tokens=tokens, tokens_source=source, gpus=plan.ranks // c.nodes, nodes=c.nodes, price=c.price_per_gpu_hour,
         seq_len=plan.context_length, spec=plan.spec, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
-        activation_checkpointing=plan.activation_checkpointing, precision=mfu_basis(plan.precision),
+        activation_checkpointing=plan.activation_checkpointing, activation_compression=plan.activation_compression,
+        activation_offload=plan.activation_offload, precision=mfu_basis(plan.precision),
         expert_parallel=c.expert_parallel if gpu else 1, context_parallel=c.context_parallel,
         data_parallel=plan.layout.data_parallel, shard_size=plan.sharding.shard_size, memory=plan.memory,
         tokens_per_s=plan.tokens_per_s, rate_source=plan.rate_source, compute_devices=plan.ranks if gpu else 1,
@@ -226,11 +230,14 @@ def estimate_run(x: EstimateInputs) -> dict:
     gpu_hours = seconds * n / 3600
     choice = _auto_micro_batch(x, cfg, seq_len, spec, sharding) if x.micro_batch == "auto" and x.memory is None \
         else None
-    micro_batch, checkpointing = (choice.micro_batch, choice.checkpointing) if choice else \
-        (x.micro_batch, x.activation_checkpointing)
+    micro_batch, checkpointing, compression, offload = \
+        (choice.micro_batch, choice.checkpointing, choice.compression, choice.offload) if choice else \
+        (x.micro_batch, x.activation_checkpointing, x.activation_compression, x.activation_offload is True)
     memory = x.memory or memory_plan(counts["total"], cfg, seq_len, sharding, spec.memory_bytes,
                                      micro_batch=micro_batch, activation_checkpointing=checkpointing,
-                                     context_parallel=x.context_parallel)
+                                     context_parallel=x.context_parallel,
+                                     compression="off" if compression == "auto" else compression, offload=offload,
+                                     precision=x.precision)
     context = None if cfg is None else context_plan(cfg, seq_len, sharding, spec.memory_bytes,
                                                     micro_batch=micro_batch or 1)
     fix = x.remedy
@@ -291,6 +298,7 @@ def _auto_micro_batch(x: EstimateInputs, cfg: ModelConfig | None, seq_len: int, 
     return choose(cfg, seq_len // x.context_parallel, sharding=sharding, gpu_memory=spec.memory_bytes,
                   peak_flops=peak_flops(spec, mfu_basis(x.precision)), where=f"{sharding.devices} × {spec.name}",
                   checkpointing="auto" if x.activation_checkpointing is None else x.activation_checkpointing,
+                  compression=x.activation_compression, offload=x.activation_offload, precision=x.precision,
                   context_parallel=x.context_parallel)
 
 
@@ -390,7 +398,8 @@ def _context_text(ctx: dict) -> str:
 def _verdict(plan: dict) -> str:
     """The one verdict: fits (with what), or does not (with what makes it fit)."""
     m = plan["memory"]
-    label = checkpointing_label(m["activation_checkpointing"])
+    label = option_words(m["activation_checkpointing"], m.get("activation_compression", "off"),
+                         m.get("activation_offload", False))
     if "host" in m:  # a CPU: the model states of every rank in this machine's memory
         h = m["host"]
         state = "fits" if m["fits"] else "DOES NOT FIT"
@@ -458,11 +467,36 @@ def format_plan(plan: dict) -> str:
     buf = io.StringIO()
     Console(file=buf, width=110, color_system=None, force_terminal=False).print(table)
     text = "\n".join(line.rstrip() for line in buf.getvalue().strip("\n").splitlines()) + "\n"
+    text += options_table(m)
     if plan.get("micro_batch_choice"):
         text += plan["micro_batch_choice"] + "\n"
     for note in plan["notes"]:
         text += f"note: {note}\n"
     return text
+
+
+def options_table(mem: dict) -> str:
+    """Each way of keeping activations (`plan.activations.activation_options`) as a small table: its
+    activations per sequence and the total per GPU at the plan's micro-batch, and whether it fits."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    options = mem.get("activation_options")
+    if not options:
+        return ""
+    mb = mem["micro_batch"] or mem["suggested_micro_batch"] or 1
+    table = Table(box=box.SIMPLE, title=f"Activation memory per GPU (micro-batch {mb} × {mem['seq_len']} tokens)")
+    for name, justify in (("activations kept", "left"), ("per sequence", "right"), ("total per GPU", "right"),
+                          ("fits", "left")):
+        table.add_column(name, justify=justify)
+    for words, o in options.items():
+        table.add_row(words, _bytes(o["bytes_per_sample"]),
+                      _bytes(o["total_bytes_per_gpu"]), ("yes" if o["fits"] else "no") + (" (this run)" if o["chosen"]
+                                                                                          else ""))
+    buf = io.StringIO()
+    Console(file=buf, width=110, color_system=None, force_terminal=False).print(table)
+    return "\n".join(line.rstrip() for line in buf.getvalue().strip("\n").splitlines()) + "\n"
 
 
 def _communication_rows(comm: dict | None) -> list[tuple[str, str]]:

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field, replace
 
 from lmforge.config.counts import gb
 from lmforge.config.model import ModelConfig
-from lmforge.plan.context import checkpointing_label, checkpointing_mode, context_plan, min_gpus
 from lmforge.frozen import freeze
+from lmforge.plan.activations import option_words
+from lmforge.plan.context import checkpointing_mode, context_plan, min_gpus
 from lmforge.plan.layout import Sharding
 from lmforge.plan.memory import TRAINED_BYTES_PER_PARAM, usable_bytes
 
@@ -107,10 +108,11 @@ def does_not_fit_line(model: ModelConfig, memory: dict, where: str, fix: Remedy,
     """The one line of a GPU plan that does not fit: what it needs, of what, and the remedy."""
     act = memory["activation_bytes_per_sample"]
     mb = memory["micro_batch"] or 1
-    chosen = act["ac"] if memory["activation_checkpointing"] else act["no_ac"]
+    chosen = act["chosen"]
     cp = memory["context_parallel"]
     row = f"{memory['seq_len']} tokens per row" + (f" ({memory['seq_len'] // cp} per GPU)" if cp > 1 else "")
-    label = checkpointing_label(memory["activation_checkpointing"])
+    label = option_words(memory["activation_checkpointing"], memory["activation_compression"],
+                         memory["activation_offload"])
     return (f"{model.label()} does not fit on {where} under {memory['data_parallel']} at micro-batch {mb}, {row}, "
             f"with {label}: {gb(memory['total_bytes_per_gpu'])} per GPU (model states "
             f"{gb(memory['states_bytes_per_gpu'])}, activations {gb(mb * chosen)}), "

@@ -42,9 +42,10 @@ class Probe(Protocol):
         a fresh one; None where neither exists."""
 
     def micro_batch_tokens_per_s(self, cfg: RunConfig, context_length: int, micro_batch: int, checkpointing, *,
-                                 precision: str) -> float | None:
-        """The whole model's training tokens/s at this micro-batch and checkpointing mode, measured
-        here (a GPU times a slice of the model); None where nothing is measured."""
+                                 precision: str, compression="off", offload: bool = False) -> float | None:
+        """The whole model's training tokens/s at this micro-batch and way of keeping activations
+        (checkpointing, compression, offload), measured here (a GPU times a slice of the model); None
+        where nothing is measured."""
 
     def on_main(self, fn: Callable[[], T]) -> T:
         """``fn()`` on rank 0; its result (or its UserError) on every rank."""
@@ -58,7 +59,8 @@ class NoProbe:
     def tokens_per_s(self, model, context_length, micro_batch, *, precision, optimizer, measure):
         return None
 
-    def micro_batch_tokens_per_s(self, cfg, context_length, micro_batch, checkpointing, *, precision):
+    def micro_batch_tokens_per_s(self, cfg, context_length, micro_batch, checkpointing, *, precision,
+                                 compression="off", offload=False):
         return None
 
     def on_main(self, fn):

@@ -21,32 +21,43 @@ unit's parameters. With expert parallelism N a GPU gathers only its E/N experts 
 block (model states stay sharded over all GPUs either way). DDP instead keeps its gradient
 buckets: a second fp32 copy of the gradients (4 bytes per parameter).
 
-Activations per sequence of T tokens (bf16, 2 bytes/element), counting the tensors
-autograd keeps for the backward pass, in the spirit of Korthikanti et al. 2022
-("Reducing Activation Recomputation in Large Transformer Models") but for this
-architecture — RMSNorm, SwiGLU, GQA, flash/SDPA attention (no T×T score matrix is
-stored), no dropout. Per layer and token, in elements (q = H·Dh, kv = KV·Dh):
+Activations per sequence of T tokens: the tensors autograd keeps for backward, counted as this
+model saves them when it runs eagerly (measured: `distributed.activations.Meter`,
+`memory/activations_saved`; a compiled block saves as much or less), in the spirit of Korthikanti
+et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") but for this
+architecture — RMSNorm, SwiGLU, GQA, flash/SDPA attention (no T×T score matrix is stored), no
+dropout. Elements are in the run's activation dtype (`activation_dtype_bytes`: 4 in fp32, else 2)
+unless said. Per layer and token (q = H·Dh, kv = KV·Dh, `layer_tensors`):
 
-- attention: residual input d, normed input d, rotated q, k and v, output q
-  → 2d + 2q + 2kv;
-- dense MLP: residual input d, normed input d, gate, up, silu(gate), product (ffn each)
-  → 2d + 4·ffn;
-- MoE MLP: 2d, router logits E in fp32 (2E), and per routed expert (top_k of them)
-  the gathered input d, gate/up/silu/product (expert_dim each) and the output d
-  → 2d + 2E + top_k·(2d + 4·expert_dim).
+- each RMSNorm: its input, the normalized product and the output → 3d (in bf16 the input is kept
+  as its fp32 copy: 8d bytes, not 6d), and 1/rms (fp32, a statistic);
+- attention: a norm, rotated q and k, v, and the output → 2q + 2kv, and the log-sum-exp (H, fp32);
+- dense MLP: a norm, gate, up, silu(gate), product → 4·ffn;
+- MoE MLP: a norm, the router's probabilities (E, fp32), its top-k weights and sums (2k + 3,
+  fp32) and indices (3k, int64), and per routed expert (top_k of them) the gathered input d, gate
+  and up (2·expert_dim, one tensor), silu(gate) and the product (expert_dim each) and the output d
+  → top_k·(2d + 4·expert_dim).
 
-What the checkpointing modes (`compute.activation_checkpointing`, see `checkpointed_blocks`)
-keep per layer and token:
+What checkpointing (`compute.activation_checkpointing`, `plan.activations`) keeps of a block:
 
 - none: all of the above;
-- full (per block): the block's input (d), plus one block recomputed during its backward;
-- selective (the outputs of matmuls and attention kept, element-wise ops recomputed): the
-  block's input d, q, k and v as projected (q + 2kv), attention's output q, its projection d,
-  gate and up (ffn each) and the down projection d → 3d + 2q + 2kv + 2·ffn (MoE: router
-  logits E, and per routed expert gate|up 2·expert_dim and the output d), plus one block's
-  element-wise tensors during its backward;
-- every N-th block (full): those blocks as full, the others as none.
-Both add the final norm (2d) and the loss's gradient with respect to its input (d): the
+- block (full): the block's input (d);
+- attention / mlp: that sublayer's input (d), the other sublayer as none;
+- experts (MoE): the experts' input and output (2·top_k·d) instead of their tensors, the rest as none;
+- selective (the outputs of matmuls and attention kept, element-wise ops recomputed): the block's
+  input d, q, k and v as projected (q + 2kv), attention's output q and log-sum-exp H, its
+  projection d, gate and up (2·ffn) and the down projection d (MoE: router logits E, top-k values
+  and indices, gate|up 2·expert_dim and the output d per routed expert — the grouped GEMM's
+  outputs; the CPU's expert loop keeps silu(gate) and the product too);
+
+plus, during backward, one checkpointed region recomputed (a block, or a sublayer). Compression
+(`compute.activation_compression`) stores each compressible tensor (floating, `MIN_ROW` wide or
+more; not a statistic or an index, nor what selective checkpointing keeps in its own cache) in one
+byte per element plus an fp32 scale per `SCALE_BLOCK` elements, and holds one block uncompressed
+in flight (the one computing). Offload (`compute.activation_offload`, CUDA) leaves
+`OFFLOAD_IN_FLIGHT` blocks' offloadable tensors on the GPU (the one being sent, the one fetched
+back), and one block in flight as compression does; the rest waits in pinned host memory. The
+final norm (3d) and the loss's gradient with respect to its input (d) come on top of the blocks: the
 loss (`models.loss`) works through the tokens in chunks and never keeps logits, so nothing
 per token scales with the vocabulary. What it does hold is per micro-batch, not per token
 (`loss_workspace_bytes`): the output head's fp32 gradient (4 bytes per head parameter, from
@@ -61,9 +72,14 @@ Usable memory is the GPU's memory less a 10% margin (allocator fragmentation) an
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 from lmforge.config.model import ModelConfig
+from lmforge.plan.activations import (MIN_ROW, OFFLOAD_IN_FLIGHT, SCALE_BLOCK, SCALE_BYTES, activation_options,
+                                      activation_policy, canonical_checkpointing, canonical_compression,
+                                      option_words)
 from lmforge.plan.flops import block_counts, vocab_of
 from lmforge.plan.layout import SHARDED, Sharding
 
@@ -72,7 +88,7 @@ BYTES_PER_PARAM = sum(STATE_BYTES.values())
 # What every trained parameter holds whatever the precision (fp32 weights, gradients, AdamW m and v):
 # the sure lower bound preflight refuses a run on (the bf16 copies and activations come on top).
 TRAINED_BYTES_PER_PARAM = BYTES_PER_PARAM - STATE_BYTES["bf16_params"]
-ACT_BYTES = 2  # bf16 activations
+ACT_BYTES = 2  # bf16 activations (`activation_dtype_bytes`: fp32 runs keep 4)
 # Logits per chunk of the loss: the same number as models.loss.CHUNK_ELEMENTS (this module
 # stays free of torch so that `lmforge estimate` starts fast; tests/test_loss.py checks).
 LOSS_CHUNK_ELEMENTS = 2**25
@@ -84,55 +100,147 @@ MAX_SUGGESTED_MICRO_BATCH = 64
 DDP_BUCKET_BYTES = 4  # per parameter: DDP's fp32 gradient buckets
 
 
-def checkpointed_blocks(value, n_layers: int) -> tuple[str | None, list[int]]:
-    """``compute.activation_checkpointing`` → (mode, indices of the blocks to checkpoint): the
-    one reading of the setting (`distributed.parallelize` applies it, the memory model counts it).
-
-    ``false``: none; ``true``/``full``: every block; ``selective``: every block, keeping matmul
-    and attention outputs (recomputing only the cheap element-wise ops); ``N``: every N-th block
-    (full). ``auto`` is resolved before training (`plan.micro_batch`); left unresolved (a
-    model built outside a run) it means none.
-    """
-    if value is False or value is None or value == "auto":
-        return None, []
-    if value is True or value == "full":
-        return "full", list(range(n_layers))
-    if value == "selective":
-        return "selective", list(range(n_layers))
-    return "full", [i for i in range(n_layers) if (i + 1) % int(value) == 0]
+def activation_dtype_bytes(precision: str) -> int:
+    """Bytes of one activation element: fp32 runs keep fp32 activations, bf16 and fp8 runs bf16."""
+    return 4 if precision == "fp32" else ACT_BYTES
 
 
-def layer_activation_elements(cfg: ModelConfig, mode: str | None = None) -> int:
-    """Elements one transformer block keeps for backward, per token: without checkpointing
-    (``mode`` None), or under ``selective`` checkpointing (see the module docstring)."""
-    d, q, kv = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
-    if mode == "selective":
-        attention = 2 * d + 2 * q + 2 * kv  # input, q k v, attention output, its projection
-        if cfg.is_moe:
-            return attention + cfg.n_experts + cfg.top_k * (2 * cfg.expert_dim + d) + d
-        return attention + 2 * cfg.ffn_dim + d
-    attention = 2 * d + 2 * q + 2 * kv
+@dataclass(frozen=True)
+class Saved:
+    """Tensors one block keeps for backward, per token: ``elements`` of ``size`` bytes each;
+    ``kind`` act (compressible and offloadable), stat (a per-token statistic), index (int64), or
+    cached (what selective checkpointing keeps in its own cache: stored as it is)."""
+
+    elements: float
+    size: int
+    kind: str = "act"
+
+
+def _norm(d: int, a: int) -> list[Saved]:
+    # In fp32 the input, the normalized product and the output; in bf16 the input's fp32 copy instead
+    return ([Saved(3 * d, a)] if a == 4 else [Saved(d, 4), Saved(2 * d, a)]) + [Saved(1, 4, "stat")]
+
+
+def layer_tensors(cfg: ModelConfig, granularity: str | None, precision: str = "bf16") -> list[Saved]:
+    """What one block keeps for backward under checkpointing ``granularity`` (None: none), per
+    token (see the module docstring)."""
+    d, q, kv, a = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head, activation_dtype_bytes(precision)
+    k, e, h = cfg.top_k, cfg.n_experts, cfg.expert_dim
+    attention = _norm(d, a) + [Saved(2 * q + 2 * kv, a), Saved(cfg.n_heads, 4, "stat")]
     if cfg.is_moe:
-        mlp = 2 * d + 2 * cfg.n_experts + cfg.top_k * (2 * d + 4 * cfg.expert_dim)
+        router = [Saved(e, 4, "act" if e >= MIN_ROW else "stat"), Saved(2 * k + 3, 4, "stat"), Saved(3 * k, 8, "index")]
+        mlp = _norm(d, a) + router + [Saved(k * (2 * d + 4 * h), a)]
     else:
-        mlp = 2 * d + 4 * cfg.ffn_dim
-    return attention + mlp
+        mlp = _norm(d, a) + [Saved(4 * cfg.ffn_dim, a)]
+    if granularity is None:
+        return attention + mlp
+    if granularity == "block":
+        return [Saved(d, a)]
+    if granularity == "attention":
+        return [Saved(d, a)] + mlp
+    if granularity == "mlp":
+        return attention + [Saved(d, a)]
+    if granularity == "experts":
+        return attention + mlp[:-1] + [Saved(2 * k * d, a)]
+    # selective: the block's input (through the hooks), the rest in SAC's cache
+    kept = d + 2 * q + 2 * kv + (e + k * (2 * h + d) if cfg.is_moe else 2 * cfg.ffn_dim + d)
+    out = [Saved(d, a), Saved(kept, a, "cached"), Saved(cfg.n_heads, 4, "cached")]
+    return out + ([Saved(k, 4, "cached"), Saved(k, 8, "cached")] if cfg.is_moe else [])
 
 
-def activation_bytes(cfg: ModelConfig, seq_len: int, checkpointing=False) -> float:
-    """Activation bytes of one sequence (micro-batch of 1) of ``seq_len`` tokens under
-    ``checkpointing`` (any `compute.activation_checkpointing` value; True is full)."""
-    mode, which = checkpointed_blocks(checkpointing, cfg.n_layers)
-    layer = layer_activation_elements(cfg)
-    d = cfg.d_model
-    if mode == "selective":
-        kept = cfg.n_layers * layer_activation_elements(cfg, "selective") + layer  # + one block's recompute
-    elif mode == "full":
-        kept = (cfg.n_layers - len(which)) * layer + len(which) * d + (layer if which else 0)
-    else:
-        kept = cfg.n_layers * layer
-    per_token = (kept + 3 * d) * ACT_BYTES  # + final norm input (2d) and the loss's input gradient (d)
-    return float(per_token * seq_len)
+def _region(cfg: ModelConfig, granularity: str | None, precision: str) -> float:
+    """Bytes per token of what backward recomputes (or restores) of one block at once."""
+    full = _bytes(layer_tensors(cfg, None, precision))
+    if granularity == "attention":
+        return full - _bytes(layer_tensors(cfg, "attention", precision)) + cfg.d_model * activation_dtype_bytes(precision)
+    if granularity == "mlp":
+        return full - _bytes(layer_tensors(cfg, "mlp", precision)) + cfg.d_model * activation_dtype_bytes(precision)
+    if granularity == "experts":
+        return full - _bytes(layer_tensors(cfg, "experts", precision))
+    return full
+
+
+def _bytes(saved: list[Saved], compression: str | None = None, scale: str = "block", offload: bool = False) -> float:
+    """Bytes per token that stay on the device of ``saved``: compressed (one byte per element and
+    its scales) and/or offloaded (none) where the tensor's kind allows."""
+    total = 0.0
+    for s in saved:
+        if s.kind == "act" and offload:
+            continue
+        if s.kind == "act" and compression:
+            total += s.elements * (1 + (SCALE_BYTES / SCALE_BLOCK if scale == "block" else 0))
+        else:
+            total += s.elements * s.size
+    return total
+
+
+def _offloaded(saved: list[Saved], compression: str | None, scale: str) -> float:
+    """Bytes per token of ``saved`` that offload sends to the host."""
+    return _bytes([s for s in saved if s.kind == "act"], compression, scale)
+
+
+@functools.lru_cache(maxsize=4096)
+def _per_token(cfg: ModelConfig, checkpointing, compression, offload: bool, precision: str) -> tuple[float, float, float]:
+    """(bytes the blocks keep, the peak during the step, bytes on the host) per token. The peak: a
+    block's backward (or forward) holds what the blocks before it keep, and its own in flight —
+    its checkpointed region recomputed, its compressed or offloaded tensors restored."""
+    policy = activation_policy(_unfrozen(checkpointing), _unfrozen(compression), offload, n_layers=cfg.n_layers,
+                               moe=cfg.is_moe)
+    before = peak = host = 0.0
+    for b in policy.blocks:
+        saved = layer_tensors(cfg, b.checkpointing, precision)
+        kept = _bytes(saved, b.compression, policy.scale, policy.offload)
+        if b.checkpointing:  # its region recomputed
+            flight = kept + _region(cfg, b.checkpointing, precision)
+        elif b.compression or policy.offload:  # its tensors in their own dtype: the originals, or restored
+            flight = kept + _bytes(saved)
+        else:
+            flight = kept
+        if policy.offload:
+            sent = _offloaded(saved, b.compression, policy.scale)
+            host += sent
+            flight += OFFLOAD_IN_FLIGHT * sent  # this block's and the next one's, fetched back
+        peak = max(peak, before + flight)
+        before += kept
+    return before, peak, host
+
+
+def _frozen(value):
+    """A setting as a hashable key (mappings as sorted tuples)."""
+    return tuple(sorted(value.items())) if isinstance(value, dict) else value
+
+
+def _unfrozen(value):
+    return dict(value) if isinstance(value, tuple) else value
+
+
+def blocks_saved_bytes(cfg: ModelConfig, seq_len: int, checkpointing=False, *, compression="off",
+                       offload: bool = False, precision: str = "bf16") -> float:
+    """Bytes the blocks keep on the device for backward over one sequence of ``seq_len`` tokens:
+    what the meter measures (``memory/activations_saved`` over a micro-batch of 1)."""
+    kept, _, _ = _per_token(cfg, *_keys(checkpointing, compression), bool(offload), precision)
+    return kept * seq_len
+
+
+def offloaded_bytes(cfg: ModelConfig, seq_len: int, checkpointing=False, *, compression="off",
+                    precision: str = "bf16") -> float:
+    """Bytes of one sequence's saved activations that offload keeps in pinned host memory."""
+    _, _, host = _per_token(cfg, *_keys(checkpointing, compression), True, precision)
+    return host * seq_len
+
+
+def _keys(checkpointing, compression) -> tuple:
+    return _frozen(canonical_checkpointing(checkpointing)), _frozen(canonical_compression(compression))
+
+
+def activation_bytes(cfg: ModelConfig, seq_len: int, checkpointing=False, *, compression="off",
+                     offload: bool = False, precision: str = "bf16") -> float:
+    """Activation bytes on the device of one sequence (micro-batch of 1) of ``seq_len`` tokens under
+    ``checkpointing`` (any `compute.activation_checkpointing` value; True is full), ``compression``
+    and ``offload``: what the blocks keep, one block in flight, the final norm and the loss's input
+    gradient."""
+    _, peak, _ = _per_token(cfg, *_keys(checkpointing, compression), bool(offload), precision)
+    return float((peak + 3 * cfg.d_model * activation_dtype_bytes(precision)) * seq_len)
 
 
 def fixed_parts(total_params: int | float, cfg: ModelConfig, sharding: Sharding) -> tuple[float, float, float]:
@@ -182,12 +290,17 @@ def _pow2_floor(n: int) -> int:
 
 def memory_plan(total_params: int | float, cfg: ModelConfig | None, seq_len: int, sharding: Sharding,
                 gpu_memory: float, micro_batch: int | None = None, activation_checkpointing=None,
-                context_parallel: int = 1) -> dict:
+                context_parallel: int = 1, *, compression="off", offload: bool = False,
+                precision: str = "bf16", device: str = "cuda") -> dict:
     """Per-GPU memory, fit check and micro-batch suggestion of ``sharding`` (`fixed_parts` plus
     activations). ``cfg`` None (a nominal parameter count) estimates model states only.
     ``activation_checkpointing``: a `compute.activation_checkpointing` value (false, true/full,
-    selective, N); None picks: off if micro-batch 1 fits without it, else full.
-    ``context_parallel`` N: each GPU holds seq_len / N tokens of a row (its activations)."""
+    selective, N, {granularity, layers}); None picks: off if micro-batch 1 fits without it, else full.
+    ``compression``, ``offload``: `compute.activation_compression` and `activation_offload` values.
+    ``context_parallel`` N: each GPU holds seq_len / N tokens of a row (its activations).
+    ``activation_options``: the per-GPU memory of each way of keeping activations, by the way in
+    words (`plan.activations.activation_options`; offload on ``device`` cuda only), at the same
+    micro-batch."""
     dp, sharded = sharding.data_parallel, sharding.data_parallel in SHARDED
     shardable = sharded or sharding.devices == 1  # one device: more of them would be sharded (`data_parallel_mode`)
     states_total = float(total_params) * BYTES_PER_PARAM
@@ -197,31 +310,48 @@ def memory_plan(total_params: int | float, cfg: ModelConfig | None, seq_len: int
         "data_parallel": dp, "shards": sharding.shards, "devices": sharding.devices,
         "bytes_per_param": dict(STATE_BYTES), "states_bytes_total": states_total, "states_bytes_per_gpu": states,
         "gpu_memory_bytes": gpu_memory, "usable_bytes": usable, "seq_len": seq_len,
-        "context_parallel": context_parallel,
+        "context_parallel": context_parallel, "activation_compression": canonical_compression(compression),
+        "activation_offload": bool(offload), "precision": precision,
     }
     if cfg is None:
         out.update(gathered_bytes_per_gpu=None, loss_workspace_bytes=None, activation_bytes_per_sample=None,
                    max_micro_batch=None, activation_checkpointing=activation_checkpointing,
                    micro_batch=micro_batch, suggested_micro_batch=None, total_bytes_per_gpu=states,
-                   fits=states <= usable, min_gpus=math.ceil(states_total / usable) if usable > 0 and shardable else None)
+                   fits=states <= usable, min_gpus=math.ceil(states_total / usable) if usable > 0 and shardable else None,
+                   activation_options=None)
         return out
     _, unsharded, loss = fixed_parts(total_params, cfg, sharding)
     tokens = seq_len // context_parallel
-    act = {"no_ac": activation_bytes(cfg, tokens, False), "ac": activation_bytes(cfg, tokens, True)}
+    act = {"no_ac": activation_bytes(cfg, tokens, False, precision=precision),
+           "ac": activation_bytes(cfg, tokens, True, precision=precision)}
     free = usable - states - unsharded - loss
     max_mb = {k: _max_batch(free, v) for k, v in act.items()}
     if activation_checkpointing is None:
         activation_checkpointing = max_mb["no_ac"] < 1
-    chosen = activation_bytes(cfg, tokens, activation_checkpointing)  # a rank's share of the row
+    activation_checkpointing = canonical_checkpointing(activation_checkpointing)
+    # a rank's share of the row
+    chosen = activation_bytes(cfg, tokens, activation_checkpointing, compression=compression, offload=offload,
+                              precision=precision)
+    act["chosen"] = chosen
     suggested = min(_pow2_floor(_max_batch(free, chosen)), MAX_SUGGESTED_MICRO_BATCH) or None
     mb = micro_batch or suggested or 1
     total = states + unsharded + loss + mb * chosen
     # GPUs needed for micro-batch 1 with checkpointing: shards shrink, the rest does not.
     room = usable - unsharded - loss - act["ac"]
+    options = {}  # by the way in words
+    own = (activation_checkpointing, canonical_compression(compression), bool(offload))
+    ways = activation_options(cfg, offload=device == "cuda")
+    for ckpt, comp, off in ways + ([own] if own not in ways else []):  # the run's own way too
+        per = activation_bytes(cfg, tokens, ckpt, compression=comp, offload=off, precision=precision)
+        options[option_words(ckpt, comp, off)] = {
+            "checkpointing": ckpt, "compression": comp, "offload": off, "bytes_per_sample": per,
+            "total_bytes_per_gpu": states + unsharded + loss + mb * per,
+            "fits": states + unsharded + loss + mb * per <= usable, "chosen": (ckpt, comp, off) == own}
     out.update(gathered_bytes_per_gpu=unsharded, loss_workspace_bytes=loss, activation_bytes_per_sample=act,
                max_micro_batch=max_mb, activation_checkpointing=activation_checkpointing, micro_batch=micro_batch,
                suggested_micro_batch=suggested, total_bytes_per_gpu=total, fits=total <= usable,
-               min_gpus=math.ceil(states_total / room) if room > 0 and shardable else None)
+               min_gpus=math.ceil(states_total / room) if room > 0 and shardable else None,
+               activation_options=options)
     return out
 
 

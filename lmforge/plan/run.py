@@ -31,6 +31,7 @@ from lmforge.plan.goodput import GoodputPlan, plan_goodput
 from lmforge.plan.hardware import GPUSpec, mfu_basis, peak_flops
 from lmforge.plan.machine import Machine
 from lmforge.plan.layout import SHARDED, Layout, Sharding, shard_group
+from lmforge.plan.activations import OFFLOAD_KEY, activation_policy, canonical_checkpointing, canonical_compression
 from lmforge.plan.memory import data_parallel_mode, memory_plan
 from lmforge.plan.micro_batch import candidates, choose, smallest
 from lmforge.plan.schedule import Schedule
@@ -55,7 +56,9 @@ class TrainPlan:
     step_time_s: float  # expected seconds per optimizer step: measured on this machine, else estimated
     phase_steps: list[int] | None = None  # curriculum: the optimizer step at which each phase but the last ends
     model_flops_per_token: float = 0.0  # the dense term alone: 6·N_active (LoRA: 4·N_active + 6·N_adapters)
-    activation_checkpointing: bool | str | int = False  # the mode `parallelize` applies (`auto` resolved)
+    activation_checkpointing: bool | str | int | dict = False  # the mode `parallelize` applies (`auto` resolved)
+    activation_compression: str | dict = "off"  # what the blocks' saved tensors are stored in (`auto` resolved)
+    activation_offload: bool = False  # whether they wait in host memory (`auto` resolved)
     micro_batch_reason: str | None = None  # the line saying how micro-batch and checkpointing were chosen
     optimizer: str = "adamw"  # "adamw" | "muon": parameters.optimizer with auto resolved
     spec: GPUSpec | None = None  # one device's peak FLOP/s and memory
@@ -80,7 +83,7 @@ class TrainPlan:
     sharding = property(lambda self: self.layout.sharding)  # how the devices hold the model states
 
     def __post_init__(self):  # deep-frozen: no view or rank can change what every other one reads
-        for name in ("params", "memory", "phase_steps", "notes"):
+        for name in ("params", "memory", "phase_steps", "notes", "activation_checkpointing", "activation_compression"):
             object.__setattr__(self, name, freeze(getattr(self, name)))
 
     @property
@@ -170,6 +173,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     check_context_parallel(c.context_parallel, ctx, cfg.model, device_type=machine.device,
                            packed_rows=p.document_masking or cfg.task_type in FINETUNE_TASKS)
     precision = plan_precision(cfg, machine)
+    check_activations(cfg, machine)
     fpt = mfu_flops_per_token(cfg.model, ctx, cfg.lora)
     tokens = run_tokens(cfg.training_duration, cfg.model, ctx, lora=cfg.lora, samples_per_epoch=samples_per_epoch,
                         tokens_per_s=lambda: assumed_tokens_per_s(cfg.model, ctx, machine, precision, cfg.lora))
@@ -214,7 +218,8 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
         precision=precision, params=counts, flops_per_token=fpt, schedule=schedule, step_time_s=step_s,
         phase_steps=curriculum_steps(cfg, total, gbs=gbs, ctx=ctx) if cfg.curriculum else None,
         model_flops_per_token=flops_per_token(cfg.model, ctx, cfg.lora)["dense"],
-        activation_checkpointing=choice.checkpointing, micro_batch_reason=choice.reason, spec=machine.spec,
+        activation_checkpointing=choice.checkpointing, activation_compression=choice.compression,
+        activation_offload=choice.offload, micro_batch_reason=choice.reason, spec=machine.spec,
         memory=choice.memory, remedy=choice.remedy,
         tokens_per_s=rows * ctx / step_s, rate_source=rate.source + comm.source, communication=comm,
         notes=tuple(plan_notes(cfg, ctx)) + ((batch_line,) if batch_line else ()), evaluation=evaluation)
@@ -264,6 +269,18 @@ def plan_notes(cfg: RunConfig, ctx: int) -> list[str]:
     base = f" of a model trained at {rope.original_max_seq_len} tokens" if rope.original_max_seq_len else ""
     return [f"RoPE scaling: {rope.type} × {rope.factor:g}{base} (model.rope_scaling), training at a context of "
             f"{ctx} tokens"]
+
+
+def check_activations(cfg: RunConfig, machine: Machine) -> None:
+    """The activation settings against the model and the machine (`plan.activations`): a ``layers``
+    form past the model's depth, experts checkpointing of a dense model, offload off CUDA — each one
+    line naming its key."""
+    c = cfg.compute
+    activation_policy(False if c.activation_checkpointing == "auto" else c.activation_checkpointing,
+                      c.activation_compression, n_layers=cfg.model.n_layers, moe=cfg.model.is_moe)
+    if c.activation_offload is True and machine.device != "cuda":
+        raise UserError(f"{OFFLOAD_KEY}: true needs CUDA (pinned host memory and a copy stream); this run trains "
+                        f"on the {machine.device.upper()}: set it to false")
 
 
 @dataclass(frozen=True)
@@ -316,22 +333,26 @@ def eval_plan(cfg: RunConfig, nominal: int, run_seconds: float, *, ctx: int, mic
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """The micro-batch and checkpointing a plan takes, why, and its memory verdict."""
+    """The micro-batch and way of keeping activations a plan takes, why, and its memory verdict."""
 
     micro_batch: int
     checkpointing: object
     reason: str | None
     memory: dict
     remedy: Remedy | None = None
+    compression: object = "off"
+    offload: bool = False
 
 
 def micro_batch_and_checkpointing(cfg: RunConfig, ctx: int, gbs: int, machine: Machine,
                                   precision: str) -> MicroBatch:
-    """``micro_batch_size: auto`` / ``activation_checkpointing: auto`` on GPUs: the pair with the most
+    """``micro_batch_size: auto`` / ``activation_checkpointing: auto`` on GPUs: the micro-batch and way
+    of keeping activations (checkpointing, and compression and offload where set to auto) with the most
     tokens/s that fits (`plan.micro_batch`: memory first, then the machine's probe, or the model
     where nothing is measured); on a CPU the largest divisor of the replica's batch up to
-    CPU_MICRO_BATCH and no checkpointing. With the memory verdict of what was chosen (`fit_verdict`):
-    a pair set by hand, or auto's least-memory pair where nothing fits, may not fit."""
+    CPU_MICRO_BATCH, no checkpointing, compression or offload unless set. With the memory verdict of
+    what was chosen (`fit_verdict`): a pair set by hand, or auto's least-memory pair where nothing
+    fits, may not fit."""
     p, c = cfg.parameters, cfg.compute
     reps, group = replicas(machine.world_size, c.context_parallel), group_size(cfg)
     auto_micro, auto_ac = p.micro_batch_size == "auto", c.activation_checkpointing == "auto"
@@ -339,44 +360,53 @@ def micro_batch_and_checkpointing(cfg: RunConfig, ctx: int, gbs: int, machine: M
         check_batch_split(gbs, None, machine.world_size, c.context_parallel, group)
     given = None if auto_micro else int(p.micro_batch_size)
     per_rank = gbs * group // reps  # the rows one replica trains on per step (task_type rl: completions)
+    ac_set = canonical_checkpointing(c.activation_checkpointing)
     if machine.device == "cpu" or not (auto_micro or auto_ac):
         micro = micro_batch_for(per_rank, CPU_MICRO_BATCH) if auto_micro else given
-        ac = False if auto_ac else c.activation_checkpointing
-        return fit_verdict(cfg, ctx, machine, micro, ac, None)
+        comp = "off" if c.activation_compression == "auto" else canonical_compression(c.activation_compression)
+        offload = c.activation_offload is True
+        return fit_verdict(cfg, ctx, machine, micro, False if auto_ac else ac_set, None, precision, comp, offload)
     sharding, local_ctx = run_sharding(cfg, machine), ctx // c.context_parallel  # a GPU holds ctx / N of each row
     peak = peak_flops(machine.spec, mfu_basis(precision))
+    ways = dict(checkpointing=ac_set, compression=canonical_compression(c.activation_compression)
+                if c.activation_compression != "auto" else "auto", offload=c.activation_offload,
+                precision=precision)
     kw = dict(sharding=sharding, gpu_memory=machine.memory_bytes, peak_flops=peak, per_rank=per_rank,
-              micro_batch=given, checkpointing=c.activation_checkpointing)
+              micro_batch=given, **ways)
     if not candidates(cfg.model, local_ctx, **kw):  # nothing fits: the least memory, refused with the remedy
-        micro, ac = smallest(cfg.model, local_ctx, given, c.activation_checkpointing)
-        return fit_verdict(cfg, ctx, machine, micro, ac, None)
+        micro, ac, comp, offload = smallest(cfg.model, local_ctx, given, **ways)
+        return fit_verdict(cfg, ctx, machine, micro, ac, None, precision, comp, offload)
 
     def measure(cand) -> float | None:
         return machine.probe.micro_batch_tokens_per_s(cfg, local_ctx, cand.micro_batch, cand.checkpointing,
-                                                      precision=precision)
+                                                      precision=precision, compression=cand.compression,
+                                                      offload=cand.offload)
 
     choice = choose(cfg.model, local_ctx, where=machine.where, context_parallel=c.context_parallel,
                     measure=measure if auto_micro and machine.probe.measures else None,
                     measured_as="measured (a slice of the model, scaled to it)", **kw)
-    return fit_verdict(cfg, ctx, machine, choice.micro_batch, choice.checkpointing, choice.reason)
+    return fit_verdict(cfg, ctx, machine, choice.micro_batch, choice.checkpointing, choice.reason, precision,
+                       choice.compression, choice.offload)
 
 
-def fit_verdict(cfg: RunConfig, ctx: int, machine: Machine, micro: int, checkpointing, reason: str | None
-                ) -> MicroBatch:
-    """The memory verdict of ``micro`` × ``checkpointing`` on ``machine`` (the one memory model,
-    `plan.memory`), and the remedy when it does not fit (`plan.fit`)."""
+def fit_verdict(cfg: RunConfig, ctx: int, machine: Machine, micro: int, checkpointing, reason: str | None,
+                precision: str = "bf16", compression="off", offload: bool = False) -> MicroBatch:
+    """The memory verdict of ``micro`` × ``checkpointing`` (with ``compression`` and ``offload``) on
+    ``machine`` (the one memory model, `plan.memory`), and the remedy when it does not fit (`plan.fit`)."""
     c = cfg.compute
     sharding, total = run_sharding(cfg, machine), param_counts(cfg.model)["total"]
     memory = memory_plan(total, cfg.model, ctx, sharding, machine.memory_bytes, micro, checkpointing,
-                         c.context_parallel)
+                         c.context_parallel, compression=compression, offload=offload, precision=precision,
+                         device=machine.device)
     if machine.device == "cpu":  # every rank in one machine's memory: only a sure failure is refused
         host = host_verdict(total, machine.world_size, c.data_parallel in SHARDED, machine.memory_bytes,
                             cfg.lora is not None)
-        return MicroBatch(micro, checkpointing, reason, memory | {"fits": host["fits"], "host": host})
+        return MicroBatch(micro, checkpointing, reason, memory | {"fits": host["fits"], "host": host},
+                          compression=compression, offload=offload)
     fix = None if memory["fits"] else remedy(
         cfg.model, ctx, sharding, machine.memory_bytes, context_parallel=c.context_parallel,
         checkpointing=checkpointing, micro_batch=micro, auto_checkpointing=c.activation_checkpointing == "auto")
-    return MicroBatch(micro, checkpointing, reason, memory, fix)
+    return MicroBatch(micro, checkpointing, reason, memory, fix, compression, offload)
 
 
 def _interval(d: Duration | None, what: str, default: int, steps) -> int:
@@ -453,8 +483,9 @@ def resolved_config(cfg: RunConfig, plan: TrainPlan) -> RunConfig:
         data["eval"]["icl_interval"] = f"{plan.icl_interval}ba"
     if cfg.save_interval != "auto":  # auto stays auto: the run re-estimates it from what it measures
         data["save_interval"] = f"{plan.save_interval}ba"
-    data["compute"]["activation_checkpointing"] = plan.activation_checkpointing
-    data["compute"]["data_parallel"] = plan.layout.data_parallel
+    data["compute"].update(activation_checkpointing=plan.activation_checkpointing,
+                           activation_compression=plan.activation_compression,
+                           activation_offload=plan.activation_offload, data_parallel=plan.layout.data_parallel)
     return RunConfig.model_validate(data)
 
 

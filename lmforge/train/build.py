@@ -200,6 +200,7 @@ def build_wrapped_model(run: ResolvedRun, dist: DistInfo, *, from_weights: bool,
             load_custom_weights(model, cfg, run.data.tokenizer_path, log)
         apply_lora(model, cfg.lora, log=log)  # frozen base + adapters; no-op without `lora:`
     options = dict(compute=cfg.compute, checkpointing=run.plan.activation_checkpointing,
+                   compression=run.plan.activation_compression, offload=run.plan.activation_offload,
                    precision=run.plan.precision, fp8=FP8Options.of(cfg.parameters))
     if not sharded:
         return model, parallelize(model, layout, dist, **options)

@@ -70,14 +70,15 @@ class LocalProbe:
             return 1e-9  # does not fit: never chosen
 
     def micro_batch_tokens_per_s(self, cfg: RunConfig, context_length: int, micro_batch: int, checkpointing, *,
-                                 precision: str) -> float | None:
+                                 precision: str, compression="off", offload: bool = False) -> float | None:
         if str(self.device).split(":")[0] != "cuda" or not self.measures:
             return None  # a CPU keeps its fixed rule (`plan.run.micro_batch_and_checkpointing`)
         from lmforge.distributed.float8 import FP8Options
         from lmforge.train.micro_batch import probe_tokens_per_s
 
         return probe_tokens_per_s(cfg.model, context_length, micro_batch, checkpointing, precision=precision,
-                                  fp8=FP8Options.of(cfg.parameters), compile_=cfg.compute.compile, device=self.device)
+                                  fp8=FP8Options.of(cfg.parameters), compile_=cfg.compute.compile, device=self.device,
+                                  compression=compression, offload=offload)
 
     def on_main(self, fn):
         if self.dist is None or not self.dist.distributed:

@@ -24,6 +24,7 @@ from contextlib import nullcontext
 
 from lmforge.config.model import ModelConfig
 from lmforge.distributed.float8 import FP8Options
+from lmforge.plan.activations import for_slice
 from lmforge.plan.flops import mfu_flops_per_token
 from lmforge.home import cache_dir
 from lmforge.train.throughput import machine_key
@@ -32,10 +33,11 @@ PROBE_LAYERS = 4  # blocks in the probe's slice (every-2nd-block checkpointing n
 
 
 def _key(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointing, precision: str, fp8: FP8Options,
-         compile_: bool, layers: int, device) -> str:
+         compile_: bool, layers: int, device, compression="off", offload: bool = False) -> str:
     shape = cfg.model_dump(mode="json", exclude={"preset", "max_seq_len", "init_std"})
     obj = {"machine": machine_key(device), "shape": shape, "ctx": ctx, "micro": micro_batch,
            "checkpointing": checkpointing, "precision": precision,
+           **({"compression": compression, "offload": offload} if compression != "off" or offload else {}),
            "fp8": dataclasses.asdict(fp8) if precision == "fp8" else None, "compile": compile_, "layers": layers,
            "timing": "fastest forward+backward"}
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
@@ -43,8 +45,10 @@ def _key(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointing, precision:
 
 def probe_tokens_per_s(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointing, *, precision: str,
                        fp8: FP8Options = FP8Options(), compile_=True, device="cuda", layers: int = PROBE_LAYERS,
-                       steps: int = 3, warmup: int = 2, use_cache: bool = True) -> float | None:
-    """The whole model's expected training tokens/s at this micro-batch and checkpointing mode,
+                       steps: int = 3, warmup: int = 2, use_cache: bool = True, compression="off",
+                       offload: bool = False) -> float | None:
+    """The whole model's expected training tokens/s at this micro-batch and way of keeping
+    activations (checkpointing mode, ``compression``, ``offload``: `plan.activations`),
     from the fastest of ``steps`` forward + backward passes of a ``layers``-block slice after
     ``warmup`` untimed ones (compilation happens there); None when the slice runs out of memory.
     The optimizer is left out: its cost per step does not depend on the micro-batch."""
@@ -60,7 +64,8 @@ def probe_tokens_per_s(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointi
     device = torch.device(device)
     compile_ = compile_enabled(compile_, device)
     path = os.path.join(cache_dir("micro-batch"),
-                        _key(cfg, ctx, micro_batch, checkpointing, precision, fp8, compile_, layers, device)
+                        _key(cfg, ctx, micro_batch, checkpointing, precision, fp8, compile_, layers, device,
+                             compression, offload)
                         + ".json")
     if use_cache:
         try:
@@ -69,6 +74,9 @@ def probe_tokens_per_s(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointi
         except (OSError, ValueError, KeyError):
             pass
     part = cfg.model_copy(update={"n_layers": min(cfg.n_layers, layers), "max_seq_len": max(cfg.max_seq_len, ctx)})
+    # A setting on some of the model's blocks takes the same share of the slice's.
+    checkpointing = for_slice(checkpointing, cfg.n_layers, part.n_layers)
+    compression = for_slice(compression, cfg.n_layers, part.n_layers)
     rng = torch.get_rng_state()
     torch.manual_seed(0)
     cuda = device.type == "cuda"
@@ -78,7 +86,7 @@ def probe_tokens_per_s(cfg: ModelConfig, ctx: int, micro_batch: int, checkpointi
         train_forward = parallelize(model, Layout(device=device.type), DistInfo(rank=0, world_size=1, local_rank=0,
                                                                                  device=device),
                                     compute=ComputeConfig(compile=compile_), checkpointing=checkpointing,
-                                    precision=precision, fp8=fp8)
+                                    compression=compression, offload=offload, precision=precision, fp8=fp8)
         batch = Batch.from_tokens(torch.randint(0, part.vocab_size, (micro_batch, ctx))).to(device)
         n = float(batch.num_targets())
         autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision in ("bf16", "fp8") \

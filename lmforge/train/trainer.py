@@ -365,6 +365,9 @@ class Trainer:
                 self.log(f"data: {phase} from step {state.step}")
             with self.telemetry.section("data"):
                 micro = [next(batches) for _ in range(plan.grad_accum)]
+            saved = self.model.activation_meter  # what the blocks save for backward: counted before a log step
+            if saved is not None and (state.step == 0 or (state.step + 1) % self.cfg.log_interval == 0):
+                saved.arm()
             out = self.train_step(micro)
             self.telemetry.after_step(state.step, self.model)
             window.append(out)
@@ -444,6 +447,11 @@ class Trainer:
         metrics |= self.stream.metrics()  # e.g. the curriculum phase and its mix (of the next step)
         if self.device.type == "cuda":
             metrics["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        saved = self.model.activation_meter
+        if saved is not None and saved.bytes is not None:  # bytes the blocks kept for backward, one micro-batch
+            metrics["memory/activations_saved"] = saved.bytes
+            if saved.host_bytes:
+                metrics["memory/activations_offloaded"] = saved.host_bytes
         if out.moe:
             metrics["train/moe_lb_loss"] = float(out.moe["moe_lb_loss"])
             metrics["train/moe_z_loss"] = float(out.moe["moe_z_loss"])
