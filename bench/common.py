@@ -54,7 +54,7 @@ def heldout_bpb(trainer, batch_size: int = 16) -> dict:
     import torch
 
     from lmforge.data.batch import Batch
-    from lmforge.data.stream import open_dataset
+    from lmforge.data.stream.tokens import open_dataset
 
     (ds, split), = trainer.data.eval
     reader = open_dataset(ds.path, split)

@@ -33,7 +33,7 @@ from collections import defaultdict
 def bigram_model() -> dict[str, list[str]]:
     import re
 
-    from lmforge.data.builtin import pydoc_topics
+    from lmforge.data.text.builtin import pydoc_topics
 
     words = re.findall(r"[A-Za-z][a-z']+|[.,;:!?]", " ".join(t for _, t in pydoc_topics()))
     nxt: dict[str, list[str]] = defaultdict(list)
@@ -114,7 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     from lmforge.config.curation import DedupConfig
     from lmforge.data.curate.dedup import Deduplicator, signatures
-    from lmforge.data.sources import iter_documents
+    from lmforge.data.text.sources import iter_documents
 
     docs, roles = synthetic(args.synthetic_mb)
     stdlib = list(iter_documents(["builtin:python-stdlib"]))

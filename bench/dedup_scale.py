@@ -39,8 +39,8 @@ import numpy as np  # noqa: E402
 from lmforge.config.curation import DedupConfig  # noqa: E402
 from lmforge.data.curate import crossdedup  # noqa: E402
 from lmforge.data.curate.crossdedup import DedupPlan, dedup_plan, write_signatures  # noqa: E402
-from lmforge.data.job import Job, WorkDir, run_items  # noqa: E402
-from lmforge.data.units import DEFAULT_UNIT_BYTES, Slice, Unit  # noqa: E402
+from lmforge.data.prepare.job import Job, WorkDir, run_items  # noqa: E402
+from lmforge.data.prepare.units import DEFAULT_UNIT_BYTES, Slice, Unit  # noqa: E402
 
 TOKENS_1T, BYTES_PER_TOKEN, TOKENS_PER_DOC, CORES = 10**12, 4, 500, 1000
 DOCS_1T = TOKENS_1T // TOKENS_PER_DOC
@@ -100,7 +100,7 @@ def read_time(folder: str, units: int) -> float:
 
 def minhash_mb_per_s() -> float:
     """MinHash signatures (and exact keys) of real text, MB/s on one core."""
-    from lmforge.data.builtin import pydoc_topics
+    from lmforge.data.text.builtin import pydoc_topics
     from lmforge.data.curate.dedup import signatures
 
     texts = [t for _, t in pydoc_topics()][:300]

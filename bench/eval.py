@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from lmforge.config.model import get_preset
-from lmforge.data.tokenizer import train_tokenizer
+from lmforge.data.text.tokenizer import train_tokenizer
 from lmforge.eval.icl import evaluate_icl, load_tasks
 from lmforge.models import build_model
 

@@ -61,8 +61,8 @@ def env(home: Path) -> dict:
 
 def tiny_data(root: Path) -> tuple[Path, Path]:
     """~400 KB of the standard library's own source: a tokenizer and a prepared dataset."""
-    from lmforge.data.prepare import prepare
-    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.data.prepare.prepare import prepare
+    from lmforge.data.text.tokenizer import train_tokenizer
 
     raw, tok, data = root / "raw", root / "tok", root / "data"
     if not data.exists():

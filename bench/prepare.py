@@ -25,10 +25,10 @@ import platform
 import tempfile
 import time
 
-from lmforge.data.packing import chunk_documents
-from lmforge.data.prepare import prepare
-from lmforge.data.sources import iter_documents
-from lmforge.data.tokenizer import train_tokenizer
+from lmforge.data.prepare.packing import chunk_documents
+from lmforge.data.prepare.prepare import prepare
+from lmforge.data.text.sources import iter_documents
+from lmforge.data.text.tokenizer import train_tokenizer
 
 
 def main() -> None:
@@ -79,7 +79,7 @@ def tasks_table(args) -> None:
     import json
     from pathlib import Path
 
-    from lmforge.data.executors import ExecutorSpec
+    from lmforge.data.prepare.executors import ExecutorSpec
 
     def files(ds: str) -> dict:
         return {f"{s}/{p.name}": p.read_bytes() for s in ("train", "val") for p in sorted(Path(ds, s).iterdir())}

@@ -73,8 +73,8 @@ def full_split_bpb(save_folder: str) -> dict:
 
     from lmforge.config.load import build_config
     from lmforge.data.batch import Batch
-    from lmforge.data.resolve import resolve_data
-    from lmforge.data.stream import open_dataset
+    from lmforge.data.stream.run_data import resolve_data
+    from lmforge.data.stream.tokens import open_dataset
     from lmforge.train.locate import load_model
 
     with open(os.path.join(save_folder, "run.json")) as f:
@@ -141,7 +141,7 @@ def run_budget(corpus: str, budget: str, home: str, wait: bool) -> dict:
 def quickstart(wait: bool) -> dict:
     import yaml
 
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.data.text.tokenizer import load_tokenizer
     from lmforge.models.generate import generate
     from lmforge.train.locate import load_model
 

@@ -102,8 +102,8 @@ def held_out_exact_match(weights: str, config: dict) -> float:
 
     from lmforge.config.load import build_config
     from lmforge.data.batch import StreamLayout
-    from lmforge.data.rl import load_rl_data
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.data.rows.rl import load_rl_data
+    from lmforge.data.text.tokenizer import load_tokenizer
     from lmforge.distributed.dist import DistInfo
     from lmforge.plan.layout import Layout
     from lmforge.rewards.functions import load_rewards

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from lmforge.data.mds import MDSWriter
-from lmforge.data.stream import TokenStream
+from lmforge.data.stream.tokens import TokenStream
 from lmforge.plan.layout import Layout
 
 H100_1B_TOKENS_PER_S = 45_000

@@ -36,7 +36,7 @@ def build(kind: str, root: Path) -> tuple[Path, object]:
     import torch
 
     from lmforge.config.model import ModelConfig, padded_vocab
-    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.data.text.tokenizer import train_tokenizer
     from lmforge.models import build_model, save_pretrained
     from lmforge.train.export import export
 
@@ -57,7 +57,7 @@ def check(kind: str, dtype: str) -> dict:
     import torch
     from vllm import LLM, SamplingParams
 
-    from lmforge.models import generate
+    from lmforge.models.generate import generate
     from lmforge.train.locate import load_model
 
     with tempfile.TemporaryDirectory(prefix="lmforge-vllm-") as tmp:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from lmforge.checksums import EXPORT_FILE
 from lmforge.errors import UserError
 from lmforge.home import lmforge_home
-from lmforge.layout import (DATASET_MARKER, DEDUP_MARKER, MODEL_CONFIG_FILE, RUN_FILE, RUN_FOLDER_NAMES,
+from lmforge.run_files import (DATASET_MARKER, DEDUP_MARKER, MODEL_CONFIG_FILE, RUN_FILE, RUN_FOLDER_NAMES,
                             SAVED_TOKENIZER_FILES, TOKENIZER_MARKER, holds_saved_run, is_variant,
                             read_run_file)
 from lmforge.uri import is_remote, local_path

@@ -146,8 +146,8 @@ class TinyData:
     def __init__(self, root: Path):
         import sysconfig
 
-        from lmforge.data.prepare import prepare
-        from lmforge.data.tokenizer import train_tokenizer
+        from lmforge.data.prepare.prepare import prepare
+        from lmforge.data.text.tokenizer import train_tokenizer
 
         self.raw = root / "raw"
         self.raw.mkdir()

@@ -74,12 +74,12 @@ TOKENIZERS = {
 
 
 def family_tokenizer(kind: str, texts: list[str], out, vocab_size: int = 400):
-    """A `lmforge.data.tokenizer.Tokenizer` saved to ``out``, with ``kind``'s pre-tokenizer."""
+    """A `lmforge.data.text.tokenizer.Tokenizer` saved to ``out``, with ``kind``'s pre-tokenizer."""
     from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from tokenizers import Tokenizer as Backend
 
-    from lmforge.data.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX
-    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.models.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX
+    from lmforge.data.text.tokenizer import Tokenizer
 
     spec = TOKENIZERS[kind]
     backend = Backend(models.BPE(ignore_merges=spec["ignore_merges"]))

@@ -4,7 +4,7 @@ Data flows one way — config → resolved run → data → models → train —
 `data`, `train`, `distributed`) never reaches out to the operations around it (`runs`, `cli`,
 the trackers, reports). The layers, from the bottom:
 
-    errors, home, layout, checksums, process, secrets, say,   (small shared modules)
+    errors, home, run_files, checksums, process, secrets, say,   (small shared modules)
     uri, guard
     config · tasks · rewards                                    torch-free: the rules and constants (rewards:
                                                                 what scores reinforcement learning's completions)
@@ -65,19 +65,19 @@ FORBIDDEN = {
     "report": ("models", "train", "distributed", "runs", "cli"),  # reads a run's files; never trains
     "runs": ("cli",),
 }
-SHARED_MODULES = ("errors", "home", "layout", "checksums", "process", "secrets", "say", "uri", "guard", "frozen")
+SHARED_MODULES = ("errors", "home", "run_files", "checksums", "process", "secrets", "say", "uri", "guard", "frozen")
 # Modules that must load without torch: `lmforge --help`, `estimate`, a run's resolution up to its
 # plan and the command a user starts (its preflight plans a CPU run, then it supervises) stay light,
 # and the rules live in one torch-free layer that torch code imports.
-TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.layout", "lmforge.guard", "lmforge.frozen", "lmforge.plan.layout", "lmforge.config.limits", "lmforge.resolve", "lmforge.plan.run",
+TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.run_files", "lmforge.guard", "lmforge.frozen", "lmforge.plan.layout", "lmforge.config.limits", "lmforge.resolve", "lmforge.plan.run",
               "lmforge.plan.machine", "lmforge.resolve.request", "lmforge.resolve.weights",
               "lmforge.resolve.auto_model", "lmforge.plan.schedule", "lmforge.tasks.icl",
               "lmforge.plan.estimate", "lmforge.plan.auto", "lmforge.plan.memory", "lmforge.plan.activations", "lmforge.plan.batch",
               "lmforge.plan.checks", "lmforge.plan.fit", "lmforge.plan.context", "lmforge.plan.micro_batch",
               "lmforge.plan.flops", "lmforge.plan.hardware", "lmforge.plan.comm", "lmforge.plan.cost", "lmforge.plan.evaluation",
               "lmforge.config.counts", "lmforge.cli.train", "lmforge.runs.preflight", "lmforge.resolve.steps",
-              "lmforge.data.prepared", "lmforge.data.chat", "lmforge.train.machine", "lmforge.runs.launcher",
-              "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.data.gguf_vocab", "lmforge.scaling.plan",
+              "lmforge.data.prepare.prepared", "lmforge.data.chat", "lmforge.train.machine", "lmforge.runs.launcher",
+              "lmforge.config.defaults", "lmforge.config.load", "lmforge.data.pieces", "lmforge.models.gguf_vocab", "lmforge.scaling.ladder_plan",
               "lmforge.scaling.fit", "lmforge.scaling.predict", "lmforge.goodput.conditions",
               "lmforge.goodput.health", "lmforge.goodput.diagnosis", "lmforge.goodput.cordon",
               "lmforge.goodput.ledger", "lmforge.goodput.faults", "lmforge.plan.goodput", "lmforge.goodput.interval",
@@ -197,6 +197,31 @@ def test_no_import_circles():
     """No two modules import each other, directly or through others (imports inside functions count)."""
     found = circles(module_graph())
     assert not found, "\n".join(" → ".join(c) for c in found)
+
+
+# lmforge/data's folders, in the order data flows through them: each may import the folders named
+# here and the shared modules at data/'s top (mds, remote, batch, chat, pieces), which import none.
+DATA_FLOW = {"text": (), "curate": (), "prepare": ("text", "curate"), "stream": ("text", "prepare"),
+             "rows": ("text",)}
+
+
+def test_data_flows_one_way_through_its_folders():
+    """raw text → (curation rules) → the prepare job → the training stream; fine-tuning rows beside it."""
+    data = PKG / "data"
+    folders = {p.name for p in data.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(DATA_FLOW), sorted(folders ^ set(DATA_FLOW))
+    bad = []
+    for path in data.rglob("*.py"):
+        rel = path.relative_to(data).parts
+        mine = rel[0] if len(rel) > 1 else None
+        allowed = DATA_FLOW[mine] if mine else ()
+        for module in imports_of(path):
+            parts = module.split(".")
+            if parts[1] != "data" or len(parts) < 3 or parts[2] not in folders or parts[2] == mine:
+                continue
+            if parts[2] not in allowed:
+                bad.append(f"{path.relative_to(PKG.parent)} imports {module}")
+    assert not bad, "\n".join(bad)
 
 
 def test_no_package_circles():

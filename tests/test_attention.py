@@ -98,8 +98,8 @@ def test_pretraining_with_document_masking_trains_on_split_rows(tiny_data, tmp_p
     EOS (training and held-out alike) and the trainer steps on them."""
     from conftest import tiny_run_config
     from lmforge.config.load import build_config
-    from lmforge.data.prepare import prepare
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.data.prepare.prepare import prepare
+    from lmforge.data.text.tokenizer import load_tokenizer
     from lmforge.distributed.dist import DistInfo
     from lmforge.resolve import resolve
     from lmforge.train.machine import process_machine

@@ -129,7 +129,7 @@ def yaml_with(extra: str):
 
 def tokenizer_of(vocab: int):
     def make(world: World, d: Path) -> None:
-        from lmforge.data.tokenizer import train_tokenizer
+        from lmforge.data.text.tokenizer import train_tokenizer
 
         train_tokenizer([str(world.data.raw / "textwrap.py.txt")], vocab, str(d / "small-tok"))
     return make
@@ -581,7 +581,7 @@ def test_undecodable_text_and_broken_records_are_said_on_the_terminal(world, tmp
 
 def test_tail_holdout_when_documents_are_few(world, tmp_path):
     from lmforge.data.mds import MDSReader
-    from lmforge.data.prepare import prepare
+    from lmforge.data.prepare.prepare import prepare
 
     text = (world.data.raw / "argparse.py.txt").read_text()
     (tmp_path / "one.txt").write_text(text)
@@ -599,7 +599,7 @@ def test_tail_holdout_when_documents_are_few(world, tmp_path):
 
 def test_short_jsonl_documents_get_a_held_out_split(world, tmp_path):
     """400 short documents: 1% of them make less than one sample, so the tail is held out."""
-    from lmforge.data.prepare import prepare
+    from lmforge.data.prepare.prepare import prepare
 
     rows = "".join(json.dumps({"text": f"def f{i}(x): return x + {i}"}) + "\n" for i in range(400))
     (tmp_path / "docs.jsonl").write_text(rows)
@@ -610,7 +610,7 @@ def test_short_jsonl_documents_get_a_held_out_split(world, tmp_path):
 
 
 def world_tokens(world, text: str) -> list[int]:
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.data.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(world.data.tokenizer))
     return list(tok.encode(text)) + [tok.eos_id]
@@ -840,8 +840,8 @@ def test_bad_data_on_two_nodes_is_one_line_on_each(world, tmp_path):
 def test_rows_that_are_json_but_not_objects_say_so(tmp_path):
     """A JSONL row that is an array was "not valid JSON (Extra data …)" (the file was read as one JSON
     array); now it is named for what it is, and the rows after it are read."""
-    from lmforge.data.sft import json_rows, row_segments
-    from lmforge.data.sources import SourceStats, list_files, read_source
+    from lmforge.data.rows.sft import json_rows, row_segments
+    from lmforge.data.text.sources import SourceStats, list_files, read_source
     from lmforge.errors import UserError
 
     rows = tmp_path / "rows.jsonl"
@@ -866,8 +866,8 @@ def test_a_utf8_bom_is_not_part_of_the_first_row(tmp_path):
     in raw JSONL, a JSON array, a text file, fine-tuning rows and eval task files."""
     import gzip
 
-    from lmforge.data.sft import json_rows
-    from lmforge.data.sources import SourceStats, list_files, read_source
+    from lmforge.data.rows.sft import json_rows
+    from lmforge.data.text.sources import SourceStats, list_files, read_source
     from lmforge.tasks.icl import _read_jsonl
 
     bom = b"\xef\xbb\xbf"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lmforge.data.chat import load_chat_template
-from lmforge.data.sft import read_examples, tokenize_example
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.rows.sft import read_examples, tokenize_example
+from lmforge.data.text.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
 import transformers  # a required dependency: a broken install fails here, it is not skipped

@@ -27,7 +27,7 @@ CP2 = {"compute.ranks": 2, "compute.data_parallel": "fsdp", "compute.context_par
 @pytest.fixture(scope="module")
 def long_rows(tiny_data, tmp_path_factory):
     """The tiny corpus packed into rows of 1,024 tokens."""
-    from lmforge.data.prepare import prepare
+    from lmforge.data.prepare.prepare import prepare
 
     out = tmp_path_factory.mktemp("rows-1024") / "data"
     prepare([str(tiny_data.raw)], str(tiny_data.tokenizer), str(out), SEQ, eval_fraction=0.1)

@@ -79,7 +79,7 @@ def test_near_duplicates_are_found_first_kept_and_precise():
 
 @functools.cache
 def _reference_docs() -> list[str]:
-    from lmforge.data.builtin import pydoc_topics, stdlib_files
+    from lmforge.data.text.builtin import pydoc_topics, stdlib_files
 
     rng = random.Random(3)
     docs = [t for _, t in pydoc_topics()][:150]
@@ -180,7 +180,7 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory, corpus):
-    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.data.text.tokenizer import train_tokenizer
 
     out = tmp_path_factory.mktemp("curate-tok") / "tok"
     train_tokenizer([str(corpus)], 300, str(out))
@@ -284,7 +284,7 @@ def test_bad_curation_input_is_one_line_and_writes_nothing(corpus, tok, tmp_path
 @pytest.mark.e2e
 def test_run_config_curation_is_in_the_cache_key(corpus, tok, tasks_yaml, tmp_path):
     from lmforge.config.load import build_config
-    from lmforge.data.resolve import resolve_data
+    from lmforge.data.stream.run_data import resolve_data
 
     base = {"model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32}, "tokenizer": str(tok),
             "training_duration": "10ba", "eval": {"holdout_fraction": 0.0, "icl_tasks": str(tasks_yaml)}}
@@ -330,7 +330,7 @@ def test_stats_of_one_document_read_cleanly(tok, tmp_path, capsys):
     """One .txt file is one document: its length axis has distinct labels that do not overlap, the
     duplicate-rate axis shows its zeros, the HTML page gives the numbers as a table (no JSON dump) and
     a plot that fits the window, and no terminal table cell wraps mid-item (80 columns)."""
-    from lmforge.data.curate.stats import _figure, corpus_stats, print_stats
+    from lmforge.data.prepare.stats import _figure, corpus_stats, print_stats
 
     text = "".join(f"Line {i} of the one document, with words enough to make it long. " for i in range(4000))
     (tmp_path / "one.txt").write_text(text)
@@ -381,7 +381,7 @@ def test_datatrove_local_executor_with_several_workers(corpus, tasks_yaml, tmp_p
 
 
 def test_flag_mode_keeps_everything(corpus, tmp_path):
-    from lmforge.data.curate.documents import curate_to_jsonl
+    from lmforge.data.prepare.dedup import curate_to_jsonl
 
     s = curate_to_jsonl([str(corpus)], str(tmp_path / "o"), {"dedup": True, "action": "flag"})
     assert s["documents_written"] == 58 and s["curation"]["documents_matched"] == 15

@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_run_config
 from lmforge.config.load import build_config
-from lmforge.data.stream import StreamPhase, TokenStream
+from lmforge.data.stream.tokens import StreamPhase, TokenStream
 from lmforge.distributed.dist import DistInfo
 from lmforge.errors import UserError
 from lmforge.train.callbacks import Callback
@@ -33,7 +33,7 @@ def three(tmp_path):
 
 
 def phased(three, tmp_path, phases, **kw):
-    from lmforge.data.stream import DatasetSpec
+    from lmforge.data.stream.tokens import DatasetSpec
 
     kw = {"seq_len": SEQ, "micro_batch_size": 2, "global_batch_size": GB, "seed": 5,
           "cache_dir": str(tmp_path / "cache"), "phases": phases} | kw
@@ -77,7 +77,7 @@ def test_token_counts_per_phase_follow_the_proportions(three, tmp_path):
 
 
 def test_one_phase_is_the_plain_mix(three, tmp_path):
-    from lmforge.data.stream import DatasetSpec
+    from lmforge.data.stream.tokens import DatasetSpec
 
     mix = {"web": 0.5, "code": 0.3, "hq": 0.2}
     plain = TokenStream([DatasetSpec(n, p, mix[n]) for n, p in three], seq_len=SEQ,
@@ -176,7 +176,7 @@ def second_dataset(tiny_data, tmp_path_factory):
     import sysconfig
     from pathlib import Path
 
-    from lmforge.data.prepare import prepare
+    from lmforge.data.prepare.prepare import prepare
 
     root = tmp_path_factory.mktemp("second")
     (root / "text").mkdir()

@@ -303,7 +303,7 @@ needs_shared = pytest.mark.skipif(not SHARED_EVAL.is_dir(), reason="../shared/ev
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.data.text.tokenizer import train_tokenizer
 
     if not SHARED_TEXT.is_file():
         pytest.skip("../shared/corpora/tinyshakespeare.txt is not present")

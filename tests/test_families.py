@@ -10,7 +10,8 @@ from family_models import CASES, SHAPE, hf_config, hf_model
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
 from lmforge.plan.flops import param_counts
-from lmforge.models import build_model, generate, load_pretrained, num_params, save_hf
+from lmforge.models import build_model, load_pretrained, num_params, save_hf
+from lmforge.models.generate import generate
 from lmforge.models.hf import from_hf_config, from_hf_state_dict, to_hf_config
 
 import transformers  # a required dependency: a broken install fails here, it is not skipped

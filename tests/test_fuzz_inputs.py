@@ -25,8 +25,8 @@ from pydantic import BaseModel
 
 from lmforge.cli.main import build_parser
 from lmforge.config.load import _inner_model, build_config, load_config, set_path
-from lmforge.data.preference import pair_segments
-from lmforge.data.sources import list_files, read_source
+from lmforge.data.rows.preference import pair_segments
+from lmforge.data.text.sources import list_files, read_source
 from lmforge.guard import check_target
 from lmforge.train.checkpoint import verify_checkpoint
 from lmforge.config.schema import RunConfig
@@ -398,7 +398,7 @@ def overwrite_world(tmp_path_factory) -> Path:
     from lmforge.checksums import write_export_digests
     from lmforge.cli.main import main
     from lmforge.config.model import ModelConfig
-    from lmforge.data.prepare import prepare
+    from lmforge.data.prepare.prepare import prepare
     from lmforge.models import build_model, save_pretrained
 
     root = tmp_path_factory.mktemp("overwrite") / "world"

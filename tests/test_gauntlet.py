@@ -226,7 +226,7 @@ def checkpoint(tmp_path_factory):
     import random
 
     from lmforge.config.model import ModelConfig
-    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.data.text.tokenizer import train_tokenizer
     from lmforge.models import build_model, save_pretrained
 
     root = tmp_path_factory.mktemp("ckpt")
@@ -289,7 +289,7 @@ def test_cli_json_matches_library(checkpoint, suite):
     assert set(out["results"]) == {"mc/0-shot", "mc/1-shot", "lm/0-shot", "sc/0-shot", "qa/2-shot"}
     assert all(r["n"] == 6 for r in out["results"].values())
 
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.data.text.tokenizer import load_tokenizer
     from lmforge.eval import evaluate_icl, gauntlet_scores, load_gauntlet, load_tasks
     from lmforge.models import load_pretrained
 

@@ -23,7 +23,7 @@ import torch
 
 from family_models import family_tokenizer, hf_model
 from lmforge.config.model import ModelConfig
-from lmforge.data.gguf_vocab import CONTROL, NORMAL, UNUSED, gguf_vocab, pre_tokenizer_name
+from lmforge.models.gguf_vocab import CONTROL, NORMAL, UNUSED, gguf_vocab, pre_tokenizer_name
 from lmforge.errors import UserError
 from lmforge.models.gguf import check
 from train_helpers import assert_one_line_error, cli
@@ -59,7 +59,7 @@ def texts() -> list[str]:
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory, texts):
     """kind → a saved tokenizer: lmforge's own (with and without BOS), Llama 3's and Qwen 2's kinds."""
-    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.data.text.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("gguf-tok")
     for t in texts:
@@ -108,7 +108,7 @@ def test_tokenizers_llama_cpp_would_read_differently_are_refused(tokenizers):
             pre_tokenizer_name(broken)
     from tokenizers import Tokenizer as Backend
 
-    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.data.text.tokenizer import Tokenizer
 
     def wrap(spec):
         return Tokenizer(Backend.from_str(json.dumps(spec)), eos_token="<|endoftext|>")
@@ -181,7 +181,7 @@ def test_models_llama_cpp_cannot_compute_are_refused():
 def test_chat_formats_are_recognised_by_what_they_render():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from lmforge.data.modelfile import chat_format, modelfile
+    from lmforge.models.modelfile import chat_format, modelfile
     from lmforge.data.chat import CHAT_TEMPLATE
 
     chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -368,7 +368,7 @@ def test_llama_cpp_renders_the_chat_prompt(kind, tokenizers, llama_cpp, tmp_path
 
     from lmforge.data.chat import load_chat_template
     from lmforge.data.chat import CHAT_TEMPLATE
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.data.text.tokenizer import load_tokenizer
     from lmforge.models.io import write_chat_template
 
     tok = tokenizers[kind]

@@ -292,7 +292,7 @@ def test_the_sampler_keeps_a_fatal_xid_once_seen():
 
 
 def test_goodput_actions_resume_up_to_max_actions_and_a_stop_says_why(tmp_path):
-    from lmforge.runs.plan import LaunchPlan
+    from lmforge.runs.launch_plan import LaunchPlan
     from lmforge.runs.registry import Registry
     from lmforge.runs.supervisor import Supervisor
 

@@ -141,7 +141,7 @@ def _checkpoint(root: Path, step: int, name: str | None = None) -> Path:
 def test_damaged_checkpoints_are_pruned_once_a_later_intact_one_exists(tmp_path):
     """`.damaged-*` folders were never removed (3 cycles: 3 × 38 MB): a damaged one goes when a
     checkpoint of its step or later completes; a later damaged one stays until then."""
-    from lmforge.layout import damaged_checkpoints
+    from lmforge.run_files import damaged_checkpoints
     from lmforge.train.checkpoint import _complete
 
     root = tmp_path / "run" / "checkpoints"

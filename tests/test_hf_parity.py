@@ -9,7 +9,8 @@ import torch
 
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.models import build_model, generate, load_pretrained, save_hf, save_pretrained
+from lmforge.models import build_model, load_pretrained, save_hf, save_pretrained
+from lmforge.models.generate import generate
 from lmforge.models.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
 
 import transformers  # a required dependency: a broken install fails here, it is not skipped
@@ -169,7 +170,7 @@ def test_generate_adds_bos_once_as_transformers_does(tmp_path, tiny_data):
     from family_models import hf_model
     from train_helpers import cli
 
-    from lmforge.data.tokenizer import load_tokenizer, train_tokenizer
+    from lmforge.data.text.tokenizer import load_tokenizer, train_tokenizer
 
     folder = tmp_path / "mistral"
     train_tokenizer([str(tiny_data.raw / "textwrap.py.txt")], 300, str(folder), add_bos=True)

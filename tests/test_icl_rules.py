@@ -173,7 +173,7 @@ def test_prompt_text_generation_with_chain_of_thought(tmp_path):
 def bpe_variants(tmp_path_factory):
     """One BPE vocabulary in three tokenizer set-ups: BOS declared (add_bos_token), BOS added by the
     post-processor only (Llama 3 style), and no BOS at all (GPT-2 style)."""
-    from lmforge.data.tokenizer import load_tokenizer, train_tokenizer
+    from lmforge.data.text.tokenizer import load_tokenizer, train_tokenizer
 
     root = tmp_path_factory.mktemp("bpe")
     rng = random.Random(0)

@@ -58,8 +58,8 @@ def sft_config(tmp_path, weights, **extra):
 
 @pytest.mark.e2e
 def test_export_hf_parity_and_generate(base, tmp_path):
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.models import generate
+    from lmforge.data.text.tokenizer import load_tokenizer
+    from lmforge.models.generate import generate
     from lmforge.train.locate import load_model
 
     out = tmp_path / "hf"
@@ -105,8 +105,8 @@ def test_export_gguf_continues_like_lmforge_generate_in_llama_cpp(base, tmp_path
     are lmforge's (`generate`, what `lmforge generate` prints: test_export_hf_parity_and_generate),
     token for token, in f32 and f16. (The CLI itself: test_run_your_model_page.)"""
     from llamacpp import greedy, load
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.models import generate
+    from lmforge.data.text.tokenizer import load_tokenizer
+    from lmforge.models.generate import generate
     from lmforge.train.export import export
     from lmforge.train.locate import load_model
 
@@ -148,7 +148,7 @@ def test_run_your_model_page(base, tmp_path, llama_cpp):
 @pytest.mark.e2e
 def test_import_hf_llama_for_continued_pretraining(base, tmp_path, tiny_data):
     """CPT from an imported HF folder: step-1 loss = the source model's loss on that batch."""
-    from lmforge.data.stream import DatasetSpec, TokenStream
+    from lmforge.data.stream.tokens import DatasetSpec, TokenStream
     from lmforge.plan.layout import Layout
     from lmforge.train.locate import load_model
 
@@ -243,7 +243,7 @@ def test_bad_weights_and_tokenizer(base, tmp_path, tiny_data):
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}))
     assert_one_line_error(lmforge("finetune", "-f", sft_config(tmp_path, f"hf:{gpt2}")),
                           "gpt2", "supported: llama, mistral, qwen2, qwen3, olmo2, gemma, gemma2, gemma3_text, mixtral")
-    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.data.text.tokenizer import train_tokenizer
 
     big = tmp_path / "tok1024"
     train_tokenizer([str(tiny_data.raw)], 1024, str(big))

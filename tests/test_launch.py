@@ -20,7 +20,7 @@ from conftest import tiny_run_config
 from lmforge.config.load import build_config
 from lmforge.errors import UserError
 from lmforge.runs.lock import REMOTE_STALE_S, SaveFolderLock, lock_path, probe, read_holder
-from lmforge.runs.plan import LaunchPlan, launch_plan, started_by_user, with_plan
+from lmforge.runs.launch_plan import LaunchPlan, launch_plan, started_by_user, with_plan
 from lmforge.process import read_status, this_host
 from lmforge.runs.registry import TORCHRUN_RESTART, Registry, status_file
 from lmforge.runs.start import check_not_active, register, resolve_run

@@ -27,7 +27,7 @@ def test_a_256_token_model_extended_to_1024_beats_it_there_and_exports_its_scali
     from lmforge.config.load import build_config
     from lmforge.data.batch import StreamLayout
     from lmforge.plan.layout import Layout
-    from lmforge.data.resolve import resolve_data
+    from lmforge.data.stream.run_data import resolve_data
     from lmforge.models import build_model
     from lmforge.train.export import export
     from lmforge.resolve.weights import fill_from_weights

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from lmforge.config.model import ModelConfig
 from lmforge.data.batch import Batch
 from lmforge.errors import UserError
-from lmforge.models import Transformer, build_model, generate, num_params
+from lmforge.models import Transformer, build_model, num_params
+from lmforge.models.generate import generate
 from lmforge.models.transformer import apply_rope, rope_tables
 
 

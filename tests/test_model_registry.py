@@ -21,8 +21,8 @@ def test_each_run_registers_a_new_version_that_loads_back_for_serving(finished_r
     import pandas as pd
     from mlflow.tracking import MlflowClient
 
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.models import generate
+    from lmforge.data.text.tokenizer import load_tokenizer
+    from lmforge.models.generate import generate
     from lmforge.train.locate import load_model
 
     name = REGISTERED_MODEL

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from lmforge.config.model import ModelConfig, get_preset, resolve_model
 from lmforge.data.batch import Batch
-from lmforge.models import Transformer, build_model, generate, num_active_params, num_params
+from lmforge.models import Transformer, build_model, num_active_params, num_params
+from lmforge.models.generate import generate
 from lmforge.models.moe import MoE, load_balancing_loss, route
 
 

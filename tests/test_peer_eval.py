@@ -24,7 +24,7 @@ def test_lm_eval_agrees_with_lmforge_loglikelihoods(tmp_path, tiny_data, monkeyp
     from lm_eval.tasks import TaskManager
 
     from lmforge.config.model import ModelConfig
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.data.text.tokenizer import load_tokenizer
     from lmforge.eval.icl import load_tasks, score_task
     from lmforge.models import build_model, save_pretrained
     from lmforge.train.export import export

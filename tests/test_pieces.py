@@ -13,7 +13,7 @@ import torch
 from lmforge.data.mds import MDSWriter
 from lmforge.data.pieces import epoch_pieces, epoch_tokens, pieces_per_sample, split_lines
 from lmforge.plan.batch import training_context
-from lmforge.data.stream import DatasetSpec, TokenStream
+from lmforge.data.stream.tokens import DatasetSpec, TokenStream
 from lmforge.errors import UserError
 from lmforge.plan.layout import Layout
 
@@ -119,7 +119,7 @@ def test_two_ranks_see_the_same_pieces_as_one(tmp_path):
 @pytest.fixture(scope="module")
 def split_data(tmp_path_factory, tiny_data):
     """The head of one file of the tiny corpus (≈9 samples) prepared at 128 tokens per sample."""
-    from lmforge.data.prepare import prepare
+    from lmforge.data.prepare.prepare import prepare
 
     root = tmp_path_factory.mktemp("split")
     (root / "head.txt").write_text((tiny_data.raw / "textwrap.py.txt").read_text()[:2500])
@@ -128,7 +128,7 @@ def split_data(tmp_path_factory, tiny_data):
 
 
 def test_prepared_epoch_tokens_count_pieces(split_data):
-    from lmforge.data.prepared import prepared_epoch_tokens
+    from lmforge.data.prepare.prepared import prepared_epoch_tokens
 
     path, summary = split_data
     n = summary["splits"]["train"]["samples"]

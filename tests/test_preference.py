@@ -18,9 +18,9 @@ import torch
 from conftest import REPO
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import RunConfig
-from lmforge.data.preference import fit_pair, load_pairs, read_pairs
-from lmforge.data.sft import tokenize_example
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.rows.preference import fit_pair, load_pairs, read_pairs
+from lmforge.data.rows.sft import tokenize_example
+from lmforge.data.text.tokenizer import load_tokenizer
 from lmforge.distributed.dist import DistInfo
 from lmforge.models import build_model, save_pretrained
 from lmforge.models.preference_loss import PairLogps, pair_terms
@@ -144,7 +144,7 @@ def test_pairs_stay_together_and_only_answers_are_scored(tmp_path, tok):
 
 
 def _fit(tok, row: dict, seq_len: int):
-    from lmforge.data.preference import pair_segments
+    from lmforge.data.rows.preference import pair_segments
 
     c, r = pair_segments(row, "row")
     c, r = tokenize_example(c, tok), tokenize_example(r, tok)
@@ -177,7 +177,7 @@ def kept_answer(seq, tok) -> str:
 
 
 def test_fitting_is_counted_and_named_and_only_no_pair_left_is_refused(tmp_path, tok):
-    from lmforge.data.preference import fit_summary
+    from lmforge.data.rows.preference import fit_summary
     from lmforge.errors import UserError
 
     long_prompt = {"prompt": "".join(f"line {i}\n" for i in range(60)), "chosen": " yes\n", "rejected": " no\n"}
@@ -197,7 +197,7 @@ def test_fitting_is_counted_and_named_and_only_no_pair_left_is_refused(tmp_path,
 def test_answer_sums_and_step_zero(tmp_path, tok):
     """Per-answer sums come from the packed rows; with the policy equal to the reference (step 0)
     the DPO loss is ln 2, every reward 0 and the accuracy 0.5 (a tie counts half)."""
-    from lmforge.data.preference import PreferenceData
+    from lmforge.data.rows.preference import PreferenceData
     from lmforge.train.objective import Preference, model_forward
     from lmforge.train.reference import REFERENCE_FILE, attach_reference
 
@@ -227,7 +227,7 @@ def test_answer_sums_and_step_zero(tmp_path, tok):
 def test_an_interrupted_precomputation_continues(tmp_path, tok, monkeypatch):
     """Chunks finished before an interruption are read back, not computed again, and the result
     is the uninterrupted one's."""
-    from lmforge.data.preference import PreferenceData
+    from lmforge.data.rows.preference import PreferenceData
     from lmforge.train import reference
     from lmforge.train.reference import attach_reference
 
@@ -365,7 +365,7 @@ def test_objective_equals_an_independent_computation(tmp_path, tok):
     row of its own (TRL's `get_batch_logps` when TRL is installed); the reference comes from the
     precomputation (`train.reference`) on the starting weights."""
     import transformers
-    from lmforge.data.preference import PreferenceData
+    from lmforge.data.rows.preference import PreferenceData
     from lmforge.models.hf import to_hf_config, to_hf_state_dict
     from lmforge.train.objective import Preference, model_forward
     from lmforge.train.reference import attach_reference

@@ -13,10 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from lmforge.data import packing
+from lmforge.data.prepare import packing
 from lmforge.data.mds import MDSReader
-from lmforge.data.prepare import MARKER, prepare, read_summary
-from lmforge.data.tokenizer import EOS_TOKEN, train_tokenizer
+from lmforge.data.prepare.prepare import MARKER, prepare, read_summary
+from lmforge.data.text.tokenizer import EOS_TOKEN, train_tokenizer
 from lmforge.errors import UserError
 
 SEQ = 64

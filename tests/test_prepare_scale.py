@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.data.curate.documents import curate_to_jsonl
-from lmforge.data.executors import ExecutorSpec, idle_tasks_note, progress_fields, throughput_line
-from lmforge.data.job import Job, Stage
-from lmforge.data.prepare import MARKER, prepare
-from lmforge.data.sources import Source, SourceStats, list_files
-from lmforge.data.tokenizer import train_tokenizer
-from lmforge.data.units import plan_units, unit_documents
+from lmforge.data.prepare.dedup import curate_to_jsonl
+from lmforge.data.prepare.executors import ExecutorSpec, idle_tasks_note, progress_fields, throughput_line
+from lmforge.data.prepare.job import Job, Stage
+from lmforge.data.prepare.prepare import MARKER, prepare
+from lmforge.data.text.sources import Source, SourceStats, list_files
+from lmforge.data.text.tokenizer import train_tokenizer
+from lmforge.data.prepare.units import plan_units, unit_documents
 from train_helpers import cli, communicate, free_port, lmforge, train_in_process
 
 SEQ = 32
@@ -200,7 +200,7 @@ def test_tasks_write_the_plain_dataset_and_a_killed_task_is_redone(corpus, tok, 
     3. The command while its last step writes the indexes (item 3).
     After 2 and 3 no process of the run is left, and DEST is either complete (marker and val index;
     a work/ left by a kill after the marker is what the same command removes) or refused by `train`."""
-    from lmforge.data.prepared import is_prepared
+    from lmforge.data.prepare.prepared import is_prepared
     from lmforge.errors import UserError
 
     out = tmp_path / "ds"
@@ -417,7 +417,7 @@ def test_exact_dedup_over_several_key_ranges(tmp_path):
     from lmforge.config.curation import DedupConfig
     from lmforge.data.curate.crossdedup import DedupPlan, find_duplicates, removals, write_signatures
     from lmforge.data.curate.dedup import signatures
-    from lmforge.data.job import WorkDir
+    from lmforge.data.prepare.job import WorkDir
 
     rng = random.Random(3)
     units = [[f"text {rng.randrange(40)}" for _ in range(30)] for _ in range(3)]
@@ -458,9 +458,9 @@ def test_a_kill_around_the_marker_leaves_a_dataset_complete_or_refused(dups, tok
     before the marker (D5) leaves a folder `train` refuses and the same command completes; a kill
     just after it (D4) leaves work/, which the same command removes (not only "already prepared")."""
     from lmforge.data import remote
-    from lmforge.data.job import WorkDir
+    from lmforge.data.prepare.job import WorkDir
     from lmforge.errors import UserError
-    from lmforge.data.prepared import is_prepared
+    from lmforge.data.prepare.prepared import is_prepared
 
     out, rm = tmp_path / "ds", tmp_path / "removed"
     run = dict(eval_fraction=0.2, unit_bytes=2048, curate={"dedup": {"exact": True, "near": False}}, removed_out=str(rm))
@@ -515,7 +515,7 @@ def _corrupt_zst(path: Path, docs: list[str]) -> None:
 
 
 def test_an_unreadable_input_is_skipped_named_and_the_same_for_every_stage(tmp_path):
-    from lmforge.data.sources import UnreadableInput
+    from lmforge.data.text.sources import UnreadableInput
 
     rng = random.Random(6)  # past the reader's 1 MB buffer, so that documents come before the break
     docs = [f"document {i} " + " ".join(rng.choices(["river", "stone", "cloud", "lantern", "meadow"], k=300))
@@ -564,8 +564,8 @@ def test_a_bad_input_file_met_by_a_task_keeps_the_units_done(corpus, tok, plain,
 
 def _run_near_stages(out: Path, plan) -> None:
     """Every dedup stage after the signatures, item by item, as any task would run them."""
-    from lmforge.data.job import run_items
-    from lmforge.data.units import Slice, Unit
+    from lmforge.data.prepare.job import run_items
+    from lmforge.data.prepare.units import Slice, Unit
 
     job = Job(str(out), [Unit(u, (Slice("x"),), 1) for u in range(plan.units)], "text", dedup=plan)
     for stage in job.stages():
@@ -591,7 +591,7 @@ def _reference_clusters(edges: list[tuple[int, int]]) -> dict[int, int]:
 
 def _near_removed(out: Path, plan) -> dict[int, int]:
     from lmforge.data.curate.crossdedup import removals
-    from lmforge.data.job import WorkDir
+    from lmforge.data.prepare.job import WorkDir
 
     return {(u << 32) | d: (fu << 32) | fd for u in range(plan.units)
             for d, (_, fu, fd) in removals(WorkDir(str(out)), plan, u).items()}
@@ -605,7 +605,7 @@ def test_near_dedup_decisions_do_not_depend_on_how_the_work_is_cut(tmp_path):
     import numpy as np
 
     from lmforge.data.curate.crossdedup import DedupPlan, write_signatures
-    from lmforge.data.job import WorkDir
+    from lmforge.data.prepare.job import WorkDir
 
     rng = np.random.default_rng(7)
     units, per_unit, perm, bands, rows = 6, 40, 32, 8, 4
@@ -644,7 +644,7 @@ def test_connected_components_of_long_chains_stars_and_cycles(tmp_path):
     import numpy as np
 
     from lmforge.data.curate.crossdedup import DedupPlan, _save_edges
-    from lmforge.data.job import WorkDir, run_items
+    from lmforge.data.prepare.job import WorkDir, run_items
 
     rng = np.random.default_rng(11)
     ids = rng.permutation(1000).astype(np.uint64)  # node i is (unit, doc) = divmod(ids[i], 100)
@@ -669,9 +669,9 @@ def test_a_crash_in_a_task_is_said_to_be_a_bug_that_a_rerun_repeats(tmp_path):
     """Not bad input and not a dead task: an exception (here from a damaged dedup file) is recorded
     with its traceback, and the command's line says that running it again fails the same way."""
     from lmforge.data.curate.crossdedup import DedupPlan
-    from lmforge.data.executors import TaskCrashed, _raise_task_error
-    from lmforge.data.job import WorkDir, run_items
-    from lmforge.data.units import Slice, Unit
+    from lmforge.data.prepare.executors import TaskCrashed, _raise_task_error
+    from lmforge.data.prepare.job import WorkDir, run_items
+    from lmforge.data.prepare.units import Slice, Unit
 
     plan = DedupPlan(exact=True, near=False, partitions=1, bands=0, rows=0, num_perm=128, threshold=0.8)
     wd = WorkDir(str(tmp_path))
@@ -687,8 +687,8 @@ def test_a_crash_in_a_task_is_said_to_be_a_bug_that_a_rerun_repeats(tmp_path):
 
 
 def test_a_prepared_dataset_is_opened_once_by_resolution(plain, tok, monkeypatch):
-    from lmforge.data import resolve
-    from lmforge.data.prepare import read_summary
+    from lmforge.data.stream import run_data as resolve
+    from lmforge.data.prepare.prepare import read_summary
 
     opened = []
     real = resolve.open_dataset
@@ -702,7 +702,7 @@ def test_data_dedup_alone_keeps_its_documents_in_this_process():
     """With no filter, decontamination or tokenizer there is nothing for a worker process to do per
     document (only the trip there and back): the units stage then runs in this process."""
     from lmforge.config.curation import CurateConfig
-    from lmforge.data.job import per_document_checks
+    from lmforge.data.prepare.job import per_document_checks
 
     assert not per_document_checks(CurateConfig.model_validate({"dedup": {"exact": True}}), None)
     assert per_document_checks(CurateConfig.model_validate({"filters": {"c4": True}}), None)

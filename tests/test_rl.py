@@ -19,7 +19,8 @@ from lmforge.config.load import build_config
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import RunConfig
 from lmforge.errors import UserError
-from lmforge.models import build_model, generate, save_pretrained
+from lmforge.models import build_model, save_pretrained
+from lmforge.models.generate import generate
 from lmforge.models.generate import filter_logits, sample
 from lmforge.models.policy_loss import aggregate, group_advantages, policy_terms, row_units
 from lmforge.rewards.answers import final_answer, same_answer
@@ -382,8 +383,8 @@ def test_the_plan_counts_prompts_and_splits_their_completions():
 def test_prompts_are_rendered_cut_from_the_left_and_streamed_by_step(tmp_path, tiny_data):
     from lmforge.data.batch import StreamLayout
     from lmforge.data.chat import ASSISTANT_HEADER
-    from lmforge.data.rl import PromptStream, completion_batch, load_prompts
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.data.rows.rl import PromptStream, completion_batch, load_prompts
+    from lmforge.data.text.tokenizer import load_tokenizer
     from lmforge.plan.layout import Layout
 
     tok = load_tokenizer(tiny_data.tokenizer)

@@ -21,7 +21,7 @@ from conftest import tiny_run_config
 from lmforge.config.load import build_config
 from lmforge.config.model import ModelConfig, as_trained
 from lmforge.goodput.ledger import account, read_ledger
-from lmforge.layout import MODEL_CONFIG_FILE, latest_checkpoint, read_state
+from lmforge.run_files import MODEL_CONFIG_FILE, latest_checkpoint, read_state
 from lmforge.plan.comm import BF16, FP32, OVERLAP
 from lmforge.plan.evaluation import DEFAULT_EVAL_BATCHES, EVAL_SHARE, plan_evaluation
 from lmforge.plan.machine import nominal_machine
@@ -254,9 +254,9 @@ def test_data_stats_counts_as_the_dataset_card_does(tiny_data):
     and what its samples hold of them — recounted here from the shards."""
     import numpy as np
 
-    from lmforge.data.curate.stats import corpus_stats, stat_rows
+    from lmforge.data.prepare.stats import corpus_stats, stat_rows
     from lmforge.data.mds import MDSReader
-    from lmforge.data.prepare import read_summary
+    from lmforge.data.prepare.prepare import read_summary
 
     card = read_summary(str(tiny_data.dataset))
     split = card["splits"]["train"]
@@ -274,7 +274,7 @@ def test_data_stats_counts_as_the_dataset_card_does(tiny_data):
 
 def test_per_core_throughput_counts_the_cores_used(tiny_data):
     """The prepared dataset's marker: tokens per CPU-second the work used, not per core of the machine."""
-    from lmforge.data.prepare import read_summary
+    from lmforge.data.prepare.prepare import read_summary
 
     card = read_summary(str(tiny_data.dataset))
     said = re.search(r"([\d,]+) tokens/s per core \(([\d.]+) of (\d+) cores busy on average: ([\d.,]+) CPU-seconds\)",
@@ -295,7 +295,7 @@ def test_runs_list_names_the_shape_model_auto_chose():
 
 
 def test_rows_say_packed_only_where_items_share_a_row():
-    from lmforge.data.sft import packing_note
+    from lmforge.data.rows.sft import packing_note
 
     assert packing_note(240, 240, True, "pair") == " (one pair a row: sft.packing is on, but no two fit in one)"
     assert packing_note(240, 100, True, "pair") == " (packed: 2.4 pairs a row)"

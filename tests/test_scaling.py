@@ -23,7 +23,7 @@ from train_helpers import assert_one_line_error, cli, lmforge, metrics
 from lmforge.errors import UserError
 from lmforge.scaling.config import LadderConfig, load_ladder
 from lmforge.scaling.fit import Law, backtest, fit_law, isoflop_levels, isoflop_trend
-from lmforge.scaling.plan import plan_ladder
+from lmforge.scaling.ladder_plan import plan_ladder
 from lmforge.scaling.predict import predict
 
 CHINCHILLA = Law(E=1.69, A=406.4, alpha=0.34, B=410.7, beta=0.28)  # Hoffmann et al.'s fit
@@ -254,7 +254,7 @@ def test_a_ladder_plans_with_the_typical_step_and_caches_nothing(tmp_path, monke
 
 @pytest.mark.e2e  # a fresh interpreter
 def test_scaling_package_is_torch_free():
-    code = ("import sys, lmforge.scaling.fit, lmforge.scaling.plan, lmforge.scaling.predict, lmforge.scaling.summary; "
+    code = ("import sys, lmforge.scaling.fit, lmforge.scaling.ladder_plan, lmforge.scaling.predict, lmforge.scaling.summary; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -451,7 +451,7 @@ def test_progress_lines_while_rungs_train(tmp_path):
     """What the ladder prints between a run's start and its end: each running run's share and loss
     from its metrics.jsonl, and the time left here."""
     from lmforge.runs.ladder import _Started, progress_line
-    from lmforge.scaling.plan import Point
+    from lmforge.scaling.ladder_plan import Point
 
     def point(label, tokens):
         return Point(label=label, model={}, params=1e5, tokens=tokens, level=0, flops=6e5 * tokens,

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from lmforge.config.model import ModelConfig
 from lmforge.data.batch import IGNORE, Batch, StreamLayout
 from lmforge.data.chat import CHAT_TEMPLATE, chat_prompt, render_chat
-from lmforge.data.sft import SFTStream, pack, read_examples, tokenize_example
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.rows.sft import SFTStream, pack, read_examples, tokenize_example
+from lmforge.data.text.tokenizer import load_tokenizer
 from lmforge.models import build_model
 from lmforge.models.io import write_chat_template
 from lmforge.plan.layout import Layout
@@ -174,7 +174,7 @@ def test_prompt_response_rows_start_with_one_bos(tmp_path, tiny_data):
     import shutil
 
     import transformers
-    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.data.text.tokenizer import train_tokenizer
 
     mistral, llama3 = tmp_path / "mistral", tmp_path / "llama3"
     train_tokenizer([str(tiny_data.raw / "textwrap.py.txt")], 300, str(mistral), add_bos=True)

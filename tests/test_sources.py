@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from lmforge.data.builtin import stdlib_dir, stdlib_files
-from lmforge.data.sources import SourceStats, iter_documents, list_files
+from lmforge.data.text.builtin import stdlib_dir, stdlib_files
+from lmforge.data.text.sources import SourceStats, iter_documents, list_files
 from lmforge.errors import UserError
 
 

@@ -13,7 +13,7 @@ import torch
 
 from lmforge.data.batch import IGNORE, Batch, BatchStream
 from lmforge.data.mds import MDSWriter
-from lmforge.data.stream import DatasetSpec, TokenStream, open_dataset
+from lmforge.data.stream.tokens import DatasetSpec, TokenStream, open_dataset
 from lmforge.errors import UserError
 from lmforge.plan.layout import Layout
 

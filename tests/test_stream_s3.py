@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmforge.data import remote
-from lmforge.data.stream import TokenStream, open_dataset
+from lmforge.data.stream.tokens import TokenStream, open_dataset
 from lmforge.errors import UserError
 from lmforge.plan.layout import Layout
 from test_stream import SEQ, make_dataset

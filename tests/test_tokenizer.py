@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from lmforge.data.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, load_tokenizer, train_tokenizer
+from lmforge.data.text.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, load_tokenizer, train_tokenizer
 from lmforge.errors import UserError
 
 SAMPLES = [

@@ -18,7 +18,7 @@ from lmforge.cli.main import build_parser
 from lmforge.config.load import build_config
 from lmforge.config.tracking import MLflowConfig, TrackerConfig, WandbConfig
 from lmforge.errors import UserError
-from lmforge.runs.plan import LaunchPlan
+from lmforge.runs.launch_plan import LaunchPlan
 from lmforge.runs.registry import Registry
 from lmforge.runs.run import get_run
 from lmforge.runs.start import RunSlot, register

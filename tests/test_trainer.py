@@ -132,7 +132,7 @@ def test_a_resume_reads_each_checkpoint_file_back_once(tiny_data, tmp_path, monk
     again (on every rank that would be ranks × the checkpoint's size in reads). Files rank 0 did
     not check (another node's shards) are still checked where they are loaded."""
     from lmforge import checksums
-    from lmforge.layout import latest_checkpoint, read_state
+    from lmforge.run_files import latest_checkpoint, read_state
     from lmforge.train import checkpoint as ckpt
 
     a = make_trainer(tiny_data, tmp_path / "run")

@@ -12,8 +12,8 @@ import pytest
 import torch
 import transformers  # a required dependency: its absence fails, never skips
 
-from lmforge.data.tokenizer import load_tokenizer
-from lmforge.data.vocab_extension import extend_tokenizer, read_extension
+from lmforge.data.text.tokenizer import load_tokenizer
+from lmforge.data.text.vocab_extension import extend_tokenizer, read_extension
 from lmforge.errors import UserError
 from lmforge.models.resize import extend_embeddings
 

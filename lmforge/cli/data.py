@@ -13,11 +13,11 @@ from rich.table import Table
 from lmforge.cli.common import OneLineParser, add_command, bounded
 from lmforge.config.limits import MAX_SEQ_LEN
 from lmforge.data import remote
-from lmforge.data.executors import ExecutorSpec
+from lmforge.data.prepare.executors import ExecutorSpec
 from lmforge.data.mds import MDSReader
-from lmforge.data.prepare import input_warnings, prepare, read_summary
-from lmforge.data.units import DEFAULT_UNIT_BYTES, ON_BAD_INPUT
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.prepare.prepare import input_warnings, prepare, read_summary
+from lmforge.data.prepare.units import DEFAULT_UNIT_BYTES, ON_BAD_INPUT
+from lmforge.data.text.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
 
@@ -284,7 +284,7 @@ def print_curation(c: dict, console=None) -> None:
 
 
 def _dedup(args) -> int:
-    from lmforge.data.curate.documents import curate_to_jsonl
+    from lmforge.data.prepare.dedup import curate_to_jsonl
 
     summary = curate_to_jsonl(args.input, args.out, curation_from_args(args), workers=args.workers,
                               text_field=args.text_field, overwrite=args.overwrite, removed_out=args.removed_out,
@@ -306,7 +306,7 @@ def _dedup(args) -> int:
 
 
 def _stats(args) -> int:
-    from lmforge.data.curate.stats import MARK, corpus_stats, print_stats, write_plots
+    from lmforge.data.prepare.stats import MARK, corpus_stats, print_stats, write_plots
 
     if args.plot:  # before reading the corpus: a refusal costs nothing
         from lmforge.guard import check_output_file

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmforge.cli.common import add_command, add_device_argument, bounded, torch_device
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.text.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
 DESCRIPTION = """\

@@ -6,7 +6,7 @@ import sys
 
 from lmforge.cli.common import add_command, add_device_argument, bounded, torch_device
 from lmforge.config.limits import MAX_NEW_TOKENS, MAX_SEED
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.text.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 
 
@@ -59,7 +59,7 @@ def _prompt(args) -> str:
 def run(args) -> int:
     _check(args)
     text = _prompt(args)
-    from lmforge.models import generate
+    from lmforge.models.generate import generate
     from lmforge.resolve.weights import check_tokenizer_fits
     from lmforge.train.locate import load_model
 

@@ -9,9 +9,9 @@ import time
 
 from lmforge.cli.common import OneLineParser, add_command, bounded
 from lmforge.config.limits import MAX_VOCAB
-from lmforge.data.tokenizer import train_tokenizer
+from lmforge.data.text.tokenizer import train_tokenizer
 from lmforge.guard import check_output, replace_folder
-from lmforge.layout import TOKENIZER_MARKER
+from lmforge.run_files import TOKENIZER_MARKER
 
 
 def register(subparsers) -> None:

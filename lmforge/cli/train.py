@@ -1,7 +1,7 @@
 """`lmforge train -f run.yaml` and `lmforge finetune -f sft.yaml`: one command path for both.
 
 Both load the config with the same overrides and check object-store credentials once; then the
-launch plan (`runs.plan`) says what this process is — it supervises the run (the first
+launch plan (`runs.launch_plan`) says what this process is — it supervises the run (the first
 process), becomes torchrun (several ranks), or trains here (a supervised child or a rank).
 `finetune` differs only in its default `task_type` (instruction_finetune) and its help.
 
@@ -27,7 +27,7 @@ from lmforge.errors import UserError
 from lmforge.plan.estimate import batch_rows, batch_split, format_plan
 from lmforge.resolve import resolve
 from lmforge.resolve.request import RunRequest
-from lmforge.runs.plan import launch_plan, started_by_user
+from lmforge.runs.launch_plan import launch_plan, started_by_user
 from lmforge.runs.preflight import preflight
 from lmforge.runs.start import start
 from lmforge.runs.store import staging_dir
@@ -101,7 +101,7 @@ def add_run_arguments(p) -> None:
                    help="run in the background (logs in <save_folder>/logs); print the run name and return")
     p.add_argument("--no-supervisor", action="store_true",
                    help="train in this process: no run registry, no automatic restarts (torchrun's aside)")
-    p.add_argument("--plan", help=argparse.SUPPRESS)  # set by lmforge for the processes it starts (runs.plan)
+    p.add_argument("--plan", help=argparse.SUPPRESS)  # set by lmforge for the processes it starts (runs.launch_plan)
 
 
 def run(args) -> int:

@@ -411,11 +411,11 @@ class SFTOptions(_Strict):
 
 
 # Task types `lmforge finetune` runs on JSONL rows (the others pretrain on text or prepared data).
-PREFERENCE_TASK = "preference"  # pairs of a chosen and a rejected response (lmforge/data/preference.py)
-RL_TASK = "rl"  # prompts whose sampled completions are scored by rewards (lmforge/data/rl.py, lmforge/train/rl.py)
+PREFERENCE_TASK = "preference"  # pairs of a chosen and a rejected response (lmforge/data/rows/preference.py)
+RL_TASK = "rl"  # prompts whose sampled completions are scored by rewards (lmforge/data/rows/rl.py, lmforge/train/rl.py)
 FINETUNE_TASKS = ("instruction_finetune", "chat_completion", PREFERENCE_TASK, RL_TASK)
 
-# [preference] preference tuning after SFT (lmforge/data/preference.py, lmforge/models/preference_loss.py)
+# [preference] preference tuning after SFT (lmforge/data/rows/preference.py, lmforge/models/preference_loss.py)
 PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")  # losses without a reference model
 # β by loss: DPO and IPO 0.1 (the DPO paper's and TRL's; IPO's τ), SimPO 2.0 with a margin γ of 1.0

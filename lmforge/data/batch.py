@@ -170,7 +170,7 @@ class EvalSet:
 class TrainingData(Protocol):
     """Training data as the trainer sees it, whatever it came from.
 
-    ``kind`` is ``"pretrain"`` (packed token streams, `data.resolve.ResolvedData`), ``"sft"``
+    ``kind`` is ``"pretrain"`` (packed token streams, `data.stream.run_data.ResolvedData`), ``"sft"``
     (prompt/response rows, `data.sft.SFTData`) or ``"preference"`` (pairs,
     `data.preference.PreferenceData`): the trainer picks its objective by this declared kind
     (`train.objective`), never by what attributes an object happens to have.

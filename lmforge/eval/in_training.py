@@ -15,7 +15,7 @@ from lmforge.config.schema import RunConfig
 from lmforge.distributed.dist import DistInfo
 from lmforge.eval.gauntlet import gauntlet_scores, load_gauntlet
 from lmforge.eval.icl import evaluate_icl, load_tasks
-from lmforge.models import generate
+from lmforge.models.generate import generate
 
 
 def generations(model, tokenizer, cfg: RunConfig, compiled: bool) -> list[str]:

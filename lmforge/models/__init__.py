@@ -1,8 +1,19 @@
-"""Models: the dense/MoE transformer, generation, Hugging Face interop and save/load."""
+"""Models: the dense/MoE transformer, generation, Hugging Face interop, save/load, and the export
+formats (GGUF with its vocabulary, the Ollama Modelfile). Generation is ``lmforge.models.generate``.
 
-from lmforge.models.generate import generate
-from lmforge.models.io import load_pretrained, save_hf, save_pretrained
-from lmforge.models.transformer import KVCache, Transformer, build_model, num_active_params, num_params
+The names below load on first use, so that the torch-free leaves here (``gguf_vocab``,
+``modelfile``) can be imported without torch.
+"""
 
-__all__ = ["KVCache", "Transformer", "build_model", "generate", "load_pretrained", "num_active_params",
-           "num_params", "save_hf", "save_pretrained"]
+_EXPORTS = {"load_pretrained": "io", "save_hf": "io", "save_pretrained": "io",
+            "KVCache": "transformer", "Transformer": "transformer", "build_model": "transformer",
+            "num_active_params": "transformer", "num_params": "transformer"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"lmforge.models.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'lmforge.models' has no attribute {name!r}")

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from lmforge.config.model import ModelConfig
-from lmforge.data.gguf_vocab import GGUFVocab
+from lmforge.models.gguf_vocab import GGUFVocab
 from lmforge.errors import UserError
 from lmforge.models.families import family_of
 from lmforge.models.rope import inv_frequencies

@@ -16,7 +16,7 @@ from torch import nn
 from lmforge.checksums import verify_export
 from lmforge.config.model import ModelConfig
 from lmforge.errors import UserError
-from lmforge.layout import MODEL_CONFIG_FILE
+from lmforge.run_files import MODEL_CONFIG_FILE
 from lmforge.models.moe import fuse_legacy_experts
 from lmforge.models.transformer import Transformer, build_model
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from lmforge.config.schema import LORA_TARGETS, LoRAConfig
 from lmforge.errors import UserError
-from lmforge.layout import MODEL_CONFIG_FILE, RUN_FILE, STATE_FILE
+from lmforge.run_files import MODEL_CONFIG_FILE, RUN_FILE, STATE_FILE
 
 # PEFT / HF projection name → (our submodule path in a block, HF submodule in a layer).
 _MODULES = {
@@ -207,7 +207,7 @@ def _peft_base(model: nn.Module, cfg, adapter_dir: Path, tokenizer_dir: str | No
     ref = base_model_reference(cfg.custom_weights_path)
     if ref is not None or not cfg.custom_weights_path:
         return ref
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.data.text.tokenizer import load_tokenizer
     from lmforge.models.io import save_hf
 
     tok = load_tokenizer(tokenizer_dir) if tokenizer_dir else None

@@ -1,4 +1,4 @@
-"""Grow a model's vocabulary for an extended tokenizer (`lmforge.data.vocab_extension`).
+"""Grow a model's vocabulary for an extended tokenizer (`lmforge.data.text.vocab_extension`).
 
 A new token's embedding starts as the mean of the embeddings of the base pieces it replaces,
 so the model reads a new token roughly as it read the pieces (an untied output head gets the

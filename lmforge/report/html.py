@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from lmforge.report.compare import config_differences, eval_prefixes, fmt, summary
 from lmforge.report.load import RunData
-from lmforge.layout import ACTIVE  # a run still going (any other status has ended)
+from lmforge.run_files import ACTIVE  # a run still going (any other status has ended)
 
 MAX_POINTS = 4000  # per curve; longer series are thinned evenly (the last point is kept)
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]

@@ -14,7 +14,7 @@ from lmforge.config.defaults import auto_vocab
 from lmforge.config.model import ModelConfig
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.errors import UserError
-from lmforge.layout import read_run_file
+from lmforge.run_files import read_run_file
 from lmforge.plan.auto import SMALL_CONTEXT, choose_for_run
 from lmforge.plan.machine import Machine
 from lmforge.resolve.request import NO_DATA
@@ -47,9 +47,9 @@ def without_data(cfg: RunConfig) -> bool:
 
 def raw_data_bytes(cfg: RunConfig) -> float | None:
     """Bytes of raw training text where they can be known without reading it (None otherwise)."""
-    from lmforge.data.builtin import stdlib_files
-    from lmforge.data.prepared import is_prepared
-    from lmforge.data.sources import list_files
+    from lmforge.data.text.builtin import stdlib_files
+    from lmforge.data.prepare.prepared import is_prepared
+    from lmforge.data.text.sources import list_files
 
     if without_data(cfg):
         return None
@@ -69,7 +69,7 @@ def raw_data_bytes(cfg: RunConfig) -> float | None:
 
 def prepared_facts(cfg: RunConfig) -> tuple[int | None, int | None, int | None]:
     """(train tokens, tokenizer vocabulary, sample length) when every train_data entry is prepared."""
-    from lmforge.data.prepared import is_prepared, prepared_summary
+    from lmforge.data.prepare.prepared import is_prepared, prepared_summary
 
     if without_data(cfg):
         return None, None, None
@@ -116,7 +116,7 @@ def _auto_model(cfg: RunConfig, machine: Machine, log) -> RunConfig:
     data_tokens, prepared_vocab, data_seq = prepared_facts(cfg)
     ctx = p.context_length or (min(SMALL_CONTEXT, data_seq) if data_seq else None)
     if data_tokens and ctx:  # the tokens an epoch trains (pieces of ctx, `data.pieces`), not the stored ones
-        from lmforge.data.prepared import prepared_epoch_tokens
+        from lmforge.data.prepare.prepared import prepared_epoch_tokens
 
         data_tokens = prepared_epoch_tokens([d.path for d in cfg.train_data], ctx) or data_tokens
     vocab = None
@@ -124,7 +124,7 @@ def _auto_model(cfg: RunConfig, machine: Machine, log) -> RunConfig:
         if cfg.tokenizer.train is not None and cfg.tokenizer.train.vocab_size != "auto":
             vocab = int(cfg.tokenizer.train.vocab_size)
     elif isinstance(cfg.tokenizer, str) and os.path.exists(os.path.join(cfg.tokenizer, "tokenizer.json")):
-        from lmforge.data.tokenizer import load_tokenizer
+        from lmforge.data.text.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(cfg.tokenizer).vocab_size
     else:

@@ -10,7 +10,7 @@ from lmforge.plan.run import TrainPlan
 
 if TYPE_CHECKING:  # the data layer imports torch: only the stages past "config" need it
     from lmforge.data.batch import TrainingData
-    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.data.text.tokenizer import Tokenizer
 
 Stage = Literal["config", "plan", "run"]
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from lmforge.config.model import padded_vocab
 from lmforge.config.schema import FINETUNE_TASKS, PREFERENCE_TASK, RL_TASK, RunConfig, TokenizerSpec
 from lmforge.data.chat import ASSISTANT_HEADER, CHAT_TEMPLATE, chat_prompt, load_chat_template
-from lmforge.data.tokenizer import Tokenizer, load_tokenizer
+from lmforge.data.text.tokenizer import Tokenizer, load_tokenizer
 from lmforge.errors import UserError
 from lmforge.plan.batch import training_context
 from lmforge.plan.checks import check_rl
@@ -25,11 +25,11 @@ from lmforge.resolve.resolved import ResolvedRun, Stage
 from lmforge.resolve.weights import check_tokenizer_fits, locate
 
 if TYPE_CHECKING:
-    from lmforge.data.preference import PreferenceData
-    from lmforge.data.resolve import ResolvedData
-    from lmforge.data.rl import RLData
-    from lmforge.data.sft import SFTData
-    from lmforge.data.stream import StreamPhase
+    from lmforge.data.rows.preference import PreferenceData
+    from lmforge.data.stream.run_data import ResolvedData
+    from lmforge.data.rows.rl import RLData
+    from lmforge.data.rows.sft import SFTData
+    from lmforge.data.stream.tokens import StreamPhase
 
 # Generation settings of a fine-tuning run's evaluations (where `eval` leaves them unset).
 SFT_SAMPLING = {"max_new_tokens": 100, "temperature": 1.0, "top_k": 50, "top_p": 0.95}
@@ -54,8 +54,8 @@ def _pretrain(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
         data_seq_len, samples = _planned_data(cfg)
         plan = make_plan(cfg, machine, samples_per_epoch=samples, data_seq_len=data_seq_len)
         return ResolvedRun(resolved_config(cfg, plan), plan)
-    from lmforge.data.resolve import resolve_data  # torch (the streams)
-    from lmforge.data.stream import open_dataset
+    from lmforge.data.stream.run_data import resolve_data  # torch (the streams)
+    from lmforge.data.stream.tokens import open_dataset
 
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     # Rank 0 prepares the data first and the others then hit its cache; its UserError (bad data)
@@ -96,8 +96,8 @@ def _planned_data(cfg: RunConfig) -> tuple[int | None, int | None]:
 
     if without_data(cfg) or any(is_remote(d.path) for d in cfg.train_data):
         return None, None
-    from lmforge.data.prepare import summary_seq_len
-    from lmforge.data.prepared import is_prepared, prepared_epoch_tokens, prepared_summary
+    from lmforge.data.prepare.prepare import summary_seq_len
+    from lmforge.data.prepare.prepared import is_prepared, prepared_epoch_tokens, prepared_summary
 
     seq_len = cfg.parameters.context_length or cfg.model.max_seq_len
     lengths = [summary_seq_len(prepared_summary(d.path)) if is_prepared(d.path) else seq_len for d in cfg.train_data]
@@ -134,7 +134,7 @@ def _with_extension_base(cfg: RunConfig) -> RunConfig:
 def _known_tokenizer_vocab(cfg: RunConfig) -> int | None:
     """The tokenizer's vocabulary where it is known without preparing anything (a dry run): the one
     to train or extend to, a tokenizer folder's, or — with no `tokenizer` — the one the prepared
-    training data was made with (what the run then loads, `data.resolve.resolve_tokenizer`)."""
+    training data was made with (what the run then loads, `data.stream.run_data.resolve_tokenizer`)."""
     from lmforge.data.remote import is_remote
 
     spec = cfg.tokenizer
@@ -146,7 +146,7 @@ def _known_tokenizer_vocab(cfg: RunConfig) -> int | None:
         return load_tokenizer(spec).vocab_size if os.path.exists(spec) else None
     if without_data(cfg):
         return None
-    from lmforge.data.prepared import is_prepared, prepared_summary
+    from lmforge.data.prepare.prepared import is_prepared, prepared_summary
 
     for d in cfg.train_data:
         if is_remote(d.path) or not is_prepared(d.path):
@@ -204,7 +204,7 @@ def _check_data_vocab(cfg: RunConfig, data: ResolvedData, tokenizer: Tokenizer, 
 def _stream_phases(cfg: RunConfig, plan: TrainPlan) -> list[StreamPhase]:
     """The curriculum on the stream's global sample axis: each phase ends on the optimizer step
     the plan chose (whole global batches, so a step never mixes two phases); the last runs on."""
-    from lmforge.data.stream import StreamPhase
+    from lmforge.data.stream.tokens import StreamPhase
 
     ends = [step * plan.global_batch for step in plan.phase_steps] + [None]
     return [StreamPhase(end, phase.mix) for end, phase in zip(ends, cfg.curriculum)]
@@ -262,8 +262,8 @@ def _preference(cfg: RunConfig):
 def _rows(cfg: RunConfig, tokenizer: Tokenizer, template, seq_len: int, log) -> SFTData | PreferenceData | RLData:
     """The run's rows, packed at the context: prompt/response or chat examples, or preference pairs;
     or reinforcement learning's prompts."""
-    from lmforge.data.preference import load_preference_data  # torch (rows as tensors)
-    from lmforge.data.sft import SFTData, load_rows
+    from lmforge.data.rows.preference import load_preference_data  # torch (rows as tensors)
+    from lmforge.data.rows.sft import SFTData, load_rows
 
     chat_template = template.text if template else CHAT_TEMPLATE
     paths = [d.path for d in cfg.train_data]
@@ -279,7 +279,7 @@ def _rows(cfg: RunConfig, tokenizer: Tokenizer, template, seq_len: int, log) -> 
 
     rows = rows_of(paths)
     eval_rows = rows_of([cfg.eval.data_path]) if cfg.eval.data_path else None
-    from lmforge.data.sft import packing_note
+    from lmforge.data.rows.sft import packing_note
 
     log(f"data: {rows.examples} examples in {len(rows)} rows of {seq_len} tokens"
         f"{packing_note(rows.examples, len(rows), cfg.sft.packing, 'example')}"
@@ -293,7 +293,7 @@ def _prompts(cfg: RunConfig, paths: list[str], tokenizer: Tokenizer, template, c
     """Reinforcement learning's prompts (a prompt leaves room for rl.max_new_tokens), and its rewards
     loaded and checked against every row: a reward file that does not import, or a column a reward
     needs and a row lacks, is one line before anything is trained."""
-    from lmforge.data.rl import load_rl_data  # torch (the stream's order)
+    from lmforge.data.rows.rl import load_rl_data  # torch (the stream's order)
     from lmforge.rewards.functions import check_columns, load_rewards
 
     rl = cfg.rl

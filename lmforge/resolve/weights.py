@@ -24,7 +24,7 @@ from pathlib import Path
 from lmforge.config.model import ModelConfig, as_trained
 from lmforge.config.schema import LoRAConfig
 from lmforge.errors import UserError
-from lmforge.layout import MODEL_CONFIG_FILE, STATE_FILE, latest_checkpoint, read_state
+from lmforge.run_files import MODEL_CONFIG_FILE, STATE_FILE, latest_checkpoint, read_state
 
 HF_PREFIX = "hf:"
 

@@ -1,6 +1,6 @@
 """One training job: what a supervised child, each torchrun rank, or an unsupervised run executes.
 
-A process whose launch plan (`runs.plan`) says "train" runs `run_job`: it wires the operations
+A process whose launch plan (`runs.launch_plan`) says "train" runs `run_job`: it wires the operations
 around the core trainer — the save folder's lock, credentials, the process group, the trackers
 and the object-store mirror of a remote save folder — and trains:
 
@@ -24,7 +24,7 @@ from lmforge.errors import UserError, environment_error
 from lmforge.say import say
 from lmforge.process import die_with_parent, mark, process_started_at
 from lmforge.runs.launcher import hold_lock
-from lmforge.runs.plan import LaunchPlan
+from lmforge.runs.launch_plan import LaunchPlan
 from lmforge.runs.store import MirrorCallback, local_folder, open_store
 from lmforge.report import write_run_report
 from lmforge.resolve import resolve

@@ -36,7 +36,7 @@ from lmforge.runs.progress import MetricsTail, metrics_path, read_history, summa
 from lmforge.runs.registry import ACTIVE, Registry
 from lmforge.scaling.config import LadderConfig
 from lmforge.config.counts import human
-from lmforge.scaling.plan import (LadderPlan, Point, family_shape, ladder_context,
+from lmforge.scaling.ladder_plan import (LadderPlan, Point, family_shape, ladder_context,
                                   learning_rate, params_of, plan_ladder, prior_target, run_batch_tokens, WIDTHS)
 from lmforge.scaling.predict import predict
 
@@ -66,8 +66,8 @@ def run_threads(cfg: LadderConfig) -> int:
 def _data(cfg: LadderConfig, log) -> tuple[int, int, float, float]:
     """(tokenizer vocabulary, context, training tokens, held-out tokens), preparing the data once
     (cached, as every run of the ladder will find it)."""
-    from lmforge.data.resolve import resolve_data, resolve_tokenizer
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.data.stream.run_data import resolve_data, resolve_tokenizer
+    from lmforge.data.text.tokenizer import load_tokenizer
 
     base = cfg.base_config
     vocab = load_tokenizer(resolve_tokenizer(base, log=log)).vocab_size

@@ -18,7 +18,7 @@ from lmforge.errors import UserError
 from lmforge.goodput.cordon import CORDON_FILE, read_cordon
 from lmforge.process import die_with_parent, node_name
 from lmforge.runs.lock import SaveFolderLock
-from lmforge.runs.plan import LaunchPlan, with_plan
+from lmforge.runs.launch_plan import LaunchPlan, with_plan
 from lmforge.runs.store import local_folder
 
 

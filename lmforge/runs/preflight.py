@@ -26,7 +26,7 @@ from lmforge.config.schema import FINETUNE_TASKS, RunConfig
 from lmforge.data.remote import is_remote, local_path
 from lmforge.errors import UserError, environment_error
 from lmforge.guard import check_run_owner
-from lmforge.layout import DATASET_MARKER
+from lmforge.run_files import DATASET_MARKER
 
 
 
@@ -86,7 +86,7 @@ def check_task(cfg: RunConfig, command: str) -> None:
 
 def check_train_data(cfg: RunConfig) -> None:
     """Local inputs (`data.sources.is_local_input`) exist; a glob matches a file."""
-    from lmforge.data.sources import GLOB_CHARS, is_local_input
+    from lmforge.data.text.sources import GLOB_CHARS, is_local_input
 
     for d in cfg.train_data:
         if not is_local_input(d.path):
@@ -102,7 +102,7 @@ def check_train_data(cfg: RunConfig) -> None:
 def _prepared(cfg: RunConfig) -> list[tuple[str, dict]]:
     """(path, marker) of each local prepared dataset in train_data; a marker that cannot be read
     is left to the run, which reports it."""
-    from lmforge.data.prepare import read_summary
+    from lmforge.data.prepare.prepare import read_summary
 
     out = []
     for d in cfg.train_data:

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 from lmforge.errors import UserError
 from lmforge.home import lmforge_home
-from lmforge.layout import ACTIVE, STATUSES, TERMINAL  # noqa: F401 - a run's statuses (reports read them too)
+from lmforge.run_files import ACTIVE, STATUSES, TERMINAL  # noqa: F401 - a run's statuses (reports read them too)
 from lmforge.process import process_alive, read_status, this_host
 
 SCHEMA_VERSION = 2  # 2: run_uid and lifecycle

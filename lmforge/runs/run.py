@@ -33,7 +33,7 @@ from lmforge.uri import is_remote
 from lmforge.resolve import resolve
 from lmforge.resolve.request import RunRequest
 from lmforge.runs.lock import probe
-from lmforge.runs.plan import LaunchPlan, with_plan
+from lmforge.runs.launch_plan import LaunchPlan, with_plan
 from lmforge.runs.progress import read_history
 from lmforge.runs.registry import ACTIVE, STATUSES, TERMINAL, Registry
 

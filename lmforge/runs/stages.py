@@ -29,7 +29,7 @@ import yaml
 from lmforge.config.load import read_yaml
 from lmforge.config.schema import FINETUNE_TASKS
 from lmforge.errors import UserError
-from lmforge.layout import MODEL_CONFIG_FILE
+from lmforge.run_files import MODEL_CONFIG_FILE
 
 STAGE_KEYS = {"name", "config", "command"}
 COMMANDS = ("train", "finetune")

@@ -26,19 +26,19 @@ from functools import partial
 
 from lmforge.config.schema import FINETUNE_TASKS
 from lmforge.config.identity import default_name, run_identity
-from lmforge.layout import is_variant
+from lmforge.run_files import is_variant
 from lmforge.data.remote import is_remote
 from lmforge.distributed.torchrun import exit_now
 from lmforge.errors import UserError
 from lmforge.home import lmforge_home
 from lmforge.process import process_start, this_host
 from lmforge.runs.lock import SaveFolderLock, probe
-from lmforge.runs.plan import LaunchPlan, new_run_uid, with_plan
+from lmforge.runs.launch_plan import LaunchPlan, new_run_uid, with_plan
 from lmforge.runs.registry import ACTIVE, Registry
 from lmforge.runs.store import local_folder, upload_logs
 from lmforge.runs.supervisor import EXIT_USER_ERROR, Supervisor
 from lmforge.secrets import redact, redact_config
-from lmforge.layout import list_checkpoints, read_run_file
+from lmforge.run_files import list_checkpoints, read_run_file
 
 
 @dataclass

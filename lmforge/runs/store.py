@@ -37,7 +37,7 @@ from lmforge.errors import UserError
 from lmforge.home import cache_dir
 from lmforge.secrets import redact
 from lmforge.train.callbacks import Callback
-from lmforge.layout import RUN_FILE, checkpoints_dir, list_checkpoints
+from lmforge.run_files import RUN_FILE, checkpoints_dir, list_checkpoints
 
 MARKER = "lmforge-complete.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -1,7 +1,7 @@
 """The supervisor: starts the trainer as a child process, watches it, restarts it.
 
 ``lmforge train`` (foreground or ``--detach``) runs this; the child is the same command with a
-launch plan (``runs.plan``) saying "train" (one process) or "launch" (it becomes torchrun, whose
+launch plan (``runs.launch_plan``) saying "train" (one process) or "launch" (it becomes torchrun, whose
 ranks train). The supervisor
 
 - copies the child's output to its own (foreground) and, as a terminal keeps it (lines, no redraws of
@@ -41,9 +41,9 @@ from collections import deque
 from lmforge.distributed.elastic import EVENTS_FILE
 from lmforge.errors import environment_error
 from lmforge.goodput.ledger import add_cause, read_jsonl, read_ledger
-from lmforge.layout import read_run_file
+from lmforge.run_files import read_run_file
 from lmforge.process import child_dies_with_me, read_status, speaks_for_node
-from lmforge.runs.plan import LaunchPlan, with_plan
+from lmforge.runs.launch_plan import LaunchPlan, with_plan
 from lmforge.runs.progress import MetricsTail, metrics_path, resolved_model_label, summarize
 from lmforge.runs.registry import Registry
 from lmforge.runs.registry import status_file as status_path

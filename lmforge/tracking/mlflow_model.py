@@ -31,7 +31,7 @@ class LmforgeTextGenerator(mlflow.pyfunc.PythonModel):
     bundled ``code/lmforge``)."""
 
     def load_context(self, context) -> None:
-        from lmforge.data.tokenizer import load_tokenizer
+        from lmforge.data.text.tokenizer import load_tokenizer
         from lmforge.resolve.weights import check_tokenizer_fits
         from lmforge.train.locate import load_model
 
@@ -45,7 +45,7 @@ class LmforgeTextGenerator(mlflow.pyfunc.PythonModel):
     # DataFrame is an input type from which it infers none, so the signature given when the model is
     # saved (a `prompt` column, and `params`) stays the one checked and served.
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> list[str]:
-        from lmforge.models import generate
+        from lmforge.models.generate import generate
 
         p = DEFAULT_PARAMS | (params or {})
         tok = self.tokenizer

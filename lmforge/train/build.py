@@ -33,7 +33,7 @@ from lmforge.config.identity import run_identity
 from lmforge.config.schema import RL_TASK
 from lmforge.data.batch import StreamLayout
 from lmforge.data.remote import is_remote
-from lmforge.data.vocab_extension import read_extension
+from lmforge.data.text.vocab_extension import read_extension
 from lmforge.distributed.dist import DistInfo, all_ranks, barrier, broadcast_object
 from lmforge.distributed.elastic import restarted_from_elastic
 from lmforge.distributed.float8 import FP8Options
@@ -42,7 +42,7 @@ from lmforge.errors import UserError
 from lmforge.eval.in_training import load_icl
 from lmforge.goodput.conditions import scored_sections
 from lmforge.goodput.interval import CheckpointSchedule
-from lmforge.layout import STATE_FILE, read_run_file
+from lmforge.run_files import STATE_FILE, read_run_file
 from lmforge.models import build_model
 from lmforge.models.lora import apply_lora
 from lmforge.models.resize import extend_embeddings

@@ -40,7 +40,7 @@ from lmforge.checksums import EXPORT_FILE, DamagedFile, file_digests, verify_exp
 from lmforge.distributed.dist import barrier
 from lmforge.errors import UserError
 from lmforge.guard import check_run_owner, remove_inside
-from lmforge.layout import (DAMAGED, RUN_FILE, STATE_FILE, checkpoint_step, checkpoints_dir, damaged_checkpoints,
+from lmforge.run_files import (DAMAGED, RUN_FILE, STATE_FILE, checkpoint_step, checkpoints_dir, damaged_checkpoints,
                             different_run_error, holds_saved_run, list_checkpoints, read_run_file, read_state)
 
 # DCP warns on every single-process save/load that it "assumes the intent" — which it is.

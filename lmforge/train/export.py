@@ -7,7 +7,7 @@ so the layout is exact), ``model.safetensors`` or
 shards ``model-0000i-of-0000n.safetensors`` + index when larger than ``max_shard_size``, the
 tokenizer files (with the chat template of a fine-tuned model), ``generation_config.json``.
 GGUF: ``model-<dtype>.gguf`` (weights, hyperparameters, tokenizer and chat template in one
-file) and an Ollama ``Modelfile`` beside it (`lmforge.data.modelfile`).
+file) and an Ollama ``Modelfile`` beside it (`lmforge.models.modelfile`).
 Every folder is written next to ``out`` and renamed into place when complete.
 """
 
@@ -22,13 +22,13 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from transformers import GenerationConfig
 
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.text.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 from lmforge.guard import check_output, check_output_file, checkpoint_reads, replace_folder
 from lmforge.models.hf import to_hf_config, to_hf_state_dict
 from lmforge.models.io import _copy_tokenizer, _state_dict, save_pretrained
 from lmforge.checksums import write_export_digests
-from lmforge.layout import read_state
+from lmforge.run_files import read_state
 from lmforge.resolve.weights import check_tokenizer_fits, locate, lora_config_of
 from lmforge.train.locate import load_model
 
@@ -117,8 +117,8 @@ def _export_gguf(checkpoint: str, out: Path, tokenizer: str | None, dtype: str, 
     LoRA run without --merge, a tokenizer or an architecture llama.cpp cannot represent) is, before
     the weights are read."""
     from lmforge.data.chat import load_chat_template
-    from lmforge.data.gguf_vocab import gguf_vocab
-    from lmforge.data.modelfile import chat_format, modelfile
+    from lmforge.models.gguf_vocab import gguf_vocab
+    from lmforge.models.modelfile import chat_format, modelfile
     from lmforge.models.gguf import DTYPES as GGUF_DTYPES, check, write_gguf
     from lmforge.resolve.weights import model_config_of
 

@@ -37,8 +37,8 @@ import torch
 
 from lmforge.config.schema import RL_TASK, RunConfig
 from lmforge.data.batch import Batch, EvalSet, StreamLayout, TrainingData
-from lmforge.data.preference import PreferenceBatch, PreferenceData
-from lmforge.data.rl import RLBatch, RLData
+from lmforge.data.rows.preference import PreferenceBatch, PreferenceData
+from lmforge.data.rows.rl import RLBatch, RLData
 from lmforge.distributed.dist import DistInfo, all_reduce_sum
 from lmforge.distributed.parallelize import compile_enabled
 from lmforge.eval.heldout import bits_per_byte, heldout_loss

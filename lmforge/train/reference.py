@@ -32,10 +32,10 @@ import torch
 
 from lmforge.checksums import EXPORT_FILE, sha256_files
 from lmforge.data.batch import StreamLayout
-from lmforge.data.preference import PreferenceData, PreferenceRows
+from lmforge.data.rows.preference import PreferenceData, PreferenceRows
 from lmforge.distributed.dist import DistInfo, all_reduce_sum, broadcast_object
 from lmforge.errors import UserError
-from lmforge.layout import read_state
+from lmforge.run_files import read_state
 from lmforge.resolve.weights import locate
 
 REFERENCE_FILE = "reference-logps.safetensors"

@@ -13,7 +13,7 @@ from typing import Collection
 import torch
 
 from lmforge.errors import UserError
-from lmforge.layout import read_state
+from lmforge.run_files import read_state
 from lmforge.train import checkpoint as ckpt
 
 

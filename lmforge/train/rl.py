@@ -31,7 +31,7 @@ import torch
 
 from lmforge.config.schema import RL_TASK, RLOptions
 from lmforge.data.batch import EvalSet, StreamLayout
-from lmforge.data.rl import PromptBatch, PromptStream, RLBatch, RLData, completion_batch
+from lmforge.data.rows.rl import PromptBatch, PromptStream, RLBatch, RLData, completion_batch
 from lmforge.distributed.dist import DistInfo, all_reduce_max, all_reduce_sum
 from lmforge.models.generate import Samples, sample
 from lmforge.models.policy_loss import group_advantages

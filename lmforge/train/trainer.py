@@ -40,7 +40,7 @@ from lmforge.distributed.float8 import after_optimizer_step
 from lmforge.distributed.parallelize import clip_grad_norm, compile_enabled, device_value, no_grad_sync
 from lmforge.errors import UserError
 from lmforge.eval.in_training import generations, run_icl
-from lmforge.layout import latest_checkpoint, list_checkpoints
+from lmforge.run_files import latest_checkpoint, list_checkpoints
 from lmforge.plan.estimate import run_record
 from lmforge.plan.hardware import MATMUL_SHARE_OF_PEAK, mfu
 from lmforge.resolve import ResolvedRun

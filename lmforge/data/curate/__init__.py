@@ -4,8 +4,8 @@ Modules: ``text`` (normalization, hashed word n-grams), ``dedup`` (exact + MinHa
 ``filters`` (C4, FineWeb, Gopher rules), ``language`` (fastText lid.176), ``decontaminate`` (n-gram
 overlap with ICL tasks), ``curator`` (per-document checks, accounting), ``crossdedup`` (dedup
 across work units and tasks, in stages), ``pipeline`` (the per-chunk work, in-process or in worker
-processes), ``documents`` (`lmforge data dedup`: raw text → curated JSONL), ``stats`` (`lmforge
-data stats`), ``scale`` (the steps for users' own datatrove pipelines).
+processes), ``scale`` (the steps for users' own datatrove pipelines). The jobs that run these rules
+(`data prepare`, `data dedup`, `data stats`) live in ``lmforge.data.prepare``; nothing here imports them.
 The settings are ``lmforge.config.curation.CurateConfig``.
 """
 

@@ -1,7 +1,7 @@
 """lmforge's curation steps as datatrove pipeline steps, for datatrove pipelines users compose.
 
 `lmforge data prepare` / `data dedup` run on datatrove's executors themselves (``--executor``,
-``--tasks``: ``lmforge.data.job``). For pipelines of your own, datatrove runs steps as many tasks
+``--tasks``: ``lmforge.data.prepare.job``). For pipelines of your own, datatrove runs steps as many tasks
 on a local process pool (``LocalPipelineExecutor``), a Slurm cluster (``SlurmPipelineExecutor``)
 or Ray (``RayPipelineExecutor``). This module gives it lmforge's steps:
 

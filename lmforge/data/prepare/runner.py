@@ -30,7 +30,7 @@ import threading
 import traceback
 
 from lmforge.data import remote
-from lmforge.data.job import Job, Stage, StageTask, WorkDir, settle
+from lmforge.data.prepare.job import Job, Stage, StageTask, WorkDir, settle
 from lmforge.process import become_subreaper, die_with_parent, kill_tree, process_start
 
 
@@ -162,7 +162,7 @@ def _executor(job: Job, stage: Stage, spec, tasks: int) -> None:
         from datatrove.executor import LocalPipelineExecutor
 
         _announced()  # before the fork server starts: it inherits the folder's name
-        multiprocess.get_context("forkserver").set_forkserver_preload(["lmforge.data.job", "lmforge.data.taskpool"])
+        multiprocess.get_context("forkserver").set_forkserver_preload(["lmforge.data.prepare.job", "lmforge.data.prepare.taskpool"])
 
         threads = max(1, (os.cpu_count() or 1) // tasks)
         # skip_completed off: the items' own markers say what is done, whatever the task count was

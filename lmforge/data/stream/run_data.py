@@ -21,10 +21,10 @@ from lmforge.config.curation import CurateConfig
 from lmforge.config.schema import RunConfig, TokenizerSpec
 from lmforge.data.batch import Batch, EvalSet, StreamLayout
 from lmforge.data.pieces import epoch_pieces, split_lines
-from lmforge.data.prepare import input_warnings, summary_seq_len
-from lmforge.data.prepared import SUMMARY_FILE, exists_at, is_prepared, join, prepared_summary
-from lmforge.data.stream import DatasetSpec, StreamPhase, TokenStream, open_dataset
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.data.prepare.prepare import input_warnings, summary_seq_len
+from lmforge.data.prepare.prepared import SUMMARY_FILE, exists_at, is_prepared, join, prepared_summary
+from lmforge.data.stream.tokens import DatasetSpec, StreamPhase, TokenStream, open_dataset
+from lmforge.data.text.tokenizer import load_tokenizer
 from lmforge.errors import UserError
 from lmforge.home import cache_dir
 
@@ -114,8 +114,8 @@ def _first_batches(spec: DatasetSpec, layout: StreamLayout, split: str, n: int) 
 
 def _fingerprint(inputs: list[str]) -> str:
     """What identifies raw inputs for the cache key: `data prepare`'s own fingerprint of the files."""
-    from lmforge.data.prepare import input_fingerprint
-    from lmforge.data.sources import list_files
+    from lmforge.data.prepare.prepare import input_fingerprint
+    from lmforge.data.text.sources import list_files
 
     return input_fingerprint(list_files(inputs))
 
@@ -140,7 +140,7 @@ def resolve_tokenizer(cfg: RunConfig, log=print) -> str:
         if os.path.exists(os.path.join(out, "tokenizer.json")):
             log(f"tokenizer: reusing {out}")
             return out
-        from lmforge.data.tokenizer import train_tokenizer
+        from lmforge.data.text.tokenizer import train_tokenizer
 
         log(f"tokenizer: training a {spec.train.vocab_size}-token BPE on {', '.join(inputs)} → {out}")
         tmp = out + f".tmp-{os.getpid()}"
@@ -161,7 +161,7 @@ def resolve_tokenizer(cfg: RunConfig, log=print) -> str:
 def _extended_tokenizer(cfg: RunConfig, log=print) -> str:
     """`tokenizer: {extend: …}`: the weights' tokenizer plus merges learned on the raw train_data
     (`vocab_extension`), made once into ``cache/tokenizers/<key>``."""
-    from lmforge.data.vocab_extension import extend_tokenizer
+    from lmforge.data.text.vocab_extension import extend_tokenizer
 
     spec = cfg.tokenizer.extend
     base = spec.base  # filled from custom_weights_path by `resolve` when left out
@@ -185,7 +185,7 @@ def _extended_tokenizer(cfg: RunConfig, log=print) -> str:
 
 def _prepare_cached(inputs: list[str], tokenizer_path: str, seq_len: int, eval_fraction: float,
                     text_field: str, log=print, curate: CurateConfig | None = None) -> str:
-    from lmforge.data.prepare import prepare
+    from lmforge.data.prepare.prepare import prepare
 
     ident = {"inputs": _fingerprint(inputs), "tok": load_tokenizer(tokenizer_path).fingerprint,
              "seq": seq_len, "eval": eval_fraction, "field": text_field}

@@ -42,16 +42,17 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from lmforge.data import dest, remote
-from lmforge.data.executors import ExecutorSpec, JobRun, check_executor, throughput_line
-from lmforge.data.job import Job, WorkDir, source_stats, source_summary, unit_markers
-from lmforge.data.packing import SPLITS, Encoder
-from lmforge.data.sources import SourceStats, list_files, no_documents_message
-from lmforge.data.tokenizer import Tokenizer, load_tokenizer
-from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input
+from lmforge.data import remote
+from lmforge.data.prepare import dest
+from lmforge.data.prepare.executors import ExecutorSpec, JobRun, check_executor, throughput_line
+from lmforge.data.prepare.job import Job, WorkDir, source_stats, source_summary, unit_markers
+from lmforge.data.prepare.packing import SPLITS, Encoder
+from lmforge.data.text.sources import SourceStats, list_files, no_documents_message
+from lmforge.data.text.tokenizer import Tokenizer, load_tokenizer
+from lmforge.data.prepare.units import DEFAULT_UNIT_BYTES, check_on_bad_input
 from lmforge.guard import check_output, check_target
 from lmforge.errors import UserError
-from lmforge.layout import DATASET_MARKER as MARKER
+from lmforge.run_files import DATASET_MARKER as MARKER
 
 FORMAT_VERSION = 1
 

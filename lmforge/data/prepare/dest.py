@@ -23,8 +23,8 @@ import os
 import sys
 
 from lmforge.data import remote
-from lmforge.data.executors import JobRun, TaskCrashed, TaskDied, idle_tasks_note, run_job
-from lmforge.data.job import WORK, BadInput, Job, WorkDir, removed_samples, unit_offsets, write_removed
+from lmforge.data.prepare.executors import JobRun, TaskCrashed, TaskDied, idle_tasks_note, run_job
+from lmforge.data.prepare.job import WORK, BadInput, Job, WorkDir, removed_samples, unit_offsets, write_removed
 from lmforge.errors import UserError
 from lmforge.guard import Held, check_replace
 
@@ -85,7 +85,7 @@ def claim(out: str, plan: dict, other: str | None, overwrite: bool, what: str) -
 def units_and_dedup(sources, unit_bytes: int, cfg) -> tuple[list, object]:
     """The job's work units, and its dedup stages' shape for their total size (``cfg``: a DedupConfig or None)."""
     from lmforge.data.curate.crossdedup import dedup_plan
-    from lmforge.data.units import plan_units
+    from lmforge.data.prepare.units import plan_units
 
     units = plan_units(sources, unit_bytes)
     sizes = [u.bytes for u in units]
@@ -173,7 +173,7 @@ def finish(job: Job) -> None:
 def finish_earlier(job: Job, markers: list[dict] | None = None) -> None:
     """A complete DEST whose ``work/`` a kill left behind (after the marker): write the removed
     samples again (they may be partly written) and finish."""
-    from lmforge.data.job import unit_markers
+    from lmforge.data.prepare.job import unit_markers
 
     names = WorkDir(job.out).names("")
     if not names or (names == ["logs"] and job.context.get("executor") == "slurm"):  # Slurm's logs stay

@@ -56,7 +56,7 @@ class GGUFVocab:
 
 
 def gguf_vocab(tokenizer, n_vocab: int, chat_template: str | None = None) -> GGUFVocab:
-    """The GGUF fields of a `lmforge.data.tokenizer.Tokenizer` for a model with `n_vocab` rows."""
+    """The GGUF fields of a `lmforge.data.text.tokenizer.Tokenizer` for a model with `n_vocab` rows."""
     spec = json.loads(tokenizer.to_json())
     where = f"tokenizer {tokenizer.path or ''}".rstrip()
     model = spec.get("model") or {}

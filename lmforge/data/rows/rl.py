@@ -31,7 +31,7 @@ import torch
 from lmforge.config.schema import RL_TASK
 from lmforge.data.batch import IGNORE, Batch, EvalSet, StreamLayout
 from lmforge.data.chat import ASSISTANT_HEADER, CHAT_TEMPLATE, render_chat
-from lmforge.data.sft import ROLES, json_rows
+from lmforge.data.rows.sft import ROLES, json_rows
 from lmforge.errors import UserError
 
 PROMPT_ROWS = "prompt (or messages) rows"

@@ -30,7 +30,7 @@ import torch
 from lmforge.data.batch import Batch, EvalSet, StreamLayout
 from lmforge.data.chat import CHAT_TEMPLATE, render_chat
 from lmforge.errors import UserError, json_error, json_kind
-from lmforge.layout import DATASET_MARKER
+from lmforge.run_files import DATASET_MARKER
 
 ROLES = ("system", "user", "assistant")
 

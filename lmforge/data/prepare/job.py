@@ -37,10 +37,10 @@ from lmforge.data.curate import crossdedup
 from lmforge.data.curate.crossdedup import DedupPlan
 from lmforge.data.curate.curator import Accounting
 from lmforge.data.curate.pipeline import ChunkPool
-from lmforge.data import packing
-from lmforge.data.packing import Packer
-from lmforge.data.sources import SourceStats
-from lmforge.data.units import Unit, unit_documents
+from lmforge.data.prepare import packing
+from lmforge.data.prepare.packing import Packer
+from lmforge.data.text.sources import SourceStats
+from lmforge.data.prepare.units import Unit, unit_documents
 from lmforge.errors import UserError
 
 WORK = "work"  # DEST/work: the job's plan, markers, dedup files and logs; removed when the job is done

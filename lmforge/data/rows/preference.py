@@ -36,7 +36,7 @@ import torch
 
 from lmforge.config.schema import PREFERENCE_TASK
 from lmforge.data.batch import IGNORE, Batch
-from lmforge.data.sft import SFTData, json_rows, packing_note, row_segments, tokenize_example
+from lmforge.data.rows.sft import SFTData, json_rows, packing_note, row_segments, tokenize_example
 from lmforge.errors import UserError, json_kind
 
 ROW_FIELDS = "prompt / chosen / rejected"

@@ -26,7 +26,7 @@ STATE_FILE = "lmforge-state.json"  # a checkpoint's JSON state, written last: it
 RUN_FILE = "run.json"  # a save folder's run identity and resolved config
 MODEL_CONFIG_FILE = "lmforge-model.json"  # an exported model's shape (`models.io`)
 DATASET_MARKER = "lmforge-dataset.json"  # a prepared dataset's summary, written last (`data.prepare`)
-DEDUP_MARKER = "curation.json"  # a `data dedup` output's summary, written last (`data.curate.documents`)
+DEDUP_MARKER = "curation.json"  # a `data dedup` output's summary, written last (`data.prepare.dedup`)
 TOKENIZER_MARKER = "lmforge-tokenizer.json"  # in a folder `tokenizer train` (or a run's tokenizer: train) wrote
 # What `data.tokenizer.Tokenizer.save` writes: a folder of only these (with tokenizer.json) is a
 # tokenizer lmforge wrote before it marked its tokenizers (`guard`).

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from lmforge.data.sources import Source, SourceStats, UnreadableInput, read_source, splittable
+from lmforge.data.text.sources import Source, SourceStats, UnreadableInput, read_source, splittable
 from lmforge.errors import UserError
 
 # 256 MiB of input per unit: ~60M tokens, so the partial samples lost at unit ends are a few in a

@@ -25,7 +25,7 @@ BINS = 30
 
 
 def _raw_documents(inputs: list[str], text_field: str, max_docs: int | None):
-    from lmforge.data.sources import SourceStats, list_files, no_documents_message, read_source
+    from lmforge.data.text.sources import SourceStats, list_files, no_documents_message, read_source
 
     stats = SourceStats()
     docs = []
@@ -46,8 +46,8 @@ def _prepared_documents(path: str, max_docs: int | None):
     import tempfile
 
     from lmforge.data.mds import MDSReader
-    from lmforge.data.prepare import read_summary
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.data.prepare.prepare import read_summary
+    from lmforge.data.text.tokenizer import load_tokenizer
 
     summary = read_summary(path)
     tok_info = summary.get("tokenizer") or {}
@@ -115,7 +115,7 @@ def _languages(texts: list[str]) -> tuple[dict, int]:
 
 def corpus_stats(sources: list[str] | str, *, tokenizer: str | None = None, text_field: str = "text",
                  max_docs: int | None = None) -> dict:
-    from lmforge.data.prepared import is_prepared
+    from lmforge.data.prepare.prepared import is_prepared
 
     sources = [sources] if isinstance(sources, str) else list(sources)
     if max_docs is not None and max_docs < 1:
@@ -140,7 +140,7 @@ def corpus_stats(sources: list[str] | str, *, tokenizer: str | None = None, text
         nbytes = np.array([len(t.encode("utf-8", "replace")) for t in texts], np.int64)
         out |= {"kind": "raw", "documents": len(texts), "bytes": int(nbytes.sum())}
         if tokenizer:
-            from lmforge.data.tokenizer import load_tokenizer
+            from lmforge.data.text.tokenizer import load_tokenizer
 
             tok = load_tokenizer(tokenizer)
             lengths = np.array([len(e.ids) + 1 for e in tok.backend.encode_batch(texts)], np.int64)  # + EOS

@@ -191,7 +191,7 @@ def list_files(inputs: list[str] | str, stats: SourceStats | None = None) -> lis
     for inp in inputs:
         inp = str(inp)
         if inp.startswith("builtin:"):
-            from lmforge.data.builtin import BUILTIN_CORPORA
+            from lmforge.data.text.builtin import BUILTIN_CORPORA
 
             if inp[len("builtin:") :] not in BUILTIN_CORPORA:
                 raise UserError(
@@ -495,7 +495,7 @@ def _read_hf(src: Source, text_field: str, stats: SourceStats | None) -> Iterato
 
 
 def _read_builtin(src: Source, stats: SourceStats | None) -> Iterator[str]:
-    from lmforge.data.builtin import iter_builtin
+    from lmforge.data.text.builtin import iter_builtin
 
     for where, content in iter_builtin(src.uri[len("builtin:") :]):
         text = decode_utf8(content, where, stats) if isinstance(content, bytes) else content

@@ -7,7 +7,7 @@ import os
 
 from lmforge.data import remote
 from lmforge.data.pieces import epoch_tokens
-from lmforge.data.prepare import MARKER, read_summary, summary_seq_len
+from lmforge.data.prepare.prepare import MARKER, read_summary, summary_seq_len
 from lmforge.errors import UserError
 
 SUMMARY_FILE = MARKER  # the done-marker `data prepare` writes last
@@ -26,7 +26,7 @@ def exists_at(path: str) -> bool:
 def is_prepared(path: str) -> bool:
     """A prepared dataset (ours, with its marker, or any MDS folder); a `data prepare` / `data dedup`
     that has not written its marker yet (a kill before it) is refused, never half-read."""
-    from lmforge.data.dest import unfinished
+    from lmforge.data.prepare.dest import unfinished
 
     if exists_at(join(path, SUMMARY_FILE)):
         return True

@@ -14,7 +14,7 @@ import os
 
 from multiprocess import util
 
-from lmforge.data.runner import ANNOUNCE, RUNNER
+from lmforge.data.prepare.runner import ANNOUNCE, RUNNER
 from lmforge.process import die_with_parent, process_start
 
 _SERVER = os.getpid()

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 from lmforge.data import remote
-from lmforge.data.job import BadInput, Job, Stage, StageTask, TaskDied, WorkDir, run_items
+from lmforge.data.prepare.job import BadInput, Job, Stage, StageTask, TaskDied, WorkDir, run_items
 from lmforge.errors import UserError
 from lmforge.process import kill_tree
 
@@ -195,7 +195,7 @@ def _run_in_runner(job: Job, stages: list[Stage], spec: ExecutorSpec) -> int:
             pickle.dump((job, stages, spec), f)
         with open(log, "ab") as log_file:
             # Its own session: a Ctrl-C at the terminal reaches this process, which takes the tree down.
-            proc = subprocess.Popen([sys.executable, "-c", "import sys; from lmforge.data.runner import main; "
+            proc = subprocess.Popen([sys.executable, "-c", "import sys; from lmforge.data.prepare.runner import main; "
                                      "main(*sys.argv[1:])", payload, result],
                                     stdin=subprocess.PIPE, stdout=log_file, stderr=log_file, start_new_session=True)
         try:

@@ -2,7 +2,7 @@
 
 Layout of ``DEST``: ``documents.jsonl`` (one ``{"text": ...}`` per kept document, in input
 order) and ``curation.json`` (inputs, settings, the summary; written last, it marks the output
-complete). It runs as a job of work units like `data prepare` (``lmforge.data.job``: in this
+complete). It runs as a job of work units like `data prepare` (``lmforge.data.prepare.job``: in this
 process, or as tasks on datatrove's executors): each unit writes its kept documents to
 ``DEST/work/parts/U.jsonl``, and the last step joins the parts in order into
 ``documents.jsonl``. An interrupted run is finished by the same command; a re-run of a finished
@@ -17,12 +17,13 @@ import shutil
 import time
 from pathlib import Path
 
-from lmforge.data import dest, remote
+from lmforge.data import remote
+from lmforge.data.prepare import dest
 from lmforge.data.curate import resolve_curation
-from lmforge.data.executors import ExecutorSpec, JobRun, check_executor
-from lmforge.data.job import Job, WorkDir, source_stats, source_summary, unit_markers
-from lmforge.data.sources import SourceStats, list_files, no_documents_message
-from lmforge.data.units import DEFAULT_UNIT_BYTES, check_on_bad_input
+from lmforge.data.prepare.executors import ExecutorSpec, JobRun, check_executor
+from lmforge.data.prepare.job import Job, WorkDir, source_stats, source_summary, unit_markers
+from lmforge.data.text.sources import SourceStats, list_files, no_documents_message
+from lmforge.data.prepare.units import DEFAULT_UNIT_BYTES, check_on_bad_input
 from lmforge.errors import UserError
 from lmforge.guard import check_output, check_target
 
@@ -32,7 +33,7 @@ MARKER = "curation.json"
 def curate_to_jsonl(inputs: list[str] | str, out: str, curate, *, workers: int = 1, text_field: str = "text",
                     overwrite: bool = False, removed_out: str | None = None, executor: ExecutorSpec | None = None,
                     unit_bytes: int = DEFAULT_UNIT_BYTES, progress: bool = False, on_bad_input: str = "skip") -> dict:
-    from lmforge.data.prepare import input_fingerprint
+    from lmforge.data.prepare.prepare import input_fingerprint
 
     inputs = [inputs] if isinstance(inputs, str) else [str(i) for i in inputs]
     if not isinstance(workers, int) or workers < 1:

@@ -46,7 +46,7 @@ def extend_tokenizer(base_dir: str, inputs: list[str], vocab_size: int, out_dir:
     """Write the extended tokenizer folder to `out_dir`; returns the loaded `Tokenizer`."""
     from tokenizers import Tokenizer as Backend
 
-    from lmforge.data.tokenizer import DEFAULT_MAX_TRAIN_BYTES, _sampled_documents, load_tokenizer
+    from lmforge.data.text.tokenizer import DEFAULT_MAX_TRAIN_BYTES, _sampled_documents, load_tokenizer
 
     path = os.path.join(base_dir, "tokenizer.json")
     if not os.path.isfile(path):

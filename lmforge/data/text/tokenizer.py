@@ -200,7 +200,7 @@ def _sampled_documents(inputs: list[str], text_field: str, max_bytes: int) -> It
     at the rate budget/size, so the sample spreads over all files (not just the first ones) and
     is the same on every run.
     """
-    from lmforge.data.sources import SourceStats, iter_documents, list_files
+    from lmforge.data.text.sources import SourceStats, iter_documents, list_files
 
     sizes = [s.size for s in list_files(inputs)]
     total = sum(s for s in sizes if s) if all(s is not None for s in sizes) else None

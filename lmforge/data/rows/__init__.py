@@ -1,0 +1,1 @@
+"""Fine-tuning rows: SFT conversations, preference pairs, RL prompts with their reward fields."""

@@ -1,0 +1,1 @@
+"""Raw text in: sources (local files, globs, remote objects), the built-in corpus, the tokenizer and its vocabulary extension."""
