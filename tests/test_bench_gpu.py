@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import time
@@ -71,7 +72,9 @@ def test_the_headline_configs_run_at_toy_size():
         r = rows[name]
         assert r["tokens_per_s"] > 0 and r["mb"] == 2 and r["accum"] == 2 and r["model_gb"] > 0
         assert r["choice"].startswith("parameters.micro_batch_size: auto → ")
-        assert r["ac"] in ("none", "selective", "every 2", "full")
+        # a mode, or a granularity over a range of blocks (`plan.activations`: "selective first-2")
+        assert re.fullmatch(r"none|full|selective|every \d+|(block|attention|mlp|experts|selective) "
+                            r"(all|first-\d+|range\(\d+,\d+\))", r["ac"]), r["ac"]
     assert "8 × h100-sxm" in rows["8b-slice-bf16"]["choice"]  # chosen for the whole llama-8b on 8 GPUs
     assert rows["moe-stack"]["tokens_per_s"] > 0 and rows["moe-twin"]["tokens_per_s"] > 0
     assert all(rows[n]["error"] == "needs CUDA" for n in names if "fp8" in n)

@@ -214,7 +214,7 @@ def test_resume_inside_phase_two_continues_bitwise(tmp_path, tiny_data, second_d
     adds is the stream position, which travels in the checkpoint.)"""
     lines, rec = [], Recorder()
     ref = trainer_for(tiny_data, tmp_path / "ref", second_dataset, lines, rec)
-    assert ref.plan.phase_steps == [5] and ref.data.phases[0].end_sample == 5 * 8
+    assert ref.plan.phase_steps == (5,) and ref.data.phases[0].end_sample == 5 * 8
     ref.fit()
     assert "data: phase 1/2: a 80%, b 20% from step 0" in lines
     assert "data: phase 2/2: a 10%, b 90% from step 5" in lines

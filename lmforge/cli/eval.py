@@ -102,8 +102,11 @@ def _print_tables(results: dict, scores: dict | None, tasks) -> None:
     table = Table(title="In-context learning", caption=caption)
     columns = [("task", "left"), ("shots", "right"), ("type", "left"), ("accuracy", "right")]
     columns += [("acc (lm-eval)", "right"), ("acc_norm (lm-eval)", "right")] if lm_eval else []
+    # names are what a reader looks up: never cut ("multiple_ch…"); the numbers' headers wrap instead
+    widest = {"task": max(map(len, (k.rsplit("/", 1)[0] for k in results)), default=4),
+              "type": max(map(len, types.values()), default=4)}
     for col, justify in columns + [("n", "right")] + ([("calibration error", "right")] if ece else []):
-        table.add_column(col, justify=justify)
+        table.add_column(col, justify=justify, no_wrap=col in widest, min_width=widest.get(col))
 
     def rules_of(r: dict) -> list[str]:
         return [f"{r[k]:.4f}" if k in r else "" for k in ("acc", "acc_norm")] if lm_eval else []

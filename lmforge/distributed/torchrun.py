@@ -154,7 +154,7 @@ def needs_launch(cfg) -> int | None:
 
 class _QuietShutdown(logging.Filter):
     """Drops torchrun's warnings that it is stopping its workers ("Received 15 death signal",
-    "Sending process … closing signal SIGTERM"): a stop, or the rank's own one-line error, has
+    "Sending process … closing signal SIGTERM", "Closing process … via signal SIGTERM"): a stop, or the rank's own one-line error, has
     already said why; its other warnings (restarts, failures) pass — but not its error line about
     a rank that failed (its exit code) when that rank reported a final failure (``status_file``),
     whose own line says what was wrong."""
@@ -165,7 +165,8 @@ class _QuietShutdown(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        if "death signal" in msg or "closing signal" in msg or "Terminating process" in msg:
+        if "death signal" in msg or "closing signal" in msg or "Terminating process" in msg or (
+                msg.startswith("Closing process") and "via signal" in msg):  # its processes' context
             return False
         if m := _WORKER_FAILED.search(msg):  # one line per rank that failed: no traceback of torchrun's own
             record.exc_info, record.exc_text = None, None

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import UserError
+from lmforge.frozen import thaw
 from lmforge.tasks.yaml_lines import at, load_yaml
 
 WEIGHTINGS = ("EQUAL", "SAMPLE_SZ", "LOG_SAMPLE_SZ")
@@ -88,6 +89,8 @@ def parse_gauntlet(doc: Any, where: str = "eval.gauntlet", source: str | None = 
     def loc(node: Any, key: Any = None) -> str:
         return at(source, node, key) or where
 
+    if source is None:  # a resolved run's gauntlet is frozen: read it as the YAML a file gives
+        doc = thaw(doc)
     if not isinstance(doc, dict):
         raise UserError(f"{where}: expected a mapping with `categories:` (optionally under `eval_gauntlet:`)")
     _no_unknown(doc, _TOP_KEYS, loc, "")

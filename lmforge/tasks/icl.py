@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import UserError, json_kind
+from lmforge.frozen import thaw
 from lmforge.tasks.yaml_lines import at, load_yaml
 
 LANGUAGE_MODELING = "language_modeling"
@@ -125,7 +126,8 @@ def load_tasks(path_or_list: str | Path | list | dict, data_root: str | Path | N
         doc = load_yaml(path, "tasks")
         source, where, base_dir = str(path), str(path), path.parent
     else:
-        doc, source, where, base_dir = path_or_list, None, "eval.icl_tasks", Path.cwd()
+        # a resolved run's tasks are frozen (tuples, FrozenDict): read back as the YAML a file would give
+        doc, source, where, base_dir = thaw(path_or_list), None, "eval.icl_tasks", Path.cwd()
     entries = doc.get("icl_tasks") if isinstance(doc, dict) else doc
     if not isinstance(entries, list) or not entries:
         raise UserError(f"{where}: expected a non-empty list of tasks (or a mapping with `icl_tasks:`)")
