@@ -19,6 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # so test files can `import s3server`
 
 from s3server import S3Server, weed_binary  # noqa: E402
+from train_helpers import set_dotted  # noqa: E402
 
 
 def pytest_sessionstart(session):
@@ -26,7 +27,7 @@ def pytest_sessionstart(session):
     spends (`_unit_tests_take_under_a_second`), not by the imports an earlier test happened to pay for."""
     import importlib
 
-    for name in ("lmforge.models", "lmforge.models.lora", "lmforge.train.trainer", "lmforge.runs.job",
+    for name in ("lmforge.models.transformer", "lmforge.models.generate", "lmforge.models.io", "lmforge.models.lora", "lmforge.train.trainer", "lmforge.runs.job",
                  "lmforge.cli.main", "lmforge.report.html", "lmforge.plan.estimate"):
         importlib.import_module(name)
     from lmforge.cli.main import build_parser
@@ -188,12 +189,7 @@ def tiny_run_config(data: TinyData, save_folder: Path, **overrides) -> dict:
         "experiment_tracker": {"mlflow": None, "console": True},
         "log_interval": 1,
     }
-    for key, value in overrides.items():
-        node = cfg
-        *parents, last = key.split(".")
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[last] = value
+    set_dotted(cfg, overrides)
     return cfg
 
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from conftest import SHARED, tiny_run_config
-from train_helpers import assert_one_line_error, cli, lmforge, write_config
+from train_helpers import assert_one_line_error, cli, lmforge, set_dotted, write_config
 
 SHAKESPEARE = SHARED / "corpora" / "tinyshakespeare.txt"
 
@@ -64,12 +64,7 @@ class World:
 
     def config(self, **changes) -> dict:
         cfg = json.loads(json.dumps(self.cfg))
-        for key, value in changes.items():
-            node = cfg
-            *parents, last = key.split(".")
-            for k in parents:
-                node = node.setdefault(k, {})
-            node[last] = value
+        set_dotted(cfg, changes)
         return cfg
 
 

@@ -15,7 +15,7 @@ from lmforge.data.pieces import epoch_pieces, epoch_tokens, pieces_per_sample, s
 from lmforge.plan.batch import training_context
 from lmforge.data.stream.tokens import DatasetSpec, TokenStream
 from lmforge.errors import UserError
-from lmforge.plan.layout import Layout
+from train_helpers import stream_sizes
 
 SEQ = 8
 
@@ -31,15 +31,7 @@ def unique_dataset(root: Path, n: int, length: int, offset: int = 0) -> str:
 def stream(specs, tmp_path, **kw) -> TokenStream:
     kw = {"seq_len": SEQ, "micro_batch_size": 2, "global_batch_size": 8, "seed": 5,
           "cache_dir": str(tmp_path / "cache")} | kw
-    return TokenStream(specs, **split(kw))
-
-
-def split(kw: dict) -> dict:
-    """The stream's layout from the sizes a test names (as the planner would make it)."""
-    kw = dict(kw)
-    layout = Layout(ranks=kw.pop("world_size", 1), global_batch=kw.pop("global_batch_size"),
-                    micro_batch=kw.pop("micro_batch_size"))
-    return kw | {"layout": layout}
+    return TokenStream(specs, **stream_sizes(kw))
 
 
 def rows(s: TokenStream, micro_batches: int) -> list[torch.Tensor]:

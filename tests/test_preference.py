@@ -24,8 +24,8 @@ from lmforge.data.text.tokenizer import load_tokenizer
 from lmforge.distributed.dist import DistInfo
 from lmforge.models import build_model, save_pretrained
 from lmforge.models.preference_loss import PairLogps, pair_terms
-from train_helpers import (assert_one_line_error, cli, final_weights, lmforge, metrics, train_in_process,
-                           train_losses, write_config)
+from train_helpers import (assert_one_line_error, cli, final_weights, lmforge, metrics, set_dotted,
+                           train_in_process, train_losses, write_config)
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -87,12 +87,7 @@ def pref_config(tmp_path, weights, name="dpo", **extra) -> dict:
            "eval": {"data_path": str(write_jsonl(tmp_path / "val.jsonl", held)), "interval": "10ba",
                     "max_batches": 20, "prompts": []},
            "experiment_tracker": {"mlflow": None, "console": True}}
-    for key, value in extra.items():
-        node = cfg
-        *parents, last = key.split(".")
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[last] = value
+    set_dotted(cfg, extra)
     return cfg
 
 

@@ -25,8 +25,8 @@ from lmforge.models.generate import filter_logits, sample
 from lmforge.models.policy_loss import aggregate, group_advantages, policy_terms, row_units
 from lmforge.rewards.answers import final_answer, same_answer
 from lmforge.rewards.functions import RewardError, check_columns, load_rewards, score, weighted_total
-from train_helpers import (assert_one_line_error, cli, final_weights, lmforge, metrics, train_in_process,
-                           write_config)
+from train_helpers import (assert_one_line_error, cli, final_weights, lmforge, metrics, set_dotted,
+                           train_in_process, write_config)
 
 SMALL = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64, vocab_size=512)
 
@@ -448,12 +448,7 @@ def rl_config(tmp_path, weights, name="rl", **extra) -> dict:
                           "context_length": 32, "warmup": "1ba", "precision": "fp32"},
            "eval": {"data_path": str(write_jsonl(tmp_path / "val.jsonl", rows[18:])), "interval": "2ba"},
            "experiment_tracker": {"mlflow": None, "console": True}}
-    for key, value in extra.items():
-        node = cfg
-        *parents, last = key.split(".")
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[last] = value
+    set_dotted(cfg, extra)
     return cfg
 
 

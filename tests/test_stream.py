@@ -15,7 +15,7 @@ from lmforge.data.batch import IGNORE, Batch, BatchStream
 from lmforge.data.mds import MDSWriter
 from lmforge.data.stream.tokens import DatasetSpec, TokenStream, open_dataset
 from lmforge.errors import UserError
-from lmforge.plan.layout import Layout
+from train_helpers import stream_sizes
 
 SEQ = 8
 
@@ -52,15 +52,7 @@ def same(got: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
 def stream(path, tmp_path, **kw) -> TokenStream:
     kw = {"seq_len": SEQ, "micro_batch_size": 2, "global_batch_size": 8, "seed": 3,
           "cache_dir": str(tmp_path / "cache")} | kw
-    return TokenStream(path, **split(kw))
-
-
-def split(kw: dict) -> dict:
-    """The stream's layout from the sizes a test names (as the planner would make it)."""
-    kw = dict(kw)
-    layout = Layout(ranks=kw.pop("world_size", 1), global_batch=kw.pop("global_batch_size"),
-                    micro_batch=kw.pop("micro_batch_size"))
-    return kw | {"layout": layout}
+    return TokenStream(path, **stream_sizes(kw))
 
 
 def test_batches_shape_and_truncation(ds, tmp_path):

@@ -27,6 +27,28 @@ def write_config(path: Path, cfg: dict) -> Path:
     return path
 
 
+def set_dotted(cfg: dict, changes: dict) -> dict:
+    """``cfg`` with each ``"a.b.c": value`` of ``changes`` set at that path (the parents made); returns it."""
+    for key, value in changes.items():
+        node = cfg
+        *parents, last = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return cfg
+
+
+def stream_sizes(kw: dict) -> dict:
+    """A token stream's keyword arguments with the sizes a test names (``world_size``,
+    ``global_batch_size``, ``micro_batch_size``) made into the layout the planner would make."""
+    from lmforge.plan.layout import Layout
+
+    kw = dict(kw)
+    layout = Layout(ranks=kw.pop("world_size", 1), global_batch=kw.pop("global_batch_size"),
+                    micro_batch=kw.pop("micro_batch_size"))
+    return kw | {"layout": layout}
+
+
 def env(**extra) -> dict:
     # One thread per process: tiny models gain nothing from more, and test processes never
     # fight over the two cores (also makes every run's float reductions identical).
