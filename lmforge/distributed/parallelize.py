@@ -127,11 +127,19 @@ class Meshes:
     ep: object | None = None  # 1-D DeviceMesh: the ranks one layer's experts are split over
 
 
+def mesh_dims(layout: Layout) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A sharded layout's dense mesh, names and sizes outermost first: ``(shard,)`` for fsdp (every
+    rank, context-parallel ones included), ``(replicate, shard)`` for hsdp. Their product is the
+    layout's ranks."""
+    if layout.data_parallel == "hsdp":
+        return ("replicate", "shard"), (layout.replicate, layout.shard_group)
+    return ("shard",), (layout.shard_group,)
+
+
 def build_meshes(layout: Layout, dist: DistInfo) -> Meshes:
     ensure_process_group(dist)
-    shard = layout.shard_group
-    names, sizes = (("replicate", "shard"), (layout.replicate, shard)) if layout.data_parallel == "hsdp" \
-        else (("shard",), (shard,))
+    names, sizes = mesh_dims(layout)
+    shard = sizes[-1]
     dense = init_device_mesh(dist.device.type, sizes, mesh_dim_names=names)
     ep = layout.expert_parallel
     if ep == 1:

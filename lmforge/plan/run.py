@@ -182,6 +182,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     choice = micro_batch_and_checkpointing(cfg, ctx, gbs, machine, precision)
     group = group_size(cfg)
     check_batch_split(gbs, choice.micro_batch, machine.world_size, c.context_parallel, group)
+    layout = run_layout(cfg, machine, global_batch=gbs, micro_batch=choice.micro_batch, precision=precision)
 
     def steps(d: Duration, what: str) -> int | None:
         return _steps(d, what, gbs=gbs, ctx=ctx, samples_per_epoch=samples_per_epoch, flops_per_token=fpt,
@@ -190,8 +191,8 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     total = steps(cfg.training_duration, "training_duration")
     time_limit = cfg.training_duration.value if cfg.training_duration.unit == "s" else None
     rate = expected_rate(cfg, ctx, choice.micro_batch, machine, precision)
-    rows = gbs * group  # the rows of a step (task_type rl: every completion's)
-    comm = step_communication(cfg, machine, gbs=gbs, micro=choice.micro_batch, ctx=ctx, precision=precision,
+    rows = layout.sequences  # the rows of a step (task_type rl: every completion's)
+    comm = step_communication(cfg, machine, layout, ctx=ctx, precision=precision,
                               checkpointing=choice.checkpointing, compute_s=rows * ctx / rate.tokens_per_s)
     step_s = rows * ctx / rate.tokens_per_s + comm.exposed_s
     if time_limit is not None and rows * ctx / rate.fastest_tokens_per_s >= time_limit:
@@ -205,8 +206,7 @@ def make_plan(cfg: RunConfig, machine: Machine, *, samples_per_epoch: int | None
     schedule = make_schedule(cfg, total, time_limit, step_s, lambda d: steps(d, "parameters.warmup"))
     warmup = int(schedule.warmup if schedule.warmup_unit == "steps" else math.ceil(schedule.warmup / step_s))
     plan = TrainPlan(
-        context_length=ctx, layout=run_layout(cfg, machine, global_batch=gbs, micro_batch=choice.micro_batch,
-                                              precision=precision),
+        context_length=ctx, layout=layout,
         total_steps=total, time_limit_s=time_limit,
         warmup_steps=warmup,
         learning_rate=p.learning_rate or task_learning_rate(counts["non_embedding"], cfg.task_type, cfg.lora is not None,
@@ -301,17 +301,16 @@ class StepCommunication:
                 ", communication hidden behind compute")
 
 
-def step_communication(cfg: RunConfig, machine: Machine, *, gbs: int, micro: int, ctx: int, precision: str,
+def step_communication(cfg: RunConfig, machine: Machine, layout: Layout, *, ctx: int, precision: str,
                        checkpointing, compute_s: float) -> StepCommunication:
-    """The collectives of one step on ``machine`` (GPUs: a CPU's gloo traffic shares the measured rate's
-    cores) and what of them is added to its ``compute_s``."""
+    """The collectives of one step of ``layout`` on ``machine`` (GPUs: a CPU's gloo traffic shares the
+    measured rate's cores) and what of them is added to its ``compute_s``."""
     c = cfg.compute
-    if machine.device != "cuda" or machine.world_size <= 1:
+    if machine.device != "cuda" or layout.ranks <= 1:
         return StepCommunication(compute_s=compute_s)
-    reps = replicas(machine.world_size, c.context_parallel)
     collectives = tuple(step_collectives(
-        cfg.model, run_sharding(cfg, machine), nodes=c.nodes, micro_batch=micro, grad_accum=gbs // (micro * reps),
-        seq_len=ctx, context_parallel=c.context_parallel, precision=mfu_basis(precision),
+        cfg.model, layout.sharding, nodes=layout.nodes, micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
+        seq_len=ctx, context_parallel=layout.context_parallel, precision=mfu_basis(precision),
         reshard_after_forward=c.reshard_after_forward, full_recompute=checkpointing in (True, "full")))
     return StepCommunication(collectives, compute_s, exposed_seconds(list(collectives), machine.spec, compute_s))
 
