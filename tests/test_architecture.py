@@ -27,6 +27,7 @@ Reads the import statements (module level and inside functions) with `ast`; runs
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -84,10 +85,23 @@ TORCH_FREE = ["lmforge.cli.main", "lmforge.cli.estimate", "lmforge.run_files", "
               "lmforge.rewards.functions", "lmforge.rewards.answers"]
 
 
+@functools.cache
+def nodes_of(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of a file's syntax tree (``ast.walk`` order), parsed once for all the tests here."""
+    return tuple(ast.walk(ast.parse(path.read_text(), str(path))))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _parsed_once():
+    """The package parsed before the first test times itself: each test reads the same trees."""
+    for path in PKG.rglob("*.py"):
+        nodes_of(path)
+    module_graph()
+
+
 def imports_of(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), str(path))
     found = set()
-    for node in ast.walk(tree):
+    for node in nodes_of(path):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -110,7 +124,7 @@ def module_imports(path: Path, modules: set[str]) -> set[str]:
     """The lmforge modules ``path`` imports: `from a.b import c` is a.b.c where that is a module
     (a submodule taken from its package), else a.b."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in nodes_of(path):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -125,6 +139,7 @@ def module_imports(path: Path, modules: set[str]) -> set[str]:
     return out
 
 
+@functools.cache
 def module_graph() -> dict[str, set[str]]:
     """lmforge module → the lmforge modules it imports."""
     paths = sorted(PKG.rglob("*.py"))
@@ -235,6 +250,7 @@ def test_no_package_circles():
     assert not found, "\n".join(" ↔ ".join(c) for c in found)
 
 
+@pytest.mark.integration  # a fresh interpreter importing the whole rules layer: about a CPU second
 def test_the_rules_layer_loads_without_torch():
     code = "import sys\n" + "".join(f"import {m}\n" for m in TORCH_FREE) + \
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
@@ -259,7 +275,7 @@ def test_one_function_resolves_a_run():
 def test_no_function_is_longer_than_80_lines():
     long = []
     for path in sorted(PKG.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in nodes_of(path):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
                 if n > 80:
@@ -286,7 +302,7 @@ def test_the_trainer_takes_its_parts_from_the_builder():
                 "lmforge.plan.hardware.detect_device_spec", "lmforge.plan.hardware.peak_flops")
     assert not any(m.startswith(building) for m in mods), sorted(m for m in mods if m.startswith(building))
     assert "lmforge.train.parts.TrainingParts" in mods
-    init = next(n for n in ast.walk(ast.parse((PKG / "train" / "trainer.py").read_text()))
+    init = next(n for n in nodes_of(PKG / "train" / "trainer.py")
                 if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     calls = {c.func.id for c in ast.walk(init) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)} - {"bool"}
     assert not calls, f"Trainer.__init__ constructs {sorted(calls)}: build it in train.build"
@@ -313,13 +329,12 @@ def test_only_the_planner_reads_the_layout_from_the_config():
         rel = path.relative_to(PKG)
         if rel.parts[0] in PLANNING:
             continue
-        tree = ast.parse(path.read_text())
         aliases = {section: {"compute" if section == "compute" else "parameters"} for section in LAYOUT_KEYS}
-        for node in ast.walk(tree):  # `c = cfg.compute` / `p = cfg.parameters`: an alias of the section
+        for node in nodes_of(path):  # `c = cfg.compute` / `p = cfg.parameters`: an alias of the section
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and \
                     node.value.attr in LAYOUT_KEYS:
                 aliases[node.value.attr] |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-        for node in ast.walk(tree):
+        for node in nodes_of(path):
             if not isinstance(node, ast.Attribute):
                 continue
             for section, keys in LAYOUT_KEYS.items():
