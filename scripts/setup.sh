@@ -37,3 +37,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   echo "$want" > "$stamp"
 fi
+# The package is installed editable: its own sources are not in site-packages, so the install above
+# compiled none of them. Where PYTHONDONTWRITEBYTECODE is set, every lmforge process (a run, its
+# supervisor, each torchrun rank, each CLI call) would compile them again: ~0.4 CPU s per training
+# process (BENCHMARKS.md). Compiled once here (seconds); an edited file is compiled again in memory.
+python -m compileall -q -j 0 lmforge tests bench examples >/dev/null || true
