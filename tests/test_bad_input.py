@@ -804,6 +804,21 @@ def test_bad_data_on_two_ranks_is_one_line(world, tmp_path, flags):
 
 
 @pytest.mark.e2e
+def test_a_bad_fine_tuning_row_on_two_ranks_is_said_once(world, tmp_path):
+    """Every rank reads the fine-tuning rows: rank 0 reads them first, and the other stops with its
+    error instead of saying the same line again (before: the line twice, once per rank)."""
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a"}\n')
+    proc = lmforge("finetune", "-f", world.cfg_path, "--train-data", tmp_path / "rows.jsonl", "--weights",
+                   world.run / "final", "--save-folder", tmp_path / "ft", "--no-supervisor",
+                   "--set", "compute.ranks=2", "--set", "parameters.micro_batch_size=1")
+    out = proc.stdout + proc.stderr
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, out[-3000:]
+    assert "rows.jsonl:2" in errors[0] and "'response'" in errors[0], errors
+    assert "Traceback" not in out and not (tmp_path / "ft" / "checkpoints").exists()
+
+
+@pytest.mark.e2e
 def test_bad_data_on_two_nodes_is_one_line_on_each(world, tmp_path):
     """Two nodes (two `lmforge train --node-rank` on this machine, one rank each): rank 0 finds the
     bad data, and each node — wherever rank 0 landed — prints its one line and exits 2 at once.

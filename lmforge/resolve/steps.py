@@ -244,7 +244,11 @@ def _finetune(cfg: RunConfig, machine: Machine, until: Stage, log) -> ResolvedRu
         return ResolvedRun(resolved_config(cfg, plan), plan, tokenizer=tokenizer)
     log(f"chat template: {'the tokenizer’s own' if template else 'lmforge’s plain one (the tokenizer has none)'}")
     check_rl(cfg, seq_len, machine.device)  # (before the prompts are cut to fit beside max_new_tokens)
-    data = _rows(cfg, tokenizer, template, seq_len, log)
+    # Rank 0 reads (and checks) the rows first: a bad row is its one line, and the other ranks stop
+    # with it instead of each saying the same line again; they then read the same rows quietly.
+    read: list[SFTData | PreferenceData | RLData] = []
+    machine.probe.on_main(lambda: read.append(_rows(cfg, tokenizer, template, seq_len, log)))
+    data = read[0] if read else _rows(cfg, tokenizer, template, seq_len, lambda *_: None)
     samples = len(data.prompts) if cfg.task_type == RL_TASK else len(data.rows)
     plan = machine.probe.on_main(lambda: make_plan(cfg, machine, samples_per_epoch=samples, data_seq_len=seq_len))
     for line in said_lines(plan):
