@@ -36,6 +36,7 @@ def test_a_dense_block_traces_as_one_graph(model):
     assert _explain(model.blocks[0], h, model.rope_cos[:32], model.rope_sin[:32]) == (1, 0, [])
 
 
+@pytest.mark.integration  # dynamo traces it: the first trace in a process pays dynamo's start-up
 def test_the_norm_head_and_loss_trace_as_one_graph(model):
     """The chunked loss is an autograd.Function with a Python loop over chunks: dynamo unrolls it."""
     ids = torch.randint(0, CFG.vocab_size, (2, 32))
@@ -44,6 +45,7 @@ def test_the_norm_head_and_loss_trace_as_one_graph(model):
     assert _explain(model.head_loss, h, targets) == (1, 0, [])
 
 
+@pytest.mark.integration  # dynamo traces it: the first trace in a process pays dynamo's start-up
 def test_the_per_token_head_of_preference_tuning_traces_as_one_graph(model):
     """Preference losses need each target's log-probability: `head_logprobs` (norm, head, chunked
     log-softmax with its recomputing backward) is one compiled unit too, not an eager tail."""
@@ -54,6 +56,7 @@ def test_the_per_token_head_of_preference_tuning_traces_as_one_graph(model):
     assert _explain(model.head_logprobs, h, targets) == (1, 0, [])
 
 
+@pytest.mark.integration  # dynamo traces it: the first trace in a process pays dynamo's start-up
 def test_a_block_with_a_document_block_mask_traces_as_one_graph(model):
     """The FlexAttention path (packed documents on CUDA), traced forward-only here: the CPU has
     no FlexAttention backward."""
