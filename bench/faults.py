@@ -47,7 +47,7 @@ from pathlib import Path
 import yaml
 from safetensors.torch import load_file
 
-from lmforge.process import descendants, process_alive, process_start
+from lmforge.process import descendants, parent_of, process_alive, process_start
 
 REPO = Path(__file__).resolve().parent.parent
 VICTIMS = ("trainer", "supervisor")
@@ -139,7 +139,7 @@ def wait_for(pred, timeout: float, what: str, proc=None) -> None:
 def pick_victim(kind: str, sup: int, ranks: int, rng: random.Random) -> int | None:
     if kind == "supervisor":
         return sup
-    kids = [p for p in descendants(sup) if _parent(p) == sup]
+    kids = [p for p in descendants(sup) if parent_of(p) == sup]
     if not kids:
         return None
     child = kids[0]  # the trainer, or torchrun
@@ -154,14 +154,6 @@ def _leads_session(pid: int) -> bool:
         return os.getsid(pid) == pid
     except OSError:
         return False
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def faults(ranks: int, kills: int, steps: int, work: Path, data: Path, tok: Path, rng: random.Random) -> dict:

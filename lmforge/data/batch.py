@@ -157,6 +157,23 @@ class StreamLayout:
         return replace(self, layout=split, num_workers=0)
 
 
+class EpochOrder:
+    """Global sample k of a run over ``n`` rows is row ``perm_e[k mod n]`` of epoch ``e = k // n``: a
+    permutation seeded by (seed, epoch), the same on every rank and on a resumed run. The fine-tuning
+    rows and RL's prompts read their rows through it; the current epoch's permutation is kept."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._epoch, self._perm = -1, None
+
+    def __call__(self, k: int) -> int:
+        e = k // self.n
+        if e != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1000003 + e)
+            self._epoch, self._perm = e, torch.randperm(self.n, generator=gen)
+        return int(self._perm[k % self.n])
+
+
 @dataclass
 class EvalSet:
     """One held-out set: a name for its metrics and a way to make a fresh pass over it."""

@@ -29,7 +29,7 @@ from functools import partial
 import torch
 
 from lmforge.config.schema import RL_TASK
-from lmforge.data.batch import IGNORE, Batch, EvalSet, StreamLayout
+from lmforge.data.batch import IGNORE, Batch, EpochOrder, EvalSet, StreamLayout
 from lmforge.data.chat import ASSISTANT_HEADER, CHAT_TEMPLATE, render_chat
 from lmforge.data.rows.sft import ROLES, json_rows
 from lmforge.errors import UserError
@@ -192,21 +192,14 @@ class PromptBatch:
 
 class PromptStream:
     """Each step's prompts of this rank, one `PromptBatch` per step: global prompt k of the run is row
-    ``perm_e[k mod N]`` of epoch ``e = k // N`` (a seeded permutation per epoch); replica r of a step
+    ``EpochOrder(N, seed)(k)`` (a seeded permutation per epoch, `data.batch`); replica r of a step
     takes its ``per_replica`` consecutive ones. Resumable at a step boundary."""
 
     def __init__(self, prompts: PromptSet, layout: StreamLayout):
         self.prompts, self.seed, self.layout = prompts, layout.seed, layout.layout
         self.replica = layout.replica
         self.steps = 0  # steps this rank has read
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def _row(self, k: int) -> int:
-        n = len(self.prompts)
-        e = k // n
-        if e not in self._perms:
-            self._perms = {e: torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000003 + e))}
-        return int(self._perms[e][k % n])
+        self._row = EpochOrder(len(prompts), self.seed)
 
     def __iter__(self):
         while True:

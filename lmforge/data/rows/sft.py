@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from lmforge.data.batch import Batch, EvalSet, StreamLayout
+from lmforge.data.batch import Batch, EpochOrder, EvalSet, StreamLayout
 from lmforge.data.chat import CHAT_TEMPLATE, render_chat
 from lmforge.errors import UserError, json_error, json_kind
 from lmforge.run_files import DATASET_MARKER
@@ -235,7 +235,7 @@ class SFTStream:
     """Deterministic, resumable micro-batches of packed rows, partitioned across ranks.
 
     A `BatchStream`, like ``TokenStream``; its batches carry ``doc_ids`` and targets only on
-    response tokens. Global sample k of the run is row ``perm_e[k mod N]`` of epoch ``e = k // N``.
+    response tokens. Global sample k of the run is row ``EpochOrder(N, seed)(k)``.
     """
 
     def __init__(self, rows: PackedRows, layout: StreamLayout):
@@ -244,14 +244,7 @@ class SFTStream:
         self.replica = layout.replica
         self.pin_memory = layout.pin_memory  # CUDA: page-locked batches, so host→device copies overlap compute
         self.micro = 0  # micro-batches this rank has yielded
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def _row(self, k: int) -> int:
-        n = len(self.rows)
-        e = k // n
-        if e not in self._perms:
-            self._perms = {e: torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000003 + e))}
-        return int(self._perms[e][k % n])
+        self._row = EpochOrder(len(rows), self.seed)
 
     def _indices(self, micro: int) -> list[int]:
         step, m = divmod(micro, self.accum)
