@@ -55,6 +55,8 @@ def test_the_final_answer_is_found_the_usual_ways():
     assert same_answer("1,000", "1000.0") and same_answer("$72", "72") and same_answer("3/4", "0.75")
     assert same_answer(r"\frac{3}{4}", "0.75") and same_answer("-5", "-5.00") and not same_answer("72", "27")
     assert same_answer("x^{2}+1", "x^{2} + 1") and not same_answer(None, "1")
+    huge = "9" * 400 + "/7"  # past a float's range: compared exactly, never an error
+    assert same_answer(huge, huge) and not same_answer(huge, "1")
 
 
 def test_built_in_rewards_follow_trls_signature():
@@ -89,6 +91,10 @@ BAD_REWARDS = [
      ["rw.py:f returned nan for the completion of t.jsonl:2"]),
     ("text", "def f(prompts, completions, **kw):\n    return ['yes', 0.0, 1.0]\n",
      ["rw.py:f returned 'yes' (str) for the completion of t.jsonl:1", "expected a float or None"]),
+    ("overflow", "def f(prompts, completions, **kw):\n    return [10 ** 400, 0.0, 1.0]\n",
+     ["rw.py:f returned 1000", "for the completion of t.jsonl:1", "expected a float or None"]),
+    ("generator", "def f(prompts, completions, **kw):\n    for c in completions:\n        yield 1 / (len(c) - 3)\n",
+     ["rw.py:f raised ZeroDivisionError", "t.jsonl:1 … t.jsonl:3"]),
     ("column", "def f(prompts, completions, solution, **kw):\n    return [0.0] * len(completions)\n",
      ["rl.reward", "rw.py:f: needs column 'solution', which t.jsonl:1 lacks"]),
 ]

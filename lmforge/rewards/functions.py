@@ -179,6 +179,9 @@ def _call(r: Reward, prompts: list, completions: list, kwargs: dict, wheres: Seq
     except TypeError:
         raise RewardError(f"rl.reward {r.name} returned {type(out).__name__}; expected a list of {n} floats (one per "
                           f"completion, None for not applicable), rows {_span(wheres)}") from None
+    except Exception as e:  # noqa: BLE001 - a generator's body runs here, not in the call above
+        raise RewardError(f"rl.reward {r.name} raised {_first_line(e)} on the completions of rows "
+                          f"{_span(wheres)}") from None
     if len(values) != n:
         raise RewardError(f"rl.reward {r.name} returned {len(values)} values for {n} completions (rows "
                           f"{_span(wheres)}); expected one per completion")
@@ -192,8 +195,8 @@ def _value(r: Reward, v, where: str) -> float | None:
         v = float(v)
     try:
         x = float(v)
-    except (TypeError, ValueError):
-        raise RewardError(f"rl.reward {r.name} returned {v!r} ({type(v).__name__}) for the completion of {where}; "
+    except (TypeError, ValueError, OverflowError):  # an int past a float's range: 10**400
+        raise RewardError(f"rl.reward {r.name} returned {v!r:.60} ({type(v).__name__}) for the completion of {where}; "
                           "expected a float or None") from None
     if not math.isfinite(x):
         raise RewardError(f"rl.reward {r.name} returned {x} for the completion of {where}; expected a finite float "
