@@ -41,7 +41,7 @@ from lmforge.checksums import EXPORT_FILE
 from lmforge.errors import UserError
 from lmforge.home import lmforge_home
 from lmforge.run_files import (DATASET_MARKER, DEDUP_MARKER, MODEL_CONFIG_FILE, RUN_FILE, RUN_FOLDER_NAMES,
-                            SAVED_TOKENIZER_FILES, TOKENIZER_MARKER, holds_saved_run, is_variant,
+                            TOKENIZER_MARKER, holds_saved_run, is_variant,
                             read_run_file)
 from lmforge.uri import is_remote, local_path
 
@@ -134,6 +134,10 @@ def check_target(target: str, flag: str, reads: Iterable[Read] = ()) -> None:
     key = _key(target)
     if key is None:
         return
+    if str(target).strip().startswith("~"):  # the shell left it (quoted, or --flag=~/…): the write would
+        # land in a folder named "~" here while its check looked at the home folder
+        raise UserError(f"{flag} {target}: '~' is not expanded here; expected the full path "
+                        f"({os.path.expanduser(str(target).strip())})")
     for what, place, shown in _places(key):
         rel = _relation(key, place)
         if rel in ("is", "contains"):
@@ -179,7 +183,7 @@ def _read_json(path: str) -> dict:
     return obj if isinstance(obj, dict) else {}
 
 
-_MARKERS = (RUN_FILE, DATASET_MARKER, DEDUP_MARKER, EXPORT_FILE, MODEL_CONFIG_FILE, TOKENIZER_MARKER, "tokenizer.json",
+_MARKERS = (RUN_FILE, DATASET_MARKER, DEDUP_MARKER, EXPORT_FILE, MODEL_CONFIG_FILE, TOKENIZER_MARKER,
             WORK_PLAN[0])
 
 
@@ -190,8 +194,6 @@ def _marked(folder: str, names: Iterable[str] | None = None) -> Held | None:
         return Held("home", HOME_WORDS)
     if names is None:
         names = {n for n in _MARKERS if os.path.lexists(os.path.join(folder, n))}
-        if "tokenizer.json" in names:  # small by nature: a tokenizer's files, or a model's
-            names = set(os.listdir(folder))
     names = set(names)
     if RUN_FILE in names:
         name = ((read_run_file(folder) or {}).get("identity") or {}).get("name")
@@ -202,7 +204,7 @@ def _marked(folder: str, names: Iterable[str] | None = None) -> Held | None:
         return Held("dedup", KINDS["dedup"])
     if EXPORT_FILE in names or MODEL_CONFIG_FILE in names:
         return Held("export", "an export (a model lmforge wrote)")
-    if TOKENIZER_MARKER in names or ("tokenizer.json" in names and names <= SAVED_TOKENIZER_FILES):
+    if TOKENIZER_MARKER in names:  # only what lmforge wrote: a downloaded tokenizer has the same other files
         return Held("tokenizer", KINDS["tokenizer"])
     if WORK_PLAN[0] in names and os.path.isfile(os.path.join(folder, *WORK_PLAN)):
         plan = _read_json(os.path.join(folder, *WORK_PLAN))

@@ -30,7 +30,6 @@ DEDUP_MARKER = "curation.json"  # a `data dedup` output's summary, written last 
 TOKENIZER_MARKER = "lmforge-tokenizer.json"  # in a folder `tokenizer train` (or a run's tokenizer: train) wrote
 # What `data.tokenizer.Tokenizer.save` writes: a folder of only these (with tokenizer.json) is a
 # tokenizer lmforge wrote before it marked its tokenizers (`guard`).
-SAVED_TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", TOKENIZER_MARKER})
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Every name a run writes at the top of its save folder (the trainer, the trackers, the report, the
 # supervisor's lock and logs, a remote run's staging): a folder holding anything else, and no

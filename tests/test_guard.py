@@ -37,6 +37,31 @@ def test_root_home_and_working_directory_are_refused(tmp_path, monkeypatch):
     check_target(str(tmp_path / "home" / "work" / "out"), "--out")  # inside them is where outputs go
 
 
+def test_a_tilde_the_shell_left_is_refused_not_written_beside_its_check(tmp_path, monkeypatch):
+    """`--out=~/m` reaches lmforge as is: the writers would make ./~/m while the check looked at $HOME/m."""
+    monkeypatch.chdir(tmp_path)
+    for target in ("~/m", "~"):
+        with pytest.raises(UserError, match=r"^--out ~.*: '~' is not expanded here; expected the full path \(/"):
+            check_target(target, "--out")
+    assert not (tmp_path / "~").exists()
+
+
+def test_a_downloaded_tokenizer_is_not_replaced_by_overwrite(tmp_path):
+    """Only a tokenizer folder lmforge wrote (its marker) is replaced; a downloaded one holds the same
+    other files and is the user's."""
+    from lmforge.guard import check_output
+    from lmforge.run_files import TOKENIZER_MARKER
+
+    hub = tmp_path / "tok"
+    hub.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (hub / name).write_text("{}")
+    with pytest.raises(UserError, match=r"^--out .*tok"):
+        check_output(str(hub), "--out", "tokenizer", overwrite=True)
+    (hub / TOKENIZER_MARKER).write_text("{}")
+    assert check_output(str(hub), "--out", "tokenizer", overwrite=True) is True
+
+
 def test_a_target_that_is_holds_or_lies_inside_an_input(tmp_path):
     data = tmp_path / "data"
     (data / "sub").mkdir(parents=True)
