@@ -362,7 +362,7 @@ class _KeptBySelective(TorchDispatchMode):
 
 
 def _saving(forward, block: nn.Module, index: int, model: nn.Module, policy: ActivationPolicy,
-            offload: Offload | None):
+            offload: Offload | None, constants: list[set[int]]):
     compression = policy.blocks[index].compression
     acts = compression is not None or offload is not None
     selective = policy.blocks[index].checkpointing == "selective"
@@ -373,9 +373,10 @@ def _saving(forward, block: nn.Module, index: int, model: nn.Module, policy: Act
             return forward(*args, **kwargs)
         if offload is not None and index == 0:
             offload.begin()
-        constants = {b.untyped_storage().data_ptr() for b in model.buffers()}
+        if index == 0 or not constants:  # the model's buffers: read at a pass's first block, not at every block
+            constants[:] = [{b.untyped_storage().data_ptr() for b in model.buffers()}]
         x = args[0] if args else kwargs["x"]  # the block's input [rows, positions, d]
-        saver = _BlockSaver(block, constants, index, compression, policy.scale, offload, rows=(x.shape[0], x.shape[-2]))
+        saver = _BlockSaver(block, constants[0], index, compression, policy.scale, offload, rows=(x.shape[0], x.shape[-2]))
         counting = _KeptBySelective(saver) if selective and meter.armed else nullcontext()
         with torch.autograd.graph.saved_tensors_hooks(saver.pack, saver.unpack), counting:
             out = forward(*args, **kwargs)
@@ -394,5 +395,6 @@ def install(model: nn.Module, policy: ActivationPolicy, device: torch.device) ->
         raise ValueError("activation offload needs CUDA")
     offload = Offload(device) if policy.offload else None
     model.activation_meter = Meter(len(model.blocks))
+    constants: list[set[int]] = []  # shared by the blocks' hooks: the buffers' storages of this forward
     for i, block in enumerate(model.blocks):
-        block.forward = _saving(block.forward, block, i, model, policy, offload)
+        block.forward = _saving(block.forward, block, i, model, policy, offload, constants)

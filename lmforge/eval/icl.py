@@ -190,8 +190,8 @@ def _score_likelihood(model, tokenizer, task: ICLTask, k: int, indices: list[int
             lp = F.log_softmax(logits[row, first:first + len(cont)].float(), dim=-1)
             target = torch.tensor(cont, device=lp.device)
             picked = lp.gather(1, target[:, None])[:, 0]
-            nll[r] = -picked.mean().item()
-            summed[r] = -picked.sum().item()
+            mean, total = torch.stack([picked.mean(), picked.sum()]).tolist()  # one device read, not two
+            nll[r], summed[r] = -mean, -total
             greedy[r] = bool((lp.argmax(dim=-1) == target).all())
             if calibrate:
                 confidence[r] = lm_confidence(lp) if task.task_type == LANGUAGE_MODELING else \
