@@ -46,8 +46,8 @@ from lmforge.goodput.interval import CheckpointSchedule, History
 from lmforge.goodput.health import HealthSampler, InjectedHealth, open_source
 from lmforge.process import attempt_started_at, marks, node_name
 
-STRETCHED = ("forward", "backward", "optimizer")
-RETIME_AFTER_STEPS = 10  # steps measured before an auto checkpoint interval is counted in them  # the device's compute: what a slow device (fault) stretches
+STRETCHED = ("forward", "backward", "optimizer")  # the device's compute: what a slow device (fault) stretches
+RETIME_AFTER_STEPS = 10  # steps measured before an auto checkpoint interval is counted in them
 
 
 class _Timer:
@@ -191,8 +191,10 @@ class Telemetry:
     def checkpointed(self, tier: str) -> None:
         """After a checkpoint (its `blocked` section just ended), on every rank: the slowest rank's
         blocking time and step time re-estimate an ``auto`` interval. Collective."""
-        times = self._times()
-        step_s = times["steps_s"] / max(1, self._steps_total)
+        if self._measured[1] >= RETIME_AFTER_STEPS:  # the step time `_retime` uses (the first log interval, with
+            step_s = self._measured[0] / self._measured[1]  # its compilation, left out): one figure, not two
+        else:
+            step_s = self._times()["steps_s"] / max(1, self._steps_total)
         blocking, step_s = self._max([self._last_blocked, step_s])
         line = self.schedule.measured(tier, blocking, step_s, self.step)
         self.ledger.write("checkpoint", tier=tier, step=self.step, blocking_s=round(blocking, 4))
