@@ -192,12 +192,10 @@ def build_wrapped_model(run: ResolvedRun, dist: DistInfo, *, from_weights: bool,
     shard."""
     cfg, layout = run.config, run.plan.layout
     sharded = layout.sharded
-    torch.manual_seed(cfg.parameters.seed)
+    torch.manual_seed(cfg.parameters.seed)  # every rank: the random numbers drawn after the build agree
     model = None
     if dist.is_main or not sharded:
-        model = build_model(cfg.model, device="cpu" if sharded else dist.device)
-        if cfg.custom_weights_path and from_weights:
-            load_custom_weights(model, cfg, run.data.tokenizer_path, log)
+        model = starting_model(run, "cpu" if sharded else dist.device, from_weights=from_weights, log=log)
         apply_lora(model, cfg.lora, log=log)  # frozen base + adapters; no-op without `lora:`
     options = dict(compute=cfg.compute, checkpointing=run.plan.activation_checkpointing,
                    compression=run.plan.activation_compression, offload=run.plan.activation_offload,
@@ -219,11 +217,18 @@ def frozen_reference(run: ResolvedRun, dist: DistInfo) -> Transformer | None:
     cfg = run.config
     if cfg.task_type != RL_TASK or not cfg.rl.kl or cfg.lora is not None:
         return None
+    return starting_model(run, dist.device, from_weights=True, log=_silent).eval().requires_grad_(False)
+
+
+def starting_model(run: ResolvedRun, device, *, from_weights: bool, log) -> Transformer:
+    """The run's starting weights, the same at every call: the seed, the model's init, then the custom
+    weights where given (and ``from_weights``: a resumed run loads its checkpoint instead)."""
+    cfg = run.config
     torch.manual_seed(cfg.parameters.seed)
-    reference = build_model(cfg.model, device=dist.device)
-    if cfg.custom_weights_path:
-        load_custom_weights(reference, cfg, run.data.tokenizer_path, _silent)
-    return reference.eval().requires_grad_(False)
+    model = build_model(cfg.model, device=device)
+    if cfg.custom_weights_path and from_weights:
+        load_custom_weights(model, cfg, run.data.tokenizer_path, log)
+    return model
 
 
 def load_custom_weights(model: Transformer, cfg, tokenizer_path: str | None, log) -> None:
