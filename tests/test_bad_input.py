@@ -329,6 +329,8 @@ CASES = [
     Case("stats-plot-over-a-file", ["data", "stats", "{raw}", "--plot", "{dir}/notes.png"],
          ["--plot", "not written by", "--overwrite"], files={"notes.png": b"\x89PNG not ours"},
          keep=["{dir}/notes.png"]),
+    Case("stats-plot-neither-png-nor-html", ["data", "stats", "{raw}", "--plot", "{dir}/p.pdf"],
+         ["--plot", "p.pdf", ".png or .html"], absent=["{dir}/p.pdf"]),
     Case("tokenizer-vocab-tiny", ["tokenizer", "train", "--input", "{raw}", "--vocab-size", "10", "--out", "{dir}/t"],
          ["--vocab-size", "too small"]),
     Case("estimate-model-binary", ["estimate", "--model", "{dir}/m.yaml"], ["binary"], files={"m.yaml": BINARY},

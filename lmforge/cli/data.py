@@ -306,11 +306,12 @@ def _dedup(args) -> int:
 
 
 def _stats(args) -> int:
-    from lmforge.data.prepare.stats import MARK, corpus_stats, print_stats, write_plots
+    from lmforge.data.prepare.stats import MARK, corpus_stats, plot_format, print_stats, write_plots
 
     if args.plot:  # before reading the corpus: a refusal costs nothing
         from lmforge.guard import check_output_file
 
+        plot_format(args.plot)
         check_output_file(args.plot, "--plot", args.overwrite, same_kind=lambda head: MARK.encode() in head,
                           reads=[("the corpus", s) for s in args.source])
     stats = corpus_stats(args.source, tokenizer=args.tokenizer, text_field=args.text_field, max_docs=args.max_docs)

@@ -264,12 +264,18 @@ def _figure(s: dict):
     return fig
 
 
-def write_plots(s: dict, path: str) -> str:
-    """The plots as a PNG, or an HTML page with the PNG and the numbers (one self-contained file)."""
+def plot_format(path: str) -> str:
+    """``.png`` or ``.html``: the kinds of file `write_plots` writes; else one line."""
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".png", ".html"):
         raise UserError(f"--plot {path}: expected a .png or .html file name")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return ext
+
+
+def write_plots(s: dict, path: str) -> str:
+    """The plots as a PNG, or an HTML page with the PNG and the numbers (one self-contained file), in
+    a folder that exists (`guard.check_output_file` saw to it)."""
+    ext = plot_format(path)
     fig = _figure(s)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, metadata={"Software": MARK})
