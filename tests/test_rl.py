@@ -316,8 +316,10 @@ def test_the_kv_cache_samples_what_recomputing_everything_does(tiny_model):
     assert cached.tokens == sample(tiny_model, prompts, 12, temperature=0, cache=False).tokens
     assert cached.tokens == [generate(tiny_model, p, 12, temperature=0) for p in prompts]
     assert cached.finish == ["length"] * 3 and all(len(t) == 12 for t in cached.tokens)
-    for row in cached.logprobs:
-        assert all(lp <= 0 for lp in row)
+    with torch.no_grad():  # each token's log-probability: the model's own, recomputed over the whole row
+        logp = torch.log_softmax(tiny_model(torch.tensor([prompts[0] + cached.tokens[0]])).float(), dim=-1)[0]
+    want = [float(logp[len(prompts[0]) - 1 + i, t]) for i, t in enumerate(cached.tokens[0])]
+    assert cached.logprobs[0] == pytest.approx(want, abs=1e-4)
 
     def draw(**kw):
         return sample(tiny_model, prompts, 10, temperature=1.0, top_p=0.9,
@@ -415,7 +417,8 @@ def test_prompts_are_rendered_cut_from_the_left_and_streamed_by_step(tmp_path, t
     assert set(steps[0][0].index + steps[1][0].index) == {0, 1, 2}  # a step's 4 prompts: the whole epoch and one
     again = PromptStream(p, StreamLayout(seq_len=64, layout=layout, rank=1, seed=1))
     again.load_state_dict(streams[1].state_dict())
-    assert again.steps == 3
+    # resumed at step 3, it reads what the stream it stands for reads next (across the epoch's end)
+    assert again.steps == 3 and next(iter(again)).index == next(iter(streams[1])).index
     # a row of prompt + completion: the completion's tokens are the targets, padding never is
     b = completion_batch([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [True, False], [0.5, -0.5],
                          [[-0.1, -0.2], [-0.3, -0.4, -0.5]], pad_id=0)
