@@ -523,7 +523,10 @@ def test_kl_to_the_reference_several_updates_and_resampling(tmp_path, base, vari
         extra |= {"lora": {"rank": 4, "dropout": 0.0}, "rl.loss": "gspo", "rl.clip": [0.001, 0.002],
                   "rl.updates_per_batch": 2}
     log: list[str] = []
-    train_in_process(rl_config(tmp_path, base, variant, **extra), log=log.append)
+    cfg = rl_config(tmp_path, base, variant, **extra)
+    (tmp_path / "rw.py").write_text(REWARD_FILE + "open(__file__ + '.loads', 'a').write('x')\n")  # counts its loads
+    train_in_process(cfg, log=log.append)
+    assert (tmp_path / "rw.py.loads").read_text() == "x"  # the user's file runs once: resolution's rewards are kept
     train = {m["step"]: m for m in metrics(tmp_path / variant) if "train/loss" in m}
     if variant == "lora-gspo":  # the step's KL and clip fraction are the means of its two updates: the first's 0
         assert train[1]["train/kl"] > 1e-6 and any(m["train/clip_fraction"] > 0 for m in train.values()), train

@@ -307,7 +307,7 @@ def _prompts(cfg: RunConfig, paths: list[str], tokenizer: Tokenizer, template, c
     for prompts in (data.prompts, data.eval_prompts):
         if prompts is not None:
             check_columns(rewards, prompts.rows, prompts.wheres)
-    return data
+    return replace(data, rewards=tuple(rewards))
 
 
 def _sft_eval(cfg: RunConfig, template, tokenizer):

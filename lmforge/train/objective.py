@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -45,7 +45,7 @@ from lmforge.eval.heldout import bits_per_byte, heldout_loss
 from lmforge.models.lora import adapters_off
 from lmforge.models.policy_loss import aggregate, per_unit, policy_terms, row_units
 from lmforge.models.preference_loss import PairLogps, pair_terms
-from lmforge.rewards.functions import load_rewards
+from lmforge.rewards.functions import Reward
 from lmforge.train.reference import attach_reference, legacy_weights_tag, weights_tag
 from lmforge.train.rl import RolloutData, Sampler, greedy_rewards
 
@@ -198,12 +198,13 @@ class PolicyGradient:
     the unwrapped model (it samples; with LoRA and ``rl.kl`` its base with the adapters off is the
     reference); ``reference``: a frozen copy of the starting weights (``rl.kl`` without LoRA), or None."""
 
-    def __init__(self, cfg: RunConfig, model: torch.nn.Module, reference: torch.nn.Module | None = None):
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, rewards: Sequence[Reward],
+                 reference: torch.nn.Module | None = None):
         self.opts = o = cfg.rl.resolved()
         self.loss, self.clip, self.beta, self.max_new_tokens, self.updates = \
             o.loss, o.clip, o.kl, o.max_new_tokens, o.updates_per_batch
         self.model, self.reference, self.cfg = model, reference, cfg
-        self.rewards = load_rewards(o.reward, o.reward_weights, o.format_regex)
+        self.rewards = list(rewards)  # loaded once, at resolution (`RLData.rewards`)
         self.sampler: Sampler | None = None  # made in `prepare` (it needs the run's ranks and autocast)
         self.dist: DistInfo | None = None
 
@@ -260,5 +261,5 @@ def objective_for(data: TrainingData, cfg: RunConfig, model: torch.nn.Module,
     """The objective of the data's declared kind: preference pairs, prompts to sample (reinforcement
     learning; ``reference``: its frozen starting weights, if any), else next-token prediction."""
     if data.kind == RL_TASK:
-        return PolicyGradient(cfg, model, reference)
+        return PolicyGradient(cfg, model, data.rewards, reference)
     return Preference(cfg, model) if data.kind == "preference" else NextToken()

@@ -256,6 +256,7 @@ class RLData:
     kind: str = RL_TASK
     tokenizer: object = None  # the run's `Tokenizer` (the completions are decoded for the rewards)
     eval_chunk: int = 64  # held-out prompts generated for at once (greedy: one completion each)
+    rewards: tuple = ()  # the run's `Reward`s, loaded once at resolution (a user's file runs once)
 
     def train_stream(self, layout: StreamLayout) -> PromptStream:
         return PromptStream(self.prompts, layout)
